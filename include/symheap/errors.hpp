@@ -1,0 +1,30 @@
+// Exception types of the core. The Python bindings map each to a Python
+// exception class, so a bad argument never aborts the process.
+#pragma once
+#include <stdexcept>
+#include <string>
+
+namespace symheap {
+
+// Invalid argument from the caller (ValueError in Python).
+struct InvalidArgument : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+// A wait that ran past its deadline (TimeoutError in Python).
+struct TimeoutError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// The symmetric heap cannot hold the request (MemoryError in Python).
+struct HeapExhausted : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// Wrong call order or state: before init, init twice, ... (symheap.SymheapError).
+struct StateError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// An operation needs a load/store path the peer does not have.
+struct Unsupported : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace symheap

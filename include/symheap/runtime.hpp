@@ -1,0 +1,152 @@
+// Runtime state. A PE is a (process, device) pair: each local device that
+// hosts a PE owns one PeState slot, found from the calling thread's current
+// device or, from any thread, through the process-wide rank -> device map.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "symheap/allocator.hpp"
+#include "symheap/backend.hpp"
+
+namespace symheap {
+
+enum class PeerKind { Self = 0, SameProcess = 1, SameNode = 2, Remote = 3 };
+const char* peer_kind_name(PeerKind kind);
+
+// What each PE publishes at init (all-gathered by the bootstrap).
+struct PeInfo {
+  int rank = -1;
+  int device = -1;
+  int64_t pid = 0;
+  std::string node_id;
+  std::string heap_handle;
+  size_t heap_size = 0;
+};
+
+struct Peer {
+  PeerKind kind = PeerKind::Remote;
+  PeInfo info;
+  void* base = nullptr;             // load/store address of its heap, or null
+  std::shared_ptr<Region> mapping;  // keeps a peer mapping alive
+};
+
+struct PeState {
+  uint64_t job = 0;
+  uint64_t generation = 0;  // unique per slot creation; stale buffers are detected
+  int device = -1;
+  int my_pe = -1;
+  int n_pes = 0;
+  size_t heap_size = 0;
+  size_t header_size = 0;  // reserved bytes at the start of every heap
+  double timeout_s = 120.0;
+  std::shared_ptr<Region> heap;
+  std::vector<Peer> peers;
+
+  std::mutex mu;  // guards allocator, barrier epoch and caches
+  Allocator allocator;
+  uint64_t barrier_epoch = 0;
+
+  char* base() const { return static_cast<char*>(heap->base); }
+  // Offset of `addr` in this PE's heap; throws unless [addr, addr+n) is
+  // inside one live symmetric allocation.
+  size_t checked_offset(const void* addr, size_t nbytes, const char* what);
+  // Load/store address of `offset` in peer `pe`'s heap; throws for remote peers.
+  char* peer_address(int pe, size_t offset, const char* what);
+  void check_pe(int pe) const;
+  uint64_t* barrier_flags() const { return reinterpret_cast<uint64_t*>(base()); }
+
+  // Per-op caches (kernels, plans, workspaces) shared by every thread that
+  // drives this device. Created once under the slot lock.
+  template <class T>
+  std::shared_ptr<T> cache(const std::string& key, const std::function<std::shared_ptr<T>()>& make) {
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    auto it = caches_.find(key);
+    if (it != caches_.end()) return std::static_pointer_cast<T>(it->second);
+    auto made = make();
+    caches_[key] = made;
+    return made;
+  }
+
+ private:
+  std::mutex cache_mu_;
+  std::unordered_map<std::string, std::shared_ptr<void>> caches_;
+};
+
+class Runtime {
+ public:
+  static Runtime& instance();
+
+  Backend& backend();
+  // Picks the backend by name ("cpu", "cuda" or "auto"); only while no PE
+  // is initialised in this process.
+  void select_backend(const std::string& name);
+  std::string backend_name();
+
+  int current_device();
+  void set_device(int device);
+
+  // Creates the slot of `device` with its heap; throws if the slot is in use.
+  std::shared_ptr<PeState> create_pe(uint64_t job, int device, int rank, int world,
+                                     size_t heap_size, double timeout_s);
+  // Maps every peer from the all-gathered infos and fixes its kind.
+  void connect_peers(PeState& state, const std::vector<PeInfo>& infos);
+  void destroy_pe(int device);
+
+  std::shared_ptr<PeState> slot(int device);          // null when absent
+  std::shared_ptr<PeState> current();                 // throws before init
+  std::shared_ptr<PeState> slot_of_rank(uint64_t job, int rank);  // null when absent
+  int device_of_rank(uint64_t job, int rank);          // -1 when not local
+  std::vector<int> active_devices();
+
+ private:
+  Runtime() = default;
+  std::mutex mu_;
+  std::unique_ptr<Backend> backend_;
+  std::unordered_map<int, std::shared_ptr<PeState>> slots_;
+  std::map<std::pair<uint64_t, int>, int> rank_to_device_;
+  uint64_t next_generation_ = 1;
+};
+
+// Sets the calling thread's current device and restores the previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_;
+  bool changed_;
+};
+
+// Host-side SHMEM operations on the calling PE's state.
+namespace host {
+void put(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream);
+void get(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream);
+void put_signal(PeState& s, void* dst, const void* src, size_t nbytes, uint64_t* signal,
+                uint64_t value, SignalOp op, int pe, StreamHandle stream);
+void signal_op(PeState& s, uint64_t* signal, uint64_t value, SignalOp op, int pe,
+               StreamHandle stream);
+uint64_t signal_wait_until(PeState& s, uint64_t* signal, Compare cmp, uint64_t value,
+                           double timeout_s);
+int64_t atomic_fetch_add(PeState& s, int64_t* dst, int64_t value, int pe);
+int64_t atomic_compare_swap(PeState& s, int64_t* dst, int64_t cond, int64_t value, int pe);
+int64_t atomic_swap(PeState& s, int64_t* dst, int64_t value, int pe);
+void quiet(PeState& s, StreamHandle stream);
+void fence(PeState& s, StreamHandle stream);
+// Barrier through the heap: every peer must have a load/store path.
+void barrier_all(PeState& s, double timeout_s);
+}  // namespace host
+
+size_t parse_size(const std::string& text);  // "256M", "1GiB", "4096"
+std::string format_size(size_t bytes);
+std::string this_node_id();
+
+}  // namespace symheap

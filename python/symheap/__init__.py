@@ -1,0 +1,49 @@
+"""symheap: symmetric-memory (SHMEM) communication where a PE is a (process, device) pair.
+
+One process may drive many devices with one thread each, or one device per
+process (torchrun, mpirun), or any mix; the same program runs in all of them.
+See docs/shmem.md.
+"""
+from ._errors import SymheapError, UnsupportedError
+from ._runtime import (
+    backend,
+    current_device,
+    device_count,
+    device_of,
+    finalize,
+    get_unique_id,
+    init,
+    init_mpi,
+    init_torch,
+    is_initialized,
+    my_pe,
+    n_pes,
+    peer_kind,
+    set_device,
+)
+from ._memory import SymBuffer, empty, free, heap_usage, malloc, peer_tensor
+from ._rma import (
+    atomic_compare_swap,
+    atomic_fetch_add,
+    atomic_swap,
+    barrier_all,
+    fence,
+    get,
+    put,
+    put_signal,
+    quiet,
+    signal_op,
+    signal_wait_until,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SymheapError", "UnsupportedError", "SymBuffer",
+    "get_unique_id", "init", "init_torch", "init_mpi", "finalize", "is_initialized",
+    "my_pe", "n_pes", "backend", "device_count", "set_device", "current_device",
+    "peer_kind", "device_of",
+    "malloc", "free", "empty", "peer_tensor", "heap_usage",
+    "put", "get", "put_signal", "signal_op", "signal_wait_until",
+    "atomic_fetch_add", "atomic_compare_swap", "atomic_swap", "quiet", "fence", "barrier_all",
+]

@@ -1,0 +1,141 @@
+// The `cpu` backend: virtual devices are host memory. Heaps live in POSIX
+// shared memory so that processes of one node can map each other's heap;
+// threads of one process use direct pointers. A "kernel" runs on the calling
+// thread, so every operation is complete when it returns.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "symheap/backend.hpp"
+#include "symheap/errors.hpp"
+
+namespace symheap {
+namespace {
+
+thread_local int t_current_device = 0;
+
+int env_device_count() {
+  const char* text = std::getenv("SYMHEAP_CPU_DEVICES");
+  if (!text || !*text) return 8;
+  char* end = nullptr;
+  long n = std::strtol(text, &end, 10);
+  if (*end != '\0' || n < 1 || n > 1 << 20)
+    throw InvalidArgument(std::string("SYMHEAP_CPU_DEVICES='") + text +
+                          "' must be a positive integer (the number of virtual cpu devices)");
+  return static_cast<int>(n);
+}
+
+std::shared_ptr<Region> map_shm(int fd, size_t bytes, const std::string& name) {
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED)
+    throw std::runtime_error("mmap of shared-memory heap " + name + " failed: " +
+                             std::strerror(errno));
+  auto region = std::make_shared<Region>();
+  region->base = base;
+  region->size = bytes;
+  region->export_handle = name;
+  region->on_release = [base, bytes] { munmap(base, bytes); };
+  return region;
+}
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend() : device_count_(env_device_count()) {}
+  const char* name() const override { return "cpu"; }
+  int device_count() override { return device_count_; }
+  int current_device() override { return t_current_device; }
+  void set_device(int device) override {
+    if (device < 0 || device >= device_count_)
+      throw InvalidArgument("device " + std::to_string(device) + " out of range: the cpu backend has " +
+                            std::to_string(device_count_) +
+                            " virtual devices (set SYMHEAP_CPU_DEVICES for more)");
+    t_current_device = device;
+  }
+
+  std::shared_ptr<Region> create_heap(int, size_t bytes, const std::string& hint) override {
+    std::string name = "/symheap." + hint;
+    int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);  // owner-only
+    if (fd < 0)
+      throw std::runtime_error("shm_open(" + name + ") failed: " + std::strerror(errno));
+    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      int err = errno;
+      close(fd);
+      shm_unlink(name.c_str());
+      throw HeapExhausted("cannot size the shared-memory heap " + name + " to " +
+                          std::to_string(bytes) + " bytes: " + std::strerror(err) +
+                          " (lower SYMHEAP_HEAP_SIZE or enlarge /dev/shm)");
+    }
+    try {
+      auto region = map_shm(fd, bytes, name);
+      close(fd);
+      return region;
+    } catch (...) {
+      close(fd);
+      shm_unlink(name.c_str());
+      throw;
+    }
+  }
+
+  std::shared_ptr<Region> open_peer_heap(int, const std::string& handle, size_t bytes) override {
+    int fd = shm_open(handle.c_str(), O_RDWR, 0600);
+    if (fd < 0)
+      throw std::runtime_error("cannot map peer heap " + handle + ": " + std::strerror(errno) +
+                               " (is the peer run by another user, or already gone?)");
+    struct stat st;
+    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < bytes) {
+      close(fd);
+      throw std::runtime_error("peer heap " + handle + " is smaller than announced");
+    }
+    auto region = map_shm(fd, bytes, handle);
+    close(fd);
+    region->export_handle.clear();
+    return region;
+  }
+
+  void unexport(const std::string& handle) override {
+    if (!handle.empty()) shm_unlink(handle.c_str());
+  }
+  void enable_peer_access(int, int) override {}
+
+  void copy(int, void* dst, const void* src, size_t nbytes, StreamHandle) override {
+    std::memmove(dst, src, nbytes);
+    std::atomic_thread_fence(std::memory_order_release);
+  }
+  void signal(int, uint64_t* word, uint64_t value, SignalOp op, StreamHandle) override {
+    if (op == SignalOp::Set) __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
+    else __atomic_fetch_add(word, value, __ATOMIC_SEQ_CST);
+  }
+  uint64_t load_word(int, const uint64_t* word) override {
+    return __atomic_load_n(word, __ATOMIC_ACQUIRE);
+  }
+  int64_t fetch_add(int, int64_t* word, int64_t value) override {
+    return __atomic_fetch_add(word, value, __ATOMIC_SEQ_CST);
+  }
+  int64_t compare_swap(int, int64_t* word, int64_t expected, int64_t desired) override {
+    __atomic_compare_exchange_n(word, &expected, desired, false, __ATOMIC_SEQ_CST,
+                                __ATOMIC_SEQ_CST);
+    return expected;  // the old value either way
+  }
+  int64_t swap(int, int64_t* word, int64_t value) override {
+    return __atomic_exchange_n(word, value, __ATOMIC_SEQ_CST);
+  }
+  void quiet(int, StreamHandle) override { std::atomic_thread_fence(std::memory_order_seq_cst); }
+  void fence(int, StreamHandle) override { std::atomic_thread_fence(std::memory_order_seq_cst); }
+  void zero(int, void* dst, size_t nbytes) override { std::memset(dst, 0, nbytes); }
+
+ private:
+  int device_count_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace symheap

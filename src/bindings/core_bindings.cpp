@@ -1,0 +1,242 @@
+// Python bindings of the runtime and the host API. Every operation acts on the
+// PE of the calling thread's current device; blocking calls release the GIL
+// so that PEs driven by other threads of the process make progress.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <unistd.h>
+
+#include "bindings/registry.hpp"
+#include "symheap/errors.hpp"
+#include "symheap/runtime.hpp"
+
+namespace py = pybind11;
+using namespace symheap;
+
+namespace {
+
+Runtime& rt() { return Runtime::instance(); }
+
+template <class T>
+T* as_ptr(uintptr_t addr) {
+  return reinterpret_cast<T*>(addr);
+}
+
+SignalOp parse_signal_op(const std::string& op) {
+  if (op == "set") return SignalOp::Set;
+  if (op == "add") return SignalOp::Add;
+  throw InvalidArgument("signal op must be 'set' or 'add', got '" + op + "'");
+}
+
+Compare parse_compare(const std::string& cmp) {
+  static const char* names[] = {"eq", "ne", "gt", "ge", "lt", "le"};
+  static const char* symbols[] = {"==", "!=", ">", ">=", "<", "<="};
+  for (int i = 0; i < 6; ++i)
+    if (cmp == names[i] || cmp == symbols[i]) return static_cast<Compare>(i);
+  throw InvalidArgument("comparison must be one of eq, ne, gt, ge, lt, le, got '" + cmp + "'");
+}
+
+py::dict info_to_dict(const PeInfo& info) {
+  py::dict d;
+  d["rank"] = info.rank;
+  d["device"] = info.device;
+  d["pid"] = info.pid;
+  d["node_id"] = info.node_id;
+  d["heap_handle"] = info.heap_handle;
+  d["heap_size"] = info.heap_size;
+  return d;
+}
+
+PeInfo dict_to_info(const py::dict& d) {
+  PeInfo info;
+  info.rank = d["rank"].cast<int>();
+  info.device = d["device"].cast<int>();
+  info.pid = d["pid"].cast<int64_t>();
+  info.node_id = d["node_id"].cast<std::string>();
+  info.heap_handle = d["heap_handle"].cast<std::string>();
+  info.heap_size = d["heap_size"].cast<size_t>();
+  return info;
+}
+
+// Keeps a heap mapping alive for as long as Python objects view it.
+struct HeapRef {
+  std::shared_ptr<Region> region;
+};
+
+}  // namespace
+
+SYMHEAP_BINDINGS(core) {
+  py::class_<HeapRef>(m, "HeapRef")
+      .def_property_readonly("base", [](const HeapRef& h) {
+        return reinterpret_cast<uintptr_t>(h.region->base);
+      })
+      .def_property_readonly("size", [](const HeapRef& h) { return h.region->size; });
+
+  m.def("backend_name", [] { return rt().backend_name(); });
+  m.def("select_backend", [](const std::string& name) { rt().select_backend(name); });
+  m.def("device_count", [] { return rt().backend().device_count(); });
+  m.def("current_device", [] { return rt().current_device(); });
+  m.def("set_device", [](int d) { rt().set_device(d); });
+  m.def("parse_size", &parse_size);
+  m.def("format_size", &format_size);
+  m.def("node_id", &this_node_id);
+  m.def("active_devices", [] { return rt().active_devices(); });
+
+  m.def("create_pe", [](uint64_t job, int device, int rank, int world, size_t heap_size,
+                        double timeout_s) {
+    std::shared_ptr<PeState> s;
+    {
+      py::gil_scoped_release nogil;
+      s = rt().create_pe(job, device, rank, world, heap_size, timeout_s);
+    }
+    PeInfo info;
+    info.rank = rank;
+    info.device = device;
+    info.pid = static_cast<int64_t>(getpid());
+    info.node_id = this_node_id();
+    info.heap_handle = s->heap->export_handle;
+    info.heap_size = heap_size;
+    return info_to_dict(info);
+  });
+  m.def("connect_peers", [](int device, const py::list& infos) {
+    auto s = rt().slot(device);
+    if (!s) throw StateError("no PE on device " + std::to_string(device));
+    std::vector<PeInfo> v;
+    for (auto item : infos) v.push_back(dict_to_info(item.cast<py::dict>()));
+    py::gil_scoped_release nogil;
+    rt().connect_peers(*s, v);
+  });
+  m.def("unexport", [](int device) {
+    auto s = rt().slot(device);
+    if (s && s->heap) {
+      rt().backend().unexport(s->heap->export_handle);
+      s->heap->export_handle.clear();
+    }
+  });
+  m.def("destroy_pe", [](int device) {
+    py::gil_scoped_release nogil;
+    rt().destroy_pe(device);
+  });
+  m.def("device_of_rank", [](uint64_t job, int rank) { return rt().device_of_rank(job, rank); });
+
+  // Identity of the current thread's PE.
+  m.def("pe_identity", [] {
+    auto s = rt().current();
+    return py::make_tuple(s->my_pe, s->n_pes, s->generation, s->job, s->device);
+  });
+  m.def("slot_identity", [](int device) -> py::object {
+    auto s = rt().slot(device);
+    if (!s || s->peers.empty()) return py::none();
+    return py::make_tuple(s->my_pe, s->n_pes, s->generation, s->job, s->device);
+  });
+  m.def("heap_ref", [] { return HeapRef{rt().current()->heap}; });
+  m.def("peer_heap_ref", [](int pe) {
+    auto s = rt().current();
+    s->check_pe(pe);
+    const Peer& p = s->peers[pe];
+    if (p.kind == PeerKind::Self) return HeapRef{s->heap};
+    if (!p.base)
+      throw Unsupported("PE " + std::to_string(pe) + " is " + peer_kind_name(p.kind) +
+                        ": no load/store path, so no tensor can alias its memory");
+    return HeapRef{p.mapping};
+  });
+  m.def("peer_kind", [](int pe) {
+    auto s = rt().current();
+    s->check_pe(pe);
+    return std::string(peer_kind_name(s->peers[pe].kind));
+  });
+  m.def("peer_device", [](int pe) {
+    auto s = rt().current();
+    s->check_pe(pe);
+    return s->peers[pe].info.device;
+  });
+
+  // Memory.
+  m.def("malloc", [](size_t nbytes, size_t align) {
+    auto s = rt().current();
+    if (align == 0 || (align & (align - 1)))
+      throw InvalidArgument("align must be a power of two, got " + std::to_string(align));
+    std::lock_guard<std::mutex> lock(s->mu);
+    return s->allocator.allocate(nbytes, std::max<size_t>(align, 8), s->heap_size);
+  });
+  m.def("free", [](size_t offset) {
+    auto s = rt().current();
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->allocator.release(offset);
+  });
+  m.def("heap_usage", [] {
+    auto s = rt().current();
+    std::lock_guard<std::mutex> lock(s->mu);
+    return py::make_tuple(s->allocator.bytes_in_use(), s->allocator.capacity(),
+                          s->allocator.live_blocks(), s->heap_size);
+  });
+
+  // RMA, signals, atomics, ordering.
+  m.def("put", [](uintptr_t dst, uintptr_t src, size_t n, int pe, uintptr_t stream) {
+    auto s = rt().current();
+    py::gil_scoped_release nogil;
+    host::put(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream);
+  });
+  m.def("get", [](uintptr_t dst, uintptr_t src, size_t n, int pe, uintptr_t stream) {
+    auto s = rt().current();
+    py::gil_scoped_release nogil;
+    host::get(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream);
+  });
+  m.def("put_signal", [](uintptr_t dst, uintptr_t src, size_t n, uintptr_t sig, uint64_t value,
+                         const std::string& op, int pe, uintptr_t stream) {
+    auto s = rt().current();
+    SignalOp sop = parse_signal_op(op);
+    py::gil_scoped_release nogil;
+    host::put_signal(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, as_ptr<uint64_t>(sig),
+                     value, sop, pe, stream);
+  });
+  m.def("signal_op", [](uintptr_t sig, uint64_t value, const std::string& op, int pe,
+                        uintptr_t stream) {
+    auto s = rt().current();
+    SignalOp sop = parse_signal_op(op);
+    py::gil_scoped_release nogil;
+    host::signal_op(*s, as_ptr<uint64_t>(sig), value, sop, pe, stream);
+  });
+  m.def("signal_wait_until", [](uintptr_t sig, const std::string& cmp, uint64_t value,
+                                double timeout_s) {
+    auto s = rt().current();
+    Compare c = parse_compare(cmp);
+    py::gil_scoped_release nogil;
+    return host::signal_wait_until(*s, as_ptr<uint64_t>(sig), c, value, timeout_s);
+  });
+  m.def("atomic_fetch_add", [](uintptr_t dst, int64_t v, int pe) {
+    auto s = rt().current();
+    py::gil_scoped_release nogil;
+    return host::atomic_fetch_add(*s, as_ptr<int64_t>(dst), v, pe);
+  });
+  m.def("atomic_compare_swap", [](uintptr_t dst, int64_t cond, int64_t v, int pe) {
+    auto s = rt().current();
+    py::gil_scoped_release nogil;
+    return host::atomic_compare_swap(*s, as_ptr<int64_t>(dst), cond, v, pe);
+  });
+  m.def("atomic_swap", [](uintptr_t dst, int64_t v, int pe) {
+    auto s = rt().current();
+    py::gil_scoped_release nogil;
+    return host::atomic_swap(*s, as_ptr<int64_t>(dst), v, pe);
+  });
+  m.def("quiet", [](uintptr_t stream) {
+    auto s = rt().current();
+    py::gil_scoped_release nogil;
+    host::quiet(*s, stream);
+  });
+  m.def("fence", [](uintptr_t stream) {
+    auto s = rt().current();
+    py::gil_scoped_release nogil;
+    host::fence(*s, stream);
+  });
+  m.def("heap_barrier", [](double timeout_s) {
+    auto s = rt().current();
+    py::gil_scoped_release nogil;
+    host::barrier_all(*s, timeout_s);
+  });
+  m.def("all_peers_load_store", [] {
+    auto s = rt().current();
+    for (auto& p : s->peers)
+      if (!p.base) return false;
+    return true;
+  });
+}

@@ -1,0 +1,160 @@
+// Host-initiated SHMEM operations. Addresses are this PE's symmetric
+// addresses; the peer's copy is found at the same heap offset.
+#include <sched.h>
+#include <time.h>
+
+#include <chrono>
+#include <string>
+
+#include "symheap/errors.hpp"
+#include "symheap/runtime.hpp"
+
+namespace symheap {
+namespace host {
+namespace {
+
+Backend& be() { return Runtime::instance().backend(); }
+
+using Clock = std::chrono::steady_clock;
+
+// Spins briefly, then yields, then sleeps: cheap when the answer comes soon,
+// polite to the other PEs of the process when it does not.
+class Backoff {
+ public:
+  void pause() {
+    ++n_;
+    if (n_ < 256) return;
+    if (n_ < 2048) {
+      sched_yield();
+      return;
+    }
+    timespec ts{0, 20000};
+    nanosleep(&ts, nullptr);
+  }
+
+ private:
+  unsigned n_ = 0;
+};
+
+std::string fmt_seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3g s", s);
+  return buf;
+}
+
+}  // namespace
+
+void put(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream) {
+  size_t off = s.checked_offset(dst, nbytes, "put destination");
+  char* remote = s.peer_address(pe, off, "put");
+  be().copy(s.device, remote, src, nbytes, stream);
+}
+
+void get(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream) {
+  size_t off = s.checked_offset(src, nbytes, "get source");
+  char* remote = s.peer_address(pe, off, "get");
+  be().copy(s.device, dst, remote, nbytes, stream);
+}
+
+void signal_op(PeState& s, uint64_t* signal, uint64_t value, SignalOp op, int pe,
+               StreamHandle stream) {
+  size_t off = s.checked_offset(signal, sizeof(uint64_t), "signal");
+  if (off % sizeof(uint64_t))
+    throw InvalidArgument("signal word must be 8-byte aligned");
+  auto* word = reinterpret_cast<uint64_t*>(s.peer_address(pe, off, "signal"));
+  be().signal(s.device, word, value, op, stream);
+}
+
+void put_signal(PeState& s, void* dst, const void* src, size_t nbytes, uint64_t* signal,
+                uint64_t value, SignalOp op, int pe, StreamHandle stream) {
+  // Validate everything before moving a byte.
+  s.checked_offset(signal, sizeof(uint64_t), "signal");
+  put(s, dst, src, nbytes, pe, stream);
+  be().fence(s.device, stream);  // data before signal
+  signal_op(s, signal, value, op, pe, stream);
+}
+
+uint64_t signal_wait_until(PeState& s, uint64_t* signal, Compare cmp, uint64_t value,
+                           double timeout_s) {
+  size_t off = s.checked_offset(signal, sizeof(uint64_t), "signal");
+  if (off % sizeof(uint64_t))
+    throw InvalidArgument("signal word must be 8-byte aligned");
+  if (timeout_s <= 0) timeout_s = s.timeout_s;
+  auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  Backoff backoff;
+  for (unsigned i = 0;; ++i) {
+    uint64_t now = be().load_word(s.device, signal);
+    if (compare_holds(now, cmp, value)) return now;
+    if ((i & 63) == 0 && Clock::now() > deadline)
+      throw TimeoutError("signal_wait_until on PE " + std::to_string(s.my_pe) +
+                         ": signal at heap offset " + std::to_string(off) + " is " +
+                         std::to_string(now) + ", still not " + compare_name(cmp) + " " +
+                         std::to_string(value) + " after " + fmt_seconds(timeout_s) +
+                         " (the PE expected to signal is late or never signalled)");
+    backoff.pause();
+  }
+}
+
+namespace {
+int64_t* atomic_target(PeState& s, int64_t* dst, int pe, const char* what) {
+  size_t off = s.checked_offset(dst, sizeof(int64_t), what);
+  if (off % sizeof(int64_t))
+    throw InvalidArgument(std::string(what) + ": the int64 word must be 8-byte aligned");
+  return reinterpret_cast<int64_t*>(s.peer_address(pe, off, what));
+}
+}  // namespace
+
+int64_t atomic_fetch_add(PeState& s, int64_t* dst, int64_t value, int pe) {
+  return be().fetch_add(s.device, atomic_target(s, dst, pe, "atomic_fetch_add"), value);
+}
+int64_t atomic_compare_swap(PeState& s, int64_t* dst, int64_t cond, int64_t value, int pe) {
+  return be().compare_swap(s.device, atomic_target(s, dst, pe, "atomic_compare_swap"), cond,
+                           value);
+}
+int64_t atomic_swap(PeState& s, int64_t* dst, int64_t value, int pe) {
+  return be().swap(s.device, atomic_target(s, dst, pe, "atomic_swap"), value);
+}
+
+void quiet(PeState& s, StreamHandle stream) { be().quiet(s.device, stream); }
+void fence(PeState& s, StreamHandle stream) { be().fence(s.device, stream); }
+
+void barrier_all(PeState& s, double timeout_s) {
+  if (timeout_s <= 0) timeout_s = s.timeout_s;
+  for (int p = 0; p < s.n_pes; ++p)
+    if (!s.peers[p].base)
+      throw Unsupported("barrier_all through the heap needs a load/store path to every PE");
+  uint64_t epoch;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    epoch = ++s.barrier_epoch;
+  }
+  be().quiet(s.device, 0);
+  // flags[q] on PE p counts the barriers PE q has entered; each PE bumps its
+  // own counter on every peer, then waits until every counter reaches epoch.
+  size_t my_flag = static_cast<size_t>(s.my_pe) * sizeof(uint64_t);
+  for (int p = 0; p < s.n_pes; ++p) {
+    auto* word = reinterpret_cast<uint64_t*>(static_cast<char*>(s.peers[p].base) + my_flag);
+    be().signal(s.device, word, 1, SignalOp::Add, 0);
+  }
+  auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  uint64_t* flags = s.barrier_flags();
+  for (int q = 0; q < s.n_pes; ++q) {
+    Backoff backoff;
+    for (unsigned i = 0; be().load_word(s.device, &flags[q]) < epoch; ++i) {
+      if ((i & 63) == 0 && Clock::now() > deadline) {
+        std::string late;
+        for (int r = 0; r < s.n_pes; ++r)
+          if (be().load_word(s.device, &flags[r]) < epoch)
+            late += (late.empty() ? "" : ", ") + std::to_string(r);
+        throw TimeoutError("barrier_all #" + std::to_string(epoch) + " on PE " +
+                           std::to_string(s.my_pe) + " timed out after " +
+                           fmt_seconds(timeout_s) + ": PE(s) " + late +
+                           " never reached the barrier");
+      }
+      backoff.pause();
+    }
+  }
+}
+
+}  // namespace host
+}  // namespace symheap

@@ -1,0 +1,69 @@
+"""PE programs shared by the launch-model tests (importable by spawned processes)."""
+import numpy as np
+
+import symheap
+
+
+def ring_put_signal(n_words: int = 1024):
+    """Each PE puts fresh random data to its right neighbour with a signal; returns
+    (what it received, what its left neighbour sent, peer kinds)."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    dst = symheap.empty((n_words,), "float64", like="numpy")
+    dst[:] = np.nan  # poison
+    sig = symheap.empty((1,), "uint64", like="numpy")
+    sig[:] = 0
+    symheap.barrier_all()
+    rng = np.random.default_rng(1000 + me)
+    mine = rng.standard_normal(n_words)
+    symheap.put_signal(dst, mine, sig, 7, (me + 1) % n)
+    symheap.signal_wait_until(sig, "eq", 7)
+    left = (me - 1) % n
+    expected = np.random.default_rng(1000 + left).standard_normal(n_words)
+    got = dst.copy()
+    kinds = [symheap.peer_kind(p) for p in range(n)]
+    symheap.barrier_all()
+    symheap.free(dst)
+    symheap.free(sig)
+    return got, expected, kinds
+
+
+def atomics_and_get():
+    """Every PE adds to a counter on PE 0, then each gets a peer's array."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    counter = symheap.empty((1,), "int64", like="numpy")
+    counter[:] = 0
+    arr = symheap.empty((257,), "int32", like="numpy")
+    arr[:] = np.arange(257, dtype=np.int32) * (me + 1)
+    symheap.barrier_all()
+    olds = [symheap.atomic_fetch_add(counter, me + 1, 0) for _ in range(10)]
+    symheap.barrier_all()
+    total = int(counter[0]) if me == 0 else None
+    symheap.barrier_all()
+    out = np.full(257, -1, dtype=np.int32)
+    peer = (me + 2) % n
+    symheap.get(out, arr, peer)
+    # compare-swap: only one PE wins
+    flag = symheap.empty((1,), "int64", like="numpy")
+    flag[:] = 0
+    symheap.barrier_all()
+    old = symheap.atomic_compare_swap(flag, 0, me + 100, 0)
+    symheap.barrier_all()
+    winner = int(flag[0]) if me == 0 else None
+    swapped = symheap.atomic_swap(counter, -5, me)
+    symheap.barrier_all()
+    for b in (counter, arr, flag):
+        symheap.free(b)
+    return {"olds": olds, "total": total, "got": out, "peer": peer, "cas_old": old,
+            "winner": winner, "swapped": swapped}
+
+
+def identity():
+    return symheap.my_pe(), symheap.n_pes(), symheap.current_device()
+
+
+def heap_offsets(sizes):
+    bufs = [symheap.malloc(s) for s in sizes]
+    offs = [b.offset for b in bufs]
+    for b in reversed(bufs):
+        b.free()
+    return offs
