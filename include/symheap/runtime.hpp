@@ -59,7 +59,15 @@ struct PeState {
   // Load/store address of `offset` in peer `pe`'s heap; throws for remote peers.
   char* peer_address(int pe, size_t offset, const char* what);
   void check_pe(int pe) const;
+  // Heap header layout (same on every PE): [barrier flags: n_pes words]
+  // [scratch words: n_pes] [peer table: n_pes load/store base addresses].
   uint64_t* barrier_flags() const { return reinterpret_cast<uint64_t*>(base()); }
+  uint64_t* scratch_words() const { return barrier_flags() + n_pes; }
+  // Peer base addresses as seen from this PE's device, stored in its own heap
+  // (device memory on cuda) so kernels take one pointer: see device.cuh.
+  char* const* peer_table() const {
+    return reinterpret_cast<char* const*>(barrier_flags() + 2 * n_pes);
+  }
 
   // Per-op caches (kernels, plans, workspaces) shared by every thread that
   // drives this device. Created once under the slot lock.
@@ -77,6 +85,18 @@ struct PeState {
   std::mutex cache_mu_;
   std::unordered_map<std::string, std::shared_ptr<void>> caches_;
 };
+
+// Everything a kernel needs to address any PE, passed by value (no global
+// device symbol, so any number of PEs per process is safe).
+struct DeviceContext {
+  char* const* peer_bases;  // [n_pes] heap base of each PE, null when not load/store
+  char* my_base;
+  uint64_t* barrier_flags;
+  int my_pe;
+  int n_pes;
+  size_t heap_size;
+};
+DeviceContext device_context(const PeState& s);
 
 class Runtime {
  public:

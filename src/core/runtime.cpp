@@ -112,7 +112,7 @@ std::shared_ptr<PeState> Runtime::create_pe(uint64_t job, int device, int rank, 
                           std::string(be.name()) + " backend has " +
                           std::to_string(be.device_count()) + " devices");
   if (!(timeout_s > 0)) throw InvalidArgument("timeout must be positive");
-  size_t header = round_up(static_cast<size_t>(world) * 2 * sizeof(uint64_t), 4096);
+  size_t header = round_up(static_cast<size_t>(world) * 3 * sizeof(uint64_t), 4096);
   if (heap_size < header + 4096)
     throw InvalidArgument("heap size " + std::to_string(heap_size) + " bytes is too small: " +
                           std::to_string(world) + " PEs need at least " +
@@ -198,6 +198,16 @@ void Runtime::connect_peers(PeState& s, const std::vector<PeInfo>& infos) {
     }
   }
   s.peers = std::move(peers);
+  std::vector<char*> table(s.n_pes);
+  for (int r = 0; r < s.n_pes; ++r) table[r] = static_cast<char*>(s.peers[r].base);
+  be.copy(s.device, const_cast<char**>(s.peer_table()), table.data(),
+          table.size() * sizeof(char*), 0);
+  be.quiet(s.device, 0);
+}
+
+DeviceContext device_context(const PeState& s) {
+  return DeviceContext{s.peer_table(), s.base(), s.barrier_flags(), s.my_pe, s.n_pes,
+                       s.heap_size};
 }
 
 void Runtime::destroy_pe(int device) {
