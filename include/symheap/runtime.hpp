@@ -36,6 +36,29 @@ struct Peer {
   std::shared_ptr<Region> mapping;  // keeps a peer mapping alive
 };
 
+// A keyed cache (kernels, plans, workspaces, device properties) shared by
+// every thread that drives one device; each entry is made once, under a lock.
+class DeviceCaches {
+ public:
+  template <class T>
+  std::shared_ptr<T> get(const std::string& key, const std::function<std::shared_ptr<T>()>& make) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = items_.find(key);
+    if (it != items_.end()) return std::static_pointer_cast<T>(it->second);
+    auto made = make();
+    items_[key] = made;
+    return made;
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    items_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<std::string, std::shared_ptr<void>> items_;
+};
+
 struct PeState {
   uint64_t job = 0;
   uint64_t generation = 0;  // unique per slot creation; stale buffers are detected
@@ -69,21 +92,8 @@ struct PeState {
     return reinterpret_cast<char* const*>(barrier_flags() + 2 * n_pes);
   }
 
-  // Per-op caches (kernels, plans, workspaces) shared by every thread that
-  // drives this device. Created once under the slot lock.
-  template <class T>
-  std::shared_ptr<T> cache(const std::string& key, const std::function<std::shared_ptr<T>()>& make) {
-    std::lock_guard<std::mutex> lock(cache_mu_);
-    auto it = caches_.find(key);
-    if (it != caches_.end()) return std::static_pointer_cast<T>(it->second);
-    auto made = make();
-    caches_[key] = made;
-    return made;
-  }
-
- private:
-  std::mutex cache_mu_;
-  std::unordered_map<std::string, std::shared_ptr<void>> caches_;
+  // Per-op caches tied to this PE (plans, symmetric workspaces).
+  DeviceCaches caches;
 };
 
 // Everything a kernel needs to address any PE, passed by value (no global
@@ -122,6 +132,9 @@ class Runtime {
   std::shared_ptr<PeState> current();                 // throws before init
   std::shared_ptr<PeState> slot_of_rank(uint64_t job, int rank);  // null when absent
   int device_of_rank(uint64_t job, int rank);          // -1 when not local
+  // Caches of `device` that outlive PEs (ops usable without init, such as
+  // attention, keep kernels and device properties here). No device limit.
+  DeviceCaches& device_caches(int device);
   std::vector<int> active_devices();
 
  private:
@@ -130,6 +143,7 @@ class Runtime {
   std::unique_ptr<Backend> backend_;
   std::unordered_map<int, std::shared_ptr<PeState>> slots_;
   std::map<std::pair<uint64_t, int>, int> rank_to_device_;
+  std::unordered_map<int, std::unique_ptr<DeviceCaches>> device_caches_;
   uint64_t next_generation_ = 1;
 };
 

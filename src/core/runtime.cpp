@@ -254,6 +254,13 @@ int Runtime::device_of_rank(uint64_t job, int rank) {
   return it == rank_to_device_.end() ? -1 : it->second;
 }
 
+DeviceCaches& Runtime::device_caches(int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& entry = device_caches_[device];
+  if (!entry) entry = std::make_unique<DeviceCaches>();
+  return *entry;  // stable address: entries are never erased
+}
+
 std::vector<int> Runtime::active_devices() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int> out;
