@@ -1,0 +1,122 @@
+"""EpConfig: the shape of one expert-parallel dispatch/combine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KERNELS = ("intranode", "low_latency", "copy_engine")
+LAYOUTS = ("token_major", "expert_major")
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32",
+           "float8_e4m3fn": "float8_e4m3fn", "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn"}
+_SCALE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def dtype_name(dtype) -> str:
+    """Canonical name ("bfloat16", ...) of a torch dtype, numpy dtype or string."""
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        name = str(dtype)
+        if name.startswith("torch."):
+            name = name[len("torch."):]
+        elif name.startswith("<class 'numpy."):
+            name = name[len("<class 'numpy."):-2]
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: use bfloat16, float16, float32 or "
+                         f"float8_e4m3fn")
+    return _DTYPES[name]
+
+
+def _positive(name: str, value, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import operator
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"EpConfig.{name} must be an int, got {type(value).__name__}") from None
+    if value <= 0:
+        raise ValueError(f"EpConfig.{name} must be positive, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class EpConfig:
+    """Shape of an expert-parallel dispatch/combine (the same on every PE).
+
+    hidden: row width. max_tokens_per_rank: the most tokens one PE passes to a
+    dispatch. num_experts: total experts, a multiple of the number of PEs; PE
+    p hosts experts [p * L, (p + 1) * L) with L = num_experts / n_pes.
+    topk: experts per token. dtype: payload of dispatch (bfloat16, float16,
+    float32 or float8_e4m3fn); combine works in the same dtype, or in
+    bfloat16 for float8_e4m3fn. scale_dim: when > 0, dispatch also carries
+    hidden / scale_dim scales of scale_dtype (float32 by default) per row,
+    e.g. the per-block scales of fp8 rows.
+
+    kernel (cuda; the cpu backend runs one implementation for all three):
+    "intranode" (SM stores over NVLink, high throughput), "low_latency"
+    (fixed capacity, no host synchronisation, CUDA-graph capturable),
+    "copy_engine" (rows packed by a kernel, moved by copy engines; waits on
+    the host for the counts). See docs/ep.md.
+
+    layout: "token_major" (one received row per (token, destination PE)) or
+    "expert_major" ([local_experts, expert_capacity, hidden] plus per-expert
+    counts, for grouped GEMMs). max_recv_tokens (token-major) bounds the rows
+    a PE receives; given, intranode needs no host synchronisation and
+    outputs keep max_recv_tokens rows. expert_capacity (expert-major) bounds
+    the rows per local expert. Both default to n_pes * max_tokens_per_rank
+    (never overflows); a dispatch that would overflow raises on every PE.
+    """
+
+    hidden: int
+    max_tokens_per_rank: int
+    num_experts: int
+    topk: int
+    dtype: object = "bfloat16"
+    scale_dim: int = 0
+    scale_dtype: object = None
+    kernel: str = "intranode"
+    max_recv_tokens: int | None = None
+    layout: str = "token_major"
+    expert_capacity: int | None = None
+
+    def __post_init__(self):
+        for name in ("hidden", "max_tokens_per_rank", "num_experts", "topk"):
+            object.__setattr__(self, name, _positive(name, getattr(self, name)))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        scale_dim = self.scale_dim
+        if isinstance(scale_dim, bool) or not isinstance(scale_dim, int) or scale_dim < 0:
+            raise ValueError(f"EpConfig.scale_dim must be an int >= 0, got {scale_dim!r}")
+        scale_dtype = "float32" if self.scale_dtype is None else dtype_name(self.scale_dtype)
+        if scale_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"EpConfig.scale_dtype must be one of {_SCALE_DTYPES}, "
+                             f"got {scale_dtype}")
+        object.__setattr__(self, "scale_dtype", scale_dtype)
+        if self.kernel not in KERNELS:
+            raise ValueError(f"EpConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"EpConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        object.__setattr__(self, "max_recv_tokens",
+                           _positive("max_recv_tokens", self.max_recv_tokens, True))
+        object.__setattr__(self, "expert_capacity",
+                           _positive("expert_capacity", self.expert_capacity, True))
+        if self.topk > self.num_experts:
+            raise ValueError(f"EpConfig.topk={self.topk} exceeds num_experts={self.num_experts}")
+        if self.scale_dim and self.hidden % self.scale_dim:
+            raise ValueError(f"EpConfig.scale_dim={self.scale_dim} must divide "
+                             f"hidden={self.hidden}")
+
+    @property
+    def combine_dtype(self) -> str:
+        """dtype of expert outputs and of combine's result."""
+        return "bfloat16" if self.dtype == "float8_e4m3fn" else self.dtype
+
+    def core_dict(self) -> dict:
+        """The config as the C++ core takes it."""
+        return {"hidden": self.hidden, "max_tokens_per_rank": self.max_tokens_per_rank,
+                "num_experts": self.num_experts, "topk": self.topk, "dtype": self.dtype,
+                "scale_dim": self.scale_dim, "scale_dtype": self.scale_dtype,
+                "kernel": self.kernel, "layout": self.layout,
+                "max_recv_tokens": self.max_recv_tokens or 0,
+                "expert_capacity": self.expert_capacity or 0}

@@ -1,0 +1,196 @@
+#include "ops/ep/ep_config.hpp"
+
+#include <algorithm>
+
+#include "symheap/errors.hpp"
+
+namespace symheap::ep {
+
+namespace {
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+std::string str(int64_t v) { return std::to_string(v); }
+}  // namespace
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::F32: return 4;
+    case DType::F16: return 2;
+    case DType::BF16: return 2;
+    case DType::FP8_E4M3: return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "float32";
+    case DType::F16: return "float16";
+    case DType::BF16: return "bfloat16";
+    case DType::FP8_E4M3: return "float8_e4m3fn";
+  }
+  return "?";
+}
+
+DType parse_dtype(const std::string& name) {
+  if (name == "float32" || name == "fp32") return DType::F32;
+  if (name == "float16" || name == "fp16" || name == "half") return DType::F16;
+  if (name == "bfloat16" || name == "bf16") return DType::BF16;
+  if (name == "float8_e4m3fn" || name == "fp8" || name == "fp8_e4m3" || name == "e4m3")
+    return DType::FP8_E4M3;
+  throw InvalidArgument("unsupported dtype '" + name +
+                        "': use bfloat16, float16, float32 or float8_e4m3fn");
+}
+
+Kernel parse_kernel(const std::string& name) {
+  if (name == "intranode") return Kernel::Intranode;
+  if (name == "low_latency") return Kernel::LowLatency;
+  if (name == "copy_engine") return Kernel::CopyEngine;
+  throw InvalidArgument("unknown kernel '" + name +
+                        "': use 'intranode', 'low_latency' or 'copy_engine'");
+}
+
+const char* kernel_name(Kernel k) {
+  static const char* names[] = {"intranode", "low_latency", "copy_engine"};
+  return names[static_cast<int>(k)];
+}
+
+Layout parse_layout(const std::string& name) {
+  if (name == "token_major") return Layout::TokenMajor;
+  if (name == "expert_major") return Layout::ExpertMajor;
+  throw InvalidArgument("unknown layout '" + name + "': use 'token_major' or 'expert_major'");
+}
+
+const char* layout_name(Layout l) {
+  return l == Layout::TokenMajor ? "token_major" : "expert_major";
+}
+
+void validate_config(const Config& c) {
+  auto need = [](bool ok, const std::string& msg) {
+    if (!ok) throw InvalidArgument("EpConfig: " + msg);
+  };
+  need(c.hidden > 0, "hidden must be positive, got " + str(c.hidden));
+  need(c.max_tokens > 0, "max_tokens_per_rank must be positive, got " + str(c.max_tokens));
+  need(c.num_experts > 0, "num_experts must be positive, got " + str(c.num_experts));
+  need(c.topk > 0 && c.topk <= c.num_experts && c.topk <= 64,
+       "topk must be in [1, min(num_experts, 64)], got " + str(c.topk));
+  size_t row = static_cast<size_t>(c.hidden) * dtype_size(c.dtype);
+  need(row % 16 == 0, "hidden * itemsize must be a multiple of 16 bytes (rows move as 16-byte "
+                      "vectors); hidden=" + str(c.hidden) + " of " + dtype_name(c.dtype) +
+                      " is " + str(static_cast<int64_t>(row)) + " bytes");
+  if (c.dtype == DType::FP8_E4M3)
+    need(c.hidden % 8 == 0, "fp8 dispatch combines in bfloat16: hidden must be a multiple of 8");
+  need(c.scale_dim >= 0, "scale_dim must be >= 0");
+  if (c.scale_dim > 0) {
+    need(c.hidden % c.scale_dim == 0, "scale_dim=" + str(c.scale_dim) +
+                                          " must divide hidden=" + str(c.hidden));
+    need(c.scale_dtype != DType::FP8_E4M3, "scale_dtype must be float32, float16 or bfloat16");
+  }
+  need(c.max_recv_tokens >= 0, "max_recv_tokens must be positive");
+  need(c.expert_capacity >= 0, "expert_capacity must be positive");
+  if (c.layout == Layout::ExpertMajor)
+    need(c.max_recv_tokens == 0,
+         "max_recv_tokens bounds token-major receives; for layout='expert_major' set "
+         "expert_capacity (rows per local expert)");
+  else
+    need(c.expert_capacity == 0, "expert_capacity applies to layout='expert_major' only");
+}
+
+Geometry make_geometry(const Config& c, int n_pes) {
+  validate_config(c);
+  if (n_pes < 1) throw InvalidArgument("EpConfig: no PEs");
+  if (c.num_experts % n_pes != 0)
+    throw InvalidArgument("EpConfig: num_experts=" + str(c.num_experts) +
+                          " must be a multiple of the number of PEs (" + str(n_pes) +
+                          "): every PE hosts num_experts / n_pes experts");
+  Geometry g;
+  g.n_pes = n_pes;
+  g.local_experts = c.num_experts / n_pes;
+  g.scales_per_row = c.scale_dim > 0 ? c.hidden / c.scale_dim : 0;
+  g.count_words = static_cast<int32_t>(align_up(kCountDest + n_pes + c.num_experts, 4));
+  const int64_t worst = static_cast<int64_t>(n_pes) * c.max_tokens;
+  if (c.layout == Layout::TokenMajor) {
+    if (c.max_recv_tokens > worst)
+      throw InvalidArgument("EpConfig: max_recv_tokens=" + str(c.max_recv_tokens) +
+                            " exceeds n_pes * max_tokens_per_rank = " + str(worst) +
+                            ", the most a PE can receive");
+    g.recv_rows = c.max_recv_tokens > 0 ? c.max_recv_tokens : worst;
+    g.expert_cap = 0;
+    g.combine_rows = static_cast<int64_t>(c.max_tokens) * std::min(n_pes, c.topk);
+    g.send_cols = n_pes;
+    g.padded_output = c.kernel == Kernel::LowLatency ||
+                      (c.kernel == Kernel::Intranode && c.max_recv_tokens > 0);
+  } else {
+    if (c.expert_capacity > worst)
+      throw InvalidArgument("EpConfig: expert_capacity=" + str(c.expert_capacity) +
+                            " exceeds n_pes * max_tokens_per_rank = " + str(worst) +
+                            ", the most one expert can receive");
+    g.expert_cap = c.expert_capacity > 0 ? c.expert_capacity : worst;
+    g.recv_rows = g.expert_cap * g.local_experts;
+    g.combine_rows = static_cast<int64_t>(c.max_tokens) * c.topk;
+    g.send_cols = c.topk;
+    g.padded_output = true;
+  }
+  g.combine_dtype = c.dtype == DType::FP8_E4M3 ? DType::BF16 : c.dtype;
+  g.row_bytes = static_cast<size_t>(c.hidden) * dtype_size(c.dtype);
+  g.scale_row_bytes = static_cast<size_t>(g.scales_per_row) * dtype_size(c.scale_dtype);
+  g.combine_row_bytes = static_cast<size_t>(c.hidden) * dtype_size(g.combine_dtype);
+
+  const size_t n = static_cast<size_t>(n_pes);
+  const size_t A = 256;
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    size_t off = at;
+    at = align_up(at + bytes, A);
+    return off;
+  };
+  g.off_count_flag = take(n * 8);
+  g.off_data_flag = take(n * 8);
+  g.off_combine_flag = take(n * 8);
+  g.off_freed_flag = take(n * 8);
+  g.off_local = take(8 * 8);
+  g.off_count_rows = take(n * g.count_words * 4);
+  g.off_combine_status = take(n * 4);
+  g.sync_bytes = at;
+  const size_t rows = static_cast<size_t>(g.recv_rows);
+  const bool token_major = c.layout == Layout::TokenMajor;
+  g.off_recv_x = take(rows * g.row_bytes);
+  g.off_recv_scales = take(rows * g.scale_row_bytes);
+  g.off_recv_idx = take(token_major ? rows * c.topk * 4 : 0);
+  g.off_recv_w = take(rows * (token_major ? c.topk : 1) * 4);
+  g.off_recv_meta = take(rows * kMetaWords * 4);
+  g.off_combine_buf = take(static_cast<size_t>(g.combine_rows) * g.combine_row_bytes);
+  if (c.kernel == Kernel::CopyEngine) {
+    // Rows in send order (by destination, then by combine row), moved per peer.
+    const size_t send = static_cast<size_t>(g.combine_rows);
+    g.off_stage_x = take(send * g.row_bytes);
+    g.off_stage_scales = take(send * g.scale_row_bytes);
+    g.off_stage_idx = take(token_major ? send * c.topk * 4 : 0);
+    g.off_stage_w = take(send * (token_major ? c.topk : 1) * 4);
+    g.off_stage_meta = take(send * kMetaWords * 4);
+    g.off_stage_combine = take(token_major ? 0 : rows * g.combine_row_bytes);
+  }
+  g.total = at;
+  return g;
+}
+
+std::string describe_status(int32_t status, int64_t detail, int pe, const Config& c) {
+  std::string who = "PE " + str(pe);
+  switch (status) {
+    case kTooManyTokens:
+      return who + " passed " + str(detail) + " tokens, more than max_tokens_per_rank=" +
+             str(c.max_tokens);
+    case kExpertOutOfRange:
+      return who + " passed expert id " + str(detail) + " in topk_idx, outside [0, " +
+             str(c.num_experts) + ") (use -1 to drop a slot)";
+    case kBadArgument:
+      return who + " passed an invalid argument (its own exception says which)";
+    case kPeerTimeout:
+      return who + " timed out waiting for PE " + str(detail);
+    case kRecvOverflow:
+      return who + " would overflow its receive buffer";
+    default:
+      return who + " reported status " + str(status);
+  }
+}
+
+}  // namespace symheap::ep

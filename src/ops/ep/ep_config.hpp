@@ -1,0 +1,96 @@
+// Expert-parallel dispatch/combine: configuration and the layout of the
+// symmetric workspace. Everything here is plain data, shared by the cpu
+// implementation and the CUDA kernels.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace symheap::ep {
+
+enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2, FP8_E4M3 = 3 };
+enum class Kernel : int32_t { Intranode = 0, LowLatency = 1, CopyEngine = 2 };
+enum class Layout : int32_t { TokenMajor = 0, ExpertMajor = 1 };
+
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+DType parse_dtype(const std::string& name);  // torch names: "bfloat16", "float8_e4m3fn", ...
+Kernel parse_kernel(const std::string& name);
+const char* kernel_name(Kernel k);
+Layout parse_layout(const std::string& name);
+const char* layout_name(Layout l);
+
+struct Config {
+  int32_t hidden = 0;
+  int32_t max_tokens = 0;  // per rank
+  int32_t num_experts = 0;
+  int32_t topk = 0;
+  DType dtype = DType::BF16;
+  int32_t scale_dim = 0;  // 0: no scales; else hidden / scale_dim scales per row
+  DType scale_dtype = DType::F32;
+  Kernel kernel = Kernel::Intranode;
+  Layout layout = Layout::TokenMajor;
+  int32_t max_recv_tokens = 0;  // token-major receive bound; 0: n_pes * max_tokens
+  int32_t expert_capacity = 0;  // expert-major rows per local expert; 0: n_pes * max_tokens
+};
+
+// Error codes a PE publishes with its routing counts, so that every PE
+// aborts the same call together instead of waiting for a peer that gave up.
+enum Status : int32_t {
+  kOk = 0,
+  kTooManyTokens = 1,    // detail: the token count
+  kExpertOutOfRange = 2, // detail: the offending expert id (clamped to int32)
+  kBadArgument = 3,      // detail: unused (the PE's own exception says what)
+  kPeerTimeout = 4,      // cuda: a wait ran out; detail: the late PE
+  kRecvOverflow = 5,     // detail: the destination PE (or expert) that overflowed
+};
+
+// Sizes derived from a Config and the number of PEs, plus byte offsets of
+// every region of the symmetric workspace (identical on every PE).
+struct Geometry {
+  int32_t n_pes = 0;
+  int32_t local_experts = 0;
+  int32_t scales_per_row = 0;
+  int32_t count_words = 0;     // int32 words in one PE's routing-count row
+  int64_t recv_rows = 0;       // rows of the receive buffer
+  int64_t expert_cap = 0;      // rows per local expert (expert-major)
+  int64_t combine_rows = 0;    // rows of the combine buffer
+  int32_t send_cols = 0;       // columns of the send-row table: n_pes or topk
+  bool padded_output = false;  // outputs keep recv_rows rows (no host-known count)
+  DType combine_dtype = DType::BF16;
+  size_t row_bytes = 0, scale_row_bytes = 0, combine_row_bytes = 0;
+
+  // Sync words (uint64): flags written by peers, indexed by the writer.
+  size_t off_count_flag = 0;    // [n] epoch of the routing-count row from PE i
+  size_t off_data_flag = 0;     // [n] dispatch rows from PE i have landed
+  size_t off_combine_flag = 0;  // [n] combine rows from PE i have landed
+  size_t off_freed_flag = 0;    // [n] PE i has consumed its combine buffer
+  size_t off_local = 0;         // [8] this PE's own epochs and block counters
+  size_t off_count_rows = 0;    // int32 [n][count_words]
+  size_t off_combine_status = 0;  // int32 [n]
+  // Receive side of dispatch.
+  size_t off_recv_x = 0, off_recv_scales = 0, off_recv_idx = 0, off_recv_w = 0, off_recv_meta = 0;
+  // Source side of combine.
+  size_t off_combine_buf = 0;
+  // Local staging for the copy-engine kernel.
+  size_t off_stage_x = 0, off_stage_scales = 0, off_stage_idx = 0, off_stage_w = 0,
+         off_stage_meta = 0, off_stage_combine = 0;
+  size_t sync_bytes = 0;  // [0, sync_bytes) is zeroed when the op is created
+  size_t total = 0;
+};
+
+// Slots of the local words at off_local.
+enum LocalWord : int { kDispatchEpoch = 0, kCombineEpoch = 1, kDispatchDone = 2, kCombineDone = 3 };
+
+// Fields of one received row's metadata (int32 [recv_rows][4]).
+enum MetaField : int { kMetaSrcPe = 0, kMetaToken = 1, kMetaSlot = 2, kMetaCombineRow = 3 };
+constexpr int kMetaWords = 4;
+
+// Layout of a routing-count row: [status, detail, dest_count[n], expert_count[E]].
+constexpr int kCountStatus = 0, kCountDetail = 1, kCountDest = 2;
+
+void validate_config(const Config& c);
+Geometry make_geometry(const Config& c, int n_pes);
+std::string describe_status(int32_t status, int64_t detail, int pe, const Config& c);
+
+}  // namespace symheap::ep

@@ -1,0 +1,320 @@
+// The cpu implementation of dispatch/combine. PEs exchange only through the
+// symmetric heap: peer loads/stores through the peer base table, flags with
+// release/acquire ordering. The protocol is the one the CUDA kernels follow:
+//
+// dispatch #e on PE s
+//   1. route locally (validate ids), publish [status, counts] into every PE's
+//      count row s, then set count_flag[s] = e there;
+//   2. wait for every PE's count row; all PEs now hold the same matrix, so
+//      they agree on aborts (bad input anywhere, receive overflow) and on
+//      every row's destination: rows arrive ordered by (source PE, send list);
+//   3. unless aborting, store each row, its scales, weights and metadata
+//      straight into the destination's receive buffer;
+//   4. set data_flag[s] = e on every PE and wait for all of them. Waiting for
+//      count rows also proves each peer left its previous dispatch, so
+//      nothing a peer still reads is overwritten.
+//
+// combine #e on PE d
+//   1. wait until each PE freed its combine buffer of #e-1 (freed_flag);
+//   2. store each received row into its source's combine buffer at the row
+//      the source chose at dispatch; set combine_flag[d] = e everywhere;
+//   3. wait for every PE's rows, reduce in fp32 per token, set freed_flag.
+#include <sched.h>
+#include <time.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ops/ep/ep_numeric.hpp"
+#include "ops/ep/ep_op.hpp"
+#include "ops/ep/ep_routing.hpp"
+#include "symheap/errors.hpp"
+
+namespace symheap::ep {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+template <class T>
+T* at(const PeState& s, const Op& op, int pe, size_t off) {
+  return reinterpret_cast<T*>(ws_addr(s, op, pe, off));
+}
+
+void store_flag(uint64_t* word, uint64_t v) { __atomic_store_n(word, v, __ATOMIC_RELEASE); }
+uint64_t load_flag(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+
+void pause(unsigned i) {
+  if (i < 64) return;
+  if (i < 1024) {
+    sched_yield();
+    return;
+  }
+  timespec ts{0, 20000};
+  nanosleep(&ts, nullptr);
+}
+
+// Waits until flags[q] >= target for every PE q; the error names the late ones.
+void wait_all(const Op& op, const uint64_t* flags, uint64_t target, const std::string& call,
+              const char* what) {
+  auto deadline = Clock::now() + std::chrono::duration<double>(op.timeout_s);
+  for (int q = 0; q < op.n_pes; ++q) {
+    for (unsigned i = 0; load_flag(&flags[q]) < target; ++i) {
+      if ((i & 63) == 0 && Clock::now() > deadline) {
+        std::string late;
+        for (int r = 0; r < op.n_pes; ++r)
+          if (load_flag(&flags[r]) < target) late += (late.empty() ? "" : ", ") + std::to_string(r);
+        throw TimeoutError(call + " on PE " + std::to_string(op.my_pe) + " timed out after " +
+                           std::to_string(op.timeout_s) + " s waiting for " + what +
+                           " from PE(s) " + late + " (did every PE make the same call?)");
+      }
+      pause(i);
+    }
+  }
+}
+
+std::string call_name(const char* what, uint64_t epoch) {
+  return std::string("ep ") + what + " #" + std::to_string(epoch);
+}
+
+}  // namespace
+
+int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
+  const Config& c = op.cfg;
+  const Geometry& g = op.geo;
+  const int n = op.n_pes, me = op.my_pe, K = c.topk, L = g.local_experts;
+  const bool token_major = c.layout == Layout::TokenMajor;
+  const uint64_t epoch = ++op.dispatch_epoch;
+  const std::string call = call_name("dispatch", epoch);
+
+  // 1. Validate and route locally; a bad PE still takes part, routing nothing.
+  int64_t T = a.num_tokens;
+  HostRouting r;
+  r.status = a.status;
+  if (r.status == kOk && (T < 0 || T > c.max_tokens)) {
+    r.status = kTooManyTokens;
+    r.detail = T;
+  }
+  if (r.status == kOk) r = route_on_host(c, g, a.topk_idx, a.idx_int64, T);
+  if (r.status != kOk) {
+    T = 0;
+    r.dest_count.assign(n, 0);
+    r.expert_count.assign(c.num_experts, 0);
+    r.pos.clear();
+    r.send_rows.clear();
+  }
+  std::vector<int32_t> row(g.count_words, 0);
+  row[kCountStatus] = r.status;
+  row[kCountDetail] = static_cast<int32_t>(r.detail);
+  std::memcpy(&row[kCountDest], r.dest_count.data(), n * 4);
+  std::memcpy(&row[kCountDest + n], r.expert_count.data(), c.num_experts * 4);
+  for (int p = 0; p < n; ++p) {
+    std::memcpy(at<int32_t>(s, op, p, g.off_count_rows) + me * g.count_words, row.data(),
+                row.size() * 4);
+    store_flag(at<uint64_t>(s, op, p, g.off_count_flag) + me, epoch);
+  }
+
+  // 2. Every PE's counts: the same matrix everywhere, so the same decisions.
+  wait_all(op, at<uint64_t>(s, op, me, g.off_count_flag), epoch, call, "routing counts");
+  std::vector<int32_t> M(static_cast<size_t>(n) * g.count_words);
+  std::memcpy(M.data(), at<int32_t>(s, op, me, g.off_count_rows), M.size() * 4);
+  auto cell = [&](int q, int i) { return M[static_cast<size_t>(q) * g.count_words + i]; };
+  std::string abort;
+  bool my_fault = false;
+  for (int q = 0; q < n; ++q)
+    if (cell(q, kCountStatus) != kOk) {
+      abort += (abort.empty() ? "" : "; ") +
+               describe_status(cell(q, kCountStatus), cell(q, kCountDetail), q, c);
+      my_fault |= q == me;
+    }
+  bool overflow = false;
+  if (abort.empty()) {
+    if (token_major) {
+      for (int d = 0; d < n && abort.empty(); ++d) {
+        int64_t total = 0;
+        for (int q = 0; q < n; ++q) total += cell(q, kCountDest + d);
+        if (total > g.recv_rows)
+          abort = "PE " + std::to_string(d) + " would receive " + std::to_string(total) +
+                  " rows, more than its capacity of " + std::to_string(g.recv_rows) +
+                  " (raise max_recv_tokens)";
+      }
+    } else {
+      for (int e = 0; e < c.num_experts && abort.empty(); ++e) {
+        int64_t total = 0;
+        for (int q = 0; q < n; ++q) total += cell(q, kCountDest + n + e);
+        if (total > g.expert_cap)
+          abort = "expert " + std::to_string(e) + " (on PE " + std::to_string(e / L) +
+                  ") would receive " + std::to_string(total) + " rows, more than " +
+                  "expert_capacity=" + std::to_string(g.expert_cap);
+      }
+    }
+    overflow = !abort.empty();
+  }
+
+  // 3. Rows straight into their destination's receive buffer.
+  const char* x = static_cast<const char*>(a.x);
+  const char* scales = static_cast<const char*>(a.scales);
+  if (abort.empty() && T > 0) {
+    auto put_row = [&](int d, int64_t dst_row, int64_t t) {
+      std::memcpy(at<char>(s, op, d, g.off_recv_x) + dst_row * g.row_bytes, x + t * g.row_bytes,
+                  g.row_bytes);
+      if (g.scale_row_bytes)
+        std::memcpy(at<char>(s, op, d, g.off_recv_scales) + dst_row * g.scale_row_bytes,
+                    scales + t * g.scale_row_bytes, g.scale_row_bytes);
+    };
+    if (token_major) {
+      std::vector<int64_t> base(n, 0);  // first row of this PE's rows on each destination
+      for (int d = 0; d < n; ++d)
+        for (int q = 0; q < me; ++q) base[d] += cell(q, kCountDest + d);
+      for (int64_t t = 0; t < T; ++t)
+        for (int d = 0; d < n; ++d) {
+          int32_t p = r.pos[t * n + d];
+          if (p < 0) continue;
+          int64_t dst = base[d] + p;
+          put_row(d, dst, t);
+          int32_t* idx = at<int32_t>(s, op, d, g.off_recv_idx) + dst * K;
+          float* w = at<float>(s, op, d, g.off_recv_w) + dst * K;
+          for (int k = 0; k < K; ++k) {
+            int64_t id = read_index(a.topk_idx, a.idx_int64, t * K + k);
+            bool local = id >= 0 && id / L == d;
+            idx[k] = local ? static_cast<int32_t>(id % L) : -1;
+            w[k] = local ? a.topk_weights[t * K + k] : 0.0f;
+          }
+          int32_t* meta = at<int32_t>(s, op, d, g.off_recv_meta) + dst * kMetaWords;
+          meta[kMetaSrcPe] = me;
+          meta[kMetaToken] = static_cast<int32_t>(t);
+          meta[kMetaSlot] = -1;
+          meta[kMetaCombineRow] = r.send_rows[t * n + d];
+        }
+    } else {
+      std::vector<int64_t> base(c.num_experts, 0);  // this PE's first row in each expert's run
+      for (int e = 0; e < c.num_experts; ++e)
+        for (int q = 0; q < me; ++q) base[e] += cell(q, kCountDest + n + e);
+      for (int64_t t = 0; t < T; ++t)
+        for (int k = 0; k < K; ++k) {
+          int32_t p = r.pos[t * K + k];
+          if (p < 0) continue;
+          int64_t id = read_index(a.topk_idx, a.idx_int64, t * K + k);
+          int d = static_cast<int>(id / L);
+          int64_t dst = (id % L) * g.expert_cap + base[id] + p;
+          put_row(d, dst, t);
+          at<float>(s, op, d, g.off_recv_w)[dst] = a.topk_weights[t * K + k];
+          int32_t* meta = at<int32_t>(s, op, d, g.off_recv_meta) + dst * kMetaWords;
+          meta[kMetaSrcPe] = me;
+          meta[kMetaToken] = static_cast<int32_t>(t);
+          meta[kMetaSlot] = k;
+          meta[kMetaCombineRow] = r.send_rows[t * K + k];
+        }
+    }
+  }
+
+  // 4. Signal and wait even when aborting: count rows stay safe to reuse.
+  for (int p = 0; p < n; ++p) store_flag(at<uint64_t>(s, op, p, g.off_data_flag) + me, epoch);
+  wait_all(op, at<uint64_t>(s, op, me, g.off_data_flag), epoch, call, "dispatched rows");
+  if (!abort.empty()) {
+    std::string msg = call + " aborted on every PE: " + abort;
+    if (my_fault || overflow) throw InvalidArgument(msg);
+    throw StateError(msg);
+  }
+
+  // Outputs and handle: counts, a private copy of the row metadata.
+  int64_t num_recv = 0;
+  std::vector<int32_t> per_expert(L, 0);
+  for (int q = 0; q < n; ++q) {
+    if (token_major) num_recv += cell(q, kCountDest + me);
+    for (int l = 0; l < L; ++l) per_expert[l] += cell(q, kCountDest + n + me * L + l);
+  }
+  if (!token_major)
+    for (int l = 0; l < L; ++l) num_recv += per_expert[l];
+  if (a.num_recv) a.num_recv[0] = static_cast<int32_t>(num_recv);
+  if (a.expert_counts) std::memcpy(a.expert_counts, per_expert.data(), L * 4);
+  const int32_t* meta = at<int32_t>(s, op, me, g.off_recv_meta);
+  for (int64_t row_i = 0; row_i < g.recv_rows; ++row_i) {
+    bool valid = token_major
+                     ? row_i < num_recv
+                     : row_i % g.expert_cap < per_expert[row_i / g.expert_cap];
+    int32_t* out = a.recv_meta + row_i * kMetaWords;
+    if (valid) std::memcpy(out, meta + row_i * kMetaWords, kMetaWords * 4);
+    else std::fill(out, out + kMetaWords, -1);
+  }
+  const size_t table = static_cast<size_t>(c.max_tokens) * g.send_cols;
+  std::fill(a.send_rows, a.send_rows + table, -1);
+  std::memcpy(a.send_rows, r.send_rows.data(), r.send_rows.size() * 4);
+  if (a.saved_weights && T > 0)
+    std::memcpy(a.saved_weights, a.topk_weights, static_cast<size_t>(T) * K * 4);
+  return num_recv;
+}
+
+void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
+  const Config& c = op.cfg;
+  const Geometry& g = op.geo;
+  const int n = op.n_pes, me = op.my_pe, K = c.topk;
+  const bool token_major = c.layout == Layout::TokenMajor;
+  const uint64_t epoch = ++op.combine_epoch;
+  const std::string call = call_name("combine", epoch);
+  int32_t status = a.status;
+  if (status == kOk && (a.num_tokens < 0 || a.num_tokens > c.max_tokens)) status = kBadArgument;
+
+  // 1. Each source must have consumed its buffer of the previous combine.
+  wait_all(op, at<uint64_t>(s, op, me, g.off_freed_flag), epoch - 1, call,
+           "the previous combine to finish");
+  // 2. Every received row back to its source, at the row the source chose.
+  const size_t crb = g.combine_row_bytes;
+  const char* rows = static_cast<const char*>(a.expert_out);
+  if (status == kOk) {
+    for (int64_t r = 0; r < g.recv_rows; ++r) {
+      const int32_t* meta = a.recv_meta + r * kMetaWords;
+      int src = meta[kMetaSrcPe];
+      if (src < 0) continue;
+      if (r >= a.expert_rows) {
+        status = kBadArgument;  // the caller's rows do not cover the received rows
+        break;
+      }
+      std::memcpy(at<char>(s, op, src, g.off_combine_buf) + meta[kMetaCombineRow] * crb,
+                  rows + r * crb, crb);
+    }
+  }
+  for (int p = 0; p < n; ++p) {
+    at<int32_t>(s, op, p, g.off_combine_status)[me] = status;
+    store_flag(at<uint64_t>(s, op, p, g.off_combine_flag) + me, epoch);
+  }
+  wait_all(op, at<uint64_t>(s, op, me, g.off_combine_flag), epoch, call, "combined rows");
+  std::string abort;
+  const int32_t* statuses = at<int32_t>(s, op, me, g.off_combine_status);
+  for (int q = 0; q < n; ++q)
+    if (statuses[q] != kOk)
+      abort += (abort.empty() ? "PE " : "; PE ") + std::to_string(q) +
+               " passed an invalid argument to combine";
+  auto release = [&] {
+    for (int p = 0; p < n; ++p) store_flag(at<uint64_t>(s, op, p, g.off_freed_flag) + me, epoch);
+  };
+  if (!abort.empty()) {
+    release();
+    std::string msg = call + " aborted on every PE: " + abort;
+    if (status != kOk) throw InvalidArgument(msg);
+    throw StateError(msg);
+  }
+
+  // 3. Sum in fp32 per token: token-major rows as they are, expert-major
+  //    rows weighted by the token's top-k weight.
+  const char* buf = at<char>(s, op, me, g.off_combine_buf);
+  const DType dt = g.combine_dtype;
+  std::vector<float> acc(c.hidden);
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const int cols = token_major ? n : K;
+    for (int j = 0; j < cols; ++j) {
+      int32_t row = a.send_rows[t * g.send_cols + j];
+      if (row < 0) continue;
+      float w = token_major ? 1.0f : a.weights[t * K + j];
+      const char* src = buf + row * crb;
+      for (int h = 0; h < c.hidden; ++h) acc[h] += w * load_as_float(src, h, dt);
+    }
+    for (int h = 0; h < c.hidden; ++h)
+      store_from_float(a.out, static_cast<size_t>(t) * c.hidden + h, dt, acc[h]);
+  }
+  release();
+}
+
+}  // namespace symheap::ep

@@ -1,0 +1,121 @@
+// Op registry (per device slot) and the backend-independent entry points.
+#include "ops/ep/ep_op.hpp"
+
+#include <map>
+
+#include "symheap/errors.hpp"
+
+namespace symheap::ep {
+
+namespace {
+
+// Ops of one PE, kept in its device slot: reachable from any thread.
+struct Registry {
+  std::mutex mu;
+  std::map<int64_t, std::shared_ptr<Op>> ops;
+  int64_t next_id = 1;
+};
+
+std::shared_ptr<Registry> registry_of(PeState& s) {
+  return s.caches.get<Registry>("ep.registry", [] { return std::make_shared<Registry>(); });
+}
+
+bool on_cuda() { return std::string(Runtime::instance().backend().name()) == "cuda"; }
+
+}  // namespace
+
+int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes) {
+  Geometry geo = make_geometry(cfg, s.n_pes);
+  if (ws_bytes < geo.total)
+    throw InvalidArgument("ep workspace of " + std::to_string(ws_bytes) + " bytes is smaller than the " +
+                          std::to_string(geo.total) + " the config needs");
+  for (int p = 0; p < s.n_pes; ++p)
+    if (!s.peers[p].base)
+      throw Unsupported("EpDispatchCombine needs load/store access to every PE; PE " +
+                        std::to_string(p) + " is " + peer_kind_name(s.peers[p].kind) +
+                        " from PE " + std::to_string(s.my_pe));
+  s.checked_offset(s.base() + ws_offset, geo.total, "ep workspace");
+  auto op = std::make_shared<Op>();
+  op->cfg = cfg;
+  op->geo = geo;
+  op->job = s.job;
+  op->my_pe = s.my_pe;
+  op->n_pes = s.n_pes;
+  op->device = s.device;
+  op->ws_offset = ws_offset;
+  op->timeout_s = s.timeout_s;
+  {
+    DeviceGuard guard(s.device);
+    Runtime::instance().backend().zero(s.device, s.base() + ws_offset, geo.sync_bytes);
+#ifdef SYMHEAP_WITH_CUDA
+    if (on_cuda()) create_cuda(s, *op);
+#endif
+  }
+  auto reg = registry_of(s);
+  std::lock_guard<std::mutex> lock(reg->mu);
+  op->id = reg->next_id++;
+  reg->ops[op->id] = op;
+  return op->id;
+}
+
+void destroy(PeState& s, int64_t id) {
+  auto reg = registry_of(s);
+  std::shared_ptr<Op> op;
+  {
+    std::lock_guard<std::mutex> lock(reg->mu);
+    auto it = reg->ops.find(id);
+    if (it == reg->ops.end()) return;
+    op = it->second;
+    reg->ops.erase(it);
+  }
+  std::lock_guard<std::mutex> wait_for_calls(op->mu);
+  DeviceGuard guard(s.device);
+  op->cuda.reset();
+}
+
+std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeState>* state) {
+  auto s = Runtime::instance().slot_of_rank(job, rank);
+  if (!s || s->peers.empty())
+    throw StateError("ep: PE " + std::to_string(rank) +
+                     " is not initialised in this process (finalized already?)");
+  auto reg = registry_of(*s);
+  std::lock_guard<std::mutex> lock(reg->mu);
+  auto it = reg->ops.find(id);
+  if (it == reg->ops.end())
+    throw StateError("ep: this EpDispatchCombine was closed (op " + std::to_string(id) +
+                     " of PE " + std::to_string(rank) + ")");
+  *state = s;
+  return it->second;
+}
+
+int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a) {
+  std::lock_guard<std::mutex> lock(op.mu);
+  DeviceGuard guard(s.device);
+#ifdef SYMHEAP_WITH_CUDA
+  if (on_cuda()) return dispatch_cuda(s, op, a);
+#endif
+  return dispatch_cpu(s, op, a);
+}
+
+void combine(PeState& s, Op& op, const CombineArgs& a) {
+  std::lock_guard<std::mutex> lock(op.mu);
+  DeviceGuard guard(s.device);
+#ifdef SYMHEAP_WITH_CUDA
+  if (on_cuda()) return combine_cuda(s, op, a);
+#endif
+  combine_cpu(s, op, a);
+}
+
+void check(PeState& s, Op& op, StreamHandle stream, bool sync) {
+#ifdef SYMHEAP_WITH_CUDA
+  if (on_cuda()) {
+    std::lock_guard<std::mutex> lock(op.mu);
+    DeviceGuard guard(s.device);
+    check_cuda(s, op, stream, sync);
+  }
+#else
+  (void)s, (void)op, (void)stream, (void)sync;
+#endif
+}
+
+}  // namespace symheap::ep

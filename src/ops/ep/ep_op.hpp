@@ -1,0 +1,100 @@
+// Expert-parallel dispatch/combine: the op core, free of Python.
+//
+// An Op lives in the device slot of its PE (a registry kept in PeState's
+// caches), so any thread that knows (job, rank, id) reaches it through the
+// process-wide rank -> device map: the Python front end and, later, XLA FFI
+// handlers call the same entry points. Every buffer (inputs, outputs, handle
+// storage) and the stream are passed in; the only memory the op owns is its
+// symmetric workspace, allocated collectively by the caller.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "ops/ep/ep_config.hpp"
+#include "symheap/runtime.hpp"
+
+namespace symheap::ep {
+
+// Routing and payload of one dispatch call. Pointers live on the PE's device
+// (host memory on the cpu backend).
+struct DispatchArgs {
+  const void* x = nullptr;          // [num_tokens, hidden] of config dtype
+  const void* scales = nullptr;     // [num_tokens, hidden / scale_dim] or null
+  const void* topk_idx = nullptr;   // [num_tokens, topk] int32 or int64; -1 drops a slot
+  bool idx_int64 = true;
+  const float* topk_weights = nullptr;  // [num_tokens, topk]
+  int64_t num_tokens = 0;
+  int32_t status = kOk;  // the caller found a bad argument: abort on every PE
+
+  // Outputs, caller-allocated.
+  int32_t* num_recv = nullptr;       // [1] rows received
+  int32_t* expert_counts = nullptr;  // [local_experts] (row, slot) pairs per local expert
+  // Handle storage, caller-allocated, read back by combine.
+  int32_t* send_rows = nullptr;      // [max_tokens, send_cols] combine row or -1
+  int32_t* recv_meta = nullptr;      // [recv_rows, 4] (src pe, token, slot, combine row), -1 unused
+  float* saved_weights = nullptr;    // [max_tokens, topk] (expert-major), may be null otherwise
+  StreamHandle stream = 0;
+};
+
+struct CombineArgs {
+  const void* expert_out = nullptr;  // [recv_rows or num_recv, hidden] of the combine dtype
+  int64_t expert_rows = 0;           // rows the caller passed
+  const int32_t* send_rows = nullptr;
+  const int32_t* recv_meta = nullptr;
+  const float* weights = nullptr;    // [num_tokens, topk] (expert-major)
+  int64_t num_tokens = 0;
+  void* out = nullptr;               // [num_tokens, hidden] of the combine dtype
+  int32_t status = kOk;
+  StreamHandle stream = 0;
+};
+
+// One dispatch/combine instance on one PE.
+struct Op {
+  int64_t id = 0;
+  Config cfg;
+  Geometry geo;
+  uint64_t job = 0;
+  int my_pe = -1;
+  int n_pes = 0;
+  int device = -1;
+  size_t ws_offset = 0;  // heap offset of the symmetric workspace
+  double timeout_s = 120.0;
+  std::mutex mu;         // one call at a time per op
+  uint64_t dispatch_epoch = 0;  // host-side epochs (cpu; the cuda kernels keep theirs on device)
+  uint64_t combine_epoch = 0;
+  std::shared_ptr<void> cuda;  // per-op CUDA resources (streams, events, error word)
+};
+
+// Creates the op on the calling thread's PE, zeroes its sync words, and
+// returns its id. The caller must barrier before any PE dispatches.
+int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes);
+void destroy(PeState& s, int64_t id);
+std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeState>* state);
+
+// Returns the rows received when the host knows it (cpu, copy_engine, and
+// intranode without max_recv_tokens); -1 when only the device knows.
+int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a);
+void combine(PeState& s, Op& op, const CombineArgs& a);
+// Raises the first error a device-side call recorded (cuda); nothing on cpu.
+// With sync, waits for the stream first.
+void check(PeState& s, Op& op, StreamHandle stream, bool sync);
+
+// Backend-specific implementations.
+int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a);
+void combine_cpu(PeState& s, Op& op, const CombineArgs& a);
+#ifdef SYMHEAP_WITH_CUDA
+void create_cuda(PeState& s, Op& op);
+int64_t dispatch_cuda(PeState& s, Op& op, const DispatchArgs& a);
+void combine_cuda(PeState& s, Op& op, const CombineArgs& a);
+void check_cuda(PeState& s, Op& op, StreamHandle stream, bool sync);
+#endif
+
+// Address of `offset` within PE pe's copy of the workspace, as the host sees
+// it (a device address on cuda: usable by copies and kernels, not by the host).
+inline char* ws_addr(const PeState& s, const Op& op, int pe, size_t offset) {
+  return static_cast<char*>(s.peers[pe].base) + op.ws_offset + offset;
+}
+
+}  // namespace symheap::ep
