@@ -1,0 +1,242 @@
+"""Expert-parallel dispatch/combine on the cpu backend, in every launch model."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import symheap  # noqa: E402
+from symheap.ep import EpConfig, EpDispatchCombine, dequantize_fp8, quantize_fp8  # noqa: E402
+from symheap.testing import PeFailure, run_processes, run_threads  # noqa: E402
+
+import test_ep_programs as progs  # noqa: E402
+
+
+def cfg(n_pes, **kw):
+    base = dict(hidden=32, max_tokens_per_rank=6, num_experts=4 * n_pes, topk=3,
+                dtype="bfloat16")
+    base.update(kw)
+    return base
+
+
+DTYPES = [dict(dtype="bfloat16"), dict(dtype="float16"), dict(dtype="float32"),
+          dict(dtype="float8_e4m3fn", scale_dim=8)]
+
+
+# ------------------------------------------------------------ config checks
+
+def test_config_validation():
+    EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=8, topk=2)
+    with pytest.raises(ValueError, match="kernel"):
+        EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=8, topk=2, kernel="fast")
+    with pytest.raises(ValueError, match="topk"):
+        EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=2, topk=3)
+    with pytest.raises(ValueError, match="dtype"):
+        EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=8, topk=2, dtype="int8")
+    with pytest.raises(ValueError, match="scale_dim"):
+        EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=8, topk=2, scale_dim=5)
+    with pytest.raises(ValueError, match="positive"):
+        EpConfig(hidden=32, max_tokens_per_rank=0, num_experts=8, topk=2)
+    c = EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=8, topk=2, dtype=torch.float8_e4m3fn)
+    assert c.dtype == "float8_e4m3fn" and c.combine_dtype == "bfloat16"
+
+
+def _make(kw):
+    try:
+        EpDispatchCombine(EpConfig(**kw)).close()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_config_checked_against_world():
+    errors = run_threads(_make, 2, args=(dict(hidden=32, max_tokens_per_rank=4, num_experts=5,
+                                              topk=2),))
+    assert all("multiple of the number of PEs" in e for e in errors)
+    errors = run_threads(_make, 2, args=(dict(hidden=6, max_tokens_per_rank=4, num_experts=4,
+                                              topk=2),))
+    assert all("16 bytes" in e for e in errors)
+    errors = run_threads(_make, 2, args=(dict(hidden=32, max_tokens_per_rank=4, num_experts=4,
+                                              topk=2, max_recv_tokens=9),))
+    assert all("max_recv_tokens" in e for e in errors)
+
+
+def test_fp8_helpers_round_trip():
+    x = torch.randn(5, 64)
+    q, s = quantize_fp8(x, 16)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 4)
+    torch.testing.assert_close(dequantize_fp8(q, s), x, rtol=0.07, atol=1e-6)
+
+
+# ------------------------------------------------------------ threads
+
+def test_threads_two_pes_all_dtypes_token_major():
+    digests = run_threads(progs.many_configs, 2, args=([cfg(2, **d) for d in DTYPES],))
+    assert len(digests) == 2
+
+
+def test_threads_two_pes_all_dtypes_expert_major():
+    configs = [cfg(2, layout="expert_major", **d) for d in DTYPES]
+    run_threads(progs.many_configs, 2, args=(configs,))
+
+
+@pytest.mark.parametrize("layout", ["token_major", "expert_major"])
+def test_threads_four_pes(layout):
+    run_threads(progs.many_configs, 4, args=([cfg(4, layout=layout)],))
+
+
+@pytest.mark.parametrize("kernel", ["intranode", "low_latency", "copy_engine"])
+def test_kernels_and_padded_outputs(kernel):
+    """Every kernel name runs on cpu; low_latency and intranode with
+    max_recv_tokens keep capacity-sized outputs."""
+    configs = [cfg(2, kernel=kernel), cfg(2, kernel=kernel, layout="expert_major",
+                                          dtype="float32", topk=2)]
+    if kernel == "intranode":
+        configs.append(cfg(2, kernel=kernel, max_recv_tokens=12))
+    run_threads(progs.many_configs, 2, args=(configs,))
+
+
+def test_tight_capacities_fit():
+    """max_recv_tokens / expert_capacity exactly large enough for all_to_one."""
+    plan = [("all_to_one", "full"), ("random", "full"), ("all_to_one", "full")]
+    configs = [cfg(2, max_recv_tokens=12),
+               cfg(2, layout="expert_major", num_experts=4, topk=2, expert_capacity=12)]
+    run_threads(progs.many_configs, 2, args=(configs, plan))
+
+
+def test_expert_major_weight_override():
+    def body():
+        return progs.run_iterations(EpConfig(**cfg(2, layout="expert_major")),
+                                    combine_weight_override=True)
+    run_threads(body, 2)
+
+
+def test_many_iterations_no_leak():
+    plan = [(p, t) for _ in range(5) for p, t in progs.DEFAULT_PLAN]
+    run_threads(progs.many_configs, 2, args=([cfg(2, hidden=16, dtype="float32")], plan))
+
+
+def test_interleaved_ops_and_old_handles():
+    assert run_threads(progs.interleaved_ops, 2) == [True, True]
+
+
+def test_close_frees_heap():
+    for before, after in run_threads(progs.heap_after_ops, 2, args=(cfg(2),)):
+        assert before == after
+
+
+# ------------------------------------------------------------ processes and mixes
+
+def test_processes_and_threads_agree():
+    configs = [cfg(2), cfg(2, layout="expert_major", dtype="float8_e4m3fn", scale_dim=8)]
+    by_threads = run_threads(progs.many_configs, 2, args=(configs,))
+    by_processes = run_processes(progs.many_configs, 2, args=(configs,))
+    assert by_threads == by_processes
+
+
+def test_processes_four_pes():
+    configs = [cfg(4), cfg(4, layout="expert_major", dtype="float16")]
+    run_processes(progs.many_configs, 4, args=(configs,))
+
+
+def test_two_processes_by_two_threads():
+    configs = [cfg(4, dtype="float32"), cfg(4, layout="expert_major", kernel="low_latency")]
+    mixed = run_processes(progs.many_configs, 2, args=(configs,), threads_per_proc=2)
+    threads = run_threads(progs.many_configs, 4, args=(configs,))
+    assert mixed == threads
+
+
+# ------------------------------------------------------------ errors
+
+@pytest.mark.parametrize("fault,match", [
+    ("too_many_tokens", "max_tokens_per_rank=6"),
+    ("expert_too_large", "expert id 8"),
+    ("expert_negative", "expert id -2"),
+    ("wrong_dtype", "x must have dtype bfloat16"),
+    ("wrong_shape", "topk_weights must have shape"),
+    ("int_weights", "topk_weights must have dtype float32"),
+])
+@pytest.mark.parametrize("layout", ["token_major", "expert_major"])
+def test_bad_input_raises_everywhere(fault, match, layout):
+    culprit = 1
+    results = run_threads(progs.bad_input_then_recover, 2,
+                          args=(cfg(2, num_experts=8, layout=layout), culprit, fault))
+    for rank, ((kind, msg), recovered) in enumerate(results):
+        assert recovered
+        if rank == culprit:
+            assert kind == "ValueError", msg
+            assert match in msg, msg
+        else:
+            assert kind == "SymheapError", msg
+            assert f"PE {culprit}" in msg, msg
+
+
+def test_bad_input_in_processes():
+    results = run_processes(progs.bad_input_then_recover, 2,
+                            args=(cfg(2), 0, "expert_too_large"))
+    assert results[0][0][0] == "ValueError" and results[1][0][0] == "SymheapError"
+
+
+@pytest.mark.parametrize("kw", [dict(max_recv_tokens=7),
+                                dict(layout="expert_major", num_experts=4, topk=2,
+                                     expert_capacity=7)])
+def test_receive_overflow_raises_everywhere(kw):
+    for msg in run_threads(progs.overflow, 2, args=(cfg(2, **kw),)):
+        assert "would receive 12 rows" in msg, msg
+
+
+def test_combine_misuse():
+    for errors in run_threads(progs.combine_misuse, 2):
+        assert "layout='expert_major' only" in errors[0]
+        assert "expert_out must have shape" in errors[1]
+        assert "another EpDispatchCombine" in errors[2]
+
+
+def test_absent_peer_times_out_naming_it():
+    results = run_threads(progs.absent_peer, 2, args=(1,), init_kwargs={"timeout": 1.0})
+    assert results[1] is None
+    assert "timed out" in results[0] and "from PE(s) 1" in results[0]
+
+
+def _closed_use():
+    c = EpConfig(**cfg(2))
+    ep = EpDispatchCombine(c)
+    ep.close()
+    ep.close()  # idempotent
+    try:
+        ep.dispatch(*progs.make_inputs(c, 2, symheap.my_pe(), 1, "random", "full"))
+    except symheap.SymheapError as e:
+        return str(e)
+
+
+def test_use_after_close():
+    assert all("closed" in m for m in run_threads(_closed_use, 2))
+
+
+def test_rejects_wrong_config_type():
+    def body():
+        with pytest.raises(TypeError):
+            EpDispatchCombine(dict(hidden=32))
+    run_threads(body, 1)
+
+
+def test_mismatched_configs_across_pes():
+    def body():
+        me = symheap.my_pe()
+        try:
+            EpDispatchCombine(EpConfig(**cfg(2, hidden=32 if me == 0 else 64)))
+        except ValueError as e:
+            return str(e)
+    for msg in run_threads(body, 2):
+        assert "different arguments" in msg
+
+
+def test_failure_surfaces_as_pe_failure():
+    """An assertion inside a PE program is reported (the harness can fail)."""
+    def body():
+        c = EpConfig(**cfg(2))
+        with EpDispatchCombine(c) as ep:
+            inputs = [progs.make_inputs(c, 2, r, 1, "random", "full") for r in range(2)]
+            out = ep.dispatch(*inputs[symheap.my_pe()])
+            inputs[0][0][0, 5] += 1  # a wrong reference must be caught
+            progs.check_dispatch(c, ep, out, inputs, symheap.my_pe(), 2)
+    with pytest.raises(PeFailure, match="differs"):
+        run_threads(body, 2)

@@ -1,0 +1,403 @@
+"""PE programs and references for the expert-parallel tests (cpu and cuda).
+
+Every PE regenerates every PE's routing and payload from per-(iteration,
+rank) seeds, which is the all-gathered routing the references need. Payload
+rows encode (source PE, token index) in their first two values, and are
+otherwise random; every received row, scale, weight and index is compared
+bit for bit with the sender's, and combine with identity experts against an
+fp32 reference. Importable by spawned processes (no tests in here).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+import symheap
+from symheap.ep import EpConfig, EpDispatchCombine, dequantize_fp8
+
+# Unit roundoff of each combine dtype.
+_UNIT = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
+# ------------------------------------------------------------------ inputs
+
+def routing(pattern: str, n_tokens: int, cfg: EpConfig, n_pes: int, rank: int,
+            gen: torch.Generator) -> torch.Tensor:
+    """topk_idx [n_tokens, topk] int64 for one PE."""
+    E, K = cfg.num_experts, cfg.topk
+    L = E // n_pes
+    if pattern in ("random", "random_drop"):
+        idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(n_tokens)]) \
+            if n_tokens else torch.empty(0, K, dtype=torch.int64)
+        if pattern == "random_drop" and n_tokens:
+            drop = torch.rand(n_tokens, K, generator=gen) < 0.3
+            drop[0] = True  # a token with every slot dropped
+            idx[drop] = -1
+        return idx.to(torch.int64)
+    if pattern == "all_to_one":  # every token of every PE to experts of PE 0
+        assert K <= L
+        rows = [torch.randperm(L, generator=gen)[:K] for _ in range(n_tokens)]
+        return torch.stack(rows).to(torch.int64) if rows else torch.empty(0, K, dtype=torch.int64)
+    if pattern == "round_robin":  # token t to experts t*K .. t*K+K-1 (mod E), shifted by rank
+        t = torch.arange(n_tokens).unsqueeze(1)
+        return ((t * K + torch.arange(K) + rank * L) % E).to(torch.int64)
+    raise ValueError(pattern)
+
+
+def token_count(spec, cfg: EpConfig, rank: int, gen: torch.Generator) -> int:
+    if spec == "full":
+        return cfg.max_tokens_per_rank
+    if spec == "random":
+        return int(torch.randint(0, cfg.max_tokens_per_rank + 1, (1,), generator=gen))
+    if spec == "zero_on_odd":
+        return 0 if rank % 2 else cfg.max_tokens_per_rank
+    return int(spec)
+
+
+def make_inputs(cfg: EpConfig, n_pes: int, rank: int, seed: int, pattern: str, tokens):
+    """(x, topk_idx, topk_weights, scales) of PE ``rank`` for one iteration."""
+    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    T = token_count(tokens, cfg, rank, gen)
+    idx = routing(pattern, T, cfg, n_pes, rank, gen)
+    w = torch.rand(T, cfg.topk, generator=gen) + 0.25
+    base = torch.randn(T, cfg.hidden, generator=gen)
+    base[:, 0] = rank  # the (source PE, token) encoding
+    base[:, 1] = torch.arange(T)
+    scales = None
+    if cfg.dtype == "float8_e4m3fn":
+        x = base.clamp(-400, 400).to(torch.float8_e4m3fn)
+    else:
+        x = base.to(getattr(torch, cfg.dtype))
+    if cfg.scale_dim:
+        scales = (torch.rand(T, cfg.hidden // cfg.scale_dim, generator=gen) + 0.5).to(
+            getattr(torch, cfg.scale_dtype))
+    return x, idx, w, scales
+
+
+def as_float(x, scales):
+    """Value of payload rows in fp32 (fp8 rows times their block scales)."""
+    if x.dtype == torch.float8_e4m3fn:
+        return dequantize_fp8(x, scales)
+    return x.float()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Exact-comparison view of a tensor (NaN-safe)."""
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(
+        {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_bits(got, want, what):
+    if got.shape != want.shape or not torch.equal(bits(got.cpu()), bits(want.cpu())):
+        raise AssertionError(f"{what}: received data differs from the sender's "
+                             f"(shape {tuple(got.shape)} vs {tuple(want.shape)})")
+
+
+def poison(out) -> None:
+    """Overwrites a previous DispatchOutput's views (they alias the receive buffer)."""
+    for t in (out.x, out.scales, out.topk_weights):
+        if t is not None:
+            bits(t).fill_(-1 if t.element_size() > 1 else 0x7F)  # NaN patterns
+    if out.topk_idx is not None:
+        out.topk_idx.fill_(-7)
+
+
+# ------------------------------------------------------------------ checks
+
+def check_dispatch(cfg, ep, out, inputs, me, n_pes):
+    """Compares one PE's DispatchOutput with the reference from every PE's inputs."""
+    L = cfg.num_experts // n_pes
+    lo, hi = me * L, (me + 1) * L
+    num_recv = int(out.num_recv_tokens)
+    counts = torch.zeros(L, dtype=torch.int64)
+    for s, (x, idx, w, sc) in enumerate(inputs):
+        kept = idx[idx >= 0]
+        counts += torch.bincount(kept[(kept >= lo) & (kept < hi)] - lo, minlength=L)
+    got_counts = out.expert_counts.cpu().to(torch.int64)
+    if not torch.equal(got_counts, counts):
+        raise AssertionError(f"PE {me}: expert_counts {got_counts.tolist()} != {counts.tolist()}")
+    if cfg.layout == "token_major":
+        rows = [(s, t) for s, (x, idx, w, sc) in enumerate(inputs) for t in range(idx.shape[0])
+                if bool(((idx[t] >= lo) & (idx[t] < hi)).any())]
+        if num_recv != len(rows):
+            raise AssertionError(f"PE {me}: num_recv_tokens {num_recv} != reference {len(rows)}")
+        if out.x.shape[0] < num_recv or out.x.shape[1] != cfg.hidden:
+            raise AssertionError(f"PE {me}: x has shape {tuple(out.x.shape)}")
+        got_src = out.src_info[:num_recv].cpu().tolist()
+        if got_src != [list(r) for r in rows]:
+            raise AssertionError(f"PE {me}: src_info {got_src} != reference {rows}")
+        if not rows:
+            return
+        want_x = torch.stack([inputs[s][0][t] for s, t in rows])
+        assert_same_bits(out.x[:num_recv], want_x, f"PE {me} x")
+        want_idx = torch.stack([inputs[s][1][t] for s, t in rows])
+        local = (want_idx >= lo) & (want_idx < hi)
+        want_local = torch.where(local, want_idx - lo, torch.full_like(want_idx, -1))
+        if not torch.equal(out.topk_idx[:num_recv].cpu().to(torch.int64), want_local):
+            raise AssertionError(f"PE {me}: topk_idx differs from the localised reference")
+        want_w = torch.stack([inputs[s][2][t] for s, t in rows]) * local
+        assert_same_bits(out.topk_weights[:num_recv], want_w, f"PE {me} topk_weights")
+        # the payload's own (source PE, token) encoding agrees with src_info
+        enc = as_float(out.x[:num_recv], out.scales[:num_recv] if out.scales is not None else None)
+        if cfg.dtype != "float8_e4m3fn":
+            if enc[:, 0].tolist() != [float(s) for s, _ in rows] or \
+                    enc[:, 1].tolist() != [float(t) for _, t in rows]:
+                raise AssertionError(f"PE {me}: payload encoding disagrees with src_info")
+        if cfg.scale_dim:
+            want_sc = torch.stack([inputs[s][3][t] for s, t in rows])
+            assert_same_bits(out.scales[:num_recv], want_sc, f"PE {me} scales")
+    else:
+        total = int(counts.sum())
+        if num_recv != total:
+            raise AssertionError(f"PE {me}: num_recv_tokens {num_recv} != reference {total}")
+        cap = out.x.shape[1]
+        for l in range(L):
+            e = lo + l
+            rows = [(s, t, k) for s, (x, idx, w, sc) in enumerate(inputs)
+                    for t in range(idx.shape[0]) for k in range(idx.shape[1]) if idx[t, k] == e]
+            c = len(rows)
+            if c > cap:
+                raise AssertionError("reference overflows the capacity: test bug")
+            got_src = out.src_info[l, :c].cpu().tolist()
+            if got_src != [list(r) for r in rows]:
+                raise AssertionError(f"PE {me} expert {l}: src_info {got_src} != {rows}")
+            if not rows:
+                continue
+            assert_same_bits(out.x[l, :c], torch.stack([inputs[s][0][t] for s, t, _ in rows]),
+                             f"PE {me} expert {l} x")
+            assert_same_bits(out.topk_weights[l, :c],
+                             torch.tensor([float(inputs[s][2][t, k]) for s, t, k in rows]),
+                             f"PE {me} expert {l} weights")
+            if cfg.scale_dim:
+                assert_same_bits(out.scales[l, :c],
+                                 torch.stack([inputs[s][3][t] for s, t, _ in rows]),
+                                 f"PE {me} expert {l} scales")
+
+
+def identity_experts(cfg, out, device):
+    """Expert outputs of identity experts: token-major rows weighted by the
+    local top-k weights (the expert side's reduction), expert-major rows as
+    they are. Rows past the valid count are NaN: combine must not read them."""
+    cdt = getattr(torch, cfg.combine_dtype)
+    val = as_float(out.x, out.scales)
+    if cfg.layout == "token_major":
+        y = val * out.topk_weights.sum(dim=-1, keepdim=True)
+        valid = torch.arange(y.shape[0], device=y.device) < out.num_recv_tokens
+        y = torch.where(valid.unsqueeze(1), y, torch.full_like(y, float("nan")))
+    else:
+        valid = torch.arange(val.shape[1], device=val.device).unsqueeze(0) < \
+            out.expert_counts.unsqueeze(1)
+        y = torch.where(valid.unsqueeze(-1), val, torch.full_like(val, float("nan")))
+    return y.to(cdt).to(device)
+
+
+def check_combine(cfg, got, x, idx, w, scales, me, weight_scale=1.0):
+    """combine of identity experts == x * (sum of the token's kept weights).
+
+    Error bound: two roundings to the combine dtype (expert output, result)
+    plus fp32 roundings of the weight sums and of the sum over PEs / slots."""
+    kept_w = (w.double() * (idx >= 0)).sum(dim=1, keepdim=True) * weight_scale
+    want = as_float(x, scales).double() * kept_w
+    got = got.double().cpu()
+    if got.shape != want.shape:
+        raise AssertionError(f"PE {me}: combine returned {tuple(got.shape)}, "
+                             f"want {tuple(want.shape)}")
+    terms = cfg.topk + symheap.n_pes() + 2
+    rel = 2 * (2 * _UNIT[cfg.combine_dtype] + terms * 2.0 ** -24)
+    err = (got - want).abs()
+    bound = rel * want.abs() + 1e-30
+    if not bool((err <= bound).all()):
+        i = int((err - bound).argmax())
+        raise AssertionError(f"PE {me}: combine off by {err.view(-1)[i]:.3g} at element {i} "
+                             f"(value {want.view(-1)[i]:.6g}, tolerance {bound.view(-1)[i]:.3g})")
+
+
+# ------------------------------------------------------------------ programs
+
+DEFAULT_PLAN = [("random", "full"), ("all_to_one", "full"), ("round_robin", "random"),
+                ("random_drop", "zero_on_odd"), ("random", "random"), ("random_drop", "full")]
+
+
+def run_iterations(cfg: EpConfig, plan=DEFAULT_PLAN, seed: int = 1, device=None,
+                   combine_weight_override: bool = False):
+    """Runs ``plan`` [(pattern, tokens)] through one op, checking every output.
+    Returns a digest of everything received and combined (equal across
+    launch models)."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    device = device or torch.device("cpu")
+    digest = hashlib.sha256()
+    with EpDispatchCombine(cfg) as ep:
+        prev = None
+        for it, (pattern, tokens) in enumerate(plan):
+            inputs = [make_inputs(cfg, n, r, seed * 100 + it, pattern, tokens) for r in range(n)]
+            x, idx, w, sc = (t.to(device) if t is not None else None for t in inputs[me])
+            if prev is not None:
+                poison(prev)
+            out = ep.dispatch(x, idx, w, sc)
+            check_dispatch(cfg, ep, out, inputs, me, n)
+            y = identity_experts(cfg, out, device)
+            poisoned = torch.full((x.shape[0], cfg.hidden), float("nan"),
+                                  dtype=getattr(torch, cfg.combine_dtype), device=device)
+            scale = 1.0
+            if combine_weight_override and cfg.layout == "expert_major" and it % 2:
+                scale = 2.0
+                res = ep.combine(y, out.handle, topk_weights=w * 2.0, out=poisoned)
+            else:
+                res = ep.combine(y, out.handle, out=poisoned)
+            check_combine(cfg, res, *inputs[me], me, weight_scale=scale)
+            nrecv = int(out.num_recv_tokens)
+            if cfg.layout == "token_major":
+                digest.update(bits(out.x[:nrecv].cpu()).numpy().tobytes())
+            else:
+                for l in range(out.x.shape[0]):
+                    digest.update(bits(out.x[l, :int(out.expert_counts[l])].cpu()).numpy().tobytes())
+            digest.update(bits(res.cpu()).numpy().tobytes())
+            prev = out
+    return digest.hexdigest()
+
+
+def many_configs(configs: list, plan=DEFAULT_PLAN, device=None):
+    """run_iterations for each config (dicts of EpConfig arguments)."""
+    return [run_iterations(EpConfig(**c), plan, seed=i + 1, device=device)
+            for i, c in enumerate(configs)]
+
+
+def bad_input_then_recover(cfg_kwargs: dict, culprit: int, fault: str):
+    """PE ``culprit`` passes bad input; every PE must raise (the culprit a
+    ValueError), and the op must work afterwards. Returns (type name, message)."""
+    cfg = EpConfig(**cfg_kwargs)
+    me, n = symheap.my_pe(), symheap.n_pes()
+    with EpDispatchCombine(cfg) as ep:
+        x, idx, w, sc = make_inputs(cfg, n, me, 7, "random", "full")
+        if me == culprit:
+            if fault == "too_many_tokens":
+                T = cfg.max_tokens_per_rank + 1
+                x = torch.cat([x, x[:1]])
+                idx, w = torch.cat([idx, idx[:1]]), torch.cat([w, w[:1]])
+                sc = torch.cat([sc, sc[:1]]) if sc is not None else None
+                assert x.shape[0] == T
+            elif fault == "expert_too_large":
+                idx[-1, 0] = cfg.num_experts
+            elif fault == "expert_negative":
+                idx[0, 0] = -2
+            elif fault == "wrong_dtype":
+                x = x.float() if cfg.dtype != "float32" else x.half()
+            elif fault == "wrong_shape":
+                w = w[:, :1].contiguous()
+            elif fault == "int_weights":
+                w = (w * 10).to(torch.int32)
+        caught = None
+        try:
+            ep.dispatch(x, idx, w, sc)
+        except Exception as e:  # the fault is reported on every PE
+            caught = (type(e).__name__, str(e))
+        if caught is None:
+            raise AssertionError(f"PE {me}: dispatch with {fault} on PE {culprit} did not raise")
+        run_ok = run_once(cfg, ep, seed=11)
+    return caught, run_ok
+
+
+def run_once(cfg, ep, seed, pattern="random", tokens="full"):
+    me, n = symheap.my_pe(), symheap.n_pes()
+    inputs = [make_inputs(cfg, n, r, seed, pattern, tokens) for r in range(n)]
+    out = ep.dispatch(*inputs[me])
+    check_dispatch(cfg, ep, out, inputs, me, n)
+    res = ep.combine(identity_experts(cfg, out, torch.device("cpu")), out.handle)
+    check_combine(cfg, res, *inputs[me], me)
+    return True
+
+
+def overflow(cfg_kwargs: dict):
+    """all_to_one routing past max_recv_tokens / expert_capacity: every PE raises
+    ValueError; the op stays usable."""
+    cfg = EpConfig(**cfg_kwargs)
+    me, n = symheap.my_pe(), symheap.n_pes()
+    with EpDispatchCombine(cfg) as ep:
+        x, idx, w, sc = make_inputs(cfg, n, me, 5, "all_to_one", "full")
+        caught = None
+        try:
+            ep.dispatch(x, idx, w, sc)
+        except ValueError as e:
+            caught = str(e)
+        if caught is None:
+            raise AssertionError(f"PE {me}: overflowing dispatch did not raise")
+        # A routing that fits still works: few tokens, spread out.
+        run_once(cfg, ep, seed=3, pattern="round_robin", tokens=1)
+    return caught
+
+
+def combine_misuse():
+    """Errors of combine: token-major weights, wrong shape, foreign handle."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    cfg = EpConfig(hidden=16, max_tokens_per_rank=4, num_experts=2 * n, topk=2, dtype="float32")
+    errors = []
+    with EpDispatchCombine(cfg) as a, EpDispatchCombine(cfg) as b:
+        x, idx, w, sc = make_inputs(cfg, n, me, 2, "random", "full")
+        out = a.dispatch(x, idx, w)
+        y = identity_experts(cfg, out, torch.device("cpu"))
+        for bad in ("weights", "shape", "foreign"):
+            try:
+                if bad == "weights":
+                    a.combine(y, out.handle, topk_weights=w)
+                elif bad == "shape":
+                    a.combine(y[:-1] if y.shape[0] else torch.zeros(1, 16), out.handle)
+                else:
+                    b.combine(y, out.handle)
+            except ValueError as e:
+                errors.append(str(e))
+            else:
+                raise AssertionError(f"combine misuse '{bad}' did not raise")
+        res = a.combine(y, out.handle)  # still in step on every PE
+        check_combine(cfg, res, x, idx, w, sc, me)
+    return errors
+
+
+def interleaved_ops():
+    """Two ops alive at once, dispatches of one between dispatch and combine of
+    the other; and a handle used after a later dispatch of its own op."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    ca = EpConfig(hidden=32, max_tokens_per_rank=6, num_experts=2 * n, topk=2, dtype="bfloat16")
+    cb = EpConfig(hidden=16, max_tokens_per_rank=5, num_experts=4 * n, topk=3, dtype="float32",
+                  layout="expert_major")
+    cpu = torch.device("cpu")
+    with EpDispatchCombine(ca) as a, EpDispatchCombine(cb) as b:
+        ia = [make_inputs(ca, n, r, 21, "random", "full") for r in range(n)]
+        ib = [make_inputs(cb, n, r, 22, "random_drop", "full") for r in range(n)]
+        oa = a.dispatch(*ia[me])
+        ya = identity_experts(ca, oa, cpu)  # computed before the next dispatch
+        ob = b.dispatch(*ib[me])
+        check_dispatch(cb, b, ob, ib, me, n)
+        ia2 = [make_inputs(ca, n, r, 23, "round_robin", "full") for r in range(n)]
+        oa2 = a.dispatch(*ia2[me])  # overwrites oa's views, not oa's handle
+        check_dispatch(ca, a, oa2, ia2, me, n)
+        check_combine(ca, a.combine(ya, oa.handle), *ia[me], me)
+        check_combine(cb, b.combine(identity_experts(cb, ob, cpu), ob.handle), *ib[me], me)
+        check_combine(ca, a.combine(identity_experts(ca, oa2, cpu), oa2.handle), *ia2[me], me)
+    return True
+
+
+def heap_after_ops(cfg_kwargs: dict, rounds: int = 3):
+    """Creating and closing ops leaves the heap as it was."""
+    before = symheap.heap_usage()["bytes_in_use"]
+    for i in range(rounds):
+        with EpDispatchCombine(EpConfig(**cfg_kwargs)) as ep:
+            run_once(ep.config, ep, seed=40 + i)
+    return before, symheap.heap_usage()["bytes_in_use"]
+
+
+def absent_peer(culprit: int):
+    """PE ``culprit`` never calls dispatch: the others time out naming it."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    cfg = EpConfig(hidden=16, max_tokens_per_rank=4, num_experts=2 * n, topk=2, dtype="float32")
+    ep = EpDispatchCombine(cfg)
+    result = None
+    if me != culprit:
+        try:
+            ep.dispatch(*make_inputs(cfg, n, me, 1, "random", "full"))
+        except TimeoutError as e:
+            result = str(e)
+    symheap.barrier_all()
+    ep.close()
+    return result
