@@ -398,6 +398,6 @@ def absent_peer(culprit: int):
             ep.dispatch(*make_inputs(cfg, n, me, 1, "random", "full"))
         except TimeoutError as e:
             result = str(e)
-    symheap.barrier_all()
+    symheap.barrier_all(timeout=60)  # the culprit waits out the others' timeout here
     ep.close()
     return result

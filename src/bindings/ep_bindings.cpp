@@ -39,6 +39,7 @@ py::dict geometry_dict(const ep::Geometry& g) {
   d["expert_cap"] = g.expert_cap;
   d["combine_rows"] = g.combine_rows;
   d["send_cols"] = g.send_cols;
+  d["summary_words"] = ep::summary_words(g.n_pes, g.local_experts);
   d["padded_output"] = g.padded_output;
   d["combine_dtype"] = std::string(ep::dtype_name(g.combine_dtype));
   d["off_recv_x"] = g.off_recv_x;
@@ -83,7 +84,7 @@ SYMHEAP_BINDINGS(ep) {
       [](uint64_t job, int rank, int64_t id, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
          bool idx_int64, uintptr_t topk_weights, int64_t num_tokens, int32_t status,
          uintptr_t num_recv, uintptr_t expert_counts, uintptr_t send_rows, uintptr_t recv_meta,
-         uintptr_t saved_weights, uintptr_t stream) {
+         uintptr_t recv_summary, uintptr_t saved_weights, uintptr_t stream) {
         std::shared_ptr<PeState> s;
         auto op = lookup(job, rank, id, &s);
         ep::DispatchArgs a;
@@ -98,6 +99,7 @@ SYMHEAP_BINDINGS(ep) {
         a.expert_counts = ptr<int32_t>(expert_counts);
         a.send_rows = ptr<int32_t>(send_rows);
         a.recv_meta = ptr<int32_t>(recv_meta);
+        a.recv_summary = ptr<int32_t>(recv_summary);
         a.saved_weights = ptr<float>(saved_weights);
         a.stream = stream;
         py::gil_scoped_release nogil;
@@ -105,7 +107,7 @@ SYMHEAP_BINDINGS(ep) {
       });
   m.def("ep_combine", [](uint64_t job, int rank, int64_t id, uintptr_t expert_out,
                          int64_t expert_rows, uintptr_t send_rows, uintptr_t recv_meta,
-                         uintptr_t weights, int64_t num_tokens, uintptr_t out, int32_t status,
+                         uintptr_t recv_summary, uintptr_t weights, int64_t num_tokens, uintptr_t out, int32_t status,
                          uintptr_t stream) {
     std::shared_ptr<PeState> s;
     auto op = lookup(job, rank, id, &s);
@@ -114,6 +116,7 @@ SYMHEAP_BINDINGS(ep) {
     a.expert_rows = expert_rows;
     a.send_rows = ptr<const int32_t>(send_rows);
     a.recv_meta = ptr<const int32_t>(recv_meta);
+    a.recv_summary = ptr<const int32_t>(recv_summary);
     a.weights = ptr<const float>(weights);
     a.num_tokens = num_tokens;
     a.out = ptr<void>(out);

@@ -28,7 +28,8 @@ class EpHandle:
     num_tokens: int
     rows_shape: tuple       # shape combine expects for expert_out
     send_rows: object       # [max_tokens, n_pes | topk] int32: combine row or -1
-    recv_meta: object       # [recv_rows, 4] int32: (src pe, token, slot, combine row), -1 unused
+    recv_meta: object       # [recv_rows, 4] int32: (src pe, token, slot, combine row)
+    summary: object         # int32 per-source and per-expert counts (see ep_config.hpp)
     weights: object         # [max_tokens, topk] float32 (expert-major), else None
     device: object
 
@@ -168,6 +169,7 @@ class EpDispatchCombine:
         expert_counts = torch.empty(geo["local_experts"], dtype=i32, device=dev)
         send_rows = torch.empty(cfg.max_tokens_per_rank, geo["send_cols"], dtype=i32, device=dev)
         recv_meta = torch.empty(geo["recv_rows"], 4, dtype=i32, device=dev)
+        summary = torch.empty(geo["summary_words"], dtype=i32, device=dev)
         weights = (torch.empty(cfg.max_tokens_per_rank, cfg.topk, dtype=torch.float32, device=dev)
                    if cfg.layout == "expert_major" else None)
         ptr = _data_ptr
@@ -179,7 +181,8 @@ class EpDispatchCombine:
                 bool(problem is None and topk_idx.dtype == torch.int64),
                 0 if problem else ptr(topk_weights), num_tokens,
                 _BAD_ARGUMENT if problem else 0,
-                ptr(num_recv), ptr(expert_counts), ptr(send_rows), ptr(recv_meta), ptr(weights),
+                ptr(num_recv), ptr(expert_counts), ptr(send_rows), ptr(recv_meta),
+                ptr(summary), ptr(weights),
                 self._stream(stream))
         except ValueError as e:
             if problem is not None:
@@ -187,7 +190,8 @@ class EpDispatchCombine:
             raise
         if problem is not None:  # only reached if the core did not raise
             raise problem
-        return self._output(n, num_tokens, num_recv, expert_counts, send_rows, recv_meta, weights)
+        return self._output(n, num_tokens, num_recv, expert_counts, send_rows, recv_meta, summary,
+                            weights)
 
     def combine(self, expert_out, handle: EpHandle, topk_weights=None, *, out=None,
                 stream=None):
@@ -218,6 +222,7 @@ class EpDispatchCombine:
                 int(expert_out.numel() // self.config.hidden) if ok else 0,
                 _data_ptr(handle.send_rows) if ok else 0,
                 _data_ptr(handle.recv_meta) if ok else 0,
+                _data_ptr(handle.summary) if ok else 0,
                 _data_ptr(weights) if ok else 0,
                 handle.num_tokens if ok else 0,
                 _data_ptr(out) if ok else 0,
@@ -304,7 +309,8 @@ class EpDispatchCombine:
                 "topk_idx": None,
                 "topk_weights": view(g["off_recv_w"], (L, cap), torch.float32)}
 
-    def _output(self, n, num_tokens, num_recv, expert_counts, send_rows, recv_meta, weights):
+    def _output(self, n, num_tokens, num_recv, expert_counts, send_rows, recv_meta, summary,
+                weights):
         cfg, g, v = self.config, self._geo, self._views
         if cfg.layout == "token_major":
             rows = g["recv_rows"] if g["padded_output"] or n < 0 else n
@@ -316,7 +322,7 @@ class EpDispatchCombine:
             x, scales, idx, w = v["x"], v["scales"], None, v["topk_weights"]
             src_info = recv_meta.view(g["local_experts"], g["expert_cap"], 4)[..., :3]
         handle = EpHandle(self._id, cfg.layout, num_tokens, tuple(x.shape), send_rows, recv_meta,
-                          weights, self._torch_device)
+                          summary, weights, self._torch_device)
         return DispatchOutput(x, idx, w, scales, num_recv, src_info, expert_counts, handle)
 
     def _tensor(self, name, t, dtypes, shape):

@@ -147,10 +147,12 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.off_data_flag = take(n * 8);
   g.off_combine_flag = take(n * 8);
   g.off_freed_flag = take(n * 8);
-  g.off_local = take(8 * 8);
+  g.off_local = take(kLocalWords * 8);
   g.off_count_rows = take(n * g.count_words * 4);
   g.off_combine_status = take(n * 4);
   g.sync_bytes = at;
+  g.off_scratch_pos = take(static_cast<size_t>(c.max_tokens) * g.send_cols * 4);
+  g.off_scratch_counts = take((kCountDest + n + c.num_experts) * 4);
   const size_t rows = static_cast<size_t>(g.recv_rows);
   const bool token_major = c.layout == Layout::TokenMajor;
   g.off_recv_x = take(rows * g.row_bytes);

@@ -65,9 +65,12 @@ struct Geometry {
   size_t off_data_flag = 0;     // [n] dispatch rows from PE i have landed
   size_t off_combine_flag = 0;  // [n] combine rows from PE i have landed
   size_t off_freed_flag = 0;    // [n] PE i has consumed its combine buffer
-  size_t off_local = 0;         // [8] this PE's own epochs and block counters
+  size_t off_local = 0;         // [kLocalWords] this PE's own epochs, counters, error word
   size_t off_count_rows = 0;    // int32 [n][count_words]
   size_t off_combine_status = 0;  // int32 [n]
+  // This PE's routing scratch (cuda): positions [max_tokens, send_cols] and
+  // counts [kCountDest + n + E].
+  size_t off_scratch_pos = 0, off_scratch_counts = 0;
   // Receive side of dispatch.
   size_t off_recv_x = 0, off_recv_scales = 0, off_recv_idx = 0, off_recv_w = 0, off_recv_meta = 0;
   // Source side of combine.
@@ -79,8 +82,25 @@ struct Geometry {
   size_t total = 0;
 };
 
-// Slots of the local words at off_local.
-enum LocalWord : int { kDispatchEpoch = 0, kCombineEpoch = 1, kDispatchDone = 2, kCombineDone = 3 };
+// Slots of the local words (uint64) at off_local.
+enum LocalWord : int {
+  kDispatchEpoch = 0,  // last finished dispatch
+  kCombineEpoch = 1,   // last finished combine
+  kRouteDone = 2,      // blocks of the routing kernel that finished (cuda)
+  kDispatchDone = 3,
+  kSendDone = 4,
+  kReduceDone = 5,
+  kErrorWord = 6,      // first device-side failure (cuda)
+  kLocalWords = 16
+};
+
+// A dispatch's summary for combine (handle storage), int32
+// [summary_words]: per source PE s, [4s] = first row of this PE's rows in
+// s's combine buffer, [4s+1] = rows from s, [4s+2] = first receive row from
+// s (token-major); then [4n + l] = rows of local expert l; [4n + L] = total.
+inline int64_t summary_words(int n_pes, int local_experts) {
+  return 4 * static_cast<int64_t>(n_pes) + local_experts + 4;
+}
 
 // Fields of one received row's metadata (int32 [recv_rows][4]).
 enum MetaField : int { kMetaSrcPe = 0, kMetaToken = 1, kMetaSlot = 2, kMetaCombineRow = 3 };

@@ -238,6 +238,24 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
     if (valid) std::memcpy(out, meta + row_i * kMetaWords, kMetaWords * 4);
     else std::fill(out, out + kMetaWords, -1);
   }
+  int32_t* summary = a.recv_summary;
+  std::fill(summary, summary + summary_words(n, L), 0);
+  for (int q = 0; q < n; ++q) {
+    int64_t range_start = 0, rows_from_q = 0, first_row = 0;
+    if (token_major) {
+      for (int d = 0; d < me; ++d) range_start += cell(q, kCountDest + d);
+      rows_from_q = cell(q, kCountDest + me);
+      for (int p = 0; p < q; ++p) first_row += cell(p, kCountDest + me);
+    } else {
+      for (int e = 0; e < me * L; ++e) range_start += cell(q, kCountDest + n + e);
+      for (int l = 0; l < L; ++l) rows_from_q += cell(q, kCountDest + n + me * L + l);
+    }
+    summary[4 * q] = static_cast<int32_t>(range_start);
+    summary[4 * q + 1] = static_cast<int32_t>(rows_from_q);
+    summary[4 * q + 2] = static_cast<int32_t>(first_row);
+  }
+  for (int l = 0; l < L; ++l) summary[4 * n + l] = per_expert[l];
+  summary[4 * n + L] = static_cast<int32_t>(num_recv);
   const size_t table = static_cast<size_t>(c.max_tokens) * g.send_cols;
   std::fill(a.send_rows, a.send_rows + table, -1);
   std::memcpy(a.send_rows, r.send_rows.data(), r.send_rows.size() * 4);

@@ -33,7 +33,8 @@ struct DispatchArgs {
   int32_t* expert_counts = nullptr;  // [local_experts] (row, slot) pairs per local expert
   // Handle storage, caller-allocated, read back by combine.
   int32_t* send_rows = nullptr;      // [max_tokens, send_cols] combine row or -1
-  int32_t* recv_meta = nullptr;      // [recv_rows, 4] (src pe, token, slot, combine row), -1 unused
+  int32_t* recv_meta = nullptr;      // [recv_rows, 4] (src pe, token, slot, combine row)
+  int32_t* recv_summary = nullptr;   // [summary_words] see ep_config.hpp
   float* saved_weights = nullptr;    // [max_tokens, topk] (expert-major), may be null otherwise
   StreamHandle stream = 0;
 };
@@ -43,6 +44,7 @@ struct CombineArgs {
   int64_t expert_rows = 0;           // rows the caller passed
   const int32_t* send_rows = nullptr;
   const int32_t* recv_meta = nullptr;
+  const int32_t* recv_summary = nullptr;
   const float* weights = nullptr;    // [num_tokens, topk] (expert-major)
   int64_t num_tokens = 0;
   void* out = nullptr;               // [num_tokens, hidden] of the combine dtype
