@@ -67,3 +67,26 @@ def heap_offsets(sizes):
     for b in reversed(bufs):
         b.free()
     return offs
+
+
+def reinit_cycles(uids, heap_size=None):
+    """Ring, then finalize and init again with each id in ``uids``; every cycle must work."""
+    import symheap as sh
+    rank, world, device = sh.my_pe(), sh.n_pes(), sh.current_device()
+    out = [ring_put_signal(64)]
+    for uid in uids:
+        sh.finalize()
+        sh.init(rank, world, uid, device=device, heap_size=heap_size)
+        out.append(ring_put_signal(64))
+    return out
+
+
+def heap_segments_of_this_process():
+    import os
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"symheap.{os.getpid()}."))
+
+
+def die_hard_after_init():
+    import os
+    symheap.barrier_all()
+    os._exit(3)  # no finalize, no atexit: the kernel reclaims everything but shm names

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import threading
+import time
 import traceback
 
 import symheap
@@ -92,11 +93,15 @@ def run_processes(fn, n_procs: int, args=(), *, threads_per_proc: int = 1, init_
     for p in procs:
         p.start()
     results, errors = {}, {}
-    for _ in procs:
+    deadline, reports = time.monotonic() + timeout, 0
+    while reports < len(procs) and time.monotonic() < deadline:
         try:
-            r, e = out.get(timeout=timeout)
+            r, e = out.get(timeout=0.2)
         except queue.Empty:
-            break
+            if not any(p.is_alive() for p in procs) and out.empty():
+                break  # a process died without reporting
+            continue
+        reports += 1
         results.update(r)
         errors.update(e)
     for p in procs:
