@@ -22,6 +22,18 @@ _UNIT = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 
 # ------------------------------------------------------------------ inputs
 
+def pe_device():
+    """The torch device of the calling PE (cpu on the cpu backend)."""
+    if symheap.backend() == "cuda":
+        return torch.device("cuda", symheap.current_device())
+    return torch.device("cpu")
+
+
+def on_device(inputs, device=None):
+    device = device or pe_device()
+    return tuple(t.to(device) if t is not None else None for t in inputs)
+
+
 def routing(pattern: str, n_tokens: int, cfg: EpConfig, n_pes: int, rank: int,
             gen: torch.Generator) -> torch.Tensor:
     """topk_idx [n_tokens, topk] int64 for one PE."""
@@ -226,13 +238,13 @@ def run_iterations(cfg: EpConfig, plan=DEFAULT_PLAN, seed: int = 1, device=None,
     Returns a digest of everything received and combined (equal across
     launch models)."""
     me, n = symheap.my_pe(), symheap.n_pes()
-    device = device or torch.device("cpu")
+    device = device or pe_device()
     digest = hashlib.sha256()
     with EpDispatchCombine(cfg) as ep:
         prev = None
         for it, (pattern, tokens) in enumerate(plan):
             inputs = [make_inputs(cfg, n, r, seed * 100 + it, pattern, tokens) for r in range(n)]
-            x, idx, w, sc = (t.to(device) if t is not None else None for t in inputs[me])
+            x, idx, w, sc = on_device(inputs[me], device)
             if prev is not None:
                 poison(prev)
             out = ep.dispatch(x, idx, w, sc)
@@ -290,7 +302,8 @@ def bad_input_then_recover(cfg_kwargs: dict, culprit: int, fault: str):
                 w = (w * 10).to(torch.int32)
         caught = None
         try:
-            ep.dispatch(x, idx, w, sc)
+            ep.dispatch(*on_device((x, idx, w, sc)))
+            ep.check()  # device-side checks without host sync report here
         except Exception as e:  # the fault is reported on every PE
             caught = (type(e).__name__, str(e))
         if caught is None:
@@ -302,9 +315,10 @@ def bad_input_then_recover(cfg_kwargs: dict, culprit: int, fault: str):
 def run_once(cfg, ep, seed, pattern="random", tokens="full"):
     me, n = symheap.my_pe(), symheap.n_pes()
     inputs = [make_inputs(cfg, n, r, seed, pattern, tokens) for r in range(n)]
-    out = ep.dispatch(*inputs[me])
+    out = ep.dispatch(*on_device(inputs[me]))
     check_dispatch(cfg, ep, out, inputs, me, n)
-    res = ep.combine(identity_experts(cfg, out, torch.device("cpu")), out.handle)
+    res = ep.combine(identity_experts(cfg, out, pe_device()), out.handle)
+    ep.check()
     check_combine(cfg, res, *inputs[me], me)
     return True
 
@@ -318,7 +332,8 @@ def overflow(cfg_kwargs: dict):
         x, idx, w, sc = make_inputs(cfg, n, me, 5, "all_to_one", "full")
         caught = None
         try:
-            ep.dispatch(x, idx, w, sc)
+            ep.dispatch(*on_device((x, idx, w, sc)))
+            ep.check()
         except ValueError as e:
             caught = str(e)
         if caught is None:
@@ -335,14 +350,14 @@ def combine_misuse():
     errors = []
     with EpDispatchCombine(cfg) as a, EpDispatchCombine(cfg) as b:
         x, idx, w, sc = make_inputs(cfg, n, me, 2, "random", "full")
-        out = a.dispatch(x, idx, w)
-        y = identity_experts(cfg, out, torch.device("cpu"))
+        out = a.dispatch(*on_device((x, idx, w)))
+        y = identity_experts(cfg, out, pe_device())
         for bad in ("weights", "shape", "foreign"):
             try:
                 if bad == "weights":
-                    a.combine(y, out.handle, topk_weights=w)
+                    a.combine(y, out.handle, topk_weights=w.to(y.device))
                 elif bad == "shape":
-                    a.combine(y[:-1] if y.shape[0] else torch.zeros(1, 16), out.handle)
+                    a.combine(y[:-1], out.handle)
                 else:
                     b.combine(y, out.handle)
             except ValueError as e:
@@ -361,16 +376,16 @@ def interleaved_ops():
     ca = EpConfig(hidden=32, max_tokens_per_rank=6, num_experts=2 * n, topk=2, dtype="bfloat16")
     cb = EpConfig(hidden=16, max_tokens_per_rank=5, num_experts=4 * n, topk=3, dtype="float32",
                   layout="expert_major")
-    cpu = torch.device("cpu")
+    cpu = pe_device()
     with EpDispatchCombine(ca) as a, EpDispatchCombine(cb) as b:
         ia = [make_inputs(ca, n, r, 21, "random", "full") for r in range(n)]
         ib = [make_inputs(cb, n, r, 22, "random_drop", "full") for r in range(n)]
-        oa = a.dispatch(*ia[me])
+        oa = a.dispatch(*on_device(ia[me]))
         ya = identity_experts(ca, oa, cpu)  # computed before the next dispatch
-        ob = b.dispatch(*ib[me])
+        ob = b.dispatch(*on_device(ib[me]))
         check_dispatch(cb, b, ob, ib, me, n)
         ia2 = [make_inputs(ca, n, r, 23, "round_robin", "full") for r in range(n)]
-        oa2 = a.dispatch(*ia2[me])  # overwrites oa's views, not oa's handle
+        oa2 = a.dispatch(*on_device(ia2[me]))  # overwrites oa's views, not oa's handle
         check_dispatch(ca, a, oa2, ia2, me, n)
         check_combine(ca, a.combine(ya, oa.handle), *ia[me], me)
         check_combine(cb, b.combine(identity_experts(cb, ob, cpu), ob.handle), *ib[me], me)
@@ -395,9 +410,45 @@ def absent_peer(culprit: int):
     result = None
     if me != culprit:
         try:
-            ep.dispatch(*make_inputs(cfg, n, me, 1, "random", "full"))
+            ep.dispatch(*on_device(make_inputs(cfg, n, me, 1, "random", "full")))
+            ep.check()
         except TimeoutError as e:
             result = str(e)
     symheap.barrier_all(timeout=60)  # the culprit waits out the others' timeout here
     ep.close()
     return result
+
+
+def graph_replay(cfg_kwargs: dict, replays: int = 10):
+    """CUDA graph of dispatch -> identity experts -> combine, captured once and
+    replayed with fresh routing and payload each time (cuda only)."""
+    cfg = EpConfig(**cfg_kwargs)
+    me, n = symheap.my_pe(), symheap.n_pes()
+    dev = pe_device()
+    patterns = ["random", "random_drop", "round_robin", "all_to_one"]
+    with EpDispatchCombine(cfg) as ep:
+        static = list(on_device(make_inputs(cfg, n, me, 500, "random", "full")))
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up outside the graph
+            out = ep.dispatch(*static)
+            ep.combine(identity_experts(cfg, out, dev), out.handle)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        ep.check()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ep.dispatch(*static)
+            res = ep.combine(identity_experts(cfg, out, dev), out.handle)
+        for i in range(replays):
+            inputs = [make_inputs(cfg, n, r, 600 + i, patterns[i % len(patterns)], "full")
+                      for r in range(n)]
+            for dst, src in zip(static, on_device(inputs[me])):
+                if dst is not None:
+                    dst.copy_(src)
+            poison(out)
+            res.fill_(float("nan"))
+            graph.replay()
+            ep.check()
+            check_dispatch(cfg, ep, out, inputs, me, n)
+            check_combine(cfg, res, *inputs[me], me)
+    return replays

@@ -153,6 +153,7 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.sync_bytes = at;
   g.off_scratch_pos = take(static_cast<size_t>(c.max_tokens) * g.send_cols * 4);
   g.off_scratch_counts = take((kCountDest + n + c.num_experts) * 4);
+  g.off_scratch_prefix = take((n + c.num_experts) * 4);
   const size_t rows = static_cast<size_t>(g.recv_rows);
   const bool token_major = c.layout == Layout::TokenMajor;
   g.off_recv_x = take(rows * g.row_bytes);

@@ -68,9 +68,10 @@ struct Geometry {
   size_t off_local = 0;         // [kLocalWords] this PE's own epochs, counters, error word
   size_t off_count_rows = 0;    // int32 [n][count_words]
   size_t off_combine_status = 0;  // int32 [n]
-  // This PE's routing scratch (cuda): positions [max_tokens, send_cols] and
-  // counts [kCountDest + n + E].
-  size_t off_scratch_pos = 0, off_scratch_counts = 0;
+  // This PE's routing scratch (cuda): positions [max_tokens, send_cols],
+  // counts [kCountDest + n + E], first combine row per destination or
+  // expert [n or E].
+  size_t off_scratch_pos = 0, off_scratch_counts = 0, off_scratch_prefix = 0;
   // Receive side of dispatch.
   size_t off_recv_x = 0, off_recv_scales = 0, off_recv_idx = 0, off_recv_w = 0, off_recv_meta = 0;
   // Source side of combine.

@@ -245,7 +245,7 @@ int64_t dispatch_cuda(PeState& s, Op& op, const DispatchArgs& a) {
                    if (!row_bytes) return;
                    EP_CUDA(cudaMemcpyAsync(peer_ws(s, op, pe, dst_off) + to * row_bytes,
                                            peer_ws(s, op, op.my_pe, src_off) + from * row_bytes,
-                                           rows * row_bytes, cudaMemcpyDeviceToDevice, ch));
+                                           rows * row_bytes, cudaMemcpyDefault, ch));
                  };
                  move(g.off_stage_x, g.off_recv_x, g.row_bytes);
                  move(g.off_stage_scales, g.off_recv_scales, g.scale_row_bytes);
@@ -289,7 +289,7 @@ void combine_cuda(PeState& s, Op& op, const CombineArgs& a) {
                    const char* src = tm ? static_cast<const char*>(a.expert_out) + from * crb
                                         : peer_ws(s, op, op.my_pe, g.off_stage_combine) + from * crb;
                    EP_CUDA(cudaMemcpyAsync(peer_ws(s, op, pe, g.off_combine_buf) + to * crb, src,
-                                           rows * crb, cudaMemcpyDeviceToDevice, ch));
+                                           rows * crb, cudaMemcpyDefault, ch));
                  });
   }
   kernels::combine_reduce_kernel<<<reduce_blocks(op), kernels::kThreads, 0, stream>>>(p);

@@ -290,6 +290,15 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params p) {
   }
 
   if (!last_block(p, kRouteDone)) return;
+  if (threadIdx.x == 0) {  // first combine row of each destination (expert) in send order
+    int32_t* prefix = at<int32_t>(p, p.me, p.g.off_scratch_prefix);
+    const int first = tm ? kCountDest : kCountDest + n;
+    int32_t sum = 0;
+    for (int j = 0; j < (tm ? n : E); ++j) {
+      prefix[j] = sum;
+      sum += counts[first + j];
+    }
+  }
   // Publish [status, detail, dest counts, expert counts] into every PE.
   const uint64_t epoch = ld_volatile(local_word(p, kDispatchEpoch)) + 1;
   int32_t status = p.host_status ? p.host_status : counts[kCountStatus];
@@ -347,16 +356,16 @@ __device__ inline void make_plan(const Params& p, DispatchPlan& plan, int32_t* b
   __syncthreads();
   for (int q = threadIdx.x; q < n; q += blockDim.x)
     if (count_cell(p, q, kCountStatus) != kOk) atomicMin(&bad_pe, q);
+  const int32_t* my_prefix = at<int32_t>(p, p.me, p.g.off_scratch_prefix);  // by route_kernel
   for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-    int64_t total = 0, before = 0, mine = 0;
+    int64_t total = 0, before = 0;
     for (int q = 0; q < n; ++q) {
       int32_t v = count_cell(p, q, first + j);
       total += v;
       if (q < p.me) before += v;
     }
-    for (int jj = 0; jj < j; ++jj) mine += count_cell(p, p.me, first + jj);
     base[j] = static_cast<int32_t>(before);
-    prefix[j] = static_cast<int32_t>(mine);
+    prefix[j] = my_prefix[j];
     if (total > (tm ? p.g.recv_rows : p.g.expert_cap)) atomicMin(&overflow_at, j);
   }
   __syncthreads();

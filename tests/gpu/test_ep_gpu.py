@@ -1,0 +1,118 @@
+"""Expert-parallel dispatch/combine on CUDA GPUs: every kernel and layout,
+threads and processes, CUDA-graph replay, errors. The PE programs and their
+references are the cpu tests' (tests/test_ep_programs.py)."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import symheap  # noqa: E402
+from symheap.testing import run_threads  # noqa: E402
+
+import test_ep_programs as progs  # noqa: E402
+
+two_gpus = pytest.mark.two_gpus
+KERNELS = ["intranode", "low_latency", "copy_engine"]
+
+
+def cfg(**kw):
+    base = dict(hidden=256, max_tokens_per_rank=48, num_experts=16, topk=4, dtype="bfloat16")
+    base.update(kw)
+    return base
+
+
+def run_per_device(fn, args):
+    from launch import run_process_per_device
+    return run_process_per_device(fn, [0, 1], args=args)
+
+
+@two_gpus
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_token_major_threads(kernel):
+    configs = [cfg(kernel=kernel), cfg(kernel=kernel, dtype="float8_e4m3fn", scale_dim=128),
+               cfg(kernel=kernel, dtype="float32", hidden=64)]
+    if kernel == "intranode":
+        configs.append(cfg(kernel=kernel, max_recv_tokens=96, dtype="float16"))
+    run_threads(progs.many_configs, 2, args=(configs,))
+
+
+@two_gpus
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_expert_major_threads(kernel):
+    configs = [cfg(kernel=kernel, layout="expert_major"),
+               cfg(kernel=kernel, layout="expert_major", dtype="float8_e4m3fn", scale_dim=64,
+                   num_experts=8, topk=2)]
+    run_threads(progs.many_configs, 2, args=(configs,))
+
+
+@two_gpus
+def test_deepseek_row_width():
+    """Full-width rows (7168) of bf16 and fp8 with 56 scales per row."""
+    configs = [cfg(hidden=7168, max_tokens_per_rank=16, num_experts=32, topk=8),
+               cfg(hidden=7168, max_tokens_per_rank=16, num_experts=32, topk=8,
+                   dtype="float8_e4m3fn", scale_dim=128, kernel="low_latency",
+                   layout="expert_major")]
+    run_threads(progs.many_configs, 2, args=(configs, progs.DEFAULT_PLAN[:3]))
+
+
+@two_gpus
+def test_two_processes_match_two_threads():
+    configs = [cfg(), cfg(kernel="low_latency", layout="expert_major"),
+               cfg(kernel="copy_engine", dtype="float16")]
+    by_threads = run_threads(progs.many_configs, 2, args=(configs,))
+    by_processes = run_per_device(progs.many_configs, (configs,))
+    assert by_threads == by_processes
+
+
+@two_gpus
+@pytest.mark.parametrize("layout", ["token_major", "expert_major"])
+def test_low_latency_graph_replay(layout):
+    kw = cfg(kernel="low_latency", layout=layout, num_experts=8)
+    assert run_threads(progs.graph_replay, 2, args=(kw, 10)) == [10, 10]
+
+
+@two_gpus
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("fault,match", [("too_many_tokens", "max_tokens_per_rank=48"),
+                                         ("expert_too_large", "expert id 16"),
+                                         ("wrong_dtype", "x must have dtype bfloat16")])
+def test_bad_input(kernel, fault, match):
+    results = run_threads(progs.bad_input_then_recover, 2, args=(cfg(kernel=kernel), 1, fault))
+    for rank, ((kind, msg), recovered) in enumerate(results):
+        assert recovered
+        if rank == 1:
+            assert kind == "ValueError" and match in msg, msg
+        else:
+            assert kind == "SymheapError" and "PE 1" in msg, msg
+
+
+@two_gpus
+@pytest.mark.parametrize("kw", [dict(max_recv_tokens=60),
+                                dict(layout="expert_major", kernel="low_latency", num_experts=4,
+                                     topk=2, expert_capacity=60)])
+def test_receive_overflow(kw):
+    for msg in run_threads(progs.overflow, 2, args=(cfg(**kw),)):
+        assert "overflow" in msg or "would receive" in msg, msg
+
+
+@two_gpus
+def test_interleaved_ops_and_misuse():
+    assert run_threads(progs.interleaved_ops, 2) == [True, True]
+    for errors in run_threads(progs.combine_misuse, 2):
+        assert len(errors) == 3
+
+
+@two_gpus
+def test_absent_peer_times_out():
+    results = run_threads(progs.absent_peer, 2, args=(1,), init_kwargs={"timeout": 2.0})
+    assert results[1] is None
+    assert "timed out" in results[0] and "PE 1" in results[0], results[0]
+
+
+@two_gpus
+def test_close_frees_heap():
+    for before, after in run_threads(progs.heap_after_ops, 2, args=(cfg(kernel="copy_engine"),)):
+        assert before == after
