@@ -18,19 +18,27 @@
 // Epochs live on the device, so the launches can be captured in a CUDA graph
 // and replayed. Every wait gives up after timeout_ns, recording the late PE
 // in the error word (and its host-mapped mirror); the host raises it.
+//
+// The file also compiles as host C++ (ep_device_compat.hpp): the cpu test
+// suite runs these kernels in an emulation (ep_emulated.cpp).
 #pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
 
 #include "ops/ep/ep_config.hpp"
+#include "ops/ep/ep_device_compat.hpp"
+#ifndef __CUDACC__
+#include "ops/ep/ep_numeric.hpp"
+#endif
 
 namespace symheap::ep::kernels {
 
-constexpr int kThreads = 512;      // dispatch / combine blocks
+#ifdef __CUDACC__
+constexpr int kThreads = 512;  // dispatch / combine blocks
 constexpr int kRouteThreads = 256;
+#else  // the host emulation: fewer OS threads per block, hence more blocks per grid
+constexpr int kThreads = 64;
+constexpr int kRouteThreads = 64;
+#endif
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kMaxBlocks = 128;
 
@@ -87,13 +95,11 @@ __device__ __forceinline__ uint64_t* local_word(const Params& p, int w) {
   return at<uint64_t>(p, p.me, p.g.off_local) + w;
 }
 
+#ifdef __CUDACC__
 __device__ __forceinline__ uint64_t ld_acquire(const uint64_t* a) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
   return v;
-}
-__device__ __forceinline__ uint64_t ld_volatile(const uint64_t* a) {
-  return *reinterpret_cast<const volatile uint64_t*>(a);
 }
 __device__ __forceinline__ void st_release(uint64_t* a, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
@@ -105,6 +111,21 @@ __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+__device__ __forceinline__ void spin_pause() {}
+#else
+inline uint64_t ld_acquire(const uint64_t* a) { return __atomic_load_n(a, __ATOMIC_ACQUIRE); }
+inline void st_release(uint64_t* a, uint64_t v) { __atomic_store_n(a, v, __ATOMIC_RELEASE); }
+inline void add_release(uint64_t* a, uint64_t v) { __atomic_fetch_add(a, v, __ATOMIC_RELEASE); }
+inline uint64_t now_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+inline void spin_pause() { sched_yield(); }
+#endif
+__device__ __forceinline__ uint64_t ld_volatile(const uint64_t* a) {
+  return *reinterpret_cast<const volatile uint64_t*>(a);
 }
 
 // Records the first failure on this PE (device word, then the host mirror).
@@ -134,6 +155,7 @@ __device__ inline bool wait_all(const Params& p, size_t off_flags, uint64_t targ
   for (int q = 0; q < p.n; ++q) {
     unsigned spins = 0;
     while (ld_acquire(flags + q) < target) {
+      spin_pause();
       if ((++spins & 1023u) == 0) {
         if (ld_volatile(err) == kPeerTimeout) return false;
         if (now_ns() - start > p.timeout_ns) {
@@ -384,10 +406,10 @@ __device__ inline void make_plan(const Params& p, DispatchPlan& plan, int32_t* b
   }
 }
 
-// Whether this PE must report an abort (the caller already raised its own
-// host-detected error: too many tokens, bad argument).
+// Whether this PE must record an abort for the host to raise later. Not when
+// the caller found a bad argument here: it raised that at once.
 __device__ inline bool must_report(const Params& p, const DispatchPlan& plan) {
-  if (plan.abort_status == kOk) return false;
+  if (plan.abort_status == kOk || p.host_status != kOk) return false;
   if (plan.abort_pe != p.me) return true;
   return plan.abort_status == kExpertOutOfRange || plan.abort_status == kRecvOverflow;
 }
@@ -460,7 +482,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   const bool tm = p.c.layout == Layout::TokenMajor;
   const Geometry& g = p.g;
   const uint64_t epoch = ld_volatile(local_word(p, kDispatchEpoch)) + 1;
-  extern __shared__ int32_t dyn[];
+  EP_DYNAMIC_SHARED(int32_t, dyn);
   const int cols = tm ? n : E;
   int32_t* base = dyn;  // [cols]
   int32_t* prefix = base + cols;
@@ -685,6 +707,36 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Params p) {
   }
 }
 
+// Two 16-bit floats of one 32-bit word, to and from fp32.
+#ifdef __CUDACC__
+__device__ __forceinline__ float2 halves_to_float2(uint32_t w, DType dt) {
+  return dt == DType::BF16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w))
+                           : __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ uint32_t float2_to_halves(float a, float b, DType dt) {
+  if (dt == DType::BF16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+#else
+struct float2 {
+  float x, y;
+};
+inline float2 halves_to_float2(uint32_t w, DType dt) {
+  uint16_t lo = static_cast<uint16_t>(w & 0xffffu), hi = static_cast<uint16_t>(w >> 16);
+  if (dt == DType::BF16) return {bf16_to_float(lo), bf16_to_float(hi)};
+  return {fp16_to_float(lo), fp16_to_float(hi)};
+}
+inline uint32_t float2_to_halves(float a, float b, DType dt) {
+  uint32_t lo = dt == DType::BF16 ? float_to_bf16(a) : float_to_fp16(a);
+  uint32_t hi = dt == DType::BF16 ? float_to_bf16(b) : float_to_fp16(b);
+  return lo | (hi << 16);
+}
+#endif
+
 // Converts 16 bytes of `dt` values to floats; returns how many.
 __device__ __forceinline__ int unpack16(int4 v, DType dt, float* f) {
   if (dt == DType::F32) {
@@ -697,17 +749,9 @@ __device__ __forceinline__ int unpack16(int4 v, DType dt, float* f) {
   const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
                              static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
   for (int i = 0; i < 4; ++i) {
-    if (dt == DType::BF16) {
-      __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&words[i]);
-      float2 x = __bfloat1622float2(b);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    } else {
-      __half2 h = *reinterpret_cast<const __half2*>(&words[i]);
-      float2 x = __half22float2(h);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
+    float2 x = halves_to_float2(words[i], dt);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
   }
   return 8;
 }
@@ -721,20 +765,10 @@ __device__ __forceinline__ int4 pack16(const float* f, DType dt) {
     v.w = __float_as_int(f[3]);
     return v;
   }
-  uint32_t words[4];
-  for (int i = 0; i < 4; ++i) {
-    if (dt == DType::BF16) {
-      __nv_bfloat162 b = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-      words[i] = *reinterpret_cast<uint32_t*>(&b);
-    } else {
-      __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-      words[i] = *reinterpret_cast<uint32_t*>(&h);
-    }
-  }
-  v.x = static_cast<int>(words[0]);
-  v.y = static_cast<int>(words[1]);
-  v.z = static_cast<int>(words[2]);
-  v.w = static_cast<int>(words[3]);
+  v.x = static_cast<int>(float2_to_halves(f[0], f[1], dt));
+  v.y = static_cast<int>(float2_to_halves(f[2], f[3], dt));
+  v.z = static_cast<int>(float2_to_halves(f[4], f[5], dt));
+  v.w = static_cast<int>(float2_to_halves(f[6], f[7], dt));
   return v;
 }
 
@@ -789,7 +823,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(Params p) {
   }
   if (!last_block(p, kReduceDone)) return;
   if (threadIdx.x == 0) {
-    if (bad_status != kOk && bad_status != kPeerTimeout && bad_pe != p.me)
+    if (bad_status != kOk && bad_status != kPeerTimeout && p.host_status == kOk)
       record_error(p, bad_status, 0, bad_pe, epoch);
     __threadfence_system();
     for (int q = 0; q < n; ++q) st_release(at<uint64_t>(p, q, g.off_freed_flag) + p.me, epoch);

@@ -1,8 +1,11 @@
 // Op registry (per device slot) and the backend-independent entry points.
 #include "ops/ep/ep_op.hpp"
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 
+#include "ops/ep/ep_device.hpp"
 #include "symheap/errors.hpp"
 
 namespace symheap::ep {
@@ -21,6 +24,11 @@ std::shared_ptr<Registry> registry_of(PeState& s) {
 }
 
 bool on_cuda() { return std::string(Runtime::instance().backend().name()) == "cuda"; }
+
+bool emulate_device() {
+  const char* v = std::getenv("SYMHEAP_EP_EMULATE_DEVICE");
+  return v && *v && std::strcmp(v, "0") != 0;
+}
 
 }  // namespace
 
@@ -48,8 +56,9 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
     DeviceGuard guard(s.device);
     Runtime::instance().backend().zero(s.device, s.base() + ws_offset, geo.sync_bytes);
 #ifdef SYMHEAP_WITH_CUDA
-    if (on_cuda()) create_cuda(s, *op);
+    if (on_cuda()) op->impl = make_cuda_device(s, *op);
 #endif
+    if (!on_cuda() && emulate_device()) op->impl = make_emulated_device(s, *op);
   }
   auto reg = registry_of(s);
   std::lock_guard<std::mutex> lock(reg->mu);
@@ -70,7 +79,7 @@ void destroy(PeState& s, int64_t id) {
   }
   std::lock_guard<std::mutex> wait_for_calls(op->mu);
   DeviceGuard guard(s.device);
-  op->cuda.reset();
+  op->impl.reset();
 }
 
 std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeState>* state) {
@@ -91,31 +100,22 @@ std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeS
 int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a) {
   std::lock_guard<std::mutex> lock(op.mu);
   DeviceGuard guard(s.device);
-#ifdef SYMHEAP_WITH_CUDA
-  if (on_cuda()) return dispatch_cuda(s, op, a);
-#endif
+  if (op.impl) return op.impl->dispatch(s, op, a);
   return dispatch_cpu(s, op, a);
 }
 
 void combine(PeState& s, Op& op, const CombineArgs& a) {
   std::lock_guard<std::mutex> lock(op.mu);
   DeviceGuard guard(s.device);
-#ifdef SYMHEAP_WITH_CUDA
-  if (on_cuda()) return combine_cuda(s, op, a);
-#endif
+  if (op.impl) return op.impl->combine(s, op, a);
   combine_cpu(s, op, a);
 }
 
 void check(PeState& s, Op& op, StreamHandle stream, bool sync) {
-#ifdef SYMHEAP_WITH_CUDA
-  if (on_cuda()) {
-    std::lock_guard<std::mutex> lock(op.mu);
-    DeviceGuard guard(s.device);
-    check_cuda(s, op, stream, sync);
-  }
-#else
-  (void)s, (void)op, (void)stream, (void)sync;
-#endif
+  std::lock_guard<std::mutex> lock(op.mu);
+  if (!op.impl) return;
+  DeviceGuard guard(s.device);
+  op.impl->check(s, op, stream, sync);
 }
 
 }  // namespace symheap::ep

@@ -66,7 +66,7 @@ struct Op {
   std::mutex mu;         // one call at a time per op
   uint64_t dispatch_epoch = 0;  // host-side epochs (cpu; the cuda kernels keep theirs on device)
   uint64_t combine_epoch = 0;
-  std::shared_ptr<void> cuda;  // per-op CUDA resources (streams, events, error word)
+  std::shared_ptr<class DeviceImpl> impl;  // CUDA (or its emulation); null: cpu implementation
 };
 
 // Creates the op on the calling thread's PE, zeroes its sync words, and
@@ -83,15 +83,9 @@ void combine(PeState& s, Op& op, const CombineArgs& a);
 // With sync, waits for the stream first.
 void check(PeState& s, Op& op, StreamHandle stream, bool sync);
 
-// Backend-specific implementations.
+// The cpu implementation (the device one is in ep_device.hpp).
 int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a);
 void combine_cpu(PeState& s, Op& op, const CombineArgs& a);
-#ifdef SYMHEAP_WITH_CUDA
-void create_cuda(PeState& s, Op& op);
-int64_t dispatch_cuda(PeState& s, Op& op, const DispatchArgs& a);
-void combine_cuda(PeState& s, Op& op, const CombineArgs& a);
-void check_cuda(PeState& s, Op& op, StreamHandle stream, bool sync);
-#endif
 
 // Address of `offset` within PE pe's copy of the workspace, as the host sees
 // it (a device address on cuda: usable by copies and kernels, not by the host).

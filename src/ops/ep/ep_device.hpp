@@ -1,0 +1,26 @@
+// The device implementation of an op (CUDA, or its host emulation): the
+// same host driver and kernels over two small runtimes.
+#pragma once
+#include <memory>
+
+#include "ops/ep/ep_op.hpp"
+
+namespace symheap::ep {
+
+class DeviceImpl {
+ public:
+  virtual ~DeviceImpl() = default;
+  virtual int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a) = 0;
+  virtual void combine(PeState& s, Op& op, const CombineArgs& a) = 0;
+  // Raises the first failure a kernel recorded; with sync, waits for the stream first.
+  virtual void check(PeState& s, Op& op, StreamHandle stream, bool sync) = 0;
+};
+
+#ifdef SYMHEAP_WITH_CUDA
+std::shared_ptr<DeviceImpl> make_cuda_device(PeState& s, Op& op);
+#endif
+// The kernels compiled for the host and run in an emulation on the cpu
+// backend (SYMHEAP_EP_EMULATE_DEVICE=1): one PE per process.
+std::shared_ptr<DeviceImpl> make_emulated_device(PeState& s, Op& op);
+
+}  // namespace symheap::ep

@@ -1,0 +1,233 @@
+// Host side of the device implementation: what each call launches, and on
+// which stream, over a small runtime `Rt` (CUDA in ep_cuda.cu, the host
+// emulation in ep_emulated.cpp). Rt provides:
+//   int32_t* host / host_dev      the host-mapped mirror (kernels::HostWord)
+//   launch(kernel, grid, block, shared_bytes, stream, args...)
+//   sync(stream)                  waits for the stream
+//   zero_async(ptr, bytes, stream)
+//   channels_after(stream)        copy-engine channels wait for the stream's work
+//   copy(pe, dst, src, bytes)     a copy on the channel to `pe`
+//   signal(pe, flag)              adds 1 to `flag` after the channel's copies
+//   stream_after_channels(stream) the stream waits for every channel
+//
+// Host synchronisation, by kernel:
+//   low_latency   never (fixed capacity; graph capturable);
+//   intranode     only without max_recv_tokens, to return exactly the rows received;
+//   copy_engine   after packing, to learn the copy plan, in dispatch and in combine.
+#pragma once
+#include <algorithm>
+#include <string>
+
+#include "ops/ep/ep_device.hpp"
+#include "ops/ep/ep_kernels.cuh"
+#include "symheap/errors.hpp"
+
+namespace symheap::ep {
+
+template <class Rt>
+class DeviceDriver final : public DeviceImpl {
+ public:
+  template <class... A>
+  explicit DeviceDriver(A&&... args) : rt_(std::forward<A>(args)...) {}
+
+  int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a) override {
+    const Geometry& g = op.geo;
+    int32_t detail = 0;
+    int32_t status = a.status;
+    if (status == kOk && (a.num_tokens < 0 || a.num_tokens > op.cfg.max_tokens)) {
+      status = kTooManyTokens;
+      detail = static_cast<int32_t>(std::min<int64_t>(a.num_tokens, INT32_MAX));
+    }
+    kernels::Params p = base_params(s, op);
+    p.T = status == kOk ? a.num_tokens : 0;
+    p.host_status = status;
+    p.host_detail = detail;
+    p.x = static_cast<const char*>(a.x);
+    p.scales = static_cast<const char*>(a.scales);
+    p.idx = a.topk_idx;
+    p.idx64 = a.idx_int64;
+    p.w = a.topk_weights;
+    p.num_recv = a.num_recv;
+    p.expert_counts = a.expert_counts;
+    p.send_rows = a.send_rows;
+    p.recv_meta = a.recv_meta;
+    p.summary = a.recv_summary;
+    p.saved_w = a.saved_weights;
+    const bool ce = op.cfg.kernel == Kernel::CopyEngine;
+    p.flag_per_epoch = ce ? 1 : dispatch_blocks(op);
+
+    rt_.launch(kernels::route_kernel, route_blocks(op), kernels::kRouteThreads, 0, a.stream, p);
+    const int cols = op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
+    rt_.launch(kernels::dispatch_kernel, dispatch_blocks(op), kernels::kThreads,
+               2 * static_cast<size_t>(cols) * sizeof(int32_t), a.stream, p);
+    if (!ce) {
+      if (g.padded_output) {
+        raise_own(op, status, detail, "dispatch");
+        raise_recorded(s, op, a.stream);
+        return -1;
+      }
+      rt_.sync(a.stream);  // intranode without max_recv_tokens: exact rows
+      raise_own(op, status, detail, "dispatch");
+      raise_recorded(s, op, a.stream);
+      return mirror()[kernels::kHostNumRecv];
+    }
+
+    // Copy engine: the host reads the plan, then the channels move the rows.
+    rt_.sync(a.stream);
+    volatile int32_t* h = mirror();
+    const int32_t abort = h[kernels::kHostAbort];
+    const int64_t num_recv = h[kernels::kHostNumRecv];
+    const bool tm = op.cfg.layout == Layout::TokenMajor;
+    const size_t K = static_cast<size_t>(op.cfg.topk);
+    rt_.channels_after(a.stream);
+    for (int i = 0, n = h[kernels::kHostSegments]; i < n; ++i) {
+      volatile int32_t* seg = h + kernels::kHostSegment0 + 4 * i;
+      const int pe = seg[0];
+      const int64_t from = seg[1], to = seg[2], rows = seg[3];
+      auto move = [&](size_t src_off, size_t dst_off, size_t row_bytes) {
+        if (row_bytes)
+          rt_.copy(pe, ws(s, op, pe, dst_off) + to * row_bytes,
+                   ws(s, op, op.my_pe, src_off) + from * row_bytes, rows * row_bytes);
+      };
+      move(g.off_stage_x, g.off_recv_x, g.row_bytes);
+      move(g.off_stage_scales, g.off_recv_scales, g.scale_row_bytes);
+      if (tm) move(g.off_stage_idx, g.off_recv_idx, K * 4);
+      move(g.off_stage_w, g.off_recv_w, (tm ? K : 1) * 4);
+      move(g.off_stage_meta, g.off_recv_meta, kMetaWords * 4);
+    }
+    signal_all(s, op, g.off_data_flag);
+    rt_.stream_after_channels(a.stream);
+    rt_.launch(kernels::finish_kernel, 1, kernels::kThreads, 0, a.stream, p, abort);
+    raise_own(op, status, detail, "dispatch");
+    raise_recorded(s, op, a.stream);
+    return num_recv;
+  }
+
+  void combine(PeState& s, Op& op, const CombineArgs& a) override {
+    const Geometry& g = op.geo;
+    int32_t status = a.status;
+    if (status == kOk && (a.num_tokens < 0 || a.num_tokens > op.cfg.max_tokens))
+      status = kBadArgument;
+    kernels::Params p = base_params(s, op);
+    p.T = status == kOk ? a.num_tokens : 0;
+    p.host_status = status;
+    p.expert_out = static_cast<const char*>(a.expert_out);
+    p.h_send_rows = a.send_rows;
+    p.h_meta = a.recv_meta;
+    p.h_summary = a.recv_summary;
+    p.cw = a.weights;
+    p.out = static_cast<char*>(a.out);
+    const bool ce = op.cfg.kernel == Kernel::CopyEngine;
+    p.flag_per_epoch = ce ? 1 : send_blocks(op);
+
+    rt_.launch(kernels::combine_send_kernel, send_blocks(op), kernels::kThreads, 0, a.stream, p);
+    if (ce) {
+      rt_.sync(a.stream);
+      volatile int32_t* h = mirror();
+      const size_t crb = g.combine_row_bytes;
+      const bool tm = op.cfg.layout == Layout::TokenMajor;
+      rt_.channels_after(a.stream);
+      for (int i = 0, n = h[kernels::kHostSegments]; i < n; ++i) {
+        volatile int32_t* seg = h + kernels::kHostSegment0 + 4 * i;
+        const int pe = seg[0];
+        const int64_t from = seg[1], to = seg[2], rows = seg[3];
+        const char* src = tm ? static_cast<const char*>(a.expert_out) + from * crb
+                             : ws(s, op, op.my_pe, g.off_stage_combine) + from * crb;
+        rt_.copy(pe, ws(s, op, pe, g.off_combine_buf) + to * crb, src, rows * crb);
+      }
+      signal_all(s, op, g.off_combine_flag);
+      rt_.stream_after_channels(a.stream);
+    }
+    rt_.launch(kernels::combine_reduce_kernel, reduce_blocks(op), kernels::kThreads, 0, a.stream,
+               p);
+    raise_own(op, status, 0, "combine");
+    raise_recorded(s, op, a.stream);
+  }
+
+  void check(PeState& s, Op& op, StreamHandle stream, bool sync) override {
+    if (sync) rt_.sync(stream);
+    raise_recorded(s, op, stream);
+  }
+
+ private:
+  Rt rt_;
+
+  volatile int32_t* mirror() { return rt_.host; }
+
+  static int blocks_for(int64_t items, int per_block) {
+    int64_t b = (items + per_block - 1) / per_block;
+    return static_cast<int>(std::clamp<int64_t>(b, 1, kernels::kMaxBlocks));
+  }
+  // Grids depend on the config only, so every PE adds the same to a flag.
+  static int dispatch_blocks(const Op& op) {
+    return blocks_for(op.cfg.max_tokens, kernels::kWarpsPerBlock);
+  }
+  static int send_blocks(const Op& op) {
+    return blocks_for(op.geo.recv_rows, kernels::kWarpsPerBlock);
+  }
+  static int reduce_blocks(const Op& op) {
+    return blocks_for(op.cfg.max_tokens, kernels::kWarpsPerBlock);
+  }
+  static int route_blocks(const Op& op) {
+    return op.cfg.layout == Layout::TokenMajor ? op.n_pes + op.cfg.num_experts
+                                               : op.cfg.num_experts;
+  }
+
+  static char* ws(PeState& s, const Op& op, int pe, size_t off) {
+    return static_cast<char*>(s.peers[pe].base) + op.ws_offset + off;
+  }
+
+  kernels::Params base_params(PeState& s, Op& op) {
+    kernels::Params p{};
+    p.c = op.cfg;
+    p.g = op.geo;
+    p.peers = s.peer_table();
+    p.ws = op.ws_offset;
+    p.me = op.my_pe;
+    p.n = op.n_pes;
+    p.timeout_ns = static_cast<uint64_t>(op.timeout_s * 1e9);
+    p.host = rt_.host_dev;
+    p.pack = op.cfg.kernel == Kernel::CopyEngine;
+    return p;
+  }
+
+  // Copy engine: +1 on `flag_off` of every PE, from each channel after its copies.
+  void signal_all(PeState& s, Op& op, size_t flag_off) {
+    for (int q = 0; q < op.n_pes; ++q)
+      rt_.signal(q, reinterpret_cast<uint64_t*>(ws(s, op, q, flag_off)) + op.my_pe);
+  }
+
+  static void raise_own(const Op& op, int32_t status, int32_t detail, const char* call) {
+    if (status == kOk) return;
+    throw InvalidArgument(std::string("ep ") + call + " aborted on every PE: " +
+                          describe_status(status, detail, op.my_pe, op.cfg));
+  }
+
+  // Raises the failure a kernel recorded, if any, and clears it.
+  void raise_recorded(PeState& s, Op& op, StreamHandle stream) {
+    volatile int32_t* h = mirror();
+    const int32_t status = h[kernels::kHostStatus];
+    if (status == kOk) return;
+    const int32_t detail = h[kernels::kHostDetail], pe = h[kernels::kHostPe],
+                  epoch = h[kernels::kHostEpoch];
+    h[kernels::kHostStatus] = kOk;
+    rt_.zero_async(s.base() + op.ws_offset + op.geo.off_local + 8 * kErrorWord, 8, stream);
+    std::string what = "ep call (device epoch " + std::to_string(epoch) + ") on PE " +
+                       std::to_string(op.my_pe) + " failed: ";
+    if (status == kPeerTimeout)
+      throw TimeoutError(what + "timed out after " + std::to_string(op.timeout_s) +
+                         " s waiting for PE " + std::to_string(detail) +
+                         " (did every PE make the same call?); the op is unusable now");
+    if (status == kRecvOverflow)
+      throw InvalidArgument(
+          what + "a receive buffer would overflow (" +
+          (op.cfg.layout == Layout::TokenMajor
+               ? "PE " + std::to_string(detail) + " would receive too many rows; raise max_recv_tokens)"
+               : "expert " + std::to_string(detail) + " would receive too many rows; raise expert_capacity)"));
+    std::string msg = what + describe_status(status, detail, pe, op.cfg);
+    if (pe == op.my_pe) throw InvalidArgument(msg);
+    throw StateError(msg);
+  }
+};
+
+}  // namespace symheap::ep

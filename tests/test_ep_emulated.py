@@ -1,0 +1,87 @@
+"""The CUDA kernels of symheap.ep, compiled for the host and run in an
+emulation on the cpu backend (SYMHEAP_EP_EMULATE_DEVICE=1, one PE per
+process): the same PE programs and references as tests/test_ep.py, so the
+kernels' logic (routing, placement, protocol, aborts, timeouts, copy plans)
+is checked on machines without a GPU. CUDA-specific behaviour (memory
+ordering, graph capture, speed) is tests/gpu's business."""
+import pytest
+
+pytest.importorskip("torch")
+
+from symheap.testing import run_processes  # noqa: E402
+
+import test_ep_programs as progs  # noqa: E402
+
+EMULATE = {"SYMHEAP_EP_EMULATE_DEVICE": "1", "SYMHEAP_TIMEOUT": "20"}
+KERNELS = ["intranode", "low_latency", "copy_engine"]
+
+
+def cfg(**kw):
+    base = dict(hidden=32, max_tokens_per_rank=6, num_experts=8, topk=3, dtype="bfloat16")
+    base.update(kw)
+    return base
+
+
+def emulated(fn, n, args, **kw):
+    return run_processes(fn, n, args=args, env=EMULATE, timeout=240, **kw)
+
+
+def test_every_kernel_and_layout_matches_the_cpu_implementation():
+    configs = [cfg(kernel=k, layout=layout) for k in KERNELS
+               for layout in ("token_major", "expert_major")]
+    configs += [cfg(dtype="float8_e4m3fn", scale_dim=8, kernel="low_latency",
+                    layout="expert_major"),
+                cfg(dtype="float32", kernel="copy_engine"),
+                cfg(dtype="float16", max_recv_tokens=12)]
+    by_kernels = emulated(progs.many_configs, 2, (configs,))
+    by_cpu = run_processes(progs.many_configs, 2, args=(configs,))
+    assert by_kernels == by_cpu  # bit for bit: rows, and combine's fp32 sums
+
+
+def test_four_pes():
+    configs = [cfg(num_experts=16, kernel="intranode"),
+               cfg(num_experts=16, kernel="copy_engine", layout="expert_major", dtype="float32")]
+    emulated(progs.many_configs, 4, (configs,))
+
+
+@pytest.mark.parametrize("kw,fault,match", [
+    (dict(kernel="low_latency"), "expert_too_large", "expert id 8"),
+    (dict(kernel="intranode"), "expert_negative", "expert id -2"),
+    (dict(kernel="intranode", max_recv_tokens=12), "too_many_tokens", "max_tokens_per_rank=6"),
+    (dict(kernel="copy_engine", layout="expert_major"), "wrong_dtype", "x must have dtype"),
+])
+def test_bad_input(kw, fault, match):
+    results = emulated(progs.bad_input_then_recover, 2, (cfg(**kw), 1, fault))
+    for rank, ((kind, msg), recovered) in enumerate(results):
+        assert recovered
+        if rank == 1:
+            assert kind == "ValueError" and match in msg, msg
+        else:
+            assert kind == "SymheapError" and "PE 1" in msg, msg
+
+
+@pytest.mark.parametrize("kw", [dict(kernel="low_latency", max_recv_tokens=7),
+                                dict(kernel="copy_engine", layout="expert_major", num_experts=4,
+                                     topk=2, expert_capacity=7)])
+def test_receive_overflow(kw):
+    for msg in emulated(progs.overflow, 2, (cfg(**kw),)):
+        assert "would receive" in msg, msg
+
+
+def test_interleaved_ops_and_combine_misuse():
+    assert emulated(progs.interleaved_ops, 2, ()) == [True, True]
+    for errors in emulated(progs.combine_misuse, 2, ()):
+        assert len(errors) == 3
+
+
+def test_absent_peer_times_out():
+    results = run_processes(progs.absent_peer, 2, args=(1,), init_kwargs={"timeout": 2.0},
+                            env=EMULATE, timeout=240)
+    assert results[1] is None
+    assert "timed out" in results[0] and "PE 1" in results[0], results[0]
+
+
+def test_one_pe_per_process():
+    from symheap.testing import PeFailure
+    with pytest.raises(PeFailure, match="one PE per process"):
+        run_processes(progs.many_configs, 1, args=([cfg()],), threads_per_proc=2, env=EMULATE)
