@@ -36,7 +36,14 @@ class CudaRt {
     std::fill(host, host + words, 0);
     EP_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));
     EP_CUDA(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
-    EP_CUDA(cudaDeviceSynchronize());  // the zeroed sync words are in place before peers write
+    // Zero the sync words on a private stream that waits for nothing else
+    // (not even kernels of other ops still running), and wait for exactly that.
+    cudaStream_t setup = nullptr;
+    EP_CUDA(cudaStreamCreateWithFlags(&setup, cudaStreamNonBlocking));
+    cudaError_t err = cudaMemsetAsync(s.base() + op.ws_offset, 0, op.geo.sync_bytes, setup);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(setup);
+    cudaStreamDestroy(setup);
+    EP_CUDA(err);
   }
   CudaRt(const CudaRt&) = delete;
   CudaRt& operator=(const CudaRt&) = delete;

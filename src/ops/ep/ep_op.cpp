@@ -54,11 +54,15 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
   op->timeout_s = s.timeout_s;
   {
     DeviceGuard guard(s.device);
-    Runtime::instance().backend().zero(s.device, s.base() + ws_offset, geo.sync_bytes);
+    // The sync words start at zero on every PE before any PE writes them
+    // (the caller barriers after create).
 #ifdef SYMHEAP_WITH_CUDA
-    if (on_cuda()) op->impl = make_cuda_device(s, *op);
+    if (on_cuda()) op->impl = make_cuda_device(s, *op);  // zeroes them itself
 #endif
-    if (!on_cuda() && emulate_device()) op->impl = make_emulated_device(s, *op);
+    if (!op->impl) {
+      Runtime::instance().backend().zero(s.device, s.base() + ws_offset, geo.sync_bytes);
+      if (emulate_device()) op->impl = make_emulated_device(s, *op);
+    }
   }
   auto reg = registry_of(s);
   std::lock_guard<std::mutex> lock(reg->mu);
