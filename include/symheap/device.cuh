@@ -80,17 +80,16 @@ __device__ __forceinline__ bool compare_holds(u64 lhs, int cmp, u64 rhs) {
   }
 }
 
-// Records the first failure of this PE (later ones are dropped) and says
-// so once on stdout; the host turns the record into an exception.
-inline __device__ __noinline__ void report(const DeviceContext& ctx, u64 code, u64 a, u64 b, u64 c) {
+// Records the first failure of this PE (later ones are dropped); the host
+// turns the record into an exception at its next quiet or barrier.
+inline __device__ __noinline__ void report(const DeviceContext& ctx, u64 code, u64 a, u64 b,
+                                           u64 c) {
   u64* rec = ctx.error_record;
   if (atomicCAS(rec, 0ull, code) == 0ull) {
     rec[1] = a;
     rec[2] = b;
     rec[3] = c;
     __threadfence_system();
-    printf("symheap device error on PE %d: code %llu (%llu, %llu, %llu)\n", ctx.my_pe, code, a,
-           b, c);
   }
 }
 

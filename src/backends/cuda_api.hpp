@@ -35,9 +35,12 @@ void sync_channels(int device);
 // Number of channels created so far from `device` (for tests).
 size_t channel_count(int device);
 
-// The first failure a kernel recorded on this PE (device.cuh), as a message,
-// and clears it; empty when none.
-std::string take_device_error(PeState& s);
+// The first failure a kernel recorded on this PE (device.cuh) and clears it.
+struct DeviceError {
+  int code = 0;  // DeviceErrorCode; 0 when none
+  std::string message;
+};
+DeviceError take_device_error(PeState& s);
 
 // Why cuStreamWriteValue64 is not used on `device` ("" when it is).
 std::string stream_memops_status(int device);

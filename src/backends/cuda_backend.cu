@@ -382,6 +382,8 @@ class CudaBackend final : public Backend {
   std::map<std::string, std::weak_ptr<Region>> ipc_open_;  // handle@device -> mapping
 };
 
+std::string describe(const uint64_t* rec, const std::string& pe);
+
 bool backend_active() { return std::strcmp(Runtime::instance().backend().name(), "cuda") == 0; }
 
 std::string stream_memops_status(int device) {
@@ -390,7 +392,7 @@ std::string stream_memops_status(int device) {
   return res.memops_ok ? "" : res.memops_why;
 }
 
-std::string take_device_error(PeState& s) {
+DeviceError take_device_error(PeState& s) {
   uint64_t rec[4] = {0, 0, 0, 0};
   {
     // On the private non-blocking stream: never waits behind user kernels.
@@ -401,11 +403,18 @@ std::string take_device_error(PeState& s) {
                                        cudaMemcpyDefault, res.ops));
     SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(res.ops));
     std::memcpy(rec, res.pinned + 8, sizeof rec);
-    if (rec[0] == 0) return "";
+    if (rec[0] == 0) return {};
     SYMHEAP_CUDA_CHECK(cudaMemsetAsync(s.device_error_record(), 0, sizeof rec, res.ops));
     SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(res.ops));
   }
   std::string pe = "PE " + std::to_string(s.my_pe);
+  DeviceError out;
+  out.code = static_cast<int>(rec[0]);
+  out.message = describe(rec, pe);
+  return out;
+}
+
+std::string describe(const uint64_t* rec, const std::string& pe) {
   switch (rec[0]) {
     case kDeviceWaitTimeout:
       return "device signal_wait_until on " + pe + " timed out: the word at heap offset " +

@@ -130,6 +130,19 @@ SYMHEAP_BINDINGS(device) {
       },
       "Bytes of the calling PE's symheap::DeviceContext (pass by value to kernels).");
   m.attr("device_context_size") = sizeof(DeviceContext);
+  // Finalize step 1 of 2: unmap the heaps of other processes while they are
+  // still allocated (CUDA IPC requires importers to close before the owner
+  // frees); step 2, destroy_pe, frees this PE's own heap.
+  m.def("release_peer_mappings", [](int device) {
+    auto s = rt().slot(device);
+    if (!s) return;
+    py::gil_scoped_release nogil;
+    for (auto& peer : s->peers) {
+      if (peer.kind != PeerKind::SameNode) continue;
+      peer.base = nullptr;
+      peer.mapping.reset();
+    }
+  });
   m.def("byte_capsule", &byte_capsule, py::arg("ptr"), py::arg("nbytes"),
         py::arg("device_type"), py::arg("device"), py::arg("owner"));
 
@@ -153,8 +166,12 @@ SYMHEAP_BINDINGS(device) {
   });
   m.def("take_device_error", [] {
     auto s = cuda_pe("take_device_error");
-    py::gil_scoped_release nogil;
-    return cuda::take_device_error(*s);
+    cuda::DeviceError e;
+    {
+      py::gil_scoped_release nogil;
+      e = cuda::take_device_error(*s);
+    }
+    return py::make_tuple(e.code, e.message);
   });
   m.def("cuda_channel_count", [](int device) { return cuda::channel_count(device); });
   m.def("cuda_kernel_cache_entries",
