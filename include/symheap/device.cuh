@@ -61,12 +61,12 @@ __device__ __forceinline__ u64 global_timer_ns() {
 
 __device__ __forceinline__ u64 load_acquire(const u64* p) {
   u64 v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 
 __device__ __forceinline__ void store_release(u64* p, u64 v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ bool compare_holds(u64 lhs, int cmp, u64 rhs) {
@@ -154,13 +154,12 @@ __device__ __forceinline__ u64* word_ptr(W* w) {
   return reinterpret_cast<u64*>(w);
 }
 
+// The fence makes every store this thread has seen (its own and, after a
+// __syncthreads/__syncwarp, its block's or warp's) visible before the signal.
 __device__ __forceinline__ void signal_store(u64* remote, u64 value, int op) {
-  if (op == kSignalAdd) {
-    __threadfence_system();  // data before the signal
-    atomicAdd_system(remote, value);
-  } else {
-    store_release(remote, value);  // release: data before the signal
-  }
+  __threadfence_system();
+  if (op == kSignalAdd) atomicAdd_system(remote, value);
+  else store_release(remote, value);
 }
 
 }  // namespace detail
