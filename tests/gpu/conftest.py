@@ -7,7 +7,7 @@ import sys
 # Forced, not defaulted: tests/conftest.py (loaded first) defaults to cpu.
 os.environ["SYMHEAP_BACKEND"] = "cuda"
 os.environ.setdefault("SYMHEAP_HEAP_SIZE", "256M")
-os.environ.setdefault("SYMHEAP_TIMEOUT", "20")  # a hang fails fast
+os.environ["SYMHEAP_TIMEOUT"] = os.environ.get("SYMHEAP_GPU_TEST_TIMEOUT", "20")  # fail fast
 # Never use NVLink multicast on shared machines.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
