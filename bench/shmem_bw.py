@@ -16,6 +16,7 @@ Latency: 8-byte put_signal ping-pong between kernels on the two GPUs
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -63,11 +64,11 @@ def time_per_op(issue, finish, n_bytes: int, budget_s: float = 0.02) -> float:
 def bandwidth_sweep(max_size: int):
     me = symheap.my_pe()
     rows = []
+    dst = symheap.empty((max_size,), "uint8")  # collective: every PE allocates
     if me == 0:
         dev = torch.device("cuda", symheap.current_device())
         stream = torch.cuda.current_stream(dev)
         h = stream.cuda_stream
-        dst = symheap.empty((max_size,), "uint8")
         peer_dst = symheap.peer_tensor(dst, 1)  # PE 1's copy, as seen from GPU 0
         src = torch.randint(0, 256, (max_size,), dtype=torch.uint8, device=dev)
         sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -91,8 +92,11 @@ def bandwidth_sweep(max_size: int):
                 row[method] = {"us": t * 1e6, "GBps": n / t / 1e9,
                                "ok": bool(torch.equal(peer_dst[:n], src[:n]))}
             rows.append(row)
-        symheap.free(dst)
-    symheap.barrier_all()
+            print("  measured", fmt_size(n), " ".join(
+                f"{m} {row[m]['GBps']:.2f}" for m in METHODS if m in row), flush=True)
+        del peer_dst
+    symheap.barrier_all()  # PE 1 waits here while PE 0 measures
+    symheap.free(dst)
     return rows
 
 
@@ -137,10 +141,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-size", default="1G")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--watchdog", type=float, default=300.0,
+                    help="seconds after which stacks are dumped and the run stops")
     args = ap.parse_args()
     if symheap.backend() != "cuda" or symheap.device_count() < 2:
         sys.exit("shmem_bw needs the cuda backend and two GPUs")
     max_size = _core.parse_size(args.max_size)
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)  # never hang silently
     heap = max_size + (256 << 20)
     results = run_threads(pe_main, 2, args=(max_size,),
                           init_kwargs={"heap_size": heap, "timeout": 600})

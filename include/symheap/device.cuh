@@ -94,13 +94,16 @@ inline __device__ __noinline__ void report(const DeviceContext& ctx, u64 code, u
 }
 
 // Copies n bytes with `nthreads` cooperating threads; `lane` in [0, nthreads).
-// 16-byte vectors when both pointers allow it, four in flight per thread.
+// 16-byte vectors (four in flight per thread) while both pointers allow it,
+// then 8-byte words, then single bytes for what is left.
 __device__ __forceinline__ void copy_bytes(char* dst, const char* src, u64 n, unsigned lane,
                                            unsigned nthreads) {
-  if (((reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src)) & 15) == 0) {
+  const u64 align = reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src);
+  u64 done = 0;
+  if ((align & 15) == 0) {
     const int4* s = reinterpret_cast<const int4*>(src);
     int4* d = reinterpret_cast<int4*>(dst);
-    u64 nv = n >> 4;
+    const u64 nv = n >> 4;
     u64 i = lane;
     for (; i + 3ull * nthreads < nv; i += 4ull * nthreads) {
       int4 a = s[i], b = s[i + nthreads], c = s[i + 2ull * nthreads], e = s[i + 3ull * nthreads];
@@ -110,16 +113,16 @@ __device__ __forceinline__ void copy_bytes(char* dst, const char* src, u64 n, un
       d[i + 3ull * nthreads] = e;
     }
     for (; i < nv; i += nthreads) d[i] = s[i];
-    for (u64 j = (nv << 4) + lane; j < n; j += nthreads) dst[j] = src[j];
-  } else if (((reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src)) & 7) == 0) {
+    done = nv << 4;
+  }
+  if ((align & 7) == 0) {  // `done` is a multiple of 16: alignment is unchanged
     const u64* s = reinterpret_cast<const u64*>(src);
     u64* d = reinterpret_cast<u64*>(dst);
-    u64 nw = n >> 3;
-    for (u64 i = lane; i < nw; i += nthreads) d[i] = s[i];
-    for (u64 j = (nw << 3) + lane; j < n; j += nthreads) dst[j] = src[j];
-  } else {
-    for (u64 j = lane; j < n; j += nthreads) dst[j] = src[j];
+    const u64 nw = n >> 3;
+    for (u64 i = (done >> 3) + lane; i < nw; i += nthreads) d[i] = s[i];
+    done = nw << 3;
   }
+  for (u64 j = done + lane; j < n; j += nthreads) dst[j] = src[j];
 }
 
 __device__ __forceinline__ unsigned lane_in_warp() {

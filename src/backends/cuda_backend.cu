@@ -7,11 +7,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "backends/cuda_api.hpp"
 #include "backends/cuda_backend.cuh"
@@ -182,7 +184,18 @@ void check_stream(int device, StreamHandle stream) {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int count) : count_(count) {}
+  explicit CudaBackend(int count) : count_(count) {
+    // SYMHEAP_CUDA_STREAM_MEMOPS: "local" (default: this process's heaps),
+    // "always" (IPC mappings too) or "never" (signals by kernel only).
+    const char* env = std::getenv("SYMHEAP_CUDA_STREAM_MEMOPS");
+    std::string v = env ? env : "local";
+    if (v == "always") memops_policy_ = MemopsPolicy::Always;
+    else if (v == "never") memops_policy_ = MemopsPolicy::Never;
+    else if (v == "local" || v.empty()) memops_policy_ = MemopsPolicy::Local;
+    else
+      throw InvalidArgument("SYMHEAP_CUDA_STREAM_MEMOPS='" + v +
+                            "' must be local, always or never");
+  }
   const char* name() const override { return "cuda"; }
   int device_count() override { return count_; }
 
@@ -273,6 +286,16 @@ class CudaBackend final : public Backend {
       cudaGetLastError();
     };
     ipc_open_[key] = region;
+    // Peer access to the owner's GPU, when this process sees it, explicitly
+    // rather than lazily (see signal()).
+    int owner = local_device_with_uuid(text.substr(colon + 1));
+    if (owner >= 0 && owner != device) {
+      try {
+        enable_peer_access(device, owner);
+      } catch (const Unsupported&) {
+        // the IPC mapping itself works; only explicit peer access is unavailable
+      }
+    }
     return region;
   }
 
@@ -310,7 +333,14 @@ class CudaBackend final : public Backend {
     check_stream(device, stream);
     ScopedDevice on(device);
     DeviceResources& res = resources(device);
-    if (op == SignalOp::Set && res.memops_ok) {
+    // Stream memory operations into another process's heap (an IPC mapping)
+    // were seen never to land on H200 (a host signal_op on a side stream while
+    // a kernel of the issuing GPU ran); a one-thread kernel always did. So
+    // cuStreamWriteValue64 is used for this process's own heaps only.
+    bool use_memops = op == SignalOp::Set && res.memops_ok &&
+                      (memops_policy_ == MemopsPolicy::Always ||
+                       (memops_policy_ == MemopsPolicy::Local && !in_ipc_mapping(word)));
+    if (use_memops) {
       // No SM: the stream's front end writes the word after earlier work,
       // with a memory barrier (the default flags).
       CUresult r = write_value64()(reinterpret_cast<CUstream>(stream),
@@ -366,6 +396,25 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  bool in_ipc_mapping(const void* p) {
+    std::lock_guard<std::mutex> lock(ipc_mu_);
+    for (auto& [key, weak] : ipc_open_) {
+      auto live = weak.lock();
+      if (live && p >= live->base && p < static_cast<char*>(live->base) + live->size) return true;
+    }
+    return false;
+  }
+
+  // Index of the local device with this UUID (hex), or -1 when not visible.
+  int local_device_with_uuid(const std::string& uuid) {
+    std::lock_guard<std::mutex> lock(uuid_mu_);
+    if (uuids_.empty())
+      for (int d = 0; d < count_; ++d) uuids_.push_back(device_uuid(d));
+    for (int d = 0; d < count_; ++d)
+      if (uuids_[d] == uuid) return d;
+    return -1;
+  }
+
   int64_t run_atomic(int device, int op, int64_t* word, uint64_t a, uint64_t b) {
     DeviceResources& res = resources(device);
     ScopedDevice on(device);
@@ -377,9 +426,13 @@ class CudaBackend final : public Backend {
     return static_cast<int64_t>(*reinterpret_cast<volatile uint64_t*>(res.pinned + 1));
   }
 
+  enum class MemopsPolicy { Local, Always, Never };
   int count_;
+  MemopsPolicy memops_policy_ = MemopsPolicy::Local;
   std::mutex ipc_mu_;
   std::map<std::string, std::weak_ptr<Region>> ipc_open_;  // handle@device -> mapping
+  std::mutex uuid_mu_;
+  std::vector<std::string> uuids_;  // by local device index
 };
 
 std::string describe(const uint64_t* rec, const std::string& pe);
