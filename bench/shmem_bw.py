@@ -42,7 +42,7 @@ def sizes_between(lo: int, hi: int):
         s *= 2
 
 
-def time_per_op(issue, finish, n_bytes: int, budget_s: float = 0.02) -> float:
+def time_per_op(issue, finish, budget_s: float = 0.02) -> float:
     """Seconds per operation: back-to-back asynchronous issues, then one
     completion wait, timed on the host (the same clock for every method, and
     the only one that sees the copy-engine channel's stream)."""
@@ -65,38 +65,45 @@ def bandwidth_sweep(max_size: int):
     me = symheap.my_pe()
     rows = []
     dst = symheap.empty((max_size,), "uint8")  # collective: every PE allocates
-    if me == 0:
-        dev = torch.device("cuda", symheap.current_device())
-        stream = torch.cuda.current_stream(dev)
-        h = stream.cuda_stream
-        peer_dst = symheap.peer_tensor(dst, 1)  # PE 1's copy, as seen from GPU 0
-        src = torch.randint(0, 256, (max_size,), dtype=torch.uint8, device=dev)
-        sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
-        peer_ptr, src_ptr = peer_dst.data_ptr(), src.data_ptr()
-        for n in sizes_between(8, max_size):
-            row = {"bytes": n}
-            for method in METHODS:
-                if method == "sm_copy" and n % 16:
-                    continue
-                issue = {
-                    "sm_put": lambda: _core.bench_sm_put(dst.data_ptr(), src_ptr, n, 1, 0, h),
-                    "ce_put": lambda: _core.cuda_put(dst.data_ptr(), src_ptr, n, 1, h,
-                                                     "copy_engine", 0, 0, "set"),
-                    "memcpy_peer": lambda: _core.bench_memcpy_peer(peer_ptr, 1, src_ptr, 0, n, h),
-                    "sm_copy": lambda: _core.bench_plain_copy(peer_ptr, src_ptr, n,
-                                                              4 * sm_count, dev.index, h),
-                }[method]
-                torch.bitwise_not(src[:n], out=peer_dst[:n])  # poison: every byte differs
-                torch.cuda.synchronize(dev)
-                t = time_per_op(issue, lambda: symheap.quiet(stream))
-                row[method] = {"us": t * 1e6, "GBps": n / t / 1e9,
-                               "ok": bool(torch.equal(peer_dst[:n], src[:n]))}
-            rows.append(row)
-            print("  measured", fmt_size(n), " ".join(
-                f"{m} {row[m]['GBps']:.2f}" for m in METHODS if m in row), flush=True)
-        del peer_dst
-    symheap.barrier_all()  # PE 1 waits here while PE 0 measures
+    try:
+        if me == 0:
+            rows = _measure(dst, max_size)
+    finally:
+        symheap.barrier_all()  # PE 1 waits here while PE 0 measures (or fails)
     symheap.free(dst)
+    return rows
+
+
+def _measure(dst, max_size: int):
+    rows = []
+    dev = torch.device("cuda", symheap.current_device())
+    stream = torch.cuda.current_stream(dev)
+    h = stream.cuda_stream
+    peer_dst = symheap.peer_tensor(dst, 1)  # PE 1's copy, as seen from GPU 0
+    src = torch.randint(0, 256, (max_size,), dtype=torch.uint8, device=dev)
+    sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
+    peer_ptr, src_ptr = peer_dst.data_ptr(), src.data_ptr()
+    for n in sizes_between(8, max_size):
+        row = {"bytes": n}
+        for method in METHODS:
+            if method == "sm_copy" and n % 16:
+                continue
+            issue = {
+                "sm_put": lambda: _core.bench_sm_put(dst.data_ptr(), src_ptr, n, 1, 0, h),
+                "ce_put": lambda: _core.cuda_put(dst.data_ptr(), src_ptr, n, 1, h,
+                                                 "copy_engine", 0, 0, "set"),
+                "memcpy_peer": lambda: _core.bench_memcpy_peer(peer_ptr, 1, src_ptr, 0, n, h),
+                "sm_copy": lambda: _core.bench_plain_copy(peer_ptr, src_ptr, n,
+                                                          4 * sm_count, dev.index, h),
+            }[method]
+            torch.bitwise_not(src[:n], out=peer_dst[:n])  # poison: every byte differs
+            torch.cuda.synchronize(dev)
+            t = time_per_op(issue, lambda: symheap.quiet(stream))
+            row[method] = {"us": t * 1e6, "GBps": n / t / 1e9,
+                           "ok": bool(torch.equal(peer_dst[:n], src[:n]))}
+        rows.append(row)
+        print("  measured", fmt_size(n), " ".join(
+            f"{m} {row[m]['GBps']:.2f}" for m in METHODS if m in row), flush=True)
     return rows
 
 

@@ -157,6 +157,12 @@ DeviceResources& resources(int device) {
     SYMHEAP_CUDA_CHECK(cudaStreamCreateWithFlags(&r->ops, cudaStreamNonBlocking));
     SYMHEAP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&r->pinned), 4096,
                                      cudaHostAllocPortable | cudaHostAllocMapped));
+    // Load our kernels now: with CUDA's lazy module loading, a first launch
+    // may wait for kernels already running on the device, and a host signal
+    // must never wait behind a kernel that spins until it arrives.
+    cudaFuncAttributes attrs;
+    SYMHEAP_CUDA_CHECK(cudaFuncGetAttributes(&attrs, signal_kernel));
+    SYMHEAP_CUDA_CHECK(cudaFuncGetAttributes(&attrs, atomic_kernel));
     if (!write_value64()) r->memops_why = "the driver does not export cuStreamWriteValue64";
     r->memops_ok = r->memops_why.empty();
     entry = r;
@@ -185,13 +191,14 @@ void check_stream(int device, StreamHandle stream) {
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int count) : count_(count) {
-    // SYMHEAP_CUDA_STREAM_MEMOPS: "local" (default: this process's heaps),
-    // "always" (IPC mappings too) or "never" (signals by kernel only).
+    // SYMHEAP_CUDA_STREAM_MEMOPS: "always" (default: host-issued set-signals
+    // use cuStreamWriteValue64, no SM), "local" (not into other processes'
+    // heaps) or "never" (a one-thread kernel for every signal).
     const char* env = std::getenv("SYMHEAP_CUDA_STREAM_MEMOPS");
-    std::string v = env ? env : "local";
+    std::string v = env && *env ? env : "always";
     if (v == "always") memops_policy_ = MemopsPolicy::Always;
     else if (v == "never") memops_policy_ = MemopsPolicy::Never;
-    else if (v == "local" || v.empty()) memops_policy_ = MemopsPolicy::Local;
+    else if (v == "local") memops_policy_ = MemopsPolicy::Local;
     else
       throw InvalidArgument("SYMHEAP_CUDA_STREAM_MEMOPS='" + v +
                             "' must be local, always or never");
@@ -212,6 +219,7 @@ class CudaBackend final : public Backend {
   }
 
   std::shared_ptr<Region> create_heap(int device, size_t bytes, const std::string&) override {
+    resources(device);  // streams, pinned words and kernels ready before any kernel runs
     ScopedDevice on(device);
     void* base = nullptr;
     cudaError_t err = cudaMalloc(&base, bytes);
@@ -333,10 +341,6 @@ class CudaBackend final : public Backend {
     check_stream(device, stream);
     ScopedDevice on(device);
     DeviceResources& res = resources(device);
-    // Stream memory operations into another process's heap (an IPC mapping)
-    // were seen never to land on H200 (a host signal_op on a side stream while
-    // a kernel of the issuing GPU ran); a one-thread kernel always did. So
-    // cuStreamWriteValue64 is used for this process's own heaps only.
     bool use_memops = op == SignalOp::Set && res.memops_ok &&
                       (memops_policy_ == MemopsPolicy::Always ||
                        (memops_policy_ == MemopsPolicy::Local && !in_ipc_mapping(word)));
@@ -428,7 +432,7 @@ class CudaBackend final : public Backend {
 
   enum class MemopsPolicy { Local, Always, Never };
   int count_;
-  MemopsPolicy memops_policy_ = MemopsPolicy::Local;
+  MemopsPolicy memops_policy_ = MemopsPolicy::Always;
   std::mutex ipc_mu_;
   std::map<std::string, std::weak_ptr<Region>> ipc_open_;  // handle@device -> mapping
   std::mutex uuid_mu_;

@@ -247,14 +247,18 @@ def device_api(nbytes: int = 300_013):
     out["atomic_olds"] = olds.cpu().numpy()
     out["atomic_words"] = words.cpu().numpy() if me == 0 else None
 
-    # wait_until against values a peer sets from the host
+    # wait_until against values a peer sets from the host. The signal goes on
+    # another stream: on `stream` it would queue behind our own wait kernel,
+    # and every PE would wait for its left neighbour forever. The stream is
+    # made and used once before the wait kernel starts, so that no first-use
+    # work (stream pools, lazy loading) can wait behind the spinning kernel.
+    side = torch.cuda.Stream(dev)
+    symheap.signal_op(sig, 0, me, stream=side)
+    symheap.quiet(stream=side)
     sig.zero_()
     _sync()
     symheap.barrier_all()
     _core.devtest_wait_until(sig.data_ptr(), CMP["eq"], 41 + me, seen.data_ptr(), stream)
-    # From another stream: on `stream` the signal would queue behind our own
-    # wait kernel, and every PE would wait for its left neighbour forever.
-    side = torch.cuda.Stream(dev)
     symheap.signal_op(sig, 41 + right, right, stream=side)
     symheap.quiet(stream=side)
     symheap.quiet()
