@@ -155,7 +155,7 @@ def main():
         sys.exit("shmem_bw needs the cuda backend and two GPUs")
     max_size = _core.parse_size(args.max_size)
     faulthandler.dump_traceback_later(args.watchdog, exit=True)  # never hang silently
-    heap = max_size + (256 << 20)
+    heap = max_size + (16 << 20)  # the sweep buffer plus two signal words
     results = run_threads(pe_main, 2, args=(max_size,),
                           init_kwargs={"heap_size": heap, "timeout": 600})
     rows, lat = results[0]["bw"], results[0]["latency"]
