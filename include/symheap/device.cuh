@@ -303,26 +303,30 @@ __device__ __forceinline__ u64 signal_wait_until_block(const DeviceContext& ctx,
 // and every other GPU). Signed words wrap like two's complement.
 
 template <class W>
-__device__ __forceinline__ void atomic_add(const DeviceContext& ctx, W* dst, typename detail::same_type<W>::type value, int pe) {
+__device__ __forceinline__ void atomic_add(const DeviceContext& ctx, W* dst,
+                                           typename detail::same_type<W>::type value, int pe) {
   u64* remote = reinterpret_cast<u64*>(detail::peer_or_report(ctx, detail::word_ptr(dst), pe));
   if (remote) atomicAdd_system(remote, static_cast<u64>(value));
 }
 template <class W>
-__device__ __forceinline__ W atomic_fetch_add(const DeviceContext& ctx, W* dst, typename detail::same_type<W>::type value, int pe) {
+__device__ __forceinline__ W atomic_fetch_add(const DeviceContext& ctx, W* dst,
+                                              typename detail::same_type<W>::type value, int pe) {
   u64* remote = reinterpret_cast<u64*>(detail::peer_or_report(ctx, detail::word_ptr(dst), pe));
   return remote ? static_cast<W>(atomicAdd_system(remote, static_cast<u64>(value))) : W(0);
 }
 template <class W>
 __device__ __forceinline__ W atomic_compare_swap(const DeviceContext& ctx, W* dst,
                                                  typename detail::same_type<W>::type cond,
-                                                 typename detail::same_type<W>::type value, int pe) {
+                                                 typename detail::same_type<W>::type value,
+                                                 int pe) {
   u64* remote = reinterpret_cast<u64*>(detail::peer_or_report(ctx, detail::word_ptr(dst), pe));
   return remote ? static_cast<W>(atomicCAS_system(remote, static_cast<u64>(cond),
                                                   static_cast<u64>(value)))
                 : W(0);
 }
 template <class W>
-__device__ __forceinline__ W atomic_swap(const DeviceContext& ctx, W* dst, typename detail::same_type<W>::type value, int pe) {
+__device__ __forceinline__ W atomic_swap(const DeviceContext& ctx, W* dst,
+                                         typename detail::same_type<W>::type value, int pe) {
   u64* remote = reinterpret_cast<u64*>(detail::peer_or_report(ctx, detail::word_ptr(dst), pe));
   return remote ? static_cast<W>(atomicExch_system(remote, static_cast<u64>(value))) : W(0);
 }

@@ -133,7 +133,8 @@ def test_eight_threads_two_gpus_concurrent_launches():
 def test_failures_raise_clearly():
     results = run_threads(progs.failures, 2, init_kwargs={"timeout": 5})
     for r in results:
-        assert r["foreign_stream"][0] == "ValueError" and "belongs to device" in r["foreign_stream"][1]
+        kind, message = r["foreign_stream"]
+        assert kind == "ValueError" and "belongs to device" in message
         assert r["pageable_load_store"][0] == "ValueError", r["pageable_load_store"]
         assert r["off_heap"][0] == "ValueError", r["off_heap"]
         assert r["bad_via"][0] == "ValueError"
