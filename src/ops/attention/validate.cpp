@@ -29,8 +29,8 @@ bool valid_dtype(DType t) {
   return t == DType::F32 || t == DType::F16 || t == DType::BF16;
 }
 
-void check_tensor(const Tensor& t, const char* name, DType want) {
-  require(t.data != nullptr, std::string(name) + " is missing");
+void check_tensor(const Tensor& t, const char* name, DType want, bool empty) {
+  require(t.data != nullptr || empty, std::string(name) + " is missing");
   require(t.dtype == want, std::string(name) + " is " + dtype_name(t.dtype) + " but q is " +
                                dtype_name(want) + ": give q, k, v (and gradients) one dtype");
 }
@@ -55,17 +55,20 @@ void validate(const Args& a, bool backward) {
           "dropout_p must be in [0, 1), got " + std::to_string(a.dropout_p));
   require(a.offset < (uint64_t{1} << 32), "the dropout offset must be below 2^32");
   require(valid_dtype(a.q.dtype), "unsupported dtype");
-  check_tensor(a.q, "q", a.q.dtype);
-  check_tensor(a.k, "k", a.q.dtype);
-  check_tensor(a.v, "v", a.q.dtype);
-  check_tensor(a.out, "out", a.q.dtype);
-  require(a.lse != nullptr, "lse buffer is missing");
+  // Empty tensors may come with a null address.
+  const bool no_q = a.varlen() ? a.total_q == 0 : a.seqlen_q == 0;
+  const bool no_k = a.varlen() ? a.total_k == 0 : a.seqlen_k == 0;
+  check_tensor(a.q, "q", a.q.dtype, no_q);
+  check_tensor(a.k, "k", a.q.dtype, no_k);
+  check_tensor(a.v, "v", a.q.dtype, no_k);
+  check_tensor(a.out, "out", a.q.dtype, no_q);
+  require(a.lse != nullptr || no_q, "lse buffer is missing");
   if (a.bias.data) require(valid_dtype(a.bias.dtype), "bias dtype must be float32, float16 or bfloat16");
   if (backward) {
-    check_tensor(a.dout, "dout", a.q.dtype);
-    check_tensor(a.dq, "dq", a.q.dtype);
-    check_tensor(a.dk, "dk", a.q.dtype);
-    check_tensor(a.dv, "dv", a.q.dtype);
+    check_tensor(a.dout, "dout", a.q.dtype, no_q);
+    check_tensor(a.dq, "dq", a.q.dtype, no_q);
+    check_tensor(a.dk, "dk", a.q.dtype, no_k);
+    check_tensor(a.dv, "dv", a.q.dtype, no_k);
     if (a.dbias.data) {
       require(a.bias.data != nullptr, "dbias needs a bias");
       require(a.dbias.dtype == DType::F32 && !a.dbias.kv_heads,
