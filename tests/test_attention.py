@@ -381,3 +381,17 @@ def test_dropout_generator_known_answers():
     assert bits(0, 0, 0, 0, 0) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
     assert bits(0xA4093822 | 0x299F31D0 << 32, 0x03707344, 0x13198A2E, 0x85A308D3, 0x243F6A88) == [
         0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_varlen_rows_outside_sequences():
+    """Packed rows after the last sequence are left out: zero output and grads."""
+    q, k, v, cu_q, cu_k, mq, mk = varlen_case(5, 2, 1, 48, B=2)
+    extra = lambda x, n: torch.cat([x.detach(), torch.randn(n, *x.shape[1:]).to(x.dtype)]).requires_grad_()  # noqa: E731
+    qx, kx, vx = extra(q, 3), extra(k, 2), extra(v, 2)
+    out, lse = flash_attn_varlen_func(qx, kx, vx, cu_q, cu_k, mq, mk, causal=True, return_lse=True)
+    assert torch.count_nonzero(out[-3:]) == 0 and torch.isinf(lse[:, -3:]).all()
+    dq, dk, dv = torch.autograd.grad(out, (qx, kx, vx), torch.ones_like(out))
+    assert torch.count_nonzero(dq[-3:]) == 0 and torch.count_nonzero(dk[-2:]) == 0
+    assert torch.count_nonzero(dv[-2:]) == 0
+    ref = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True)
+    assert torch.equal(out[:-3], ref)

@@ -8,9 +8,9 @@ from ._plan import Plan, core_args, make_plan, new_output, prepare
 
 
 def _run_forward(plan: Plan, q, k, v):
-    out = new_output(q.shape, q.dtype, q.device)
-    if plan.varlen:
-        lse = new_output((plan.heads_q, q.shape[0]), torch.float32, q.device)
+    out = new_output(q.shape, q.dtype, q.device, zero=plan.varlen)
+    if plan.varlen:  # rows outside every sequence keep -inf (no visible key)
+        lse = torch.full((plan.heads_q, q.shape[0]), float("-inf"), device=q.device)
     else:
         lse = new_output((plan.batch, plan.heads_q, plan.seqlen_q), torch.float32, q.device)
     args = core_args(plan, q=q, k=k, v=v, out=out, lse=lse)
@@ -23,9 +23,9 @@ def _run_forward(plan: Plan, q, k, v):
 
 
 def _run_backward(plan: Plan, q, k, v, out, lse, dout, want_dbias: bool):
-    dq = new_output(q.shape, q.dtype, q.device)
-    dk = new_output(k.shape, k.dtype, k.device)
-    dv = new_output(v.shape, v.dtype, v.device)
+    dq = new_output(q.shape, q.dtype, q.device, zero=plan.varlen)
+    dk = new_output(k.shape, k.dtype, k.device, zero=plan.varlen)
+    dv = new_output(v.shape, v.dtype, v.device, zero=plan.varlen)
     dbias_ws = None
     if want_dbias:
         rows = plan.seqlen_q if plan.bias.per_row else 1

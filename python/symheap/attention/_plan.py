@@ -24,7 +24,11 @@ _MAX_HEAD_DIM = 256
 poison_outputs = os.environ.get("SYMHEAP_ATTN_POISON", "") not in ("", "0")
 
 
-def new_output(shape, dtype, device) -> torch.Tensor:
+def new_output(shape, dtype, device, zero: bool = False) -> torch.Tensor:
+    """A fresh output. Packed (varlen) outputs start at zero: rows outside every
+    sequence are never written, and finding them would need cu_seqlens on the host."""
+    if zero:
+        return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype, device=device)
     if poison_outputs:
         t.fill_(float("nan"))
@@ -250,8 +254,8 @@ def prepare(t: torch.Tensor, plan: Plan) -> torch.Tensor:
         return t.contiguous()
     if plan.on_cuda:
         aligned = t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-        if not aligned:
-            return t.contiguous()
+        if not aligned:  # clone: contiguous() keeps a misaligned storage offset
+            return t.clone(memory_format=torch.contiguous_format)
     return t
 
 
