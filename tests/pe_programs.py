@@ -67,3 +67,56 @@ def heap_offsets(sizes):
     for b in reversed(bufs):
         b.free()
     return offs
+
+
+def reinit_cycles(uids, heap_size=None):
+    """Ring, then finalize and init again with each id in ``uids``; every cycle must work."""
+    import symheap as sh
+    rank, world, device = sh.my_pe(), sh.n_pes(), sh.current_device()
+    out = [ring_put_signal(64)]
+    for uid in uids:
+        sh.finalize()
+        sh.init(rank, world, uid, device=device, heap_size=heap_size)
+        out.append(ring_put_signal(64))
+    return out
+
+
+def heap_segments_of_this_process():
+    import os
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"symheap.{os.getpid()}."))
+
+
+def die_hard_after_init():
+    import os
+    symheap.barrier_all()
+    os._exit(3)  # no finalize, no atexit: the kernel reclaims everything but shm names
+
+
+def torch_tensors_and_peer_views():
+    """Heap tensors (torch and numpy) and aliases of peers' copies."""
+    import torch
+    me, n = symheap.my_pe(), symheap.n_pes()
+    t = symheap.empty((3, 5), torch.bfloat16)
+    assert t.dtype == torch.bfloat16 and t.shape == (3, 5)
+    a = symheap.empty((6,), "int32", like="numpy")
+    g = torch.Generator().manual_seed(me)
+    t.copy_(torch.randn(3, 5, generator=g).to(torch.bfloat16))
+    a[:] = np.arange(6, dtype=np.int32) + 100 * me
+    symheap.barrier_all()
+    right = (me + 1) % n
+    peer_t = symheap.peer_tensor(t, right)
+    peer_a = symheap.peer_tensor(a, right)
+    expect_t = torch.randn(3, 5, generator=torch.Generator().manual_seed(right)).to(torch.bfloat16)
+    ok_read = bool(torch.equal(peer_t, expect_t)) and bool(np.all(peer_a == np.arange(6) + 100 * right))
+    symheap.barrier_all()
+    peer_a[0] = -me  # store into the right neighbour's copy
+    symheap.barrier_all()
+    left = (me - 1) % n
+    ok_write = int(a[0]) == -left
+    with symheap.malloc(64) as buf:
+        assert buf.nbytes == 64
+        usage = symheap.heap_usage()
+    symheap.free(t)
+    symheap.free(a)
+    return ok_read, ok_write, usage["live_buffers"] >= 3, [symheap.device_of(p) for p in range(n)
+                                                           if symheap.peer_kind(p) in ("self", "same_process")]

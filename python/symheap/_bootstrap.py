@@ -159,6 +159,7 @@ class BootstrapRoot:
         self.ranks: dict[int, socket.socket] = {}
         self.collectives: dict[int, _Collective] = {}
         self.fatal: str | None = None
+        self.fatal_kind = "state"
         self.closed = False
         threading.Thread(target=self._accept_loop, name="symheap-bootstrap-root",
                          daemon=True).start()
@@ -185,13 +186,13 @@ class BootstrapRoot:
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="symheap-bootstrap-conn").start()
 
-    def _fail_all(self, message: str) -> None:
-        # Caller holds self.cond.
+    def _fail_all(self, message: str, kind: str = "value") -> None:
+        # Caller holds self.cond. Every PE, waiting now or calling later, gets it.
         if self.fatal is None:
-            self.fatal = message
+            self.fatal, self.fatal_kind = message, kind
         for c in self.collectives.values():
             if c.result is None:
-                c.result = ("error", "state", self.fatal)
+                c.result = ("error", self.fatal_kind, self.fatal)
         self.cond.notify_all()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -217,7 +218,7 @@ class BootstrapRoot:
                 elif rank in self.ranks:
                     self._fail_all(f"rank {rank} was claimed by two PEs; ranks must be unique")
                 if self.fatal:
-                    _send(conn, {"error": self.fatal, "kind": "value"})
+                    _send(conn, {"error": self.fatal, "kind": self.fatal_kind})
                     rank = None
                     return
                 self.ranks[rank] = conn
@@ -247,7 +248,7 @@ class BootstrapRoot:
             raise ValueError("malformed allgather")
         with self.cond:
             if self.fatal:
-                return {"error": self.fatal, "kind": "state"}
+                return {"error": self.fatal, "kind": self.fatal_kind}
             c = self.collectives.get(seq)
             if c is None:
                 c = self.collectives[seq] = _Collective(tag, time.monotonic() + timeout)
@@ -269,7 +270,7 @@ class BootstrapRoot:
                                 f"bootstrap '{tag}' timed out after {timeout:g} s waiting for "
                                 f"PE(s) {missing}{detail}")
                     if self.fatal is None:
-                        self.fatal = c.result[2]
+                        self.fatal, self.fatal_kind = c.result[2], "timeout"
                     self.cond.notify_all()
                     break
                 self.cond.wait(min(left, 0.5))

@@ -96,6 +96,34 @@ def resolve_heap_size(heap_size) -> int:
     return heap_size
 
 
+def _reap_stale_segments() -> None:
+    """Unlinks heap segments left by processes of this user that died during init.
+
+    A heap's shared-memory name is dropped as soon as every peer has mapped
+    it; only a process killed inside init can leave one behind.
+    """
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        parts = name.split(".")
+        if parts[0] != "symheap" or len(parts) < 2 or not parts[1].isdigit():
+            continue
+        path = os.path.join("/dev/shm", name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except OSError:
+            continue
+
+
 def current_pe() -> PE:
     """The PE of the calling thread's current device; raises before init."""
     device = _core.current_device()
@@ -141,6 +169,8 @@ def init(rank: int, world_size: int, unique_id: bytes, *, device: int | None = N
             raise SymheapError(f"device {device} already hosts PE {_pes[device].rank}: init was "
                                f"called twice on this device slot (finalize first, or give each "
                                f"thread its own device with device=)")
+    if _core.backend_name() == "cpu":
+        _reap_stale_segments()
     info = _core.create_pe(uid.job, device, rank, world_size, heap_bytes, timeout)
     boot = None
     try:

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import threading
+import time
 import traceback
 
 import symheap
@@ -77,26 +78,32 @@ def _process_main(fn, args, first_rank, threads, world, uid, init_kwargs, finali
 
 
 def run_processes(fn, n_procs: int, args=(), *, threads_per_proc: int = 1, init_kwargs=None,
-                  finalize=True, env=None, timeout: float = 300.0):
+                  finalize=True, env=None, env_per_proc=None, timeout: float = 300.0):
     """Runs ``fn(*args)`` as ``n_procs * threads_per_proc`` PEs: processes started
     with the spawn method, each driving ``threads_per_proc`` devices from threads.
-    ``fn`` must be importable (defined at module level)."""
+    ``fn`` must be importable (defined at module level). ``env`` is added to every
+    process's environment, ``env_per_proc[i]`` to process i's."""
     ctx = mp.get_context("spawn")
     uid = symheap.get_unique_id()
     world = n_procs * threads_per_proc
     out = ctx.Queue()
     procs = [ctx.Process(target=_process_main,
                          args=(fn, args, p * threads_per_proc, threads_per_proc, world, uid,
-                               init_kwargs or {}, finalize, dict(env or {}), out))
+                               init_kwargs or {}, finalize,
+                               {**(env or {}), **((env_per_proc or [{}] * n_procs)[p])}, out))
              for p in range(n_procs)]
     for p in procs:
         p.start()
     results, errors = {}, {}
-    for _ in procs:
+    deadline, reports = time.monotonic() + timeout, 0
+    while reports < len(procs) and time.monotonic() < deadline:
         try:
-            r, e = out.get(timeout=timeout)
+            r, e = out.get(timeout=0.2)
         except queue.Empty:
-            break
+            if not any(p.is_alive() for p in procs) and out.empty():
+                break  # a process died without reporting
+            continue
+        reports += 1
         results.update(r)
         errors.update(e)
     for p in procs:
