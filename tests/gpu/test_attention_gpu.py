@@ -205,3 +205,34 @@ def test_cuda_rejects_float32():
     q = torch.randn(1, 8, 2, 32, device="cuda")
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         flash_attn_func(q, q, q)
+
+
+def diagnose():
+    """A compact table, one line per configuration, for a first look at a new
+    device or build: `python tests/gpu/test_attention_gpu.py`."""
+    import time
+    configs = [(dtype, D, feature) for dtype in DTYPES for D in (64, 40, 59, 111, 128, 256)
+               for feature in ("plain",)]
+    configs += [(torch.bfloat16, 64, f) for f in FEATURES] + [(torch.bfloat16, 256, f) for f in FEATURES]
+    _plan.poison_outputs = True
+    for dtype, D, feature in configs:
+        make_kw, opts = FEATURES.get(feature, (dict(), dict()))
+        Sq, Sk = 113, 203
+        make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
+                       if isinstance(v, tuple) else v) for k, v in make_kw.items()}
+        make_kw.setdefault("Hkv", 4)
+        t0 = time.time()
+        try:
+            check_case(gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=dtype, seed=1, **make_kw), **opts)
+            torch.cuda.synchronize()
+            status = "ok"
+        except AssertionError as e:
+            status = f"FAIL {e}"
+        except Exception as e:  # noqa: BLE001 - reported, then continue
+            status = f"ERROR {type(e).__name__}: {e}"
+        print(f"{str(dtype)[6:]:>9} D={D:<3} {feature:<15} {time.time() - t0:5.2f}s {status}"[:300],
+              flush=True)
+
+
+if __name__ == "__main__":
+    diagnose()
