@@ -395,3 +395,14 @@ def test_varlen_rows_outside_sequences():
     assert torch.count_nonzero(dv[-2:]) == 0
     ref = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True)
     assert torch.equal(out[:-3], ref)
+
+
+def test_example_runs():
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "examples/attention_demo.py"], capture_output=True,
+                          text=True, timeout=180, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "first sequence matches" in proc.stdout
