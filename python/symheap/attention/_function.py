@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import _core
 from ._plan import Plan, core_args, make_plan, new_output, prepare
@@ -75,6 +76,7 @@ class _Attention(torch.autograd.Function):
         return _unpad(out, plan), lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, _dlse):
         plan: Plan = ctx.plan
         qp, kp, vp, out, lse = ctx.saved_tensors
