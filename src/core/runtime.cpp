@@ -56,14 +56,6 @@ Runtime& Runtime::instance() {
   return *runtime;
 }
 
-#ifdef SYMHEAP_WITH_CUDA
-// Replaced at link time by the cuda backend's definition when its sources are built.
-__attribute__((weak)) std::unique_ptr<Backend> make_cuda_backend(std::string* why_not) {
-  *why_not = "this build has no cuda backend sources";
-  return nullptr;
-}
-#endif
-
 namespace {
 std::unique_ptr<Backend> make_backend(const std::string& requested) {
   std::string name = requested;
