@@ -13,6 +13,7 @@
 
 #include "symheap/allocator.hpp"
 #include "symheap/backend.hpp"
+#include "symheap/device_context.h"
 
 namespace symheap {
 
@@ -83,7 +84,8 @@ struct PeState {
   char* peer_address(int pe, size_t offset, const char* what);
   void check_pe(int pe) const;
   // Heap header layout (same on every PE): [barrier flags: n_pes words]
-  // [scratch words: n_pes] [peer table: n_pes load/store base addresses].
+  // [scratch words: n_pes] [peer table: n_pes load/store base addresses]
+  // [device barrier counters: n_pes] [device error record: 4 words].
   uint64_t* barrier_flags() const { return reinterpret_cast<uint64_t*>(base()); }
   uint64_t* scratch_words() const { return barrier_flags() + n_pes; }
   // Peer base addresses as seen from this PE's device, stored in its own heap
@@ -91,21 +93,14 @@ struct PeState {
   char* const* peer_table() const {
     return reinterpret_cast<char* const*>(barrier_flags() + 2 * n_pes);
   }
+  uint64_t* device_barrier_flags() const { return barrier_flags() + 3 * n_pes; }
+  uint64_t* device_error_record() const { return barrier_flags() + 4 * n_pes; }
+  static size_t header_words(int n_pes) { return 4 * static_cast<size_t>(n_pes) + 4; }
 
   // Per-op caches tied to this PE (plans, symmetric workspaces).
   DeviceCaches caches;
 };
 
-// Everything a kernel needs to address any PE, passed by value (no global
-// device symbol, so any number of PEs per process is safe).
-struct DeviceContext {
-  char* const* peer_bases;  // [n_pes] heap base of each PE, null when not load/store
-  char* my_base;
-  uint64_t* barrier_flags;
-  int my_pe;
-  int n_pes;
-  size_t heap_size;
-};
 DeviceContext device_context(const PeState& s);
 
 class Runtime {

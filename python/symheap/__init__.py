@@ -21,6 +21,7 @@ from ._runtime import (
     peer_kind,
     set_device,
 )
+from ._backend_views import device_context, device_context_dtype
 from ._memory import SymBuffer, empty, free, heap_usage, malloc, peer_tensor
 from ._rma import (
     atomic_compare_swap,
@@ -46,4 +47,5 @@ __all__ = [
     "malloc", "free", "empty", "peer_tensor", "heap_usage",
     "put", "get", "put_signal", "signal_op", "signal_wait_until",
     "atomic_fetch_add", "atomic_compare_swap", "atomic_swap", "quiet", "fence", "barrier_all",
+    "device_context", "device_context_dtype",
 ]

@@ -2,23 +2,12 @@
 from __future__ import annotations
 
 from . import _core
+from ._backend_views import check_device_errors, stream_handle
 from ._memory import resolve
 from ._runtime import _as_int, current_pe
 
+_VIAS = ("auto", "load_store", "copy_engine")
 _COMPARES = ("eq", "ne", "gt", "ge", "lt", "le", "==", "!=", ">", ">=", "<", "<=")
-
-
-def stream_handle(stream) -> int:
-    """Raw stream handle from None, an int, a torch or CuPy stream."""
-    if stream is None:
-        return 0
-    if isinstance(stream, int):
-        return stream
-    for attr in ("cuda_stream", "ptr", "handle"):
-        h = getattr(stream, attr, None)
-        if isinstance(h, int):
-            return h
-    raise TypeError(f"cannot take a CUDA stream handle from {type(stream).__name__}")
 
 
 def _nbytes(nbytes, limit: int, what: str) -> int:
@@ -35,20 +24,39 @@ def _size_check(n: int, have: int, what: str) -> None:
         raise ValueError(f"{what} holds {have} bytes, fewer than the {n} bytes to transfer")
 
 
+def _check_via(via: str) -> str:
+    if via not in _VIAS:
+        raise ValueError(f"via must be 'auto', 'load_store' or 'copy_engine', got {via!r}")
+    return via
+
+
+def _explicit_transport(via: str) -> bool:
+    # On cuda, "auto" is cudaMemcpyAsync on the stream (the driver picks the
+    # copy engines for peer memory); the other two choose SM stores or a
+    # copy-engine channel. The cpu backend has one way to move bytes.
+    return via != "auto" and _core.backend_name() == "cuda"
+
+
 def put(dst, src, pe: int, *, nbytes: int | None = None, stream=None, via: str = "auto") -> None:
     """Copies local ``src`` into PE ``pe``'s copy of symmetric ``dst``.
 
-    ``via`` is "auto", "load_store" or "copy_engine" (the cuda backend's
-    copy-engine channels; the cpu backend copies on the calling thread).
+    Ordered on ``stream`` (default: the current stream); complete after
+    ``quiet``. ``via`` is "auto", "load_store" (a copy kernel storing into
+    the peer's memory; ``src`` must be GPU memory) or "copy_engine" (the
+    copy-engine channel to the peer's GPU, ordered after ``stream``). The cpu
+    backend copies on the calling thread whatever ``via`` says.
     """
     current_pe()
+    _check_via(via)
     d_addr, d_n = resolve(dst)
     s_addr, s_n = resolve(src, writable=False)
     n = _nbytes(nbytes, s_n, "source")
     _size_check(n, d_n, "destination")
-    if via not in ("auto", "load_store", "copy_engine"):
-        raise ValueError(f"via must be 'auto', 'load_store' or 'copy_engine', got {via!r}")
-    _core.put(d_addr, s_addr, n, _as_int(pe, "pe"), stream_handle(stream))
+    pe, h = _as_int(pe, "pe"), stream_handle(stream)
+    if _explicit_transport(via):
+        _core.cuda_put(d_addr, s_addr, n, pe, h, via, 0, 0, "set")
+    else:
+        _core.put(d_addr, s_addr, n, pe, h)
 
 
 def get(dst, src, pe: int, *, nbytes: int | None = None, stream=None) -> None:
@@ -69,15 +77,27 @@ def _signal_addr(signal) -> int:
 
 
 def put_signal(dst, src, signal, value: int, pe: int, op: str = "set", *,
-               nbytes: int | None = None, stream=None) -> None:
-    """put, then set or add ``value`` on PE ``pe``'s signal word once the data is visible."""
+               nbytes: int | None = None, stream=None, via: str = "auto") -> None:
+    """put, then set or add ``value`` on PE ``pe``'s signal word once the data is visible.
+
+    With ``via="copy_engine"`` the signal is written by the same copy-engine
+    channel after the bytes, so the receiver (a host wait or a kernel) learns
+    of completion without the sender synchronising.
+    """
     current_pe()
+    _check_via(via)
     d_addr, d_n = resolve(dst)
     s_addr, s_n = resolve(src, writable=False)
     n = _nbytes(nbytes, s_n, "source")
     _size_check(n, d_n, "destination")
-    _core.put_signal(d_addr, s_addr, n, _signal_addr(signal), _as_int(value, "value"), op,
-                     _as_int(pe, "pe"), stream_handle(stream))
+    if op not in ("set", "add"):
+        raise ValueError(f"signal op must be 'set' or 'add', got {op!r}")
+    sig, value, pe = _signal_addr(signal), _as_int(value, "value"), _as_int(pe, "pe")
+    h = stream_handle(stream)
+    if _explicit_transport(via):
+        _core.cuda_put(d_addr, s_addr, n, pe, h, via, sig, value, op)
+    else:
+        _core.put_signal(d_addr, s_addr, n, sig, value, op, pe, h)
 
 
 def signal_op(signal, value: int, pe: int, op: str = "set", *, stream=None) -> None:
@@ -124,9 +144,12 @@ def atomic_swap(dst, value: int, pe: int) -> int:
 
 
 def quiet(stream=None) -> None:
-    """Completes every put/get/signal this PE issued (on ``stream``)."""
+    """Completes every put/get/signal this PE issued (on ``stream``, and on its
+    copy-engine channels); raises what a kernel of this PE reported through
+    the device API (a wait that timed out, ...)."""
     current_pe()
     _core.quiet(stream_handle(stream))
+    check_device_errors()
 
 
 def fence(stream=None) -> None:
@@ -140,6 +163,7 @@ def barrier_all(stream=None, timeout: float | None = None) -> None:
     pe = current_pe()
     t = pe.timeout if timeout is None else float(timeout)
     _core.quiet(stream_handle(stream))
+    check_device_errors()
     if _core.all_peers_load_store():
         _core.heap_barrier(t)
     else:

@@ -209,6 +209,10 @@ def finalize() -> None:
     pe = current_pe()
     try:
         pe.bootstrap.barrier("finalize")
+        if backend() == "cuda":
+            # CUDA IPC: every importer unmaps before any owner frees its heap.
+            _core.release_peer_mappings(pe.device)
+            pe.bootstrap.barrier("finalize-unmapped")
     finally:
         with _pes_lock:
             _pes.pop(pe.device, None)

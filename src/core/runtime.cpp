@@ -56,14 +56,6 @@ Runtime& Runtime::instance() {
   return *runtime;
 }
 
-#ifdef SYMHEAP_WITH_CUDA
-// Replaced at link time by the cuda backend's definition when its sources are built.
-__attribute__((weak)) std::unique_ptr<Backend> make_cuda_backend(std::string* why_not) {
-  *why_not = "this build has no cuda backend sources";
-  return nullptr;
-}
-#endif
-
 namespace {
 std::unique_ptr<Backend> make_backend(const std::string& requested) {
   std::string name = requested;
@@ -120,7 +112,7 @@ std::shared_ptr<PeState> Runtime::create_pe(uint64_t job, int device, int rank, 
                           std::string(be.name()) + " backend has " +
                           std::to_string(be.device_count()) + " devices");
   if (!(timeout_s > 0)) throw InvalidArgument("timeout must be positive");
-  size_t header = round_up(static_cast<size_t>(world) * 3 * sizeof(uint64_t), 4096);
+  size_t header = round_up(PeState::header_words(world) * sizeof(uint64_t), 4096);
   if (heap_size < header + 4096)
     throw InvalidArgument("heap size " + std::to_string(heap_size) + " bytes is too small: " +
                           std::to_string(world) + " PEs need at least " +
@@ -214,8 +206,17 @@ void Runtime::connect_peers(PeState& s, const std::vector<PeInfo>& infos) {
 }
 
 DeviceContext device_context(const PeState& s) {
-  return DeviceContext{s.peer_table(), s.base(), s.barrier_flags(), s.my_pe, s.n_pes,
-                       s.heap_size};
+  DeviceContext ctx{};
+  ctx.peer_bases = s.peer_table();
+  ctx.my_base = s.base();
+  ctx.barrier_flags = reinterpret_cast<unsigned long long*>(s.barrier_flags());
+  ctx.my_pe = s.my_pe;
+  ctx.n_pes = s.n_pes;
+  ctx.heap_size = s.heap_size;
+  ctx.device_barrier = reinterpret_cast<unsigned long long*>(s.device_barrier_flags());
+  ctx.error_record = reinterpret_cast<unsigned long long*>(s.device_error_record());
+  ctx.timeout_ns = static_cast<unsigned long long>(s.timeout_s * 1e9);
+  return ctx;
 }
 
 void Runtime::destroy_pe(int device) {

@@ -1,0 +1,117 @@
+"""Attention throughput (TFLOP/s) on CUDA for the shapes of ANCHORS.md, with
+torch SDPA's flash and cuDNN backends measured in the same run.
+
+bf16, B*S = 16k tokens, H*D = 2048. FLOPs: forward 4*B*H*S*S*D (halved when
+causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
+
+    python bench/attn_bench.py [--json out.json] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from symheap.attention import flash_attn_func
+
+SHAPES = [  # (head dim, causal, seqlen)
+    (64, False, 4096), (64, True, 4096), (128, False, 1024), (128, False, 4096),
+    (128, True, 4096), (128, False, 16384), (128, True, 16384),
+]
+
+
+def time_ms(fn, warmup=3, reps=10):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_shape(D, causal, S, reps):
+    B, H = 16384 // S, 2048 // D
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q, k, v = (mk().requires_grad_() for _ in range(3))
+    dout = mk()
+    flops_fwd = 4 * B * H * S * S * D / (2 if causal else 1)
+
+    def ours_fwd():
+        return flash_attn_func(q, k, v, causal=causal)
+
+    def ours_fwd_bwd():
+        out = flash_attn_func(q, k, v, causal=causal)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    # SDPA takes (B, H, S, D).
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    doutt = dout.transpose(1, 2)
+
+    def sdpa(backend, backward):
+        def run():
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                if backward:
+                    torch.autograd.grad(out, (qt, kt, vt), doutt)
+        return run
+
+    row = {"hdim": D, "causal": causal, "seqlen": S, "batch": B, "heads": H}
+    cases = {"symheap": (ours_fwd, ours_fwd_bwd),
+             "sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION, False), sdpa(SDPBackend.FLASH_ATTENTION, True)),
+             "sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION, False), sdpa(SDPBackend.CUDNN_ATTENTION, True))}
+    for name, (fwd, fwd_bwd) in cases.items():
+        try:
+            t_f = time_ms(fwd, reps=reps)
+            t_fb = time_ms(fwd_bwd, reps=reps)
+            row[name] = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb,
+                         "fwd_tflops": flops_fwd / t_f / 1e9,
+                         "fwd_bwd_tflops": 3.5 * flops_fwd / t_fb / 1e9}
+        except Exception as e:  # a backend may be unavailable for a shape
+            row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+    # Accuracy of our output in the same run, against SDPA (flash).
+    with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+        out = flash_attn_func(q, k, v, causal=causal)
+        row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, skip S=16384")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows = []
+    for D, causal, S in SHAPES:
+        if args.quick and S > 4096:
+            continue
+        rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10))
+        torch.cuda.empty_cache()
+    fmt = lambda r, n, key: f"{r[n][key]:6.0f}" if key in r[n] else "   n/a"  # noqa: E731
+    print(f"{'hdim':>4} {'causal':>6} {'seq':>6} | {'symheap fwd/fwd+bwd':>20} | "
+          f"{'SDPA flash':>14} | {'SDPA cuDNN':>14} | max|diff|")
+    for r in rows:
+        print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} | "
+              f"{fmt(r, 'symheap', 'fwd_tflops')} / {fmt(r, 'symheap', 'fwd_bwd_tflops')}      | "
+              f"{fmt(r, 'sdpa_flash', 'fwd_tflops')} / {fmt(r, 'sdpa_flash', 'fwd_bwd_tflops')} | "
+              f"{fmt(r, 'sdpa_cudnn', 'fwd_tflops')} / {fmt(r, 'sdpa_cudnn', 'fwd_bwd_tflops')} | "
+              f"{r['max_abs_diff_vs_sdpa']:.2e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Put bandwidth and latency between two GPUs, against message size.
+
+PE 0 (GPU 0) writes into PE 1's heap (GPU 1) with
+  sm_put      symheap's SM put (the device API's block-scope copy, one slice
+              per block, grid from the cached occupancy; put(via="load_store"))
+  ce_put      symheap's copy-engine channel (put(via="copy_engine"))
+and, measured in the same run as references,
+  memcpy_peer cudaMemcpyPeerAsync
+  sm_copy     a plain 16-byte grid-stride copy kernel storing into peer memory
+Every transfer is checked against its source (poisoned destination first).
+Latency: 8-byte put_signal ping-pong between kernels on the two GPUs
+(device API); one-way time = round trip / 2.
+
+    python bench/shmem_bw.py [--max-size 1G] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("SYMHEAP_BACKEND", "cuda")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+
+import symheap  # noqa: E402
+from symheap import _core  # noqa: E402
+from symheap.testing import run_threads  # noqa: E402
+
+METHODS = ("sm_put", "ce_put", "memcpy_peer", "sm_copy")
+
+
+def sizes_between(lo: int, hi: int):
+    s = lo
+    while s <= hi:
+        yield s
+        s *= 2
+
+
+def time_per_op(issue, finish, budget_s: float = 0.02) -> float:
+    """Seconds per operation: back-to-back asynchronous issues, then one
+    completion wait, timed on the host (the same clock for every method, and
+    the only one that sees the copy-engine channel's stream)."""
+    for _ in range(2):
+        issue()
+    finish()
+    t0 = time.perf_counter()
+    issue()
+    finish()
+    one = max(time.perf_counter() - t0, 1e-6)
+    iters = int(min(max(budget_s / one, 5), 2000))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        issue()
+    finish()
+    return (time.perf_counter() - t0) / iters
+
+
+def bandwidth_sweep(max_size: int):
+    me = symheap.my_pe()
+    rows = []
+    dst = symheap.empty((max_size,), "uint8")  # collective: every PE allocates
+    try:
+        if me == 0:
+            rows = _measure(dst, max_size)
+    finally:
+        symheap.barrier_all()  # PE 1 waits here while PE 0 measures (or fails)
+    symheap.free(dst)
+    return rows
+
+
+def _measure(dst, max_size: int):
+    rows = []
+    dev = torch.device("cuda", symheap.current_device())
+    stream = torch.cuda.current_stream(dev)
+    h = stream.cuda_stream
+    peer_dst = symheap.peer_tensor(dst, 1)  # PE 1's copy, as seen from GPU 0
+    src = torch.randint(0, 256, (max_size,), dtype=torch.uint8, device=dev)
+    sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
+    peer_ptr, src_ptr = peer_dst.data_ptr(), src.data_ptr()
+    for n in sizes_between(8, max_size):
+        row = {"bytes": n}
+        for method in METHODS:
+            if method == "sm_copy" and n % 16:
+                continue
+            issue = {
+                "sm_put": lambda: _core.bench_sm_put(dst.data_ptr(), src_ptr, n, 1, 0, h),
+                "ce_put": lambda: _core.cuda_put(dst.data_ptr(), src_ptr, n, 1, h,
+                                                 "copy_engine", 0, 0, "set"),
+                "memcpy_peer": lambda: _core.bench_memcpy_peer(peer_ptr, 1, src_ptr, 0, n, h),
+                "sm_copy": lambda: _core.bench_plain_copy(peer_ptr, src_ptr, n,
+                                                          4 * sm_count, dev.index, h),
+            }[method]
+            torch.bitwise_not(src[:n], out=peer_dst[:n])  # poison: every byte differs
+            torch.cuda.synchronize(dev)
+            t = time_per_op(issue, lambda: symheap.quiet(stream))
+            row[method] = {"us": t * 1e6, "GBps": n / t / 1e9,
+                           "ok": bool(torch.equal(peer_dst[:n], src[:n]))}
+        rows.append(row)
+        print("  measured", fmt_size(n), " ".join(
+            f"{m} {row[m]['GBps']:.2f}" for m in METHODS if m in row), flush=True)
+    return rows
+
+
+def ping_pong(iters: int = 2000):
+    me = symheap.my_pe()
+    dev = torch.device("cuda", symheap.current_device())
+    data = symheap.empty((1,), "uint64")
+    sig = symheap.empty((1,), "uint64")
+    out = []
+    for _ in range(3):
+        data.zero_()
+        sig.zero_()
+        torch.cuda.synchronize(dev)
+        symheap.barrier_all()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = torch.cuda.current_stream(dev)
+        start.record(stream)
+        _core.devtest_ping_pong(data.data_ptr(), sig.data_ptr(), 1 - me, me == 0, iters,
+                                stream.cuda_stream)
+        end.record(stream)
+        symheap.quiet(stream)
+        ok = int(sig.item()) == iters and int(data.item()) == iters
+        out.append({"one_way_us": start.elapsed_time(end) * 1e3 / (2 * iters), "ok": ok})
+        symheap.barrier_all()
+    symheap.free(data)
+    symheap.free(sig)
+    return out
+
+
+def pe_main(max_size: int):
+    return {"bw": bandwidth_sweep(max_size), "latency": ping_pong()}
+
+
+def fmt_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-size", default="1G")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--watchdog", type=float, default=300.0,
+                    help="seconds after which stacks are dumped and the run stops")
+    args = ap.parse_args()
+    if symheap.backend() != "cuda" or symheap.device_count() < 2:
+        sys.exit("shmem_bw needs the cuda backend and two GPUs")
+    max_size = _core.parse_size(args.max_size)
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)  # never hang silently
+    heap = max_size + (16 << 20)  # the sweep buffer plus two signal words
+    results = run_threads(pe_main, 2, args=(max_size,),
+                          init_kwargs={"heap_size": heap, "timeout": 600})
+    rows, lat = results[0]["bw"], results[0]["latency"]
+    print(f"device: {torch.cuda.get_device_name(0)} x2, torch {torch.__version__}")
+    print("bandwidth GPU0 -> GPU1 (GB/s = 1e9 bytes/s), ratios vs the references of this run")
+    print(f"{'size':>8} | " + " | ".join(f"{m:>11}" for m in METHODS) + " | sm/copy | ce/peer")
+    all_ok = True
+    for row in rows:
+        cells = []
+        for m in METHODS:
+            c = row.get(m)
+            if c is None:
+                cells.append(f"{'n/a':>11}")
+                continue
+            all_ok &= c["ok"]
+            cells.append(f"{c['GBps']:>9.2f}{'' if c['ok'] else ' !'}  ")
+        r1 = row["sm_put"]["GBps"] / row["sm_copy"]["GBps"] if "sm_copy" in row else float("nan")
+        r2 = row["ce_put"]["GBps"] / row["memcpy_peer"]["GBps"]
+        print(f"{fmt_size(row['bytes']):>8} | " + " | ".join(cells) + f" | {r1:7.3f} | {r2:7.3f}")
+    small = rows[0]
+    print("8-byte issue-to-completion time (us): " +
+          ", ".join(f"{m} {small[m]['us']:.2f}" for m in METHODS if m in small))
+    best = min(x["one_way_us"] for x in lat)
+    print(f"8-byte put_signal one-way latency (device ping-pong): best {best:.2f} us, runs " +
+          ", ".join(f"{x['one_way_us']:.2f}" for x in lat) +
+          ("" if all(x["ok"] for x in lat) else "  (WRONG DATA)"))
+    big = [r for r in rows if r["bytes"] >= 64 << 20]
+    if big:
+        last = rows[-1]
+        print(f"summary @ {fmt_size(last['bytes'])}: sm_put {last['sm_put']['GBps']:.1f} GB/s "
+              f"({last['sm_put']['GBps'] / last['sm_copy']['GBps']:.3f} of sm_copy), ce_put "
+              f"{last['ce_put']['GBps']:.1f} GB/s "
+              f"({last['ce_put']['GBps'] / last['memcpy_peer']['GBps']:.3f} of memcpy_peer); "
+              f"min ce/peer ratio from 64 MiB: "
+              f"{min(r['ce_put']['GBps'] / r['memcpy_peer']['GBps'] for r in big):.3f}")
+    print("all transfers verified" if all_ok else "SOME TRANSFERS DELIVERED WRONG DATA (!)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "latency": lat,
+                       "device": torch.cuda.get_device_name(0)}, f, indent=1)
+    sys.exit(0 if all_ok and all(x["ok"] for x in lat) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The public attention functions and their torch autograd rule."""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .. import _core
+from ._plan import Plan, core_args, make_plan, new_output, prepare
+
+
+def _run_forward(plan: Plan, q, k, v):
+    out = new_output(q.shape, q.dtype, q.device, zero=plan.varlen)
+    if plan.varlen:  # rows outside every sequence keep -inf (no visible key)
+        lse = torch.full((plan.heads_q, q.shape[0]), float("-inf"), device=q.device)
+    else:
+        lse = new_output((plan.batch, plan.heads_q, plan.seqlen_q), torch.float32, q.device)
+    args = core_args(plan, q=q, k=k, v=v, out=out, lse=lse)
+    if plan.on_cuda:
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        _core.attention_forward_cuda(args, q.device.index, stream)
+    else:
+        _core.attention_forward_cpu(args)
+    return out, lse
+
+
+def _run_backward(plan: Plan, q, k, v, out, lse, dout, want_dbias: bool):
+    dq = new_output(q.shape, q.dtype, q.device, zero=plan.varlen)
+    dk = new_output(k.shape, k.dtype, k.device, zero=plan.varlen)
+    dv = new_output(v.shape, v.dtype, v.device, zero=plan.varlen)
+    dbias_ws = None
+    if want_dbias:
+        rows = plan.seqlen_q if plan.bias.per_row else 1
+        dbias_ws = torch.zeros((plan.batch, plan.heads_q, rows, plan.seqlen_k), dtype=torch.float32,
+                               device=q.device)
+    args = core_args(plan, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv,
+                     dbias=dbias_ws)
+    if plan.on_cuda:
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        nbytes = _core.attention_backward_cuda_workspace_bytes(args)
+        # From torch's caching allocator on the caller's stream: no cudaMalloc
+        # once the pool is warm, and no host synchronisation.
+        workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=q.device)
+        _core.attention_backward_cuda(args, q.device.index, stream, workspace.data_ptr(), nbytes)
+    else:
+        _core.attention_backward_cpu(args)
+    dbias = _reduce_dbias(plan, dbias_ws) if want_dbias else None
+    return dq, dk, dv, dbias
+
+
+def _reduce_dbias(plan: Plan, ws: torch.Tensor) -> torch.Tensor:
+    """Sums the per-(batch, query head) gradient over the bias's broadcast dims."""
+    spec = plan.bias
+    b, h, _, _ = spec.tensor.shape
+    g = ws
+    if b == 1 and plan.batch > 1:
+        g = g.sum(0, keepdim=True)
+    if h == 1 and plan.heads_q > 1:
+        g = g.sum(1, keepdim=True)
+    elif spec.kv_heads:
+        g = g.view(g.shape[0], plan.heads_kv, plan.heads_q // plan.heads_kv, *g.shape[2:]).sum(2)
+    return g.to(spec.tensor.dtype).reshape(spec.shape)
+
+
+def _unpad(t: torch.Tensor, plan: Plan) -> torch.Tensor:
+    return t[..., : plan.head_dim] if plan.head_dim_run != plan.head_dim else t
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, plan: Plan):
+        qp, kp, vp = prepare(q, plan), prepare(k, plan), prepare(v, plan)
+        out, lse = _run_forward(plan, qp, kp, vp)
+        ctx.plan = plan
+        ctx.save_for_backward(qp, kp, vp, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return _unpad(out, plan), lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, _dlse):
+        plan: Plan = ctx.plan
+        qp, kp, vp, out, lse = ctx.saved_tensors
+        want_dbias = plan.bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = _run_backward(plan, qp, kp, vp, out, lse, prepare(dout, plan), want_dbias)
+        return _unpad(dq, plan), _unpad(dk, plan), _unpad(dv, plan), dbias, None
+
+
+def _attention(q, k, v, bias, plan: Plan, return_lse: bool):
+    out, lse = _Attention.apply(q, k, v, bias, plan)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scale=None,
+                    softcap=0.0, bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=None,
+                    return_lse=False, deterministic=False):
+    """Attention over (B, S, H, D) tensors; see docs/attention.md.
+
+    Returns ``out`` (B, Sq, Hq, D), or ``(out, lse)`` with ``lse`` (B, Hq, Sq)
+    float32 when ``return_lse``. Differentiable in q, k, v and bias.
+    """
+    plan = make_plan(q, k, v, varlen=False, causal=causal, window_size=window_size,
+                     softmax_scale=softmax_scale, softcap=softcap, bias=bias, mask=mask,
+                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                     deterministic=deterministic)
+    return _attention(q, k, v, bias, plan, return_lse)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                           causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0,
+                           bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=None,
+                           return_lse=False, deterministic=False):
+    """Attention over packed variable-length sequences: q (total_q, Hq, D), k and
+    v (total_k, Hkv, D); sequence b spans rows cu_seqlens[b] : cu_seqlens[b+1].
+
+    bias and mask are indexed [b, h, i, j] by positions inside sequence b, so
+    they broadcast as (B or 1, H, max_seqlen_q or 1, max_seqlen_k).
+    Returns ``out`` (total_q, Hq, D), or ``(out, lse)`` with ``lse`` (Hq, total_q).
+    """
+    plan = make_plan(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+                     window_size=window_size, softmax_scale=softmax_scale, softcap=softcap,
+                     bias=bias, mask=mask, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                     seed=seed, deterministic=deterministic)
+    return _attention(q, k, v, bias, plan, return_lse)

@@ -1,0 +1,309 @@
+"""Checks the arguments of an attention call and turns tensors into the op
+core's ``AttentionArgs`` (raw addresses, element strides, options).
+
+Nothing here launches work; ``_function.py`` allocates outputs and calls the
+core through these plans.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import _core
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_MAX_HEAD_DIM = 256
+
+# Filling fresh outputs with NaN before each call shows any element the op
+# forgot to write (tests turn this on).
+poison_outputs = os.environ.get("SYMHEAP_ATTN_POISON", "") not in ("", "0")
+
+
+def new_output(shape, dtype, device, zero: bool = False) -> torch.Tensor:
+    """A fresh output. Packed (varlen) outputs start at zero: rows outside every
+    sequence are never written, and finding them would need cu_seqlens on the host."""
+    if zero:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if poison_outputs:
+        t.fill_(float("nan"))
+    return t
+
+
+def _fail(message: str):
+    raise ValueError(f"attention: {message}")
+
+
+def _as_int(value, name: str) -> int:
+    if isinstance(value, bool):
+        _fail(f"{name} must be an int, got bool")
+    try:
+        import operator
+        return operator.index(value)
+    except TypeError:
+        _fail(f"{name} must be an int, got {type(value).__name__}")
+
+
+@dataclass
+class BroadcastSpec:
+    """bias or mask seen as (B or 1, Hq or Hkv or 1, Sq or 1, Sk)."""
+    tensor: torch.Tensor      # the 4-D view handed to the core
+    shape: tuple              # the caller's original shape (dbias gets it back)
+    kv_heads: bool
+    per_row: bool             # has a query-row dimension (not broadcast over Sq)
+
+    def strides(self):
+        t = self.tensor
+        s = [0 if t.shape[d] == 1 else t.stride(d) for d in range(4)]
+        return s[0], s[1], s[2], t.stride(3)
+
+
+@dataclass
+class Plan:
+    """Everything one call needs besides q, k, v: shapes and options."""
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int            # the caller's head dim
+    head_dim_run: int        # after padding (CUDA pads to a multiple of 8)
+    seqlen_q: int            # fixed length, or max_seqlen for varlen
+    seqlen_k: int
+    varlen: bool
+    cu_seqlens_q: Optional[torch.Tensor]
+    cu_seqlens_k: Optional[torch.Tensor]
+    scale: float
+    softcap: float
+    window: tuple
+    bias: Optional[BroadcastSpec]
+    mask: Optional[BroadcastSpec]
+    alibi: Optional[torch.Tensor]
+    dropout_p: float
+    seed: int
+    offset: int
+    deterministic: bool
+    on_cuda: bool
+
+
+def _check_qkv(q, k, v, varlen: bool):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+    want = 3 if varlen else 4
+    layout = "(total, H, D)" if varlen else "(B, S, H, D)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != want:
+            _fail(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        _fail(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _DTYPE_NAMES:
+        _fail(f"dtype {q.dtype} is not supported: use float16 or bfloat16 (float32 on cpu)")
+    if not (q.device == k.device == v.device):
+        _fail(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type not in ("cpu", "cuda"):
+        _fail(f"device type {q.device.type} is not supported (cpu or cuda)")
+    if q.device.type == "cuda":
+        if not getattr(_core, "attention_has_cuda", False):
+            _fail("q is on a CUDA device but symheap was built without CUDA; rebuild with nvcc "
+                  "available (SYMHEAP_CUDA=ON) or move the tensors to the cpu")
+        if q.dtype == torch.float32:
+            _fail("the CUDA path takes float16 or bfloat16; cast q, k, v (float32 runs on cpu)")
+    if k.shape != v.shape:
+        _fail(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        _fail(f"q and k head dims differ: {q.shape[-1]} vs {k.shape[-1]}")
+    d = q.shape[-1]
+    if not 1 <= d <= _MAX_HEAD_DIM:
+        _fail(f"head dim {d} is outside [1, {_MAX_HEAD_DIM}]")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv < 1 or hq % hkv:
+        _fail(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+
+
+def _broadcast(x, name, B, Hq, Hkv, Sq, Sk, device, float_ok: bool) -> Optional[BroadcastSpec]:
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"attention: {name} must be a torch.Tensor or None")
+    if x.device != device:
+        _fail(f"{name} is on {x.device} but q is on {device}")
+    if float_ok:
+        if x.dtype not in _DTYPE_NAMES:
+            _fail(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    elif x.dtype != torch.bool:
+        _fail(f"{name} must be a bool tensor (True = attend), got {x.dtype}; use bias= for "
+              "additive masks")
+    if x.dim() > 4:
+        _fail(f"{name} must have at most 4 dims (B, H, Sq, Sk), got shape {tuple(x.shape)}")
+    shape = tuple(x.shape)
+    view = x[(None,) * (4 - x.dim())] if x.dim() < 4 else x
+    b, h, sq, sk = view.shape
+    ok = b in (B, 1) and h in (Hq, Hkv, 1) and sq in (Sq, 1) and sk == Sk
+    if not ok:
+        _fail(f"{name} of shape {shape} does not broadcast as (B or 1, Hq or Hkv or 1, Sq or 1, Sk) "
+              f"= ({B} or 1, {Hq} or {Hkv} or 1, {Sq} or 1, {Sk})")
+    return BroadcastSpec(view, shape, kv_heads=(h == Hkv and Hkv != Hq and h != 1),
+                         per_row=(sq != 1 or Sq == 1))
+
+
+_offset_lock = threading.Lock()
+
+
+def _dropout_seed(seed, dropout_p: float):
+    """(seed, offset) of one call. Without a seed, 64 bits come from torch's cpu
+    generator (so torch.manual_seed reproduces them; the generator's lock gives
+    concurrent calls distinct draws)."""
+    if dropout_p == 0:
+        return 0, 0
+    if seed is None:
+        words = torch.randint(0, 2 ** 32, (2,), dtype=torch.int64)
+        return int(words[0]) << 32 | int(words[1]), 0
+    if isinstance(seed, (tuple, list)):
+        if len(seed) != 2:
+            _fail("seed must be an int or a (seed, offset) pair")
+        s, o = _as_int(seed[0], "seed"), _as_int(seed[1], "offset")
+    else:
+        s, o = _as_int(seed, "seed"), 0
+    if not 0 <= s < 2 ** 64:
+        _fail(f"seed must be in [0, 2**64), got {s}")
+    if not 0 <= o < 2 ** 32:
+        _fail(f"the dropout offset must be in [0, 2**32), got {o}")
+    return s, o
+
+
+def make_plan(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+              max_seqlen_k=None, causal=False, window_size=(-1, -1), softmax_scale=None,
+              softcap=0.0, bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=None,
+              deterministic=False) -> Plan:
+    _check_qkv(q, k, v, varlen)
+    device = q.device
+    if varlen:
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
+                _fail(f"{name} must be a 1-D int32 tensor of sequence starts (length batch + 1)")
+            if cu.device != device:
+                _fail(f"{name} is on {cu.device} but q is on {device}")
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel() or cu_seqlens_q.numel() < 2:
+            _fail(f"cu_seqlens_q and cu_seqlens_k must both have batch + 1 >= 2 entries, got "
+                  f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+        B = cu_seqlens_q.numel() - 1
+        Sq, Sk = _as_int(max_seqlen_q, "max_seqlen_q"), _as_int(max_seqlen_k, "max_seqlen_k")
+        if Sq < 0 or Sk < 0:
+            _fail("max_seqlen_q and max_seqlen_k must be >= 0")
+        if k.shape[0] != v.shape[0]:
+            _fail("k and v must have the same number of rows")
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    else:
+        B, Sq = q.shape[0], q.shape[1]
+        Sk = k.shape[1]
+        if k.shape[0] != B:
+            _fail(f"q has batch {B} but k has batch {k.shape[0]}")
+    Hq, Hkv, D = q.shape[-2], k.shape[-2], q.shape[-1]
+
+    try:
+        left, right = (int(window_size[0]), int(window_size[1]))
+    except (TypeError, ValueError, IndexError):
+        _fail(f"window_size must be a pair (left, right) of ints, -1 = unbounded, got {window_size!r}")
+    if left < -1 or right < -1:
+        _fail(f"window_size sides must be >= -1 (-1 = unbounded), got {window_size!r}")
+    if causal:
+        right = 0  # causal = no key to the right of the bottom-right-aligned diagonal
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(scale):
+        _fail("softmax_scale must be finite")
+    softcap = float(softcap)
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        _fail(f"softcap must be >= 0 (0 disables it), got {softcap}")
+    dropout_p = float(dropout_p)
+    if not 0 <= dropout_p < 1:
+        _fail(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+    bias_spec = _broadcast(bias, "bias", B, Hq, Hkv, Sq, Sk, device, float_ok=True)
+    mask_spec = _broadcast(mask, "mask", B, Hq, Hkv, Sq, Sk, device, float_ok=False)
+    alibi = None
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError("attention: alibi_slopes must be a tensor of shape (Hq,) or (B, Hq)")
+        if alibi_slopes.device != device:
+            _fail(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+        if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq), (1, Hq)):
+            _fail(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}), got "
+                  f"{tuple(alibi_slopes.shape)}")
+        alibi = alibi_slopes.detach().to(torch.float32).contiguous()
+        if alibi.dim() == 1 or alibi.shape[0] == 1:
+            alibi = alibi.reshape(1, Hq)
+
+    seed_value, offset = _dropout_seed(seed, dropout_p)
+    on_cuda = device.type == "cuda"
+    d_run = (D + 7) // 8 * 8 if on_cuda else D
+    return Plan(B, Hq, Hkv, D, d_run, Sq, Sk, varlen, cu_seqlens_q, cu_seqlens_k, scale, softcap,
+                (left, right), bias_spec, mask_spec, alibi, dropout_p, seed_value, offset,
+                bool(deterministic), on_cuda)
+
+
+def prepare(t: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """q/k/v/dout as the core reads them: unit stride on the head dim and, on
+    CUDA, the head dim padded with zeros to a multiple of 8 and 16-byte rows."""
+    if plan.head_dim_run != plan.head_dim:
+        return torch.nn.functional.pad(t, (0, plan.head_dim_run - plan.head_dim))
+    if t.stride(-1) != 1:
+        return t.contiguous()
+    if plan.on_cuda:
+        aligned = t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+        if not aligned:  # clone: contiguous() keeps a misaligned storage offset
+            return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _strides(t: torch.Tensor, varlen: bool):
+    """(batch, row, head) element strides of a (B, S, H, D) or (total, H, D) tensor."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def core_args(plan: Plan, **tensors) -> "_core.AttentionArgs":
+    """Fills the core's arguments; `tensors` names q, k, v, out, lse, and for
+    the backward dout, dq, dk, dv and dbias (a float32 workspace)."""
+    a = _core.AttentionArgs()
+    a.batch, a.heads_q, a.heads_kv = plan.batch, plan.heads_q, plan.heads_kv
+    a.head_dim = plan.head_dim_run
+    a.seqlen_q, a.seqlen_k = plan.seqlen_q, plan.seqlen_k
+    q, k = tensors["q"], tensors["k"]
+    if plan.varlen:
+        a.total_q, a.total_k = q.shape[0], k.shape[0]
+        a.set_pointer("cu_seqlens_q", plan.cu_seqlens_q.data_ptr())
+        a.set_pointer("cu_seqlens_k", plan.cu_seqlens_k.data_ptr())
+    a.scale, a.softcap = plan.scale, plan.softcap
+    a.window_left, a.window_right = plan.window
+    a.dropout_p, a.seed, a.offset = plan.dropout_p, plan.seed, plan.offset
+    a.deterministic = plan.deterministic
+    for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv"):
+        t = tensors.get(name)
+        if t is not None:
+            a.set_tensor(name, t.data_ptr(), _DTYPE_NAMES[t.dtype], *_strides(t, plan.varlen))
+    lse = tensors["lse"]
+    a.set_pointer("lse", lse.data_ptr())
+    if plan.varlen:  # (Hq, total_q)
+        a.lse_batch_stride, a.lse_head_stride = 0, lse.stride(0)
+    else:            # (B, Hq, Sq)
+        a.lse_batch_stride, a.lse_head_stride = lse.stride(0), lse.stride(1)
+    if plan.bias is not None:
+        a.set_broadcast("bias", plan.bias.tensor.data_ptr(), _DTYPE_NAMES[plan.bias.tensor.dtype],
+                        *plan.bias.strides(), plan.bias.kv_heads)
+    if plan.mask is not None:
+        a.set_broadcast("mask", plan.mask.tensor.data_ptr(), "float32", *plan.mask.strides(),
+                        plan.mask.kv_heads)
+    if plan.alibi is not None:
+        a.set_pointer("alibi_slopes", plan.alibi.data_ptr())
+        a.alibi_batch_stride = plan.alibi.stride(0) if plan.alibi.shape[0] > 1 else 0
+    dbias = tensors.get("dbias")
+    if dbias is not None:  # (B, Hq, Sq or 1, Sk) float32
+        sq = dbias.stride(2) if plan.bias.per_row else 0
+        a.set_broadcast("dbias", dbias.data_ptr(), "float32", dbias.stride(0), dbias.stride(1), sq,
+                        dbias.stride(3), False)
+    return a

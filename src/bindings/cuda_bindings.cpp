@@ -1,0 +1,250 @@
+// Python bindings of the device context, DLPack views of heap memory and the
+// CUDA-only operations (SM and copy-engine puts, device-side error reports,
+// the test and benchmark kernels). Everything that needs CUDA is registered
+// only in builds with CUDA; the rest works on every backend.
+#include <pybind11/pybind11.h>
+
+#include <cstring>
+#include <string>
+
+#include "bindings/registry.hpp"
+#include "symheap/errors.hpp"
+#include "symheap/runtime.hpp"
+#ifdef SYMHEAP_WITH_CUDA
+#include "backends/cuda_api.hpp"
+#endif
+
+namespace py = pybind11;
+using namespace symheap;
+
+namespace {
+
+Runtime& rt() { return Runtime::instance(); }
+
+template <class T>
+T* as_ptr(uintptr_t addr) {
+  return reinterpret_cast<T*>(addr);
+}
+
+// ---- DLPack (the stable C ABI of the "dltensor" capsule) -------------------
+struct DLDevice {
+  int32_t device_type;  // 1 = CPU, 2 = CUDA
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 1 = unsigned int
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor* self);
+};
+
+struct ByteView {
+  DLManagedTensor managed{};
+  int64_t shape[1] = {0};
+  PyObject* owner = nullptr;  // a strong reference, dropped by the deleter
+};
+
+void delete_byte_view(DLManagedTensor* self) {
+  auto* view = static_cast<ByteView*>(self->manager_ctx);
+  if (view->owner && Py_IsInitialized()) {
+    PyGILState_STATE gil = PyGILState_Ensure();  // the consumer may free on any thread
+    Py_DECREF(view->owner);
+    PyGILState_Release(gil);
+  }
+  delete view;
+}
+
+void capsule_destructor(PyObject* capsule) {
+  // Called when the capsule dies; a consumer renames it "used_dltensor"
+  // and owns the tensor from then on.
+  if (!PyCapsule_IsValid(capsule, "dltensor")) return;
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+  if (managed && managed->deleter) managed->deleter(managed);
+}
+
+// A 1-D uint8 DLPack capsule over [ptr, ptr + nbytes) that says it lives on
+// `device`. Naming the device explicitly lets a PE's tensor alias memory of a
+// same-process peer (reached through peer access) without torch copying it
+// to the device the pointer belongs to.
+py::object byte_capsule(uintptr_t ptr, int64_t nbytes, int device_type, int device,
+                        py::object owner) {
+  if (nbytes < 0) throw InvalidArgument("nbytes must be >= 0");
+  auto* view = new ByteView();
+  view->shape[0] = nbytes;
+  view->owner = owner.release().ptr();
+  DLTensor& t = view->managed.dl_tensor;
+  t.data = reinterpret_cast<void*>(ptr);
+  t.device = {device_type, device};
+  t.ndim = 1;
+  t.dtype = {1, 8, 1};
+  t.shape = view->shape;
+  t.strides = nullptr;
+  t.byte_offset = 0;
+  view->managed.manager_ctx = view;
+  view->managed.deleter = delete_byte_view;
+  PyObject* capsule = PyCapsule_New(&view->managed, "dltensor", capsule_destructor);
+  if (!capsule) {
+    delete_byte_view(&view->managed);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
+#ifdef SYMHEAP_WITH_CUDA
+std::shared_ptr<PeState> cuda_pe(const char* what) {
+  if (!cuda::backend_active())
+    throw StateError(std::string(what) + " needs the cuda backend (the active one is " +
+                     rt().backend_name() + ")");
+  return rt().current();
+}
+
+SignalOp parse_op(const std::string& op) {
+  if (op == "set") return SignalOp::Set;
+  if (op == "add") return SignalOp::Add;
+  throw InvalidArgument("signal op must be 'set' or 'add', got '" + op + "'");
+}
+#endif
+
+}  // namespace
+
+SYMHEAP_BINDINGS(device) {
+  m.def(
+      "device_context",
+      [] {
+        auto s = rt().current();
+        DeviceContext ctx = device_context(*s);
+        return py::bytes(reinterpret_cast<const char*>(&ctx), sizeof ctx);
+      },
+      "Bytes of the calling PE's symheap::DeviceContext (pass by value to kernels).");
+  m.attr("device_context_size") = sizeof(DeviceContext);
+  // Finalize step 1 of 2: unmap the heaps of other processes while they are
+  // still allocated (CUDA IPC requires importers to close before the owner
+  // frees); step 2, destroy_pe, frees this PE's own heap.
+  m.def("release_peer_mappings", [](int device) {
+    auto s = rt().slot(device);
+    if (!s) return;
+    py::gil_scoped_release nogil;
+    for (auto& peer : s->peers) {
+      if (peer.kind != PeerKind::SameNode) continue;
+      peer.base = nullptr;
+      peer.mapping.reset();
+    }
+  });
+  m.def("byte_capsule", &byte_capsule, py::arg("ptr"), py::arg("nbytes"),
+        py::arg("device_type"), py::arg("device"), py::arg("owner"));
+
+#ifdef SYMHEAP_WITH_CUDA
+  m.def("cuda_put", [](uintptr_t dst, uintptr_t src, size_t n, int pe, uintptr_t stream,
+                       const std::string& via, uintptr_t sig, uint64_t value,
+                       const std::string& op) {
+    auto s = cuda_pe("put");
+    SignalOp sop = parse_op(op);
+    py::gil_scoped_release nogil;
+    if (via == "copy_engine") {
+      cuda::put_copy_engine(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream,
+                            sig ? as_ptr<uint64_t>(sig) : nullptr, value, sop);
+    } else if (via == "load_store") {
+      if (sig) s->checked_offset(as_ptr<void>(sig), sizeof(uint64_t), "signal");
+      cuda::put_load_store(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream, 0);
+      if (sig) host::signal_op(*s, as_ptr<uint64_t>(sig), value, sop, pe, stream);
+    } else {
+      throw InvalidArgument("via must be 'load_store' or 'copy_engine' here, got '" + via + "'");
+    }
+  });
+  m.def("take_device_error", [] {
+    auto s = cuda_pe("take_device_error");
+    cuda::DeviceError e;
+    {
+      py::gil_scoped_release nogil;
+      e = cuda::take_device_error(*s);
+    }
+    return py::make_tuple(e.code, e.message);
+  });
+  m.def("cuda_channel_count", [](int device) { return cuda::channel_count(device); });
+  m.def("cuda_kernel_cache_entries",
+        [](int device) { return cuda::devtest::kernel_cache_entries(device); });
+  m.def("cuda_memops_status", [](int device) { return cuda::stream_memops_status(device); });
+
+  // Test and benchmark kernels: addresses are raw pointers, checked against
+  // the calling PE's heap where they must be symmetric.
+  m.def("devtest_put", [](uintptr_t dst, uintptr_t src, size_t n, int pe, int scope, int units,
+                          uintptr_t sig, bool nbi, uintptr_t stream) {
+    auto s = cuda_pe("devtest_put");
+    py::gil_scoped_release nogil;
+    cuda::devtest::put(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, scope, units,
+                       sig ? as_ptr<uint64_t>(sig) : nullptr, nbi, stream);
+  });
+  m.def("devtest_get", [](uintptr_t dst, uintptr_t src, size_t n, int pe, int scope, int units,
+                          uintptr_t stream) {
+    auto s = cuda_pe("devtest_get");
+    py::gil_scoped_release nogil;
+    cuda::devtest::get(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, scope, units,
+                       stream);
+  });
+  m.def("devtest_atomics", [](uintptr_t counter, uintptr_t cas_word, uintptr_t swap_word,
+                              int64_t cond, int64_t value, int pe, int threads, uintptr_t out,
+                              uintptr_t stream) {
+    auto s = cuda_pe("devtest_atomics");
+    py::gil_scoped_release nogil;
+    cuda::devtest::atomics(*s, as_ptr<int64_t>(counter), as_ptr<int64_t>(cas_word),
+                           as_ptr<int64_t>(swap_word), cond, value, pe, threads,
+                           as_ptr<int64_t>(out), stream);
+  });
+  m.def("devtest_wait_until", [](uintptr_t sig, int cmp, uint64_t value, uintptr_t out,
+                                 uintptr_t stream) {
+    auto s = cuda_pe("devtest_wait_until");
+    py::gil_scoped_release nogil;
+    cuda::devtest::wait_until(*s, as_ptr<uint64_t>(sig), cmp, value, as_ptr<uint64_t>(out),
+                              stream);
+  });
+  m.def("devtest_barrier", [](uintptr_t slots, int rounds, int scope, uintptr_t bad,
+                              uintptr_t stream) {
+    auto s = cuda_pe("devtest_barrier");
+    py::gil_scoped_release nogil;
+    cuda::devtest::barrier_rounds(*s, as_ptr<uint64_t>(slots), rounds, scope,
+                                  as_ptr<uint64_t>(bad), stream);
+  });
+  m.def("devtest_ping_pong", [](uintptr_t data, uintptr_t sig, int peer, bool initiator,
+                                int iters, uintptr_t stream) {
+    auto s = cuda_pe("devtest_ping_pong");
+    py::gil_scoped_release nogil;
+    cuda::devtest::ping_pong(*s, as_ptr<uint64_t>(data), as_ptr<uint64_t>(sig), peer, initiator,
+                             iters, stream);
+  });
+  m.def("bench_plain_copy", [](uintptr_t dst, uintptr_t src, size_t n, int blocks, int device,
+                               uintptr_t stream) {
+    py::gil_scoped_release nogil;
+    cuda::devtest::plain_copy_kernel(as_ptr<void>(dst), as_ptr<const void>(src), n, blocks,
+                                     device, stream);
+  });
+  m.def("bench_memcpy_peer", [](uintptr_t dst, int dst_device, uintptr_t src, int src_device,
+                                size_t n, uintptr_t stream) {
+    py::gil_scoped_release nogil;
+    cuda::devtest::memcpy_peer(as_ptr<void>(dst), dst_device, as_ptr<const void>(src),
+                               src_device, n, stream);
+  });
+  m.def("bench_sm_put", [](uintptr_t dst, uintptr_t src, size_t n, int pe, int blocks,
+                           uintptr_t stream) {
+    auto s = cuda_pe("bench_sm_put");
+    py::gil_scoped_release nogil;
+    cuda::put_load_store(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream, blocks);
+  });
+  m.def("devtest_fill", [](uintptr_t dst, size_t n, uint32_t seed, uintptr_t stream) {
+    py::gil_scoped_release nogil;
+    cuda::devtest::fill_pattern(as_ptr<uint32_t>(dst), n, seed, stream);
+  });
+#endif
+}

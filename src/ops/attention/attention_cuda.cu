@@ -1,0 +1,244 @@
+// CUDA entry points of the attention op: checks, the per-device caches
+// (device properties, kernel attributes) and the argument block. Nothing here
+// allocates device memory or synchronises with the host.
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "ops/attention/attention.hpp"
+#include "ops/attention/cuda_launch.cuh"
+#include "symheap/errors.hpp"
+#include "symheap/runtime.hpp"
+
+namespace symheap::attention {
+namespace cuda {
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("attention: ") + what + " failed: " + cudaGetErrorName(err) +
+                             " (" + cudaGetErrorString(err) + ")");
+}
+
+namespace {
+// Device properties, read for one device and kept in its slot's caches.
+struct DeviceProps {
+  int sm_count = 0;
+  int smem_optin = 0;
+};
+
+std::shared_ptr<DeviceProps> device_props(int device) {
+  return Runtime::instance().device_caches(device).get<DeviceProps>(
+      "attention.cuda.props", [device] {
+        auto props = std::make_shared<DeviceProps>();
+        check_cuda(cudaDeviceGetAttribute(&props->sm_count, cudaDevAttrMultiProcessorCount, device),
+                   "cudaDeviceGetAttribute(multiprocessor count)");
+        check_cuda(cudaDeviceGetAttribute(&props->smem_optin,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                   "cudaDeviceGetAttribute(shared memory per block)");
+        return props;
+      });
+}
+
+struct KernelReady {};
+}  // namespace
+
+void ensure_smem(int device, const void* kernel, size_t smem, const std::string& key) {
+  auto props = device_props(device);
+  if (smem > static_cast<size_t>(props->smem_optin))
+    throw Unsupported("attention: kernel " + key + " needs " + std::to_string(smem) +
+                      " bytes of shared memory per block; device " + std::to_string(device) +
+                      " allows " + std::to_string(props->smem_optin));
+  Runtime::instance().device_caches(device).get<KernelReady>("attention.cuda.kernel." + key, [&] {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)),
+               ("cudaFuncSetAttribute for " + key).c_str());
+    return std::make_shared<KernelReady>();
+  });
+}
+
+}  // namespace cuda
+
+namespace {
+using cuda::check_cuda;
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw InvalidArgument("attention (CUDA): " + message);
+}
+
+bool aligned(const Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && t.batch_stride % 8 == 0 &&
+         t.row_stride % 8 == 0 && t.head_stride % 8 == 0;
+}
+
+void validate_cuda(const Args& a, bool backward) {
+  require(a.q.dtype == DType::F16 || a.q.dtype == DType::BF16,
+          std::string("takes float16 or bfloat16 tensors, got ") + dtype_name(a.q.dtype));
+  require(a.head_dim % 8 == 0, "head_dim must be a multiple of 8 (pad it; the Python API does)");
+  const char* names[] = {"q", "k", "v", "out", "dout", "dq", "dk", "dv"};
+  const Tensor* tensors[] = {&a.q, &a.k, &a.v, &a.out, &a.dout, &a.dq, &a.dk, &a.dv};
+  for (int n = 0; n < (backward ? 8 : 4); ++n)
+    require(aligned(*tensors[n]), std::string(names[n]) +
+                                      " needs 16-byte aligned rows (address and strides multiples "
+                                      "of 8 elements): make it contiguous");
+  require(a.heads_q <= 65535 && a.batch <= 65535, "batch and head counts must be <= 65535");
+}
+
+// Guards the calling thread's current CUDA device and restores it.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) {
+      check_cuda(cudaSetDevice(device), "cudaSetDevice");
+      changed_ = true;
+    }
+  }
+  ~DeviceScope() {
+    if (changed_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+void check_stream_device(void* stream, int device) {
+#if CUDART_VERSION >= 12080
+  if (stream) {
+    int stream_device = -1;
+    check_cuda(cudaStreamGetDevice(static_cast<cudaStream_t>(stream), &stream_device),
+               "cudaStreamGetDevice");
+    require(stream_device == device, "the stream belongs to device " + std::to_string(stream_device) +
+                                         " but the tensors are on device " + std::to_string(device));
+  }
+#else
+  (void)stream;
+  (void)device;
+#endif
+}
+
+cuda::KArgs kernel_args(const Args& a) {
+  cuda::KArgs k{};
+  k.q = a.q.data;
+  k.k = a.k.data;
+  k.v = a.v.data;
+  k.out = a.out.data;
+  k.lse = a.lse;
+  k.dout = a.dout.data;
+  k.dq = a.dq.data;
+  k.dk = a.dk.data;
+  k.dv = a.dv.data;
+  auto strides = [](const Tensor& t, int64_t& sb, int64_t& sr, int64_t& sh) {
+    sb = t.batch_stride;
+    sr = t.row_stride;
+    sh = t.head_stride;
+  };
+  strides(a.q, k.q_sb, k.q_sr, k.q_sh);
+  strides(a.k, k.k_sb, k.k_sr, k.k_sh);
+  strides(a.v, k.v_sb, k.v_sr, k.v_sh);
+  strides(a.out, k.o_sb, k.o_sr, k.o_sh);
+  strides(a.dout, k.do_sb, k.do_sr, k.do_sh);
+  strides(a.dq, k.dq_sb, k.dq_sr, k.dq_sh);
+  strides(a.dk, k.dk_sb, k.dk_sr, k.dk_sh);
+  strides(a.dv, k.dv_sb, k.dv_sr, k.dv_sh);
+  k.lse_sb = a.lse_batch_stride;
+  k.lse_sh = a.lse_head_stride;
+  k.batch = a.batch;
+  k.heads_q = a.heads_q;
+  k.heads_kv = a.heads_kv;
+  k.group = a.group();
+  k.d = a.head_dim;
+  k.seqlen_q = a.seqlen_q;
+  k.seqlen_k = a.seqlen_k;
+  k.total_q = a.total_q;
+  k.total_k = a.total_k;
+  k.cu_q = a.cu_seqlens_q;
+  k.cu_k = a.cu_seqlens_k;
+  k.scale = a.scale;
+  k.softcap = a.softcap;
+  k.win_left = a.window_left;
+  k.win_right = a.window_right;
+  k.bias = a.bias.data;
+  k.bias_dtype = static_cast<int>(a.bias.dtype);
+  k.bias_sb = a.bias.sb;
+  k.bias_sh = a.bias.sh;
+  k.bias_sq = a.bias.sq;
+  k.bias_sk = a.bias.sk;
+  k.bias_kv = a.bias.kv_heads;
+  k.mask = static_cast<const uint8_t*>(a.mask.data);
+  k.mask_sb = a.mask.sb;
+  k.mask_sh = a.mask.sh;
+  k.mask_sq = a.mask.sq;
+  k.mask_sk = a.mask.sk;
+  k.mask_kv = a.mask.kv_heads;
+  k.alibi = a.alibi_slopes;
+  k.alibi_sb = a.alibi_batch_stride;
+  k.dropout = a.dropout_p > 0;
+  k.drop_threshold = dropout_threshold(a.dropout_p);
+  k.keep_scale = 1.0f / (1.0f - a.dropout_p);
+  k.seed = a.seed;
+  k.offset = a.offset;
+  k.dbias = static_cast<float*>(a.dbias.data);
+  k.dbias_sb = a.dbias.sb;
+  k.dbias_sh = a.dbias.sh;
+  k.dbias_sq = a.dbias.sq;
+  k.dbias_sk = a.dbias.sk;
+  return k;
+}
+
+int64_t query_rows(const Args& a) {
+  return a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
+}
+}  // namespace
+
+void forward_cuda(const Args& a, int device, void* stream) {
+  validate(a, false);
+  validate_cuda(a, false);
+  if (a.seqlen_q == 0 || query_rows(a) == 0) return;
+  DeviceScope scope(device);
+  check_stream_device(stream, device);
+  const cuda::Launch l{device, static_cast<cudaStream_t>(stream),
+                       a.q.dtype == DType::F16 ? "f16" : "bf16"};
+  const cuda::KArgs k = kernel_args(a);
+  if (a.q.dtype == DType::F16) cuda::run_forward_f16(l, k);
+  else cuda::run_forward_bf16(l, k);
+}
+
+// delta (rowsum(dout * out)), one float per query row and head, sized from
+// the shapes alone (the packed row count for varlen; cu_seqlens is not read).
+size_t backward_cuda_workspace_bytes(const Args& a) {
+  const size_t bytes = static_cast<size_t>(query_rows(a)) * a.heads_q * sizeof(float);
+  return (bytes + 255) / 256 * 256;
+}
+
+void backward_cuda(const Args& a, int device, void* stream, void* workspace, size_t bytes) {
+  validate(a, true);
+  validate_cuda(a, true);
+  const size_t need = backward_cuda_workspace_bytes(a);
+  require(bytes >= need && (need == 0 || workspace != nullptr),
+          "the backward workspace has " + std::to_string(bytes) + " bytes; it needs " +
+              std::to_string(need) + " (backward_cuda_workspace_bytes)");
+  require(reinterpret_cast<uintptr_t>(workspace) % 16 == 0, "the workspace must be 16-byte aligned");
+  if (a.seqlen_q == 0 && a.seqlen_k == 0) return;
+  DeviceScope scope(device);
+  check_stream_device(stream, device);
+  const cuda::Launch l{device, static_cast<cudaStream_t>(stream),
+                       a.q.dtype == DType::F16 ? "f16" : "bf16"};
+  cuda::KArgs k = kernel_args(a);
+  k.delta = static_cast<float*>(workspace);
+  if (a.varlen()) {
+    k.delta_sb = 0;
+    k.delta_sh = a.total_q;
+  } else {
+    k.delta_sb = static_cast<int64_t>(a.heads_q) * a.seqlen_q;
+    k.delta_sh = a.seqlen_q;
+  }
+  if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k);
+  else cuda::run_backward_bf16(l, k);
+}
+
+}  // namespace symheap::attention

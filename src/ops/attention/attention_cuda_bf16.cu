@@ -1,0 +1,7 @@
+// bfloat16 instantiation of the attention kernels.
+#include "ops/attention/cuda_launch.cuh"
+
+namespace symheap::attention::cuda {
+void run_forward_bf16(const Launch& l, const KArgs& p) { run_forward<__nv_bfloat16>(l, p); }
+void run_backward_bf16(const Launch& l, const KArgs& p) { run_backward<__nv_bfloat16>(l, p); }
+}  // namespace symheap::attention::cuda

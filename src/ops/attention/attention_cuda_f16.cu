@@ -1,0 +1,7 @@
+// float16 instantiation of the attention kernels.
+#include "ops/attention/cuda_launch.cuh"
+
+namespace symheap::attention::cuda {
+void run_forward_f16(const Launch& l, const KArgs& p) { run_forward<__half>(l, p); }
+void run_backward_f16(const Launch& l, const KArgs& p) { run_backward<__half>(l, p); }
+}  // namespace symheap::attention::cuda

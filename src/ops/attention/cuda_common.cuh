@@ -1,0 +1,272 @@
+// Device building blocks of the CUDA attention kernels: the kernel argument
+// block, tensor-core fragments (mma.sync m16n8k16, fp32 accumulate), tile
+// loads into padded shared memory, and the logit rule (same as the cpu path).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ops/attention/common.hpp"
+
+namespace symheap::attention::cuda {
+
+// Everything the kernels read, by value (no global device symbol).
+struct KArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;
+  const void* dout;
+  void* dq;
+  void* dk;
+  void* dv;
+  int64_t q_sb, q_sr, q_sh, k_sb, k_sr, k_sh, v_sb, v_sr, v_sh, o_sb, o_sr, o_sh;
+  int64_t do_sb, do_sr, do_sh, dq_sb, dq_sr, dq_sh, dk_sb, dk_sr, dk_sh, dv_sb, dv_sr, dv_sh;
+  int64_t lse_sb, lse_sh;
+  float* delta;  // backward workspace: rowsum(dout * out), laid out like lse
+  int64_t delta_sb, delta_sh;
+  int batch, heads_q, heads_kv, group, d, seqlen_q, seqlen_k;
+  int64_t total_q, total_k;
+  const int32_t* cu_q;
+  const int32_t* cu_k;
+  float scale, softcap;
+  int win_left, win_right;
+  const void* bias;
+  int bias_dtype;  // 0 f32, 1 f16, 2 bf16
+  int64_t bias_sb, bias_sh, bias_sq, bias_sk;
+  int bias_kv;
+  const uint8_t* mask;
+  int64_t mask_sb, mask_sh, mask_sq, mask_sk;
+  int mask_kv;
+  const float* alibi;
+  int64_t alibi_sb;
+  int dropout;
+  uint32_t drop_threshold;
+  float keep_scale;
+  uint64_t seed, offset;
+  float* dbias;
+  int64_t dbias_sb, dbias_sh, dbias_sq, dbias_sk;
+};
+
+template <class T>
+struct Pack;
+template <>
+struct Pack<__half> {
+  static __device__ __forceinline__ uint32_t two(float x, float y) {
+    __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <>
+struct Pack<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t two(float x, float y) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+// D (16x8, fp32) += A (16x16, row) * B (16x8, col). Fragment layout, with
+// g = lane / 4 and t = lane % 4: a = {A[g][2t..], A[g+8][2t..], A[g][2t+8..],
+// A[g+8][2t+8..]}, b = {B[2t..][g], B[2t+8..][g]}, c = {C[g][2t], C[g][2t+1],
+// C[g+8][2t], C[g+8][2t+1]}.
+template <class T>
+__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], const uint32_t b[2]);
+template <>
+__device__ __forceinline__ void mma<__half>(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float c[4], const uint32_t a[4],
+                                                   const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <class T>
+__device__ __forceinline__ uint32_t lds32(const T* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// A fragment: rows r0.., cols c0.. of a row-major shared tile with leading dim ld.
+template <class T>
+__device__ __forceinline__ void load_a(uint32_t a[4], const T* s, int ld, int r0, int c0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  a[0] = lds32(s + (r0 + g) * ld + c0 + 2 * t);
+  a[1] = lds32(s + (r0 + g + 8) * ld + c0 + 2 * t);
+  a[2] = lds32(s + (r0 + g) * ld + c0 + 2 * t + 8);
+  a[3] = lds32(s + (r0 + g + 8) * ld + c0 + 2 * t + 8);
+}
+
+// B fragment (k x n = 16 x 8) of a tile stored n-major: B[k][n] = s[(n0+n)*ld + k0+k].
+template <class T>
+__device__ __forceinline__ void load_b(uint32_t b[2], const T* s, int ld, int n0, int k0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  b[0] = lds32(s + (n0 + g) * ld + k0 + 2 * t);
+  b[1] = lds32(s + (n0 + g) * ld + k0 + 2 * t + 8);
+}
+
+// Two accumulator tiles (16 x 8 each, columns 16*kk .. 16*kk+15) as the A
+// fragment of the next product (the C and A layouts line up).
+template <class T>
+__device__ __forceinline__ void c_to_a(uint32_t a[4], const float c0[4], const float c1[4]) {
+  a[0] = Pack<T>::two(c0[0], c0[1]);
+  a[1] = Pack<T>::two(c0[2], c0[3]);
+  a[2] = Pack<T>::two(c1[0], c1[1]);
+  a[3] = Pack<T>::two(c1[2], c1[3]);
+}
+
+// Rows [0, ROWS) x cols [0, DB) of a global tile into shared memory (row-major,
+// leading dim DB + 8), zero where row >= valid_rows or col >= d. 16-byte
+// accesses: the launcher checks that rows are 16-byte aligned.
+template <class T, int ROWS, int DB, int NT>
+__device__ __forceinline__ void load_rows(T* s, const T* g, int64_t row_stride, int valid_rows, int d) {
+  constexpr int kChunks = DB / 8;
+  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += NT) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < valid_rows && c * 8 < d) val = *reinterpret_cast<const uint4*>(g + r * row_stride + c * 8);
+    *reinterpret_cast<uint4*>(s + r * (DB + 8) + c * 8) = val;
+  }
+}
+
+// The same tile transposed: s[col * (ROWS + 8) + row].
+template <class T, int ROWS, int DB, int NT>
+__device__ __forceinline__ void load_rows_t(T* s, const T* g, int64_t row_stride, int valid_rows, int d) {
+  constexpr int kChunks = DB / 8;
+  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += NT) {
+    const int r = idx % ROWS, c = idx / ROWS;  // consecutive threads: consecutive rows
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < valid_rows && c * 8 < d) val = *reinterpret_cast<const uint4*>(g + r * row_stride + c * 8);
+    const T* e = reinterpret_cast<const T*>(&val);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) s[(c * 8 + u) * (ROWS + 8) + r] = e[u];
+  }
+}
+
+// Writes a warp's 16 rows (staged row-major in shared memory, leading dim
+// DB + 8) to global memory with 16-byte stores.
+template <class T, int DB>
+__device__ __forceinline__ void store_warp_rows(const T* s, T* g, int64_t row_stride, int valid_rows,
+                                                int d, int lane) {
+  constexpr int kChunks = DB / 8;
+  for (int idx = lane; idx < 16 * kChunks; idx += 32) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    if (r < valid_rows && c * 8 < d)
+      *reinterpret_cast<uint4*>(g + r * row_stride + c * 8) =
+          *reinterpret_cast<const uint4*>(s + r * (DB + 8) + c * 8);
+  }
+}
+
+// Stages a 16 x DB fp32 accumulator (DB/8 tiles) of one warp, times `row_scale`
+// per row, into rows [r0, r0 + 16) of a row-major shared tile.
+template <class T, int DB>
+__device__ __forceinline__ void stage_acc(T* s, int r0, const float (*acc)[4], float scale_lo,
+                                          float scale_hi, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int dt = 0; dt < DB / 8; ++dt) {
+    *reinterpret_cast<uint32_t*>(s + (r0 + g) * (DB + 8) + dt * 8 + 2 * t) =
+        Pack<T>::two(acc[dt][0] * scale_lo, acc[dt][1] * scale_lo);
+    *reinterpret_cast<uint32_t*>(s + (r0 + g + 8) * (DB + 8) + dt * 8 + 2 * t) =
+        Pack<T>::two(acc[dt][2] * scale_hi, acc[dt][3] * scale_hi);
+  }
+}
+
+// ---- sequences and the logit rule
+
+struct Seq {
+  int sq, sk;
+  int64_t q0, k0;  // first packed row
+};
+
+// Lengths from cu_seqlens are clamped to the buffers and to max_seqlen, so a
+// bad cu_seqlens can give wrong numbers but never an access out of bounds.
+__device__ __forceinline__ Seq sequence(const KArgs& p, int b) {
+  if (!p.cu_q) return Seq{p.seqlen_q, p.seqlen_k, 0, 0};
+  int64_t q1 = min(static_cast<int64_t>(p.cu_q[b + 1]), p.total_q);
+  int64_t q0 = max(int64_t{0}, min(static_cast<int64_t>(p.cu_q[b]), q1));
+  int64_t k1 = min(static_cast<int64_t>(p.cu_k[b + 1]), p.total_k);
+  int64_t k0 = max(int64_t{0}, min(static_cast<int64_t>(p.cu_k[b]), k1));
+  return Seq{static_cast<int>(min(q1 - q0, static_cast<int64_t>(p.seqlen_q))),
+             static_cast<int>(min(k1 - k0, static_cast<int64_t>(p.seqlen_k))), q0, k0};
+}
+
+__device__ __forceinline__ float load_bias(const void* base, int dtype, int64_t idx) {
+  if (dtype == 0) return static_cast<const float*>(base)[idx];
+  if (dtype == 1) return __half2float(static_cast<const __half*>(base)[idx]);
+  return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[idx]);
+}
+
+// Per-(batch, query head) context of the logit rule.
+struct LogitCtx {
+  const char* bias;     // at [b, head, 0, 0]
+  const uint8_t* mask;  // at [b, head, 0, 0]
+  float slope;
+  int sq, sk;
+
+  __device__ __forceinline__ LogitCtx(const KArgs& p, int b, int hq, const Seq& s) {
+    const int hk = hq / p.group;
+    bias = nullptr;
+    mask = nullptr;
+    if (p.bias) {
+      const int esz = p.bias_dtype == 0 ? 4 : 2;
+      bias = static_cast<const char*>(p.bias) +
+             esz * (b * p.bias_sb + (p.bias_kv ? hk : hq) * p.bias_sh);
+    }
+    if (p.mask) mask = p.mask + b * p.mask_sb + (p.mask_kv ? hk : hq) * p.mask_sh;
+    slope = p.alibi ? p.alibi[b * p.alibi_sb + hq] : 0.0f;
+    sq = s.sq;
+    sk = s.sk;
+  }
+
+  // Logit of (i, j) from the raw dot product; -inf when hidden. `dcap`
+  // receives d logit / d (scale * q.k).
+  __device__ __forceinline__ float operator()(const KArgs& p, float raw, int i, int j,
+                                              float* dcap) const {
+    const int diag = i + sk - sq;
+    const bool visible = j < sk && i < sq && (p.win_left < 0 || j >= diag - p.win_left) &&
+                         (p.win_right < 0 || j <= diag + p.win_right) &&
+                         (!mask || mask[i * p.mask_sq + j * p.mask_sk]);
+    float x = raw * p.scale;
+    *dcap = 1.0f;
+    if (p.softcap > 0) {
+      const float t = tanhf(x / p.softcap);
+      x = p.softcap * t;
+      *dcap = 1.0f - t * t;
+    }
+    if (!visible) return -INFINITY;
+    if (bias) x += load_bias(bias, p.bias_dtype, i * p.bias_sq + j * p.bias_sk);
+    if (slope != 0.0f) x -= slope * fabsf(static_cast<float>(diag - j));
+    return x;
+  }
+};
+
+__device__ __forceinline__ float dropout_keep(const KArgs& p, const detail::U32x4& r, int j) {
+  return detail::pick(r, static_cast<uint32_t>(j) & 3u) >= p.drop_threshold ? p.keep_scale : 0.0f;
+}
+
+__device__ __forceinline__ detail::U32x4 dropout_quad(const KArgs& p, uint32_t bh, int i, int j) {
+  return detail::dropout_quad(p.seed, p.offset, bh, static_cast<uint32_t>(i),
+                              static_cast<uint32_t>(j) >> 2);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+}  // namespace symheap::attention::cuda

@@ -1,0 +1,101 @@
+// Launchers of the attention kernels for one element type; the .cu file of
+// each type instantiates them (two translation units compile in parallel).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "ops/attention/cuda_backward.cuh"
+#include "ops/attention/cuda_forward.cuh"
+
+namespace symheap::attention::cuda {
+
+// Host-side services the launchers need, defined in attention_cuda.cu.
+void check_cuda(cudaError_t err, const char* what);
+// Raises the kernel's dynamic shared-memory limit once per (device, kernel).
+void ensure_smem(int device, const void* kernel, size_t smem, const std::string& key);
+
+struct Launch {
+  int device;
+  cudaStream_t stream;
+  const char* type_name;
+};
+
+inline int head_dim_bucket(int d) {
+  return d <= 32 ? 32 : d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : d <= 192 ? 192 : 256;
+}
+
+inline unsigned blocks(int n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
+
+template <class Kernel>
+void launch(const Launch& l, Kernel kernel, dim3 grid, int threads, size_t smem, const KArgs& p,
+            const std::string& key) {
+  ensure_smem(l.device, reinterpret_cast<const void*>(kernel), smem,
+              key + "." + l.type_name);
+  kernel<<<grid, threads, smem, l.stream>>>(p);
+  check_cuda(cudaGetLastError(), ("launch of attention kernel " + key).c_str());
+}
+
+template <class T, int DB>
+void forward_bucket(const Launch& l, const KArgs& p) {
+  using C = FwdConfig<DB>;
+  launch(l, attention_fwd_kernel<T, DB>, dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch),
+         C::kThreads, C::kSmem, p, "fwd." + std::to_string(DB));
+}
+
+template <class T, int DB>
+void backward_bucket(const Launch& l, const KArgs& p) {
+  if (p.seqlen_q > 0) {
+    launch(l, attention_bwd_delta_kernel<T>,
+           dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
+           p, "delta");
+    using Q = DqConfig<DB>;
+    launch(l, attention_bwd_dq_kernel<T, DB>, dim3(blocks(p.seqlen_q, Q::kBlockM), p.heads_q, p.batch),
+           Q::kThreads, Q::kSmem, p, "dq." + std::to_string(DB));
+  }
+  if (p.seqlen_k > 0) {
+    using K = DkvConfig<DB>;
+    const dim3 grid(blocks(p.seqlen_k, K::kBlockN), p.heads_kv, p.batch);
+    if constexpr (K::kSplit) {
+      launch(l, attention_bwd_dkdv_kernel<T, DB, true, false>, grid, K::kThreads, K::kSmem, p,
+             "dv." + std::to_string(DB));
+      launch(l, attention_bwd_dkdv_kernel<T, DB, false, true>, grid, K::kThreads, K::kSmem, p,
+             "dk." + std::to_string(DB));
+    } else {
+      launch(l, attention_bwd_dkdv_kernel<T, DB, true, true>, grid, K::kThreads, K::kSmem, p,
+             "dkdv." + std::to_string(DB));
+    }
+  }
+}
+
+template <class T>
+void run_forward(const Launch& l, const KArgs& p) {
+  switch (head_dim_bucket(p.d)) {
+    case 32: return forward_bucket<T, 32>(l, p);
+    case 64: return forward_bucket<T, 64>(l, p);
+    case 96: return forward_bucket<T, 96>(l, p);
+    case 128: return forward_bucket<T, 128>(l, p);
+    case 192: return forward_bucket<T, 192>(l, p);
+    default: return forward_bucket<T, 256>(l, p);
+  }
+}
+
+template <class T>
+void run_backward(const Launch& l, const KArgs& p) {
+  switch (head_dim_bucket(p.d)) {
+    case 32: return backward_bucket<T, 32>(l, p);
+    case 64: return backward_bucket<T, 64>(l, p);
+    case 96: return backward_bucket<T, 96>(l, p);
+    case 128: return backward_bucket<T, 128>(l, p);
+    case 192: return backward_bucket<T, 192>(l, p);
+    default: return backward_bucket<T, 256>(l, p);
+  }
+}
+
+// Defined in attention_cuda_f16.cu and attention_cuda_bf16.cu.
+void run_forward_f16(const Launch& l, const KArgs& p);
+void run_backward_f16(const Launch& l, const KArgs& p);
+void run_forward_bf16(const Launch& l, const KArgs& p);
+void run_backward_bf16(const Launch& l, const KArgs& p);
+
+}  // namespace symheap::attention::cuda

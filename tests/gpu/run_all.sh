@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One shot on a GPU machine (no network needed): build and install symheap,
+# run the GPU tests, then every benchmark in bench/, with logs in $OUT
+# (default ./gpu-logs). A short summary comes last.
+#   bash tests/gpu/run_all.sh [extra pytest args]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu-logs}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+command -v nvcc >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+summary=()
+note() { summary+=("$1"); echo "[run_all] $1"; }
+elapsed() { echo $(( $(date +%s) - $1 ))s; }
+
+t=$(date +%s)
+nvidia-smi -L > "$OUT/gpus.txt" 2>&1; nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
+if [ -n "${SYMHEAP_SKIP_BUILD:-}" ]; then
+  note "build: skipped (SYMHEAP_SKIP_BUILD set; using the installed symheap)"
+elif SYMHEAP_CUDA=ON $PY -m pip install -q --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; then
+  note "build: ok ($(elapsed $t))"
+else
+  tail -30 "$OUT/build.log"
+  note "build: FAILED ($(elapsed $t)), see build.log"
+  printf '%s\n' "${summary[@]}"; exit 1
+fi
+# Import the installed package, not the source tree's python/ folder.
+$PY -c "import symheap, sys; print('symheap', symheap.__version__, symheap.backend(), symheap.device_count(), 'GPUs')" \
+  2>&1 | tee -a "$OUT/build.log"
+
+t=$(date +%s)
+$PY -m pytest tests/gpu -q -ra --timeout=${SYMHEAP_TEST_TIMEOUT:-150} -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_gpu.log"
+rc=${PIPESTATUS[0]}
+note "pytest tests/gpu: $(tail -1 "$OUT/pytest_gpu.log") (rc $rc, $(elapsed $t))"
+
+for b in bench/shmem_bw.py bench/ep_bench.py bench/attn_bench.py; do
+  [ -f "$b" ] || continue
+  name=$(basename "$b" .py)
+  t=$(date +%s)
+  if timeout "${SYMHEAP_BENCH_TIMEOUT:-240}" $PY "$b" > "$OUT/$name.log" 2>&1; then status=ok; else status="FAILED rc $?"; fi
+  note "$b: $status ($(elapsed $t)); $(grep -E '^summary|latency' "$OUT/$name.log" | tr '\n' ' ' | cut -c1-400)"
+done
+
+echo "================ summary"
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,238 @@
+"""Attention on CUDA: the issue's grid in float16 and bfloat16 against an fp32
+reference (FlashAttention's rule), every feature, varlen and dropout checked
+against the cpu path, and concurrent threads over all devices."""
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from symheap import _core  # noqa: E402
+from symheap.attention import _plan, flash_attn_func, flash_attn_varlen_func  # noqa: E402
+
+from test_attention_common import check_case, make_case, max_err  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not getattr(_core, "attention_has_cuda", False),
+    reason="needs a CUDA device and a CUDA build of symheap")
+
+HEAD_DIMS = [40, 59, 111, 256]
+SHAPES = [(113, 203), (128, 217), (1023, 1024), (1024, 1023)]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    monkeypatch.setattr(_plan, "poison_outputs", True)
+
+
+def on_gpu(case):
+    return {key: (val.detach().cuda().requires_grad_(val.requires_grad)
+                  if isinstance(val, torch.Tensor) else val) for key, val in case.items()}
+
+
+def gpu_case(**kw):
+    return make_case(device="cuda", **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", HEAD_DIMS + [32, 64, 96, 128, 160, 192])
+@pytest.mark.parametrize("Sq,Sk", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_grid(dtype, D, Sq, Sk, causal):
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=D, dtype=dtype, seed=D + Sq)
+    check_case(case, causal=causal)
+
+
+FEATURES = {
+    "window": (dict(), dict(window_size=(37, 11))),
+    "mqa": (dict(Hkv=1), dict()),
+    "bias": (dict(bias_shape=(2, 4, "Sq", "Sk")), dict()),
+    "bias_broadcast": (dict(Hkv=2, bias_shape=(1, 2, 1, "Sk")), dict()),
+    "mask": (dict(mask_shape=(2, 1, "Sq", "Sk")), dict()),
+    "softcap": (dict(), dict(softcap=3.0)),
+    "alibi": (dict(alibi=True), dict()),
+    "dropout": (dict(), dict(dropout_p=0.17, seed=(1234, 5))),
+    "all": (dict(Hkv=2, bias_shape=(1, 4, "Sq", "Sk"), mask_shape=(2, 1, 1, "Sk"), alibi=True),
+            dict(softcap=4.0, window_size=(90, 30), dropout_p=0.1, seed=3)),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("Sq,Sk", [(113, 203), (1024, 1023)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_features(feature, dtype, D, Sq, Sk, causal):
+    make_kw, opts = FEATURES[feature]
+    make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
+                   if isinstance(v, tuple) else v) for k, v in make_kw.items()}
+    make_kw.setdefault("Hkv", 4)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=dtype, seed=D * 7 + Sq, **make_kw)
+    check_case(case, causal=causal, **opts)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(causal=True), dict(dropout_p=0.2, seed=(5, 6)), dict(softcap=2.0, window_size=(40, 8)),
+])
+@pytest.mark.parametrize("D", [40, 128, 256])
+def test_matches_cpu_path(opts, D):
+    """Same inputs on cpu and CUDA: same function (dropout masks included)."""
+    case = make_case(B=2, Sq=257, Sk=300, Hq=4, Hkv=2, D=D, dtype=torch.bfloat16, seed=D,
+                     bias_shape=(1, 1, 1, 300))
+    q, k, v, bias = case["q"], case["k"], case["v"], case["kwargs"]["bias"]
+    outs = []
+    for dev in ("cpu", "cuda"):
+        xs = [x.detach().to(dev).requires_grad_() for x in (q, k, v, bias)]
+        out = flash_attn_func(*xs[:3], bias=xs[3], **opts)
+        grads = torch.autograd.grad(out, xs, torch.ones_like(out))
+        outs.append([out.float().cpu()] + [g.float().cpu() for g in grads])
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dbias"], *outs):
+        scale = max(1.0, a.abs().max().item())
+        assert max_err(a, b) <= 0.02 * scale, (name, max_err(a, b))
+
+
+def test_varlen_matches_cpu_path():
+    gen = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D = 5, 4, 2, 72
+    lq = torch.randint(1, 700, (B,), generator=gen)
+    lk = torch.randint(1, 700, (B,), generator=gen)
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lq.cumsum(0)]).to(torch.int32)
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lk.cumsum(0)]).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), Hq, D, generator=gen).bfloat16()
+    k = torch.randn(int(cu_k[-1]), Hkv, D, generator=gen).bfloat16()
+    v = torch.randn(int(cu_k[-1]), Hkv, D, generator=gen).bfloat16()
+    mq, mk = int(lq.max()), int(lk.max())
+    bias = (torch.randn(1, Hkv, 1, mk, generator=gen) * 0.3).bfloat16()
+    for opts in (dict(causal=True), dict(dropout_p=0.15, seed=(8, 1), window_size=(64, 64))):
+        results = []
+        for dev in ("cpu", "cuda"):
+            xs = [x.to(dev).requires_grad_() for x in (q, k, v, bias)]
+            out, lse = flash_attn_varlen_func(xs[0], xs[1], xs[2], cu_q.to(dev), cu_k.to(dev), mq, mk,
+                                              bias=xs[3], return_lse=True, **opts)
+            grads = torch.autograd.grad(out, xs, torch.ones_like(out))
+            results.append([out.float().cpu(), lse.cpu()] + [g.float().cpu() for g in grads])
+        for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dbias"], *results):
+            fin = torch.isfinite(a)
+            assert torch.equal(fin, torch.isfinite(b)), name
+            assert max_err(a[fin], b[fin]) <= 0.02 * max(1.0, a[fin].abs().max().item()), name
+
+
+def test_fully_masked_rows_and_lse():
+    case = gpu_case(Sq=300, Sk=100, Hq=2, D=64)
+    out = check_case(case, causal=True)
+    assert torch.count_nonzero(out[:, :200]) == 0
+
+
+def test_deterministic_backward():
+    case = gpu_case(B=2, Sq=513, Sk=700, Hq=8, Hkv=2, D=128, bias_shape=(1, 8, 1, 700))
+    q, k, v, bias = case["q"], case["k"], case["v"], case["kwargs"]["bias"]
+    runs = []
+    for _ in range(2):
+        out = flash_attn_func(q, k, v, bias=bias, causal=True, deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_no_host_sync_and_no_new_device_memory():
+    case = gpu_case(B=2, Sq=512, Sk=512, Hq=4, Hkv=2, D=64, bias_shape=(1, 4, 1, 512))
+    q, k, v, bias = case["q"], case["k"], case["v"], case["kwargs"]["bias"]
+    cu = torch.tensor([0, 300, 512], dtype=torch.int32, device="cuda")
+
+    def step():
+        out = flash_attn_func(q, k, v, bias=bias, causal=True, dropout_p=0.1, seed=1)
+        g = torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))
+        outv = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 300, 300, causal=True)
+        gv = torch.autograd.grad(outv, (q, k, v), torch.ones_like(outv))
+        return g, gv
+
+    step()
+    torch.cuda.synchronize()
+    segments = torch.cuda.memory_stats()["segment.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == segments
+
+
+def test_threads_over_all_devices():
+    """8 threads over every device, each on its own stream, call forward and
+    backward at once; results equal the single-thread results."""
+    n_dev = torch.cuda.device_count()
+
+    def work(i):
+        dev = torch.device("cuda", i % n_dev)
+        case = make_case(B=1, Sq=200 + 16 * i, Sk=333, Hq=4, Hkv=2, D=[40, 64, 111, 128][i % 4],
+                         seed=i, bias_shape=(1, 4, 1, 333))
+        xs = [case[n].detach().to(dev).requires_grad_() for n in ("q", "k", "v")]
+        bias = case["kwargs"]["bias"].detach().to(dev).requires_grad_()
+        out = flash_attn_func(*xs, bias=bias, causal=i % 2 == 0, dropout_p=0.1 * (i % 3), seed=(i, i))
+        grads = torch.autograd.grad(out, xs + [bias], torch.ones_like(out))
+        return [t.cpu() for t in (out,) + grads]
+
+    single = [work(i) for i in range(8)]
+    results, errors = [None] * 8, []
+
+    def body(i):
+        try:
+            dev = torch.device("cuda", i % n_dev)
+            with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
+                for _ in range(3):
+                    results[i] = work(i)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    for i in range(8):
+        for a, b in zip(single[i], results[i]):
+            assert torch.equal(a, b), f"thread {i} differs"
+
+
+def test_cuda_rejects_float32():
+    q = torch.randn(1, 8, 2, 32, device="cuda")
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        flash_attn_func(q, q, q)
+
+
+def diagnose():
+    """A compact table, one line per configuration, for a first look at a new
+    device or build: `python tests/gpu/test_attention_gpu.py`."""
+    import time
+    configs = [(dtype, D, feature) for dtype in DTYPES for D in (64, 40, 59, 111, 128, 256)
+               for feature in ("plain",)]
+    configs += [(torch.bfloat16, 64, f) for f in FEATURES] + [(torch.bfloat16, 256, f) for f in FEATURES]
+    _plan.poison_outputs = True
+    for dtype, D, feature in configs:
+        make_kw, opts = FEATURES.get(feature, (dict(), dict()))
+        Sq, Sk = 113, 203
+        make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
+                       if isinstance(v, tuple) else v) for k, v in make_kw.items()}
+        make_kw.setdefault("Hkv", 4)
+        t0 = time.time()
+        try:
+            check_case(gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=dtype, seed=1, **make_kw), **opts)
+            torch.cuda.synchronize()
+            status = "ok"
+        except AssertionError as e:
+            status = f"FAIL {e}"
+        except Exception as e:  # noqa: BLE001 - reported, then continue
+            status = f"ERROR {type(e).__name__}: {e}"
+        print(f"{str(dtype)[6:]:>9} D={D:<3} {feature:<15} {time.time() - t0:5.2f}s {status}"[:300],
+              flush=True)
+
+
+if __name__ == "__main__":
+    diagnose()
