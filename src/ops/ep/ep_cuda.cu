@@ -11,6 +11,7 @@
 #include "ops/ep/ep_device_driver.hpp"
 
 namespace symheap::ep {
+namespace cuda_impl {
 namespace {
 
 void cuda_check(cudaError_t err, const char* what, int line) {
@@ -106,9 +107,10 @@ class CudaRt {
 };
 
 }  // namespace
+}  // namespace cuda_impl
 
 std::shared_ptr<DeviceImpl> make_cuda_device(PeState& s, Op& op) {
-  return std::make_shared<DeviceDriver<CudaRt>>(s, op);
+  return std::make_shared<cuda_impl::DeviceDriver<cuda_impl::CudaRt>>(s, op);
 }
 
 }  // namespace symheap::ep

@@ -7,12 +7,17 @@
 // function statics, so the emulation runs one PE per process.
 #pragma once
 
+// The kernels and their driver live in a namespace of their own in each
+// compilation (EP_DEVICE_NS): nvcc's host-side launch stubs and the
+// emulation's host functions would otherwise share mangled names.
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#define EP_DEVICE_NS cuda_impl
 #define EP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #else
+#define EP_DEVICE_NS host_emulation
 
 #include <sched.h>
 
@@ -29,13 +34,13 @@
 #define __forceinline__ inline
 #define __shared__ static
 #define __launch_bounds__(...)
-#define EP_DYNAMIC_SHARED(type, name) type* name = ::symheap::ep::emu::dynamic_shared<type>()
+#define EP_DYNAMIC_SHARED(type, name) type* name = ::symheap::ep::host_emulation::emu::dynamic_shared<type>()
 
-struct int4 {
+namespace symheap::ep::host_emulation::emu {
+
+struct Int4 {
   int x, y, z, w;
 };
-
-namespace symheap::ep::emu {
 
 struct Dim3 {
   unsigned x = 1, y = 1, z = 1;
@@ -82,10 +87,11 @@ T* dynamic_shared() {
   return reinterpret_cast<T*>(t_block->dynamic.data());
 }
 
-}  // namespace symheap::ep::emu
+}  // namespace symheap::ep::host_emulation::emu
 
-namespace symheap::ep::kernels {
+namespace symheap::ep::host_emulation::kernels {
 
+using int4 = emu::Int4;
 inline thread_local emu::Dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 inline void __syncthreads() { emu::t_block->sync.arrive_and_wait(emu::t_block->threads, 0); }
@@ -130,6 +136,6 @@ inline int __float_as_int(float f) {
   return v;
 }
 
-}  // namespace symheap::ep::kernels
+}  // namespace symheap::ep::host_emulation::kernels
 
 #endif  // __CUDACC__

@@ -22,7 +22,7 @@
 #include "ops/ep/ep_kernels.cuh"
 #include "symheap/errors.hpp"
 
-namespace symheap::ep {
+namespace symheap::ep::EP_DEVICE_NS {
 
 template <class Rt>
 class DeviceDriver final : public DeviceImpl {
@@ -230,4 +230,4 @@ class DeviceDriver final : public DeviceImpl {
   }
 };
 
-}  // namespace symheap::ep
+}  // namespace symheap::ep::EP_DEVICE_NS

@@ -13,6 +13,7 @@
 #include "ops/ep/ep_device_driver.hpp"
 
 namespace symheap::ep {
+namespace host_emulation {
 namespace {
 
 // Threads that play the CUDA threads of one block at a time, kept for the
@@ -104,6 +105,7 @@ class EmuRt {
 };
 
 }  // namespace
+}  // namespace host_emulation
 
 std::shared_ptr<DeviceImpl> make_emulated_device(PeState& s, Op& op) {
   (void)s;
@@ -111,7 +113,7 @@ std::shared_ptr<DeviceImpl> make_emulated_device(PeState& s, Op& op) {
     throw Unsupported(
         "SYMHEAP_EP_EMULATE_DEVICE runs the CUDA kernels' host emulation with one PE per "
         "process (shared-memory variables are process-wide); use one PE per process");
-  return std::make_shared<DeviceDriver<EmuRt>>(s, op);
+  return std::make_shared<host_emulation::DeviceDriver<host_emulation::EmuRt>>(s, op);
 }
 
 }  // namespace symheap::ep

@@ -30,7 +30,7 @@
 #include "ops/ep/ep_numeric.hpp"
 #endif
 
-namespace symheap::ep::kernels {
+namespace symheap::ep::EP_DEVICE_NS::kernels {
 
 #ifdef __CUDACC__
 constexpr int kThreads = 512;  // dispatch / combine blocks
@@ -837,4 +837,4 @@ __global__ void signal_kernel(uint64_t* flag, uint64_t add) {
   add_release(flag, add);
 }
 
-}  // namespace symheap::ep::kernels
+}  // namespace symheap::ep::EP_DEVICE_NS::kernels
