@@ -17,8 +17,8 @@ def cfg(n_pes, **kw):
     return base
 
 
-DTYPES = [dict(dtype="bfloat16"), dict(dtype="float16"), dict(dtype="float32"),
-          dict(dtype="float8_e4m3fn", scale_dim=8)]
+DTYPES = [dict(dtype="bfloat16"), dict(dtype="float16", scale_dim=16, scale_dtype="bfloat16"),
+          dict(dtype="float32"), dict(dtype="float8_e4m3fn", scale_dim=8)]
 
 
 # ------------------------------------------------------------ config checks

@@ -245,6 +245,8 @@ def run_iterations(cfg: EpConfig, plan=DEFAULT_PLAN, seed: int = 1, device=None,
         for it, (pattern, tokens) in enumerate(plan):
             inputs = [make_inputs(cfg, n, r, seed * 100 + it, pattern, tokens) for r in range(n)]
             x, idx, w, sc = on_device(inputs[me], device)
+            if it % 2:
+                idx = idx.to(torch.int32)  # both index dtypes
             if prev is not None:
                 poison(prev)
             out = ep.dispatch(x, idx, w, sc)
