@@ -56,7 +56,8 @@ class DeviceDriver final : public DeviceImpl {
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
     p.flag_per_epoch = ce ? 1 : dispatch_blocks(op);
 
-    rt_.launch(kernels::route_kernel, route_blocks(op), kernels::kRouteThreads, 0, a.stream, p);
+    rt_.launch(kernels::route_kernel, route_blocks(op), kernels::kRouteThreads,
+               static_cast<size_t>(op.geo.local_experts) * sizeof(int32_t), a.stream, p);
     const int cols = op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
     rt_.launch(kernels::dispatch_kernel, dispatch_blocks(op), kernels::kThreads,
                2 * static_cast<size_t>(cols) * sizeof(int32_t), a.stream, p);
@@ -169,8 +170,7 @@ class DeviceDriver final : public DeviceImpl {
     return blocks_for(op.cfg.max_tokens, kernels::kWarpsPerBlock);
   }
   static int route_blocks(const Op& op) {
-    return op.cfg.layout == Layout::TokenMajor ? op.n_pes + op.cfg.num_experts
-                                               : op.cfg.num_experts;
+    return op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
   }
 
   static char* ws(PeState& s, const Op& op, int pe, size_t off) {

@@ -243,10 +243,10 @@ __device__ int block_compact(int64_t n, Pred pred, Emit emit) {
 
 // ------------------------------------------------------------ route
 
-// Token-major: block d < n ranks the tokens with a kept expert on PE d;
-// block n + e counts the slots of expert e. Expert-major: block e ranks the
-// (token, slot) pairs of expert e. Block 0 also validates every id (an id
-// out of range counts as dropped, so memory stays safe, and aborts the call).
+// Token-major: block d ranks the tokens with a kept expert on PE d and counts
+// the slots of each of d's experts. Expert-major: block e ranks the (token,
+// slot) pairs of expert e. Block 0 also validates every id (an id out of
+// range counts as dropped, so memory stays safe, and aborts the call).
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params p) {
   const int n = p.n, K = p.c.topk, E = p.c.num_experts, L = p.g.local_experts;
   const bool tm = p.c.layout == Layout::TokenMajor;
@@ -256,8 +256,11 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params p) {
   const int b = blockIdx.x;
   auto kept = [&](int64_t id) { return id >= 0 && id < E; };
 
-  if (tm && b < n) {
+  if (tm) {
     const int d = b;
+    EP_DYNAMIC_SHARED(int32_t, per_expert);  // [L] slots of d's experts
+    for (int l = threadIdx.x; l < L; l += blockDim.x) per_expert[l] = 0;
+    __syncthreads();
     int total = block_compact(
         T,
         [&](int64_t t) {
@@ -268,29 +271,24 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params p) {
           return false;
         },
         [&](int64_t t, int r) { pos[t * n + d] = r; });
+    for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x) {
+      int64_t id = topk_id(p, i);
+      if (kept(id) && id / L == d) atomicAdd(&per_expert[id % L], 1);
+    }
+    __syncthreads();
+    for (int l = threadIdx.x; l < L; l += blockDim.x)
+      counts[kCountDest + n + d * L + l] = per_expert[l];
     if (threadIdx.x == 0) counts[kCountDest + d] = total;
   } else {
-    const int e = tm ? b - n : b;
-    int total;
-    if (tm) {
-      __shared__ int hits;
-      if (threadIdx.x == 0) hits = 0;
-      __syncthreads();
-      int mine = 0;
-      for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x) mine += topk_id(p, i) == e;
-      atomicAdd(&hits, mine);
-      __syncthreads();
-      total = hits;
-    } else {
-      total = block_compact(
-          T * K, [&](int64_t i) { return topk_id(p, i) == e; },
-          [&](int64_t i, int r) {
-            if (r >= 0) pos[i] = r;
-          });
-      if (b == 0)
-        for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x)
-          if (!kept(topk_id(p, i))) pos[i] = -1;
-    }
+    const int e = b;
+    int total = block_compact(
+        T * K, [&](int64_t i) { return topk_id(p, i) == e; },
+        [&](int64_t i, int r) {
+          if (r >= 0) pos[i] = r;
+        });
+    if (b == 0)
+      for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x)
+        if (!kept(topk_id(p, i))) pos[i] = -1;
     if (threadIdx.x == 0) counts[kCountDest + n + e] = total;
   }
   if (b == 0) {
