@@ -26,6 +26,17 @@ class PeFailure(RuntimeError):
         super().__init__("; ".join(lines))
 
 
+def _with_origin(e: BaseException) -> str:
+    """The message, plus the first exception of the chain when a later one (a
+    cleanup that failed too) hid it."""
+    root = e
+    while (root.__cause__ or root.__context__) is not None:
+        root = root.__cause__ or root.__context__
+    if root is e:
+        return str(e)
+    return f"{e} [first error: {type(root).__name__}: {str(root)[:2000]}]"
+
+
 def _run_pe(fn, args, rank, world, uid, device, init_kwargs, finalize):
     symheap.init(rank, world, uid, device=device, **init_kwargs)
     try:
@@ -42,7 +53,7 @@ def _thread_group(fn, args, ranks, world, uid, devices, init_kwargs, finalize, j
         try:
             results[rank] = _run_pe(fn, args, rank, world, uid, device, init_kwargs, finalize)
         except BaseException as e:  # reported to the caller with the PE's rank
-            errors[rank] = (type(e).__name__, str(e), traceback.format_exc())
+            errors[rank] = (type(e).__name__, _with_origin(e), traceback.format_exc())
 
     threads = [threading.Thread(target=body, args=(r, d), name=f"pe{r}", daemon=True)
                for r, d in zip(ranks, devices)]
