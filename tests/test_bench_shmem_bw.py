@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DRIVER = r"""
 import ctypes, sys, types
-sys.path[:0] = [sys.argv[1] + "/python", sys.argv[1] + "/bench"]
+sys.path[:0] = [sys.argv[2], sys.argv[1] + "/bench"]
 import torch, symheap
 from symheap import _core
 
@@ -52,7 +52,9 @@ shmem_bw.main()
 
 def test_shmem_bw_script_runs_and_verifies():
     env = dict(os.environ, SYMHEAP_BACKEND="cpu")
-    proc = subprocess.run([sys.executable, "-c", DRIVER, ROOT], capture_output=True, text=True,
+    import symheap
+    package_parent = os.path.dirname(os.path.dirname(symheap.__file__))
+    proc = subprocess.run([sys.executable, "-c", DRIVER, ROOT, package_parent], capture_output=True, text=True,
                           timeout=170, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout

@@ -11,7 +11,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(*args):
     env = dict(os.environ, SYMHEAP_BACKEND="cpu", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
+    # the symheap this test imported: the installed one, or the source tree in development
+    import symheap
+    here = os.path.dirname(os.path.dirname(symheap.__file__))
+    env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=180,
                           cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
