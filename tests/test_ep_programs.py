@@ -18,6 +18,9 @@ from symheap.ep import EpConfig, EpDispatchCombine, dequantize_fp8
 
 # Unit roundoff of each combine dtype.
 _UNIT = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+# Spacing of each combine dtype's subnormal numbers: below the smallest normal
+# number a rounding errs by up to half of it, however small the value.
+_TINY = {"float32": 2.0 ** -149, "float16": 2.0 ** -24, "bfloat16": 2.0 ** -133}
 
 
 # ------------------------------------------------------------------ inputs
@@ -209,7 +212,11 @@ def check_combine(cfg, got, x, idx, w, scales, me, weight_scale=1.0):
     """combine of identity experts == x * (sum of the token's kept weights).
 
     Error bound: two roundings to the combine dtype (expert output, result)
-    plus fp32 roundings of the weight sums and of the sum over PEs / slots."""
+    plus fp32 roundings of the weight sums and of the sum over PEs / slots.
+    Those roundings are relative only for normal numbers: a value rounded into
+    the subnormal range errs by up to half the subnormal spacing, so the bound
+    also allows that much for each rounded row (up to n_pes rows, or topk
+    rows times their weight) and for the result, again with a factor 2."""
     kept_w = (w.double() * (idx >= 0)).sum(dim=1, keepdim=True) * weight_scale
     want = as_float(x, scales).double() * kept_w
     got = got.double().cpu()
@@ -218,8 +225,10 @@ def check_combine(cfg, got, x, idx, w, scales, me, weight_scale=1.0):
                              f"want {tuple(want.shape)}")
     terms = cfg.topk + symheap.n_pes() + 2
     rel = 2 * (2 * _UNIT[cfg.combine_dtype] + terms * 2.0 ** -24)
+    w_max = max(1.0, float(w.abs().max()) * weight_scale) if w.numel() else 1.0
+    subnormal = (max(symheap.n_pes(), cfg.topk) * w_max + 1) * _TINY[cfg.combine_dtype]
     err = (got - want).abs()
-    bound = rel * want.abs() + 1e-30
+    bound = rel * want.abs() + subnormal + 1e-30
     if not bool((err <= bound).all()):
         i = int((err - bound).argmax())
         raise AssertionError(f"PE {me}: combine off by {err.view(-1)[i]:.3g} at element {i} "

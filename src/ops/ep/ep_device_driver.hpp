@@ -214,10 +214,19 @@ class DeviceDriver final : public DeviceImpl {
     rt_.zero_async(s.base() + op.ws_offset + op.geo.off_local + 8 * kErrorWord, 8, stream);
     std::string what = "ep call (device epoch " + std::to_string(epoch) + ") on PE " +
                        std::to_string(op.my_pe) + " failed: ";
-    if (status == kPeerTimeout)
+    if (status == kPeerTimeout) {
+      static const char* const kinds[] = {"", "routing counts", "dispatch rows",
+                                          "its combine buffer to be freed", "combine rows"};
+      const int32_t kind = h[kernels::kHostWait];
+      std::string waited;
+      if (kind > 0 && kind < 5)
+        waited = " (" + std::string(kinds[kind]) + ": its flag here read " +
+                 std::to_string(h[kernels::kHostSeen]) + ", waited for " +
+                 std::to_string(h[kernels::kHostTarget]) + ")";
       throw TimeoutError(what + "timed out after " + std::to_string(op.timeout_s) +
-                         " s waiting for PE " + std::to_string(detail) +
+                         " s waiting for PE " + std::to_string(detail) + waited +
                          " (did every PE make the same call?); the op is unusable now");
+    }
     if (status == kRecvOverflow)
       throw InvalidArgument(
           what + "a receive buffer would overflow (" +

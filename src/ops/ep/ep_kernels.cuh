@@ -49,8 +49,15 @@ enum HostWord : int {
   kHostNumRecv = 4,  // rows received (sync paths)
   kHostAbort = 5,    // the last packed call was aborted (copy engine)
   kHostSegments = 6, // number of copy segments below
-  kHostSegment0 = 8  // [4 * i]: (peer, staging / source row, destination row, rows)
+  // A timed-out wait (with the first failure): which flags, the late PE's
+  // flag as last read, and the value waited for.
+  kHostWait = 7, kHostSeen = 8, kHostTarget = 9,
+  kHostSegment0 = 12  // [4 * i]: (peer, staging / source row, destination row, rows)
 };
+
+// What a wait was for (kHostWait).
+enum WaitKind : int32_t { kWaitNone = 0, kWaitCounts = 1, kWaitData = 2, kWaitFreed = 3,
+                          kWaitCombine = 4 };
 
 struct Params {
   Config c;
@@ -130,13 +137,17 @@ __device__ __forceinline__ uint64_t ld_volatile(const uint64_t* a) {
 
 // Records the first failure on this PE (device word, then the host mirror).
 __device__ inline void record_error(const Params& p, int32_t status, int32_t detail, int32_t pe,
-                                    uint64_t epoch) {
+                                    uint64_t epoch, int32_t wait = kWaitNone, uint64_t seen = 0,
+                                    uint64_t target = 0) {
   auto* word = reinterpret_cast<unsigned long long*>(local_word(p, kErrorWord));
   if (atomicCAS(word, 0ull, static_cast<unsigned long long>(status)) == 0ull) {
     volatile int32_t* h = p.host;
     h[kHostDetail] = detail;
     h[kHostPe] = pe;
     h[kHostEpoch] = static_cast<int32_t>(epoch);
+    h[kHostWait] = wait;
+    h[kHostSeen] = static_cast<int32_t>(seen);
+    h[kHostTarget] = static_cast<int32_t>(target);
     __threadfence_system();
     h[kHostStatus] = status;
     __threadfence_system();
@@ -154,12 +165,17 @@ __device__ inline bool wait_all(const Params& p, size_t off_flags, uint64_t targ
   const uint64_t start = now_ns();
   for (int q = 0; q < p.n; ++q) {
     unsigned spins = 0;
-    while (ld_acquire(flags + q) < target) {
+    uint64_t seen;
+    while ((seen = ld_acquire(flags + q)) < target) {
       spin_pause();
       if ((++spins & 1023u) == 0) {
         if (ld_volatile(err) == kPeerTimeout) return false;
         if (now_ns() - start > p.timeout_ns) {
-          record_error(p, kPeerTimeout, q, p.me, epoch);
+          const int32_t kind = off_flags == p.g.off_count_flag  ? kWaitCounts
+                               : off_flags == p.g.off_data_flag  ? kWaitData
+                               : off_flags == p.g.off_freed_flag ? kWaitFreed
+                                                                 : kWaitCombine;
+          record_error(p, kPeerTimeout, q, p.me, epoch, kind, seen, target);
           return false;
         }
       }
