@@ -230,7 +230,9 @@ class BootstrapRoot:
                     return
                 if op != "allgather":
                     raise ValueError(f"unknown op {op!r}")
-                _send(conn, self._allgather(rank, msg))
+                reply = self._allgather(rank, msg)
+                reply["seq"] = msg.get("seq")
+                _send(conn, reply)
         except (OSError, ValueError, ConnectionError, UnicodeDecodeError, json.JSONDecodeError,
                 struct.error, AttributeError, TypeError):
             return  # malformed traffic or a vanished peer: drop this connection only
@@ -294,6 +296,7 @@ class TcpBootstrap:
     def __init__(self, uid: UniqueId, rank: int, world: int, timeout: float):
         self.uid, self.rank, self.world, self.timeout = uid, rank, world, timeout
         self.seq = 0
+        self.broken = ""  # set when the connection can no longer be trusted
         self.root = BootstrapRoot(uid, world) if rank == 0 else None
         try:
             self.sock = self._connect()
@@ -333,13 +336,16 @@ class TcpBootstrap:
         del reply
         return sock
 
-    def _reply(self, sock: socket.socket, what: str) -> dict:
+    def _reply(self, sock: socket.socket, what: str, waited: float | None = None) -> dict:
         try:
             reply = _recv(sock, limit=1 << 31)
         except socket.timeout:
+            waited = self.timeout + 10 if waited is None else waited
+            self.broken = f"no answer to '{what}'"  # a late answer may still arrive
             raise TimeoutError(f"PE {self.rank}: the bootstrap root did not answer '{what}' "
-                               f"within {self.timeout + 10:g} s") from None
+                               f"within {waited:g} s") from None
         except (ConnectionError, OSError) as e:
+            self.broken = f"connection lost during '{what}'"
             raise SymheapError(f"PE {self.rank}: lost the bootstrap root during '{what}' "
                                f"({e}); PE 0 has exited or finalized") from None
         if "error" in reply:
@@ -349,11 +355,23 @@ class TcpBootstrap:
         return reply
 
     def allgather(self, data: bytes, tag: str, timeout: float | None = None) -> list[bytes]:
+        if self.broken:
+            raise SymheapError(f"PE {self.rank}: the bootstrap connection is out of step after "
+                               f"an earlier failure ({self.broken}); finalize and init again")
         self.seq += 1
         t = self.timeout if timeout is None else timeout
-        _send(self.sock, {"op": "allgather", "seq": self.seq, "tag": tag,
-                          "data": base64.b64encode(data).decode(), "timeout": t})
-        reply = self._reply(self.sock, tag)
+        self.sock.settimeout(t + 10.0)  # the root answers within t, or with a timeout error
+        try:
+            _send(self.sock, {"op": "allgather", "seq": self.seq, "tag": tag,
+                              "data": base64.b64encode(data).decode(), "timeout": t})
+        except OSError as e:
+            self.broken = f"send failed: {e}"
+            raise SymheapError(f"PE {self.rank}: lost the bootstrap root during '{tag}' ({e})") \
+                from None
+        reply = self._reply(self.sock, tag, t + 10.0)
+        if reply.get("seq") != self.seq:
+            self.broken = f"reply to call #{reply.get('seq')} while waiting for #{self.seq}"
+            raise SymheapError(f"PE {self.rank}: bootstrap {self.broken}")
         return [base64.b64decode(x) for x in reply["data"]]
 
     def allgather_json(self, obj, tag: str, timeout: float | None = None) -> list:

@@ -18,6 +18,11 @@ class SymBuffer:
     __slots__ = ("_heap", "offset", "nbytes", "device", "generation", "_live", "__weakref__")
 
     def __init__(self, heap, offset: int, nbytes: int, device: int, generation: int):
+        if not isinstance(heap, _core.HeapRef):
+            raise TypeError("SymBuffer objects come from symheap.malloc; they cannot be built "
+                            "from a raw address")
+        if not 0 <= offset <= offset + nbytes <= heap.size:
+            raise ValueError(f"[{offset}, {offset + nbytes}) is outside the heap")
         self._heap, self.offset, self.nbytes = heap, offset, nbytes
         self.device, self.generation = device, generation
         self._live = True
@@ -194,9 +199,13 @@ def resolve(obj, writable: bool = True) -> tuple[int, int]:
     """(address, nbytes) of a contiguous buffer: SymBuffer, numpy, torch, bytes."""
     if isinstance(obj, SymBuffer):
         return obj.ptr, obj.nbytes
+    host_only = _core.backend_name() == "cpu"
     if _is_torch(obj):
         if not obj.is_contiguous():
             raise ValueError("tensor must be contiguous")
+        if host_only and obj.device.type != "cpu":
+            raise ValueError(f"the cpu backend moves host memory only; got a tensor on "
+                             f"{obj.device}")
         return obj.data_ptr(), obj.numel() * obj.element_size()
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
@@ -206,6 +215,9 @@ def resolve(obj, writable: bool = True) -> tuple[int, int]:
         return obj.__array_interface__["data"][0], obj.nbytes
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
+        if host_only:
+            raise ValueError("the cpu backend moves host memory only; got a device array "
+                             "(__cuda_array_interface__)")
         shape, itemsize = cai["shape"], np.dtype(cai["typestr"]).itemsize
         if cai.get("strides") not in (None, ()):
             raise ValueError("device array must be contiguous")

@@ -1,6 +1,8 @@
 """Host-initiated RMA, signals, atomics and synchronisation."""
 from __future__ import annotations
 
+import math
+
 from . import _core
 from ._backend_views import check_device_errors, stream_handle
 from ._memory import resolve
@@ -107,15 +109,20 @@ def signal_op(signal, value: int, pe: int, op: str = "set", *, stream=None) -> N
                     stream_handle(stream))
 
 
+def _timeout(pe, timeout) -> float:
+    t = pe.timeout if timeout is None else float(timeout)
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    return t
+
+
 def signal_wait_until(signal, cmp: str, value: int, timeout: float | None = None) -> int:
     """Waits until the local signal word satisfies ``cmp`` ("eq", "ge", ...) against
     ``value``; returns the word. TimeoutError after ``timeout`` s (default: init's)."""
     pe = current_pe()
     if cmp not in _COMPARES:
         raise ValueError(f"cmp must be one of {', '.join(_COMPARES[:6])}, got {cmp!r}")
-    t = pe.timeout if timeout is None else float(timeout)
-    if not t > 0:
-        raise ValueError("timeout must be positive")
+    t = _timeout(pe, timeout)
     return _core.signal_wait_until(_signal_addr(signal), cmp, _as_int(value, "value"), t)
 
 
@@ -161,7 +168,7 @@ def fence(stream=None) -> None:
 def barrier_all(stream=None, timeout: float | None = None) -> None:
     """All PEs wait for each other; completes this PE's outstanding operations first."""
     pe = current_pe()
-    t = pe.timeout if timeout is None else float(timeout)
+    t = _timeout(pe, timeout)
     _core.quiet(stream_handle(stream))
     check_device_errors()
     if _core.all_peers_load_store():

@@ -4,6 +4,7 @@
 #include <time.h>
 
 #include <chrono>
+#include <cmath>
 #include <string>
 
 #include "symheap/errors.hpp"
@@ -56,22 +57,28 @@ void get(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHa
   be().copy(s.device, dst, remote, nbytes, stream);
 }
 
-void signal_op(PeState& s, uint64_t* signal, uint64_t value, SignalOp op, int pe,
-               StreamHandle stream) {
+namespace {
+// The peer's copy of a signal word, validated before anything moves.
+uint64_t* signal_target(PeState& s, uint64_t* signal, int pe) {
   size_t off = s.checked_offset(signal, sizeof(uint64_t), "signal");
   if (off % sizeof(uint64_t))
     throw InvalidArgument("signal word must be 8-byte aligned");
-  auto* word = reinterpret_cast<uint64_t*>(s.peer_address(pe, off, "signal"));
-  be().signal(s.device, word, value, op, stream);
+  return reinterpret_cast<uint64_t*>(s.peer_address(pe, off, "signal"));
+}
+}  // namespace
+
+void signal_op(PeState& s, uint64_t* signal, uint64_t value, SignalOp op, int pe,
+               StreamHandle stream) {
+  be().signal(s.device, signal_target(s, signal, pe), value, op, stream);
 }
 
 void put_signal(PeState& s, void* dst, const void* src, size_t nbytes, uint64_t* signal,
                 uint64_t value, SignalOp op, int pe, StreamHandle stream) {
   // Validate everything before moving a byte.
-  s.checked_offset(signal, sizeof(uint64_t), "signal");
+  uint64_t* word = signal_target(s, signal, pe);
   put(s, dst, src, nbytes, pe, stream);
   be().fence(s.device, stream);  // data before signal
-  signal_op(s, signal, value, op, pe, stream);
+  be().signal(s.device, word, value, op, stream);
 }
 
 uint64_t signal_wait_until(PeState& s, uint64_t* signal, Compare cmp, uint64_t value,
@@ -79,7 +86,7 @@ uint64_t signal_wait_until(PeState& s, uint64_t* signal, Compare cmp, uint64_t v
   size_t off = s.checked_offset(signal, sizeof(uint64_t), "signal");
   if (off % sizeof(uint64_t))
     throw InvalidArgument("signal word must be 8-byte aligned");
-  if (timeout_s <= 0) timeout_s = s.timeout_s;
+  if (!(timeout_s > 0) || !std::isfinite(timeout_s)) timeout_s = s.timeout_s;
   auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
   Backoff backoff;
   for (unsigned i = 0;; ++i) {
@@ -119,7 +126,7 @@ void quiet(PeState& s, StreamHandle stream) { be().quiet(s.device, stream); }
 void fence(PeState& s, StreamHandle stream) { be().fence(s.device, stream); }
 
 void barrier_all(PeState& s, double timeout_s) {
-  if (timeout_s <= 0) timeout_s = s.timeout_s;
+  if (!(timeout_s > 0) || !std::isfinite(timeout_s)) timeout_s = s.timeout_s;
   for (int p = 0; p < s.n_pes; ++p)
     if (!s.peers[p].base)
       throw Unsupported("barrier_all through the heap needs a load/store path to every PE");

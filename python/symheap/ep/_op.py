@@ -366,6 +366,20 @@ class EpDispatchCombine:
             raise TypeError(f"handle must be the EpHandle of a dispatch, got {type(handle).__name__}")
         if handle.op_id != self._id:
             raise ValueError("handle comes from another EpDispatchCombine")
+        # The handle is a plain dataclass: check what it holds, not only where it came from.
+        geo, i32 = self._geo, torch.int32
+        if handle.layout != cfg.layout or isinstance(handle.num_tokens, bool) or \
+                not isinstance(handle.num_tokens, int) or \
+                not 0 <= handle.num_tokens <= cfg.max_tokens_per_rank:
+            raise ValueError("handle was modified: its layout or num_tokens no longer match "
+                             "this op")
+        self._tensor("handle.send_rows", handle.send_rows, (i32,),
+                     (cfg.max_tokens_per_rank, geo["send_cols"]))
+        self._tensor("handle.recv_meta", handle.recv_meta, (i32,), (geo["recv_rows"], 4))
+        self._tensor("handle.summary", handle.summary, (i32,), (geo["summary_words"],))
+        if cfg.layout == "expert_major" and topk_weights is None:
+            self._tensor("handle.weights", handle.weights, (torch.float32,),
+                         (cfg.max_tokens_per_rank, cfg.topk))
         cdt = getattr(torch, cfg.combine_dtype)
         expert_out = self._tensor("expert_out", expert_out, (cdt,), handle.rows_shape)
         if cfg.layout == "token_major":

@@ -203,7 +203,7 @@ struct DropoutRule {
 int default_threads() {
   if (const char* env = std::getenv("SYMHEAP_ATTN_THREADS")) {
     int n = std::atoi(env);
-    if (n >= 1) return n;
+    if (n >= 1) return std::min(n, 256);
   }
   unsigned hw = std::thread::hardware_concurrency();
   return static_cast<int>(std::clamp(hw == 0 ? 1u : hw, 1u, 8u));
@@ -230,7 +230,11 @@ void parallel_for(int64_t items, int threads, Fn fn) {
     }
   };
   std::vector<std::thread> pool;
-  for (int t = 1; t < n; ++t) pool.emplace_back(worker);
+  try {
+    for (int t = 1; t < n; ++t) pool.emplace_back(worker);
+  } catch (...) {
+    // No more threads to be had: run with those already started.
+  }
   worker();
   for (auto& t : pool) t.join();
   if (error) std::rethrow_exception(error);

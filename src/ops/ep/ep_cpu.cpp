@@ -280,13 +280,24 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
   // 2. Every received row back to its source, at the row the source chose.
   const size_t crb = g.combine_row_bytes;
   const char* rows = static_cast<const char*>(a.expert_out);
+  // Rows named by the handle must lie inside the combine buffers: a handle
+  // edited by the caller must not write or read outside them.
+  if (status == kOk) {
+    const int cols = token_major ? n : K;
+    for (int64_t t = 0; t < a.num_tokens && status == kOk; ++t)
+      for (int j = 0; j < cols; ++j) {
+        int32_t row = a.send_rows[t * g.send_cols + j];
+        if (row >= g.combine_rows || row < -1) status = kBadArgument;
+      }
+  }
   if (status == kOk) {
     for (int64_t r = 0; r < g.recv_rows; ++r) {
       const int32_t* meta = a.recv_meta + r * kMetaWords;
       int src = meta[kMetaSrcPe];
       if (src < 0) continue;
-      if (r >= a.expert_rows) {
-        status = kBadArgument;  // the caller's rows do not cover the received rows
+      if (r >= a.expert_rows || src >= n || meta[kMetaCombineRow] < 0 ||
+          meta[kMetaCombineRow] >= g.combine_rows) {
+        status = kBadArgument;  // rows not covered by the caller, or an edited handle
         break;
       }
       std::memcpy(at<char>(s, op, src, g.off_combine_buf) + meta[kMetaCombineRow] * crb,
