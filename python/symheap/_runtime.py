@@ -163,12 +163,7 @@ def init(rank: int, world_size: int, unique_id: bytes, *, device: int | None = N
     if device is None:
         device = _core.current_device()
     device = _as_int(device, "device")
-    _core.set_device(device)
-    with _pes_lock:
-        if device in _pes:
-            raise SymheapError(f"device {device} already hosts PE {_pes[device].rank}: init was "
-                               f"called twice on this device slot (finalize first, or give each "
-                               f"thread its own device with device=)")
+    _core.set_device(device)  # create_pe below refuses a device slot already in use
     if _core.backend_name() == "cpu":
         _reap_stale_segments()
     info = _core.create_pe(uid.job, device, rank, world_size, heap_bytes, timeout)

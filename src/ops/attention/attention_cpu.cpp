@@ -209,6 +209,25 @@ int default_threads() {
   return static_cast<int>(std::clamp(hw == 0 ? 1u : hw, 1u, 8u));
 }
 
+// Keys visible to any of the query rows [m0, m0 + rows): visible ranges only
+// grow with the row, so the span is [lo(first row), hi(last row)).
+struct KeySpan {
+  int lo, hi;
+};
+KeySpan tile_key_span(const Args& a, const Seq& seq, int m0, int rows) {
+  return {visible_keys(m0, seq.sq, seq.sk, a.window_left, a.window_right).lo,
+          visible_keys(m0 + rows - 1, seq.sq, seq.sk, a.window_left, a.window_right).hi};
+}
+
+// Loads keys and values [n0, n0 + cols) of kv head hk as fp32 rows.
+void load_kv_tile(const Args& a, int b, int hk, const Seq& seq, int n0, int cols, int d,
+                  float* k, float* v) {
+  for (int c = 0; c < cols; ++c) {
+    load_row(a.k.data, a.k.dtype, row_offset(a.k, b, seq.k0 + n0 + c, hk), d, &k[c * d]);
+    load_row(a.v.data, a.v.dtype, row_offset(a.v, b, seq.k0 + n0 + c, hk), d, &v[c * d]);
+  }
+}
+
 template <class Fn>
 void parallel_for(int64_t items, int threads, Fn fn) {
   if (threads <= 0) threads = default_threads();
@@ -257,15 +276,10 @@ void forward_item(const Args& a, int b, int hq) {
     std::fill(m.begin(), m.end(), kNegInf);
     std::fill(l.begin(), l.end(), 0.0f);
     std::fill(acc.begin(), acc.end(), 0.0f);
-    // Visible ranges only grow with i, so the tile sees [lo(first), hi(last)).
-    const int lo = visible_keys(m0, seq.sq, seq.sk, a.window_left, a.window_right).lo;
-    const int hi = visible_keys(m0 + rows - 1, seq.sq, seq.sk, a.window_left, a.window_right).hi;
-    for (int n0 = lo; n0 < hi; n0 += kBlockN) {
-      const int cols = std::min(kBlockN, hi - n0);
-      for (int c = 0; c < cols; ++c) {
-        load_row(a.k.data, a.k.dtype, row_offset(a.k, b, seq.k0 + n0 + c, hk), d, &k[c * d]);
-        load_row(a.v.data, a.v.dtype, row_offset(a.v, b, seq.k0 + n0 + c, hk), d, &v[c * d]);
-      }
+    const KeySpan span = tile_key_span(a, seq, m0, rows);
+    for (int n0 = span.lo; n0 < span.hi; n0 += kBlockN) {
+      const int cols = std::min(kBlockN, span.hi - n0);
+      load_kv_tile(a, b, hk, seq, n0, cols, d, k.data(), v.data());
       for (int r = 0; r < rows; ++r) {
         const int i = m0 + r;
         for (int c = 0; c < cols; ++c) s[c] = dot(&q[r * d], &k[c * d], d);
@@ -331,14 +345,10 @@ void backward_item(const Args& a, int b, int hk) {
         lse[r] = x == kNegInf ? std::numeric_limits<float>::infinity() : x;
       }
       std::fill(dq.begin(), dq.end(), 0.0f);
-      const int lo = visible_keys(m0, seq.sq, seq.sk, a.window_left, a.window_right).lo;
-      const int hi = visible_keys(m0 + rows - 1, seq.sq, seq.sk, a.window_left, a.window_right).hi;
-      for (int n0 = lo; n0 < hi; n0 += kBlockN) {
-        const int cols = std::min(kBlockN, hi - n0);
-        for (int c = 0; c < cols; ++c) {
-          load_row(a.k.data, a.k.dtype, row_offset(a.k, b, seq.k0 + n0 + c, hk), d, &k[c * d]);
-          load_row(a.v.data, a.v.dtype, row_offset(a.v, b, seq.k0 + n0 + c, hk), d, &v[c * d]);
-        }
+      const KeySpan span = tile_key_span(a, seq, m0, rows);
+      for (int n0 = span.lo; n0 < span.hi; n0 += kBlockN) {
+        const int cols = std::min(kBlockN, span.hi - n0);
+        load_kv_tile(a, b, hk, seq, n0, cols, d, k.data(), v.data());
         for (int r = 0; r < rows; ++r) {
           const int i = m0 + r;
           for (int c = 0; c < cols; ++c) s[c] = dot(&q[r * d], &k[c * d], d);
