@@ -12,6 +12,7 @@ Latency: 8-byte put_signal ping-pong between kernels on the two GPUs
 (device API); one-way time = round trip / 2.
 
     python bench/shmem_bw.py [--max-size 1G] [--json out.json]
+    python bench/shmem_bw.py --all-pairs 256M   # every ordered pair of all GPUs
 """
 from __future__ import annotations
 
@@ -67,32 +68,55 @@ def bandwidth_sweep(max_size: int):
     dst = symheap.empty((max_size,), "uint8")  # collective: every PE allocates
     try:
         if me == 0:
-            rows = _measure(dst, max_size)
+            rows = _measure(dst, list(sizes_between(8, max_size)), peer=1)
     finally:
         symheap.barrier_all()  # PE 1 waits here while PE 0 measures (or fails)
     symheap.free(dst)
     return rows
 
 
-def _measure(dst, max_size: int):
+def all_pairs(size: int):
+    """Every ordered pair (source PE, destination PE) in turn, one size."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    dst = symheap.empty((size,), "uint8")
+    rows = []
+    try:
+        for src_pe in range(n):
+            for dst_pe in range(n):
+                if src_pe == dst_pe:
+                    continue
+                try:
+                    if me == src_pe:
+                        row = _measure(dst, [size], peer=dst_pe, quiet=True)[0]
+                        rows.append(dict(row, src=src_pe, dst=dst_pe))
+                finally:
+                    symheap.barrier_all()  # one pair at a time
+    finally:
+        symheap.free(dst)
+    return rows
+
+
+def _measure(dst, sizes, peer: int, quiet: bool = False):
     rows = []
     dev = torch.device("cuda", symheap.current_device())
+    peer_dev = symheap.device_of(peer)
     stream = torch.cuda.current_stream(dev)
     h = stream.cuda_stream
-    peer_dst = symheap.peer_tensor(dst, 1)  # PE 1's copy, as seen from GPU 0
-    src = torch.randint(0, 256, (max_size,), dtype=torch.uint8, device=dev)
+    peer_dst = symheap.peer_tensor(dst, peer)  # the peer's copy, as seen from this GPU
+    src = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8, device=dev)
     sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
     peer_ptr, src_ptr = peer_dst.data_ptr(), src.data_ptr()
-    for n in sizes_between(8, max_size):
+    for n in sizes:
         row = {"bytes": n}
         for method in METHODS:
             if method == "sm_copy" and n % 16:
                 continue
             issue = {
-                "sm_put": lambda: _core.bench_sm_put(dst.data_ptr(), src_ptr, n, 1, 0, h),
-                "ce_put": lambda: _core.cuda_put(dst.data_ptr(), src_ptr, n, 1, h,
+                "sm_put": lambda: _core.bench_sm_put(dst.data_ptr(), src_ptr, n, peer, 0, h),
+                "ce_put": lambda: _core.cuda_put(dst.data_ptr(), src_ptr, n, peer, h,
                                                  "copy_engine", 0, 0, "set"),
-                "memcpy_peer": lambda: _core.bench_memcpy_peer(peer_ptr, 1, src_ptr, 0, n, h),
+                "memcpy_peer": lambda: _core.bench_memcpy_peer(peer_ptr, peer_dev, src_ptr,
+                                                               dev.index, n, h),
                 "sm_copy": lambda: _core.bench_plain_copy(peer_ptr, src_ptr, n,
                                                           4 * sm_count, dev.index, h),
             }[method]
@@ -102,6 +126,8 @@ def _measure(dst, max_size: int):
             row[method] = {"us": t * 1e6, "GBps": n / t / 1e9,
                            "ok": bool(torch.equal(peer_dst[:n], src[:n]))}
         rows.append(row)
+        if quiet:
+            continue
         print("  measured", fmt_size(n), " ".join(
             f"{m} {row[m]['GBps']:.2f}" for m in METHODS if m in row), flush=True)
     return rows
@@ -150,11 +176,15 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--watchdog", type=float, default=300.0,
                     help="seconds after which stacks are dumped and the run stops")
+    ap.add_argument("--all-pairs", default=None, metavar="SIZE",
+                    help="instead of the sweep: every ordered GPU pair at this size, all GPUs")
     args = ap.parse_args()
     if symheap.backend() != "cuda" or symheap.device_count() < 2:
         sys.exit("shmem_bw needs the cuda backend and two GPUs")
-    max_size = _core.parse_size(args.max_size)
     faulthandler.dump_traceback_later(args.watchdog, exit=True)  # never hang silently
+    if args.all_pairs:
+        sys.exit(report_all_pairs(_core.parse_size(args.all_pairs), args.json))
+    max_size = _core.parse_size(args.max_size)
     heap = max_size + (16 << 20)  # the sweep buffer plus two signal words
     results = run_threads(pe_main, 2, args=(max_size,),
                           init_kwargs={"heap_size": heap, "timeout": 600})
@@ -197,6 +227,36 @@ def main():
             json.dump({"rows": rows, "latency": lat,
                        "device": torch.cuda.get_device_name(0)}, f, indent=1)
     sys.exit(0 if all_ok and all(x["ok"] for x in lat) else 1)
+
+
+def report_all_pairs(size: int, json_path) -> int:
+    n = symheap.device_count()
+    results = run_threads(all_pairs, n, args=(size,),
+                          init_kwargs={"heap_size": size + (16 << 20), "timeout": 600})
+    rows = [r for pe in results for r in pe]
+    print(f"device: {torch.cuda.get_device_name(0)} x{n}, torch {torch.__version__}")
+    print(f"bandwidth of every ordered pair at {fmt_size(size)} (GB/s), references of this run")
+    print(f"{'pair':>6} | " + " | ".join(f"{m:>11}" for m in METHODS) + " | sm/copy | ce/peer")
+    ok = True
+    for r in rows:
+        ok &= all(r[m]["ok"] for m in METHODS if m in r)
+        cells = [f"{r[m]['GBps']:>9.2f}{'' if r[m]['ok'] else ' !'}  " for m in METHODS]
+        print(f"{r['src']:>2}->{r['dst']:<2} | " + " | ".join(cells) +
+              f" | {r['sm_put']['GBps'] / r['sm_copy']['GBps']:7.3f}"
+              f" | {r['ce_put']['GBps'] / r['memcpy_peer']['GBps']:7.3f}")
+
+    def span(m):
+        v = [r[m]["GBps"] for r in rows]
+        return f"{m} {min(v):.1f}-{max(v):.1f} GB/s"
+    print(f"summary all-pairs @ {fmt_size(size)} over {len(rows)} pairs: " +
+          ", ".join(span(m) for m in METHODS) +
+          f"; min sm/copy {min(r['sm_put']['GBps'] / r['sm_copy']['GBps'] for r in rows):.3f}"
+          f", min ce/peer {min(r['ce_put']['GBps'] / r['memcpy_peer']['GBps'] for r in rows):.3f}")
+    print("all transfers verified" if ok else "SOME TRANSFERS DELIVERED WRONG DATA (!)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"pairs": rows, "device": torch.cuda.get_device_name(0)}, f, indent=1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -85,3 +85,11 @@ def test_one_pe_per_process():
     from symheap.testing import PeFailure
     with pytest.raises(PeFailure, match="one PE per process"):
         run_processes(progs.many_configs, 1, args=([cfg()],), threads_per_proc=2, env=EMULATE)
+
+
+def test_tampered_handle_raises_instead_of_writing_out_of_bounds():
+    """The kernels bound-check combine's handle (edited row metadata): the
+    culprit raises ValueError, its peer SymheapError, and the op goes on."""
+    from test_hardening import _tampered_ep_handle
+    assert emulated(_tampered_ep_handle, 2, ()) == [["ValueError", "ValueError"],
+                                                    ["SymheapError", "SymheapError"]]

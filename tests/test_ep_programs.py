@@ -447,9 +447,15 @@ def graph_replay(cfg_kwargs: dict, replays: int = 10):
         torch.cuda.current_stream(dev).wait_stream(side)
         ep.check()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ep.dispatch(*static)
-            res = ep.combine(identity_experts(cfg, out, dev), out.handle)
+        # One capture at a time: entering torch.cuda.graph() empties the allocator cache of
+        # every device, which would invalidate a capture running in another thread. The
+        # capture stream is this device's: torch's default one is shared by the process.
+        for turn in range(n):
+            if turn == me:
+                with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                    out = ep.dispatch(*static)
+                    res = ep.combine(identity_experts(cfg, out, dev), out.handle)
+            symheap.barrier_all()
         for i in range(replays):
             inputs = [make_inputs(cfg, n, r, 600 + i, patterns[i % len(patterns)], "full")
                       for r in range(n)]

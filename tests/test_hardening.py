@@ -75,14 +75,16 @@ def test_per_call_timeout_longer_than_init_timeout():
 
 
 def _tampered_ep_handle():
+    """Edited combine handles on one PE (cpu; cuda and its emulation reuse it)."""
     import torch
     from symheap.ep import EpConfig, EpDispatchCombine
     me, n = symheap.my_pe(), symheap.n_pes()
     cfg = EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=4, topk=2, dtype="float32")
     g = torch.Generator().manual_seed(me)
-    x = torch.randn(4, 32, generator=g)
-    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(4)]).to(torch.int64)
-    w = torch.rand(4, 2, generator=g)
+    dev = torch.device("cuda", symheap.current_device()) if symheap.backend() == "cuda" else "cpu"
+    x = torch.randn(4, 32, generator=g).to(dev)
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(4)]).to(dev, torch.int64)
+    w = torch.rand(4, 2, generator=g).to(dev)
     outcome = []
     with EpDispatchCombine(cfg) as ep:
         d = ep.dispatch(x, idx, w)
@@ -91,6 +93,7 @@ def _tampered_ep_handle():
             d.handle.recv_meta[0, 0] = 0
         try:
             ep.combine(d.x.clone(), d.handle)
+            ep.check()  # cuda: a kernel found it; raised at the next call or here
         except (ValueError, symheap.SymheapError) as e:
             outcome.append(type(e).__name__)
         d2 = ep.dispatch(x, idx, w)  # the op still works afterwards
@@ -99,6 +102,7 @@ def _tampered_ep_handle():
             bad.send_rows = bad.send_rows[:1]
         try:
             ep.combine(d2.x.clone(), bad)
+            ep.check()
         except (ValueError, symheap.SymheapError) as e:
             outcome.append(type(e).__name__)
     return outcome

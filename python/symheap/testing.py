@@ -42,8 +42,10 @@ def _run_pe(fn, args, rank, world, uid, device, init_kwargs, finalize):
     try:
         return fn(*args)
     finally:
-        if finalize and symheap.is_initialized():
-            symheap.finalize()
+        if finalize:
+            symheap.set_device(device)  # fn may have left another device current
+            if symheap.is_initialized():
+                symheap.finalize()
 
 
 def _thread_group(fn, args, ranks, world, uid, devices, init_kwargs, finalize, join_timeout):
@@ -80,26 +82,34 @@ def run_threads(fn, n_pes: int, args=(), *, devices=None, init_kwargs=None, fina
     return [results[r] for r in range(n_pes)]
 
 
-def _process_main(fn, args, first_rank, threads, world, uid, init_kwargs, finalize, env, out):
+def _process_main(fn, args, first_rank, devices, world, uid, init_kwargs, finalize, env, out):
     os.environ.update(env)
-    ranks = list(range(first_rank, first_rank + threads))
-    results, errors = _thread_group(fn, args, ranks, world, uid, list(range(threads)),
+    ranks = list(range(first_rank, first_rank + len(devices)))
+    results, errors = _thread_group(fn, args, ranks, world, uid, devices,
                                     init_kwargs, finalize, 300.0)
     out.put((results, errors))
 
 
 def run_processes(fn, n_procs: int, args=(), *, threads_per_proc: int = 1, init_kwargs=None,
-                  finalize=True, env=None, env_per_proc=None, timeout: float = 300.0):
+                  finalize=True, env=None, env_per_proc=None, timeout: float = 300.0,
+                  spread_devices: bool = False):
     """Runs ``fn(*args)`` as ``n_procs * threads_per_proc`` PEs: processes started
-    with the spawn method, each driving ``threads_per_proc`` devices from threads.
+    with the spawn method, each driving ``threads_per_proc`` devices from threads
+    (devices 0, 1, ... in every process; with ``spread_devices``, process i
+    takes devices i * threads_per_proc onwards, so no two PEs share one).
     ``fn`` must be importable (defined at module level). ``env`` is added to every
     process's environment, ``env_per_proc[i]`` to process i's."""
     ctx = mp.get_context("spawn")
     uid = symheap.get_unique_id()
     world = n_procs * threads_per_proc
+
+    def devices(p):
+        first = p * threads_per_proc if spread_devices else 0
+        return list(range(first, first + threads_per_proc))
+
     out = ctx.Queue()
     procs = [ctx.Process(target=_process_main,
-                         args=(fn, args, p * threads_per_proc, threads_per_proc, world, uid,
+                         args=(fn, args, p * threads_per_proc, devices(p), world, uid,
                                init_kwargs or {}, finalize,
                                {**(env or {}), **((env_per_proc or [{}] * n_procs)[p])}, out))
              for p in range(n_procs)]

@@ -6,6 +6,8 @@ Data is fresh random data; destinations are poisoned before every transfer.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import numpy as np
@@ -13,6 +15,8 @@ import torch
 
 import symheap
 from symheap import _core
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 THREAD, WARP, BLOCK = 0, 1, 2
 CMP = {"eq": 0, "ne": 1, "gt": 2, "ge": 3, "lt": 4, "le": 5}
@@ -453,3 +457,41 @@ def heap_roundtrip(nbytes: int):
     symheap.barrier_all()
     symheap.free(t)
     return lo, hi
+
+
+def ep_and_attention():
+    """Expert-parallel dispatch/combine with every kernel (each received row,
+    count and combined sum checked against references; tests/test_ep_programs.py),
+    then attention forward and backward against an fp32 reference, on this
+    PE's GPU. Returns the EP digests (equal across launch models) and the
+    attention error."""
+    import test_ep_programs as ep_progs
+    n = symheap.n_pes()
+    base = dict(hidden=256, max_tokens_per_rank=32, num_experts=4 * n, topk=4)
+    configs = [dict(base, kernel="intranode", dtype="bfloat16"),
+               dict(base, kernel="low_latency", layout="expert_major", dtype="float8_e4m3fn",
+                    scale_dim=128),
+               dict(base, kernel="copy_engine", dtype="float16")]
+    digests = ep_progs.many_configs(configs, ep_progs.DEFAULT_PLAN[:4])
+    return {"ep": digests, "attention_err": attention_error(seed=symheap.my_pe())}
+
+
+def attention_error(seed: int, B: int = 2, S: int = 256, H: int = 4, D: int = 64) -> float:
+    """Relative error of causal flash_attn_func (bf16) and its gradients
+    against PyTorch's attention in fp32; raises above 2e-2."""
+    from symheap.attention import flash_attn_func
+    dev = _dev()
+    gen = torch.Generator().manual_seed(1000 + seed)
+    q, k, v, dout = (torch.randn(B, S, H, D, generator=gen).to(dev, torch.bfloat16)
+                     for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = flash_attn_func(q, k, v, causal=True)
+    got = (out,) + torch.autograd.grad(out, (q, k, v), dout)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qf.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), is_causal=True).transpose(1, 2)
+    want = (ref,) + torch.autograd.grad(ref, (qf, kf, vf), dout.float())
+    errs = [float((a.float() - b).abs().max() / b.abs().max()) for a, b in zip(got, want)]
+    if not max(errs) < 2e-2:
+        raise AssertionError(f"PE {symheap.my_pe()}: attention error {errs} (out, dq, dk, dv)")
+    return max(errs)

@@ -35,11 +35,15 @@ $PY -m pytest tests/gpu -q -ra --timeout=${SYMHEAP_TEST_TIMEOUT:-150} -p no:cach
 rc=${PIPESTATUS[0]}
 note "pytest tests/gpu: $(tail -1 "$OUT/pytest_gpu.log") (rc $rc, $(elapsed $t))"
 
-for b in bench/shmem_bw.py bench/ep_bench.py bench/attn_bench.py; do
-  [ -f "$b" ] || continue
-  name=$(basename "$b" .py)
+n_gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+benches=("bench/shmem_bw.py" "bench/ep_bench.py" "bench/attn_bench.py")
+if [ "$n_gpus" -gt 2 ]; then  # every GPU: all pairs, and EP over all of them
+  benches+=("bench/shmem_bw.py --all-pairs 256M" "bench/ep_bench.py --gpus $n_gpus")
+fi
+for b in "${benches[@]}"; do
+  name=$(echo "$b" | sed 's|bench/||; s|\.py||; s|[^A-Za-z0-9]\+|_|g')
   t=$(date +%s)
-  if timeout "${SYMHEAP_BENCH_TIMEOUT:-240}" $PY "$b" > "$OUT/$name.log" 2>&1; then status=ok; else status="FAILED rc $?"; fi
+  if timeout "${SYMHEAP_BENCH_TIMEOUT:-240}" $PY $b > "$OUT/$name.log" 2>&1; then status=ok; else status="FAILED rc $?"; fi
   note "$b: $status ($(elapsed $t)); $(grep -E '^summary|latency' "$OUT/$name.log" | tr '\n' ' ' | cut -c1-400)"
 done
 

@@ -116,3 +116,10 @@ def test_absent_peer_times_out():
 def test_close_frees_heap():
     for before, after in run_threads(progs.heap_after_ops, 2, args=(cfg(kernel="copy_engine"),)):
         assert before == after
+
+
+@two_gpus
+def test_tampered_handle_raises_instead_of_writing_out_of_bounds():
+    from test_hardening import _tampered_ep_handle
+    assert run_threads(_tampered_ep_handle, 2) == [["ValueError", "ValueError"],
+                                                   ["SymheapError", "SymheapError"]]

@@ -1,6 +1,7 @@
 """Scale checks on every GPU of the machine (meant for 4 or 8 GPUs): one
 process with a thread per GPU, one process per GPU (plain, torchrun, mpirun),
-and 2 processes x (N/2) threads. Skipped below 3 GPUs: the 2-GPU tests cover
+and 2 processes x (N/2) threads; the shmem host and device APIs, EP
+dispatch/combine and attention in each. Skipped below 3 GPUs: the 2-GPU tests cover
 that case."""
 import os
 import shutil
@@ -59,13 +60,27 @@ def test_process_per_gpu():
 
 def test_two_processes_by_half_the_gpus():
     half = N // 2
-    results = run_processes(progs.host_api, 2, threads_per_proc=half)
+    results = run_processes(progs.host_api, 2, threads_per_proc=half, spread_devices=True)
     progs.check_host_api(results)
     for rank, r in enumerate(results):
         for p, kind in enumerate(r["kinds"]):
             want = ("self" if p == rank else
                     "same_process" if p // half == rank // half else "same_node")
             assert kind == want, (rank, p, kind)
+
+
+def test_ep_and_attention_in_every_launch_model():
+    """EP dispatch/combine (every kernel) and attention on all N GPUs: one
+    thread per GPU, one process per GPU, and 2 processes x N/2 threads give the
+    same received rows and combined sums."""
+    by_threads = run_threads(progs.ep_and_attention, N)
+    by_processes = run_process_per_device(progs.ep_and_attention, list(range(N)))
+    by_halves = run_processes(progs.ep_and_attention, 2, threads_per_proc=N // 2,
+                              spread_devices=True)
+    digests = [r["ep"] for r in by_threads]
+    assert [r["ep"] for r in by_processes] == digests
+    assert [r["ep"] for r in by_halves] == digests
+    assert len({d for pe in digests for d in pe}) == 3 * N  # every PE and config differs
 
 
 LAUNCHED = textwrap.dedent("""
@@ -88,10 +103,13 @@ LAUNCHED = textwrap.dedent("""
         gather = lambda x: MPI.COMM_WORLD.allgather(x)
     host = gather(progs.host_api())
     dev = gather(progs.device_api())
+    ep = gather(progs.ep_and_attention())
     symheap.finalize()
     progs.check_host_api(host)
     progs.check_device_api(dev)
-    print("SCALE-OK", front, len(host), flush=True)
+    assert len(ep) == len(host)
+    print("SCALE-OK", front, len(host), "attention err", max(e["attention_err"] for e in ep),
+          flush=True)
 """)
 
 

@@ -58,7 +58,8 @@ class EpConfig:
     "intranode" (SM stores over NVLink, high throughput), "low_latency"
     (fixed capacity, no host synchronisation, CUDA-graph capturable),
     "copy_engine" (rows packed by a kernel, moved by copy engines; waits on
-    the host for the counts). See docs/ep.md.
+    the host for the counts, and for the other PEs of this process to queue
+    their copies). See docs/ep.md.
 
     layout: "token_major" (one received row per (token, destination PE)) or
     "expert_major" ([local_experts, expert_capacity, hidden] plus per-expert

@@ -189,6 +189,9 @@ std::string describe_status(int32_t status, int64_t detail, int pe, const Config
       return who + " passed an invalid argument (its own exception says which)";
     case kPeerTimeout:
       return who + " timed out waiting for PE " + str(detail);
+    case kBadHandle:
+      return who + " passed a combine handle whose rows lie outside this op's buffers (was it "
+                   "modified?)";
     case kRecvOverflow:
       return who + " would overflow its receive buffer";
     default:

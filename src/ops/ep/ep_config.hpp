@@ -43,6 +43,7 @@ enum Status : int32_t {
   kBadArgument = 3,      // detail: unused (the PE's own exception says what)
   kPeerTimeout = 4,      // cuda: a wait ran out; detail: the late PE
   kRecvOverflow = 5,     // detail: the destination PE (or expert) that overflowed
+  kBadHandle = 6,        // cuda: combine's handle names rows outside the op's buffers
 };
 
 // Sizes derived from a Config and the number of PEs, plus byte offsets of
@@ -92,6 +93,7 @@ enum LocalWord : int {
   kSendDone = 4,
   kReduceDone = 5,
   kErrorWord = 6,      // first device-side failure (cuda)
+  kHandleBad = 7,      // combine: 1 when this call's handle failed its bounds check (cuda)
   kLocalWords = 16
 };
 

@@ -660,37 +660,85 @@ __device__ __forceinline__ bool valid_row(const Params& p, int64_t r) {
   return r % p.g.expert_cap < p.h_summary[4 * n + r / p.g.expert_cap];
 }
 
+// Where received row r goes back to: its source PE and its row there (the
+// source's combine row; in stage mode, the row of this PE's staging buffer).
+// False when the handle names a place outside the op's buffers: a handle
+// edited by the caller must never make a kernel or a copy write out of bounds.
+__device__ __forceinline__ bool combine_target(const Params& p, int64_t r, int* src,
+                                               int64_t* row) {
+  const Geometry& g = p.g;
+  *src = p.h_meta[r * kMetaWords + kMetaSrcPe];
+  const int32_t crow = p.h_meta[r * kMetaWords + kMetaCombineRow];
+  if (*src < 0 || *src >= p.n || crow < 0 || crow >= g.combine_rows) return false;
+  *row = crow;
+  if (p.pack && p.c.layout == Layout::ExpertMajor) {  // packed per source, in send order
+    int64_t at_row = crow - static_cast<int64_t>(p.h_summary[4 * *src]);
+    for (int q = 0; q < *src; ++q) at_row += p.h_summary[4 * q + 1];
+    if (at_row < 0 || at_row >= g.recv_rows) return false;
+    *row = at_row;
+  }
+  return true;
+}
+
+// The copy plan of the copy engine, segment (from, to, rows) of source q,
+// lies inside the buffers (the handle's summary is the caller's memory).
+__device__ __forceinline__ bool segment_in_bounds(const Params& p, int q, int64_t packed) {
+  const int64_t to = p.h_summary[4 * q], rows = p.h_summary[4 * q + 1];
+  const int64_t from = p.c.layout == Layout::TokenMajor ? p.h_summary[4 * q + 2] : packed;
+  return rows >= 0 && to >= 0 && from >= 0 && to + rows <= p.g.combine_rows &&
+         from + rows <= p.g.recv_rows;
+}
+
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(Params p) {
   const int n = p.n;
   const Geometry& g = p.g;
   const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
-  __shared__ bool ok;
-  if (threadIdx.x == 0) ok = wait_all(p, g.off_freed_flag, epoch - 1, epoch);
+  __shared__ bool ok, handle_ok;
+  if (threadIdx.x == 0) {
+    ok = wait_all(p, g.off_freed_flag, epoch - 1, epoch);
+    handle_ok = true;
+  }
   __syncthreads();
+  const bool send = ok && p.host_status == kOk;
+  // Block 0 checks the whole handle first, so every PE learns of a bad one.
+  if (blockIdx.x == 0 && send) {
+    for (int64_t r = threadIdx.x; r < g.recv_rows; r += blockDim.x) {
+      int src;
+      int64_t row;
+      if (valid_row(p, r) && !combine_target(p, r, &src, &row)) handle_ok = false;
+    }
+    if (p.pack && threadIdx.x == 0) {
+      int64_t packed = 0;
+      for (int q = 0; q < n; ++q) {
+        if (!segment_in_bounds(p, q, packed)) handle_ok = false;
+        packed += p.h_summary[4 * q + 1];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      *local_word(p, kHandleBad) = handle_ok ? 0 : 1;
+      if (!handle_ok) record_error(p, kBadHandle, 0, p.me, epoch);
+    }
+  }
   const int lane = threadIdx.x & 31;
   const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   const size_t crb = g.combine_row_bytes;
   const bool stage = p.pack && p.c.layout == Layout::ExpertMajor;
-  if (ok && p.host_status == kOk && (!p.pack || stage)) {
+  if (send && (!p.pack || stage)) {
     for (int64_t r = warp0; r < g.recv_rows; r += warps) {
-      if (!valid_row(p, r)) continue;
-      const int src = p.h_meta[r * kMetaWords + kMetaSrcPe];
-      const int32_t crow = p.h_meta[r * kMetaWords + kMetaCombineRow];
-      char* dst;
-      if (stage) {  // packed per source, in the source's combine-row order
-        int64_t at_row = crow - p.h_summary[4 * src];
-        for (int q = 0; q < src; ++q) at_row += p.h_summary[4 * q + 1];
-        dst = at<char>(p, p.me, g.off_stage_combine) + at_row * crb;
-      } else {
-        dst = at<char>(p, src, g.off_combine_buf) + static_cast<int64_t>(crow) * crb;
-      }
+      int src;
+      int64_t row;
+      if (!valid_row(p, r) || !combine_target(p, r, &src, &row)) continue;
+      char* dst = stage ? at<char>(p, p.me, g.off_stage_combine) + row * crb
+                        : at<char>(p, src, g.off_combine_buf) + row * crb;
       warp_copy(dst, p.expert_out + r * crb, crb, lane);
     }
   }
   if (blockIdx.x == 0 && threadIdx.x == 0)
     for (int q = 0; q < n; ++q)
-      at<int32_t>(p, q, g.off_combine_status)[p.me] = ok ? p.host_status : kPeerTimeout;
+      at<int32_t>(p, q, g.off_combine_status)[p.me] =
+          !ok ? kPeerTimeout : !handle_ok ? kBadHandle : p.host_status;
   if (!p.pack) {
     __threadfence_system();
     __syncthreads();
@@ -704,7 +752,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Params p) {
     volatile int32_t* h = p.host;
     int segs = 0;
     int32_t packed = 0;
-    if (ok && p.host_status == kOk)
+    if (send && ld_volatile(local_word(p, kHandleBad)) == 0)
       for (int q = 0; q < n; ++q) {
         int32_t rows = p.h_summary[4 * q + 1];
         if (rows) {
@@ -825,6 +873,10 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(Params p) {
         for (int j = 0; j < cols; ++j) {
           const int32_t row = p.h_send_rows[t * g.send_cols + j];
           if (row < 0) continue;
+          if (row >= g.combine_rows) {  // an edited handle: never read outside the buffer
+            record_error(p, kBadHandle, 0, p.me, epoch);
+            continue;
+          }
           const float wt = tm ? 1.0f : p.cw[t * K + j];
           int4 v = __ldcg(reinterpret_cast<const int4*>(buf + static_cast<int64_t>(row) * crb) + c);
           float f[8];

@@ -57,7 +57,15 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
     // The sync words start at zero on every PE before any PE writes them
     // (the caller barriers after create).
 #ifdef SYMHEAP_WITH_CUDA
-    if (on_cuda()) op->impl = make_cuda_device(s, *op);  // zeroes them itself
+    if (on_cuda()) {
+      op->impl = make_cuda_device(s, *op);  // zeroes them itself
+      if (cfg.kernel == Kernel::CopyEngine) {
+        for (int p = 0; p < s.n_pes; ++p)
+          if (s.peers[p].kind == PeerKind::SameProcess) op->same_process_peers.push_back(p);
+        if (!op->same_process_peers.empty())
+          op->board = IssueBoard::for_workspace(s.job, ws_offset, s.n_pes);
+      }
+    }
 #endif
     if (!op->impl) {
       Runtime::instance().backend().zero(s.device, s.base() + ws_offset, geo.sync_bytes);
