@@ -67,6 +67,8 @@ def test_two_processes_by_half_the_gpus():
             want = ("self" if p == rank else
                     "same_process" if p // half == rank // half else "same_node")
             assert kind == want, (rank, p, kind)
+    progs.check_device_api(run_processes(progs.device_api, 2, threads_per_proc=half,
+                                         spread_devices=True))
 
 
 def test_ep_and_attention_in_every_launch_model():
