@@ -89,8 +89,8 @@ class DeviceDriver final : public DeviceImpl {
       const int64_t from = seg[1], to = seg[2], rows = seg[3];
       auto move = [&](size_t src_off, size_t dst_off, size_t row_bytes) {
         if (row_bytes)
-          rt_.copy(pe, ws(s, op, pe, dst_off) + to * row_bytes,
-                   ws(s, op, op.my_pe, src_off) + from * row_bytes, rows * row_bytes);
+          rt_.copy(pe, ws_addr(s, op, pe, dst_off) + to * row_bytes,
+                   ws_addr(s, op, op.my_pe, src_off) + from * row_bytes, rows * row_bytes);
       };
       move(g.off_stage_x, g.off_recv_x, g.row_bytes);
       move(g.off_stage_scales, g.off_recv_scales, g.scale_row_bytes);
@@ -138,8 +138,8 @@ class DeviceDriver final : public DeviceImpl {
         const int pe = seg[0];
         const int64_t from = seg[1], to = seg[2], rows = seg[3];
         const char* src = tm ? static_cast<const char*>(a.expert_out) + from * crb
-                             : ws(s, op, op.my_pe, g.off_stage_combine) + from * crb;
-        rt_.copy(pe, ws(s, op, pe, g.off_combine_buf) + to * crb, src, rows * crb);
+                             : ws_addr(s, op, op.my_pe, g.off_stage_combine) + from * crb;
+        rt_.copy(pe, ws_addr(s, op, pe, g.off_combine_buf) + to * crb, src, rows * crb);
       }
       signal_all(s, op, g.off_combine_flag);
       rt_.stream_after_channels(a.stream);
@@ -181,10 +181,6 @@ class DeviceDriver final : public DeviceImpl {
     return op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
   }
 
-  static char* ws(PeState& s, const Op& op, int pe, size_t off) {
-    return static_cast<char*>(s.peers[pe].base) + op.ws_offset + off;
-  }
-
   kernels::Params base_params(PeState& s, Op& op) {
     kernels::Params p{};
     p.c = op.cfg;
@@ -202,7 +198,7 @@ class DeviceDriver final : public DeviceImpl {
   // Copy engine: +1 on `flag_off` of every PE, from each channel after its copies.
   void signal_all(PeState& s, Op& op, size_t flag_off) {
     for (int q = 0; q < op.n_pes; ++q)
-      rt_.signal(q, reinterpret_cast<uint64_t*>(ws(s, op, q, flag_off)) + op.my_pe);
+      rt_.signal(q, reinterpret_cast<uint64_t*>(ws_addr(s, op, q, flag_off)) + op.my_pe);
   }
 
   static void raise_own(const Op& op, int32_t status, int32_t detail, const char* call) {
