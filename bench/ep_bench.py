@@ -13,7 +13,10 @@ Figures (per rank, slowest rank reported):
               (DeepEP's convention; can exceed the link on 2 GPUs);
   nvlink      the same without rows a rank sends to itself.
 
-    python bench/ep_bench.py [--gpus 2] [--iters 20] [--quick]
+    python bench/ep_bench.py [--gpus 2] [--iters 20] [--quick] [--profile]
+
+--profile adds, per case, each GPU kernel's mean time on rank 0 (torch
+profiler, over the same calls as the timing: graph replays for low_latency).
 """
 from __future__ import annotations
 
@@ -64,6 +67,28 @@ def as_graph(torch, fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def kernel_profile(torch, dist, fns, iters):
+    """Mean GPU time of every kernel that fns launch, as short text lines."""
+    from torch.profiler import ProfilerActivity, profile
+    for fn in fns:
+        fn()
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            for fn in fns:
+                fn()
+        torch.cuda.synchronize()
+    lines = []
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if e.device_time_total <= 0:
+            continue
+        name = e.key.split("(")[0].split("::")[-1][:48]
+        lines.append(f"  {name:<48} {e.device_time_total / max(e.count, 1):9.1f} us x "
+                     f"{e.count // iters}/call")
+    return lines[:8]
 
 
 def timed(torch, dist, fn, iters):
@@ -123,7 +148,7 @@ def nccl_reference(torch, dist, x, scales, idx, w, world):
 
 # ------------------------------------------------------------ one case
 
-def run_case(torch, dist, symheap, ep_mod, case, iters, rank, world, device):
+def run_case(torch, dist, symheap, ep_mod, case, iters, rank, world, device, profile=False):
     tokens, kernel, dtype, layout, bounded = case
     x32, idx, w = routing(torch, tokens, rank, device)
     fp8 = dtype == "float8_e4m3fn"
@@ -164,6 +189,7 @@ def run_case(torch, dist, symheap, ep_mod, case, iters, rank, world, device):
         do_combine = lambda: ep.combine(y, out.handle)  # noqa: E731
         if kernel == "low_latency":  # latency of the kernels, not of Python: CUDA graphs
             do_dispatch, do_combine = as_graph(torch, do_dispatch), as_graph(torch, do_combine)
+        prof = kernel_profile(torch, dist, [do_dispatch, do_combine], iters) if profile else []
         d_us = timed(torch, dist, do_dispatch, iters)
         c_us = timed(torch, dist, do_combine, iters)
         ep.check()
@@ -173,7 +199,8 @@ def run_case(torch, dist, symheap, ep_mod, case, iters, rank, world, device):
     nc_us = timed(torch, dist, nccl_c, iters)
     return dict(case=case, rows=n_recv, self_rows=self_rows, row_bytes=row_bytes,
                 combine_row_bytes=HIDDEN * 2, dispatch_us=d_us, combine_us=c_us,
-                nccl_dispatch_us=nd_us, nccl_combine_us=nc_us, max_rel_err=err, ok=ok)
+                nccl_dispatch_us=nd_us, nccl_combine_us=nc_us, max_rel_err=err, ok=ok,
+                profile=prof)
 
 
 def report(per):
@@ -212,7 +239,7 @@ def worker(rank, world, port, args, queue):
             t = time.time()
             try:
                 result = run_case(torch, dist, symheap, ep_mod, case, args.iters, rank, world,
-                                  torch.device("cuda", rank))
+                                  torch.device("cuda", rank), args.profile)
             except Exception as e:  # reported, then the remaining cases are skipped
                 result = dict(case=case, error=f"{type(e).__name__}: {e}")
             gathered = [None] * world
@@ -221,6 +248,9 @@ def worker(rank, world, port, args, queue):
             line = (f"summary ep {case}: FAILED: {errors[0]}" if errors else report(gathered))
             if rank == 0:
                 print(line, f"[{time.time() - t:.1f} s]", flush=True)
+                if result.get("profile"):
+                    print("\n".join(["kernels on rank 0 (mean per launch):"] + result["profile"]),
+                          flush=True)
             lines.append(line)
             if errors:
                 break
@@ -237,6 +267,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--heap", default="3G")
     ap.add_argument("--quick", action="store_true", help="one large and one small case")
+    ap.add_argument("--profile", action="store_true", help="each kernel's time on rank 0")
     args = ap.parse_args()
     import torch
     import torch.multiprocessing as mp

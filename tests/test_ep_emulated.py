@@ -32,7 +32,10 @@ def test_every_kernel_and_layout_matches_the_cpu_implementation():
     configs += [cfg(dtype="float8_e4m3fn", scale_dim=8, kernel="low_latency",
                     layout="expert_major"),
                 cfg(dtype="float32", kernel="copy_engine"),
-                cfg(dtype="float16", max_recv_tokens=12, scale_dim=16, scale_dtype="float16")]
+                cfg(dtype="float16", max_recv_tokens=12, scale_dim=16, scale_dtype="float16"),
+                # several tokens per routing chunk, and rows split between warps
+                cfg(max_tokens_per_rank=40, hidden=256),
+                cfg(max_tokens_per_rank=40, kernel="low_latency", layout="expert_major")]
     by_kernels = emulated(progs.many_configs, 2, (configs,))
     by_cpu = run_processes(progs.many_configs, 2, args=(configs,))
     assert by_kernels == by_cpu  # bit for bit: rows, and combine's fp32 sums

@@ -71,8 +71,12 @@ struct Geometry {
   size_t off_combine_status = 0;  // int32 [n]
   // This PE's routing scratch (cuda): positions [max_tokens, send_cols],
   // counts [kCountDest + n + E], first combine row per destination or
-  // expert [n or E].
+  // expert [n or E], and per chunk of route_chunk tokens its rows per
+  // destination and expert [route_blocks][n + E] (then the rows of earlier
+  // chunks, once the routing kernel scanned them).
   size_t off_scratch_pos = 0, off_scratch_counts = 0, off_scratch_prefix = 0;
+  size_t off_scratch_chunks = 0;
+  int32_t route_chunk = 0, route_blocks = 0;
   // Receive side of dispatch.
   size_t off_recv_x = 0, off_recv_scales = 0, off_recv_idx = 0, off_recv_w = 0, off_recv_meta = 0;
   // Source side of combine.
@@ -94,8 +98,11 @@ enum LocalWord : int {
   kReduceDone = 5,
   kErrorWord = 6,      // first device-side failure (cuda)
   kHandleBad = 7,      // combine: 1 when this call's handle failed its bounds check (cuda)
+  kBadIdWord = 8,      // route: kBadIdBase - (first index of an expert id out of range), or 0
   kLocalWords = 16
 };
+
+constexpr uint64_t kBadIdBase = 1ull << 40;
 
 // A dispatch's summary for combine (handle storage), int32
 // [summary_words]: per source PE s, [4s] = first row of this PE's rows in

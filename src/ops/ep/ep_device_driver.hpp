@@ -57,9 +57,16 @@ class DeviceDriver final : public DeviceImpl {
     p.saved_w = a.saved_weights;
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
     p.flag_per_epoch = ce ? 1 : dispatch_blocks(op);
+    p.pieces = row_pieces(g.combine_rows, g.row_bytes);
 
-    rt_.launch(kernels::route_kernel, route_blocks(op), kernels::kRouteThreads,
-               static_cast<size_t>(op.geo.local_experts) * sizeof(int32_t), a.stream, p);
+    // per-expert counts and the chunk's ids; then twice the send-order columns (a scan)
+    const size_t route_shared =
+        std::max(static_cast<size_t>(op.cfg.num_experts) +
+                     static_cast<size_t>(g.route_chunk) * op.cfg.topk,
+                 2 * static_cast<size_t>(std::max(op.n_pes, op.cfg.num_experts))) *
+        sizeof(int32_t);
+    rt_.launch(kernels::route_kernel, g.route_blocks, kernels::kRouteThreads, route_shared,
+               a.stream, p);
     const int cols = op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
     rt_.launch(kernels::dispatch_kernel, dispatch_blocks(op), kernels::kThreads,
                2 * static_cast<size_t>(cols) * sizeof(int32_t), a.stream, p);
@@ -125,8 +132,10 @@ class DeviceDriver final : public DeviceImpl {
     p.out = static_cast<char*>(a.out);
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
     p.flag_per_epoch = ce ? 1 : send_blocks(op);
+    p.pieces = row_pieces(g.combine_rows, g.combine_row_bytes);
 
-    rt_.launch(kernels::combine_send_kernel, send_blocks(op), kernels::kThreads, 0, a.stream, p);
+    rt_.launch(kernels::combine_send_kernel, send_blocks(op), kernels::kThreads,
+               2 * static_cast<size_t>(g.local_experts) * sizeof(int64_t), a.stream, p);
     if (ce) {
       rt_.sync(a.stream);
       volatile int32_t* h = mirror();
@@ -144,6 +153,7 @@ class DeviceDriver final : public DeviceImpl {
       signal_all(s, op, g.off_combine_flag);
       rt_.stream_after_channels(a.stream);
     }
+    p.pieces = row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
     rt_.launch(kernels::combine_reduce_kernel, reduce_blocks(op), kernels::kThreads, 0, a.stream,
                p);
     if (ce && op.board)
@@ -167,18 +177,29 @@ class DeviceDriver final : public DeviceImpl {
     int64_t b = (items + per_block - 1) / per_block;
     return static_cast<int>(std::clamp<int64_t>(b, 1, kernels::kMaxBlocks));
   }
-  // Grids depend on the config only, so every PE adds the same to a flag.
+  // Grids and pieces depend on the config only, so every PE adds the same to a
+  // flag. A row is split between warps when the rows a call expects are
+  // fewer than the warps of a full grid (small batches: latency).
+  static int row_pieces(int64_t rows, size_t row_bytes) {
+    const int64_t warps = static_cast<int64_t>(kernels::kMaxBlocks) * kernels::kWarpsPerBlock;
+    const int64_t by_rows = warps / std::max<int64_t>(rows, 1);
+    const int64_t vectors = static_cast<int64_t>(row_bytes / 16);
+    return static_cast<int>(std::clamp<int64_t>(std::min(by_rows, vectors), 1, 8));
+  }
   static int dispatch_blocks(const Op& op) {
-    return blocks_for(op.cfg.max_tokens, kernels::kWarpsPerBlock);
+    const int64_t pairs = static_cast<int64_t>(op.cfg.max_tokens) * op.geo.send_cols;
+    return blocks_for(pairs * row_pieces(op.geo.combine_rows, op.geo.row_bytes),
+                      kernels::kWarpsPerBlock);
   }
   static int send_blocks(const Op& op) {
-    return blocks_for(op.geo.recv_rows, kernels::kWarpsPerBlock);
+    return blocks_for(op.geo.combine_rows *
+                          row_pieces(op.geo.combine_rows, op.geo.combine_row_bytes),
+                      kernels::kWarpsPerBlock);
   }
   static int reduce_blocks(const Op& op) {
-    return blocks_for(op.cfg.max_tokens, kernels::kWarpsPerBlock);
-  }
-  static int route_blocks(const Op& op) {
-    return op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
+    return blocks_for(op.cfg.max_tokens *
+                          row_pieces(op.cfg.max_tokens, op.geo.combine_row_bytes),
+                      kernels::kWarpsPerBlock);
   }
 
   kernels::Params base_params(PeState& s, Op& op) {

@@ -34,7 +34,7 @@ namespace symheap::ep::EP_DEVICE_NS::kernels {
 
 #ifdef __CUDACC__
 constexpr int kThreads = 512;  // dispatch / combine blocks
-constexpr int kRouteThreads = 256;
+constexpr int kRouteThreads = 512;
 #else  // the host emulation: fewer OS threads per block, hence more blocks per grid
 constexpr int kThreads = 64;
 constexpr int kRouteThreads = 64;
@@ -69,6 +69,7 @@ struct Params {
   int32_t host_status, host_detail;
   int32_t pack;  // copy engine: stage locally, the host moves the rows
   int32_t flag_per_epoch;  // what each peer adds to a data / combine flag per call
+  int32_t pieces;          // warps that share one row (dispatch, combine_send, combine_reduce)
   uint64_t timeout_ns;
   int32_t* host;  // device address of the host-mapped mirror
   // dispatch
@@ -134,6 +135,21 @@ inline void spin_pause() { sched_yield(); }
 __device__ __forceinline__ uint64_t ld_volatile(const uint64_t* a) {
   return *reinterpret_cast<const volatile uint64_t*>(a);
 }
+
+// Diagnostic timeline (builds with SYMHEAP_EP_TRACE only): thread 0 of the
+// blocks where `cond` holds prints a tagged timestamp on every 8th call.
+#if defined(__CUDACC__) && defined(SYMHEAP_EP_TRACE)
+#define EP_TRACE(tag, epoch, cond)                                                           \
+  do {                                                                                       \
+    if (threadIdx.x == 0 && (cond) && (epoch) % 8 == 5)                                      \
+      printf("ep-trace pe %d epoch %d block %d %-16s ns %llu clk %lld\n", p.me, (int)(epoch), \
+             (int)blockIdx.x, tag, (unsigned long long)now_ns(), (long long)clock64());      \
+  } while (0)
+#else
+#define EP_TRACE(tag, epoch, cond) \
+  do {                             \
+  } while (0)
+#endif
 
 // Records the first failure on this PE (device word, then the host mirror).
 __device__ inline void record_error(const Params& p, int32_t status, int32_t detail, int32_t pe,
@@ -201,25 +217,64 @@ __device__ inline bool last_block(const Params& p, int counter) {
   return is_last;
 }
 
+// Makes the block's writes visible to every PE, then sets (or adds `value`
+// to) this PE's word at `off_flags` on every PE. One fence for the block:
+// the barrier orders every thread's writes before thread 0's fence.
+__device__ inline void publish(const Params& p, size_t off_flags, uint64_t value, bool add) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  for (int q = 0; q < p.n; ++q) {
+    uint64_t* flag = at<uint64_t>(p, q, off_flags) + p.me;
+    if (add) add_release(flag, value);
+    else st_release(flag, value);
+  }
+}
+
 __device__ __forceinline__ int64_t topk_id(const Params& p, int64_t i) {
   return p.idx64 ? static_cast<const int64_t*>(p.idx)[i] : static_cast<const int32_t*>(p.idx)[i];
+}
+
+#ifdef __CUDACC__
+// Source rows are the caller's inputs, read once: skip L1.
+__device__ __forceinline__ int4 load_stream(const int4* a) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(a));
+  return v;
+}
+#else
+inline int4 load_stream(const int4* a) { return *a; }
+#endif
+
+// Copies 16-byte vectors [lo, hi) of a row with the 32 lanes of a warp,
+// eight loads in flight per lane.
+__device__ __forceinline__ void warp_copy_vectors(int4* dst, const int4* src, int64_t lo,
+                                                  int64_t hi, int lane) {
+  int64_t i = lo + lane;
+  for (; i + 7 * 32 < hi; i += 8 * 32) {
+    int4 v[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) v[q] = load_stream(src + i + q * 32);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) dst[i + q * 32] = v[q];
+  }
+  for (; i < hi; i += 32) dst[i] = load_stream(src + i);
+}
+
+// Piece `piece` of `pieces` of a row of `bytes` (a multiple of 16).
+__device__ __forceinline__ void warp_copy_piece(char* dst, const char* src, size_t bytes,
+                                                int piece, int pieces, int lane) {
+  const int64_t nv = static_cast<int64_t>(bytes >> 4);
+  warp_copy_vectors(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src),
+                    nv * piece / pieces, nv * (piece + 1) / pieces, lane);
 }
 
 // Copies `bytes` with the 32 lanes of a warp: 16-byte vectors when aligned.
 __device__ __forceinline__ void warp_copy(char* dst, const char* src, size_t bytes, int lane) {
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    const size_t nv = bytes >> 4;
-    size_t i = lane;
-    for (; i + 96 < nv; i += 128) {  // four loads in flight per lane
-      int4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
-      d[i] = a;
-      d[i + 32] = b;
-      d[i + 64] = c;
-      d[i + 96] = e;
-    }
-    for (; i < nv; i += 32) d[i] = s[i];
+    warp_copy_piece(dst, src, bytes, 0, 1, lane);
   } else if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 3) ==
              0) {
     const int32_t* s = reinterpret_cast<const int32_t*>(src);
@@ -228,6 +283,25 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, size_t byt
   } else {
     for (size_t i = lane; i < bytes; i += 32) dst[i] = src[i];
   }
+}
+
+// Exclusive prefix sum of a[0, len) in shared memory by the whole block
+// (tmp: len more elements); returns the total in every thread.
+template <class T>
+__device__ T block_exclusive_scan(T* a, T* tmp, int len) {
+  __syncthreads();
+  for (int off = 1; off < len; off <<= 1) {  // inclusive, Hillis-Steele
+    for (int i = threadIdx.x; i < len; i += blockDim.x) tmp[i] = a[i] + (i >= off ? a[i - off] : 0);
+    __syncthreads();
+    for (int i = threadIdx.x; i < len; i += blockDim.x) a[i] = tmp[i];
+    __syncthreads();
+  }
+  const T total = len > 0 ? a[len - 1] : 0;
+  for (int i = threadIdx.x; i < len; i += blockDim.x) tmp[i] = i > 0 ? a[i - 1] : 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < len; i += blockDim.x) a[i] = tmp[i];
+  __syncthreads();
+  return total;
 }
 
 // Ordered compaction by the whole block: for i in [0, n), emit(i, rank) with
@@ -259,108 +333,131 @@ __device__ int block_compact(int64_t n, Pred pred, Emit emit) {
 
 // ------------------------------------------------------------ route
 
-// Token-major: block d ranks the tokens with a kept expert on PE d and counts
-// the slots of each of d's experts. Expert-major: block e ranks the (token,
-// slot) pairs of expert e. Block 0 also validates every id (an id out of
-// range counts as dropped, so memory stays safe, and aborts the call).
+// Block b routes the tokens of chunk b (g.route_chunk tokens): it ranks them
+// within the chunk per destination (token-major) or ranks the chunk's
+// (token, slot) pairs per expert (expert-major), and counts the chunk's rows
+// per destination and expert. The last block turns those counts into the
+// rows of earlier chunks (a position is then chunk base + rank in chunk, the
+// same as a rank over all tokens), totals them and publishes this PE's count
+// row. An id out of range counts as dropped, so memory stays safe, and aborts
+// the call; the first one (lowest index) is reported.
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params p) {
   const int n = p.n, K = p.c.topk, E = p.c.num_experts, L = p.g.local_experts;
   const bool tm = p.c.layout == Layout::TokenMajor;
+  const int cols = n + E;
   int32_t* pos = at<int32_t>(p, p.me, p.g.off_scratch_pos);
   int32_t* counts = at<int32_t>(p, p.me, p.g.off_scratch_counts);
-  const int64_t T = p.T;
+  int32_t* chunks = at<int32_t>(p, p.me, p.g.off_scratch_chunks);
+  const int64_t C = p.g.route_chunk;
   const int b = blockIdx.x;
+  const int64_t t0 = b * C < p.T ? b * C : p.T;
+  const int64_t t1 = t0 + C < p.T ? t0 + C : p.T;
+  const int64_t i0 = t0 * K, pairs = (t1 - t0) * K;
   auto kept = [&](int64_t id) { return id >= 0 && id < E; };
 
+  EP_DYNAMIC_SHARED(int32_t, sh);
+  int32_t* per_expert = sh;  // [E] slots of each expert in this chunk
+  int32_t* ids = sh + E;     // [C * K] the chunk's kept ids, -1 if dropped
+  for (int e = threadIdx.x; e < E; e += blockDim.x) per_expert[e] = 0;
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < pairs; j += blockDim.x) {
+    const int64_t id = topk_id(p, i0 + j);
+    if (kept(id)) atomicAdd(&per_expert[id], 1);
+    else if (id != -1) atomicMax(reinterpret_cast<unsigned long long*>(local_word(p, kBadIdWord)),
+                                 static_cast<unsigned long long>(kBadIdBase - (i0 + j)));
+    ids[j] = kept(id) ? static_cast<int32_t>(id) : -1;
+  }
+  __syncthreads();
+  int32_t* row = chunks + static_cast<int64_t>(b) * cols;
   if (tm) {
-    const int d = b;
-    EP_DYNAMIC_SHARED(int32_t, per_expert);  // [L] slots of d's experts
-    for (int l = threadIdx.x; l < L; l += blockDim.x) per_expert[l] = 0;
-    __syncthreads();
-    int total = block_compact(
-        T,
-        [&](int64_t t) {
-          for (int k = 0; k < K; ++k) {
-            int64_t id = topk_id(p, t * K + k);
-            if (kept(id) && id / L == d) return true;
-          }
-          return false;
-        },
-        [&](int64_t t, int r) { pos[t * n + d] = r; });
-    for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x) {
-      int64_t id = topk_id(p, i);
-      if (kept(id) && id / L == d) atomicAdd(&per_expert[id % L], 1);
+    for (int d = 0; d < n; ++d) {
+      const int total = block_compact(
+          t1 - t0,
+          [&](int64_t j) {
+            for (int k = 0; k < K; ++k) {
+              const int32_t id = ids[j * K + k];
+              if (id >= 0 && id / L == d) return true;
+            }
+            return false;
+          },
+          [&](int64_t j, int r) { pos[(t0 + j) * n + d] = r; });
+      if (threadIdx.x == 0) row[d] = total;
     }
-    __syncthreads();
-    for (int l = threadIdx.x; l < L; l += blockDim.x)
-      counts[kCountDest + n + d * L + l] = per_expert[l];
-    if (threadIdx.x == 0) counts[kCountDest + d] = total;
   } else {
-    const int e = b;
-    int total = block_compact(
-        T * K, [&](int64_t i) { return topk_id(p, i) == e; },
-        [&](int64_t i, int r) {
-          if (r >= 0) pos[i] = r;
-        });
-    if (b == 0)
-      for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x)
-        if (!kept(topk_id(p, i))) pos[i] = -1;
-    if (threadIdx.x == 0) counts[kCountDest + n + e] = total;
-  }
-  if (b == 0) {
-    __shared__ int found;
-    __shared__ long long bad_id;
-    if (threadIdx.x == 0) found = 0;
-    __syncthreads();
-    for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x) {
-      int64_t id = topk_id(p, i);
-      if (id < -1 || id >= E)
-        if (atomicCAS(&found, 0, 1) == 0) bad_id = id;
+    // Rank of each pair among the chunk's earlier pairs of the same expert
+    // (pair order is token, then slot): a short scan of shared memory.
+    for (int64_t j = threadIdx.x; j < pairs; j += blockDim.x) {
+      const int32_t id = ids[j];
+      int32_t r = -1;
+      if (id >= 0) {
+        r = 0;
+        for (int64_t m = 0; m < j; ++m) r += ids[m] == id;
+      }
+      pos[i0 + j] = r;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      counts[kCountStatus] = found ? kExpertOutOfRange : kOk;
-      long long v = found ? bad_id : 0;
-      counts[kCountDetail] = static_cast<int32_t>(v < INT32_MIN ? INT32_MIN : v > INT32_MAX ? INT32_MAX : v);
+    for (int d = threadIdx.x; d < n; d += blockDim.x) {
+      int32_t rows = 0;
+      for (int l = 0; l < L; ++l) rows += per_expert[d * L + l];
+      row[d] = rows;
     }
   }
+  for (int e = threadIdx.x; e < E; e += blockDim.x) row[n + e] = per_expert[e];
 
   if (!last_block(p, kRouteDone)) return;
-  if (threadIdx.x == 0) {  // first combine row of each destination (expert) in send order
-    int32_t* prefix = at<int32_t>(p, p.me, p.g.off_scratch_prefix);
-    const int first = tm ? kCountDest : kCountDest + n;
+  // Per column: every chunk's count becomes the rows of the chunks before it.
+  const int chunks_n = static_cast<int>(gridDim.x);
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
     int32_t sum = 0;
-    for (int j = 0; j < (tm ? n : E); ++j) {
-      prefix[j] = sum;
-      sum += counts[first + j];
+    for (int b0 = 0; b0 < chunks_n; b0 += 8) {  // eight loads in flight
+      int32_t v[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q)
+        v[q] = b0 + q < chunks_n ? __ldcg(chunks + static_cast<int64_t>(b0 + q) * cols + c) : 0;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        if (b0 + q < chunks_n) chunks[static_cast<int64_t>(b0 + q) * cols + c] = sum;
+        sum += v[q];
+      }
+    }
+    counts[kCountDest + c] = sum;
+    const int c0 = tm ? c : c - n;  // this layout's send-order column
+    if (c0 >= 0 && c0 < (tm ? n : E)) sh[c0] = sum;
+  }
+  // First combine row of each destination (expert) in send order.
+  block_exclusive_scan(sh, sh + (tm ? n : E), tm ? n : E);
+  int32_t* prefix = at<int32_t>(p, p.me, p.g.off_scratch_prefix);
+  for (int j = threadIdx.x; j < (tm ? n : E); j += blockDim.x) prefix[j] = sh[j];
+  if (threadIdx.x == 0) {
+    uint64_t* bad = local_word(p, kBadIdWord);
+    const uint64_t v = ld_volatile(bad);
+    if (v) {
+      const int64_t id = topk_id(p, static_cast<int64_t>(kBadIdBase - v));
+      counts[kCountStatus] = kExpertOutOfRange;
+      counts[kCountDetail] =
+          static_cast<int32_t>(id < INT32_MIN ? INT32_MIN : id > INT32_MAX ? INT32_MAX : id);
+      *bad = 0;
+    } else {
+      counts[kCountStatus] = kOk;
+      counts[kCountDetail] = 0;
     }
   }
+  __syncthreads();
   // Publish [status, detail, dest counts, expert counts] into every PE.
   const uint64_t epoch = ld_volatile(local_word(p, kDispatchEpoch)) + 1;
-  int32_t status = p.host_status ? p.host_status : counts[kCountStatus];
-  int32_t detail = p.host_status ? p.host_detail : counts[kCountDetail];
+  const int32_t status = p.host_status ? p.host_status : counts[kCountStatus];
+  const int32_t detail = p.host_status ? p.host_detail : counts[kCountDetail];
   const int CW = p.g.count_words;
   for (int q = 0; q < n; ++q) {
-    int32_t* row = at<int32_t>(p, q, p.g.off_count_rows) + p.me * CW;
+    int32_t* out = at<int32_t>(p, q, p.g.off_count_rows) + p.me * CW;
     for (int i = threadIdx.x; i < CW; i += blockDim.x) {
       int32_t v = 0;
       if (i == kCountStatus) v = status;
       else if (i == kCountDetail) v = detail;
-      else if (status == kOk && i < kCountDest + n) {
-        int d = i - kCountDest;
-        if (tm) v = counts[i];
-        else
-          for (int l = 0; l < L; ++l) v += counts[kCountDest + n + d * L + l];
-      } else if (status == kOk && i < kCountDest + n + E) {
-        v = counts[i];
-      }
-      row[i] = v;
+      else if (status == kOk && i < kCountDest + cols) v = counts[i];
+      out[i] = v;
     }
   }
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0)
-    for (int q = 0; q < n; ++q) st_release(at<uint64_t>(p, q, p.g.off_count_flag) + p.me, epoch);
+  publish(p, p.g.off_count_flag, epoch, false);
 }
 
 // ------------------------------------------------------------ dispatch
@@ -443,15 +540,11 @@ __device__ inline void finish_counts(const Params& p, bool abort) {
   }
   for (int q = threadIdx.x; q < n; q += blockDim.x) {
     int32_t range_start = 0, rows = 0, first_row = 0;
-    if (!abort) {
-      if (tm) {
-        for (int d = 0; d < p.me; ++d) range_start += count_cell(p, q, kCountDest + d);
-        rows = count_cell(p, q, kCountDest + p.me);
+    if (!abort) {  // a destination's count is its rows in either layout
+      for (int d = 0; d < p.me; ++d) range_start += count_cell(p, q, kCountDest + d);
+      rows = count_cell(p, q, kCountDest + p.me);
+      if (tm)
         for (int r = 0; r < q; ++r) first_row += count_cell(p, r, kCountDest + p.me);
-      } else {
-        for (int e = 0; e < p.me * L; ++e) range_start += count_cell(p, q, kCountDest + n + e);
-        for (int l = 0; l < L; ++l) rows += count_cell(p, q, kCountDest + n + p.me * L + l);
-      }
     }
     p.summary[4 * q] = range_start;
     p.summary[4 * q + 1] = rows;
@@ -472,19 +565,30 @@ __device__ inline void finish_counts(const Params& p, bool abort) {
   __syncthreads();
 }
 
-// The handle's private copy of the valid rows' metadata, by one block once
-// every row has landed (the summary is already written).
+// The handle's private copy of the valid rows' metadata (one 16-byte vector
+// per row), by one block once every row has landed (the summary is already
+// written); several loads in flight per thread.
 __device__ inline void finish_meta(const Params& p) {
+  static_assert(kMetaWords * 4 == 16, "a row's metadata is one 16-byte vector");
   const int n = p.n, L = p.g.local_experts;
-  const int32_t* meta = at<int32_t>(p, p.me, p.g.off_recv_meta);
-  if (p.c.layout == Layout::TokenMajor) {
-    const int64_t words = static_cast<int64_t>(p.summary[4 * n + L]) * kMetaWords;
-    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) p.recv_meta[i] = __ldcg(meta + i);
-  } else {
-    const int64_t cap = p.g.expert_cap;
-    for (int64_t i = threadIdx.x; i < p.g.recv_rows * kMetaWords; i += blockDim.x) {
-      int64_t row = i / kMetaWords;
-      if (row % cap < p.summary[4 * n + row / cap]) p.recv_meta[i] = __ldcg(meta + i);
+  const int4* meta = at<int4>(p, p.me, p.g.off_recv_meta);
+  int4* out = reinterpret_cast<int4*>(p.recv_meta);
+  const bool tm = p.c.layout == Layout::TokenMajor;
+  const int64_t cap = p.g.expert_cap;
+  const int64_t rows = tm ? p.summary[4 * n + L] : p.g.recv_rows;
+  auto valid = [&](int64_t r) { return tm || r % cap < p.summary[4 * n + r / cap]; };
+  constexpr int kBatch = 8;
+  for (int64_t r0 = threadIdx.x; r0 < rows; r0 += kBatch * static_cast<int64_t>(blockDim.x)) {
+    int4 v[kBatch];
+#pragma unroll
+    for (int q = 0; q < kBatch; ++q) {
+      const int64_t r = r0 + q * static_cast<int64_t>(blockDim.x);
+      if (r < rows && valid(r)) v[q] = __ldcg(meta + r);
+    }
+#pragma unroll
+    for (int q = 0; q < kBatch; ++q) {
+      const int64_t r = r0 + q * static_cast<int64_t>(blockDim.x);
+      if (r < rows && valid(r)) out[r] = v[q];
     }
   }
 }
@@ -527,77 +631,74 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   const size_t off_w = p.pack ? g.off_stage_w : g.off_recv_w;
   const size_t off_m = p.pack ? g.off_stage_meta : g.off_recv_meta;
 
-  for (int64_t t = warp0; t < T; t += warps) {
-    const char* src = p.x + t * g.row_bytes;
-    const char* src_scales = p.scales + t * g.scale_row_bytes;
+  // Rank of pair i (token t, column s) among this PE's rows to the same
+  // destination (token-major) or expert: its chunk's base plus its rank in
+  // the chunk; -1 when the pair sends nothing.
+  const int32_t* chunk_base = at<int32_t>(p, p.me, g.off_scratch_chunks);
+  const int S = g.send_cols;
+  auto rank_of = [&](int64_t i, int64_t id) -> int32_t {
+    const int32_t in_chunk = pos[i];
+    if (in_chunk < 0) return -1;
+    const int64_t col = tm ? i % S : n + id;
+    return chunk_base[(i / S / g.route_chunk) * (n + E) + col] + in_chunk;
+  };
+
+  // One unit = one piece of one (token, column) row: small batches spread
+  // their rows over every warp of the grid.
+  const int P = p.pieces;
+  for (int64_t u = warp0; u < T * S * P; u += warps) {
+    const int64_t i = u / P, t = i / S;
+    const int piece = static_cast<int>(u % P);
+    const int64_t id = tm ? -1 : topk_id(p, i);
+    const int32_t rank = rank_of(i, id);
+    if (rank < 0) continue;
+    const int d = tm ? static_cast<int>(i % S) : static_cast<int>(id / L);
+    const int32_t crow = prefix[tm ? d : id] + rank;
+    const int64_t r = p.pack ? crow
+                      : tm   ? static_cast<int64_t>(base[d]) + rank
+                             : (id % L) * g.expert_cap + base[id] + rank;
+    warp_copy_piece(target(d, off_x) + r * g.row_bytes, p.x + t * g.row_bytes, g.row_bytes, piece,
+                    P, lane);
+    if (piece != 0) continue;
+    if (g.scale_row_bytes)
+      warp_copy(target(d, off_s) + r * g.scale_row_bytes, p.scales + t * g.scale_row_bytes,
+                g.scale_row_bytes, lane);
     if (tm) {
-      for (int d = 0; d < n; ++d) {
-        const int32_t ps = pos[t * n + d];
-        if (ps < 0) continue;
-        const int32_t crow = prefix[d] + ps;
-        const int64_t r = p.pack ? crow : static_cast<int64_t>(base[d]) + ps;
-        warp_copy(target(d, off_x) + r * g.row_bytes, src, g.row_bytes, lane);
-        if (g.scale_row_bytes)
-          warp_copy(target(d, off_s) + r * g.scale_row_bytes, src_scales, g.scale_row_bytes, lane);
-        int32_t* idx = reinterpret_cast<int32_t*>(target(d, off_i)) + r * K;
-        float* w = reinterpret_cast<float*>(target(d, off_w)) + r * K;
-        for (int k = lane; k < K; k += 32) {
-          int64_t id = topk_id(p, t * K + k);
-          bool local = id >= 0 && id < E && id / L == d;
-          idx[k] = local ? static_cast<int32_t>(id % L) : -1;
-          w[k] = local ? p.w[t * K + k] : 0.0f;
-        }
-        if (lane < kMetaWords) {
-          int32_t v = lane == kMetaSrcPe ? p.me : lane == kMetaToken ? static_cast<int32_t>(t)
-                                                : lane == kMetaSlot ? -1 : crow;
-          reinterpret_cast<int32_t*>(target(d, off_m))[r * kMetaWords + lane] = v;
-        }
+      int32_t* idx = reinterpret_cast<int32_t*>(target(d, off_i)) + r * K;
+      float* w = reinterpret_cast<float*>(target(d, off_w)) + r * K;
+      for (int k = lane; k < K; k += 32) {
+        const int64_t e = topk_id(p, t * K + k);
+        const bool local = e >= 0 && e < E && e / L == d;
+        idx[k] = local ? static_cast<int32_t>(e % L) : -1;
+        w[k] = local ? p.w[t * K + k] : 0.0f;
       }
-    } else {
-      for (int k = 0; k < K; ++k) {
-        const int64_t id = topk_id(p, t * K + k);
-        if (id < 0 || id >= E) continue;
-        const int d = static_cast<int>(id / L);
-        const int32_t ps = pos[t * K + k];
-        const int32_t crow = prefix[id] + ps;
-        const int64_t r = p.pack ? crow : (id % L) * g.expert_cap + base[id] + ps;
-        warp_copy(target(d, off_x) + r * g.row_bytes, src, g.row_bytes, lane);
-        if (g.scale_row_bytes)
-          warp_copy(target(d, off_s) + r * g.scale_row_bytes, src_scales, g.scale_row_bytes, lane);
-        if (lane == 0) reinterpret_cast<float*>(target(d, off_w))[r] = p.w[t * K + k];
-        if (lane < kMetaWords) {
-          int32_t v = lane == kMetaSrcPe ? p.me : lane == kMetaToken ? static_cast<int32_t>(t)
-                                                : lane == kMetaSlot ? k : crow;
-          reinterpret_cast<int32_t*>(target(d, off_m))[r * kMetaWords + lane] = v;
-        }
-      }
+    } else if (lane == 0) {
+      reinterpret_cast<float*>(target(d, off_w))[r] = p.w[i];
+    }
+    if (lane < kMetaWords) {
+      const int32_t slot = tm ? -1 : static_cast<int32_t>(i % S);
+      const int32_t v = lane == kMetaSrcPe ? p.me : lane == kMetaToken ? static_cast<int32_t>(t)
+                                                  : lane == kMetaSlot ? slot : crow;
+      reinterpret_cast<int32_t*>(target(d, off_m))[r * kMetaWords + lane] = v;
     }
   }
   // Handle: the combine row of every (token, destination | slot), -1 if none.
-  const int send_cols = g.send_cols;
   const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t gthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = gtid; i < static_cast<int64_t>(p.c.max_tokens) * send_cols; i += gthreads) {
-    const int64_t t = i / send_cols;
+  for (int64_t i = gtid; i < static_cast<int64_t>(p.c.max_tokens) * S; i += gthreads) {
     int32_t v = -1;
-    if (t < T) {
-      if (tm) {
-        int32_t ps = pos[i];
-        if (ps >= 0) v = prefix[i % send_cols] + ps;
-      } else {
-        int64_t id = topk_id(p, i);
-        if (id >= 0 && id < E) v = prefix[id] + pos[i];
-      }
+    if (i / S < T) {
+      const int64_t id = tm ? -1 : topk_id(p, i);
+      const int32_t rank = rank_of(i, id);
+      if (rank >= 0) v = prefix[tm ? i % S : id] + rank;
     }
     p.send_rows[i] = v;
   }
   if (p.saved_w)
     for (int64_t i = gtid; i < T * K; i += gthreads) p.saved_w[i] = p.w[i];
 
-  __threadfence_system();
   auto signal_rows = [&] {
-    if (!p.pack && threadIdx.x == 0)
-      for (int q = 0; q < n; ++q) add_release(at<uint64_t>(p, q, g.off_data_flag) + p.me, 1);
+    if (!p.pack) publish(p, g.off_data_flag, 1, true);
   };
   if (!last_block(p, kDispatchDone)) {
     signal_rows();
@@ -689,84 +790,117 @@ __device__ __forceinline__ bool segment_in_bounds(const Params& p, int q, int64_
          from + rows <= p.g.recv_rows;
 }
 
+// Sends every received row back to its source, a piece of a row per unit of
+// work. Each unit checks its row's place against the op's buffers first (the
+// handle is the caller's memory); the last block tells every source whether
+// the handle was whole, before its share of the combine flags.
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(Params p) {
-  const int n = p.n;
+  const int n = p.n, L = p.g.local_experts;
   const Geometry& g = p.g;
+  const bool tm = p.c.layout == Layout::TokenMajor;
   const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
-  __shared__ bool ok, handle_ok;
-  if (threadIdx.x == 0) {
-    ok = wait_all(p, g.off_freed_flag, epoch - 1, epoch);
-    handle_ok = true;
+  __shared__ bool ok;
+  __shared__ int64_t valid_rows;
+  EP_DYNAMIC_SHARED(int64_t, first_of);  // expert-major: [2 L] first valid row of expert l
+  if (threadIdx.x == 0) ok = wait_all(p, g.off_freed_flag, epoch - 1, epoch);
+  const bool stage = p.pack && !tm;
+  const bool rows_move = !p.pack || stage;  // rows go through this kernel (else the host copies)
+  // Valid rows, token-major [0, total); expert-major (l, i < count[l]),
+  // counts clamped to the buffer so an edited summary stays in bounds.
+  // (A call the host aborted passes no handle.)
+  if (p.host_status != kOk) {
+    if (threadIdx.x == 0) valid_rows = 0;
+  } else if (tm) {
+    if (threadIdx.x == 0) {
+      const int64_t total = p.h_summary[4 * n + L];
+      valid_rows = total < 0 ? 0 : total > g.recv_rows ? g.recv_rows : total;
+    }
+  } else {
+    for (int l = threadIdx.x; l < L; l += blockDim.x) {
+      const int64_t c = p.h_summary[4 * n + l];
+      first_of[l] = c < 0 ? 0 : c > g.expert_cap ? g.expert_cap : c;
+    }
+    const int64_t total = block_exclusive_scan(first_of, first_of + L, L);
+    if (threadIdx.x == 0) valid_rows = total;
   }
   __syncthreads();
   const bool send = ok && p.host_status == kOk;
-  // Block 0 checks the whole handle first, so every PE learns of a bad one.
-  if (blockIdx.x == 0 && send) {
-    for (int64_t r = threadIdx.x; r < g.recv_rows; r += blockDim.x) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  const size_t crb = g.combine_row_bytes;
+  const int P = p.pieces;
+  bool bad = false;
+  if (send && rows_move) {
+    for (int64_t u = warp0; u < valid_rows * P; u += warps) {
+      // Units alternate between the first and the last rows (rows are
+      // grouped by source), so stores to this PE and to peers interleave.
+      const int64_t h = u / P;
+      const int64_t j = h % 2 == 0 ? h / 2 : valid_rows - 1 - h / 2;
+      int64_t r = j;
+      if (!tm) {  // the expert of valid row j: last l with first_of[l] <= j
+        int lo = 0, hi = L - 1;
+        while (lo < hi) {
+          const int mid = (lo + hi + 1) / 2;
+          if (first_of[mid] <= j) lo = mid;
+          else hi = mid - 1;
+        }
+        r = lo * g.expert_cap + (j - first_of[lo]);
+      }
       int src;
       int64_t row;
-      if (valid_row(p, r) && !combine_target(p, r, &src, &row)) handle_ok = false;
+      if (!combine_target(p, r, &src, &row)) {
+        bad = true;
+        continue;
+      }
+      char* dst = stage ? at<char>(p, p.me, g.off_stage_combine) + row * crb
+                        : at<char>(p, src, g.off_combine_buf) + row * crb;
+      warp_copy_piece(dst, p.expert_out + r * crb, crb, static_cast<int>(u % P), P, lane);
     }
-    if (p.pack && threadIdx.x == 0) {
+  }
+  if (bad) *local_word(p, kHandleBad) = 1;
+  auto signal_rows = [&] {
+    if (!p.pack) publish(p, g.off_combine_flag, 1, true);
+  };
+  if (!last_block(p, kSendDone)) {
+    signal_rows();
+    return;
+  }
+  if (threadIdx.x == 0) {
+    bool handle_ok = ld_volatile(local_word(p, kHandleBad)) == 0;
+    *local_word(p, kHandleBad) = 0;
+    if (send && p.pack) {  // the copy plan must stay inside the buffers too
       int64_t packed = 0;
       for (int q = 0; q < n; ++q) {
         if (!segment_in_bounds(p, q, packed)) handle_ok = false;
         packed += p.h_summary[4 * q + 1];
       }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      *local_word(p, kHandleBad) = handle_ok ? 0 : 1;
-      if (!handle_ok) record_error(p, kBadHandle, 0, p.me, epoch);
-    }
-  }
-  const int lane = threadIdx.x & 31;
-  const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  const size_t crb = g.combine_row_bytes;
-  const bool stage = p.pack && p.c.layout == Layout::ExpertMajor;
-  if (send && (!p.pack || stage)) {
-    for (int64_t r = warp0; r < g.recv_rows; r += warps) {
-      int src;
-      int64_t row;
-      if (!valid_row(p, r) || !combine_target(p, r, &src, &row)) continue;
-      char* dst = stage ? at<char>(p, p.me, g.off_stage_combine) + row * crb
-                        : at<char>(p, src, g.off_combine_buf) + row * crb;
-      warp_copy(dst, p.expert_out + r * crb, crb, lane);
-    }
-  }
-  if (blockIdx.x == 0 && threadIdx.x == 0)
+    if (send && !handle_ok) record_error(p, kBadHandle, 0, p.me, epoch);
     for (int q = 0; q < n; ++q)
       at<int32_t>(p, q, g.off_combine_status)[p.me] =
           !ok ? kPeerTimeout : !handle_ok ? kBadHandle : p.host_status;
-  if (!p.pack) {
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0)
-      for (int q = 0; q < n; ++q) add_release(at<uint64_t>(p, q, g.off_combine_flag) + p.me, 1);
-    return;
-  }
-  __threadfence_system();
-  if (!last_block(p, kSendDone)) return;
-  if (threadIdx.x == 0) {  // copy plan: one segment per source with rows
-    volatile int32_t* h = p.host;
-    int segs = 0;
-    int32_t packed = 0;
-    if (send && ld_volatile(local_word(p, kHandleBad)) == 0)
-      for (int q = 0; q < n; ++q) {
-        int32_t rows = p.h_summary[4 * q + 1];
-        if (rows) {
-          volatile int32_t* s = h + kHostSegment0 + 4 * segs++;
-          s[0] = q;
-          s[1] = p.c.layout == Layout::TokenMajor ? p.h_summary[4 * q + 2] : packed;
-          s[2] = p.h_summary[4 * q];
-          s[3] = rows;
+    if (p.pack) {  // copy plan: one segment per source with rows
+      volatile int32_t* h = p.host;
+      int segs = 0;
+      int32_t packed = 0;
+      if (send && handle_ok)
+        for (int q = 0; q < n; ++q) {
+          const int32_t rows = p.h_summary[4 * q + 1];
+          if (rows) {
+            volatile int32_t* sg = h + kHostSegment0 + 4 * segs++;
+            sg[0] = q;
+            sg[1] = tm ? p.h_summary[4 * q + 2] : packed;
+            sg[2] = p.h_summary[4 * q];
+            sg[3] = rows;
+          }
+          packed += rows;
         }
-        packed += rows;
-      }
-    h[kHostSegments] = segs;
-    __threadfence_system();
+      h[kHostSegments] = segs;
+      __threadfence_system();
+    }
   }
+  signal_rows();
 }
 
 // Two 16-bit floats of one 32-bit word, to and from fp32.
@@ -858,32 +992,49 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(Params p) {
     __syncthreads();
   }
   const DType dt = g.combine_dtype;
-  const size_t crb = g.combine_row_bytes;
-  const int64_t chunks = static_cast<int64_t>(crb / 16);
-  const char* buf = at<char>(p, p.me, g.off_combine_buf);
-  const int cols = tm ? n : K;
+  const int64_t vecs = static_cast<int64_t>(g.combine_row_bytes / 16);
+  const int4* buf = at<int4>(p, p.me, g.off_combine_buf);
+  const int S = tm ? n : K;
   const int lane = threadIdx.x & 31;
   const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  const int P = p.pieces;
+  // One unit = one piece of one token's output. A lane sums kVecs vectors at
+  // once, so their loads are in flight together (sums stay in column order).
+  constexpr int kVecs = 4;
   if (bad_status == kOk) {
-    for (int64_t t = warp0; t < p.T; t += warps) {
-      for (int64_t c = lane; c < chunks; c += 32) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int m = 0;
-        for (int j = 0; j < cols; ++j) {
-          const int32_t row = p.h_send_rows[t * g.send_cols + j];
+    for (int64_t u = warp0; u < p.T * P; u += warps) {
+      const int64_t t = u / P;
+      const int piece = static_cast<int>(u % P);
+      const int32_t* rows = p.h_send_rows + t * g.send_cols;
+      int4* out = reinterpret_cast<int4*>(p.out + t * g.combine_row_bytes);
+      const int64_t lo = vecs * piece / P, hi = vecs * (piece + 1) / P;
+      for (int64_t c0 = lo + lane; c0 < hi; c0 += 32 * kVecs) {
+        float acc[kVecs][8] = {};
+        for (int j = 0; j < S; ++j) {
+          const int32_t row = rows[j];
           if (row < 0) continue;
           if (row >= g.combine_rows) {  // an edited handle: never read outside the buffer
             record_error(p, kBadHandle, 0, p.me, epoch);
             continue;
           }
           const float wt = tm ? 1.0f : p.cw[t * K + j];
-          int4 v = __ldcg(reinterpret_cast<const int4*>(buf + static_cast<int64_t>(row) * crb) + c);
-          float f[8];
-          m = unpack16(v, dt, f);
-          for (int i = 0; i < m; ++i) acc[i] += wt * f[i];
+          const int4* src = buf + static_cast<int64_t>(row) * vecs;
+          int4 v[kVecs];
+#pragma unroll
+          for (int q = 0; q < kVecs; ++q)
+            if (c0 + 32 * q < hi) v[q] = __ldcg(src + c0 + 32 * q);
+#pragma unroll
+          for (int q = 0; q < kVecs; ++q) {
+            if (c0 + 32 * q >= hi) continue;
+            float f[8];
+            const int m = unpack16(v[q], dt, f);
+            for (int i = 0; i < m; ++i) acc[q][i] += wt * f[i];
+          }
         }
-        reinterpret_cast<int4*>(p.out + t * crb)[c] = pack16(acc, dt);
+#pragma unroll
+        for (int q = 0; q < kVecs; ++q)
+          if (c0 + 32 * q < hi) out[c0 + 32 * q] = pack16(acc[q], dt);
       }
     }
   }
