@@ -4,17 +4,20 @@
 //
 // Kernels never wait on a block of their own grid, only on kernels of other
 // PEs that never wait on them, so no grid needs to be co-resident:
-//   route          ranks the tokens per destination / expert, and its last
-//                  block publishes this PE's count row (never waits);
+//   route          one block per chunk of tokens ranks them per destination /
+//                  expert; the last block turns chunk counts into chunk bases
+//                  and publishes this PE's count row (never waits);
 //   dispatch       waits for every count row, stores rows into peers (or, in
 //                  pack mode, into local staging for the copy engines), adds
 //                  1 per block to each peer's data flag; its last block waits
-//                  for every peer's blocks and writes the outputs;
+//                  for every peer's blocks and copies the rows' metadata;
 //   combine_send   waits until each source consumed its combine buffer, then
 //                  stores rows back into their source's buffer (pack mode:
-//                  into local staging);
+//                  into local staging), reporting a bad handle per block;
 //   combine_reduce waits for every peer's rows, sums per token, and its last
 //                  block marks this PE's buffer consumed on every peer.
+// Small batches split each row between several warps, so a call of a few
+// hundred rows still uses the whole GPU.
 // Epochs live on the device, so the launches can be captured in a CUDA graph
 // and replayed. Every wait gives up after timeout_ns, recording the late PE
 // in the error word (and its host-mapped mirror); the host raises it.
@@ -526,8 +529,8 @@ __device__ inline bool must_report(const Params& p, const DispatchPlan& plan) {
 }
 
 // Outputs of a dispatch that derive from the count matrix: counts, the
-// handle's summary. One block, before this PE signals its rows: once a peer
-// has every PE's rows it may publish its next count row over this one.
+// handle's summary. One block, before it signals its rows: once a peer has
+// every PE's rows it may publish its next count row over this one.
 __device__ inline void finish_counts(const Params& p, bool abort) {
   const int n = p.n, L = p.g.local_experts;
   const bool tm = p.c.layout == Layout::TokenMajor;
@@ -617,6 +620,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   }
   __syncthreads();
   const bool abort = plan.abort_status != kOk;
+  // The outputs that follow from the counts, early, by block 0 (before it
+  // signals its rows: the count rows stay valid until then).
+  if (blockIdx.x == 0) finish_counts(p, abort);
   const int32_t* pos = at<int32_t>(p, p.me, g.off_scratch_pos);
   const int lane = threadIdx.x & 31;
   const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
@@ -706,7 +712,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   }
   if (threadIdx.x == 0 && must_report(p, plan))
     record_error(p, plan.abort_status, plan.abort_detail, plan.abort_pe, epoch);
-  finish_counts(p, abort);
   if (p.pack) {
     // The copy plan for the host: one segment per destination (token-major)
     // or per expert (expert-major) with rows.
@@ -858,14 +863,26 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Params p) {
       warp_copy_piece(dst, p.expert_out + r * crb, crb, static_cast<int>(u % P), P, lane);
     }
   }
-  if (bad) *local_word(p, kHandleBad) = 1;
-  auto signal_rows = [&] {
-    if (!p.pack) publish(p, g.off_combine_flag, 1, true);
-  };
-  if (!last_block(p, kSendDone)) {
-    signal_rows();
+  if (!p.pack) {
+    // Each block tells every source of a failure it saw (the source clears
+    // the word once it has read it), then adds its share to their flags.
+    __shared__ bool block_bad;
+    if (threadIdx.x == 0) block_bad = false;
+    __syncthreads();
+    if (bad) block_bad = true;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int32_t status = !ok ? kPeerTimeout : block_bad ? kBadHandle : p.host_status;
+      if (send && block_bad) record_error(p, kBadHandle, 0, p.me, epoch);
+      if (status != kOk)
+        for (int q = 0; q < n; ++q) at<int32_t>(p, q, g.off_combine_status)[p.me] = status;
+    }
+    publish(p, g.off_combine_flag, 1, true);
     return;
   }
+  // Copy engine: the last block checks the copy plan and hands it to the host.
+  if (bad) *local_word(p, kHandleBad) = 1;
+  if (!last_block(p, kSendDone)) return;
   if (threadIdx.x == 0) {
     bool handle_ok = ld_volatile(local_word(p, kHandleBad)) == 0;
     *local_word(p, kHandleBad) = 0;
@@ -880,7 +897,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Params p) {
     for (int q = 0; q < n; ++q)
       at<int32_t>(p, q, g.off_combine_status)[p.me] =
           !ok ? kPeerTimeout : !handle_ok ? kBadHandle : p.host_status;
-    if (p.pack) {  // copy plan: one segment per source with rows
+    {  // copy plan: one segment per source with rows
       volatile int32_t* h = p.host;
       int segs = 0;
       int32_t packed = 0;
@@ -900,7 +917,6 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Params p) {
       __threadfence_system();
     }
   }
-  signal_rows();
 }
 
 // Two 16-bit floats of one 32-bit word, to and from fp32.
@@ -1042,6 +1058,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(Params p) {
   if (threadIdx.x == 0) {
     if (bad_status != kOk && bad_status != kPeerTimeout && p.host_status == kOk)
       record_error(p, bad_status, 0, bad_pe, epoch);
+    for (int q = 0; q < n; ++q) at<int32_t>(p, p.me, g.off_combine_status)[q] = kOk;  // read
     __threadfence_system();
     for (int q = 0; q < n; ++q) st_release(at<uint64_t>(p, q, g.off_freed_flag) + p.me, epoch);
     *local_word(p, kCombineEpoch) = epoch;
