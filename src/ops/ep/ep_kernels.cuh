@@ -139,21 +139,6 @@ __device__ __forceinline__ uint64_t ld_volatile(const uint64_t* a) {
   return *reinterpret_cast<const volatile uint64_t*>(a);
 }
 
-// Diagnostic timeline (builds with SYMHEAP_EP_TRACE only): thread 0 of the
-// blocks where `cond` holds prints a tagged timestamp on every 8th call.
-#if defined(__CUDACC__) && defined(SYMHEAP_EP_TRACE)
-#define EP_TRACE(tag, epoch, cond)                                                           \
-  do {                                                                                       \
-    if (threadIdx.x == 0 && (cond) && (epoch) % 8 == 5)                                      \
-      printf("ep-trace pe %d epoch %d block %d %-16s ns %llu clk %lld\n", p.me, (int)(epoch), \
-             (int)blockIdx.x, tag, (unsigned long long)now_ns(), (long long)clock64());      \
-  } while (0)
-#else
-#define EP_TRACE(tag, epoch, cond) \
-  do {                             \
-  } while (0)
-#endif
-
 // Records the first failure on this PE (device word, then the host mirror).
 __device__ inline void record_error(const Params& p, int32_t status, int32_t detail, int32_t pe,
                                     uint64_t epoch, int32_t wait = kWaitNone, uint64_t seen = 0,
