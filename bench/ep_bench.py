@@ -77,13 +77,15 @@ def kernel_profile(torch, dist, fns, iters):
     dist.barrier()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dist.barrier()  # every rank's profiler is up before the timed calls
+        torch.cuda.synchronize()
         for _ in range(iters):
             for fn in fns:
                 fn()
         torch.cuda.synchronize()
     lines = []
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
-        if e.device_time_total <= 0:
+        if e.device_time_total <= 0 or e.count < iters:  # (the barrier's kernel)
             continue
         name = e.key.split("(")[0].split("::")[-1][:48]
         lines.append(f"  {name:<48} {e.device_time_total / max(e.count, 1):9.1f} us x "

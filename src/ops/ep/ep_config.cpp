@@ -150,6 +150,9 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.off_local = take(kLocalWords * 8);
   g.off_count_rows = take(n * g.count_words * 4);
   g.off_combine_status = take(n * 4);
+  g.off_row_flags = take(c.kernel == Kernel::CopyEngine
+                             ? 0
+                             : static_cast<size_t>(g.combine_rows) * kMaxPieces * 8);
   g.sync_bytes = at;
   g.off_scratch_pos = take(static_cast<size_t>(c.max_tokens) * g.send_cols * 4);
   g.off_scratch_counts = take((kCountDest + n + c.num_experts) * 4);

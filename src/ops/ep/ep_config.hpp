@@ -69,6 +69,9 @@ struct Geometry {
   size_t off_local = 0;         // [kLocalWords] this PE's own epochs, counters, error word
   size_t off_count_rows = 0;    // int32 [n][count_words]
   size_t off_combine_status = 0;  // int32 [n]
+  // cuda, SM-driven combine: [combine_rows][kMaxPieces] epoch of the last
+  // combine whose piece of that row has landed here (set by the sender).
+  size_t off_row_flags = 0;
   // This PE's routing scratch (cuda): positions [max_tokens, send_cols],
   // counts [kCountDest + n + E], first combine row per destination or
   // expert [n or E], and per chunk of route_chunk tokens its rows per
@@ -99,15 +102,20 @@ enum LocalWord : int {
   kErrorWord = 6,      // first device-side failure (cuda)
   kHandleBad = 7,      // combine: 1 when this call's handle failed its bounds check (cuda)
   kBadIdWord = 8,      // route: kBadIdBase - (first index of an expert id out of range), or 0
+  kCombineTicket = 9,  // combine: blocks that took their role (cuda)
   kLocalWords = 16
 };
 
 constexpr uint64_t kBadIdBase = 1ull << 40;
 
+// Most warps that share one row in a call of few rows (cuda kernels).
+constexpr int kMaxPieces = 8;
+
 // A dispatch's summary for combine (handle storage), int32
 // [summary_words]: per source PE s, [4s] = first row of this PE's rows in
 // s's combine buffer, [4s+1] = rows from s, [4s+2] = first receive row from
-// s (token-major); then [4n + l] = rows of local expert l; [4n + L] = total.
+// s (token-major), [4s+3] = first row of this PE's combine buffer for its
+// rows to s; then [4n + l] = rows of local expert l; [4n + L] = total.
 inline int64_t summary_words(int n_pes, int local_experts) {
   return 4 * static_cast<int64_t>(n_pes) + local_experts + 4;
 }

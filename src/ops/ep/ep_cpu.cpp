@@ -253,6 +253,9 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
     summary[4 * q] = static_cast<int32_t>(range_start);
     summary[4 * q + 1] = static_cast<int32_t>(rows_from_q);
     summary[4 * q + 2] = static_cast<int32_t>(first_row);
+    int64_t sent_before = 0;  // first row of this PE's rows to q in its send order
+    for (int d = 0; d < q; ++d) sent_before += cell(me, kCountDest + d);
+    summary[4 * q + 3] = static_cast<int32_t>(sent_before);
   }
   for (int l = 0; l < L; ++l) summary[4 * n + l] = per_expert[l];
   summary[4 * n + L] = static_cast<int32_t>(num_recv);

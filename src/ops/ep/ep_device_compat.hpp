@@ -98,6 +98,7 @@ inline void __syncthreads() { emu::t_block->sync.arrive_and_wait(emu::t_block->t
 inline unsigned __ballot_sync(unsigned, bool pred) {
   return emu::t_block->warps[threadIdx.x / 32].arrive_and_wait(32, pred ? 1u << (threadIdx.x % 32) : 0u);
 }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { __ballot_sync(mask, false); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }

@@ -130,13 +130,28 @@ class DeviceDriver final : public DeviceImpl {
     p.h_summary = a.recv_summary;
     p.cw = a.weights;
     p.out = static_cast<char*>(a.out);
-    const bool ce = op.cfg.kernel == Kernel::CopyEngine;
-    p.flag_per_epoch = ce ? 1 : send_blocks(op);
     p.pieces = row_pieces(g.combine_rows, g.combine_row_bytes);
-
-    rt_.launch(kernels::combine_send_kernel, send_blocks(op), kernels::kThreads,
-               2 * static_cast<size_t>(g.local_experts) * sizeof(int64_t), a.stream, p);
-    if (ce) {
+    // expert-major: first valid row per expert; token-major: per source
+    const size_t combine_shared =
+        2 * static_cast<size_t>(std::max(g.local_experts, op.n_pes)) * sizeof(int64_t);
+    const bool ce = op.cfg.kernel == Kernel::CopyEngine;
+    if (!ce) {
+      // Many rows: senders and reducers resident together, reducing each
+      // token once its rows landed. Few rows: reducers (split finer) start
+      // on the SMs the senders leave, once every PE has sent.
+      p.row_flags = g.combine_rows >= kernels::kRowFlagRows;
+      p.senders = p.row_flags ? sender_blocks(op) : send_blocks(op);
+      const int reducers = p.row_flags ? reducer_blocks(op) : reduce_blocks(op);
+      p.reduce_pieces = p.row_flags ? p.pieces : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
+      p.flag_per_epoch = p.senders;
+      rt_.launch(kernels::combine_kernel, p.senders + reducers, kernels::kThreads, combine_shared,
+                 a.stream, p);
+    } else {
+      // Copy engine: the host reads the plan, the channels move the rows,
+      // then the sums.
+      p.flag_per_epoch = 1;
+      rt_.launch(kernels::combine_pack_kernel, send_blocks(op), kernels::kThreads,
+                 combine_shared, a.stream, p);
       rt_.sync(a.stream);
       volatile int32_t* h = mirror();
       const size_t crb = g.combine_row_bytes;
@@ -152,10 +167,10 @@ class DeviceDriver final : public DeviceImpl {
       }
       signal_all(s, op, g.off_combine_flag);
       rt_.stream_after_channels(a.stream);
+      p.reduce_pieces = row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
+      rt_.launch(kernels::combine_reduce_kernel, reduce_blocks(op), kernels::kThreads, 0,
+                 a.stream, p);
     }
-    p.pieces = row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
-    rt_.launch(kernels::combine_reduce_kernel, reduce_blocks(op), kernels::kThreads, 0, a.stream,
-               p);
     if (ce && op.board)
       op.board->publish_and_wait(IssueBoard::kCombine, op.my_pe, ++op.queued_combines,
                                  op.same_process_peers, op.timeout_s);
@@ -184,14 +199,27 @@ class DeviceDriver final : public DeviceImpl {
     const int64_t warps = static_cast<int64_t>(kernels::kMaxBlocks) * kernels::kWarpsPerBlock;
     const int64_t by_rows = warps / std::max<int64_t>(rows, 1);
     const int64_t vectors = static_cast<int64_t>(row_bytes / 16);
-    return static_cast<int>(std::clamp<int64_t>(std::min(by_rows, vectors), 1, 8));
+    return static_cast<int>(std::clamp<int64_t>(std::min(by_rows, vectors), 1, kMaxPieces));
   }
   static int dispatch_blocks(const Op& op) {
     const int64_t pairs = static_cast<int64_t>(op.cfg.max_tokens) * op.geo.send_cols;
     return blocks_for(pairs * row_pieces(op.geo.combine_rows, op.geo.row_bytes),
                       kernels::kWarpsPerBlock);
   }
-  static int send_blocks(const Op& op) {
+  // Combine reducing as rows land: half the blocks reduce while the others
+  // send (a sum moves three rows' worth of memory per token, a send one),
+  // all of them resident at once on a large GPU.
+  static int reducer_blocks(const Op& op) {
+    const int most = std::max(1, kernels::kMaxBlocks / 2);
+    return std::min(most, blocks_for(op.cfg.max_tokens * row_pieces(op.geo.combine_rows,
+                                                                     op.geo.combine_row_bytes),
+                                     kernels::kWarpsPerBlock));
+  }
+  static int sender_blocks(const Op& op) {
+    const int most = std::max(1, kernels::kMaxBlocks - kernels::kMaxBlocks / 2);
+    return std::min(most, send_blocks(op));
+  }
+  static int send_blocks(const Op& op) {  // enough to move every combine row at once
     return blocks_for(op.geo.combine_rows *
                           row_pieces(op.geo.combine_rows, op.geo.combine_row_bytes),
                       kernels::kWarpsPerBlock);

@@ -2,8 +2,9 @@
 // implementation's (ep_cpu.cpp): routing counts exchanged through every PE's
 // count rows, rows stored straight into their final place, epoch flags.
 //
-// Kernels never wait on a block of their own grid, only on kernels of other
-// PEs that never wait on them, so no grid needs to be co-resident:
+// Kernels never wait on a block of their own grid that may not have started,
+// only on kernels of other PEs that never wait on them, so no grid needs to
+// be co-resident:
 //   route          one block per chunk of tokens ranks them per destination /
 //                  expert; the last block turns chunk counts into chunk bases
 //                  and publishes this PE's count row (never waits);
@@ -11,11 +12,14 @@
 //                  pack mode, into local staging for the copy engines), adds
 //                  1 per block to each peer's data flag; its last block waits
 //                  for every peer's blocks and copies the rows' metadata;
-//   combine_send   waits until each source consumed its combine buffer, then
-//                  stores rows back into their source's buffer (pack mode:
-//                  into local staging), reporting a bad handle per block;
-//   combine_reduce waits for every peer's rows, sums per token, and its last
-//                  block marks this PE's buffer consumed on every peer.
+//   combine        (intranode, low_latency) blocks take roles in the order
+//                  they start: senders wait until each source consumed its
+//                  combine buffer, store rows back into it and flag each
+//                  piece of a row; reducers (started after every sender) sum
+//                  each token once its pieces have landed; the last reducer
+//                  marks this PE's buffer consumed on every peer;
+//   combine_pack / combine_reduce   the copy engine's combine: stage and plan,
+//                  then (after the host's copies) sum.
 // Small batches split each row between several warps, so a call of a few
 // hundred rows still uses the whole GPU.
 // Epochs live on the device, so the launches can be captured in a CUDA graph
@@ -35,12 +39,16 @@
 
 namespace symheap::ep::EP_DEVICE_NS::kernels {
 
+// Combine reduces each token as soon as its rows landed (one flag per piece
+// of a row) from this many combine rows on; smaller calls wait for whole PEs.
 #ifdef __CUDACC__
 constexpr int kThreads = 512;  // dispatch / combine blocks
 constexpr int kRouteThreads = 512;
+constexpr int64_t kRowFlagRows = 2048;
 #else  // the host emulation: fewer OS threads per block, hence more blocks per grid
 constexpr int kThreads = 64;
 constexpr int kRouteThreads = 64;
+constexpr int64_t kRowFlagRows = 64;
 #endif
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kMaxBlocks = 128;
@@ -72,7 +80,10 @@ struct Params {
   int32_t host_status, host_detail;
   int32_t pack;  // copy engine: stage locally, the host moves the rows
   int32_t flag_per_epoch;  // what each peer adds to a data / combine flag per call
-  int32_t pieces;          // warps that share one row (dispatch, combine_send, combine_reduce)
+  int32_t pieces;          // warps that share one row (at most kMaxPieces)
+  int32_t senders;         // combine_kernel: blocks that send (the others reduce)
+  int32_t row_flags;       // combine_kernel: reducers wait per row, not for whole PEs
+  int32_t reduce_pieces;   // warps that share one token's sum (row_flags: = pieces)
   uint64_t timeout_ns;
   int32_t* host;  // device address of the host-mapped mirror
   // dispatch
@@ -188,16 +199,16 @@ __device__ inline bool wait_all(const Params& p, size_t off_flags, uint64_t targ
   return true;
 }
 
-// True in exactly one block: the last of the grid to get here. Its threads
+// True in exactly one block: the last of `blocks` to get here. Its threads
 // then see every other block's writes. Resets the counter for the next call.
-__device__ inline bool last_block(const Params& p, int counter) {
+__device__ inline bool last_block(const Params& p, int counter, unsigned blocks) {
   __shared__ bool is_last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     auto* c = reinterpret_cast<unsigned long long*>(local_word(p, counter));
     unsigned long long prev = atomicAdd(c, 1ull);
-    is_last = prev == gridDim.x - 1;
+    is_last = prev == blocks - 1;
     if (is_last) *c = 0;
   }
   __syncthreads();
@@ -391,7 +402,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(Params p) {
   }
   for (int e = threadIdx.x; e < E; e += blockDim.x) row[n + e] = per_expert[e];
 
-  if (!last_block(p, kRouteDone)) return;
+  if (!last_block(p, kRouteDone, gridDim.x)) return;
   // Per column: every chunk's count becomes the rows of the chunks before it.
   const int chunks_n = static_cast<int>(gridDim.x);
   for (int c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -527,9 +538,10 @@ __device__ inline void finish_counts(const Params& p, bool abort) {
     p.summary[4 * n + l] = c;
   }
   for (int q = threadIdx.x; q < n; q += blockDim.x) {
-    int32_t range_start = 0, rows = 0, first_row = 0;
+    int32_t range_start = 0, rows = 0, first_row = 0, sent_before = 0;
     if (!abort) {  // a destination's count is its rows in either layout
       for (int d = 0; d < p.me; ++d) range_start += count_cell(p, q, kCountDest + d);
+      for (int d = 0; d < q; ++d) sent_before += count_cell(p, p.me, kCountDest + d);
       rows = count_cell(p, q, kCountDest + p.me);
       if (tm)
         for (int r = 0; r < q; ++r) first_row += count_cell(p, r, kCountDest + p.me);
@@ -537,7 +549,7 @@ __device__ inline void finish_counts(const Params& p, bool abort) {
     p.summary[4 * q] = range_start;
     p.summary[4 * q + 1] = rows;
     p.summary[4 * q + 2] = first_row;
-    p.summary[4 * q + 3] = 0;
+    p.summary[4 * q + 3] = sent_before;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -691,7 +703,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   auto signal_rows = [&] {
     if (!p.pack) publish(p, g.off_data_flag, 1, true);
   };
-  if (!last_block(p, kDispatchDone)) {
+  if (!last_block(p, kDispatchDone, gridDim.x)) {
     signal_rows();
     return;
   }
@@ -743,14 +755,6 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(Params p, int32_t abor
 
 // ------------------------------------------------------------ combine
 
-// Rows of this PE's handle that hold data: token-major [0, total), expert-
-// major (l, i < count[l]).
-__device__ __forceinline__ bool valid_row(const Params& p, int64_t r) {
-  const int n = p.n, L = p.g.local_experts;
-  if (p.c.layout == Layout::TokenMajor) return r < p.h_summary[4 * n + L];
-  return r % p.g.expert_cap < p.h_summary[4 * n + r / p.g.expert_cap];
-}
-
 // Where received row r goes back to: its source PE and its row there (the
 // source's combine row; in stage mode, the row of this PE's staging buffer).
 // False when the handle names a place outside the op's buffers: a handle
@@ -780,40 +784,56 @@ __device__ __forceinline__ bool segment_in_bounds(const Params& p, int q, int64_
          from + rows <= p.g.recv_rows;
 }
 
-// Sends every received row back to its source, a piece of a row per unit of
-// work. Each unit checks its row's place against the op's buffers first (the
-// handle is the caller's memory); the last block tells every source whether
-// the handle was whole, before its share of the combine flags.
-__global__ void __launch_bounds__(kThreads) combine_send_kernel(Params p) {
+// The handle's valid rows, by the whole block: token-major [0, total);
+// expert-major (l, i < count[l]) numbered expert by expert, with first[l] the
+// number of the first row of expert l. Counts are clamped to the buffer, so
+// an edited summary stays in bounds; a call the host aborted has no rows.
+__device__ inline int64_t count_valid_rows(const Params& p, int64_t* first) {
   const int n = p.n, L = p.g.local_experts;
-  const Geometry& g = p.g;
-  const bool tm = p.c.layout == Layout::TokenMajor;
-  const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
-  __shared__ bool ok;
-  __shared__ int64_t valid_rows;
-  EP_DYNAMIC_SHARED(int64_t, first_of);  // expert-major: [2 L] first valid row of expert l
-  if (threadIdx.x == 0) ok = wait_all(p, g.off_freed_flag, epoch - 1, epoch);
-  const bool stage = p.pack && !tm;
-  const bool rows_move = !p.pack || stage;  // rows go through this kernel (else the host copies)
-  // Valid rows, token-major [0, total); expert-major (l, i < count[l]),
-  // counts clamped to the buffer so an edited summary stays in bounds.
-  // (A call the host aborted passes no handle.)
+  __shared__ int64_t valid;
   if (p.host_status != kOk) {
-    if (threadIdx.x == 0) valid_rows = 0;
-  } else if (tm) {
+    if (threadIdx.x == 0) valid = 0;
+  } else if (p.c.layout == Layout::TokenMajor) {
     if (threadIdx.x == 0) {
       const int64_t total = p.h_summary[4 * n + L];
-      valid_rows = total < 0 ? 0 : total > g.recv_rows ? g.recv_rows : total;
+      valid = total < 0 ? 0 : total > p.g.recv_rows ? p.g.recv_rows : total;
     }
   } else {
     for (int l = threadIdx.x; l < L; l += blockDim.x) {
       const int64_t c = p.h_summary[4 * n + l];
-      first_of[l] = c < 0 ? 0 : c > g.expert_cap ? g.expert_cap : c;
+      first[l] = c < 0 ? 0 : c > p.g.expert_cap ? p.g.expert_cap : c;
     }
-    const int64_t total = block_exclusive_scan(first_of, first_of + L, L);
-    if (threadIdx.x == 0) valid_rows = total;
+    const int64_t total = block_exclusive_scan(first, first + L, L);
+    if (threadIdx.x == 0) valid = total;
   }
   __syncthreads();
+  return valid;
+}
+
+// Expert-major: the handle row of valid row j (count_valid_rows' numbering).
+__device__ __forceinline__ int64_t expert_major_row(const Params& p, const int64_t* first,
+                                                    int64_t j) {
+  int lo = 0, hi = p.g.local_experts - 1;  // the last l with first[l] <= j
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first[mid] <= j) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo * p.g.expert_cap + (j - first[lo]);
+}
+
+// Copy engine, before the host's copies: stages expert-major rows in send
+// order (token-major rows go straight from expert_out), checks the handle,
+// and hands the copy plan (one segment per source) to the host.
+__global__ void __launch_bounds__(kThreads) combine_pack_kernel(Params p) {
+  const int n = p.n;
+  const Geometry& g = p.g;
+  const bool tm = p.c.layout == Layout::TokenMajor;
+  const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
+  __shared__ bool ok;
+  EP_DYNAMIC_SHARED(int64_t, first_of);  // expert-major: [2 L]
+  if (threadIdx.x == 0) ok = wait_all(p, g.off_freed_flag, epoch - 1, epoch);
+  const int64_t valid_rows = count_valid_rows(p, first_of);
   const bool send = ok && p.host_status == kOk;
   const int lane = threadIdx.x & 31;
   const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
@@ -821,87 +841,135 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Params p) {
   const size_t crb = g.combine_row_bytes;
   const int P = p.pieces;
   bool bad = false;
-  if (send && rows_move) {
+  if (send && !tm) {
     for (int64_t u = warp0; u < valid_rows * P; u += warps) {
-      // Units alternate between the first and the last rows (rows are
-      // grouped by source), so stores to this PE and to peers interleave.
-      const int64_t h = u / P;
-      const int64_t j = h % 2 == 0 ? h / 2 : valid_rows - 1 - h / 2;
-      int64_t r = j;
-      if (!tm) {  // the expert of valid row j: last l with first_of[l] <= j
-        int lo = 0, hi = L - 1;
-        while (lo < hi) {
-          const int mid = (lo + hi + 1) / 2;
-          if (first_of[mid] <= j) lo = mid;
-          else hi = mid - 1;
-        }
-        r = lo * g.expert_cap + (j - first_of[lo]);
-      }
+      const int64_t r = expert_major_row(p, first_of, u / P);
       int src;
       int64_t row;
       if (!combine_target(p, r, &src, &row)) {
         bad = true;
         continue;
       }
-      char* dst = stage ? at<char>(p, p.me, g.off_stage_combine) + row * crb
-                        : at<char>(p, src, g.off_combine_buf) + row * crb;
-      warp_copy_piece(dst, p.expert_out + r * crb, crb, static_cast<int>(u % P), P, lane);
+      warp_copy_piece(at<char>(p, p.me, g.off_stage_combine) + row * crb, p.expert_out + r * crb,
+                      crb, static_cast<int>(u % P), P, lane);
     }
   }
-  if (!p.pack) {
-    // Each block tells every source of a failure it saw (the source clears
-    // the word once it has read it), then adds its share to their flags.
-    __shared__ bool block_bad;
-    if (threadIdx.x == 0) block_bad = false;
-    __syncthreads();
-    if (bad) block_bad = true;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int32_t status = !ok ? kPeerTimeout : block_bad ? kBadHandle : p.host_status;
-      if (send && block_bad) record_error(p, kBadHandle, 0, p.me, epoch);
-      if (status != kOk)
-        for (int q = 0; q < n; ++q) at<int32_t>(p, q, g.off_combine_status)[p.me] = status;
-    }
-    publish(p, g.off_combine_flag, 1, true);
-    return;
-  }
-  // Copy engine: the last block checks the copy plan and hands it to the host.
   if (bad) *local_word(p, kHandleBad) = 1;
-  if (!last_block(p, kSendDone)) return;
-  if (threadIdx.x == 0) {
-    bool handle_ok = ld_volatile(local_word(p, kHandleBad)) == 0;
-    *local_word(p, kHandleBad) = 0;
-    if (send && p.pack) {  // the copy plan must stay inside the buffers too
-      int64_t packed = 0;
-      for (int q = 0; q < n; ++q) {
-        if (!segment_in_bounds(p, q, packed)) handle_ok = false;
-        packed += p.h_summary[4 * q + 1];
+  if (!last_block(p, kSendDone, gridDim.x)) return;
+  if (threadIdx.x != 0) return;
+  bool handle_ok = ld_volatile(local_word(p, kHandleBad)) == 0;
+  *local_word(p, kHandleBad) = 0;
+  if (send) {  // the copy plan must stay inside the buffers too
+    int64_t packed = 0;
+    for (int q = 0; q < n; ++q) {
+      if (!segment_in_bounds(p, q, packed)) handle_ok = false;
+      packed += p.h_summary[4 * q + 1];
+    }
+  }
+  if (send && !handle_ok) record_error(p, kBadHandle, 0, p.me, epoch);
+  for (int q = 0; q < n; ++q)
+    at<int32_t>(p, q, g.off_combine_status)[p.me] =
+        !ok ? kPeerTimeout : !handle_ok ? kBadHandle : p.host_status;
+  volatile int32_t* h = p.host;
+  int segs = 0;
+  int32_t packed = 0;
+  if (send && handle_ok)
+    for (int q = 0; q < n; ++q) {
+      const int32_t rows = p.h_summary[4 * q + 1];
+      if (rows) {
+        volatile int32_t* sg = h + kHostSegment0 + 4 * segs++;
+        sg[0] = q;
+        sg[1] = tm ? p.h_summary[4 * q + 2] : packed;
+        sg[2] = p.h_summary[4 * q];
+        sg[3] = rows;
+      }
+      packed += rows;
+    }
+  h[kHostSegments] = segs;
+  __threadfence_system();
+}
+
+// Sender role of combine_kernel: stores every received row (a piece per unit
+// of work) back into its source's combine buffer and sets the piece's flag
+// there. Token-major units visit the sources in turn, each in its token
+// order, so every source's reducers find their first tokens early; rows of
+// this PE's own tokens stay where they are (its reducers read them). Each
+// unit checks its row's place against the op's buffers first (the handle is
+// the caller's memory); at the end the block tells every source of a failure
+// it saw, then adds its share to their combine flags.
+__device__ inline void send_back(const Params& p, int block, int blocks, uint64_t epoch) {
+  const int n = p.n;
+  const Geometry& g = p.g;
+  const bool tm = p.c.layout == Layout::TokenMajor;
+  __shared__ bool ok;
+  __shared__ int64_t longest;  // token-major: rows of the source with the most
+  EP_DYNAMIC_SHARED(int64_t, first_of);  // expert-major: [2 L]
+  int64_t* src_first = first_of;         // token-major: [n] first receive row from each source
+  int64_t* src_rows = first_of + n;      // and [n] its rows
+  if (threadIdx.x == 0) ok = wait_all(p, g.off_freed_flag, epoch - 1, epoch);
+  const int64_t valid_rows = count_valid_rows(p, first_of);
+  if (tm) {
+    if (threadIdx.x == 0) {
+      longest = 0;
+      for (int q = 0; q < n; ++q) {  // (no handle when valid_rows == 0)
+        const int64_t f = valid_rows ? p.h_summary[4 * q + 2] : 0;
+        const int64_t r = valid_rows ? p.h_summary[4 * q + 1] : 0;
+        src_first[q] = f < 0 ? 0 : f;
+        src_rows[q] = r < 0 ? 0 : r > valid_rows ? valid_rows : r;
+        longest = src_rows[q] > longest ? src_rows[q] : longest;
       }
     }
-    if (send && !handle_ok) record_error(p, kBadHandle, 0, p.me, epoch);
-    for (int q = 0; q < n; ++q)
-      at<int32_t>(p, q, g.off_combine_status)[p.me] =
-          !ok ? kPeerTimeout : !handle_ok ? kBadHandle : p.host_status;
-    {  // copy plan: one segment per source with rows
-      volatile int32_t* h = p.host;
-      int segs = 0;
-      int32_t packed = 0;
-      if (send && handle_ok)
-        for (int q = 0; q < n; ++q) {
-          const int32_t rows = p.h_summary[4 * q + 1];
-          if (rows) {
-            volatile int32_t* sg = h + kHostSegment0 + 4 * segs++;
-            sg[0] = q;
-            sg[1] = tm ? p.h_summary[4 * q + 2] : packed;
-            sg[2] = p.h_summary[4 * q];
-            sg[3] = rows;
-          }
-          packed += rows;
-        }
-      h[kHostSegments] = segs;
+    __syncthreads();
+  }
+  const bool send = ok && p.host_status == kOk;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp0 = static_cast<int64_t>(block) * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int64_t warps = static_cast<int64_t>(blocks) * kWarpsPerBlock;
+  const size_t crb = g.combine_row_bytes;
+  const int P = p.pieces;
+  const int64_t units = (tm ? n * longest : valid_rows) * P;
+  bool bad = false;
+  for (int64_t u = send ? warp0 : units; u < units; u += warps) {
+    const int64_t h = u / P;
+    const int piece = static_cast<int>(u % P);
+    int64_t r;
+    if (tm) {
+      const int q = static_cast<int>(h % n);
+      const int64_t k = h / n;
+      if (k >= src_rows[q]) continue;
+      r = src_first[q] + k;
+      if (r >= valid_rows) continue;
+    } else {
+      r = expert_major_row(p, first_of, h);
+    }
+    int src;
+    int64_t row;
+    if (!combine_target(p, r, &src, &row)) {
+      bad = true;
+      continue;
+    }
+    if (tm && h % n == p.me) continue;  // checked only: this PE's reducers read it in place
+    warp_copy_piece(at<char>(p, src, g.off_combine_buf) + row * crb, p.expert_out + r * crb, crb,
+                    piece, P, lane);
+    if (!p.row_flags) continue;
+    __syncwarp();  // every lane's stores, then lane 0's fence and flag
+    if (lane == 0) {
       __threadfence_system();
+      st_release(at<uint64_t>(p, src, g.off_row_flags) + row * kMaxPieces + piece, epoch);
     }
   }
+  __shared__ bool block_bad;
+  if (threadIdx.x == 0) block_bad = false;
+  __syncthreads();
+  if (bad) block_bad = true;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int32_t status = !ok ? kPeerTimeout : block_bad ? kBadHandle : p.host_status;
+    if (send && block_bad) record_error(p, kBadHandle, 0, p.me, epoch);
+    if (status != kOk)  // the source clears the word once it has read it
+      for (int q = 0; q < n; ++q) at<int32_t>(p, q, g.off_combine_status)[p.me] = status;
+  }
+  publish(p, g.off_combine_flag, 1, true);
 }
 
 // Two 16-bit floats of one 32-bit word, to and from fp32.
@@ -969,85 +1037,218 @@ __device__ __forceinline__ int4 pack16(const float* f, DType dt) {
   return v;
 }
 
-__global__ void __launch_bounds__(kThreads) combine_reduce_kernel(Params p) {
-  const int n = p.n, K = p.c.topk;
+
+// Sums piece `piece` (of P) of token t's rows into its output row, weighted
+// in expert-major; row_of(j) is where column j's row lies (null: none). A
+// lane sums kVecs vectors of two rows at once, so their loads are in flight
+// together (sums stay in row order).
+template <class RowOf>
+__device__ inline void reduce_token_piece(const Params& p, int64_t t, int piece, int P, int lane,
+                                          RowOf row_of) {
+  const int K = p.c.topk, S = p.g.send_cols;
   const bool tm = p.c.layout == Layout::TokenMajor;
-  const Geometry& g = p.g;
-  const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
-  __shared__ int32_t bad_pe, bad_status;
-  if (threadIdx.x == 0) {
-    bad_pe = n;
-    bad_status = kOk;
-    if (!wait_all(p, g.off_combine_flag, epoch * p.flag_per_epoch, epoch)) {
-      bad_pe = -1;
-      bad_status = kPeerTimeout;
+  const DType dt = p.g.combine_dtype;
+  const int64_t vecs = static_cast<int64_t>(p.g.combine_row_bytes / 16);
+  int4* out = reinterpret_cast<int4*>(p.out + t * p.g.combine_row_bytes);
+  const int64_t lo = vecs * piece / P, hi = vecs * (piece + 1) / P;
+  constexpr int kVecs = 4;
+  for (int64_t c0 = lo + lane; c0 < hi; c0 += 32 * kVecs) {
+    float acc[kVecs][8] = {};
+    for (int j0 = 0; j0 < S; j0 += 2) {
+      const int4* src[2];
+      float wt[2];
+      int4 v[2][kVecs];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = j0 + h;
+        src[h] = j < S ? row_of(j) : nullptr;
+        wt[h] = src[h] && !tm ? p.cw[t * K + j] : 1.0f;
+#pragma unroll
+        for (int q = 0; q < kVecs; ++q)
+          if (src[h] && c0 + 32 * q < hi) v[h][q] = __ldcg(src[h] + c0 + 32 * q);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (!src[h]) continue;
+#pragma unroll
+        for (int q = 0; q < kVecs; ++q) {
+          if (c0 + 32 * q >= hi) continue;
+          float f[8];
+          const int m = unpack16(v[h][q], dt, f);
+          for (int i = 0; i < m; ++i) acc[q][i] += wt[h] * f[i];
+        }
+      }
     }
+#pragma unroll
+    for (int q = 0; q < kVecs; ++q)
+      if (c0 + 32 * q < hi) out[c0 + 32 * q] = pack16(acc[q], dt);
+  }
+}
+
+// Token t's row in column j of this PE's combine buffer, or null when it
+// has none. An edited handle never makes a kernel read outside the buffer.
+__device__ __forceinline__ const int4* combine_row(const Params& p, int64_t t, int j,
+                                                   uint64_t epoch) {
+  const int32_t row = p.h_send_rows[t * p.g.send_cols + j];
+  if (row < 0) return nullptr;
+  if (row >= p.g.combine_rows) {
+    record_error(p, kBadHandle, 0, p.me, epoch);
+    return nullptr;
+  }
+  return at<int4>(p, p.me, p.g.off_combine_buf) + row * (p.g.combine_row_bytes / 16);
+}
+
+// End of a combine on this PE, by one thread once every reducing block is
+// done: reports a failure a sender PE published (after its rows, when
+// `landed`), marks the statuses read, and tells every PE its rows here were
+// consumed.
+__device__ inline void finish_combine(const Params& p, uint64_t epoch, bool landed) {
+  const Geometry& g = p.g;
+  int32_t* status = at<int32_t>(p, p.me, g.off_combine_status);
+  if (landed && p.host_status == kOk)
+    for (int q = 0; q < p.n; ++q) {
+      const int32_t s = static_cast<const volatile int32_t*>(status)[q];
+      if (s != kOk && s != kPeerTimeout) {
+        record_error(p, s, 0, q, epoch);
+        break;
+      }
+    }
+  for (int q = 0; q < p.n; ++q) status[q] = kOk;
+  __threadfence_system();
+  for (int q = 0; q < p.n; ++q) st_release(at<uint64_t>(p, q, g.off_freed_flag) + p.me, epoch);
+  *local_word(p, kCombineEpoch) = epoch;
+}
+
+// Copy engine, after the host's copies: waits for every peer's rows, then
+// sums them per token.
+__global__ void __launch_bounds__(kThreads) combine_reduce_kernel(Params p) {
+  const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
+  __shared__ bool landed, peers_ok;
+  if (threadIdx.x == 0) {
+    landed = wait_all(p, p.g.off_combine_flag, epoch * p.flag_per_epoch, epoch);
+    peers_ok = landed;
+    for (int q = 0; landed && q < p.n; ++q)
+      if (__ldcg(at<int32_t>(p, p.me, p.g.off_combine_status) + q) != kOk) peers_ok = false;
   }
   __syncthreads();
-  if (bad_status == kOk) {
-    for (int q = threadIdx.x; q < n; q += blockDim.x)
-      if (__ldcg(at<int32_t>(p, p.me, g.off_combine_status) + q) != kOk) atomicMin(&bad_pe, q);
-    __syncthreads();
-    if (threadIdx.x == 0 && bad_pe < n)
-      bad_status = __ldcg(at<int32_t>(p, p.me, g.off_combine_status) + bad_pe);
-    __syncthreads();
-  }
-  const DType dt = g.combine_dtype;
-  const int64_t vecs = static_cast<int64_t>(g.combine_row_bytes / 16);
-  const int4* buf = at<int4>(p, p.me, g.off_combine_buf);
-  const int S = tm ? n : K;
   const int lane = threadIdx.x & 31;
   const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  const int P = p.pieces;
-  // One unit = one piece of one token's output. A lane sums kVecs vectors at
-  // once, so their loads are in flight together (sums stay in column order).
-  constexpr int kVecs = 4;
-  if (bad_status == kOk) {
-    for (int64_t u = warp0; u < p.T * P; u += warps) {
-      const int64_t t = u / P;
-      const int piece = static_cast<int>(u % P);
-      const int32_t* rows = p.h_send_rows + t * g.send_cols;
-      int4* out = reinterpret_cast<int4*>(p.out + t * g.combine_row_bytes);
-      const int64_t lo = vecs * piece / P, hi = vecs * (piece + 1) / P;
-      for (int64_t c0 = lo + lane; c0 < hi; c0 += 32 * kVecs) {
-        float acc[kVecs][8] = {};
-        for (int j = 0; j < S; ++j) {
-          const int32_t row = rows[j];
-          if (row < 0) continue;
-          if (row >= g.combine_rows) {  // an edited handle: never read outside the buffer
-            record_error(p, kBadHandle, 0, p.me, epoch);
-            continue;
-          }
-          const float wt = tm ? 1.0f : p.cw[t * K + j];
-          const int4* src = buf + static_cast<int64_t>(row) * vecs;
-          int4 v[kVecs];
-#pragma unroll
-          for (int q = 0; q < kVecs; ++q)
-            if (c0 + 32 * q < hi) v[q] = __ldcg(src + c0 + 32 * q);
-#pragma unroll
-          for (int q = 0; q < kVecs; ++q) {
-            if (c0 + 32 * q >= hi) continue;
-            float f[8];
-            const int m = unpack16(v[q], dt, f);
-            for (int i = 0; i < m; ++i) acc[q][i] += wt * f[i];
-          }
-        }
-#pragma unroll
-        for (int q = 0; q < kVecs; ++q)
-          if (c0 + 32 * q < hi) out[c0 + 32 * q] = pack16(acc[q], dt);
-      }
+  const int P = p.reduce_pieces;
+  if (peers_ok)
+    for (int64_t u = warp0; u < p.T * P; u += warps)
+      reduce_token_piece(p, u / P, static_cast<int>(u % P), P, lane,
+                         [&](int j) { return combine_row(p, u / P, j, epoch); });
+  if (last_block(p, kReduceDone, gridDim.x) && threadIdx.x == 0) finish_combine(p, epoch, landed);
+}
+
+// Lane 0 of a reducing warp: waits until `flag` (a piece of a row) reaches
+// `epoch`. Gives up when a sender PE reported a failure, when another wait
+// timed out, or after the timeout, naming a PE whose senders are not done.
+__device__ inline bool wait_row(const Params& p, const uint64_t* flag, uint64_t epoch) {
+  const uint64_t* err = local_word(p, kErrorWord);
+  const volatile int32_t* status = at<int32_t>(p, p.me, p.g.off_combine_status);
+  const uint64_t start = now_ns();
+  unsigned spins = 0;
+  while (ld_volatile(flag) < epoch) {  // cheap polls; one acquire once it is set
+    spin_pause();
+    if ((++spins & 255u) != 0) continue;
+    if (ld_volatile(err) == kPeerTimeout) return false;
+    for (int q = 0; q < p.n; ++q)
+      if (status[q] != kOk) return false;
+    if (now_ns() - start > p.timeout_ns) {
+      const uint64_t target = epoch * p.flag_per_epoch;
+      const uint64_t* done = at<uint64_t>(p, p.me, p.g.off_combine_flag);
+      int late = p.me;
+      for (int q = p.n - 1; q >= 0; --q)
+        if (ld_volatile(done + q) < target) late = q;
+      record_error(p, kPeerTimeout, late, p.me, epoch, kWaitCombine, ld_volatile(done + late),
+                   target);
+      return false;
     }
   }
-  if (!last_block(p, kReduceDone)) return;
-  if (threadIdx.x == 0) {
-    if (bad_status != kOk && bad_status != kPeerTimeout && p.host_status == kOk)
-      record_error(p, bad_status, 0, bad_pe, epoch);
-    for (int q = 0; q < n; ++q) at<int32_t>(p, p.me, g.off_combine_status)[q] = kOk;  // read
-    __threadfence_system();
-    for (int q = 0; q < n; ++q) st_release(at<uint64_t>(p, q, g.off_freed_flag) + p.me, epoch);
-    *local_word(p, kCombineEpoch) = epoch;
+  return ld_acquire(flag) >= epoch;
+}
+
+// Token-major: where this PE's own row of token t lies in expert_out (the
+// combine row of that row, mapped back through the handle's summary), or
+// null if the handle places it outside the valid rows.
+__device__ __forceinline__ const int4* own_row(const Params& p, int32_t crow, uint64_t epoch) {
+  const int32_t* mine = p.h_summary + 4 * p.me;
+  const int64_t k = static_cast<int64_t>(crow) - mine[3];
+  const int64_t r = mine[2] + k;
+  const int64_t total = p.h_summary[4 * p.n + p.g.local_experts];
+  if (k < 0 || k >= mine[1] || r < 0 || r >= total || r >= p.g.recv_rows) {
+    record_error(p, kBadHandle, 0, p.me, epoch);
+    return nullptr;
   }
+  return reinterpret_cast<const int4*>(p.expert_out) + r * (p.g.combine_row_bytes / 16);
+}
+
+// Reducer role of combine_kernel: sums each token's rows (token-major: its
+// own row straight from expert_out) once they have landed: with row_flags,
+// as soon as every piece it needs has (the sums overlap the transfer), else
+// once every sender PE is done (fewer waits: small calls). The last reducing
+// block ends the call once every sender PE is done.
+__device__ inline void reduce_landed(const Params& p, int block, int blocks, uint64_t epoch) {
+  const Geometry& g = p.g;
+  const int S = g.send_cols;
+  const bool tm = p.c.layout == Layout::TokenMajor;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp0 = static_cast<int64_t>(block) * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int64_t warps = static_cast<int64_t>(blocks) * kWarpsPerBlock;
+  const int P = p.reduce_pieces;  // = pieces with row_flags
+  const uint64_t* flags = at<uint64_t>(p, p.me, g.off_row_flags);
+  __shared__ bool go;
+  if (threadIdx.x == 0) {
+    go = true;
+    if (!p.row_flags && wait_all(p, g.off_combine_flag, epoch * p.flag_per_epoch, epoch))
+      for (int q = 0; q < p.n; ++q)
+        go = go && __ldcg(at<int32_t>(p, p.me, g.off_combine_status) + q) == kOk;
+    else if (!p.row_flags)
+      go = false;
+  }
+  __syncthreads();
+  for (int64_t u = go ? warp0 : p.T * P; u < p.T * P; u += warps) {
+    const int64_t t = u / P;
+    const int piece = static_cast<int>(u % P);
+    bool ready = true;
+    if (lane == 0 && p.row_flags)
+      for (int j = 0; j < S && ready; ++j) {
+        const int32_t row = p.h_send_rows[t * S + j];
+        if (row >= 0 && row < g.combine_rows && !(tm && j == p.me))
+          ready = wait_row(p, flags + static_cast<int64_t>(row) * kMaxPieces + piece, epoch);
+      }
+    // Lane 0's acquire, then the warp's reads (the barrier orders them).
+    if (__ballot_sync(0xffffffffu, lane == 0 && ready) == 0u) break;  // the host raises it
+    reduce_token_piece(p, t, piece, P, lane, [&](int j) -> const int4* {
+      if (tm && j == p.me) {
+        const int32_t crow = p.h_send_rows[t * S + j];
+        return crow < 0 ? nullptr : own_row(p, crow, epoch);
+      }
+      return combine_row(p, t, j, epoch);
+    });
+  }
+  if (!last_block(p, kReduceDone, blocks) || threadIdx.x != 0) return;
+  finish_combine(p, epoch, wait_all(p, g.off_combine_flag, epoch * p.flag_per_epoch, epoch));
+}
+
+// Combine in one grid (intranode, low_latency). Blocks take their role in
+// the order they start: the first p.senders send rows back, the others
+// reduce (with row_flags, each token as soon as its rows have landed, so the
+// sums overlap the transfer). Reducers wait only on senders, which started
+// before them, so the grid needs no co-residency.
+__global__ void __launch_bounds__(kThreads) combine_kernel(Params p) {
+  const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
+  __shared__ int ticket;
+  if (threadIdx.x == 0) {
+    auto* c = reinterpret_cast<unsigned long long*>(local_word(p, kCombineTicket));
+    ticket = static_cast<int>(atomicAdd(c, 1ull));
+    if (ticket == static_cast<int>(gridDim.x) - 1) *c = 0;  // every block has its ticket
+  }
+  __syncthreads();
+  if (ticket < p.senders) send_back(p, ticket, p.senders, epoch);
+  else reduce_landed(p, ticket - p.senders, static_cast<int>(gridDim.x) - p.senders, epoch);
 }
 
 // Copy engine: after the copies of one channel, tells the peer they landed.
