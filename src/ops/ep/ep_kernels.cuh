@@ -1119,17 +1119,21 @@ __device__ inline void finish_combine(const Params& p, uint64_t epoch, bool land
   *local_word(p, kCombineEpoch) = epoch;
 }
 
+// One thread: waits until every PE has sent its rows here; true when they
+// landed and no sender reported a failure.
+__device__ inline bool all_rows_landed(const Params& p, uint64_t epoch) {
+  if (!wait_all(p, p.g.off_combine_flag, epoch * p.flag_per_epoch, epoch)) return false;
+  for (int q = 0; q < p.n; ++q)
+    if (__ldcg(at<int32_t>(p, p.me, p.g.off_combine_status) + q) != kOk) return false;
+  return true;
+}
+
 // Copy engine, after the host's copies: waits for every peer's rows, then
 // sums them per token.
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(Params p) {
   const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
-  __shared__ bool landed, peers_ok;
-  if (threadIdx.x == 0) {
-    landed = wait_all(p, p.g.off_combine_flag, epoch * p.flag_per_epoch, epoch);
-    peers_ok = landed;
-    for (int q = 0; landed && q < p.n; ++q)
-      if (__ldcg(at<int32_t>(p, p.me, p.g.off_combine_status) + q) != kOk) peers_ok = false;
-  }
+  __shared__ bool peers_ok;
+  if (threadIdx.x == 0) peers_ok = all_rows_landed(p, epoch);
   __syncthreads();
   const int lane = threadIdx.x & 31;
   const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
@@ -1139,7 +1143,8 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(Params p) {
     for (int64_t u = warp0; u < p.T * P; u += warps)
       reduce_token_piece(p, u / P, static_cast<int>(u % P), P, lane,
                          [&](int j) { return combine_row(p, u / P, j, epoch); });
-  if (last_block(p, kReduceDone, gridDim.x) && threadIdx.x == 0) finish_combine(p, epoch, landed);
+  if (last_block(p, kReduceDone, gridDim.x) && threadIdx.x == 0)
+    finish_combine(p, epoch, wait_all(p, p.g.off_combine_flag, epoch * p.flag_per_epoch, epoch));
 }
 
 // Lane 0 of a reducing warp: waits until `flag` (a piece of a row) reaches
@@ -1200,14 +1205,7 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
   const int P = p.reduce_pieces;  // = pieces with row_flags
   const uint64_t* flags = at<uint64_t>(p, p.me, g.off_row_flags);
   __shared__ bool go;
-  if (threadIdx.x == 0) {
-    go = true;
-    if (!p.row_flags && wait_all(p, g.off_combine_flag, epoch * p.flag_per_epoch, epoch))
-      for (int q = 0; q < p.n; ++q)
-        go = go && __ldcg(at<int32_t>(p, p.me, g.off_combine_status) + q) == kOk;
-    else if (!p.row_flags)
-      go = false;
-  }
+  if (threadIdx.x == 0) go = p.row_flags || all_rows_landed(p, epoch);
   __syncthreads();
   for (int64_t u = go ? warp0 : p.T * P; u < p.T * P; u += warps) {
     const int64_t t = u / P;
