@@ -136,12 +136,12 @@ class DeviceDriver final : public DeviceImpl {
         2 * static_cast<size_t>(std::max(g.local_experts, op.n_pes)) * sizeof(int64_t);
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
     if (!ce) {
-      // Many rows: senders and reducers resident together, reducing each
-      // token once its rows landed. Few rows: reducers (split finer) start
-      // on the SMs the senders leave, once every PE has sent.
+      // Senders and reducers resident together. Many rows: each token is
+      // reduced once its rows landed. Few rows: the reducers (split finer)
+      // wait until every PE has sent.
       p.row_flags = g.combine_rows >= kernels::kRowFlagRows;
-      p.senders = p.row_flags ? sender_blocks(op) : send_blocks(op);
-      const int reducers = p.row_flags ? reducer_blocks(op) : reduce_blocks(op);
+      p.senders = sender_blocks(op);
+      const int reducers = reducer_blocks(op, p.row_flags);
       p.reduce_pieces = p.row_flags ? p.pieces : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
       p.flag_per_epoch = p.senders;
       rt_.launch(kernels::combine_kernel, p.senders + reducers, kernels::kThreads, combine_shared,
@@ -206,11 +206,12 @@ class DeviceDriver final : public DeviceImpl {
     return blocks_for(pairs * row_pieces(op.geo.combine_rows, op.geo.row_bytes),
                       kernels::kWarpsPerBlock);
   }
-  // Combine reducing as rows land: half the blocks reduce while the others
-  // send (a sum moves three rows' worth of memory per token, a send one),
-  // all of them resident at once on a large GPU.
-  static int reducer_blocks(const Op& op) {
+  // Combine: half the blocks reduce while the others send (as rows land, a
+  // sum moves three rows' worth of memory per token, a send one), all of
+  // them resident at once on a large GPU.
+  static int reducer_blocks(const Op& op, bool row_flags) {
     const int most = std::max(1, kernels::kMaxBlocks / 2);
+    if (!row_flags) return std::min(most, reduce_blocks(op));
     return std::min(most, blocks_for(op.cfg.max_tokens * row_pieces(op.geo.combine_rows,
                                                                      op.geo.combine_row_bytes),
                                      kernels::kWarpsPerBlock));

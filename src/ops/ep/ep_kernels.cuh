@@ -889,20 +889,22 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(Params p) {
   __threadfence_system();
 }
 
-// Sender role of combine_kernel: stores every received row (a piece per unit
-// of work) back into its source's combine buffer and sets the piece's flag
-// there. Token-major units visit the sources in turn, each in its token
-// order, so every source's reducers find their first tokens early; rows of
-// this PE's own tokens stay where they are (its reducers read them). Each
-// unit checks its row's place against the op's buffers first (the handle is
-// the caller's memory); at the end the block tells every source of a failure
-// it saw, then adds its share to their combine flags.
+// Sender role of combine_kernel: stores every received row of another PE (a
+// piece per unit of work) back into its source's combine buffer and sets the
+// piece's flag there. Token-major units visit the other sources in turn, each
+// in its token order, so every source's reducers find their first tokens
+// early, and every warp moves rows over the links; rows of this PE's own
+// tokens stay where they are (its reducers read them), and only their
+// metadata is checked, a row per thread. Each unit checks its row's place
+// against the op's buffers first (the handle is the caller's memory); at the
+// end the block tells every source of a failure it saw, then adds its share
+// to their combine flags.
 __device__ inline void send_back(const Params& p, int block, int blocks, uint64_t epoch) {
   const int n = p.n;
   const Geometry& g = p.g;
   const bool tm = p.c.layout == Layout::TokenMajor;
   __shared__ bool ok;
-  __shared__ int64_t longest;  // token-major: rows of the source with the most
+  __shared__ int64_t longest;  // token-major: rows of the other source with the most
   EP_DYNAMIC_SHARED(int64_t, first_of);  // expert-major: [2 L]
   int64_t* src_first = first_of;         // token-major: [n] first receive row from each source
   int64_t* src_rows = first_of + n;      // and [n] its rows
@@ -916,7 +918,7 @@ __device__ inline void send_back(const Params& p, int block, int blocks, uint64_
         const int64_t r = valid_rows ? p.h_summary[4 * q + 1] : 0;
         src_first[q] = f < 0 ? 0 : f;
         src_rows[q] = r < 0 ? 0 : r > valid_rows ? valid_rows : r;
-        longest = src_rows[q] > longest ? src_rows[q] : longest;
+        if (q != p.me && src_rows[q] > longest) longest = src_rows[q];
       }
     }
     __syncthreads();
@@ -927,28 +929,37 @@ __device__ inline void send_back(const Params& p, int block, int blocks, uint64_
   const int64_t warps = static_cast<int64_t>(blocks) * kWarpsPerBlock;
   const size_t crb = g.combine_row_bytes;
   const int P = p.pieces;
-  const int64_t units = (tm ? n * longest : valid_rows) * P;
+  const int others = n - 1;  // token-major: the sources whose rows go over the links
+  const int64_t units = (tm ? others * longest : valid_rows) * P;
   bool bad = false;
+  int src;
+  int64_t row;
+  if (tm && send) {  // this PE's own rows: their metadata only
+    const int64_t thread0 = static_cast<int64_t>(block) * blockDim.x + threadIdx.x;
+    const int64_t threads = static_cast<int64_t>(blocks) * blockDim.x;
+    for (int64_t k = thread0; k < src_rows[p.me]; k += threads) {
+      const int64_t r = src_first[p.me] + k;
+      if (r < valid_rows && !combine_target(p, r, &src, &row)) bad = true;
+    }
+  }
   for (int64_t u = send ? warp0 : units; u < units; u += warps) {
     const int64_t h = u / P;
     const int piece = static_cast<int>(u % P);
     int64_t r;
     if (tm) {
-      const int q = static_cast<int>(h % n);
-      const int64_t k = h / n;
+      const int other = static_cast<int>(h % others);
+      const int q = other < p.me ? other : other + 1;
+      const int64_t k = h / others;
       if (k >= src_rows[q]) continue;
       r = src_first[q] + k;
       if (r >= valid_rows) continue;
     } else {
       r = expert_major_row(p, first_of, h);
     }
-    int src;
-    int64_t row;
     if (!combine_target(p, r, &src, &row)) {
       bad = true;
       continue;
     }
-    if (tm && h % n == p.me) continue;  // checked only: this PE's reducers read it in place
     warp_copy_piece(at<char>(p, src, g.off_combine_buf) + row * crb, p.expert_out + r * crb, crb,
                     piece, P, lane);
     if (!p.row_flags) continue;
