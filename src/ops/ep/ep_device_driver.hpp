@@ -140,6 +140,10 @@ class DeviceDriver final : public DeviceImpl {
       // reduced once its rows landed. Few rows: the reducers (split finer)
       // wait until every PE has sent.
       p.row_flags = g.combine_rows >= kernels::kRowFlagRows;
+      // Many rows: two warps per row, so that fewer tokens are still on the
+      // wire when a peer's last rows land (what is summed after that delays
+      // this PE's next call, and so the peer's).
+      if (p.row_flags) p.pieces = std::max(p.pieces, std::min(2, kMaxPieces));
       p.senders = sender_blocks(op);
       const int reducers = reducer_blocks(op, p.row_flags);
       p.reduce_pieces = p.row_flags ? p.pieces : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
