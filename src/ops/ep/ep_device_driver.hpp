@@ -137,13 +137,13 @@ class DeviceDriver final : public DeviceImpl {
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
     if (!ce) {
       // Senders and reducers resident together. Many rows: each token is
-      // reduced once its rows landed. Few rows: the reducers (split finer)
-      // wait until every PE has sent.
+      // reduced once its rows landed, and two warps share a row, so fewer
+      // tokens are still on the wire when a peer's last rows land (what is
+      // summed after that delays this PE's next call, and so the peer's).
+      // Few rows: the reducers (split finer) wait until every PE has sent.
+      static_assert(kMaxPieces >= 2, "a row's flags cover two pieces");
       p.row_flags = g.combine_rows >= kernels::kRowFlagRows;
-      // Many rows: two warps per row, so that fewer tokens are still on the
-      // wire when a peer's last rows land (what is summed after that delays
-      // this PE's next call, and so the peer's).
-      if (p.row_flags) p.pieces = std::max(p.pieces, std::min(2, kMaxPieces));
+      if (p.row_flags) p.pieces = std::max(p.pieces, 2);
       p.senders = sender_blocks(op);
       const int reducers = reducer_blocks(op, p.row_flags);
       p.reduce_pieces = p.row_flags ? p.pieces : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
