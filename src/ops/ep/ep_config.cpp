@@ -148,23 +148,14 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.off_combine_flag = take(n * 8);
   g.off_freed_flag = take(n * 8);
   g.off_local = take(kLocalWords * 8);
-  g.off_count_rows = take(n * g.count_words * 4);
+  g.off_count_rows = take(2 * n * g.count_words * 8);  // device: two sets, by parity
+  g.off_send_prefix = take(std::max(n, static_cast<size_t>(c.num_experts)) * 8);
   g.off_combine_status = take(n * 4);
   g.off_row_flags = take(c.kernel == Kernel::CopyEngine
                              ? 0
                              : static_cast<size_t>(g.combine_rows) * kMaxPieces * 8);
   g.sync_bytes = at;
   g.off_scratch_pos = take(static_cast<size_t>(c.max_tokens) * g.send_cols * 4);
-  g.off_scratch_counts = take((kCountDest + n + c.num_experts) * 4);
-  g.off_scratch_prefix = take((n + c.num_experts) * 4);
-  // Routing chunks: about 1024 (token, slot) pairs each, at least 16 chunks
-  // (small batches still spread over the GPU), at most 64 (one block scans
-  // every chunk's counts).
-  const int64_t pairs = static_cast<int64_t>(c.max_tokens) * c.topk;
-  const int64_t want = std::clamp<int64_t>(std::max<int64_t>((pairs + 1023) / 1024, 16), 1, 64);
-  g.route_chunk = static_cast<int32_t>((c.max_tokens + want - 1) / want);
-  g.route_blocks = (c.max_tokens + g.route_chunk - 1) / g.route_chunk;
-  g.off_scratch_chunks = take(static_cast<size_t>(g.route_blocks) * (n + c.num_experts) * 4);
   const size_t rows = static_cast<size_t>(g.recv_rows);
   const bool token_major = c.layout == Layout::TokenMajor;
   g.off_recv_x = take(rows * g.row_bytes);

@@ -67,19 +67,18 @@ struct Geometry {
   size_t off_combine_flag = 0;  // [n] combine rows from PE i have landed
   size_t off_freed_flag = 0;    // [n] PE i has consumed its combine buffer
   size_t off_local = 0;         // [kLocalWords] this PE's own epochs, counters, error word
-  size_t off_count_rows = 0;    // int32 [n][count_words]
+  // Routing-count rows [n][count_words]: int32 on the cpu backend; on the
+  // device, two sets (by call parity) of uint64 words (epoch << 32 | value)
+  // that need no flag.
+  size_t off_count_rows = 0;
+  size_t off_send_prefix = 0;   // device: uint64 (tagged) [n or E] this PE's send order
   size_t off_combine_status = 0;  // int32 [n]
   // cuda, SM-driven combine: [combine_rows][kMaxPieces] epoch of the last
   // combine whose piece of that row has landed here (set by the sender).
   size_t off_row_flags = 0;
-  // This PE's routing scratch (cuda): positions [max_tokens, send_cols],
-  // counts [kCountDest + n + E], first combine row per destination or
-  // expert [n or E], and per chunk of route_chunk tokens its rows per
-  // destination and expert [route_blocks][n + E] (then the rows of earlier
-  // chunks, once the routing kernel scanned them).
-  size_t off_scratch_pos = 0, off_scratch_counts = 0, off_scratch_prefix = 0;
-  size_t off_scratch_chunks = 0;
-  int32_t route_chunk = 0, route_blocks = 0;
+  // This PE's routing scratch (device): the rank of every (token, column)
+  // among this PE's rows to its destination or expert [max_tokens, send_cols].
+  size_t off_scratch_pos = 0;
   // Receive side of dispatch.
   size_t off_recv_x = 0, off_recv_scales = 0, off_recv_idx = 0, off_recv_w = 0, off_recv_meta = 0;
   // Source side of combine.
@@ -95,18 +94,15 @@ struct Geometry {
 enum LocalWord : int {
   kDispatchEpoch = 0,  // last finished dispatch
   kCombineEpoch = 1,   // last finished combine
-  kRouteDone = 2,      // blocks of the routing kernel that finished (cuda)
+  kDispatchTicket = 2, // dispatch: blocks that took their tokens (cuda)
   kDispatchDone = 3,
   kSendDone = 4,
   kReduceDone = 5,
   kErrorWord = 6,      // first device-side failure (cuda)
   kHandleBad = 7,      // combine: 1 when this call's handle failed its bounds check (cuda)
-  kBadIdWord = 8,      // route: kBadIdBase - (first index of an expert id out of range), or 0
-  kCombineTicket = 9,  // combine: blocks that took their role (cuda)
+  kCombineTicket = 8,  // combine: blocks that took their role (cuda)
   kLocalWords = 16
 };
-
-constexpr uint64_t kBadIdBase = 1ull << 40;
 
 // Most warps that share one row in a call of few rows (cuda kernels).
 constexpr int kMaxPieces = 8;

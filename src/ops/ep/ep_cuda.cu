@@ -65,6 +65,9 @@ class CudaRt {
   template <class... KA, class... A>
   void launch(void (*kernel)(KA...), int grid, int block, size_t shared, StreamHandle stream,
               A&&... args) {
+    if (shared > 48 * 1024)  // many experts: opt in to more shared memory (else a clear error)
+      EP_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(shared)));
     kernel<<<grid, block, shared, as_stream(stream)>>>(std::forward<A>(args)...);
     EP_CUDA(cudaGetLastError());
   }

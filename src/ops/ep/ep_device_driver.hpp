@@ -59,17 +59,18 @@ class DeviceDriver final : public DeviceImpl {
     p.flag_per_epoch = ce ? 1 : dispatch_blocks(op);
     p.pieces = row_pieces(g.combine_rows, g.row_bytes);
 
-    // per-expert counts and the chunk's ids; then twice the send-order columns (a scan)
-    const size_t route_shared =
-        std::max(static_cast<size_t>(op.cfg.num_experts) +
-                     static_cast<size_t>(g.route_chunk) * op.cfg.topk,
-                 2 * static_cast<size_t>(std::max(op.n_pes, op.cfg.num_experts))) *
-        sizeof(int32_t);
-    rt_.launch(kernels::route_kernel, g.route_blocks, kernels::kRouteThreads, route_shared,
-               a.stream, p);
+    const int blocks = dispatch_blocks(op);
+    p.tokens_per_block = std::max<int64_t>(1, (p.T + blocks - 1) / blocks);
+    // base and prefix per column, counts per expert and destination, scratch
     const int cols = op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
-    rt_.launch(kernels::dispatch_kernel, dispatch_blocks(op), kernels::kThreads,
-               2 * static_cast<size_t>(cols) * sizeof(int32_t), a.stream, p);
+    const size_t scratch = std::max({static_cast<size_t>(kernels::kWarpsPerBlock) * op.n_pes +
+                                         4 * static_cast<size_t>(kernels::kThreads),
+                                     static_cast<size_t>(kernels::kThreads),
+                                     2 * static_cast<size_t>(cols),
+                                     static_cast<size_t>(op.n_pes) * op.n_pes});
+    const size_t shared =
+        (2 * static_cast<size_t>(cols) + op.cfg.num_experts + op.n_pes + scratch) * sizeof(int32_t);
+    rt_.launch(kernels::dispatch_kernel, blocks, kernels::kThreads, shared, a.stream, p);
     if (!ce) {
       if (g.padded_output) {
         raise_own(op, status, detail, "dispatch");

@@ -2,16 +2,17 @@
 // implementation's (ep_cpu.cpp): routing counts exchanged through every PE's
 // count rows, rows stored straight into their final place, epoch flags.
 //
-// Kernels never wait on a block of their own grid that may not have started,
-// only on kernels of other PEs that never wait on them, so no grid needs to
-// be co-resident:
-//   route          one block per chunk of tokens ranks them per destination /
-//                  expert; the last block turns chunk counts into chunk bases
-//                  and publishes this PE's count row (never waits);
-//   dispatch       waits for every count row, stores rows into peers (or, in
-//                  pack mode, into local staging for the copy engines), adds
-//                  1 per block to each peer's data flag; its last block waits
-//                  for every peer's blocks and copies the rows' metadata;
+// Blocks never wait on a block of their own grid that may not have started,
+// only on blocks that took an earlier ticket and on kernels of other PEs, so
+// no grid needs to be co-resident:
+//   dispatch       every block ranks its tokens from a scan of the ids
+//                  before them; ticket 0 also counts every token and
+//                  publishes this PE's count row (epoch-tagged words, no
+//                  fence). Every block waits for every count row, stores its
+//                  rows into peers (or, in pack mode, into local staging for
+//                  the copy engines) and adds 1 to each peer's data flag; the
+//                  last block waits for every peer's blocks and copies the
+//                  rows' metadata;
 //   combine        (intranode, low_latency) blocks take roles in the order
 //                  they start: senders wait until each source consumed its
 //                  combine buffer, store rows back into it and flag each
@@ -43,11 +44,9 @@ namespace symheap::ep::EP_DEVICE_NS::kernels {
 // of a row) from this many combine rows on; smaller calls wait for whole PEs.
 #ifdef __CUDACC__
 constexpr int kThreads = 512;  // dispatch / combine blocks
-constexpr int kRouteThreads = 512;
 constexpr int64_t kRowFlagRows = 2048;
 #else  // the host emulation: fewer OS threads per block, hence more blocks per grid
 constexpr int kThreads = 64;
-constexpr int kRouteThreads = 64;
 constexpr int64_t kRowFlagRows = 64;
 #endif
 constexpr int kWarpsPerBlock = kThreads / 32;
@@ -79,6 +78,7 @@ struct Params {
   int64_t T;  // tokens of this call (0 when this PE aborts)
   int32_t host_status, host_detail;
   int32_t pack;  // copy engine: stage locally, the host moves the rows
+  int64_t tokens_per_block;  // dispatch_kernel: tokens routed and sent by one block
   int32_t flag_per_epoch;  // what each peer adds to a data / combine flag per call
   int32_t pieces;          // warps that share one row (at most kMaxPieces)
   int32_t senders;         // combine_kernel: blocks that send (the others reduce)
@@ -181,7 +181,7 @@ __device__ inline bool wait_all(const Params& p, size_t off_flags, uint64_t targ
   for (int q = 0; q < p.n; ++q) {
     unsigned spins = 0;
     uint64_t seen;
-    while ((seen = ld_acquire(flags + q)) < target) {
+    while ((seen = ld_volatile(flags + q)) < target) {  // cheap polls; an acquire below
       spin_pause();
       if ((++spins & 1023u) == 0) {
         if (ld_volatile(err) == kPeerTimeout) return false;
@@ -195,6 +195,7 @@ __device__ inline bool wait_all(const Params& p, size_t off_flags, uint64_t targ
         }
       }
     }
+    ld_acquire(flags + q);  // orders what the caller reads next after the flag
   }
   return true;
 }
@@ -229,6 +230,8 @@ __device__ inline void publish(const Params& p, size_t off_flags, uint64_t value
     else st_release(flag, value);
   }
 }
+
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
 __device__ __forceinline__ int64_t topk_id(const Params& p, int64_t i) {
   return p.idx64 ? static_cast<const int64_t*>(p.idx)[i] : static_cast<const int32_t*>(p.idx)[i];
@@ -303,160 +306,281 @@ __device__ T block_exclusive_scan(T* a, T* tmp, int len) {
   return total;
 }
 
-// Ordered compaction by the whole block: for i in [0, n), emit(i, rank) with
-// the rank of i among the items where pred holds (-1 where it does not).
-// Returns the number of hits (in every thread).
-template <class Pred, class Emit>
-__device__ int block_compact(int64_t n, Pred pred, Emit emit) {
-  __shared__ int warp_hits[32];
-  __shared__ int running;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  if (threadIdx.x == 0) running = 0;
-  __syncthreads();
-  for (int64_t start = 0; start < n; start += blockDim.x) {
-    const int64_t i = start + threadIdx.x;
-    const bool hit = i < n && pred(i);
-    const unsigned ballot = __ballot_sync(0xffffffffu, hit);
-    if (lane == 0) warp_hits[warp] = __popc(ballot);
-    __syncthreads();
-    int before = running;
-    for (int w = 0; w < warp; ++w) before += warp_hits[w];
-    if (i < n) emit(i, hit ? before + __popc(ballot & ((1u << lane) - 1u)) : -1);
-    __syncthreads();
-    if (threadIdx.x == 0)
-      for (int w = 0; w < nwarps; ++w) running += warp_hits[w];
-    __syncthreads();
-  }
-  return running;
+// ------------------------------------------------------------ routing
+
+// Dispatch is one grid. Every block ranks its own tokens from a scan of the
+// ids of the tokens before them (no block waits for another to route), the
+// block with ticket 0 also counts every token and publishes this PE's count
+// row into every PE; each word carries the call's epoch in its upper half,
+// so no fence has to order the row before a flag.
+
+__device__ __forceinline__ bool kept_id(const Params& p, int64_t id) {
+  return id >= 0 && id < p.c.num_experts;
 }
 
-// ------------------------------------------------------------ route
+// Token-major routing works on chunks of route_chunk(p) tokens whose ids
+// the whole block first loads into shared memory as destination PEs
+// (coalesced, eight loads in flight per thread: dependent loads per token
+// would cost a memory round trip each). dst: int16 [route_chunk * K].
+// route_chunk * K is at most 8 * blockDim.x, the loads of one for_each_pair.
+__device__ __forceinline__ int64_t route_chunk(const Params& p) {
+  const int64_t c = 8 * static_cast<int64_t>(blockDim.x) / p.c.topk;
+  return c > 0 ? c : 1;
+}
 
-// Block b routes the tokens of chunk b (g.route_chunk tokens): it ranks them
-// within the chunk per destination (token-major) or ranks the chunk's
-// (token, slot) pairs per expert (expert-major), and counts the chunk's rows
-// per destination and expert. The last block turns those counts into the
-// rows of earlier chunks (a position is then chunk base + rank in chunk, the
-// same as a rank over all tokens), totals them and publishes this PE's count
-// row. An id out of range counts as dropped, so memory stays safe, and aborts
-// the call; the first one (lowest index) is reported.
-__global__ void __launch_bounds__(kRouteThreads) route_kernel(Params p) {
-  const int n = p.n, K = p.c.topk, E = p.c.num_experts, L = p.g.local_experts;
-  const bool tm = p.c.layout == Layout::TokenMajor;
-  const int cols = n + E;
-  int32_t* pos = at<int32_t>(p, p.me, p.g.off_scratch_pos);
-  int32_t* counts = at<int32_t>(p, p.me, p.g.off_scratch_counts);
-  int32_t* chunks = at<int32_t>(p, p.me, p.g.off_scratch_chunks);
-  const int64_t C = p.g.route_chunk;
-  const int b = blockIdx.x;
-  const int64_t t0 = b * C < p.T ? b * C : p.T;
-  const int64_t t1 = t0 + C < p.T ? t0 + C : p.T;
-  const int64_t i0 = t0 * K, pairs = (t1 - t0) * K;
-  auto kept = [&](int64_t id) { return id >= 0 && id < E; };
+// Calls f(j, id) for every pair j in [lo, hi) with the whole block, eight
+// loads in flight per thread.
+template <class F>
+__device__ __forceinline__ void for_each_pair(const Params& p, int64_t lo, int64_t hi, F f) {
+  constexpr int kBatch = 8;
+  for (int64_t j0 = lo + threadIdx.x; j0 < hi; j0 += kBatch * static_cast<int64_t>(blockDim.x)) {
+    int64_t id[kBatch];
+#pragma unroll
+    for (int q = 0; q < kBatch; ++q) {
+      const int64_t j = j0 + q * static_cast<int64_t>(blockDim.x);
+      id[q] = j < hi ? topk_id(p, j) : -1;
+    }
+#pragma unroll
+    for (int q = 0; q < kBatch; ++q) {
+      const int64_t j = j0 + q * static_cast<int64_t>(blockDim.x);
+      if (j < hi) f(j, id[q]);
+    }
+  }
+}
 
-  EP_DYNAMIC_SHARED(int32_t, sh);
-  int32_t* per_expert = sh;  // [E] slots of each expert in this chunk
-  int32_t* ids = sh + E;     // [C * K] the chunk's kept ids, -1 if dropped
-  for (int e = threadIdx.x; e < E; e += blockDim.x) per_expert[e] = 0;
+// Whether pair j's id is kept. With `hist`, counts a kept id per expert;
+// with `bad`, keeps the lowest index of an id out of range.
+__device__ __forceinline__ bool tally_id(const Params& p, int64_t j, int64_t id, int32_t* hist,
+                                         int32_t* bad) {
+  if (kept_id(p, id)) {
+    if (hist) atomicAdd(&hist[id], 1);
+    return true;
+  }
+  if (bad && id != -1) atomicMin(bad, static_cast<int>(j));
+  return false;
+}
+
+// Loads the destinations of tokens [s, e) into dst (-1: dropped), tallying
+// their ids (tally_id). Whole block; ends with a barrier.
+__device__ inline void load_dests(const Params& p, int64_t s, int64_t e, int16_t* dst,
+                                  int32_t* hist, int32_t* bad) {
+  const int K = p.c.topk, L = p.g.local_experts;
+  const int64_t lo = s * K;
+  for_each_pair(p, lo, e * K, [&](int64_t j, int64_t id) {
+    dst[j - lo] = tally_id(p, j, id, hist, bad) ? static_cast<int16_t>(id / L) : int16_t{-1};
+  });
   __syncthreads();
-  for (int64_t j = threadIdx.x; j < pairs; j += blockDim.x) {
-    const int64_t id = topk_id(p, i0 + j);
-    if (kept(id)) atomicAdd(&per_expert[id], 1);
-    else if (id != -1) atomicMax(reinterpret_cast<unsigned long long*>(local_word(p, kBadIdWord)),
-                                 static_cast<unsigned long long>(kBadIdBase - (i0 + j)));
-    ids[j] = kept(id) ? static_cast<int32_t>(id) : -1;
+}
+
+// Bit d (d < 64) set when the token whose destinations are row[0, K) sends
+// a row to PE d.
+__device__ __forceinline__ uint64_t dest_mask(const int16_t* row, int K) {
+  uint64_t mask = 0;
+  for (int k = 0; k < K; ++k)
+    if (row[k] >= 0 && row[k] < 64) mask |= 1ull << row[k];
+  return mask;
+}
+__device__ __forceinline__ bool sends_to(const int16_t* row, int K, uint64_t mask, int d) {
+  if (d < 64) return (mask >> d) & 1u;
+  for (int k = 0; k < K; ++k)
+    if (row[k] == d) return true;
+  return false;
+}
+
+// Token-major, whole block: adds to run[d] the rows that tokens [lo, hi)
+// send to each PE d (warp_rows: [warps][n] shared scratch).
+__device__ inline void count_dest_rows(const Params& p, int64_t lo, int64_t hi, int32_t* run,
+                                       int32_t* warp_rows, int16_t* dst, int32_t* hist,
+                                       int32_t* bad) {
+  const int n = p.n, K = p.c.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  const int64_t C = route_chunk(p);
+  for (int i = threadIdx.x; i < warps * n; i += blockDim.x) warp_rows[i] = 0;
+  for (int64_t s = lo; s < hi; s += C) {
+    const int64_t e = imin(s + C, hi);
+    load_dests(p, s, e, dst, hist, bad);
+    for (int64_t w = s + warp * 32; w < e; w += blockDim.x) {  // the same w in every lane
+      const int64_t t = w + lane;
+      const int16_t* row = dst + (t - s) * K;
+      const uint64_t mask = t < e ? dest_mask(row, K) : 0;
+      for (int d = 0; d < n; ++d) {
+        const unsigned b = __ballot_sync(0xffffffffu, t < e && sends_to(row, K, mask, d));
+        if (lane == 0) warp_rows[warp * n + d] += __popc(b);
+      }
+    }
+    __syncthreads();  // before the next chunk's ids
   }
   __syncthreads();
-  int32_t* row = chunks + static_cast<int64_t>(b) * cols;
-  if (tm) {
-    for (int d = 0; d < n; ++d) {
-      const int total = block_compact(
-          t1 - t0,
-          [&](int64_t j) {
-            for (int k = 0; k < K; ++k) {
-              const int32_t id = ids[j * K + k];
-              if (id >= 0 && id / L == d) return true;
-            }
-            return false;
-          },
-          [&](int64_t j, int r) { pos[(t0 + j) * n + d] = r; });
-      if (threadIdx.x == 0) row[d] = total;
+  for (int d = threadIdx.x; d < n; d += blockDim.x)
+    for (int w = 0; w < warps; ++w) run[d] += warp_rows[w * n + d];
+  __syncthreads();
+}
+
+// Token-major, whole block: as count_dest_rows, and pos[t * n + d] = the
+// rank of token t's row to PE d among this PE's rows to d (-1: no row).
+__device__ inline void rank_dest_rows(const Params& p, int64_t lo, int64_t hi, int32_t* run,
+                                      int32_t* warp_rows, int16_t* dst, int32_t* pos,
+                                      int32_t* hist, int32_t* bad) {
+  const int n = p.n, K = p.c.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  const int64_t C = route_chunk(p);
+  for (int64_t s0 = lo; s0 < hi; s0 += C) {
+    const int64_t e = imin(s0 + C, hi);
+    load_dests(p, s0, e, dst, hist, bad);
+    for (int64_t s = s0; s < e; s += blockDim.x) {
+      const int64_t t = s + threadIdx.x;
+      const int16_t* row = dst + (t - s0) * K;
+      const uint64_t mask = t < e ? dest_mask(row, K) : 0;
+      for (int d = 0; d < n; ++d) {
+        const unsigned b = __ballot_sync(0xffffffffu, t < e && sends_to(row, K, mask, d));
+        if (lane == 0) warp_rows[warp * n + d] = __popc(b);
+      }
+      __syncthreads();
+      for (int d = 0; d < n; ++d) {
+        const bool hit = t < e && sends_to(row, K, mask, d);
+        const unsigned b = __ballot_sync(0xffffffffu, hit);
+        int32_t r = run[d] + __popc(b & ((1u << lane) - 1u));
+        for (int w = 0; w < warp; ++w) r += warp_rows[w * n + d];
+        if (t < e) pos[t * n + d] = hit ? r : -1;
+      }
+      __syncthreads();
+      for (int d = threadIdx.x; d < n; d += blockDim.x)
+        for (int w = 0; w < warps; ++w) run[d] += warp_rows[w * n + d];
+      __syncthreads();
     }
-  } else {
-    // Rank of each pair among the chunk's earlier pairs of the same expert
-    // (pair order is token, then slot): a short scan of shared memory.
-    for (int64_t j = threadIdx.x; j < pairs; j += blockDim.x) {
-      const int32_t id = ids[j];
+  }
+}
+
+// Expert-major, whole block: hist[e] += the kept (token, slot) pairs of
+// [lo, hi) with expert e.
+__device__ inline void count_expert_pairs(const Params& p, int64_t lo, int64_t hi, int32_t* hist,
+                                          int32_t* bad) {
+  for_each_pair(p, lo, hi, [&](int64_t j, int64_t id) { tally_id(p, j, id, hist, bad); });
+  __syncthreads();
+}
+
+// Expert-major, whole block: as count_expert_pairs, and pos[j] = the rank
+// of pair j among this PE's pairs to its expert (-1: dropped). ids: shared
+// scratch of blockDim.x words.
+__device__ inline void rank_expert_pairs(const Params& p, int64_t lo, int64_t hi, int32_t* hist,
+                                         int32_t* ids, int32_t* pos, int32_t* bad) {
+  for (int64_t s = lo; s < hi; s += blockDim.x) {
+    const int64_t j = s + threadIdx.x;
+    const int64_t raw = j < hi ? topk_id(p, j) : -1;
+    const int32_t id = tally_id(p, j, raw, nullptr, j < hi ? bad : nullptr)
+                           ? static_cast<int32_t>(raw) : -1;
+    ids[threadIdx.x] = id;
+    __syncthreads();
+    if (j < hi) {
       int32_t r = -1;
       if (id >= 0) {
-        r = 0;
-        for (int64_t m = 0; m < j; ++m) r += ids[m] == id;
+        r = hist[id];
+        for (unsigned i = 0; i < threadIdx.x; ++i) r += ids[i] == id;
       }
-      pos[i0 + j] = r;
+      pos[j] = r;
     }
-    for (int d = threadIdx.x; d < n; d += blockDim.x) {
-      int32_t rows = 0;
-      for (int l = 0; l < L; ++l) rows += per_expert[d * L + l];
-      row[d] = rows;
-    }
+    __syncthreads();
+    if (id >= 0) atomicAdd(&hist[id], 1);
+    __syncthreads();
   }
-  for (int e = threadIdx.x; e < E; e += blockDim.x) row[n + e] = per_expert[e];
+}
 
-  if (!last_block(p, kRouteDone, gridDim.x)) return;
-  // Per column: every chunk's count becomes the rows of the chunks before it.
-  const int chunks_n = static_cast<int>(gridDim.x);
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    int32_t sum = 0;
-    for (int b0 = 0; b0 < chunks_n; b0 += 8) {  // eight loads in flight
-      int32_t v[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q)
-        v[q] = b0 + q < chunks_n ? __ldcg(chunks + static_cast<int64_t>(b0 + q) * cols + c) : 0;
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        if (b0 + q < chunks_n) chunks[static_cast<int64_t>(b0 + q) * cols + c] = sum;
-        sum += v[q];
-      }
-    }
-    counts[kCountDest + c] = sum;
-    const int c0 = tm ? c : c - n;  // this layout's send-order column
-    if (c0 >= 0 && c0 < (tm ? n : E)) sh[c0] = sum;
+#ifdef __CUDACC__
+__device__ __forceinline__ void st_word(uint64_t* a, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
+}
+#else
+inline void st_word(uint64_t* a, uint64_t v) { __atomic_store_n(a, v, __ATOMIC_RELAXED); }
+#endif
+__device__ __forceinline__ uint64_t tagged(uint64_t epoch, int32_t v) {
+  return (epoch << 32) | static_cast<uint32_t>(v);
+}
+__device__ __forceinline__ bool has_tag(uint64_t word, uint64_t epoch) {
+  return static_cast<uint32_t>(word >> 32) == static_cast<uint32_t>(epoch);
+}
+
+// PE q's count rows of call `epoch`. Two sets, by parity: call k's rows are
+// overwritten only by call k + 2, which no peer starts before this PE ended
+// call k + 1, so a block may read them until its kernel ends.
+__device__ __forceinline__ uint64_t* count_rows(const Params& p, int q, uint64_t epoch) {
+  return at<uint64_t>(p, q, p.g.off_count_rows) +
+         (epoch & 1) * static_cast<size_t>(p.n) * p.g.count_words;
+}
+
+// Ticket 0, once it counted every token: publishes this PE's count row
+// [status, detail, rows per destination, pairs per expert] into every PE,
+// then this PE's send order (first combine row of each destination, or
+// expert) into its own workspace. scan: shared scratch of 2 * cols words.
+__device__ inline void publish_counts(const Params& p, uint64_t epoch, const int32_t* run,
+                                      const int32_t* hist, int bad, int32_t* scan) {
+  const int n = p.n, E = p.c.num_experts, L = p.g.local_experts, CW = p.g.count_words;
+  const bool tm = p.c.layout == Layout::TokenMajor;
+  int32_t status = p.host_status, detail = p.host_detail;
+  if (status == kOk && bad != INT32_MAX) {
+    const int64_t id = topk_id(p, bad);
+    status = kExpertOutOfRange;
+    detail = static_cast<int32_t>(id < INT32_MIN ? INT32_MIN : id > INT32_MAX ? INT32_MAX : id);
   }
-  // First combine row of each destination (expert) in send order.
-  block_exclusive_scan(sh, sh + (tm ? n : E), tm ? n : E);
-  int32_t* prefix = at<int32_t>(p, p.me, p.g.off_scratch_prefix);
-  for (int j = threadIdx.x; j < (tm ? n : E); j += blockDim.x) prefix[j] = sh[j];
-  if (threadIdx.x == 0) {
-    uint64_t* bad = local_word(p, kBadIdWord);
-    const uint64_t v = ld_volatile(bad);
-    if (v) {
-      const int64_t id = topk_id(p, static_cast<int64_t>(kBadIdBase - v));
-      counts[kCountStatus] = kExpertOutOfRange;
-      counts[kCountDetail] =
-          static_cast<int32_t>(id < INT32_MIN ? INT32_MIN : id > INT32_MAX ? INT32_MAX : id);
-      *bad = 0;
-    } else {
-      counts[kCountStatus] = kOk;
-      counts[kCountDetail] = 0;
+  auto dest_rows = [&](int d) {
+    if (tm) return run[d];
+    int32_t rows = 0;
+    for (int l = 0; l < L; ++l) rows += hist[d * L + l];
+    return rows;
+  };
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(n) * CW; i += blockDim.x) {
+    const int q = static_cast<int>(i / CW), w = static_cast<int>(i % CW);
+    int32_t v = 0;
+    if (w == kCountStatus) v = status;
+    else if (w == kCountDetail) v = detail;
+    else if (status == kOk && w < kCountDest + n) v = dest_rows(w - kCountDest);
+    else if (status == kOk && w < kCountDest + n + E) v = hist[w - kCountDest - n];
+    st_word(count_rows(p, q, epoch) + p.me * CW + w, tagged(epoch, v));
+  }
+  const int cols = tm ? n : E;
+  for (int j = threadIdx.x; j < cols; j += blockDim.x)
+    scan[j] = status != kOk ? 0 : tm ? run[j] : hist[j];
+  block_exclusive_scan(scan, scan + cols, cols);
+  uint64_t* prefix = at<uint64_t>(p, p.me, p.g.off_send_prefix);
+  for (int j = threadIdx.x; j < cols; j += blockDim.x) st_word(prefix + j, tagged(epoch, scan[j]));
+  __syncthreads();
+}
+
+// Whole block: waits until every PE's count row and this PE's send order
+// carry this call's epoch. False in every thread after a timeout (recorded,
+// naming the late PE) or another wait's.
+__device__ inline bool wait_counts(const Params& p, uint64_t epoch) {
+  __shared__ int failed;
+  const int n = p.n, CW = p.g.count_words;
+  const int64_t cells = static_cast<int64_t>(n) * CW;
+  const int cols = p.c.layout == Layout::TokenMajor ? n : p.c.num_experts;
+  const uint64_t* rows = count_rows(p, p.me, epoch);
+  const uint64_t* prefix = at<uint64_t>(p, p.me, p.g.off_send_prefix);
+  const uint64_t* err = local_word(p, kErrorWord);
+  volatile int* stop = &failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const uint64_t start = now_ns();
+  for (int64_t i = threadIdx.x; i < cells + cols && !*stop; i += blockDim.x) {
+    const uint64_t* word = i < cells ? rows + i : prefix + (i - cells);
+    unsigned spins = 0;
+    uint64_t seen;
+    while (!has_tag(seen = ld_volatile(word), epoch)) {
+      spin_pause();
+      if ((++spins & 1023u) != 0) continue;
+      if (*stop || ld_volatile(err) == kPeerTimeout) {
+        *stop = 1;
+        break;
+      }
+      if (now_ns() - start > p.timeout_ns) {
+        const int q = i < cells ? static_cast<int>(i / CW) : p.me;
+        record_error(p, kPeerTimeout, q, p.me, epoch, kWaitCounts, seen >> 32, epoch);
+        *stop = 1;
+        break;
+      }
     }
   }
   __syncthreads();
-  // Publish [status, detail, dest counts, expert counts] into every PE.
-  const uint64_t epoch = ld_volatile(local_word(p, kDispatchEpoch)) + 1;
-  const int32_t status = p.host_status ? p.host_status : counts[kCountStatus];
-  const int32_t detail = p.host_status ? p.host_detail : counts[kCountDetail];
-  const int CW = p.g.count_words;
-  for (int q = 0; q < n; ++q) {
-    int32_t* out = at<int32_t>(p, q, p.g.off_count_rows) + p.me * CW;
-    for (int i = threadIdx.x; i < CW; i += blockDim.x) {
-      int32_t v = 0;
-      if (i == kCountStatus) v = status;
-      else if (i == kCountDetail) v = detail;
-      else if (status == kOk && i < kCountDest + cols) v = counts[i];
-      out[i] = v;
-    }
-  }
-  publish(p, p.g.off_count_flag, epoch, false);
+  return failed == 0;
 }
 
 // ------------------------------------------------------------ dispatch
@@ -467,15 +591,16 @@ struct DispatchPlan {
   int32_t abort_status, abort_detail, abort_pe;
 };
 
-__device__ inline int32_t count_cell(const Params& p, int q, int i) {
-  return __ldcg(at<int32_t>(p, p.me, p.g.off_count_rows) + q * p.g.count_words + i);
+// Word i of PE q's count row (once wait_counts saw this call's tag on it).
+__device__ inline int32_t count_cell(const Params& p, uint64_t epoch, int q, int i) {
+  return static_cast<int32_t>(ld_volatile(count_rows(p, p.me, epoch) + q * p.g.count_words + i));
 }
 
-// Fills `plan` and, in dynamic shared memory, base[] (first row of this PE's
-// rows at each destination / in each expert's run) and prefix[] (first row of
-// each destination / expert in this PE's send order = its combine rows).
-__device__ inline void make_plan(const Params& p, DispatchPlan& plan, int32_t* base,
-                                 int32_t* prefix) {
+// Fills `plan` and, in shared memory, base[] (first row of this PE's rows at
+// each destination / in each expert's run) and prefix[] (first row of each
+// destination / expert in this PE's send order = its combine rows).
+__device__ inline void make_plan(const Params& p, uint64_t epoch, DispatchPlan& plan,
+                                 int32_t* base, int32_t* prefix) {
   const int n = p.n, E = p.c.num_experts, L = p.g.local_experts;
   const bool tm = p.c.layout == Layout::TokenMajor;
   const int cols = tm ? n : E;
@@ -487,23 +612,23 @@ __device__ inline void make_plan(const Params& p, DispatchPlan& plan, int32_t* b
   }
   __syncthreads();
   for (int q = threadIdx.x; q < n; q += blockDim.x)
-    if (count_cell(p, q, kCountStatus) != kOk) atomicMin(&bad_pe, q);
-  const int32_t* my_prefix = at<int32_t>(p, p.me, p.g.off_scratch_prefix);  // by route_kernel
+    if (count_cell(p, epoch, q, kCountStatus) != kOk) atomicMin(&bad_pe, q);
+  const uint64_t* my_prefix = at<uint64_t>(p, p.me, p.g.off_send_prefix);
   for (int j = threadIdx.x; j < cols; j += blockDim.x) {
     int64_t total = 0, before = 0;
     for (int q = 0; q < n; ++q) {
-      int32_t v = count_cell(p, q, first + j);
+      int32_t v = count_cell(p, epoch, q, first + j);
       total += v;
       if (q < p.me) before += v;
     }
     base[j] = static_cast<int32_t>(before);
-    prefix[j] = my_prefix[j];
+    prefix[j] = static_cast<int32_t>(ld_volatile(my_prefix + j));
     if (total > (tm ? p.g.recv_rows : p.g.expert_cap)) atomicMin(&overflow_at, j);
   }
   __syncthreads();
   if (bad_pe < n) {
-    plan.abort_status = count_cell(p, bad_pe, kCountStatus);
-    plan.abort_detail = count_cell(p, bad_pe, kCountDetail);
+    plan.abort_status = count_cell(p, epoch, bad_pe, kCountStatus);
+    plan.abort_detail = count_cell(p, epoch, bad_pe, kCountDetail);
     plan.abort_pe = bad_pe;
   } else if (overflow_at < cols) {
     plan.abort_status = kRecvOverflow;
@@ -525,36 +650,38 @@ __device__ inline bool must_report(const Params& p, const DispatchPlan& plan) {
 }
 
 // Outputs of a dispatch that derive from the count matrix: counts, the
-// handle's summary. One block, before it signals its rows: once a peer has
-// every PE's rows it may publish its next count row over this one.
-__device__ inline void finish_counts(const Params& p, bool abort) {
+// handle's summary. One block. rows: shared scratch of n * n words (each
+// PE's rows to each destination, loaded at once rather than one dependent
+// load after another).
+__device__ inline void finish_counts(const Params& p, uint64_t epoch, bool abort, int32_t* rows) {
   const int n = p.n, L = p.g.local_experts;
   const bool tm = p.c.layout == Layout::TokenMajor;
+  for (int i = threadIdx.x; i < n * n; i += blockDim.x)
+    rows[i] = abort ? 0 : count_cell(p, epoch, i / n, kCountDest + i % n);
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int32_t c = 0;
     if (!abort)
-      for (int q = 0; q < n; ++q) c += count_cell(p, q, kCountDest + n + p.me * L + l);
+      for (int q = 0; q < n; ++q) c += count_cell(p, epoch, q, kCountDest + n + p.me * L + l);
     p.expert_counts[l] = c;
     p.summary[4 * n + l] = c;
   }
+  __syncthreads();
+  auto cell = [&](int q, int d) { return rows[q * n + d]; };  // PE q's rows to PE d
   for (int q = threadIdx.x; q < n; q += blockDim.x) {
-    int32_t range_start = 0, rows = 0, first_row = 0, sent_before = 0;
-    if (!abort) {  // a destination's count is its rows in either layout
-      for (int d = 0; d < p.me; ++d) range_start += count_cell(p, q, kCountDest + d);
-      for (int d = 0; d < q; ++d) sent_before += count_cell(p, p.me, kCountDest + d);
-      rows = count_cell(p, q, kCountDest + p.me);
-      if (tm)
-        for (int r = 0; r < q; ++r) first_row += count_cell(p, r, kCountDest + p.me);
-    }
+    int32_t range_start = 0, first_row = 0, sent_before = 0;
+    for (int d = 0; d < p.me; ++d) range_start += cell(q, d);
+    for (int d = 0; d < q; ++d) sent_before += cell(p.me, d);
+    if (tm)
+      for (int r = 0; r < q; ++r) first_row += cell(r, p.me);
     p.summary[4 * q] = range_start;
-    p.summary[4 * q + 1] = rows;
+    p.summary[4 * q + 1] = cell(q, p.me);
     p.summary[4 * q + 2] = first_row;
     p.summary[4 * q + 3] = sent_before;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     int32_t total = 0;
-    for (int q = 0; q < n; ++q) total += p.summary[4 * q + 1];
+    for (int q = 0; q < n; ++q) total += cell(q, p.me);
     *p.num_recv = total;
     p.summary[4 * n + L] = total;
     p.summary[4 * n + L + 1] = 0;
@@ -593,38 +720,67 @@ __device__ inline void finish_meta(const Params& p) {
   }
 }
 
-// Stores (or, in pack mode, stages) every row of this PE. Every block waits
-// for the count rows, so every block agrees on aborts and on destinations.
+// Routes, then stores (or, in pack mode, stages) the rows of this block's
+// tokens: p.tokens_per_block of them, by ticket (the order blocks start).
+// Every block waits for every count row, so all agree on aborts and on
+// destinations; they wait only for ticket 0, which started before them and
+// never waits first, so the grid needs no co-residency.
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   const int n = p.n, K = p.c.topk, E = p.c.num_experts, L = p.g.local_experts;
   const bool tm = p.c.layout == Layout::TokenMajor;
   const Geometry& g = p.g;
   const uint64_t epoch = ld_volatile(local_word(p, kDispatchEpoch)) + 1;
-  EP_DYNAMIC_SHARED(int32_t, dyn);
   const int cols = tm ? n : E;
-  int32_t* base = dyn;  // [cols]
-  int32_t* prefix = base + cols;
-  __shared__ bool counts_ok;
-  __shared__ DispatchPlan plan;
-  if (threadIdx.x == 0) counts_ok = wait_all(p, g.off_count_flag, epoch, epoch);
+  EP_DYNAMIC_SHARED(int32_t, dyn);
+  int32_t* base = dyn;             // [cols]
+  int32_t* prefix = base + cols;   // [cols]
+  int32_t* hist = prefix + cols;   // [E] pairs per expert so far
+  int32_t* run = hist + E;         // [n] rows per destination so far (token-major)
+  // [max(warps * n + 4 * blockDim.x (token-major ids as int16), blockDim.x, 2 * cols, n * n)]
+  int32_t* scratch = run + n;
+  __shared__ int ticket, bad;
+  if (threadIdx.x == 0) {
+    auto* c = reinterpret_cast<unsigned long long*>(local_word(p, kDispatchTicket));
+    ticket = static_cast<int>(atomicAdd(c, 1ull));
+    if (ticket == static_cast<int>(gridDim.x) - 1) *c = 0;  // every block has its ticket
+    bad = INT32_MAX;
+  }
+  for (int i = threadIdx.x; i < E + n; i += blockDim.x) hist[i] = 0;  // and run
   __syncthreads();
-  if (counts_ok) {
+  const bool first = ticket == 0;
+  const int64_t t0 = imin(static_cast<int64_t>(ticket) * p.tokens_per_block, p.T);
+  const int64_t t1 = imin(t0 + p.tokens_per_block, p.T);
+  int32_t* pos = at<int32_t>(p, p.me, g.off_scratch_pos);
+  // Ticket 0 counts every token (and checks every id); the others only the
+  // tokens before theirs.
+  int32_t* all_hist = first ? hist : nullptr;
+  int32_t* all_bad = first ? &bad : nullptr;
+  if (tm) {
+    int16_t* dst = reinterpret_cast<int16_t*>(scratch + kWarpsPerBlock * n);
+    count_dest_rows(p, 0, t0, run, scratch, dst, nullptr, nullptr);
+    rank_dest_rows(p, t0, t1, run, scratch, dst, pos, all_hist, all_bad);
+    if (first) count_dest_rows(p, t1, p.T, run, scratch, dst, hist, &bad);
+  } else {
+    count_expert_pairs(p, 0, t0 * K, hist, nullptr);
+    rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, all_bad);
+    if (first) count_expert_pairs(p, t1 * K, p.T * K, hist, &bad);
+  }
+  if (first) publish_counts(p, epoch, run, hist, bad, scratch);
+
+  __shared__ DispatchPlan plan;
+  if (wait_counts(p, epoch)) {
     DispatchPlan local;
-    make_plan(p, local, base, prefix);
+    make_plan(p, epoch, local, base, prefix);
     if (threadIdx.x == 0) plan = local;
   } else if (threadIdx.x == 0) {
     plan = DispatchPlan{kPeerTimeout, 0, -1};
   }
   __syncthreads();
   const bool abort = plan.abort_status != kOk;
-  // The outputs that follow from the counts, early, by block 0 (before it
-  // signals its rows: the count rows stay valid until then).
-  if (blockIdx.x == 0) finish_counts(p, abort);
-  const int32_t* pos = at<int32_t>(p, p.me, g.off_scratch_pos);
-  const int lane = threadIdx.x & 31;
-  const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = static_cast<int>(blockDim.x >> 5);
   const int64_t T = abort ? 0 : p.T;
+  const int64_t b0 = imin(t0, T), b1 = imin(t1, T);  // this block's tokens
 
   // Destination of a row: a peer's receive buffer, or local staging (pack).
   auto target = [&](int d, size_t off) { return p.pack ? at<char>(p, p.me, off) : at<char>(p, d, off); };
@@ -633,28 +789,17 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   const size_t off_i = p.pack ? g.off_stage_idx : g.off_recv_idx;
   const size_t off_w = p.pack ? g.off_stage_w : g.off_recv_w;
   const size_t off_m = p.pack ? g.off_stage_meta : g.off_recv_meta;
-
-  // Rank of pair i (token t, column s) among this PE's rows to the same
-  // destination (token-major) or expert: its chunk's base plus its rank in
-  // the chunk; -1 when the pair sends nothing.
-  const int32_t* chunk_base = at<int32_t>(p, p.me, g.off_scratch_chunks);
   const int S = g.send_cols;
-  auto rank_of = [&](int64_t i, int64_t id) -> int32_t {
-    const int32_t in_chunk = pos[i];
-    if (in_chunk < 0) return -1;
-    const int64_t col = tm ? i % S : n + id;
-    return chunk_base[(i / S / g.route_chunk) * (n + E) + col] + in_chunk;
-  };
 
   // One unit = one piece of one (token, column) row: small batches spread
   // their rows over every warp of the grid.
   const int P = p.pieces;
-  for (int64_t u = warp0; u < T * S * P; u += warps) {
-    const int64_t i = u / P, t = i / S;
+  for (int64_t u = warp; u < (b1 - b0) * S * P; u += warps) {
+    const int64_t i = b0 * S + u / P, t = i / S;
     const int piece = static_cast<int>(u % P);
-    const int64_t id = tm ? -1 : topk_id(p, i);
-    const int32_t rank = rank_of(i, id);
+    const int32_t rank = pos[i];
     if (rank < 0) continue;
+    const int64_t id = tm ? -1 : topk_id(p, i);
     const int d = tm ? static_cast<int>(i % S) : static_cast<int>(id / L);
     const int32_t crow = prefix[tm ? d : id] + rank;
     const int64_t r = p.pack ? crow
@@ -671,7 +816,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
       float* w = reinterpret_cast<float*>(target(d, off_w)) + r * K;
       for (int k = lane; k < K; k += 32) {
         const int64_t e = topk_id(p, t * K + k);
-        const bool local = e >= 0 && e < E && e / L == d;
+        const bool local = kept_id(p, e) && e / L == d;
         idx[k] = local ? static_cast<int32_t>(e % L) : -1;
         w[k] = local ? p.w[t * K + k] : 0.0f;
       }
@@ -685,18 +830,16 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
       reinterpret_cast<int32_t*>(target(d, off_m))[r * kMetaWords + lane] = v;
     }
   }
-  // Handle: the combine row of every (token, destination | slot), -1 if none.
-  const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t gthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = gtid; i < static_cast<int64_t>(p.c.max_tokens) * S; i += gthreads) {
-    int32_t v = -1;
-    if (i / S < T) {
-      const int64_t id = tm ? -1 : topk_id(p, i);
-      const int32_t rank = rank_of(i, id);
-      if (rank >= 0) v = prefix[tm ? i % S : id] + rank;
-    }
-    p.send_rows[i] = v;
+  // Handle: the combine row of every (token, destination | slot) of this
+  // block's tokens, -1 if none; the blocks share the rows past T.
+  for (int64_t i = b0 * S + threadIdx.x; i < b1 * S; i += blockDim.x) {
+    const int32_t rank = pos[i];
+    p.send_rows[i] = rank < 0 ? -1 : prefix[tm ? i % S : topk_id(p, i)] + rank;
   }
+  const int64_t gtid = static_cast<int64_t>(ticket) * blockDim.x + threadIdx.x;
+  const int64_t gthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = T * S + gtid; i < static_cast<int64_t>(p.c.max_tokens) * S; i += gthreads)
+    p.send_rows[i] = -1;
   if (p.saved_w)
     for (int64_t i = gtid; i < T * K; i += gthreads) p.saved_w[i] = p.w[i];
 
@@ -710,6 +853,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   if (threadIdx.x == 0 && must_report(p, plan))
     record_error(p, plan.abort_status, plan.abort_detail, plan.abort_pe, epoch);
   if (p.pack) {
+    finish_counts(p, epoch, abort, scratch);
     // The copy plan for the host: one segment per destination (token-major)
     // or per expert (expert-major) with rows.
     if (threadIdx.x == 0) {
@@ -717,7 +861,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
       int segs = 0;
       if (!abort)
         for (int j = 0; j < cols; ++j) {
-          int32_t rows = count_cell(p, p.me, (tm ? kCountDest : kCountDest + n) + j);
+          int32_t rows = count_cell(p, epoch, p.me, (tm ? kCountDest : kCountDest + n) + j);
           if (rows == 0) continue;
           volatile int32_t* s = h + kHostSegment0 + 4 * segs++;
           s[0] = tm ? j : j / L;
@@ -732,6 +876,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     return;  // finish_kernel completes the call once the copies landed
   }
   signal_rows();
+  finish_counts(p, epoch, abort, scratch);  // while the peers' last rows land
   __shared__ bool landed;
   if (threadIdx.x == 0) landed = wait_all(p, g.off_data_flag, epoch * p.flag_per_epoch, epoch);
   __syncthreads();
@@ -1239,7 +1384,9 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
     });
   }
   if (!last_block(p, kReduceDone, blocks) || threadIdx.x != 0) return;
-  finish_combine(p, epoch, wait_all(p, g.off_combine_flag, epoch * p.flag_per_epoch, epoch));
+  // Without row flags, `go` already means every sender PE is done.
+  finish_combine(p, epoch, (go && !p.row_flags) ||
+                               wait_all(p, g.off_combine_flag, epoch * p.flag_per_epoch, epoch));
 }
 
 // Combine in one grid (intranode, low_latency). Blocks take their role in
