@@ -318,11 +318,10 @@ __device__ __forceinline__ bool kept_id(const Params& p, int64_t id) {
   return id >= 0 && id < p.c.num_experts;
 }
 
-// Token-major routing works on chunks of route_chunk(p) tokens whose ids
-// the whole block first loads into shared memory as destination PEs
-// (coalesced, eight loads in flight per thread: dependent loads per token
-// would cost a memory round trip each). dst: int16 [route_chunk * K].
-// route_chunk * K is at most 8 * blockDim.x, the loads of one for_each_pair.
+// Token-major routing works on chunks of route_chunk(p) tokens: the whole
+// block first loads their ids into shared memory as destination PEs (dst:
+// int16 [route_chunk * K], coalesced; route_chunk * K is at most
+// 8 * blockDim.x, one round of for_each_pair).
 __device__ __forceinline__ int64_t route_chunk(const Params& p) {
   const int64_t c = 8 * static_cast<int64_t>(blockDim.x) / p.c.topk;
   return c > 0 ? c : 1;
