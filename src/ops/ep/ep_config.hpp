@@ -62,7 +62,7 @@ struct Geometry {
   size_t row_bytes = 0, scale_row_bytes = 0, combine_row_bytes = 0;
 
   // Sync words (uint64): flags written by peers, indexed by the writer.
-  size_t off_count_flag = 0;    // [n] epoch of the routing-count row from PE i
+  size_t off_count_flag = 0;    // [n] epoch of the routing-count row from PE i (cpu)
   size_t off_data_flag = 0;     // [n] dispatch rows from PE i have landed
   size_t off_combine_flag = 0;  // [n] combine rows from PE i have landed
   size_t off_freed_flag = 0;    // [n] PE i has consumed its combine buffer

@@ -56,10 +56,9 @@ class DeviceDriver final : public DeviceImpl {
     p.summary = a.recv_summary;
     p.saved_w = a.saved_weights;
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
-    p.flag_per_epoch = ce ? 1 : dispatch_blocks(op);
-    p.pieces = row_pieces(g.combine_rows, g.row_bytes);
-
     const int blocks = dispatch_blocks(op);
+    p.flag_per_epoch = ce ? 1 : blocks;
+    p.pieces = row_pieces(g.combine_rows, g.row_bytes);
     p.tokens_per_block = std::max<int64_t>(1, (p.T + blocks - 1) / blocks);
     // base and prefix per column, counts per expert and destination, scratch
     const int cols = op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
