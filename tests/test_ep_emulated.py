@@ -35,6 +35,9 @@ def test_every_kernel_and_layout_matches_the_cpu_implementation():
                 cfg(dtype="float16", max_recv_tokens=12, scale_dim=16, scale_dtype="float16"),
                 # several tokens per routing chunk, and rows split between warps
                 cfg(max_tokens_per_rank=40, hidden=256),
+                # too many ids for one pass: blocks rank from the blocks before them
+                cfg(max_tokens_per_rank=200),
+                cfg(max_tokens_per_rank=200, layout="expert_major"),
                 cfg(max_tokens_per_rank=40, kernel="low_latency", layout="expert_major")]
     by_kernels = emulated(progs.many_configs, 2, (configs,))
     by_cpu = run_processes(progs.many_configs, 2, args=(configs,))
@@ -50,6 +53,7 @@ def test_four_pes():
 @pytest.mark.parametrize("kw,fault,match", [
     (dict(kernel="low_latency"), "expert_too_large", "expert id 8"),
     (dict(kernel="intranode"), "expert_negative", "expert id -2"),
+    (dict(kernel="intranode", max_tokens_per_rank=200), "expert_too_large", "expert id 8"),
     (dict(kernel="intranode", max_recv_tokens=12), "too_many_tokens", "max_tokens_per_rank=6"),
     (dict(kernel="copy_engine", layout="expert_major"), "wrong_dtype", "x must have dtype"),
 ])

@@ -136,6 +136,7 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.combine_row_bytes = static_cast<size_t>(c.hidden) * dtype_size(g.combine_dtype);
 
   const size_t n = static_cast<size_t>(n_pes);
+  const bool token_major = c.layout == Layout::TokenMajor;
   const size_t A = 256;
   size_t at = 0;
   auto take = [&](size_t bytes) {
@@ -154,10 +155,13 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.off_row_flags = take(c.kernel == Kernel::CopyEngine
                              ? 0
                              : static_cast<size_t>(g.combine_rows) * kMaxPieces * 8);
+  g.off_route_totals = take(2 * (n + c.num_experts + 1) * 4);
   g.sync_bytes = at;
+  const size_t route_cols = token_major ? n : static_cast<size_t>(c.num_experts);
+  g.off_route_counts = take(kMaxGridBlocks * route_cols * 8);
+  g.off_route_done = take(kMaxGridBlocks * 8);
   g.off_scratch_pos = take(static_cast<size_t>(c.max_tokens) * g.send_cols * 4);
   const size_t rows = static_cast<size_t>(g.recv_rows);
-  const bool token_major = c.layout == Layout::TokenMajor;
   g.off_recv_x = take(rows * g.row_bytes);
   g.off_recv_scales = take(rows * g.scale_row_bytes);
   g.off_recv_idx = take(token_major ? rows * c.topk * 4 : 0);

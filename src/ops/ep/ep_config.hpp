@@ -76,8 +76,18 @@ struct Geometry {
   // cuda, SM-driven combine: [combine_rows][kMaxPieces] epoch of the last
   // combine whose piece of that row has landed here (set by the sender).
   size_t off_row_flags = 0;
+  // Dispatch routing (device): the counts every block of the grid adds up,
+  // two sets by call parity, int32 [2][n + E + 1] (rows per destination,
+  // pairs per expert, lowest bad pair encoded as INT32_MAX - index).
+  size_t off_route_totals = 0;
+  // Per block of the dispatch grid (device, uint64 tagged with the epoch):
+  // its rows per destination (token-major) or pairs per expert [blocks][n or
+  // E], which later blocks rank from, and whether its counts are in the
+  // totals [blocks].
+  size_t off_route_counts = 0, off_route_done = 0;
   // This PE's routing scratch (device): the rank of every (token, column)
-  // among this PE's rows to its destination or expert [max_tokens, send_cols].
+  // among this PE's (small calls) or its dispatch block's rows to its
+  // destination or expert [max_tokens, send_cols].
   size_t off_scratch_pos = 0;
   // Receive side of dispatch.
   size_t off_recv_x = 0, off_recv_scales = 0, off_recv_idx = 0, off_recv_w = 0, off_recv_meta = 0;
@@ -103,6 +113,9 @@ enum LocalWord : int {
   kCombineTicket = 8,  // combine: blocks that took their role (cuda)
   kLocalWords = 16
 };
+
+// Most blocks in one grid of the cuda kernels.
+constexpr int kMaxGridBlocks = 128;
 
 // Most warps that share one row in a call of few rows (cuda kernels).
 constexpr int kMaxPieces = 8;

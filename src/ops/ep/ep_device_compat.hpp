@@ -119,6 +119,13 @@ inline int atomicMin(int* a, int v) {
   }
   return old;
 }
+inline int atomicMax(int* a, int v) {
+  int old = __atomic_load_n(a, __ATOMIC_SEQ_CST);
+  while (v > old &&
+         !__atomic_compare_exchange_n(a, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+  return old;
+}
 inline unsigned long long atomicMax(unsigned long long* a, unsigned long long v) {
   unsigned long long old = __atomic_load_n(a, __ATOMIC_SEQ_CST);
   while (v > old &&

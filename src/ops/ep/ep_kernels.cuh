@@ -5,14 +5,19 @@
 // Blocks never wait on a block of their own grid that may not have started,
 // only on blocks that took an earlier ticket and on kernels of other PEs, so
 // no grid needs to be co-resident:
-//   dispatch       every block ranks its tokens from a scan of the ids
-//                  before them; ticket 0 also counts every token and
-//                  publishes this PE's count row (epoch-tagged words, no
-//                  fence). Every block waits for every count row, stores its
-//                  rows into peers (or, in pack mode, into local staging for
-//                  the copy engines) and adds 1 to each peer's data flag; the
-//                  last block waits for every peer's blocks and copies the
-//                  rows' metadata;
+//   dispatch       every block counts and ranks its own tokens, publishes
+//                  its counts for the blocks after it and adds them to this
+//                  PE's totals; it takes its rank offsets from the blocks
+//                  before it (a look-back). Ticket 0 publishes this PE's
+//                  count row (epoch-tagged words, no fence) from the totals
+//                  once every block added to them, or after a grace period
+//                  from a count of its own (small calls rank from one round
+//                  of loads, with no look-back). Every block waits for every
+//                  count row, stores its rows into peers (or, in pack mode,
+//                  into local staging for the copy engines) and adds 1 to
+//                  each peer's data flag; the last block waits for every
+//                  peer's blocks and copies the metadata of the rows peers
+//                  sent (its own went straight into place);
 //   combine        (intranode, low_latency) blocks take roles in the order
 //                  they start: senders wait until each source consumed its
 //                  combine buffer, store rows back into it and flag each
@@ -50,7 +55,15 @@ constexpr int kThreads = 64;
 constexpr int64_t kRowFlagRows = 64;
 #endif
 constexpr int kWarpsPerBlock = kThreads / 32;
-constexpr int kMaxBlocks = 128;
+constexpr int kMaxBlocks = kMaxGridBlocks;
+// How long dispatch's ticket 0 waits for the other blocks' counts before it
+// counts every token itself (they are late only when the grid is not
+// resident at once; the emulation runs one block at a time).
+#ifdef __CUDACC__
+constexpr uint64_t kRouteGraceNs = 20000;
+#else
+constexpr uint64_t kRouteGraceNs = 0;
+#endif
 
 // Host-mapped mirror (int32 words): what the host reads without a device
 // synchronisation, or after one.
@@ -123,11 +136,14 @@ __device__ __forceinline__ uint64_t ld_acquire(const uint64_t* a) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
   return v;
 }
-__device__ __forceinline__ void st_release(uint64_t* a, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
+__device__ __forceinline__ void st_word(uint64_t* a, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
 }
 __device__ __forceinline__ void add_release(uint64_t* a, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
+}
+__device__ __forceinline__ void add_relaxed(uint64_t* a, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
 }
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
@@ -137,8 +153,9 @@ __device__ __forceinline__ uint64_t now_ns() {
 __device__ __forceinline__ void spin_pause() {}
 #else
 inline uint64_t ld_acquire(const uint64_t* a) { return __atomic_load_n(a, __ATOMIC_ACQUIRE); }
-inline void st_release(uint64_t* a, uint64_t v) { __atomic_store_n(a, v, __ATOMIC_RELEASE); }
+inline void st_word(uint64_t* a, uint64_t v) { __atomic_store_n(a, v, __ATOMIC_RELAXED); }
 inline void add_release(uint64_t* a, uint64_t v) { __atomic_fetch_add(a, v, __ATOMIC_RELEASE); }
+inline void add_relaxed(uint64_t* a, uint64_t v) { __atomic_fetch_add(a, v, __ATOMIC_RELAXED); }
 inline uint64_t now_ns() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                    std::chrono::steady_clock::now().time_since_epoch())
@@ -218,16 +235,17 @@ __device__ inline bool last_block(const Params& p, int counter, unsigned blocks)
 }
 
 // Makes the block's writes visible to every PE, then sets (or adds `value`
-// to) this PE's word at `off_flags` on every PE. One fence for the block:
-// the barrier orders every thread's writes before thread 0's fence.
+// to) this PE's word at `off_flags` on every PE. One fence for the block
+// and its flags: the barrier orders every thread's writes before thread 0's
+// fence, which orders them before the relaxed flag updates.
 __device__ inline void publish(const Params& p, size_t off_flags, uint64_t value, bool add) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence_system();
   for (int q = 0; q < p.n; ++q) {
     uint64_t* flag = at<uint64_t>(p, q, off_flags) + p.me;
-    if (add) add_release(flag, value);
-    else st_release(flag, value);
+    if (add) add_relaxed(flag, value);
+    else st_word(flag, value);
   }
 }
 
@@ -308,11 +326,10 @@ __device__ T block_exclusive_scan(T* a, T* tmp, int len) {
 
 // ------------------------------------------------------------ routing
 
-// Dispatch is one grid. Every block ranks its own tokens from a scan of the
-// ids of the tokens before them (no block waits for another to route), the
-// block with ticket 0 also counts every token and publishes this PE's count
-// row into every PE; each word carries the call's epoch in its upper half,
-// so no fence has to order the row before a flag.
+// Dispatch is one grid. Every block ranks its own tokens, then takes its
+// rank offsets from the counts of the blocks before it; ticket 0 publishes
+// this PE's count row into every PE; each word carries the call's epoch in
+// its upper half, so no fence has to order the row before a flag.
 
 __device__ __forceinline__ bool kept_id(const Params& p, int64_t id) {
   return id >= 0 && id < p.c.num_experts;
@@ -484,13 +501,6 @@ __device__ inline void rank_expert_pairs(const Params& p, int64_t lo, int64_t hi
   }
 }
 
-#ifdef __CUDACC__
-__device__ __forceinline__ void st_word(uint64_t* a, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
-}
-#else
-inline void st_word(uint64_t* a, uint64_t v) { __atomic_store_n(a, v, __ATOMIC_RELAXED); }
-#endif
 __device__ __forceinline__ uint64_t tagged(uint64_t epoch, int32_t v) {
   return (epoch << 32) | static_cast<uint32_t>(v);
 }
@@ -544,6 +554,29 @@ __device__ inline void publish_counts(const Params& p, uint64_t epoch, const int
   __syncthreads();
 }
 
+// Polls `word` until it carries `epoch`. False once timeout_ns passed since
+// `start` (recorded, naming PE `late`) or another wait failed (`stop` set,
+// or a timeout in the error word); then sets `stop`.
+__device__ inline bool await_tag(const Params& p, const uint64_t* word, uint64_t epoch,
+                                 uint64_t start, int late, volatile int* stop, uint64_t* seen) {
+  const uint64_t* err = local_word(p, kErrorWord);
+  unsigned spins = 0;
+  while (!has_tag(*seen = ld_volatile(word), epoch)) {
+    spin_pause();
+    if ((++spins & 1023u) != 0) continue;
+    if (*stop || ld_volatile(err) == kPeerTimeout) {
+      *stop = 1;
+      return false;
+    }
+    if (now_ns() - start > p.timeout_ns) {
+      record_error(p, kPeerTimeout, late, p.me, epoch, kWaitCounts, *seen >> 32, epoch);
+      *stop = 1;
+      return false;
+    }
+  }
+  return true;
+}
+
 // Whole block: waits until every PE's count row and this PE's send order
 // carry this call's epoch. False in every thread after a timeout (recorded,
 // naming the late PE) or another wait's.
@@ -554,28 +587,123 @@ __device__ inline bool wait_counts(const Params& p, uint64_t epoch) {
   const int cols = p.c.layout == Layout::TokenMajor ? n : p.c.num_experts;
   const uint64_t* rows = count_rows(p, p.me, epoch);
   const uint64_t* prefix = at<uint64_t>(p, p.me, p.g.off_send_prefix);
-  const uint64_t* err = local_word(p, kErrorWord);
   volatile int* stop = &failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   const uint64_t start = now_ns();
   for (int64_t i = threadIdx.x; i < cells + cols && !*stop; i += blockDim.x) {
     const uint64_t* word = i < cells ? rows + i : prefix + (i - cells);
-    unsigned spins = 0;
+    const int q = i < cells ? static_cast<int>(i / CW) : p.me;
     uint64_t seen;
-    while (!has_tag(seen = ld_volatile(word), epoch)) {
+    if (!await_tag(p, word, epoch, start, q, stop, &seen)) break;
+  }
+  __threadfence();  // what the rows announce (one-pass ranks) after the tags
+  __syncthreads();
+  return failed == 0;
+}
+
+// ------------------------------------------------------------ block counts
+
+// Where the blocks of a dispatch grid leave their counts (ep_config.hpp).
+__device__ __forceinline__ int route_cols(const Params& p) {
+  return p.c.layout == Layout::TokenMajor ? p.n : p.c.num_experts;
+}
+__device__ __forceinline__ int32_t* route_totals(const Params& p, uint64_t epoch) {
+  return at<int32_t>(p, p.me, p.g.off_route_totals) + (epoch & 1) * (p.n + p.c.num_experts + 1);
+}
+
+// Whole block, before it waits for anything: publishes the block's counts
+// (run: rows per destination, token-major; hist: pairs per expert) for the
+// blocks after it, adds them and its lowest bad pair to this call's totals,
+// then says so in its done word.
+__device__ inline void share_block_counts(const Params& p, uint64_t epoch, int ticket,
+                                          const int32_t* run, const int32_t* hist, int bad) {
+  const int n = p.n, E = p.c.num_experts, cols = route_cols(p);
+  const bool tm = p.c.layout == Layout::TokenMajor;
+  const int32_t* own = tm ? run : hist;
+  uint64_t* mine = at<uint64_t>(p, p.me, p.g.off_route_counts) + static_cast<size_t>(ticket) * cols;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) st_word(mine + c, tagged(epoch, own[c]));
+  int32_t* totals = route_totals(p, epoch);
+  for (int j = threadIdx.x; j < n + E; j += blockDim.x) {
+    const int32_t v = j < n ? (tm ? run[j] : 0) : hist[j - n];
+    if (v) atomicAdd(totals + j, v);
+  }
+  if (threadIdx.x == 0 && bad != INT32_MAX) atomicMax(totals + n + E, INT32_MAX - bad);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) st_word(at<uint64_t>(p, p.me, p.g.off_route_done) + ticket, tagged(epoch, 1));
+}
+
+// Ticket 0: this PE's counts over every token into run, hist and bad (as
+// count_dest_rows / count_expert_pairs), read from the totals once every
+// other block's done word says it added to them, or, if some block has not
+// within kRouteGraceNs (a grid that is not resident at once), counted from
+// every id. dst: as count_dest_rows.
+__device__ inline void count_all(const Params& p, uint64_t epoch, int32_t* run, int32_t* hist,
+                                 int* bad, int32_t* warp_rows, int16_t* dst) {
+  const int n = p.n, E = p.c.num_experts;
+  __shared__ int missing;
+  volatile int* late = &missing;
+  if (threadIdx.x == 0) missing = 0;
+  __syncthreads();
+  const uint64_t* done = at<uint64_t>(p, p.me, p.g.off_route_done);
+  const uint64_t start = now_ns();
+  for (unsigned b = 1 + threadIdx.x; b < gridDim.x && !*late; b += blockDim.x)
+    while (!has_tag(ld_volatile(done + b), epoch)) {
+      if (*late || now_ns() - start > kRouteGraceNs) {
+        *late = 1;
+        break;
+      }
       spin_pause();
-      if ((++spins & 1023u) != 0) continue;
-      if (*stop || ld_volatile(err) == kPeerTimeout) {
-        *stop = 1;
-        break;
-      }
-      if (now_ns() - start > p.timeout_ns) {
-        const int q = i < cells ? static_cast<int>(i / CW) : p.me;
-        record_error(p, kPeerTimeout, q, p.me, epoch, kWaitCounts, seen >> 32, epoch);
-        *stop = 1;
-        break;
-      }
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n + E; i += blockDim.x) (i < n ? run[i] : hist[i - n]) = 0;
+  if (threadIdx.x == 0) *bad = INT32_MAX;
+  __syncthreads();
+  if (!missing) {
+    __threadfence();  // the totals after the done words
+    const volatile int32_t* totals = route_totals(p, epoch);
+    for (int i = threadIdx.x; i < n + E; i += blockDim.x) (i < n ? run[i] : hist[i - n]) = totals[i];
+    if (threadIdx.x == 0 && totals[n + E] != 0) *bad = INT32_MAX - totals[n + E];
+    __syncthreads();
+  } else if (p.c.layout == Layout::TokenMajor) {
+    count_dest_rows(p, 0, p.T, run, warp_rows, dst, hist, bad);
+  } else {
+    count_expert_pairs(p, 0, p.T * p.c.topk, hist, bad);
+  }
+}
+
+// Whole block: before[c] = the rows (token-major: to PE c) or pairs
+// (expert-major: to expert c) of every block with an earlier ticket, for the
+// columns list[0, m) this block uses (0 for the others). Those blocks
+// published their counts before waiting for anything, so this waits only on
+// blocks that started. False in every thread after a timeout.
+__device__ inline bool look_back(const Params& p, uint64_t epoch, int ticket, const int32_t* list,
+                                 int m, int32_t* before) {
+  __shared__ int failed;
+  const int cols = route_cols(p);
+  const uint64_t* counts = at<uint64_t>(p, p.me, p.g.off_route_counts);
+  volatile int* stop = &failed;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) before[c] = 0;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const uint64_t start = now_ns();
+  const int64_t items = static_cast<int64_t>(m) * ticket;  // (earlier block, column)
+  auto word = [&](int64_t i) { return counts + (i / m) * cols + list[i % m]; };
+  constexpr int kBatch = 8;
+  for (int64_t i0 = threadIdx.x; i0 < items && !*stop; i0 += kBatch * static_cast<int64_t>(blockDim.x)) {
+    uint64_t v[kBatch];
+#pragma unroll
+    for (int q = 0; q < kBatch; ++q) {
+      const int64_t i = i0 + q * static_cast<int64_t>(blockDim.x);
+      v[q] = i < items ? ld_volatile(word(i)) : 0;
+    }
+#pragma unroll
+    for (int q = 0; q < kBatch; ++q) {
+      const int64_t i = i0 + q * static_cast<int64_t>(blockDim.x);
+      if (i >= items) continue;
+      if (!has_tag(v[q], epoch) && !await_tag(p, word(i), epoch, start, p.me, stop, &v[q])) break;
+      atomicAdd(&before[list[i % m]], static_cast<int32_t>(v[q]));
     }
   }
   __syncthreads();
@@ -693,8 +821,10 @@ __device__ inline void finish_counts(const Params& p, uint64_t epoch, bool abort
 
 // The handle's private copy of the valid rows' metadata (one 16-byte vector
 // per row), by one block once every row has landed (the summary is already
-// written); several loads in flight per thread.
-__device__ inline void finish_meta(const Params& p) {
+// written); several loads in flight per thread. With `own_written`, the
+// token-major rows this PE sent itself, whose metadata its senders wrote
+// straight into the copy, are skipped.
+__device__ inline void finish_meta(const Params& p, bool own_written) {
   static_assert(kMetaWords * 4 == 16, "a row's metadata is one 16-byte vector");
   const int n = p.n, L = p.g.local_experts;
   const int4* meta = at<int4>(p, p.me, p.g.off_recv_meta);
@@ -702,19 +832,24 @@ __device__ inline void finish_meta(const Params& p) {
   const bool tm = p.c.layout == Layout::TokenMajor;
   const int64_t cap = p.g.expert_cap;
   const int64_t rows = tm ? p.summary[4 * n + L] : p.g.recv_rows;
+  const bool skip = tm && own_written;
+  const int64_t own_first = skip ? p.summary[4 * p.me + 2] : rows;  // (clamped by the
+  const int64_t own_rows = skip ? p.summary[4 * p.me + 1] : 0;       //  summary's sums)
+  auto row_of = [&](int64_t i) { return i < own_first ? i : i + own_rows; };
   auto valid = [&](int64_t r) { return tm || r % cap < p.summary[4 * n + r / cap]; };
+  const int64_t copies = rows - own_rows;
   constexpr int kBatch = 8;
-  for (int64_t r0 = threadIdx.x; r0 < rows; r0 += kBatch * static_cast<int64_t>(blockDim.x)) {
+  for (int64_t i0 = threadIdx.x; i0 < copies; i0 += kBatch * static_cast<int64_t>(blockDim.x)) {
     int4 v[kBatch];
 #pragma unroll
     for (int q = 0; q < kBatch; ++q) {
-      const int64_t r = r0 + q * static_cast<int64_t>(blockDim.x);
-      if (r < rows && valid(r)) v[q] = __ldcg(meta + r);
+      const int64_t i = i0 + q * static_cast<int64_t>(blockDim.x);
+      if (i < copies && valid(row_of(i))) v[q] = __ldcg(meta + row_of(i));
     }
 #pragma unroll
     for (int q = 0; q < kBatch; ++q) {
-      const int64_t r = r0 + q * static_cast<int64_t>(blockDim.x);
-      if (r < rows && valid(r)) out[r] = v[q];
+      const int64_t i = i0 + q * static_cast<int64_t>(blockDim.x);
+      if (i < copies && valid(row_of(i))) out[row_of(i)] = v[q];
     }
   }
 }
@@ -722,8 +857,9 @@ __device__ inline void finish_meta(const Params& p) {
 // Routes, then stores (or, in pack mode, stages) the rows of this block's
 // tokens: p.tokens_per_block of them, by ticket (the order blocks start).
 // Every block waits for every count row, so all agree on aborts and on
-// destinations; they wait only for ticket 0, which started before them and
-// never waits first, so the grid needs no co-residency.
+// destinations; a block waits only for blocks with an earlier ticket (which
+// started before it) and for ticket 0, which never waits for a block that
+// may not have started, so the grid needs no co-residency.
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   const int n = p.n, K = p.c.topk, E = p.c.num_experts, L = p.g.local_experts;
   const bool tm = p.c.layout == Layout::TokenMajor;
@@ -733,41 +869,66 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   EP_DYNAMIC_SHARED(int32_t, dyn);
   int32_t* base = dyn;             // [cols]
   int32_t* prefix = base + cols;   // [cols]
-  int32_t* hist = prefix + cols;   // [E] pairs per expert so far
-  int32_t* run = hist + E;         // [n] rows per destination so far (token-major)
+  int32_t* before = prefix + cols; // [cols] rank offsets from the earlier blocks
+  int32_t* used = before + cols;   // [cols] the columns this block's rows use
+  int32_t* hist = used + cols;     // [E] pairs per expert
+  int32_t* run = hist + E;         // [n] rows per destination (token-major)
   // [max(warps * n + 4 * blockDim.x (token-major ids as int16), blockDim.x, 2 * cols, n * n)]
   int32_t* scratch = run + n;
-  __shared__ int ticket, bad;
+  int16_t* dst = reinterpret_cast<int16_t*>(scratch + kWarpsPerBlock * n);
+  __shared__ int ticket, bad, n_used;
   if (threadIdx.x == 0) {
     auto* c = reinterpret_cast<unsigned long long*>(local_word(p, kDispatchTicket));
     ticket = static_cast<int>(atomicAdd(c, 1ull));
     if (ticket == static_cast<int>(gridDim.x) - 1) *c = 0;  // every block has its ticket
     bad = INT32_MAX;
+    n_used = 0;
   }
   for (int i = threadIdx.x; i < E + n; i += blockDim.x) hist[i] = 0;  // and run
   __syncthreads();
-  const bool first = ticket == 0;
   const int64_t t0 = imin(static_cast<int64_t>(ticket) * p.tokens_per_block, p.T);
   const int64_t t1 = imin(t0 + p.tokens_per_block, p.T);
+  // Ranks of the rows: among this PE's rows to their destination or expert
+  // (small calls) or among this block's (plus before[], from the look-back).
   int32_t* pos = at<int32_t>(p, p.me, g.off_scratch_pos);
-  // Ticket 0 counts every token (and checks every id); the others only the
-  // tokens before theirs.
-  int32_t* all_hist = first ? hist : nullptr;
-  int32_t* all_bad = first ? &bad : nullptr;
-  if (tm) {
-    int16_t* dst = reinterpret_cast<int16_t*>(scratch + kWarpsPerBlock * n);
-    count_dest_rows(p, 0, t0, run, scratch, dst, nullptr, nullptr);
-    rank_dest_rows(p, t0, t1, run, scratch, dst, pos, all_hist, all_bad);
-    if (first) count_dest_rows(p, t1, p.T, run, scratch, dst, hist, &bad);
+  // A small call (every id in one round of loads, at most eight per
+  // thread) needs no look-back: token-major, ticket 0 ranks every token and
+  // the other blocks only wait for its count row; expert-major, each block
+  // counts the pairs before its own, and ticket 0 also those after.
+  const bool small = p.T * K <= 8 * static_cast<int64_t>(blockDim.x);
+  bool ranked = true;
+  if (small) {
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) before[c] = 0;
+    if (tm && ticket == 0) {
+      rank_dest_rows(p, 0, p.T, run, scratch, dst, pos, hist, &bad);
+      __threadfence();  // the ranks before the count row that announces them
+      __syncthreads();
+    } else if (!tm) {
+      count_expert_pairs(p, 0, t0 * K, hist, nullptr);
+      rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, ticket == 0 ? &bad : nullptr);
+      if (ticket == 0) count_expert_pairs(p, t1 * K, p.T * K, hist, &bad);
+    }
+    if (ticket == 0) publish_counts(p, epoch, run, hist, bad, scratch);
   } else {
-    count_expert_pairs(p, 0, t0 * K, hist, nullptr);
-    rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, all_bad);
-    if (first) count_expert_pairs(p, t1 * K, p.T * K, hist, &bad);
+    if (tm) rank_dest_rows(p, t0, t1, run, scratch, dst, pos, hist, &bad);
+    else rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, &bad);
+    share_block_counts(p, epoch, ticket, run, hist, bad);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+      if ((tm ? run : hist)[c] > 0) used[atomicAdd(&n_used, 1)] = c;
+    __syncthreads();
+    if (ticket == 0) {
+      count_all(p, epoch, run, hist, &bad, scratch, dst);
+      publish_counts(p, epoch, run, hist, bad, scratch);
+    }
+    ranked = look_back(p, epoch, ticket, used, n_used, before);
   }
-  if (first) publish_counts(p, epoch, run, hist, bad, scratch);
+  if (ticket == 0) {  // the next call's totals: the previous call, the last to add to them, ended
+    int32_t* next = route_totals(p, epoch + 1);
+    for (int i = threadIdx.x; i <= n + E; i += blockDim.x) next[i] = 0;
+  }
 
   __shared__ DispatchPlan plan;
-  if (wait_counts(p, epoch)) {
+  if (ranked && wait_counts(p, epoch)) {
     DispatchPlan local;
     make_plan(p, epoch, local, base, prefix);
     if (threadIdx.x == 0) plan = local;
@@ -776,6 +937,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   }
   __syncthreads();
   const bool abort = plan.abort_status != kOk;
+  if (ticket == 0 && !p.pack) {  // the call's outputs that need only the counts
+    if (threadIdx.x == 0 && must_report(p, plan))
+      record_error(p, plan.abort_status, plan.abort_detail, plan.abort_pe, epoch);
+    finish_counts(p, epoch, abort, scratch);
+  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = static_cast<int>(blockDim.x >> 5);
   const int64_t T = abort ? 0 : p.T;
@@ -796,10 +962,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   for (int64_t u = warp; u < (b1 - b0) * S * P; u += warps) {
     const int64_t i = b0 * S + u / P, t = i / S;
     const int piece = static_cast<int>(u % P);
-    const int32_t rank = pos[i];
-    if (rank < 0) continue;
+    if (pos[i] < 0) continue;
     const int64_t id = tm ? -1 : topk_id(p, i);
     const int d = tm ? static_cast<int>(i % S) : static_cast<int>(id / L);
+    const int32_t rank = before[tm ? d : id] + pos[i];
     const int32_t crow = prefix[tm ? d : id] + rank;
     const int64_t r = p.pack ? crow
                       : tm   ? static_cast<int64_t>(base[d]) + rank
@@ -826,14 +992,17 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
       const int32_t slot = tm ? -1 : static_cast<int32_t>(i % S);
       const int32_t v = lane == kMetaSrcPe ? p.me : lane == kMetaToken ? static_cast<int32_t>(t)
                                                   : lane == kMetaSlot ? slot : crow;
-      reinterpret_cast<int32_t*>(target(d, off_m))[r * kMetaWords + lane] = v;
+      // (token-major rows to itself: straight into the handle's copy)
+      int32_t* m = !p.pack && tm && d == p.me ? p.recv_meta
+                                               : reinterpret_cast<int32_t*>(target(d, off_m));
+      m[r * kMetaWords + lane] = v;
     }
   }
   // Handle: the combine row of every (token, destination | slot) of this
   // block's tokens, -1 if none; the blocks share the rows past T.
   for (int64_t i = b0 * S + threadIdx.x; i < b1 * S; i += blockDim.x) {
-    const int32_t rank = pos[i];
-    p.send_rows[i] = rank < 0 ? -1 : prefix[tm ? i % S : topk_id(p, i)] + rank;
+    const int col = static_cast<int>(tm ? i % S : topk_id(p, i));
+    p.send_rows[i] = pos[i] < 0 ? -1 : prefix[col] + before[col] + pos[i];
   }
   const int64_t gtid = static_cast<int64_t>(ticket) * blockDim.x + threadIdx.x;
   const int64_t gthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -849,9 +1018,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     signal_rows();
     return;
   }
-  if (threadIdx.x == 0 && must_report(p, plan))
-    record_error(p, plan.abort_status, plan.abort_detail, plan.abort_pe, epoch);
   if (p.pack) {
+    if (threadIdx.x == 0 && must_report(p, plan))
+      record_error(p, plan.abort_status, plan.abort_detail, plan.abort_pe, epoch);
     finish_counts(p, epoch, abort, scratch);
     // The copy plan for the host: one segment per destination (token-major)
     // or per expert (expert-major) with rows.
@@ -875,11 +1044,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     return;  // finish_kernel completes the call once the copies landed
   }
   signal_rows();
-  finish_counts(p, epoch, abort, scratch);  // while the peers' last rows land
   __shared__ bool landed;
   if (threadIdx.x == 0) landed = wait_all(p, g.off_data_flag, epoch * p.flag_per_epoch, epoch);
   __syncthreads();
-  if (landed && !abort) finish_meta(p);
+  if (landed && !abort) finish_meta(p, true);
   __syncthreads();
   if (threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
 }
@@ -892,7 +1060,7 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(Params p, int32_t abor
   __shared__ bool ok;
   if (threadIdx.x == 0) ok = wait_all(p, p.g.off_data_flag, epoch * p.flag_per_epoch, epoch);
   __syncthreads();
-  if (ok && !abort) finish_meta(p);
+  if (ok && !abort) finish_meta(p, false);
   __syncthreads();
   if (threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
 }
@@ -1110,7 +1278,7 @@ __device__ inline void send_back(const Params& p, int block, int blocks, uint64_
     __syncwarp();  // every lane's stores, then lane 0's fence and flag
     if (lane == 0) {
       __threadfence_system();
-      st_release(at<uint64_t>(p, src, g.off_row_flags) + row * kMaxPieces + piece, epoch);
+      st_word(at<uint64_t>(p, src, g.off_row_flags) + row * kMaxPieces + piece, epoch);
     }
   }
   __shared__ bool block_bad;
@@ -1269,8 +1437,8 @@ __device__ inline void finish_combine(const Params& p, uint64_t epoch, bool land
       }
     }
   for (int q = 0; q < p.n; ++q) status[q] = kOk;
-  __threadfence_system();
-  for (int q = 0; q < p.n; ++q) st_release(at<uint64_t>(p, q, g.off_freed_flag) + p.me, epoch);
+  __threadfence_system();  // (one fence orders every flag below)
+  for (int q = 0; q < p.n; ++q) st_word(at<uint64_t>(p, q, g.off_freed_flag) + p.me, epoch);
   *local_word(p, kCombineEpoch) = epoch;
 }
 
