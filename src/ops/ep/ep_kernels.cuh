@@ -937,7 +937,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   }
   __syncthreads();
   const bool abort = plan.abort_status != kOk;
-  if (ticket == 0 && !p.pack) {  // the call's outputs that need only the counts
+  if (ticket == 0) {  // the call's outputs that need only the counts
     if (threadIdx.x == 0 && must_report(p, plan))
       record_error(p, plan.abort_status, plan.abort_detail, plan.abort_pe, epoch);
     finish_counts(p, epoch, abort, scratch);
@@ -1019,9 +1019,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     return;
   }
   if (p.pack) {
-    if (threadIdx.x == 0 && must_report(p, plan))
-      record_error(p, plan.abort_status, plan.abort_detail, plan.abort_pe, epoch);
-    finish_counts(p, epoch, abort, scratch);
     // The copy plan for the host: one segment per destination (token-major)
     // or per expert (expert-major) with rows.
     if (threadIdx.x == 0) {
