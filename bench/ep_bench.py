@@ -13,10 +13,12 @@ Figures (per rank, slowest rank reported):
               (DeepEP's convention; can exceed the link on 2 GPUs);
   nvlink      the same without rows a rank sends to itself.
 
-    python bench/ep_bench.py [--gpus 2] [--iters 20] [--quick] [--profile]
+    python bench/ep_bench.py [--gpus 2] [--iters 20] [--quick] [--profile] [--cases 0,1]
 
 --profile adds, per case, each GPU kernel's mean time on rank 0 (torch
 profiler, over the same calls as the timing: graph replays for low_latency).
+--cases picks cases by their index in cases() (0: 4096 bf16 intranode,
+1: 128 bf16 low_latency token-major, ...).
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cases(quick: bool):
-    """(tokens, kernel, dtype, layout, max_recv_tokens given), most telling first."""
+def cases(quick: bool, only=None):
+    """(tokens, kernel, dtype, layout, max_recv_tokens given), most telling first;
+    `only`: indices into the full list."""
     out = [(4096, "intranode", "bfloat16", "token_major", True),
            (128, "low_latency", "bfloat16", "token_major", False),
            (128, "low_latency", "float8_e4m3fn", "expert_major", False),
@@ -44,6 +47,11 @@ def cases(quick: bool):
            (4096, "copy_engine", "bfloat16", "token_major", False),
            (4096, "intranode", "bfloat16", "token_major", False),
            (128, "low_latency", "bfloat16", "expert_major", False)]
+    if only is not None:
+        bad = [i for i in only if not 0 <= i < len(out)]
+        if bad:
+            raise SystemExit(f"--cases: no case {bad[0]} (0 to {len(out) - 1})")
+        return [out[i] for i in only]
     return out[:2] if quick else out
 
 
@@ -237,7 +245,7 @@ def worker(rank, world, port, args, queue):
     symheap.init_torch(device=rank, heap_size=args.heap)
     lines = []
     try:
-        for case in cases(args.quick):
+        for case in cases(args.quick, args.cases):
             t = time.time()
             try:
                 result = run_case(torch, dist, symheap, ep_mod, case, args.iters, rank, world,
@@ -270,7 +278,10 @@ def main():
     ap.add_argument("--heap", default="3G")
     ap.add_argument("--quick", action="store_true", help="one large and one small case")
     ap.add_argument("--profile", action="store_true", help="each kernel's time on rank 0")
+    ap.add_argument("--cases", type=lambda v: [int(i) for i in v.split(",")], default=None,
+                    help="comma-separated indices into the case list (e.g. 1,2)")
     args = ap.parse_args()
+    cases(args.quick, args.cases)  # a bad index fails here, before any process starts
     import torch
     import torch.multiprocessing as mp
     if torch.cuda.device_count() < args.gpus:

@@ -86,6 +86,7 @@ def test_ep_and_attention_in_every_launch_model():
 
 
 LAUNCHED = textwrap.dedent("""
+    import os
     import sys
     sys.path.insert(0, {here!r})
     import conftest  # noqa: F401  (cuda backend, short waits)
@@ -110,8 +111,9 @@ LAUNCHED = textwrap.dedent("""
     progs.check_host_api(host)
     progs.check_device_api(dev)
     assert len(ep) == len(host)
-    print("SCALE-OK", front, len(host), "attention err", max(e["attention_err"] for e in ep),
-          flush=True)
+    err = max(e["attention_err"] for e in ep)
+    # one write per line: the ranks share the launcher's stdout pipe
+    os.write(1, f"SCALE-OK {{front}} {{len(host)}} attention err {{err}}\\n".encode())
 """)
 
 

@@ -111,8 +111,13 @@ enum LocalWord : int {
   kErrorWord = 6,      // first device-side failure (cuda)
   kHandleBad = 7,      // combine: 1 when this call's handle failed its bounds check (cuda)
   kCombineTicket = 8,  // combine: blocks that took their role (cuda)
-  kLocalWords = 16
+  kMetaHelp = 9,       // dispatch: [kMetaHelpers] helpers' decisions (cuda, epoch-tagged)
+  kSendNext = 16,      // combine: [2] senders' next unit, by call parity (cuda)
+  kLocalWords = 24
 };
+// Blocks that may help dispatch's last block copy the metadata (cuda).
+constexpr int kMetaHelpers = 6;
+static_assert(kMetaHelp + kMetaHelpers <= kSendNext, "local words");
 
 // Most blocks in one grid of the cuda kernels.
 constexpr int kMaxGridBlocks = 128;

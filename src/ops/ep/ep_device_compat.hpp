@@ -119,6 +119,7 @@ inline int atomicMin(int* a, int v) {
   }
   return old;
 }
+inline unsigned atomicOr(unsigned* a, unsigned v) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }
 inline int atomicMax(int* a, int v) {
   int old = __atomic_load_n(a, __ATOMIC_SEQ_CST);
   while (v > old &&

@@ -149,8 +149,12 @@ class DeviceDriver final : public DeviceImpl {
       const int reducers = reducer_blocks(op, p.row_flags);
       p.reduce_pieces = p.row_flags ? p.pieces : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
       p.flag_per_epoch = p.senders;
-      rt_.launch(kernels::combine_kernel, p.senders + reducers, kernels::kThreads, combine_shared,
-                 a.stream, p);
+      const size_t places = g.send_cols <= kernels::kMaxCachedCols
+                                ? static_cast<size_t>(kernels::kWarpsPerBlock) * g.send_cols *
+                                      sizeof(int64_t)
+                                : 0;  // the reducers' look-ups (reduce_landed)
+      rt_.launch(kernels::combine_kernel, p.senders + reducers, kernels::kThreads,
+                 std::max(combine_shared, places), a.stream, p);
     } else {
       // Copy engine: the host reads the plan, the channels move the rows,
       // then the sums.

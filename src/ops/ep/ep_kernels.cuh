@@ -17,11 +17,14 @@
 //                  into local staging for the copy engines) and adds 1 to
 //                  each peer's data flag; the last block waits for every
 //                  peer's blocks and copies the metadata of the rows peers
-//                  sent (its own went straight into place);
+//                  sent (its own went straight into place), helped by the
+//                  few blocks that arrived just before it when the rows
+//                  land soon (a bounded wait);
 //   combine        (intranode, low_latency) blocks take roles in the order
 //                  they start: senders wait until each source consumed its
-//                  combine buffer, store rows back into it and flag each
-//                  piece of a row; reducers (started after every sender) sum
+//                  combine buffer, store rows back into it (in the order of
+//                  a shared counter) and flag each piece of a row;
+//                  reducers (started after every sender) sum
 //                  each token once its pieces have landed; the last reducer
 //                  marks this PE's buffer consumed on every peer;
 //   combine_pack / combine_reduce   the copy engine's combine: stage and plan,
@@ -55,14 +58,21 @@ constexpr int kThreads = 64;
 constexpr int64_t kRowFlagRows = 64;
 #endif
 constexpr int kWarpsPerBlock = kThreads / 32;
+// Combine's reducers keep where each row of a token lies in shared memory
+// ([warps][send_cols] pointers) when a token has at most this many columns.
+constexpr int kMaxCachedCols = 128;
 constexpr int kMaxBlocks = kMaxGridBlocks;
-// How long dispatch's ticket 0 waits for the other blocks' counts before it
-// counts every token itself (they are late only when the grid is not
-// resident at once; the emulation runs one block at a time).
+// kRouteGraceNs: how long dispatch's ticket 0 waits for the other blocks'
+// counts before it counts every token itself (they are late only when the
+// grid is not resident at once; the emulation runs one block at a time).
+// kHelpNs: how long a block that arrived just before dispatch's last one
+// waits for every row to land, to copy a part of the metadata.
 #ifdef __CUDACC__
 constexpr uint64_t kRouteGraceNs = 20000;
+constexpr uint64_t kHelpNs = 20000;
 #else
 constexpr uint64_t kRouteGraceNs = 0;
+constexpr uint64_t kHelpNs = 0;
 #endif
 
 // Host-mapped mirror (int32 words): what the host reads without a device
@@ -217,21 +227,25 @@ __device__ inline bool wait_all(const Params& p, size_t off_flags, uint64_t targ
   return true;
 }
 
-// True in exactly one block: the last of `blocks` to get here. Its threads
-// then see every other block's writes. Resets the counter for the next call.
-__device__ inline bool last_block(const Params& p, int counter, unsigned blocks) {
-  __shared__ bool is_last;
+// The order in which the blocks of a grid get here (0: first). The last of
+// `blocks` sees every other block's writes and resets the counter for the
+// next call.
+__device__ inline unsigned arrival(const Params& p, int counter, unsigned blocks) {
+  __shared__ unsigned order;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     auto* c = reinterpret_cast<unsigned long long*>(local_word(p, counter));
-    unsigned long long prev = atomicAdd(c, 1ull);
-    is_last = prev == blocks - 1;
-    if (is_last) *c = 0;
+    order = static_cast<unsigned>(atomicAdd(c, 1ull));
+    if (order == blocks - 1) *c = 0;
   }
   __syncthreads();
-  if (is_last) __threadfence();
-  return is_last;
+  if (order == blocks - 1) __threadfence();
+  return order;
+}
+// True in exactly one block: the last of `blocks` to get here (arrival).
+__device__ inline bool last_block(const Params& p, int counter, unsigned blocks) {
+  return arrival(p, counter, blocks) == blocks - 1;
 }
 
 // Makes the block's writes visible to every PE, then sets (or adds `value`
@@ -250,6 +264,7 @@ __device__ inline void publish(const Params& p, size_t off_flags, uint64_t value
 }
 
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 __device__ __forceinline__ int64_t topk_id(const Params& p, int64_t i) {
   return p.idx64 ? static_cast<const int64_t*>(p.idx)[i] : static_cast<const int32_t*>(p.idx)[i];
@@ -432,11 +447,12 @@ __device__ inline void count_dest_rows(const Params& p, int64_t lo, int64_t hi, 
   __syncthreads();
 }
 
-// Token-major, whole block: as count_dest_rows, and pos[t * n + d] = the
-// rank of token t's row to PE d among this PE's rows to d (-1: no row).
-__device__ inline void rank_dest_rows(const Params& p, int64_t lo, int64_t hi, int32_t* run,
-                                      int32_t* warp_rows, int16_t* dst, int32_t* pos,
-                                      int32_t* hist, int32_t* bad) {
+// Token-major, whole block: as count_dest_rows, and for the tokens t of
+// [keep_lo, keep_hi), pos[t * n + d] = the rank of token t's row to PE d
+// among the rows of [lo, hi) to d, plus run[d] on entry (-1: no row).
+__device__ inline void rank_dest_rows(const Params& p, int64_t lo, int64_t hi, int64_t keep_lo,
+                                      int64_t keep_hi, int32_t* run, int32_t* warp_rows,
+                                      int16_t* dst, int32_t* pos, int32_t* hist, int32_t* bad) {
   const int n = p.n, K = p.c.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = static_cast<int>(blockDim.x >> 5);
   const int64_t C = route_chunk(p);
@@ -457,7 +473,7 @@ __device__ inline void rank_dest_rows(const Params& p, int64_t lo, int64_t hi, i
         const unsigned b = __ballot_sync(0xffffffffu, hit);
         int32_t r = run[d] + __popc(b & ((1u << lane) - 1u));
         for (int w = 0; w < warp; ++w) r += warp_rows[w * n + d];
-        if (t < e) pos[t * n + d] = hit ? r : -1;
+        if (t < e && t >= keep_lo && t < keep_hi) pos[t * n + d] = hit ? r : -1;
       }
       __syncthreads();
       for (int d = threadIdx.x; d < n; d += blockDim.x)
@@ -597,8 +613,7 @@ __device__ inline bool wait_counts(const Params& p, uint64_t epoch) {
     uint64_t seen;
     if (!await_tag(p, word, epoch, start, q, stop, &seen)) break;
   }
-  __threadfence();  // what the rows announce (one-pass ranks) after the tags
-  __syncthreads();
+  __syncthreads();  // (blocks read only the tagged words themselves: no fence)
   return failed == 0;
 }
 
@@ -820,26 +835,37 @@ __device__ inline void finish_counts(const Params& p, uint64_t epoch, bool abort
 }
 
 // The handle's private copy of the valid rows' metadata (one 16-byte vector
-// per row), by one block once every row has landed (the summary is already
-// written); several loads in flight per thread. With `own_written`, the
-// token-major rows this PE sent itself, whose metadata its senders wrote
-// straight into the copy, are skipped.
-__device__ inline void finish_meta(const Params& p, bool own_written) {
-  static_assert(kMetaWords * 4 == 16, "a row's metadata is one 16-byte vector");
+// per row) is made once every row has landed (and the summary is written).
+// With `own_written`, the token-major rows this PE sent itself, whose
+// metadata its senders wrote straight into the copy, are skipped.
+struct MetaCopy {
+  int64_t copies, own_first, own_rows;  // rows to copy; the skipped range
+};
+__device__ inline MetaCopy plan_meta(const Params& p, bool own_written) {
   const int n = p.n, L = p.g.local_experts;
-  const int4* meta = at<int4>(p, p.me, p.g.off_recv_meta);
-  int4* out = reinterpret_cast<int4*>(p.recv_meta);
   const bool tm = p.c.layout == Layout::TokenMajor;
-  const int64_t cap = p.g.expert_cap;
   const int64_t rows = tm ? p.summary[4 * n + L] : p.g.recv_rows;
   const bool skip = tm && own_written;
   const int64_t own_first = skip ? p.summary[4 * p.me + 2] : rows;  // (clamped by the
   const int64_t own_rows = skip ? p.summary[4 * p.me + 1] : 0;       //  summary's sums)
-  auto row_of = [&](int64_t i) { return i < own_first ? i : i + own_rows; };
+  return MetaCopy{rows - own_rows, own_first, own_rows};
+}
+
+// Whole block: copies part `part` of `parts` of the metadata (plan_meta);
+// several loads in flight per thread.
+__device__ inline void copy_meta(const Params& p, const MetaCopy& m, int part, int parts) {
+  static_assert(kMetaWords * 4 == 16, "a row's metadata is one 16-byte vector");
+  const int n = p.n;
+  const int4* meta = at<int4>(p, p.me, p.g.off_recv_meta);
+  int4* out = reinterpret_cast<int4*>(p.recv_meta);
+  const bool tm = p.c.layout == Layout::TokenMajor;
+  const int64_t cap = p.g.expert_cap;
+  auto row_of = [&](int64_t i) { return i < m.own_first ? i : i + m.own_rows; };
   auto valid = [&](int64_t r) { return tm || r % cap < p.summary[4 * n + r / cap]; };
-  const int64_t copies = rows - own_rows;
+  const int64_t lo = m.copies * part / parts, copies = m.copies * (part + 1) / parts;
   constexpr int kBatch = 8;
-  for (int64_t i0 = threadIdx.x; i0 < copies; i0 += kBatch * static_cast<int64_t>(blockDim.x)) {
+  for (int64_t i0 = lo + threadIdx.x; i0 < copies;
+       i0 += kBatch * static_cast<int64_t>(blockDim.x)) {
     int4 v[kBatch];
 #pragma unroll
     for (int q = 0; q < kBatch; ++q) {
@@ -852,6 +878,75 @@ __device__ inline void finish_meta(const Params& p, bool own_written) {
       if (i < copies && valid(row_of(i))) out[row_of(i)] = v[q];
     }
   }
+}
+
+// One thread: true once flags[q] >= target for every PE q, false if that
+// takes more than `ns` (nothing is recorded: the caller has a fallback).
+__device__ inline bool landed_within(const Params& p, size_t off_flags, uint64_t target,
+                                     uint64_t ns) {
+  const uint64_t* flags = at<uint64_t>(p, p.me, off_flags);
+  const uint64_t start = now_ns();
+  for (int q = 0; q < p.n; ++q) {
+    while (ld_volatile(flags + q) < target) {
+      if (now_ns() - start > ns) return false;
+      spin_pause();
+    }
+    ld_acquire(flags + q);
+  }
+  return true;
+}
+
+// End of a dispatch (not pack mode), once the block published its rows
+// (`order`: its arrival). The metadata of the rows peers sent is copied in
+// parts of at least kMetaPartRows rows: part 0 by the last block; part h by
+// the block that arrived h places before it if every row lands within
+// kHelpNs (a bounded wait: a block never waits long for blocks that may not
+// have started), else by the last block, which reads each helper's decision.
+__device__ inline void finish_dispatch(const Params& p, uint64_t epoch, unsigned order, bool abort) {
+  constexpr int64_t kMetaPartRows = 1024;
+  const bool last = order == gridDim.x - 1;
+  const int most = 1 + static_cast<int>(imin(kMetaHelpers, gridDim.x - 1));
+  const int part = static_cast<int>(gridDim.x - 1 - order);
+  if (part >= most) return;
+  const uint64_t target = epoch * p.flag_per_epoch;
+  uint64_t* decision = local_word(p, kMetaHelp);  // part h's at h - 1
+  __shared__ bool landed;
+  __shared__ MetaCopy meta;
+  __shared__ unsigned left;  // bit h: part h's helper did not take it
+  if (threadIdx.x == 0) {
+    if (last) {
+      meta = plan_meta(p, true);  // (every block's writes are visible to the last)
+      landed = wait_all(p, p.g.off_data_flag, target, epoch);
+      left = 0;
+    } else {
+      landed = landed_within(p, p.g.off_data_flag, target, kHelpNs);
+      st_word(decision + part - 1, tagged(epoch, landed ? 1 : 0));  // (the last block reads it)
+      if (landed) meta = plan_meta(p, true);
+    }
+  }
+  __syncthreads();
+  if (!landed || abort) {
+    if (last && threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
+    return;
+  }
+  const int parts = static_cast<int>(
+      imin(most, imax(1, (meta.copies + kMetaPartRows - 1) / kMetaPartRows)));
+  if (part < parts) copy_meta(p, meta, part, parts);
+  if (!last) return;
+  const int h = static_cast<int>(threadIdx.x);
+  if (h >= 1 && h < parts) {  // a helper decides within kHelpNs of its arrival
+    const uint64_t start = now_ns();
+    uint64_t word;
+    while (!has_tag(word = ld_volatile(decision + h - 1), epoch) &&
+           now_ns() - start < p.timeout_ns)
+      spin_pause();
+    if (!has_tag(word, epoch) || static_cast<uint32_t>(word) != 1u) atomicOr(&left, 1u << h);
+  }
+  __syncthreads();
+  for (int k = 1; k < parts; ++k)
+    if ((left >> k) & 1u) copy_meta(p, meta, k, parts);
+  __syncthreads();
+  if (threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
 }
 
 // Routes, then stores (or, in pack mode, stages) the rows of this block's
@@ -892,25 +987,25 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   // (small calls) or among this block's (plus before[], from the look-back).
   int32_t* pos = at<int32_t>(p, p.me, g.off_scratch_pos);
   // A small call (every id in one round of loads, at most eight per
-  // thread) needs no look-back: token-major, ticket 0 ranks every token and
-  // the other blocks only wait for its count row; expert-major, each block
-  // counts the pairs before its own, and ticket 0 also those after.
+  // thread) needs no look-back: token-major, every block ranks every token
+  // and keeps its own tokens' ranks (no block reads another's); expert-major,
+  // each block counts the pairs before its own, and ticket 0 also those after.
   const bool small = p.T * K <= 8 * static_cast<int64_t>(blockDim.x);
   bool ranked = true;
   if (small) {
     for (int c = threadIdx.x; c < cols; c += blockDim.x) before[c] = 0;
-    if (tm && ticket == 0) {
-      rank_dest_rows(p, 0, p.T, run, scratch, dst, pos, hist, &bad);
-      __threadfence();  // the ranks before the count row that announces them
-      __syncthreads();
-    } else if (!tm) {
+    if (tm) {
+      const bool first = ticket == 0;  // (the one that publishes the counts)
+      rank_dest_rows(p, 0, p.T, t0, t1, run, scratch, dst, pos, first ? hist : nullptr,
+                     first ? &bad : nullptr);
+    } else {
       count_expert_pairs(p, 0, t0 * K, hist, nullptr);
       rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, ticket == 0 ? &bad : nullptr);
       if (ticket == 0) count_expert_pairs(p, t1 * K, p.T * K, hist, &bad);
     }
     if (ticket == 0) publish_counts(p, epoch, run, hist, bad, scratch);
   } else {
-    if (tm) rank_dest_rows(p, t0, t1, run, scratch, dst, pos, hist, &bad);
+    if (tm) rank_dest_rows(p, t0, t1, t0, t1, run, scratch, dst, pos, hist, &bad);
     else rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, &bad);
     share_block_counts(p, epoch, ticket, run, hist, bad);
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
@@ -1011,14 +1106,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   if (p.saved_w)
     for (int64_t i = gtid; i < T * K; i += gthreads) p.saved_w[i] = p.w[i];
 
-  auto signal_rows = [&] {
-    if (!p.pack) publish(p, g.off_data_flag, 1, true);
-  };
-  if (!last_block(p, kDispatchDone, gridDim.x)) {
-    signal_rows();
-    return;
-  }
+  const unsigned order = arrival(p, kDispatchDone, gridDim.x);
+  const bool last = order == gridDim.x - 1;
   if (p.pack) {
+    if (!last) return;
     // The copy plan for the host: one segment per destination (token-major)
     // or per expert (expert-major) with rows.
     if (threadIdx.x == 0) {
@@ -1040,13 +1131,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     }
     return;  // finish_kernel completes the call once the copies landed
   }
-  signal_rows();
-  __shared__ bool landed;
-  if (threadIdx.x == 0) landed = wait_all(p, g.off_data_flag, epoch * p.flag_per_epoch, epoch);
-  __syncthreads();
-  if (landed && !abort) finish_meta(p, true);
-  __syncthreads();
-  if (threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
+  publish(p, g.off_data_flag, 1, true);
+  finish_dispatch(p, epoch, order, abort);
 }
 
 // Copy engine: once the host queued the copies and their signals, waits for
@@ -1057,7 +1143,7 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(Params p, int32_t abor
   __shared__ bool ok;
   if (threadIdx.x == 0) ok = wait_all(p, p.g.off_data_flag, epoch * p.flag_per_epoch, epoch);
   __syncthreads();
-  if (ok && !abort) finish_meta(p, false);
+  if (ok && !abort) copy_meta(p, plan_meta(p, false), 0, 1);
   __syncthreads();
   if (threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
 }
@@ -1204,10 +1290,12 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(Params p) {
 // in its token order, so every source's reducers find their first tokens
 // early, and every warp moves rows over the links; rows of this PE's own
 // tokens stay where they are (its reducers read them), and only their
-// metadata is checked, a row per thread. Each unit checks its row's place
-// against the op's buffers first (the handle is the caller's memory); at the
-// end the block tells every source of a failure it saw, then adds its share
-// to their combine flags.
+// metadata is checked, a row per thread. After its first unit a warp claims
+// the next from a counter, so rows leave in the order the reducers sum them
+// even when some SMs get less of the links than others. Each unit checks its
+// row's place against the op's buffers first (the handle is the caller's
+// memory); at the end the block tells every source of a failure it saw,
+// then adds its share to their combine flags.
 __device__ inline void send_back(const Params& p, int block, int blocks, uint64_t epoch) {
   const int n = p.n;
   const Geometry& g = p.g;
@@ -1243,6 +1331,22 @@ __device__ inline void send_back(const Params& p, int block, int blocks, uint64_
   bool bad = false;
   int src;
   int64_t row;
+  // Units past the first round, claimed in order (two counters, by call
+  // parity: block 0 clears the next call's, whose last user has ended).
+  uint64_t* next = local_word(p, kSendNext + static_cast<int>(epoch & 1));
+  if (block == 0 && threadIdx.x == 0) *local_word(p, kSendNext + static_cast<int>(~epoch & 1)) = 0;
+  __shared__ int64_t claimed[kWarpsPerBlock];
+  auto claim = [&]() -> int64_t {  // the whole warp
+    if (units <= warps) return units;
+    if (lane == 0) {
+      auto* counter = reinterpret_cast<unsigned long long*>(next);
+      claimed[threadIdx.x >> 5] = warps + static_cast<int64_t>(atomicAdd(counter, 1ull));
+    }
+    __syncwarp();
+    const int64_t u = claimed[threadIdx.x >> 5];
+    __syncwarp();
+    return u;
+  };
   if (tm && send) {  // this PE's own rows: their metadata only
     const int64_t thread0 = static_cast<int64_t>(block) * blockDim.x + threadIdx.x;
     const int64_t threads = static_cast<int64_t>(blocks) * blockDim.x;
@@ -1251,7 +1355,7 @@ __device__ inline void send_back(const Params& p, int block, int blocks, uint64_
       if (r < valid_rows && !combine_target(p, r, &src, &row)) bad = true;
     }
   }
-  for (int64_t u = send ? warp0 : units; u < units; u += warps) {
+  for (int64_t u = send ? warp0 : units; u < units; u = claim()) {
     const int64_t h = u / P;
     const int piece = static_cast<int>(u % P);
     int64_t r;
@@ -1513,8 +1617,10 @@ __device__ __forceinline__ const int4* own_row(const Params& p, int32_t crow, ui
 // Reducer role of combine_kernel: sums each token's rows (token-major: its
 // own row straight from expert_out) once they have landed: with row_flags,
 // as soon as every piece it needs has (the sums overlap the transfer), else
-// once every sender PE is done (fewer waits: small calls). The last reducing
-// block ends the call once every sender PE is done.
+// once every sender PE is done (fewer waits: small calls). The lanes of a
+// warp look up where a token's rows lie before it waits (the handle is
+// ready from the start), so only the rows' loads follow the wait. The last
+// reducing block ends the call once every sender PE is done.
 __device__ inline void reduce_landed(const Params& p, int block, int blocks, uint64_t epoch) {
   const Geometry& g = p.g;
   const int S = g.send_cols;
@@ -1524,12 +1630,30 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
   const int64_t warps = static_cast<int64_t>(blocks) * kWarpsPerBlock;
   const int P = p.reduce_pieces;  // = pieces with row_flags
   const uint64_t* flags = at<uint64_t>(p, p.me, g.off_row_flags);
+  auto place = [&](int64_t t, int j) -> const int4* {  // where token t's row j lies
+    if (tm && j == p.me) {
+      const int32_t crow = p.h_send_rows[t * S + j];
+      return crow < 0 ? nullptr : own_row(p, crow, epoch);
+    }
+    return combine_row(p, t, j, epoch);
+  };
+  EP_DYNAMIC_SHARED(int64_t, place_words);  // [warps][S] (combine_kernel's launch sizes it)
+  const bool cached = S <= kMaxCachedCols;
+  const int4** places =
+      reinterpret_cast<const int4**>(place_words) + static_cast<int64_t>(threadIdx.x >> 5) * S;
+  auto look_up = [&](int64_t t) {  // the whole warp
+    if (!cached) return;
+    for (int j = lane; j < S; j += 32) places[j] = place(t, j);
+    __syncwarp();
+  };
+  if (warp0 < p.T * P) look_up(warp0 / P);
   __shared__ bool go;
   if (threadIdx.x == 0) go = p.row_flags || all_rows_landed(p, epoch);
   __syncthreads();
   for (int64_t u = go ? warp0 : p.T * P; u < p.T * P; u += warps) {
     const int64_t t = u / P;
     const int piece = static_cast<int>(u % P);
+    if (u != warp0) look_up(t);
     bool ready = true;
     if (lane == 0 && p.row_flags)
       for (int j = 0; j < S && ready; ++j) {
@@ -1539,13 +1663,9 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
       }
     // Lane 0's acquire, then the warp's reads (the barrier orders them).
     if (__ballot_sync(0xffffffffu, lane == 0 && ready) == 0u) break;  // the host raises it
-    reduce_token_piece(p, t, piece, P, lane, [&](int j) -> const int4* {
-      if (tm && j == p.me) {
-        const int32_t crow = p.h_send_rows[t * S + j];
-        return crow < 0 ? nullptr : own_row(p, crow, epoch);
-      }
-      return combine_row(p, t, j, epoch);
-    });
+    reduce_token_piece(p, t, piece, P, lane,
+                       [&](int j) { return cached ? places[j] : place(t, j); });
+    __syncwarp();  // every lane read places[] before the next look-up
   }
   if (!last_block(p, kReduceDone, blocks) || threadIdx.x != 0) return;
   // Without row flags, `go` already means every sender PE is done.
