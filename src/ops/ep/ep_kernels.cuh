@@ -419,37 +419,10 @@ __device__ __forceinline__ bool sends_to(const int16_t* row, int K, uint64_t mas
 }
 
 // Token-major, whole block: adds to run[d] the rows that tokens [lo, hi)
-// send to each PE d (warp_rows: [warps][n] shared scratch).
-__device__ inline void count_dest_rows(const Params& p, int64_t lo, int64_t hi, int32_t* run,
-                                       int32_t* warp_rows, int16_t* dst, int32_t* hist,
-                                       int32_t* bad) {
-  const int n = p.n, K = p.c.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int warps = static_cast<int>(blockDim.x >> 5);
-  const int64_t C = route_chunk(p);
-  for (int i = threadIdx.x; i < warps * n; i += blockDim.x) warp_rows[i] = 0;
-  for (int64_t s = lo; s < hi; s += C) {
-    const int64_t e = imin(s + C, hi);
-    load_dests(p, s, e, dst, hist, bad);
-    for (int64_t w = s + warp * 32; w < e; w += blockDim.x) {  // the same w in every lane
-      const int64_t t = w + lane;
-      const int16_t* row = dst + (t - s) * K;
-      const uint64_t mask = t < e ? dest_mask(row, K) : 0;
-      for (int d = 0; d < n; ++d) {
-        const unsigned b = __ballot_sync(0xffffffffu, t < e && sends_to(row, K, mask, d));
-        if (lane == 0) warp_rows[warp * n + d] += __popc(b);
-      }
-    }
-    __syncthreads();  // before the next chunk's ids
-  }
-  __syncthreads();
-  for (int d = threadIdx.x; d < n; d += blockDim.x)
-    for (int w = 0; w < warps; ++w) run[d] += warp_rows[w * n + d];
-  __syncthreads();
-}
-
-// Token-major, whole block: as count_dest_rows, and for the tokens t of
-// [keep_lo, keep_hi), pos[t * n + d] = the rank of token t's row to PE d
-// among the rows of [lo, hi) to d, plus run[d] on entry (-1: no row).
+// send to each PE d (warp_rows: [warps][n] shared scratch) and, for the
+// tokens t of [keep_lo, keep_hi), sets pos[t * n + d] = the rank of token
+// t's row to PE d among the rows of [lo, hi) to d, plus run[d] on entry
+// (-1: no row). An empty keep range only counts.
 __device__ inline void rank_dest_rows(const Params& p, int64_t lo, int64_t hi, int64_t keep_lo,
                                       int64_t keep_hi, int32_t* run, int32_t* warp_rows,
                                       int16_t* dst, int32_t* pos, int32_t* hist, int32_t* bad) {
@@ -650,10 +623,10 @@ __device__ inline void share_block_counts(const Params& p, uint64_t epoch, int t
 }
 
 // Ticket 0: this PE's counts over every token into run, hist and bad (as
-// count_dest_rows / count_expert_pairs), read from the totals once every
+// rank_dest_rows / count_expert_pairs), read from the totals once every
 // other block's done word says it added to them, or, if some block has not
 // within kRouteGraceNs (a grid that is not resident at once), counted from
-// every id. dst: as count_dest_rows.
+// every id. dst: as rank_dest_rows.
 __device__ inline void count_all(const Params& p, uint64_t epoch, int32_t* run, int32_t* hist,
                                  int* bad, int32_t* warp_rows, int16_t* dst) {
   const int n = p.n, E = p.c.num_experts;
@@ -682,7 +655,7 @@ __device__ inline void count_all(const Params& p, uint64_t epoch, int32_t* run, 
     if (threadIdx.x == 0 && totals[n + E] != 0) *bad = INT32_MAX - totals[n + E];
     __syncthreads();
   } else if (p.c.layout == Layout::TokenMajor) {
-    count_dest_rows(p, 0, p.T, run, warp_rows, dst, hist, bad);
+    rank_dest_rows(p, 0, p.T, 0, 0, run, warp_rows, dst, nullptr, hist, bad);
   } else {
     count_expert_pairs(p, 0, p.T * p.c.topk, hist, bad);
   }
