@@ -38,7 +38,9 @@ def test_every_kernel_and_layout_matches_the_cpu_implementation():
                 # too many ids for one pass: blocks rank from the blocks before them
                 cfg(max_tokens_per_rank=200),
                 cfg(max_tokens_per_rank=200, layout="expert_major"),
-                cfg(max_tokens_per_rank=40, kernel="low_latency", layout="expert_major")]
+                cfg(max_tokens_per_rank=40, kernel="low_latency", layout="expert_major"),
+                # a combine buffer over 32 MiB: one set, senders wait for "consumed" flags
+                cfg(max_tokens_per_rank=300, hidden=16384, dtype="float32")]
     by_kernels = emulated(progs.many_configs, 2, (configs,))
     by_cpu = run_processes(progs.many_configs, 2, args=(configs,))
     assert by_kernels == by_cpu  # bit for bit: rows, and combine's fp32 sums

@@ -134,6 +134,10 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.row_bytes = static_cast<size_t>(c.hidden) * dtype_size(c.dtype);
   g.scale_row_bytes = static_cast<size_t>(g.scales_per_row) * dtype_size(c.scale_dtype);
   g.combine_row_bytes = static_cast<size_t>(c.hidden) * dtype_size(g.combine_dtype);
+  // A second combine set costs at most kTwoCombineSetsBytes of heap per PE.
+  constexpr size_t kTwoCombineSetsBytes = size_t{32} << 20;
+  const size_t combine_bytes = static_cast<size_t>(g.combine_rows) * g.combine_row_bytes;
+  g.combine_sets = c.kernel != Kernel::CopyEngine && combine_bytes <= kTwoCombineSetsBytes ? 2 : 1;
 
   const size_t n = static_cast<size_t>(n_pes);
   const bool token_major = c.layout == Layout::TokenMajor;
@@ -151,7 +155,7 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.off_local = take(kLocalWords * 8);
   g.off_count_rows = take(2 * n * g.count_words * 8);  // device: two sets, by parity
   g.off_send_prefix = take(std::max(n, static_cast<size_t>(c.num_experts)) * 8);
-  g.off_combine_status = take(n * 4);
+  g.off_combine_status = take(static_cast<size_t>(g.combine_sets) * n * 4);
   g.off_row_flags = take(c.kernel == Kernel::CopyEngine
                              ? 0
                              : static_cast<size_t>(g.combine_rows) * kMaxPieces * 8);
@@ -167,7 +171,7 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.off_recv_idx = take(token_major ? rows * c.topk * 4 : 0);
   g.off_recv_w = take(rows * (token_major ? c.topk : 1) * 4);
   g.off_recv_meta = take(rows * kMetaWords * 4);
-  g.off_combine_buf = take(static_cast<size_t>(g.combine_rows) * g.combine_row_bytes);
+  g.off_combine_buf = take(static_cast<size_t>(g.combine_sets) * combine_bytes);
   if (c.kernel == Kernel::CopyEngine) {
     // Rows in send order (by destination, then by combine row), moved per peer.
     const size_t send = static_cast<size_t>(g.combine_rows);

@@ -57,6 +57,10 @@ struct Geometry {
   int64_t expert_cap = 0;      // rows per local expert (expert-major)
   int64_t combine_rows = 0;    // rows of the combine buffer
   int32_t send_cols = 0;       // columns of the send-row table: n_pes or topk
+  // Combine buffers (and statuses): two sets, used by call parity, let the
+  // SM-driven combine skip waiting for its sources to consume the previous
+  // call's rows (cuda); the cpu backend and the copy engine use set 0.
+  int32_t combine_sets = 1;
   bool padded_output = false;  // outputs keep recv_rows rows (no host-known count)
   DType combine_dtype = DType::BF16;
   size_t row_bytes = 0, scale_row_bytes = 0, combine_row_bytes = 0;
@@ -72,7 +76,7 @@ struct Geometry {
   // that need no flag.
   size_t off_count_rows = 0;
   size_t off_send_prefix = 0;   // device: uint64 (tagged) [n or E] this PE's send order
-  size_t off_combine_status = 0;  // int32 [n]
+  size_t off_combine_status = 0;  // int32 [combine_sets][n]
   // cuda, SM-driven combine: [combine_rows][kMaxPieces] epoch of the last
   // combine whose piece of that row has landed here (set by the sender).
   size_t off_row_flags = 0;
@@ -92,7 +96,7 @@ struct Geometry {
   // Receive side of dispatch.
   size_t off_recv_x = 0, off_recv_scales = 0, off_recv_idx = 0, off_recv_w = 0, off_recv_meta = 0;
   // Source side of combine.
-  size_t off_combine_buf = 0;
+  size_t off_combine_buf = 0;  // [combine_sets][combine_rows][combine_row_bytes]
   // Local staging for the copy-engine kernel.
   size_t off_stage_x = 0, off_stage_scales = 0, off_stage_idx = 0, off_stage_w = 0,
          off_stage_meta = 0, off_stage_combine = 0;

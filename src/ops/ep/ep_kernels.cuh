@@ -22,11 +22,13 @@
 //                  land soon (a bounded wait);
 //   combine        (intranode, low_latency) blocks take roles in the order
 //                  they start: senders wait until each source consumed its
-//                  combine buffer, store rows back into it (in the order of
-//                  a shared counter) and flag each piece of a row;
+//                  combine buffer (unless it has two, used in turn), store
+//                  rows back into it (in the order of a shared counter)
+//                  and flag each piece of a row;
 //                  reducers (started after every sender) sum
 //                  each token once its pieces have landed; the last reducer
-//                  marks this PE's buffer consumed on every peer;
+//                  to finish marks this PE's buffer consumed on every peer
+//                  (with two buffers, the last to start ends the call);
 //   combine_pack / combine_reduce   the copy engine's combine: stage and plan,
 //                  then (after the host's copies) sum.
 // Small batches split each row between several warps, so a call of a few
@@ -567,11 +569,14 @@ __device__ inline bool await_tag(const Params& p, const uint64_t* word, uint64_t
 }
 
 // Whole block: waits until every PE's count row and this PE's send order
-// carry this call's epoch. False in every thread after a timeout (recorded,
+// carry this call's epoch. Token-major blocks that do not write the call's
+// expert counts (`all_words` false) wait only for each row's status and
+// destination words. False in every thread after a timeout (recorded,
 // naming the late PE) or another wait's.
-__device__ inline bool wait_counts(const Params& p, uint64_t epoch) {
+__device__ inline bool wait_counts(const Params& p, uint64_t epoch, bool all_words) {
   __shared__ int failed;
-  const int n = p.n, CW = p.g.count_words;
+  const int n = p.n;
+  const int CW = p.c.layout == Layout::TokenMajor && !all_words ? kCountDest + n : p.g.count_words;
   const int64_t cells = static_cast<int64_t>(n) * CW;
   const int cols = p.c.layout == Layout::TokenMajor ? n : p.c.num_experts;
   const uint64_t* rows = count_rows(p, p.me, epoch);
@@ -581,8 +586,8 @@ __device__ inline bool wait_counts(const Params& p, uint64_t epoch) {
   __syncthreads();
   const uint64_t start = now_ns();
   for (int64_t i = threadIdx.x; i < cells + cols && !*stop; i += blockDim.x) {
-    const uint64_t* word = i < cells ? rows + i : prefix + (i - cells);
     const int q = i < cells ? static_cast<int>(i / CW) : p.me;
+    const uint64_t* word = i < cells ? rows + q * p.g.count_words + i % CW : prefix + (i - cells);
     uint64_t seen;
     if (!await_tag(p, word, epoch, start, q, stop, &seen)) break;
   }
@@ -996,7 +1001,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   }
 
   __shared__ DispatchPlan plan;
-  if (ranked && wait_counts(p, epoch)) {
+  if (ranked && wait_counts(p, epoch, ticket == 0)) {
     DispatchPlan local;
     make_plan(p, epoch, local, base, prefix);
     if (threadIdx.x == 0) plan = local;
@@ -1066,6 +1071,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
       m[r * kMetaWords + lane] = v;
     }
   }
+  // Peers wait for the rows: flag them first (thread 0 waits in the fence
+  // while the others write the handle).
+  if (!p.pack) publish(p, g.off_data_flag, 1, true);
   // Handle: the combine row of every (token, destination | slot) of this
   // block's tokens, -1 if none; the blocks share the rows past T.
   for (int64_t i = b0 * S + threadIdx.x; i < b1 * S; i += blockDim.x) {
@@ -1104,7 +1112,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     }
     return;  // finish_kernel completes the call once the copies landed
   }
-  publish(p, g.off_data_flag, 1, true);
   finish_dispatch(p, epoch, order, abort);
 }
 
@@ -1122,6 +1129,23 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(Params p, int32_t abor
 }
 
 // ------------------------------------------------------------ combine
+
+// PE pe's combine buffer and statuses of call `epoch`. With two sets (by
+// call parity), call k + 1's senders write into the set that the receiving
+// PE summed in its call k - 1; a sender starts call k + 1 only after its
+// call k ended, which waited for the receiver's call-k rows, which the
+// receiver sends after its call k - 1 ended: no "consumed" flag is needed.
+// With one set, senders wait for that flag (off_freed_flag).
+__device__ __forceinline__ size_t combine_set(const Params& p, uint64_t epoch) {
+  return p.g.combine_sets == 2 ? static_cast<size_t>(epoch & 1) : 0;
+}
+__device__ __forceinline__ char* combine_buf(const Params& p, int pe, uint64_t epoch) {
+  return at<char>(p, pe, p.g.off_combine_buf) +
+         combine_set(p, epoch) * p.g.combine_rows * p.g.combine_row_bytes;
+}
+__device__ __forceinline__ int32_t* combine_status(const Params& p, int pe, uint64_t epoch) {
+  return at<int32_t>(p, pe, p.g.off_combine_status) + combine_set(p, epoch) * p.n;
+}
 
 // Where received row r goes back to: its source PE and its row there (the
 // source's combine row; in stage mode, the row of this PE's staging buffer).
@@ -1236,7 +1260,7 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(Params p) {
   }
   if (send && !handle_ok) record_error(p, kBadHandle, 0, p.me, epoch);
   for (int q = 0; q < n; ++q)
-    at<int32_t>(p, q, g.off_combine_status)[p.me] =
+    combine_status(p, q, epoch)[p.me] =
         !ok ? kPeerTimeout : !handle_ok ? kBadHandle : p.host_status;
   volatile int32_t* h = p.host;
   int segs = 0;
@@ -1278,7 +1302,14 @@ __device__ inline void send_back(const Params& p, int block, int blocks, uint64_
   EP_DYNAMIC_SHARED(int64_t, first_of);  // expert-major: [2 L]
   int64_t* src_first = first_of;         // token-major: [n] first receive row from each source
   int64_t* src_rows = first_of + n;      // and [n] its rows
-  if (threadIdx.x == 0) ok = wait_all(p, g.off_freed_flag, epoch - 1, epoch);
+  if (threadIdx.x == 0) {
+    ok = p.g.combine_sets == 2 || wait_all(p, g.off_freed_flag, epoch - 1, epoch);
+    // Two sets: the previous call's statuses (every reader ended with it)
+    // are cleared before this block's flags, which peers wait for before
+    // their next call writes that set.
+    if (p.g.combine_sets == 2 && block == 0)
+      for (int q = 0; q < n; ++q) combine_status(p, p.me, epoch + 1)[q] = kOk;
+  }
   const int64_t valid_rows = count_valid_rows(p, first_of);
   if (tm) {
     if (threadIdx.x == 0) {
@@ -1346,8 +1377,8 @@ __device__ inline void send_back(const Params& p, int block, int blocks, uint64_
       bad = true;
       continue;
     }
-    warp_copy_piece(at<char>(p, src, g.off_combine_buf) + row * crb, p.expert_out + r * crb, crb,
-                    piece, P, lane);
+    warp_copy_piece(combine_buf(p, src, epoch) + row * crb, p.expert_out + r * crb, crb, piece,
+                    P, lane);
     if (!p.row_flags) continue;
     __syncwarp();  // every lane's stores, then lane 0's fence and flag
     if (lane == 0) {
@@ -1363,8 +1394,8 @@ __device__ inline void send_back(const Params& p, int block, int blocks, uint64_
   if (threadIdx.x == 0) {
     const int32_t status = !ok ? kPeerTimeout : block_bad ? kBadHandle : p.host_status;
     if (send && block_bad) record_error(p, kBadHandle, 0, p.me, epoch);
-    if (status != kOk)  // the source clears the word once it has read it
-      for (int q = 0; q < n; ++q) at<int32_t>(p, q, g.off_combine_status)[p.me] = status;
+    if (status != kOk)  // cleared once read (two sets: by the source's next call)
+      for (int q = 0; q < n; ++q) combine_status(p, q, epoch)[p.me] = status;
   }
   publish(p, g.off_combine_flag, 1, true);
 }
@@ -1492,16 +1523,18 @@ __device__ __forceinline__ const int4* combine_row(const Params& p, int64_t t, i
     record_error(p, kBadHandle, 0, p.me, epoch);
     return nullptr;
   }
-  return at<int4>(p, p.me, p.g.off_combine_buf) + row * (p.g.combine_row_bytes / 16);
+  return reinterpret_cast<const int4*>(combine_buf(p, p.me, epoch)) +
+         row * (p.g.combine_row_bytes / 16);
 }
 
-// End of a combine on this PE, by one thread once every reducing block is
-// done: reports a failure a sender PE published (after its rows, when
-// `landed`), marks the statuses read, and tells every PE its rows here were
-// consumed.
+// End of a combine on this PE, by one thread: reports a failure a sender PE
+// published (after its rows, when `landed`). One combine set: once every
+// reducing block is done, marks the statuses read and tells every PE its
+// rows here were consumed. Two sets: once every block has started (the
+// next call's senders clear this call's statuses).
 __device__ inline void finish_combine(const Params& p, uint64_t epoch, bool landed) {
   const Geometry& g = p.g;
-  int32_t* status = at<int32_t>(p, p.me, g.off_combine_status);
+  int32_t* status = combine_status(p, p.me, epoch);
   if (landed && p.host_status == kOk)
     for (int q = 0; q < p.n; ++q) {
       const int32_t s = static_cast<const volatile int32_t*>(status)[q];
@@ -1510,9 +1543,11 @@ __device__ inline void finish_combine(const Params& p, uint64_t epoch, bool land
         break;
       }
     }
-  for (int q = 0; q < p.n; ++q) status[q] = kOk;
-  __threadfence_system();  // (one fence orders every flag below)
-  for (int q = 0; q < p.n; ++q) st_word(at<uint64_t>(p, q, g.off_freed_flag) + p.me, epoch);
+  if (g.combine_sets == 1) {
+    for (int q = 0; q < p.n; ++q) status[q] = kOk;
+    __threadfence_system();  // (one fence orders every flag below)
+    for (int q = 0; q < p.n; ++q) st_word(at<uint64_t>(p, q, g.off_freed_flag) + p.me, epoch);
+  }
   *local_word(p, kCombineEpoch) = epoch;
 }
 
@@ -1521,7 +1556,7 @@ __device__ inline void finish_combine(const Params& p, uint64_t epoch, bool land
 __device__ inline bool all_rows_landed(const Params& p, uint64_t epoch) {
   if (!wait_all(p, p.g.off_combine_flag, epoch * p.flag_per_epoch, epoch)) return false;
   for (int q = 0; q < p.n; ++q)
-    if (__ldcg(at<int32_t>(p, p.me, p.g.off_combine_status) + q) != kOk) return false;
+    if (__ldcg(combine_status(p, p.me, epoch) + q) != kOk) return false;
   return true;
 }
 
@@ -1549,7 +1584,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(Params p) {
 // timed out, or after the timeout, naming a PE whose senders are not done.
 __device__ inline bool wait_row(const Params& p, const uint64_t* flag, uint64_t epoch) {
   const uint64_t* err = local_word(p, kErrorWord);
-  const volatile int32_t* status = at<int32_t>(p, p.me, p.g.off_combine_status);
+  const volatile int32_t* status = combine_status(p, p.me, epoch);
   const uint64_t start = now_ns();
   unsigned spins = 0;
   while (ld_volatile(flag) < epoch) {  // cheap polls; one acquire once it is set
@@ -1640,7 +1675,9 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
                        [&](int j) { return cached ? places[j] : place(t, j); });
     __syncwarp();  // every lane read places[] before the next look-up
   }
-  if (!last_block(p, kReduceDone, blocks) || threadIdx.x != 0) return;
+  // Two combine sets: the last reducer to start ends the call.
+  const bool ends = g.combine_sets == 2 ? block == blocks - 1 : last_block(p, kReduceDone, blocks);
+  if (!ends || threadIdx.x != 0) return;
   // Without row flags, `go` already means every sender PE is done.
   finish_combine(p, epoch, (go && !p.row_flags) ||
                                wait_all(p, g.off_combine_flag, epoch * p.flag_per_epoch, epoch));
