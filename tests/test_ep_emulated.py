@@ -96,9 +96,11 @@ def test_one_pe_per_process():
         run_processes(progs.many_configs, 1, args=([cfg()],), threads_per_proc=2, env=EMULATE)
 
 
-def test_tampered_handle_raises_instead_of_writing_out_of_bounds():
-    """The kernels bound-check combine's handle (edited row metadata): the
-    culprit raises ValueError, its peer SymheapError, and the op goes on."""
+@pytest.mark.parametrize("layout", ["token_major", "expert_major"])
+def test_tampered_handle_raises_instead_of_writing_out_of_bounds(layout):
+    """The kernels bound-check combine's handle (an edited summary or row
+    metadata): the culprit raises ValueError, its peer SymheapError, and the
+    op goes on."""
     from test_hardening import _tampered_ep_handle
-    assert emulated(_tampered_ep_handle, 2, ()) == [["ValueError", "ValueError", "ok", "ok"],
-                                                    ["SymheapError", "SymheapError", "ok", "ok"]]
+    assert emulated(_tampered_ep_handle, 2, (layout,)) == [
+        ["ValueError", "ValueError", "ok", "ok"], ["SymheapError", "SymheapError", "ok", "ok"]]

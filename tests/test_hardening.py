@@ -74,12 +74,13 @@ def test_per_call_timeout_longer_than_init_timeout():
     assert results == ["remote", "remote"]
 
 
-def _tampered_ep_handle():
+def _tampered_ep_handle(layout="token_major"):
     """Edited combine handles on one PE (cpu; cuda and its emulation reuse it)."""
     import torch
     from symheap.ep import EpConfig, EpDispatchCombine
     me, n = symheap.my_pe(), symheap.n_pes()
-    cfg = EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=4, topk=2, dtype="float32")
+    cfg = EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=4, topk=2, dtype="float32",
+                   layout=layout)
     g = torch.Generator().manual_seed(me)
     dev = torch.device("cuda", symheap.current_device()) if symheap.backend() == "cuda" else "cpu"
     x = torch.randn(4, 32, generator=g).to(dev)
@@ -88,7 +89,9 @@ def _tampered_ep_handle():
     outcome = []
     with EpDispatchCombine(cfg) as ep:
         d = ep.dispatch(x, idx, w)
-        if me == 0:
+        if me == 0 and layout == "token_major":  # PE 1's rows go back past the buffer
+            d.handle.summary[4 * 1] = 10 ** 8
+        elif me == 0:
             d.handle.recv_meta[0, 3] = 10 ** 8
             d.handle.recv_meta[0, 0] = 0
         try:
@@ -109,15 +112,19 @@ def _tampered_ep_handle():
         # buffers and statuses (the kernels alternate between two sets).
         for _ in range(2):
             d3 = ep.dispatch(x, idx, w)
-            out = ep.combine(d3.x * d3.topk_weights.sum(1, keepdim=True), d3.handle)
+            if layout == "token_major":
+                out = ep.combine(d3.x * d3.topk_weights.sum(1, keepdim=True), d3.handle)
+            else:
+                out = ep.combine(d3.x, d3.handle)
             ep.check()
             ref = x * w.sum(1, keepdim=True)
             outcome.append("ok" if torch.allclose(out, ref, rtol=1e-5, atol=1e-5) else "wrong")
     return outcome
 
 
-def test_tampered_ep_handle_raises_instead_of_writing_out_of_bounds():
+@pytest.mark.parametrize("layout", ["token_major", "expert_major"])
+def test_tampered_ep_handle_raises_instead_of_writing_out_of_bounds(layout):
     pytest.importorskip("torch")
-    results = run_threads(_tampered_ep_handle, 2)
+    results = run_threads(_tampered_ep_handle, 2, args=(layout,))
     assert results[0] == ["ValueError", "ValueError", "ok", "ok"]
     assert results[1] == ["SymheapError", "SymheapError", "ok", "ok"]

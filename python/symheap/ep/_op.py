@@ -28,7 +28,8 @@ class EpHandle:
     num_tokens: int
     rows_shape: tuple       # shape combine expects for expert_out
     send_rows: object       # [max_tokens, n_pes | topk] int32: combine row or -1
-    recv_meta: object       # [recv_rows, 4] int32: (src pe, token, slot, combine row)
+    recv_meta: object       # expert-major: [recv_rows, 4] int32 (src pe, token, slot,
+                            # combine row); None for token-major (the summary places rows)
     summary: object         # int32 per-source and per-expert counts (see ep_config.hpp)
     weights: object         # [max_tokens, topk] float32 (expert-major), else None
     device: object
@@ -58,9 +59,10 @@ class DispatchOutput:
     copy_engine, intranode without max_recv_tokens), else the capacity, with
     rows past ``num_recv_tokens`` undefined.
 
-    ``x``, ``topk_idx``, ``topk_weights`` and ``scales`` view the op's
-    symmetric receive buffer: valid until the next dispatch of the same op
-    (``clone()`` them to keep them). ``src_info`` belongs to ``handle``.
+    ``x``, ``topk_idx``, ``topk_weights`` and ``scales`` (and, token-major,
+    ``src_info``) view the op's symmetric receive buffer: valid until the next
+    dispatch of the same op (``clone()`` them to keep them). Expert-major
+    ``src_info`` belongs to ``handle``. The handle stays valid either way.
     """
 
     x: object
@@ -168,7 +170,8 @@ class EpDispatchCombine:
         num_recv = torch.empty((), dtype=i32, device=dev)
         expert_counts = torch.empty(geo["local_experts"], dtype=i32, device=dev)
         send_rows = torch.empty(cfg.max_tokens_per_rank, geo["send_cols"], dtype=i32, device=dev)
-        recv_meta = torch.empty(geo["recv_rows"], 4, dtype=i32, device=dev)
+        recv_meta = (torch.empty(geo["recv_rows"], 4, dtype=i32, device=dev)
+                     if cfg.layout == "expert_major" else None)
         summary = torch.empty(geo["summary_words"], dtype=i32, device=dev)
         weights = (torch.empty(cfg.max_tokens_per_rank, cfg.topk, dtype=torch.float32, device=dev)
                    if cfg.layout == "expert_major" else None)
@@ -221,7 +224,8 @@ class EpDispatchCombine:
                 _data_ptr(expert_out) if ok else 0,
                 int(expert_out.numel() // self.config.hidden) if ok else 0,
                 _data_ptr(handle.send_rows) if ok else 0,
-                _data_ptr(handle.recv_meta) if ok else 0,
+                _data_ptr(handle.recv_meta) if ok and self.config.layout == "expert_major"
+                else 0,
                 _data_ptr(handle.summary) if ok else 0,
                 _data_ptr(weights) if ok else 0,
                 handle.num_tokens if ok else 0,
@@ -302,7 +306,8 @@ class EpDispatchCombine:
             return {"x": view(g["off_recv_x"], (rows, cfg.hidden), dt),
                     "scales": view(g["off_recv_scales"], (rows, s), sdt) if s else None,
                     "topk_idx": view(g["off_recv_idx"], (rows, k), torch.int32),
-                    "topk_weights": view(g["off_recv_w"], (rows, k), torch.float32)}
+                    "topk_weights": view(g["off_recv_w"], (rows, k), torch.float32),
+                    "meta": view(g["off_recv_meta"], (rows, 4), torch.int32)}
         L, cap = g["local_experts"], g["expert_cap"]
         return {"x": view(g["off_recv_x"], (L, cap, cfg.hidden), dt),
                 "scales": view(g["off_recv_scales"], (L, cap, s), sdt) if s else None,
@@ -317,7 +322,7 @@ class EpDispatchCombine:
             x = v["x"][:rows]
             scales = v["scales"][:rows] if v["scales"] is not None else None
             idx, w = v["topk_idx"][:rows], v["topk_weights"][:rows]
-            src_info = recv_meta[:rows, :2]
+            src_info = v["meta"][:rows, :2]
         else:
             x, scales, idx, w = v["x"], v["scales"], None, v["topk_weights"]
             src_info = recv_meta.view(g["local_experts"], g["expert_cap"], 4)[..., :3]
@@ -375,7 +380,8 @@ class EpDispatchCombine:
                              "this op")
         self._tensor("handle.send_rows", handle.send_rows, (i32,),
                      (cfg.max_tokens_per_rank, geo["send_cols"]))
-        self._tensor("handle.recv_meta", handle.recv_meta, (i32,), (geo["recv_rows"], 4))
+        if cfg.layout == "expert_major":
+            self._tensor("handle.recv_meta", handle.recv_meta, (i32,), (geo["recv_rows"], 4))
         self._tensor("handle.summary", handle.summary, (i32,), (geo["summary_words"],))
         if cfg.layout == "expert_major" and topk_weights is None:
             self._tensor("handle.weights", handle.weights, (torch.float32,),

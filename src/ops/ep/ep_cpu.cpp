@@ -218,7 +218,8 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
     throw StateError(msg);
   }
 
-  // Outputs and handle: counts, a private copy of the row metadata.
+  // Outputs and handle: counts, a private copy of the row metadata
+  // (expert-major; token-major combine needs only the summary).
   int64_t num_recv = 0;
   std::vector<int32_t> per_expert(L, 0);
   for (int q = 0; q < n; ++q) {
@@ -230,10 +231,8 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
   if (a.num_recv) a.num_recv[0] = static_cast<int32_t>(num_recv);
   if (a.expert_counts) std::memcpy(a.expert_counts, per_expert.data(), L * 4);
   const int32_t* meta = at<int32_t>(s, op, me, g.off_recv_meta);
-  for (int64_t row_i = 0; row_i < g.recv_rows; ++row_i) {
-    bool valid = token_major
-                     ? row_i < num_recv
-                     : row_i % g.expert_cap < per_expert[row_i / g.expert_cap];
+  for (int64_t row_i = 0; !token_major && row_i < g.recv_rows; ++row_i) {
+    const bool valid = row_i % g.expert_cap < per_expert[row_i / g.expert_cap];
     int32_t* out = a.recv_meta + row_i * kMetaWords;
     if (valid) std::memcpy(out, meta + row_i * kMetaWords, kMetaWords * 4);
     else std::fill(out, out + kMetaWords, -1);
@@ -293,18 +292,26 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
         if (row >= g.combine_rows || row < -1) status = kBadArgument;
       }
   }
-  if (status == kOk) {
-    for (int64_t r = 0; r < g.recv_rows; ++r) {
+  // Received row r goes back to source src's combine row crow.
+  auto send_back = [&](int64_t r, int src, int64_t crow) {
+    if (r < 0 || r >= a.expert_rows || r >= g.recv_rows || src < 0 || src >= n || crow < 0 ||
+        crow >= g.combine_rows) {
+      status = kBadArgument;  // rows not covered by the caller, or an edited handle
+      return;
+    }
+    std::memcpy(at<char>(s, op, src, g.off_combine_buf) + crow * crb, rows + r * crb, crb);
+  };
+  if (status == kOk && token_major) {
+    // Source q's k-th row here is its combine row summary[4q] + k (its rows
+    // to this PE, in token order).
+    const int32_t* summary = a.recv_summary;
+    for (int q = 0; q < n && status == kOk; ++q)
+      for (int64_t k = 0; k < summary[4 * q + 1] && status == kOk; ++k)
+        send_back(summary[4 * q + 2] + k, q, static_cast<int64_t>(summary[4 * q]) + k);
+  } else if (status == kOk) {
+    for (int64_t r = 0; r < g.recv_rows && status == kOk; ++r) {
       const int32_t* meta = a.recv_meta + r * kMetaWords;
-      int src = meta[kMetaSrcPe];
-      if (src < 0) continue;
-      if (r >= a.expert_rows || src >= n || meta[kMetaCombineRow] < 0 ||
-          meta[kMetaCombineRow] >= g.combine_rows) {
-        status = kBadArgument;  // rows not covered by the caller, or an edited handle
-        break;
-      }
-      std::memcpy(at<char>(s, op, src, g.off_combine_buf) + meta[kMetaCombineRow] * crb,
-                  rows + r * crb, crb);
+      if (meta[kMetaSrcPe] >= 0) send_back(r, meta[kMetaSrcPe], meta[kMetaCombineRow]);
     }
   }
   for (int p = 0; p < n; ++p) {

@@ -61,13 +61,14 @@ class DeviceDriver final : public DeviceImpl {
     p.pieces = row_pieces(g.combine_rows, g.row_bytes);
     p.tokens_per_block = std::max<int64_t>(1, (p.T + blocks - 1) / blocks);
     // base, prefix, rank offsets and used columns per column, counts per
-    // expert and destination, scratch
+    // expert and destination, scratch (routing; the count words' cache)
     const int cols = op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
-    const size_t scratch = std::max({static_cast<size_t>(kernels::kWarpsPerBlock) * op.n_pes +
+    const size_t n = static_cast<size_t>(op.n_pes);
+    const size_t scratch = std::max({static_cast<size_t>(kernels::kWarpsPerBlock) * n +
                                          4 * static_cast<size_t>(kernels::kThreads),
                                      static_cast<size_t>(kernels::kThreads),
-                                     2 * static_cast<size_t>(cols),
-                                     static_cast<size_t>(op.n_pes) * op.n_pes});
+                                     2 * static_cast<size_t>(cols), n * n,
+                                     n * (kCountDest + n) + n});
     const size_t shared =
         (4 * static_cast<size_t>(cols) + op.cfg.num_experts + op.n_pes + scratch) * sizeof(int32_t);
     rt_.launch(kernels::dispatch_kernel, blocks, kernels::kThreads, shared, a.stream, p);

@@ -15,11 +15,12 @@
 //                  of loads, with no look-back). Every block waits for every
 //                  count row, stores its rows into peers (or, in pack mode,
 //                  into local staging for the copy engines) and adds 1 to
-//                  each peer's data flag; the last block waits for every
-//                  peer's blocks and copies the metadata of the rows peers
-//                  sent (its own went straight into place), helped by the
-//                  few blocks that arrived just before it when the rows
-//                  land soon (a bounded wait);
+//                  each peer's data flag; token-major, the block with the
+//                  last ticket then waits for every PE's blocks; expert-
+//                  major, the last block to arrive does, and copies the
+//                  rows' metadata into the handle, helped by the few blocks
+//                  that arrived just before it when the rows land soon (a
+//                  bounded wait);
 //   combine        (intranode, low_latency) blocks take roles in the order
 //                  they start: senders wait until each source consumed its
 //                  combine buffer (unless it has two, used in turn), store
@@ -424,16 +425,18 @@ __device__ __forceinline__ bool sends_to(const int16_t* row, int K, uint64_t mas
 // send to each PE d (warp_rows: [warps][n] shared scratch) and, for the
 // tokens t of [keep_lo, keep_hi), sets pos[t * n + d] = the rank of token
 // t's row to PE d among the rows of [lo, hi) to d, plus run[d] on entry
-// (-1: no row). An empty keep range only counts.
+// (-1: no row). An empty keep range only counts. `loaded`: dst already holds
+// the destinations of [lo, hi), one chunk (load_dests).
 __device__ inline void rank_dest_rows(const Params& p, int64_t lo, int64_t hi, int64_t keep_lo,
                                       int64_t keep_hi, int32_t* run, int32_t* warp_rows,
-                                      int16_t* dst, int32_t* pos, int32_t* hist, int32_t* bad) {
+                                      int16_t* dst, int32_t* pos, int32_t* hist, int32_t* bad,
+                                      bool loaded = false) {
   const int n = p.n, K = p.c.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = static_cast<int>(blockDim.x >> 5);
   const int64_t C = route_chunk(p);
   for (int64_t s0 = lo; s0 < hi; s0 += C) {
     const int64_t e = imin(s0 + C, hi);
-    load_dests(p, s0, e, dst, hist, bad);
+    if (!loaded) load_dests(p, s0, e, dst, hist, bad);
     for (int64_t s = s0; s < e; s += blockDim.x) {
       const int64_t t = s + threadIdx.x;
       const int16_t* row = dst + (t - s0) * K;
@@ -571,14 +574,18 @@ __device__ inline bool await_tag(const Params& p, const uint64_t* word, uint64_t
 // Whole block: waits until every PE's count row and this PE's send order
 // carry this call's epoch. Token-major blocks that do not write the call's
 // expert counts (`all_words` false) wait only for each row's status and
-// destination words. False in every thread after a timeout (recorded,
-// naming the late PE) or another wait's.
-__device__ inline bool wait_counts(const Params& p, uint64_t epoch, bool all_words) {
+// destination words. With `cache` (token-major), leaves the values of those
+// words there ([n][kCountDest + n], then the send order [n]) for make_plan.
+// False in every thread after a timeout (recorded, naming the late PE) or
+// another wait's.
+__device__ inline bool wait_counts(const Params& p, uint64_t epoch, bool all_words,
+                                   int32_t* cache) {
   __shared__ int failed;
   const int n = p.n;
-  const int CW = p.c.layout == Layout::TokenMajor && !all_words ? kCountDest + n : p.g.count_words;
+  const bool tm = p.c.layout == Layout::TokenMajor;
+  const int CW = tm ? kCountDest + n : p.g.count_words;  // words of each row waited first
   const int64_t cells = static_cast<int64_t>(n) * CW;
-  const int cols = p.c.layout == Layout::TokenMajor ? n : p.c.num_experts;
+  const int cols = tm ? n : p.c.num_experts;
   const uint64_t* rows = count_rows(p, p.me, epoch);
   const uint64_t* prefix = at<uint64_t>(p, p.me, p.g.off_send_prefix);
   volatile int* stop = &failed;
@@ -590,6 +597,16 @@ __device__ inline bool wait_counts(const Params& p, uint64_t epoch, bool all_wor
     const uint64_t* word = i < cells ? rows + q * p.g.count_words + i % CW : prefix + (i - cells);
     uint64_t seen;
     if (!await_tag(p, word, epoch, start, q, stop, &seen)) break;
+    if (cache) cache[i] = static_cast<int32_t>(seen);
+  }
+  if (tm && all_words) {  // the expert counts, after the row's first words
+    const int rest = p.g.count_words - CW;
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(n) * rest && !*stop; i += blockDim.x) {
+      const int q = static_cast<int>(i / rest);
+      uint64_t seen;
+      if (!await_tag(p, rows + q * p.g.count_words + CW + i % rest, epoch, start, q, stop, &seen))
+        break;
+    }
   }
   __syncthreads();  // (blocks read only the tagged words themselves: no fence)
   return failed == 0;
@@ -718,13 +735,17 @@ __device__ inline int32_t count_cell(const Params& p, uint64_t epoch, int q, int
 
 // Fills `plan` and, in shared memory, base[] (first row of this PE's rows at
 // each destination / in each expert's run) and prefix[] (first row of each
-// destination / expert in this PE's send order = its combine rows).
+// destination / expert in this PE's send order = its combine rows). `cache`:
+// wait_counts' copy of the words it needs (token-major), else null.
 __device__ inline void make_plan(const Params& p, uint64_t epoch, DispatchPlan& plan,
-                                 int32_t* base, int32_t* prefix) {
+                                 int32_t* base, int32_t* prefix, const int32_t* cache) {
   const int n = p.n, E = p.c.num_experts, L = p.g.local_experts;
   const bool tm = p.c.layout == Layout::TokenMajor;
   const int cols = tm ? n : E;
   const int first = tm ? kCountDest : kCountDest + n;
+  const int CW = kCountDest + n;  // (the cache's row)
+  auto cell = [&](int q, int i) { return cache ? cache[q * CW + i] : count_cell(p, epoch, q, i); };
+  const uint64_t* my_prefix = at<uint64_t>(p, p.me, p.g.off_send_prefix);
   __shared__ int bad_pe, overflow_at;
   if (threadIdx.x == 0) {
     bad_pe = n;
@@ -732,23 +753,22 @@ __device__ inline void make_plan(const Params& p, uint64_t epoch, DispatchPlan& 
   }
   __syncthreads();
   for (int q = threadIdx.x; q < n; q += blockDim.x)
-    if (count_cell(p, epoch, q, kCountStatus) != kOk) atomicMin(&bad_pe, q);
-  const uint64_t* my_prefix = at<uint64_t>(p, p.me, p.g.off_send_prefix);
+    if (cell(q, kCountStatus) != kOk) atomicMin(&bad_pe, q);
   for (int j = threadIdx.x; j < cols; j += blockDim.x) {
     int64_t total = 0, before = 0;
     for (int q = 0; q < n; ++q) {
-      int32_t v = count_cell(p, epoch, q, first + j);
+      int32_t v = cell(q, first + j);
       total += v;
       if (q < p.me) before += v;
     }
     base[j] = static_cast<int32_t>(before);
-    prefix[j] = static_cast<int32_t>(ld_volatile(my_prefix + j));
+    prefix[j] = cache ? cache[n * CW + j] : static_cast<int32_t>(ld_volatile(my_prefix + j));
     if (total > (tm ? p.g.recv_rows : p.g.expert_cap)) atomicMin(&overflow_at, j);
   }
   __syncthreads();
   if (bad_pe < n) {
-    plan.abort_status = count_cell(p, epoch, bad_pe, kCountStatus);
-    plan.abort_detail = count_cell(p, epoch, bad_pe, kCountDetail);
+    plan.abort_status = cell(bad_pe, kCountStatus);
+    plan.abort_detail = cell(bad_pe, kCountDetail);
     plan.abort_pe = bad_pe;
   } else if (overflow_at < cols) {
     plan.abort_status = kRecvOverflow;
@@ -812,48 +832,33 @@ __device__ inline void finish_counts(const Params& p, uint64_t epoch, bool abort
   __syncthreads();
 }
 
-// The handle's private copy of the valid rows' metadata (one 16-byte vector
-// per row) is made once every row has landed (and the summary is written).
-// With `own_written`, the token-major rows this PE sent itself, whose
-// metadata its senders wrote straight into the copy, are skipped.
-struct MetaCopy {
-  int64_t copies, own_first, own_rows;  // rows to copy; the skipped range
-};
-__device__ inline MetaCopy plan_meta(const Params& p, bool own_written) {
-  const int n = p.n, L = p.g.local_experts;
-  const bool tm = p.c.layout == Layout::TokenMajor;
-  const int64_t rows = tm ? p.summary[4 * n + L] : p.g.recv_rows;
-  const bool skip = tm && own_written;
-  const int64_t own_first = skip ? p.summary[4 * p.me + 2] : rows;  // (clamped by the
-  const int64_t own_rows = skip ? p.summary[4 * p.me + 1] : 0;       //  summary's sums)
-  return MetaCopy{rows - own_rows, own_first, own_rows};
-}
+// Expert-major: the handle's private copy of the valid rows' metadata (one
+// 16-byte vector per row), made once every row has landed and the summary
+// is written. (Token-major handles need none: combine finds each row's
+// source and combine row from the summary.)
 
-// Whole block: copies part `part` of `parts` of the metadata (plan_meta);
-// several loads in flight per thread.
-__device__ inline void copy_meta(const Params& p, const MetaCopy& m, int part, int parts) {
+// Whole block: copies part `part` of `parts` of the metadata; several loads
+// in flight per thread.
+__device__ inline void copy_meta(const Params& p, int64_t rows, int part, int parts) {
   static_assert(kMetaWords * 4 == 16, "a row's metadata is one 16-byte vector");
   const int n = p.n;
   const int4* meta = at<int4>(p, p.me, p.g.off_recv_meta);
   int4* out = reinterpret_cast<int4*>(p.recv_meta);
-  const bool tm = p.c.layout == Layout::TokenMajor;
   const int64_t cap = p.g.expert_cap;
-  auto row_of = [&](int64_t i) { return i < m.own_first ? i : i + m.own_rows; };
-  auto valid = [&](int64_t r) { return tm || r % cap < p.summary[4 * n + r / cap]; };
-  const int64_t lo = m.copies * part / parts, copies = m.copies * (part + 1) / parts;
+  auto valid = [&](int64_t r) { return r % cap < p.summary[4 * n + r / cap]; };
+  const int64_t lo = rows * part / parts, hi = rows * (part + 1) / parts;
   constexpr int kBatch = 8;
-  for (int64_t i0 = lo + threadIdx.x; i0 < copies;
-       i0 += kBatch * static_cast<int64_t>(blockDim.x)) {
+  for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += kBatch * static_cast<int64_t>(blockDim.x)) {
     int4 v[kBatch];
 #pragma unroll
     for (int q = 0; q < kBatch; ++q) {
       const int64_t i = i0 + q * static_cast<int64_t>(blockDim.x);
-      if (i < copies && valid(row_of(i))) v[q] = __ldcg(meta + row_of(i));
+      if (i < hi && valid(i)) v[q] = __ldcg(meta + i);
     }
 #pragma unroll
     for (int q = 0; q < kBatch; ++q) {
       const int64_t i = i0 + q * static_cast<int64_t>(blockDim.x);
-      if (i < copies && valid(row_of(i))) out[row_of(i)] = v[q];
+      if (i < hi && valid(i)) out[i] = v[q];
     }
   }
 }
@@ -874,8 +879,8 @@ __device__ inline bool landed_within(const Params& p, size_t off_flags, uint64_t
   return true;
 }
 
-// End of a dispatch (not pack mode), once the block published its rows
-// (`order`: its arrival). The metadata of the rows peers sent is copied in
+// End of an expert-major dispatch (not pack mode), once the block published
+// its rows (`order`: its arrival). The rows' metadata is copied in
 // parts of at least kMetaPartRows rows: part 0 by the last block; part h by
 // the block that arrived h places before it if every row lands within
 // kHelpNs (a bounded wait: a block never waits long for blocks that may not
@@ -889,17 +894,14 @@ __device__ inline void finish_dispatch(const Params& p, uint64_t epoch, unsigned
   const uint64_t target = epoch * p.flag_per_epoch;
   uint64_t* decision = local_word(p, kMetaHelp);  // part h's at h - 1
   __shared__ bool landed;
-  __shared__ MetaCopy meta;
   __shared__ unsigned left;  // bit h: part h's helper did not take it
   if (threadIdx.x == 0) {
     if (last) {
-      meta = plan_meta(p, true);  // (every block's writes are visible to the last)
       landed = wait_all(p, p.g.off_data_flag, target, epoch);
       left = 0;
     } else {
       landed = landed_within(p, p.g.off_data_flag, target, kHelpNs);
       st_word(decision + part - 1, tagged(epoch, landed ? 1 : 0));  // (the last block reads it)
-      if (landed) meta = plan_meta(p, true);
     }
   }
   __syncthreads();
@@ -908,8 +910,8 @@ __device__ inline void finish_dispatch(const Params& p, uint64_t epoch, unsigned
     return;
   }
   const int parts = static_cast<int>(
-      imin(most, imax(1, (meta.copies + kMetaPartRows - 1) / kMetaPartRows)));
-  if (part < parts) copy_meta(p, meta, part, parts);
+      imin(most, imax(1, (p.g.recv_rows + kMetaPartRows - 1) / kMetaPartRows)));
+  if (part < parts) copy_meta(p, p.g.recv_rows, part, parts);
   if (!last) return;
   const int h = static_cast<int>(threadIdx.x);
   if (h >= 1 && h < parts) {  // a helper decides within kHelpNs of its arrival
@@ -922,7 +924,7 @@ __device__ inline void finish_dispatch(const Params& p, uint64_t epoch, unsigned
   }
   __syncthreads();
   for (int k = 1; k < parts; ++k)
-    if ((left >> k) & 1u) copy_meta(p, meta, k, parts);
+    if ((left >> k) & 1u) copy_meta(p, p.g.recv_rows, k, parts);
   __syncthreads();
   if (threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
 }
@@ -949,33 +951,39 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   // [max(warps * n + 4 * blockDim.x (token-major ids as int16), blockDim.x, 2 * cols, n * n)]
   int32_t* scratch = run + n;
   int16_t* dst = reinterpret_cast<int16_t*>(scratch + kWarpsPerBlock * n);
+  // A small call (every id in one round of loads, at most eight per
+  // thread) needs no look-back: token-major, every block ranks every token
+  // and keeps its own tokens' ranks (no block reads another's); expert-major,
+  // each block counts the pairs before its own, and ticket 0 also those after.
+  const bool small = p.T * K <= 8 * static_cast<int64_t>(blockDim.x);
   __shared__ int ticket, bad, n_used;
   if (threadIdx.x == 0) {
-    auto* c = reinterpret_cast<unsigned long long*>(local_word(p, kDispatchTicket));
-    ticket = static_cast<int>(atomicAdd(c, 1ull));
-    if (ticket == static_cast<int>(gridDim.x) - 1) *c = 0;  // every block has its ticket
     bad = INT32_MAX;
     n_used = 0;
   }
   for (int i = threadIdx.x; i < E + n; i += blockDim.x) hist[i] = 0;  // and run
+  __syncthreads();
+  auto* tickets = reinterpret_cast<unsigned long long*>(local_word(p, kDispatchTicket));
+  unsigned long long taken = 0;
+  if (threadIdx.x == 0) taken = atomicAdd(tickets, 1ull);
+  // Small token-major calls load every id while the ticket is on its way
+  // (every block tallies them; ticket 0's tally is the one published).
+  if (small && tm) load_dests(p, 0, p.T, dst, hist, &bad);
+  if (threadIdx.x == 0) {
+    ticket = static_cast<int>(taken);
+    if (ticket == static_cast<int>(gridDim.x) - 1) *tickets = 0;  // every block has its ticket
+  }
   __syncthreads();
   const int64_t t0 = imin(static_cast<int64_t>(ticket) * p.tokens_per_block, p.T);
   const int64_t t1 = imin(t0 + p.tokens_per_block, p.T);
   // Ranks of the rows: among this PE's rows to their destination or expert
   // (small calls) or among this block's (plus before[], from the look-back).
   int32_t* pos = at<int32_t>(p, p.me, g.off_scratch_pos);
-  // A small call (every id in one round of loads, at most eight per
-  // thread) needs no look-back: token-major, every block ranks every token
-  // and keeps its own tokens' ranks (no block reads another's); expert-major,
-  // each block counts the pairs before its own, and ticket 0 also those after.
-  const bool small = p.T * K <= 8 * static_cast<int64_t>(blockDim.x);
   bool ranked = true;
   if (small) {
     for (int c = threadIdx.x; c < cols; c += blockDim.x) before[c] = 0;
     if (tm) {
-      const bool first = ticket == 0;  // (the one that publishes the counts)
-      rank_dest_rows(p, 0, p.T, t0, t1, run, scratch, dst, pos, first ? hist : nullptr,
-                     first ? &bad : nullptr);
+      rank_dest_rows(p, 0, p.T, t0, t1, run, scratch, dst, pos, nullptr, nullptr, true);
     } else {
       count_expert_pairs(p, 0, t0 * K, hist, nullptr);
       rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, ticket == 0 ? &bad : nullptr);
@@ -1001,9 +1009,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   }
 
   __shared__ DispatchPlan plan;
-  if (ranked && wait_counts(p, epoch, ticket == 0)) {
+  // (token-major: the count words a plan needs, cached in the scratch that
+  // the routing no longer uses; finish_counts reuses it after the plan)
+  int32_t* cache = tm ? scratch : nullptr;
+  if (ranked && wait_counts(p, epoch, ticket == 0, cache)) {
     DispatchPlan local;
-    make_plan(p, epoch, local, base, prefix);
+    make_plan(p, epoch, local, base, prefix, cache);
     if (threadIdx.x == 0) plan = local;
   } else if (threadIdx.x == 0) {
     plan = DispatchPlan{kPeerTimeout, 0, -1};
@@ -1065,10 +1076,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
       const int32_t slot = tm ? -1 : static_cast<int32_t>(i % S);
       const int32_t v = lane == kMetaSrcPe ? p.me : lane == kMetaToken ? static_cast<int32_t>(t)
                                                   : lane == kMetaSlot ? slot : crow;
-      // (token-major rows to itself: straight into the handle's copy)
-      int32_t* m = !p.pack && tm && d == p.me ? p.recv_meta
-                                               : reinterpret_cast<int32_t*>(target(d, off_m));
-      m[r * kMetaWords + lane] = v;
+      reinterpret_cast<int32_t*>(target(d, off_m))[r * kMetaWords + lane] = v;
     }
   }
   // Peers wait for the rows: flag them first (thread 0 waits in the fence
@@ -1087,6 +1095,17 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   if (p.saved_w)
     for (int64_t i = gtid; i < T * K; i += gthreads) p.saved_w[i] = p.w[i];
 
+  if (tm && !p.pack) {
+    // Token-major: nothing to copy once the rows are in. The block that took
+    // the last ticket (every block has started) waits for every PE's blocks
+    // (this PE's flag counts its own, so all of them have read the epoch),
+    // and the kernel ends with it.
+    if (ticket == static_cast<int>(gridDim.x) - 1 && threadIdx.x == 0) {
+      wait_all(p, g.off_data_flag, epoch * p.flag_per_epoch, epoch);
+      *local_word(p, kDispatchEpoch) = epoch;
+    }
+    return;
+  }
   const unsigned order = arrival(p, kDispatchDone, gridDim.x);
   const bool last = order == gridDim.x - 1;
   if (p.pack) {
@@ -1116,14 +1135,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
 }
 
 // Copy engine: once the host queued the copies and their signals, waits for
-// every peer's rows and copies the handle's metadata (dispatch_kernel in pack
-// mode already wrote the counts).
+// every peer's rows and copies the handle's metadata (expert-major;
+// dispatch_kernel in pack mode already wrote the counts).
 __global__ void __launch_bounds__(kThreads) finish_kernel(Params p, int32_t abort) {
   const uint64_t epoch = ld_volatile(local_word(p, kDispatchEpoch)) + 1;
   __shared__ bool ok;
   if (threadIdx.x == 0) ok = wait_all(p, p.g.off_data_flag, epoch * p.flag_per_epoch, epoch);
   __syncthreads();
-  if (ok && !abort) copy_meta(p, plan_meta(p, false), 0, 1);
+  if (ok && !abort && p.c.layout == Layout::ExpertMajor) copy_meta(p, p.g.recv_rows, 0, 1);
   __syncthreads();
   if (threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
 }
@@ -1147,10 +1166,11 @@ __device__ __forceinline__ int32_t* combine_status(const Params& p, int pe, uint
   return at<int32_t>(p, pe, p.g.off_combine_status) + combine_set(p, epoch) * p.n;
 }
 
-// Where received row r goes back to: its source PE and its row there (the
-// source's combine row; in stage mode, the row of this PE's staging buffer).
-// False when the handle names a place outside the op's buffers: a handle
-// edited by the caller must never make a kernel or a copy write out of bounds.
+// Expert-major: where received row r goes back to: its source PE and its
+// row there (the source's combine row; in stage mode, the row of this PE's
+// staging buffer). False when the handle names a place outside the op's
+// buffers: a handle edited by the caller must never make a kernel or a copy
+// write out of bounds.
 __device__ __forceinline__ bool combine_target(const Params& p, int64_t r, int* src,
                                                int64_t* row) {
   const Geometry& g = p.g;
@@ -1165,6 +1185,16 @@ __device__ __forceinline__ bool combine_target(const Params& p, int64_t r, int* 
     *row = at_row;
   }
   return true;
+}
+
+// Token-major: the k-th row from source q goes back to q's combine row
+// summary[4q] + k (q sent its rows to this PE in token order, from its
+// combine row summary[4q] on). False outside the combine buffer (an edited
+// handle).
+__device__ __forceinline__ bool token_major_target(const Params& p, int q, int64_t k,
+                                                   int64_t* row) {
+  *row = static_cast<int64_t>(p.h_summary[4 * q]) + k;
+  return *row >= 0 && *row < p.g.combine_rows;
 }
 
 // The copy plan of the copy engine, segment (from, to, rows) of source q,
@@ -1286,10 +1316,10 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(Params p) {
 // piece's flag there. Token-major units visit the other sources in turn, each
 // in its token order, so every source's reducers find their first tokens
 // early, and every warp moves rows over the links; rows of this PE's own
-// tokens stay where they are (its reducers read them), and only their
-// metadata is checked, a row per thread. After its first unit a warp claims
-// the next from a counter, so rows leave in the order the reducers sum them
-// even when some SMs get less of the links than others. Each unit checks its
+// tokens stay where they are (its reducers read them). After its first unit
+// a warp claims the next from a counter, so rows leave in the order the
+// reducers sum them even when some SMs get less of the links than others.
+// Each unit checks its
 // row's place against the op's buffers first (the handle is the caller's
 // memory); at the end the block tells every source of a failure it saw,
 // then adds its share to their combine flags.
@@ -1351,29 +1381,24 @@ __device__ inline void send_back(const Params& p, int block, int blocks, uint64_
     __syncwarp();
     return u;
   };
-  if (tm && send) {  // this PE's own rows: their metadata only
-    const int64_t thread0 = static_cast<int64_t>(block) * blockDim.x + threadIdx.x;
-    const int64_t threads = static_cast<int64_t>(blocks) * blockDim.x;
-    for (int64_t k = thread0; k < src_rows[p.me]; k += threads) {
-      const int64_t r = src_first[p.me] + k;
-      if (r < valid_rows && !combine_target(p, r, &src, &row)) bad = true;
-    }
-  }
   for (int64_t u = send ? warp0 : units; u < units; u = claim()) {
     const int64_t h = u / P;
     const int piece = static_cast<int>(u % P);
     int64_t r;
+    bool placed;
     if (tm) {
       const int other = static_cast<int>(h % others);
-      const int q = other < p.me ? other : other + 1;
+      src = other < p.me ? other : other + 1;
       const int64_t k = h / others;
-      if (k >= src_rows[q]) continue;
-      r = src_first[q] + k;
+      if (k >= src_rows[src]) continue;
+      r = src_first[src] + k;
       if (r >= valid_rows) continue;
+      placed = token_major_target(p, src, k, &row);
     } else {
       r = expert_major_row(p, first_of, h);
+      placed = combine_target(p, r, &src, &row);
     }
-    if (!combine_target(p, r, &src, &row)) {
+    if (!placed) {
       bad = true;
       continue;
     }

@@ -36,7 +36,7 @@ struct DispatchArgs {
   int32_t* expert_counts = nullptr;  // [local_experts] (row, slot) pairs per local expert
   // Handle storage, caller-allocated, read back by combine.
   int32_t* send_rows = nullptr;      // [max_tokens, send_cols] combine row or -1
-  int32_t* recv_meta = nullptr;      // [recv_rows, 4] (src pe, token, slot, combine row)
+  int32_t* recv_meta = nullptr;      // expert-major: [recv_rows, 4] (src pe, token, slot, combine row)
   int32_t* recv_summary = nullptr;   // [summary_words] see ep_config.hpp
   float* saved_weights = nullptr;    // [max_tokens, topk] (expert-major), may be null otherwise
   StreamHandle stream = 0;
