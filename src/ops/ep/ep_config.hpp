@@ -117,6 +117,7 @@ enum LocalWord : int {
   kCombineTicket = 8,  // combine: blocks that took their role (cuda)
   kMetaHelp = 9,       // dispatch: [kMetaHelpers] helpers' decisions (cuda, epoch-tagged)
   kSendNext = 16,      // combine: [2] senders' next unit, by call parity (cuda)
+  kReduceNext = 18,    // combine: [2] reducers' next unit, by call parity (cuda)
   kLocalWords = 24
 };
 // Blocks that may help dispatch's last block copy the metadata (cuda).
@@ -124,7 +125,7 @@ constexpr int kMetaHelpers = 6;
 static_assert(kMetaHelp + kMetaHelpers <= kSendNext, "local words");
 
 // Most blocks in one grid of the cuda kernels.
-constexpr int kMaxGridBlocks = 128;
+constexpr int kMaxGridBlocks = 132;  // an H100 / H200's SMs
 
 // Most warps that share one row in a call of few rows (cuda kernels).
 constexpr int kMaxPieces = 8;

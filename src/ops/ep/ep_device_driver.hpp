@@ -146,7 +146,7 @@ class DeviceDriver final : public DeviceImpl {
       static_assert(kMaxPieces >= 2, "a row's flags cover two pieces");
       p.row_flags = g.combine_rows >= kernels::kRowFlagRows;
       if (p.row_flags) p.pieces = std::max(p.pieces, 2);
-      p.senders = sender_blocks(op);
+      p.senders = sender_blocks(op, p.row_flags);
       const int reducers = reducer_blocks(op, p.row_flags);
       p.reduce_pieces = p.row_flags ? p.pieces : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
       p.flag_per_epoch = p.senders;
@@ -216,18 +216,22 @@ class DeviceDriver final : public DeviceImpl {
     return blocks_for(pairs * row_pieces(op.geo.combine_rows, op.geo.row_bytes),
                       kernels::kWarpsPerBlock);
   }
-  // Combine: half the blocks reduce while the others send (as rows land, a
-  // sum moves three rows' worth of memory per token, a send one), all of
-  // them resident at once on a large GPU.
+  // Combine: some blocks reduce while the others send (as rows land, a sum
+  // moves three rows' worth of memory per token, a send one), all of them
+  // resident at once on a large GPU. Half and half for few rows; with row
+  // flags (many rows) 5/8 reduce, and the senders join them once done.
+  static int reduce_share(bool row_flags) {
+    return row_flags ? kernels::kMaxBlocks * 5 / 8 : kernels::kMaxBlocks / 2;
+  }
   static int reducer_blocks(const Op& op, bool row_flags) {
-    const int most = std::max(1, kernels::kMaxBlocks / 2);
+    const int most = std::max(1, reduce_share(row_flags));
     if (!row_flags) return std::min(most, reduce_blocks(op));
     return std::min(most, blocks_for(op.cfg.max_tokens * row_pieces(op.geo.combine_rows,
                                                                      op.geo.combine_row_bytes),
                                      kernels::kWarpsPerBlock));
   }
-  static int sender_blocks(const Op& op) {
-    const int most = std::max(1, kernels::kMaxBlocks - kernels::kMaxBlocks / 2);
+  static int sender_blocks(const Op& op, bool row_flags) {
+    const int most = std::max(1, kernels::kMaxBlocks - reduce_share(row_flags));
     return std::min(most, send_blocks(op));
   }
   static int send_blocks(const Op& op) {  // enough to move every combine row at once

@@ -530,21 +530,30 @@ __device__ inline void publish_counts(const Params& p, uint64_t epoch, const int
     for (int l = 0; l < L; ++l) rows += hist[d * L + l];
     return rows;
   };
-  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(n) * CW; i += blockDim.x) {
-    const int q = static_cast<int>(i / CW), w = static_cast<int>(i % CW);
-    int32_t v = 0;
-    if (w == kCountStatus) v = status;
-    else if (w == kCountDetail) v = detail;
-    else if (status == kOk && w < kCountDest + n) v = dest_rows(w - kCountDest);
-    else if (status == kOk && w < kCountDest + n + E) v = hist[w - kCountDest - n];
-    st_word(count_rows(p, q, epoch) + p.me * CW + w, tagged(epoch, v));
-  }
+  // Words [lo, hi) of the row, into every PE.
+  auto store_words = [&](int lo, int hi) {
+    const int m = hi - lo;
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(n) * m; i += blockDim.x) {
+      const int q = static_cast<int>(i / m), w = lo + static_cast<int>(i % m);
+      int32_t v = 0;
+      if (w == kCountStatus) v = status;
+      else if (w == kCountDetail) v = detail;
+      else if (status == kOk && w < kCountDest + n) v = dest_rows(w - kCountDest);
+      else if (status == kOk && w < kCountDest + n + E) v = hist[w - kCountDest - n];
+      st_word(count_rows(p, q, epoch) + p.me * CW + w, tagged(epoch, v));
+    }
+  };
+  // Token-major: the words every block waits for go first (status, detail,
+  // destinations; the expert counts only ticket 0 reads follow the send order).
+  const int first = tm ? kCountDest + n : CW;
+  store_words(0, first);
   const int cols = tm ? n : E;
   for (int j = threadIdx.x; j < cols; j += blockDim.x)
     scan[j] = status != kOk ? 0 : tm ? run[j] : hist[j];
   block_exclusive_scan(scan, scan + cols, cols);
   uint64_t* prefix = at<uint64_t>(p, p.me, p.g.off_send_prefix);
   for (int j = threadIdx.x; j < cols; j += blockDim.x) st_word(prefix + j, tagged(epoch, scan[j]));
+  store_words(first, CW);
   __syncthreads();
 }
 
@@ -792,12 +801,14 @@ __device__ inline bool must_report(const Params& p, const DispatchPlan& plan) {
 // Outputs of a dispatch that derive from the count matrix: counts, the
 // handle's summary. One block. rows: shared scratch of n * n words (each
 // PE's rows to each destination, loaded at once rather than one dependent
-// load after another).
-__device__ inline void finish_counts(const Params& p, uint64_t epoch, bool abort, int32_t* rows) {
+// load after another), unless `cache` (wait_counts') holds them already.
+__device__ inline void finish_counts(const Params& p, uint64_t epoch, bool abort, int32_t* rows,
+                                     const int32_t* cache) {
   const int n = p.n, L = p.g.local_experts;
   const bool tm = p.c.layout == Layout::TokenMajor;
-  for (int i = threadIdx.x; i < n * n; i += blockDim.x)
-    rows[i] = abort ? 0 : count_cell(p, epoch, i / n, kCountDest + i % n);
+  if (!cache)
+    for (int i = threadIdx.x; i < n * n; i += blockDim.x)
+      rows[i] = abort ? 0 : count_cell(p, epoch, i / n, kCountDest + i % n);
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int32_t c = 0;
     if (!abort)
@@ -806,7 +817,9 @@ __device__ inline void finish_counts(const Params& p, uint64_t epoch, bool abort
     p.summary[4 * n + l] = c;
   }
   __syncthreads();
-  auto cell = [&](int q, int d) { return rows[q * n + d]; };  // PE q's rows to PE d
+  auto cell = [&](int q, int d) {  // PE q's rows to PE d
+    return !cache ? rows[q * n + d] : abort ? 0 : cache[q * (kCountDest + n) + kCountDest + d];
+  };
   for (int q = threadIdx.x; q < n; q += blockDim.x) {
     int32_t range_start = 0, first_row = 0, sent_before = 0;
     for (int d = 0; d < p.me; ++d) range_start += cell(q, d);
@@ -1024,7 +1037,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   if (ticket == 0) {  // the call's outputs that need only the counts
     if (threadIdx.x == 0 && must_report(p, plan))
       record_error(p, plan.abort_status, plan.abort_detail, plan.abort_pe, epoch);
-    finish_counts(p, epoch, abort, scratch);
+    finish_counts(p, epoch, abort, scratch, cache);  // (an abort reads no cell)
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = static_cast<int>(blockDim.x >> 5);
@@ -1311,6 +1324,22 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(Params p) {
   __threadfence_system();
 }
 
+// The whole warp: the next unit of work past a first round of `first` units
+// (each warp's own), from a per-call counter; units once none are left.
+// claimed: [kWarpsPerBlock] shared slots.
+__device__ inline int64_t claim_unit(uint64_t* counter, int64_t first, int64_t units,
+                                     int64_t* claimed) {
+  if (units <= first) return units;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0)
+    claimed[warp] = first + static_cast<int64_t>(
+                                atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull));
+  __syncwarp();
+  const int64_t u = claimed[warp];
+  __syncwarp();
+  return u;
+}
+
 // Sender role of combine_kernel: stores every received row of another PE (a
 // piece per unit of work) back into its source's combine buffer and sets the
 // piece's flag there. Token-major units visit the other sources in turn, each
@@ -1365,23 +1394,16 @@ __device__ inline void send_back(const Params& p, int block, int blocks, uint64_
   bool bad = false;
   int src;
   int64_t row;
-  // Units past the first round, claimed in order (two counters, by call
-  // parity: block 0 clears the next call's, whose last user has ended).
+  // Units past the first round, claimed in order (senders' and reducers'
+  // counters, two of each by call parity: block 0 clears the next call's,
+  // whose last user has ended).
   uint64_t* next = local_word(p, kSendNext + static_cast<int>(epoch & 1));
-  if (block == 0 && threadIdx.x == 0) *local_word(p, kSendNext + static_cast<int>(~epoch & 1)) = 0;
+  if (block == 0 && threadIdx.x == 0) {
+    *local_word(p, kSendNext + static_cast<int>(~epoch & 1)) = 0;
+    *local_word(p, kReduceNext + static_cast<int>(~epoch & 1)) = 0;
+  }
   __shared__ int64_t claimed[kWarpsPerBlock];
-  auto claim = [&]() -> int64_t {  // the whole warp
-    if (units <= warps) return units;
-    if (lane == 0) {
-      auto* counter = reinterpret_cast<unsigned long long*>(next);
-      claimed[threadIdx.x >> 5] = warps + static_cast<int64_t>(atomicAdd(counter, 1ull));
-    }
-    __syncwarp();
-    const int64_t u = claimed[threadIdx.x >> 5];
-    __syncwarp();
-    return u;
-  };
-  for (int64_t u = send ? warp0 : units; u < units; u = claim()) {
+  for (int64_t u = send ? warp0 : units; u < units; u = claim_unit(next, warps, units, claimed)) {
     const int64_t h = u / P;
     const int piece = static_cast<int>(u % P);
     int64_t r;
@@ -1652,17 +1674,29 @@ __device__ __forceinline__ const int4* own_row(const Params& p, int32_t crow, ui
 // as soon as every piece it needs has (the sums overlap the transfer), else
 // once every sender PE is done (fewer waits: small calls). The lanes of a
 // warp look up where a token's rows lie before it waits (the handle is
-// ready from the start), so only the rows' loads follow the wait. The last
-// reducing block ends the call once every sender PE is done.
+// ready from the start), so only the rows' loads follow the wait. With
+// row_flags, units past each reducer warp's first come from a counter in
+// token order (the order rows land in), and sender blocks that sent every
+// row they could claim join in (`block` < 0): the sums left when the last
+// rows land are shared by every block. One block ends the call once every
+// sender PE is done: the last reducer to start (two combine sets), or the
+// last block to finish its sums (one set: the buffer is consumed).
 __device__ inline void reduce_landed(const Params& p, int block, int blocks, uint64_t epoch) {
   const Geometry& g = p.g;
   const int S = g.send_cols;
   const bool tm = p.c.layout == Layout::TokenMajor;
+  const bool joins = block < 0;  // a sender block, done sending
   const int lane = threadIdx.x & 31;
-  const int64_t warp0 = static_cast<int64_t>(block) * kWarpsPerBlock + (threadIdx.x >> 5);
-  const int64_t warps = static_cast<int64_t>(blocks) * kWarpsPerBlock;
+  const int64_t warp0 = joins ? -1 : static_cast<int64_t>(block) * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int64_t warps = static_cast<int64_t>(blocks) * kWarpsPerBlock;  // reducer warps
   const int P = p.reduce_pieces;  // = pieces with row_flags
+  const int64_t units = p.T * P;
   const uint64_t* flags = at<uint64_t>(p, p.me, g.off_row_flags);
+  uint64_t* counter = local_word(p, kReduceNext + static_cast<int>(epoch & 1));
+  __shared__ int64_t claimed[kWarpsPerBlock];
+  auto next = [&](int64_t u) {  // the whole warp
+    return p.row_flags ? claim_unit(counter, warps, units, claimed) : u + warps;
+  };
   auto place = [&](int64_t t, int j) -> const int4* {  // where token t's row j lies
     if (tm && j == p.me) {
       const int32_t crow = p.h_send_rows[t * S + j];
@@ -1679,11 +1713,20 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
     for (int j = lane; j < S; j += 32) places[j] = place(t, j);
     __syncwarp();
   };
-  if (warp0 < p.T * P) look_up(warp0 / P);
+  if (!joins && warp0 < units) look_up(warp0 / P);
   __shared__ bool go;
-  if (threadIdx.x == 0) go = p.row_flags || all_rows_landed(p, epoch);
+  if (threadIdx.x == 0) {
+    go = p.row_flags || all_rows_landed(p, epoch);
+    // A sender joins only once every sender has started (their first units
+    // are theirs alone): the ticket counter is past them, or was reset.
+    if (joins) {
+      const uint64_t c = ld_volatile(local_word(p, kCombineTicket));
+      go = go && (c == 0 || c >= static_cast<uint64_t>(p.senders));
+    }
+  }
   __syncthreads();
-  for (int64_t u = go ? warp0 : p.T * P; u < p.T * P; u += warps) {
+  const int64_t first = !go ? units : joins ? next(0) : warp0;
+  for (int64_t u = first; u < units; u = next(u)) {
     const int64_t t = u / P;
     const int piece = static_cast<int>(u % P);
     if (u != warp0) look_up(t);
@@ -1700,8 +1743,9 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
                        [&](int j) { return cached ? places[j] : place(t, j); });
     __syncwarp();  // every lane read places[] before the next look-up
   }
-  // Two combine sets: the last reducer to start ends the call.
-  const bool ends = g.combine_sets == 2 ? block == blocks - 1 : last_block(p, kReduceDone, blocks);
+  const bool ends = g.combine_sets == 2
+                        ? block == blocks - 1
+                        : last_block(p, kReduceDone, p.row_flags ? gridDim.x : blocks);
   if (!ends || threadIdx.x != 0) return;
   // Without row flags, `go` already means every sender PE is done.
   finish_combine(p, epoch, (go && !p.row_flags) ||
@@ -1711,8 +1755,9 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
 // Combine in one grid (intranode, low_latency). Blocks take their role in
 // the order they start: the first p.senders send rows back, the others
 // reduce (with row_flags, each token as soon as its rows have landed, so the
-// sums overlap the transfer). Reducers wait only on senders, which started
-// before them, so the grid needs no co-residency.
+// sums overlap the transfer, and senders join the reducers once they are
+// done). Blocks wait only on senders of this grid that started before them
+// and on other PEs' senders, so the grid needs no co-residency.
 __global__ void __launch_bounds__(kThreads) combine_kernel(Params p) {
   const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
   __shared__ int ticket;
@@ -1722,8 +1767,13 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Params p) {
     if (ticket == static_cast<int>(gridDim.x) - 1) *c = 0;  // every block has its ticket
   }
   __syncthreads();
-  if (ticket < p.senders) send_back(p, ticket, p.senders, epoch);
-  else reduce_landed(p, ticket - p.senders, static_cast<int>(gridDim.x) - p.senders, epoch);
+  const bool sender = ticket < p.senders;
+  if (sender) {
+    send_back(p, ticket, p.senders, epoch);
+    if (!p.row_flags) return;
+  }
+  reduce_landed(p, sender ? -1 : ticket - p.senders, static_cast<int>(gridDim.x) - p.senders,
+                epoch);
 }
 
 // Copy engine: after the copies of one channel, tells the peer they landed.
