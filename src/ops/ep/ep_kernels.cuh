@@ -847,11 +847,9 @@ __device__ inline void finish_counts(const Params& p, uint64_t epoch, bool abort
 
 // Expert-major: the handle's private copy of the valid rows' metadata (one
 // 16-byte vector per row), made once every row has landed and the summary
-// is written. (Token-major handles need none: combine finds each row's
-// source and combine row from the summary.)
-
-// Whole block: copies part `part` of `parts` of the metadata; several loads
-// in flight per thread.
+// is written (token-major handles need none: combine finds each row's
+// source and combine row from the summary). Whole block: copies part `part`
+// of `parts` of it, several loads in flight per thread.
 __device__ inline void copy_meta(const Params& p, int64_t rows, int part, int parts) {
   static_assert(kMetaWords * 4 == 16, "a row's metadata is one 16-byte vector");
   const int n = p.n;
@@ -961,7 +959,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   int32_t* used = before + cols;   // [cols] the columns this block's rows use
   int32_t* hist = used + cols;     // [E] pairs per expert
   int32_t* run = hist + E;         // [n] rows per destination (token-major)
-  // [max(warps * n + 4 * blockDim.x (token-major ids as int16), blockDim.x, 2 * cols, n * n)]
+  // [max(warps * n + 4 * blockDim.x (token-major ids as int16), blockDim.x, 2 * cols, n * n,
+  //      n * (kCountDest + n) + n (token-major: the count words' cache))]
   int32_t* scratch = run + n;
   int16_t* dst = reinterpret_cast<int16_t*>(scratch + kWarpsPerBlock * n);
   // A small call (every id in one round of loads, at most eight per
@@ -1348,10 +1347,9 @@ __device__ inline int64_t claim_unit(uint64_t* counter, int64_t first, int64_t u
 // tokens stay where they are (its reducers read them). After its first unit
 // a warp claims the next from a counter, so rows leave in the order the
 // reducers sum them even when some SMs get less of the links than others.
-// Each unit checks its
-// row's place against the op's buffers first (the handle is the caller's
-// memory); at the end the block tells every source of a failure it saw,
-// then adds its share to their combine flags.
+// Each unit checks its row's place against the op's buffers first (the
+// handle is the caller's memory); at the end the block tells every source of
+// a failure it saw, then adds its share to their combine flags.
 __device__ inline void send_back(const Params& p, int block, int blocks, uint64_t epoch) {
   const int n = p.n;
   const Geometry& g = p.g;
@@ -1687,7 +1685,8 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
   const bool tm = p.c.layout == Layout::TokenMajor;
   const bool joins = block < 0;  // a sender block, done sending
   const int lane = threadIdx.x & 31;
-  const int64_t warp0 = joins ? -1 : static_cast<int64_t>(block) * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int64_t warp0 =
+      joins ? -1 : static_cast<int64_t>(block) * kWarpsPerBlock + (threadIdx.x >> 5);
   const int64_t warps = static_cast<int64_t>(blocks) * kWarpsPerBlock;  // reducer warps
   const int P = p.reduce_pieces;  // = pieces with row_flags
   const int64_t units = p.T * P;
