@@ -22,8 +22,8 @@ def cfg(**kw):
     return base
 
 
-def emulated(fn, n, args, **kw):
-    return run_processes(fn, n, args=args, env=EMULATE, timeout=240, **kw)
+def emulated(fn, n, args, env=None, **kw):
+    return run_processes(fn, n, args=args, env={**EMULATE, **(env or {})}, timeout=240, **kw)
 
 
 def test_every_kernel_and_layout_matches_the_cpu_implementation():
@@ -38,12 +38,20 @@ def test_every_kernel_and_layout_matches_the_cpu_implementation():
                 # too many ids for one pass: blocks rank from the blocks before them
                 cfg(max_tokens_per_rank=200),
                 cfg(max_tokens_per_rank=200, layout="expert_major"),
-                cfg(max_tokens_per_rank=40, kernel="low_latency", layout="expert_major"),
-                # a combine buffer over 32 MiB: one set, senders wait for "consumed" flags
-                cfg(max_tokens_per_rank=300, hidden=16384, dtype="float32")]
+                cfg(max_tokens_per_rank=40, kernel="low_latency", layout="expert_major")]
     by_kernels = emulated(progs.many_configs, 2, (configs,))
     by_cpu = run_processes(progs.many_configs, 2, args=(configs,))
     assert by_kernels == by_cpu  # bit for bit: rows, and combine's fp32 sums
+
+
+def test_one_combine_set_when_the_buffer_is_large():
+    # A combine buffer over 128 MiB (600 rows of 224 KiB) comes in one set:
+    # senders wait for the previous call's "consumed" flags.
+    configs = [cfg(max_tokens_per_rank=300, hidden=57344, dtype="float32")]
+    heap = {"SYMHEAP_HEAP_SIZE": "1G"}
+    by_kernels = emulated(progs.many_configs, 2, (configs,), env=heap)
+    by_cpu = run_processes(progs.many_configs, 2, args=(configs,), env=heap)
+    assert by_kernels == by_cpu
 
 
 def test_four_pes():

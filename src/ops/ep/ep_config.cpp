@@ -135,7 +135,7 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.scale_row_bytes = static_cast<size_t>(g.scales_per_row) * dtype_size(c.scale_dtype);
   g.combine_row_bytes = static_cast<size_t>(c.hidden) * dtype_size(g.combine_dtype);
   // A second combine set costs at most kTwoCombineSetsBytes of heap per PE.
-  constexpr size_t kTwoCombineSetsBytes = size_t{32} << 20;
+  constexpr size_t kTwoCombineSetsBytes = size_t{128} << 20;
   const size_t combine_bytes = static_cast<size_t>(g.combine_rows) * g.combine_row_bytes;
   g.combine_sets = c.kernel != Kernel::CopyEngine && combine_bytes <= kTwoCombineSetsBytes ? 2 : 1;
 
@@ -160,6 +160,7 @@ Geometry make_geometry(const Config& c, int n_pes) {
                              ? 0
                              : static_cast<size_t>(g.combine_rows) * kMaxPieces * 8);
   g.off_route_totals = take(2 * (n + c.num_experts + 1) * 4);
+  g.off_dest_sums = take(token_major ? 2 * n * (n + 1) * 8 : 0);
   g.sync_bytes = at;
   const size_t route_cols = token_major ? n : static_cast<size_t>(c.num_experts);
   g.off_route_counts = take(kMaxGridBlocks * route_cols * 8);

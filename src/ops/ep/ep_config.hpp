@@ -89,6 +89,12 @@ struct Geometry {
   // E], which later blocks rank from, and whether its counts are in the
   // totals [blocks].
   size_t off_route_counts = 0, off_route_done = 0;
+  // Token-major dispatch routing (device): cell [q][d] sums PE q's rows to
+  // PE d and cell [q][n] its failures (a bad argument or id), every block of
+  // PE q adding kSumBlock plus its share on every PE, so a row is complete
+  // once it counts every block of the grid (no wait for PE q's ticket 0).
+  // uint64 [2][n][n + 1], two sets by call parity.
+  size_t off_dest_sums = 0;
   // This PE's routing scratch (device): the rank of every (token, column)
   // among this PE's (small calls) or its dispatch block's rows to its
   // destination or expert [max_tokens, send_cols].

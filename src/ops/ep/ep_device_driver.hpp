@@ -68,7 +68,7 @@ class DeviceDriver final : public DeviceImpl {
                                          4 * static_cast<size_t>(kernels::kThreads),
                                      static_cast<size_t>(kernels::kThreads),
                                      2 * static_cast<size_t>(cols), n * n,
-                                     n * (kCountDest + n) + n});
+                                     n * (kCountDest + n)});
     const size_t shared =
         (4 * static_cast<size_t>(cols) + op.cfg.num_experts + op.n_pes + scratch) * sizeof(int32_t);
     rt_.launch(kernels::dispatch_kernel, blocks, kernels::kThreads, shared, a.stream, p);

@@ -7,20 +7,22 @@
 // no grid needs to be co-resident:
 //   dispatch       every block counts and ranks its own tokens, publishes
 //                  its counts for the blocks after it and adds them to this
-//                  PE's totals; it takes its rank offsets from the blocks
-//                  before it (a look-back). Ticket 0 publishes this PE's
-//                  count row (epoch-tagged words, no fence) from the totals
-//                  once every block added to them, or after a grace period
-//                  from a count of its own (small calls rank from one round
-//                  of loads, with no look-back). Every block waits for every
-//                  count row, stores its rows into peers (or, in pack mode,
-//                  into local staging for the copy engines) and adds 1 to
-//                  each peer's data flag; token-major, the block with the
-//                  last ticket then waits for every PE's blocks; expert-
-//                  major, the last block to arrive does, and copies the
-//                  rows' metadata into the handle, helped by the few blocks
-//                  that arrived just before it when the rows land soon (a
-//                  bounded wait);
+//                  PE's totals (token-major: also to every PE's destination
+//                  sums); it takes its rank offsets from the blocks before
+//                  it (a look-back). Ticket 0 publishes this PE's count row
+//                  (epoch-tagged words, no fence) from the totals once every
+//                  block added to them, or after a grace period from a count
+//                  of its own (small calls rank from one round of loads,
+//                  with no look-back). Every block waits for every PE's
+//                  counts (token-major blocks with a look-back: from the
+//                  sums, unless a count row comes first), stores its rows
+//                  into peers (or, in pack mode, into local staging for the
+//                  copy engines) and adds 1 to each peer's data flag;
+//                  token-major, the block with the last ticket then waits
+//                  for every PE's blocks; expert-major, the last block to
+//                  arrive does, and copies the rows' metadata into the
+//                  handle, helped by the few blocks that arrived just
+//                  before it when the rows land soon (a bounded wait);
 //   combine        (intranode, low_latency) blocks take roles in the order
 //                  they start: senders wait until each source consumed its
 //                  combine buffer (unless it has two, used in turn), store
@@ -510,10 +512,34 @@ __device__ __forceinline__ uint64_t* count_rows(const Params& p, int q, uint64_t
          (epoch & 1) * static_cast<size_t>(p.n) * p.g.count_words;
 }
 
+// Token-major: PE pe's destination sums of call `epoch` (Geometry::
+// off_dest_sums). Each block adds kSumBlock plus its share to a cell, so a
+// cell is complete once its upper bits count every block of the grid.
+constexpr int kSumShift = 40;
+constexpr uint64_t kSumBlock = uint64_t{1} << kSumShift;
+__device__ __forceinline__ uint64_t* dest_sums(const Params& p, int pe, uint64_t epoch) {
+  return at<uint64_t>(p, pe, p.g.off_dest_sums) +
+         (epoch & 1) * static_cast<size_t>(p.n) * (p.n + 1);
+}
+
+// Token-major, whole block, before it waits for anything: adds the share of
+// `blocks` blocks to this PE's row of every PE's destination sums: `run`
+// (rows per destination) and whether they saw a failure.
+__device__ inline void add_dest_sums(const Params& p, uint64_t epoch, const int32_t* run,
+                                     bool failed, unsigned blocks) {
+  const int n = p.n, W = n + 1;
+  for (int i = threadIdx.x; i < n * W; i += blockDim.x) {
+    const int q = i / W, c = i % W;
+    const uint64_t share = c < n ? static_cast<uint64_t>(run[c]) : failed ? 1 : 0;
+    add_relaxed(dest_sums(p, q, epoch) + p.me * W + c, blocks * kSumBlock + share);
+  }
+}
+
 // Ticket 0, once it counted every token: publishes this PE's count row
-// [status, detail, rows per destination, pairs per expert] into every PE,
-// then this PE's send order (first combine row of each destination, or
-// expert) into its own workspace. scan: shared scratch of 2 * cols words.
+// [status, detail, rows per destination, pairs per expert] into every PE;
+// expert-major, then this PE's send order (first combine row of each expert)
+// into its own workspace (token-major blocks derive theirs from the row).
+// scan: shared scratch of 2 * E words.
 __device__ inline void publish_counts(const Params& p, uint64_t epoch, const int32_t* run,
                                       const int32_t* hist, int bad, int32_t* scan) {
   const int n = p.n, E = p.c.num_experts, L = p.g.local_experts, CW = p.g.count_words;
@@ -543,17 +569,19 @@ __device__ inline void publish_counts(const Params& p, uint64_t epoch, const int
       st_word(count_rows(p, q, epoch) + p.me * CW + w, tagged(epoch, v));
     }
   };
-  // Token-major: the words every block waits for go first (status, detail,
-  // destinations; the expert counts only ticket 0 reads follow the send order).
-  const int first = tm ? kCountDest + n : CW;
-  store_words(0, first);
-  const int cols = tm ? n : E;
-  for (int j = threadIdx.x; j < cols; j += blockDim.x)
-    scan[j] = status != kOk ? 0 : tm ? run[j] : hist[j];
-  block_exclusive_scan(scan, scan + cols, cols);
+  // Token-major: the words other blocks may wait for go first (status,
+  // detail, destinations; then the expert counts, which only ticket 0 reads).
+  if (tm) {
+    store_words(0, kCountDest + n);
+    store_words(kCountDest + n, CW);
+    __syncthreads();
+    return;
+  }
+  store_words(0, CW);
+  for (int j = threadIdx.x; j < E; j += blockDim.x) scan[j] = status != kOk ? 0 : hist[j];
+  block_exclusive_scan(scan, scan + E, E);
   uint64_t* prefix = at<uint64_t>(p, p.me, p.g.off_send_prefix);
-  for (int j = threadIdx.x; j < cols; j += blockDim.x) st_word(prefix + j, tagged(epoch, scan[j]));
-  store_words(first, CW);
+  for (int j = threadIdx.x; j < E; j += blockDim.x) st_word(prefix + j, tagged(epoch, scan[j]));
   __syncthreads();
 }
 
@@ -580,11 +608,11 @@ __device__ inline bool await_tag(const Params& p, const uint64_t* word, uint64_t
   return true;
 }
 
-// Whole block: waits until every PE's count row and this PE's send order
-// carry this call's epoch. Token-major blocks that do not write the call's
-// expert counts (`all_words` false) wait only for each row's status and
-// destination words. With `cache` (token-major), leaves the values of those
-// words there ([n][kCountDest + n], then the send order [n]) for make_plan.
+// Whole block: waits until every PE's count row (and, expert-major, this
+// PE's send order) carry this call's epoch. Token-major blocks that do not
+// write the call's expert counts (`all_words` false) wait only for each
+// row's status and destination words. With `cache` (token-major), leaves
+// the values of those words there ([n][kCountDest + n]) for make_plan.
 // False in every thread after a timeout (recorded, naming the late PE) or
 // another wait's.
 __device__ inline bool wait_counts(const Params& p, uint64_t epoch, bool all_words,
@@ -594,7 +622,7 @@ __device__ inline bool wait_counts(const Params& p, uint64_t epoch, bool all_wor
   const bool tm = p.c.layout == Layout::TokenMajor;
   const int CW = tm ? kCountDest + n : p.g.count_words;  // words of each row waited first
   const int64_t cells = static_cast<int64_t>(n) * CW;
-  const int cols = tm ? n : p.c.num_experts;
+  const int cols = tm ? 0 : p.c.num_experts;  // the send order's words
   const uint64_t* rows = count_rows(p, p.me, epoch);
   const uint64_t* prefix = at<uint64_t>(p, p.me, p.g.off_send_prefix);
   volatile int* stop = &failed;
@@ -621,6 +649,58 @@ __device__ inline bool wait_counts(const Params& p, uint64_t epoch, bool all_wor
   return failed == 0;
 }
 
+// Token-major, whole block: as wait_counts (no expert counts, `cache`
+// required), from the destination sums: waits until every PE's sums count
+// every block of its grid, or, for a PE whose grid was not resident at once
+// (its blocks rank one after another), until its ticket 0's count row is in.
+// The cached status of a PE with a failure is kBadArgument (its detail is
+// only ticket 0's to report).
+__device__ inline bool wait_dest_sums(const Params& p, uint64_t epoch, int32_t* cache) {
+  __shared__ int failed;
+  const int n = p.n, W = n + 1, CW = kCountDest + n;
+  const uint64_t* sums = dest_sums(p, p.me, epoch);
+  const uint64_t* rows = count_rows(p, p.me, epoch);
+  const uint64_t* err = local_word(p, kErrorWord);
+  const uint64_t blocks = gridDim.x;
+  volatile int* stop = &failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const uint64_t start = now_ns();
+  for (int i = threadIdx.x; i < n * W && !*stop; i += blockDim.x) {
+    const int q = i / W, c = i % W;
+    const int w = c < n ? kCountDest + c : kCountStatus;  // the same count in q's row
+    const uint64_t* word = rows + q * p.g.count_words + w;
+    unsigned spins = 0;
+    for (;;) {
+      const uint64_t sum = ld_volatile(sums + i);
+      if ((sum >> kSumShift) == blocks) {
+        const int32_t v = static_cast<int32_t>(sum & (kSumBlock - 1));
+        cache[q * CW + w] = c < n ? v : v ? kBadArgument : kOk;
+        break;
+      }
+      const uint64_t tagged_word = ld_volatile(word);
+      if (has_tag(tagged_word, epoch)) {
+        cache[q * CW + w] = static_cast<int32_t>(tagged_word);
+        break;
+      }
+      spin_pause();
+      if ((++spins & 1023u) != 0) continue;
+      if (*stop || ld_volatile(err) == kPeerTimeout) {
+        *stop = 1;
+        break;
+      }
+      if (now_ns() - start > p.timeout_ns) {
+        record_error(p, kPeerTimeout, q, p.me, epoch, kWaitCounts, sum >> kSumShift, blocks);
+        *stop = 1;
+        break;
+      }
+    }
+    if (c == n) cache[q * CW + kCountDetail] = 0;
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
 // ------------------------------------------------------------ block counts
 
 // Where the blocks of a dispatch grid leave their counts (ep_config.hpp).
@@ -640,6 +720,7 @@ __device__ inline void share_block_counts(const Params& p, uint64_t epoch, int t
   const int n = p.n, E = p.c.num_experts, cols = route_cols(p);
   const bool tm = p.c.layout == Layout::TokenMajor;
   const int32_t* own = tm ? run : hist;
+  if (tm) add_dest_sums(p, epoch, run, p.host_status != kOk || bad != INT32_MAX, 1);
   uint64_t* mine = at<uint64_t>(p, p.me, p.g.off_route_counts) + static_cast<size_t>(ticket) * cols;
   for (int c = threadIdx.x; c < cols; c += blockDim.x) st_word(mine + c, tagged(epoch, own[c]));
   int32_t* totals = route_totals(p, epoch);
@@ -771,7 +852,13 @@ __device__ inline void make_plan(const Params& p, uint64_t epoch, DispatchPlan& 
       if (q < p.me) before += v;
     }
     base[j] = static_cast<int32_t>(before);
-    prefix[j] = cache ? cache[n * CW + j] : static_cast<int32_t>(ld_volatile(my_prefix + j));
+    if (tm) {  // this PE's rows to the destinations before j
+      int32_t sent = 0;
+      for (int d = 0; d < j; ++d) sent += cell(p.me, first + d);
+      prefix[j] = sent;
+    } else {
+      prefix[j] = static_cast<int32_t>(ld_volatile(my_prefix + j));
+    }
     if (total > (tm ? p.g.recv_rows : p.g.expert_cap)) atomicMin(&overflow_at, j);
   }
   __syncthreads();
@@ -960,7 +1047,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   int32_t* hist = used + cols;     // [E] pairs per expert
   int32_t* run = hist + E;         // [n] rows per destination (token-major)
   // [max(warps * n + 4 * blockDim.x (token-major ids as int16), blockDim.x, 2 * cols, n * n,
-  //      n * (kCountDest + n) + n (token-major: the count words' cache))]
+  //      n * (kCountDest + n) (token-major: the count words' cache))]
   int32_t* scratch = run + n;
   int16_t* dst = reinterpret_cast<int16_t*>(scratch + kWarpsPerBlock * n);
   // A small call (every id in one round of loads, at most eight per
@@ -1001,7 +1088,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
       rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, ticket == 0 ? &bad : nullptr);
       if (ticket == 0) count_expert_pairs(p, t1 * K, p.T * K, hist, &bad);
     }
-    if (ticket == 0) publish_counts(p, epoch, run, hist, bad, scratch);
+    // (every block ranked every token: ticket 0 adds them for the grid, so
+    // a PE whose blocks rank by look-back need not wait for this count row)
+    if (ticket == 0) {
+      publish_counts(p, epoch, run, hist, bad, scratch);
+      if (tm) add_dest_sums(p, epoch, run, p.host_status != kOk || bad != INT32_MAX, gridDim.x);
+    }
   } else {
     if (tm) rank_dest_rows(p, t0, t1, t0, t1, run, scratch, dst, pos, hist, &bad);
     else rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, &bad);
@@ -1015,16 +1107,26 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     }
     ranked = look_back(p, epoch, ticket, used, n_used, before);
   }
-  if (ticket == 0) {  // the next call's totals: the previous call, the last to add to them, ended
+  // The next call's totals and destination sums: the previous call, the
+  // last to add to them, ended here; peers add to the sums only after they
+  // saw this call's data flags, which follow these stores (publish).
+  if (ticket == 0) {
     int32_t* next = route_totals(p, epoch + 1);
     for (int i = threadIdx.x; i <= n + E; i += blockDim.x) next[i] = 0;
+    uint64_t* next_sums = tm ? dest_sums(p, p.me, epoch + 1) : nullptr;
+    for (int i = threadIdx.x; tm && i < n * (n + 1); i += blockDim.x) next_sums[i] = 0;
   }
 
   __shared__ DispatchPlan plan;
   // (token-major: the count words a plan needs, cached in the scratch that
-  // the routing no longer uses; finish_counts reuses it after the plan)
+  // the routing no longer uses; finish_counts reuses it after the plan.
+  // Blocks that ranked by look-back take them from the destination sums;
+  // ticket 0, which reports failures and the expert counts, from the rows.)
   int32_t* cache = tm ? scratch : nullptr;
-  if (ranked && wait_counts(p, epoch, ticket == 0, cache)) {
+  const bool by_sums = tm && !small && ticket != 0;
+  const bool counted = ranked && (by_sums ? wait_dest_sums(p, epoch, cache)
+                                          : wait_counts(p, epoch, ticket == 0, cache));
+  if (counted) {
     DispatchPlan local;
     make_plan(p, epoch, local, base, prefix, cache);
     if (threadIdx.x == 0) plan = local;
