@@ -59,6 +59,19 @@ def test_deepseek_row_width():
 
 
 @two_gpus
+def test_many_tokens_rank_by_look_back():
+    """More ids than one round of loads: dispatch blocks rank by look-back and
+    plan from the destination sums (with "zero_on_odd", next to a PE whose
+    call is small); the last config's combine buffer (2400 rows of 56 KiB,
+    over 128 MiB) comes in one set."""
+    many = dict(max_tokens_per_rank=1200, num_experts=32, topk=8)
+    configs = [cfg(**many), cfg(**many, max_recv_tokens=2400, dtype="float16"),
+               cfg(**many, kernel="copy_engine"), cfg(**many, layout="expert_major"),
+               cfg(**many, hidden=28672)]
+    run_threads(progs.many_configs, 2, args=(configs,), init_kwargs={"heap_size": "2G"})
+
+
+@two_gpus
 def test_two_processes_match_two_threads():
     configs = [cfg(), cfg(kernel="low_latency", layout="expert_major"),
                cfg(kernel="copy_engine", dtype="float16")]
