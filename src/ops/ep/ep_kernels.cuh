@@ -585,14 +585,15 @@ __device__ inline void publish_counts(const Params& p, uint64_t epoch, const int
   __syncthreads();
 }
 
-// Polls `word` until it carries `epoch`. False once timeout_ns passed since
-// `start` (recorded, naming PE `late`) or another wait failed (`stop` set,
-// or a timeout in the error word); then sets `stop`.
-__device__ inline bool await_tag(const Params& p, const uint64_t* word, uint64_t epoch,
-                                 uint64_t start, int late, volatile int* stop, uint64_t* seen) {
+// Polls until ready() holds. False once timeout_ns passed since `start`
+// (then timed_out() records it) or another wait failed (`stop` set, or a
+// timeout in the error word); then sets `stop`.
+template <class Ready, class TimedOut>
+__device__ inline bool await_count(const Params& p, uint64_t start, volatile int* stop,
+                                   Ready ready, TimedOut timed_out) {
   const uint64_t* err = local_word(p, kErrorWord);
   unsigned spins = 0;
-  while (!has_tag(*seen = ld_volatile(word), epoch)) {
+  while (!ready()) {
     spin_pause();
     if ((++spins & 1023u) != 0) continue;
     if (*stop || ld_volatile(err) == kPeerTimeout) {
@@ -600,12 +601,21 @@ __device__ inline bool await_tag(const Params& p, const uint64_t* word, uint64_t
       return false;
     }
     if (now_ns() - start > p.timeout_ns) {
-      record_error(p, kPeerTimeout, late, p.me, epoch, kWaitCounts, *seen >> 32, epoch);
+      timed_out();
       *stop = 1;
       return false;
     }
   }
   return true;
+}
+
+// Polls `word` until it carries `epoch` (await_count; a timeout names PE
+// `late`).
+__device__ inline bool await_tag(const Params& p, const uint64_t* word, uint64_t epoch,
+                                 uint64_t start, int late, volatile int* stop, uint64_t* seen) {
+  return await_count(
+      p, start, stop, [&] { return has_tag(*seen = ld_volatile(word), epoch); },
+      [&] { record_error(p, kPeerTimeout, late, p.me, epoch, kWaitCounts, *seen >> 32, epoch); });
 }
 
 // Whole block: waits until every PE's count row (and, expert-major, this
@@ -660,7 +670,6 @@ __device__ inline bool wait_dest_sums(const Params& p, uint64_t epoch, int32_t* 
   const int n = p.n, W = n + 1, CW = kCountDest + n;
   const uint64_t* sums = dest_sums(p, p.me, epoch);
   const uint64_t* rows = count_rows(p, p.me, epoch);
-  const uint64_t* err = local_word(p, kErrorWord);
   const uint64_t blocks = gridDim.x;
   volatile int* stop = &failed;
   if (threadIdx.x == 0) failed = 0;
@@ -670,31 +679,23 @@ __device__ inline bool wait_dest_sums(const Params& p, uint64_t epoch, int32_t* 
     const int q = i / W, c = i % W;
     const int w = c < n ? kCountDest + c : kCountStatus;  // the same count in q's row
     const uint64_t* word = rows + q * p.g.count_words + w;
-    unsigned spins = 0;
-    for (;;) {
-      const uint64_t sum = ld_volatile(sums + i);
+    uint64_t sum = 0;
+    auto ready = [&] {
+      sum = ld_volatile(sums + i);
       if ((sum >> kSumShift) == blocks) {
         const int32_t v = static_cast<int32_t>(sum & (kSumBlock - 1));
         cache[q * CW + w] = c < n ? v : v ? kBadArgument : kOk;
-        break;
+        return true;
       }
       const uint64_t tagged_word = ld_volatile(word);
-      if (has_tag(tagged_word, epoch)) {
-        cache[q * CW + w] = static_cast<int32_t>(tagged_word);
-        break;
-      }
-      spin_pause();
-      if ((++spins & 1023u) != 0) continue;
-      if (*stop || ld_volatile(err) == kPeerTimeout) {
-        *stop = 1;
-        break;
-      }
-      if (now_ns() - start > p.timeout_ns) {
-        record_error(p, kPeerTimeout, q, p.me, epoch, kWaitCounts, sum >> kSumShift, blocks);
-        *stop = 1;
-        break;
-      }
-    }
+      if (!has_tag(tagged_word, epoch)) return false;
+      cache[q * CW + w] = static_cast<int32_t>(tagged_word);
+      return true;
+    };
+    if (!await_count(p, start, stop, ready, [&] {
+          record_error(p, kPeerTimeout, q, p.me, epoch, kWaitCounts, sum >> kSumShift, blocks);
+        }))
+      break;
     if (c == n) cache[q * CW + kCountDetail] = 0;
   }
   __syncthreads();
