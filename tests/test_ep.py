@@ -57,6 +57,9 @@ def test_config_checked_against_world():
     errors = run_threads(_make, 2, args=(dict(hidden=32, max_tokens_per_rank=4, num_experts=4,
                                               topk=2, max_recv_tokens=9),))
     assert all("max_recv_tokens" in e for e in errors)
+    errors = run_threads(_make, 2, args=(dict(hidden=32, max_tokens_per_rank=2**26, num_experts=8,
+                                              topk=8, layout="expert_major"),))
+    assert all("too large" in e and "tokens per rank" in e for e in errors)
 
 
 def test_fp8_helpers_round_trip():

@@ -130,6 +130,12 @@ Geometry make_geometry(const Config& c, int n_pes) {
     g.send_cols = c.topk;
     g.padded_output = true;
   }
+  // The kernels index (token, column, piece) units with 32-bit integers.
+  if (static_cast<int64_t>(c.max_tokens) * g.send_cols * kMaxPieces > INT32_MAX)
+    throw InvalidArgument("EpConfig: max_tokens_per_rank=" + str(c.max_tokens) + " with " +
+                          str(g.send_cols) + " rows per token is too large (at most " +
+                          str(INT32_MAX / (static_cast<int64_t>(g.send_cols) * kMaxPieces)) +
+                          " tokens per rank)");
   g.combine_dtype = c.dtype == DType::FP8_E4M3 ? DType::BF16 : c.dtype;
   g.row_bytes = static_cast<size_t>(c.hidden) * dtype_size(c.dtype);
   g.scale_row_bytes = static_cast<size_t>(g.scales_per_row) * dtype_size(c.scale_dtype);

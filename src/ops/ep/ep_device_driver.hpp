@@ -71,7 +71,19 @@ class DeviceDriver final : public DeviceImpl {
                                      n * (kCountDest + n)});
     const size_t shared =
         (4 * static_cast<size_t>(cols) + op.cfg.num_experts + op.n_pes + scratch) * sizeof(int32_t);
-    rt_.launch(kernels::dispatch_kernel, blocks, kernels::kThreads, shared, a.stream, p);
+    switch (kernels::dispatch_path(p)) {
+      case kernels::kSmallTokenMajor:
+        rt_.launch(kernels::dispatch_kernel<kernels::kSmallTokenMajor>, blocks, kernels::kThreads,
+                   shared, a.stream, p);
+        break;
+      case kernels::kLargeTokenMajor:
+        rt_.launch(kernels::dispatch_kernel<kernels::kLargeTokenMajor>, blocks, kernels::kThreads,
+                   shared, a.stream, p);
+        break;
+      default:
+        rt_.launch(kernels::dispatch_kernel<kernels::kAnyDispatch>, blocks, kernels::kThreads,
+                   shared, a.stream, p);
+    }
     if (!ce) {
       if (g.padded_output) {
         raise_own(op, status, detail, "dispatch");
@@ -251,6 +263,7 @@ class DeviceDriver final : public DeviceImpl {
     p.g = op.geo;
     p.peers = s.peer_table();
     p.ws = op.ws_offset;
+    p.self = s.base() + op.ws_offset;
     p.me = op.my_pe;
     p.n = op.n_pes;
     p.timeout_ns = static_cast<uint64_t>(op.timeout_s * 1e9);

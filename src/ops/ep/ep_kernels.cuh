@@ -102,6 +102,7 @@ struct Params {
   Geometry g;
   char* const* peers;  // heap base of every PE, as seen from this device (device table)
   uint64_t ws;         // heap offset of the workspace
+  char* self;          // this PE's workspace: local words need no load from the table
   int32_t me, n;
   int64_t T;  // tokens of this call (0 when this PE aborts)
   int32_t host_status, host_detail;
@@ -139,7 +140,7 @@ struct Params {
 
 template <class T>
 __device__ __forceinline__ T* at(const Params& p, int pe, size_t off) {
-  return reinterpret_cast<T*>(p.peers[pe] + p.ws + off);
+  return reinterpret_cast<T*>((pe == p.me ? p.self : p.peers[pe] + p.ws) + off);
 }
 __device__ __forceinline__ uint64_t* local_word(const Params& p, int w) {
   return at<uint64_t>(p, p.me, p.g.off_local) + w;
@@ -166,6 +167,16 @@ __device__ __forceinline__ uint64_t now_ns() {
   return t;
 }
 __device__ __forceinline__ void spin_pause() {}
+// Orders this thread's earlier writes (and, after a barrier, its block's)
+// before its later ones, for every PE: with a relaxed flag after it, a
+// release. Lighter than __threadfence_system (no sequentially consistent order).
+__device__ __forceinline__ void fence_release() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// Thread 0: brings the peer table into this SM's L1 at kernel start, so the
+// first stores into each peer do not wait for it.
+__device__ __forceinline__ void prefetch_peers(const Params& p) {
+  if (threadIdx.x == 0)
+    for (int q = 0; q < p.n; q += 16) asm volatile("prefetch.global.L1 [%0];" ::"l"(p.peers + q));
+}
 #else
 inline uint64_t ld_acquire(const uint64_t* a) { return __atomic_load_n(a, __ATOMIC_ACQUIRE); }
 inline void st_word(uint64_t* a, uint64_t v) { __atomic_store_n(a, v, __ATOMIC_RELAXED); }
@@ -177,6 +188,8 @@ inline uint64_t now_ns() {
                                    .count());
 }
 inline void spin_pause() { sched_yield(); }
+inline void fence_release() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void prefetch_peers(const Params&) {}
 #endif
 __device__ __forceinline__ uint64_t ld_volatile(const uint64_t* a) {
   return *reinterpret_cast<const volatile uint64_t*>(a);
@@ -260,7 +273,7 @@ __device__ inline bool last_block(const Params& p, int counter, unsigned blocks)
 __device__ inline void publish(const Params& p, size_t off_flags, uint64_t value, bool add) {
   __syncthreads();
   if (threadIdx.x != 0) return;
-  __threadfence_system();
+  fence_release();
   for (int q = 0; q < p.n; ++q) {
     uint64_t* flag = at<uint64_t>(p, q, off_flags) + p.me;
     if (add) add_relaxed(flag, value);
@@ -1028,16 +1041,36 @@ __device__ inline void finish_dispatch(const Params& p, uint64_t epoch, unsigned
   if (threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
 }
 
+// The call's kind, when the host can tell, fixed at compile time: each
+// instance holds only the code its calls run (one kernel for every kind is
+// larger than an SM's instruction cache).
+enum DispatchPath : int {
+  kAnyDispatch,      // decided at run time (expert-major, copy engine)
+  kSmallTokenMajor,  // token-major, small (every id in one round of loads)
+  kLargeTokenMajor,  // token-major, ranked by look-back
+};
+// Small: every id of the call in one round of loads (eight per thread).
+constexpr bool small_dispatch(int64_t tokens, int topk) {
+  return tokens * topk <= 8 * static_cast<int64_t>(kThreads);
+}
+inline DispatchPath dispatch_path(const Params& p) {
+  if (p.c.layout != Layout::TokenMajor || p.pack) return kAnyDispatch;
+  return small_dispatch(p.T, p.c.topk) ? kSmallTokenMajor : kLargeTokenMajor;
+}
+
 // Routes, then stores (or, in pack mode, stages) the rows of this block's
 // tokens: p.tokens_per_block of them, by ticket (the order blocks start).
 // Every block waits for every count row, so all agree on aborts and on
 // destinations; a block waits only for blocks with an earlier ticket (which
 // started before it) and for ticket 0, which never waits for a block that
 // may not have started, so the grid needs no co-residency.
+template <int Path>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   const int n = p.n, K = p.c.topk, E = p.c.num_experts, L = p.g.local_experts;
-  const bool tm = p.c.layout == Layout::TokenMajor;
+  const bool tm = Path != kAnyDispatch || p.c.layout == Layout::TokenMajor;
+  const bool pack = Path == kAnyDispatch && p.pack;
   const Geometry& g = p.g;
+  prefetch_peers(p);
   const uint64_t epoch = ld_volatile(local_word(p, kDispatchEpoch)) + 1;
   const int cols = tm ? n : E;
   EP_DYNAMIC_SHARED(int32_t, dyn);
@@ -1055,7 +1088,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   // thread) needs no look-back: token-major, every block ranks every token
   // and keeps its own tokens' ranks (no block reads another's); expert-major,
   // each block counts the pairs before its own, and ticket 0 also those after.
-  const bool small = p.T * K <= 8 * static_cast<int64_t>(blockDim.x);
+  const bool small = Path == kSmallTokenMajor || (Path == kAnyDispatch && small_dispatch(p.T, K));
   __shared__ int ticket, bad, n_used;
   if (threadIdx.x == 0) {
     bad = INT32_MAX;
@@ -1147,28 +1180,31 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   const int64_t b0 = imin(t0, T), b1 = imin(t1, T);  // this block's tokens
 
   // Destination of a row: a peer's receive buffer, or local staging (pack).
-  auto target = [&](int d, size_t off) { return p.pack ? at<char>(p, p.me, off) : at<char>(p, d, off); };
-  const size_t off_x = p.pack ? g.off_stage_x : g.off_recv_x;
-  const size_t off_s = p.pack ? g.off_stage_scales : g.off_recv_scales;
-  const size_t off_i = p.pack ? g.off_stage_idx : g.off_recv_idx;
-  const size_t off_w = p.pack ? g.off_stage_w : g.off_recv_w;
-  const size_t off_m = p.pack ? g.off_stage_meta : g.off_recv_meta;
+  auto target = [&](int d, size_t off) { return pack ? at<char>(p, p.me, off) : at<char>(p, d, off); };
+  const size_t off_x = pack ? g.off_stage_x : g.off_recv_x;
+  const size_t off_s = pack ? g.off_stage_scales : g.off_recv_scales;
+  const size_t off_i = pack ? g.off_stage_idx : g.off_recv_idx;
+  const size_t off_w = pack ? g.off_stage_w : g.off_recv_w;
+  const size_t off_m = pack ? g.off_stage_meta : g.off_recv_meta;
   const int S = g.send_cols;
 
   // One unit = one piece of one (token, column) row: small batches spread
   // their rows over every warp of the grid.
+  // (32-bit unit indices: make_geometry bounds max_tokens * send_cols *
+  // kMaxPieces; 64-bit divisions would cost code and time)
   const int P = p.pieces;
-  for (int64_t u = warp; u < (b1 - b0) * S * P; u += warps) {
-    const int64_t i = b0 * S + u / P, t = i / S;
-    const int piece = static_cast<int>(u % P);
+  const int32_t units = static_cast<int32_t>((b1 - b0) * S * P);
+  for (int32_t u = warp; u < units; u += warps) {
+    const int32_t i = static_cast<int32_t>(b0) * S + u / P, t = i / S;
+    const int piece = u % P;
     if (pos[i] < 0) continue;
-    const int64_t id = tm ? -1 : topk_id(p, i);
-    const int d = tm ? static_cast<int>(i % S) : static_cast<int>(id / L);
+    const int32_t id = tm ? -1 : static_cast<int32_t>(topk_id(p, i));
+    const int d = tm ? i % S : id / L;
     const int32_t rank = before[tm ? d : id] + pos[i];
     const int32_t crow = prefix[tm ? d : id] + rank;
-    const int64_t r = p.pack ? crow
+    const int64_t r = pack ? crow
                       : tm   ? static_cast<int64_t>(base[d]) + rank
-                             : (id % L) * g.expert_cap + base[id] + rank;
+                             : static_cast<int64_t>(id % L) * g.expert_cap + base[id] + rank;
     warp_copy_piece(target(d, off_x) + r * g.row_bytes, p.x + t * g.row_bytes, g.row_bytes, piece,
                     P, lane);
     if (piece != 0) continue;
@@ -1179,28 +1215,28 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
       int32_t* idx = reinterpret_cast<int32_t*>(target(d, off_i)) + r * K;
       float* w = reinterpret_cast<float*>(target(d, off_w)) + r * K;
       for (int k = lane; k < K; k += 32) {
-        const int64_t e = topk_id(p, t * K + k);
-        const bool local = kept_id(p, e) && e / L == d;
-        idx[k] = local ? static_cast<int32_t>(e % L) : -1;
-        w[k] = local ? p.w[t * K + k] : 0.0f;
+        const int64_t e = topk_id(p, static_cast<int64_t>(t) * K + k);
+        const bool local = kept_id(p, e) && static_cast<int32_t>(e) / L == d;
+        idx[k] = local ? static_cast<int32_t>(e) % L : -1;
+        w[k] = local ? p.w[static_cast<int64_t>(t) * K + k] : 0.0f;
       }
     } else if (lane == 0) {
       reinterpret_cast<float*>(target(d, off_w))[r] = p.w[i];
     }
     if (lane < kMetaWords) {
-      const int32_t slot = tm ? -1 : static_cast<int32_t>(i % S);
-      const int32_t v = lane == kMetaSrcPe ? p.me : lane == kMetaToken ? static_cast<int32_t>(t)
+      const int32_t slot = tm ? -1 : i % S;
+      const int32_t v = lane == kMetaSrcPe ? p.me : lane == kMetaToken ? t
                                                   : lane == kMetaSlot ? slot : crow;
       reinterpret_cast<int32_t*>(target(d, off_m))[r * kMetaWords + lane] = v;
     }
   }
   // Peers wait for the rows: flag them first (thread 0 waits in the fence
   // while the others write the handle).
-  if (!p.pack) publish(p, g.off_data_flag, 1, true);
+  if (!pack) publish(p, g.off_data_flag, 1, true);
   // Handle: the combine row of every (token, destination | slot) of this
   // block's tokens, -1 if none; the blocks share the rows past T.
-  for (int64_t i = b0 * S + threadIdx.x; i < b1 * S; i += blockDim.x) {
-    const int col = static_cast<int>(tm ? i % S : topk_id(p, i));
+  for (int32_t i = static_cast<int32_t>(b0 * S) + threadIdx.x; i < b1 * S; i += blockDim.x) {
+    const int col = tm ? i % S : static_cast<int>(topk_id(p, i));
     p.send_rows[i] = pos[i] < 0 ? -1 : prefix[col] + before[col] + pos[i];
   }
   const int64_t gtid = static_cast<int64_t>(ticket) * blockDim.x + threadIdx.x;
@@ -1210,7 +1246,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   if (p.saved_w)
     for (int64_t i = gtid; i < T * K; i += gthreads) p.saved_w[i] = p.w[i];
 
-  if (tm && !p.pack) {
+  if (tm && !pack) {
     // Token-major: nothing to copy once the rows are in. The block that took
     // the last ticket (every block has started) waits for every PE's blocks
     // (this PE's flag counts its own, so all of them have read the epoch),
@@ -1223,7 +1259,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   }
   const unsigned order = arrival(p, kDispatchDone, gridDim.x);
   const bool last = order == gridDim.x - 1;
-  if (p.pack) {
+  if (pack) {
     if (!last) return;
     // The copy plan for the host: one segment per destination (token-major)
     // or per expert (expert-major) with rows.
@@ -1880,7 +1916,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Params p) {
 
 // Copy engine: after the copies of one channel, tells the peer they landed.
 __global__ void signal_kernel(uint64_t* flag, uint64_t add) {
-  __threadfence_system();
+  fence_release();
   add_release(flag, add);
 }
 
