@@ -71,18 +71,18 @@ class DeviceDriver final : public DeviceImpl {
                                      n * (kCountDest + n)});
     const size_t shared =
         (4 * static_cast<size_t>(cols) + op.cfg.num_experts + op.n_pes + scratch) * sizeof(int32_t);
+    auto launch = [&](auto kernel) {
+      rt_.launch(kernel, blocks, kernels::kThreads, shared, a.stream, p);
+    };
     switch (kernels::dispatch_path(p)) {
       case kernels::kSmallTokenMajor:
-        rt_.launch(kernels::dispatch_kernel<kernels::kSmallTokenMajor>, blocks, kernels::kThreads,
-                   shared, a.stream, p);
+        launch(kernels::dispatch_kernel<kernels::kSmallTokenMajor>);
         break;
       case kernels::kLargeTokenMajor:
-        rt_.launch(kernels::dispatch_kernel<kernels::kLargeTokenMajor>, blocks, kernels::kThreads,
-                   shared, a.stream, p);
+        launch(kernels::dispatch_kernel<kernels::kLargeTokenMajor>);
         break;
       default:
-        rt_.launch(kernels::dispatch_kernel<kernels::kAnyDispatch>, blocks, kernels::kThreads,
-                   shared, a.stream, p);
+        launch(kernels::dispatch_kernel<kernels::kAnyDispatch>);
     }
     if (!ce) {
       if (g.padded_output) {
