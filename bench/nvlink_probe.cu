@@ -8,6 +8,7 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/nvlink_probe bench/nvlink_probe.cu
 //   /tmp/nvlink_probe              # every mode
 //   /tmp/nvlink_probe push-pull    # SM stores mixed with receiver loads only
+//   /tmp/nvlink_probe claimed      # rows claimed from a counter vs a fixed share per warp
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cstdio>
@@ -36,6 +37,29 @@ __global__ void __launch_bounds__(kThreads) sm_rows(char* peer, char* self, cons
   for (int r = warp; r < rows; r += warps) {
     int4* d = reinterpret_cast<int4*>(row_dst(peer, self, r, self_every, rb));
     const int4* s = reinterpret_cast<const int4*>(src + static_cast<size_t>(r) * rb);
+    for (int i0 = lane; i0 < nv; i0 += 8 * 32) {
+      int4 v[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) if (i0 + q * 32 < nv) v[q] = ld_stream(s + i0 + q * 32);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) if (i0 + q * 32 < nv) d[i0 + q * 32] = v[q];
+    }
+  }
+}
+
+// As sm_rows, but each warp claims its next chunk (a row, or 1/split of one)
+// from a counter: SMs that move rows faster take more of them.
+__global__ void __launch_bounds__(kThreads) sm_rows_claimed(char* peer, char* self, const char* src, int rows, int rb, int self_every, int split, unsigned* counter) {
+  const int lane = threadIdx.x & 31;
+  const int cb = rb / split, nv = cb / 16;
+  for (;;) {
+    unsigned c = 0;
+    if (lane == 0) c = atomicAdd(counter, 1u);
+    c = __shfl_sync(0xffffffffu, c, 0);
+    if (c >= static_cast<unsigned>(rows * split)) break;
+    const int r = c / split, part = c % split;
+    int4* d = reinterpret_cast<int4*>(row_dst(peer, self, r, self_every, rb) + part * cb);
+    const int4* s = reinterpret_cast<const int4*>(src + static_cast<size_t>(r) * rb + part * cb);
     for (int i0 = lane; i0 < nv; i0 += 8 * 32) {
       int4 v[8];
 #pragma unroll
@@ -121,11 +145,13 @@ __global__ void __launch_bounds__(kThreads) tma_rows(char* peer, char* self, con
   tma_wait_all();
 }
 
-struct Gpu { char *src, *dst_self, *recv; cudaStream_t st; cudaEvent_t a, b; };
+struct Gpu { char *src, *dst_self, *recv; unsigned* counters; cudaStream_t st; cudaEvent_t a, b; };
 
 int main(int argc, char** argv) {
-  const int rows = 4096, rb = 14336;
-  const size_t bytes = static_cast<size_t>(rows) * rb;
+  const int max_rows = 8192, rb = 14336;
+  int rows = 4096;  // per mode: 8192 with every 2nd row local is the EP dispatch's 4096 tokens on 2 PEs
+  const size_t bytes = static_cast<size_t>(max_rows) * rb;
+  constexpr int kIters = 20;
   int ng; CK(cudaGetDeviceCount(&ng));
   if (ng < 2) { printf("need 2 GPUs\n"); return 1; }
   Gpu g[2];
@@ -133,6 +159,7 @@ int main(int argc, char** argv) {
     CK(cudaSetDevice(d));
     CK(cudaDeviceEnablePeerAccess(1 - d, 0));
     CK(cudaMalloc(&g[d].src, bytes)); CK(cudaMalloc(&g[d].dst_self, bytes)); CK(cudaMalloc(&g[d].recv, bytes));
+    CK(cudaMalloc(&g[d].counters, 2 * kIters * sizeof(unsigned)));
     std::vector<unsigned char> h(bytes);
     for (size_t i = 0; i < bytes; ++i) h[i] = static_cast<unsigned char>((i * 131 + d * 7) >> 3);
     CK(cudaMemcpy(g[d].src, h.data(), bytes, cudaMemcpyHostToDevice));
@@ -146,13 +173,14 @@ int main(int argc, char** argv) {
   // kind: 0 SM, 1 TMA, 2 CE (memcpyPeer), 3 push/pull (S: the P of push_pull); dirs: 1 (GPU0 -> 1
   // only) or 2; self_every: every k-th row stays local
   auto run = [&](const char* name, int kind, int dirs, int self_every, int grid, int S, int pipes, int split) {
-    const int iters = 20;
+    const int iters = kIters;
     float ms[2] = {0, 0};
     for (int rep = 0; rep < 2; ++rep) {  // warm-up, then timed
       for (int d = 0; d < 2; ++d) {  // poison both GPUs' outputs before anything is queued
         CK(cudaSetDevice(d));
         CK(cudaMemset(g[d].recv, 0xEE, bytes));
         CK(cudaMemset(g[d].dst_self, 0xEE, bytes));
+        CK(cudaMemset(g[d].counters, 0, 2 * kIters * sizeof(unsigned)));
         CK(cudaDeviceSynchronize());
       }
       for (int d = 0; d < dirs; ++d) {
@@ -167,10 +195,12 @@ int main(int argc, char** argv) {
             if (S == 3) tma_rows<3><<<grid, kThreads, sh, g[d].st>>>(peer, g[d].dst_self, g[d].src, rows, rb, self_every, pipes, split);
             if (S == 4) tma_rows<4><<<grid, kThreads, sh, g[d].st>>>(peer, g[d].dst_self, g[d].src, rows, rb, self_every, pipes, split);
             if (S == 6) tma_rows<6><<<grid, kThreads, sh, g[d].st>>>(peer, g[d].dst_self, g[d].src, rows, rb, self_every, pipes, split);
+          } else if (kind == 4) {
+            sm_rows_claimed<<<grid, kThreads, 0, g[d].st>>>(peer, g[d].dst_self, g[d].src, rows, rb, self_every, split, g[d].counters + rep * kIters + it);
           } else if (kind == 3) {
             push_pull<<<grid, kThreads, 0, g[d].st>>>(peer, g[d].recv, g[d].src, g[1 - d].src, rows, rb, S);
           } else {
-            CK(cudaMemcpyPeerAsync(peer, 1 - d, g[d].src, d, bytes, g[d].st));
+            CK(cudaMemcpyPeerAsync(peer, 1 - d, g[d].src, d, static_cast<size_t>(rows) * rb, g[d].st));
           }
           CK(cudaGetLastError());
         }
@@ -184,7 +214,7 @@ int main(int argc, char** argv) {
     CK(cudaSetDevice(1)); CK(cudaMemcpy(h1.data(), g[1].recv, bytes, cudaMemcpyDeviceToHost));
     bool ok = true; size_t peer_rows = 0;
     for (int r = 0; r < rows; ++r) {
-      const bool self = kind < 2 && self_every && r % self_every == 0;
+      const bool self = (kind < 2 || kind == 4) && self_every && r % self_every == 0;
       const char* got = (self ? s0.data() : h1.data()) + static_cast<size_t>(r) * rb;
       if (memcmp(got, h0.data() + static_cast<size_t>(r) * rb, rb) != 0) ok = false;
       if (!self) ++peer_rows;
@@ -195,6 +225,19 @@ int main(int argc, char** argv) {
     }
   };
   char name[128];
+  if (argc > 1 && strcmp(argv[1], "claimed") == 0) {  // static vs claimed rows, the EP dispatch's shape too
+    run("CE memcpyPeer 2 dirs", 2, 2, 0, 0, 0, 0, 1);
+    for (int rep = 0; rep < 2; ++rep)
+      for (int r : {4096, 8192}) {
+        rows = r;
+        const int self = r == 8192 ? 2 : 0;
+        snprintf(name, sizeof name, "SM static %d rows%s 2 dirs", r, self ? " self 1/2" : ""); run(name, 0, 2, self, 132, 0, 0, 1);
+        for (int split : {1, 2, 4}) {
+          snprintf(name, sizeof name, "SM claimed/%d %d rows%s 2 dirs", split, r, self ? " self 1/2" : ""); run(name, 4, 2, self, 132, 0, 0, split);
+        }
+      }
+    return 0;
+  }
   for (int P : {0, 1, 2, 3, 4}) for (int grid : {132}) {
     snprintf(name, sizeof name, "push/pull P%d grid %d 2 dirs", P, grid); run(name, 3, 2, 0, grid, P, 0, 1);
   }

@@ -81,6 +81,18 @@ def test_two_processes_match_two_threads():
 
 
 @two_gpus
+def test_plain_launches_match_early_launches(monkeypatch):
+    """SYMHEAP_EP_PDL=0 (no programmatic dependent launch) gives the same
+    results as the default; each run checks itself against the reference."""
+    configs = [cfg(), cfg(kernel="low_latency", layout="expert_major"),
+               cfg(kernel="copy_engine", dtype="float16")]
+    early = run_threads(progs.many_configs, 2, args=(configs,))
+    monkeypatch.setenv("SYMHEAP_EP_PDL", "0")
+    plain = run_threads(progs.many_configs, 2, args=(configs,))
+    assert plain == early
+
+
+@two_gpus
 @pytest.mark.parametrize("layout", ["token_major", "expert_major"])
 def test_low_latency_graph_replay(layout):
     kw = cfg(kernel="low_latency", layout=layout, num_experts=8)

@@ -4,6 +4,8 @@
 // caller's stream with events).
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,6 +32,10 @@ class CudaRt {
   int32_t* host_dev = nullptr;  // its device address
 
   CudaRt(PeState& s, Op& op) : device_(s.device), channels_(op.n_pes), done_(op.n_pes) {
+    int major = 0;
+    EP_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
+    const char* pdl = std::getenv("SYMHEAP_EP_PDL");
+    early_ = major >= 9 && !(pdl && std::strcmp(pdl, "0") == 0);
     const size_t words =
         kernels::kHostSegment0 + 4 * static_cast<size_t>(std::max(op.n_pes, op.cfg.num_experts));
     EP_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host), words * 4,
@@ -65,11 +71,30 @@ class CudaRt {
   template <class... KA, class... A>
   void launch(void (*kernel)(KA...), int grid, int block, size_t shared, StreamHandle stream,
               A&&... args) {
-    if (shared > 48 * 1024)  // many experts: opt in to more shared memory (else a clear error)
-      EP_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   static_cast<int>(shared)));
+    allow_shared(kernel, shared);
     kernel<<<grid, block, shared, as_stream(stream)>>>(std::forward<A>(args)...);
     EP_CUDA(cudaGetLastError());
+  }
+  // As launch, but the kernel's blocks may start while the previous kernel
+  // on the stream ends (programmatic dependent launch, sm_90+; its
+  // start_kernel() waits for that kernel's memory): no launch gap between
+  // back-to-back calls. SYMHEAP_EP_PDL=0 turns it off.
+  template <class... KA, class... A>
+  void launch_early(void (*kernel)(KA...), int grid, int block, size_t shared,
+                    StreamHandle stream, A&&... args) {
+    if (!early_) return launch(kernel, grid, block, shared, stream, std::forward<A>(args)...);
+    allow_shared(kernel, shared);
+    cudaLaunchAttribute early{};
+    early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    early.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(grid));
+    config.blockDim = dim3(static_cast<unsigned>(block));
+    config.dynamicSmemBytes = shared;
+    config.stream = as_stream(stream);
+    config.attrs = &early;
+    config.numAttrs = 1;
+    EP_CUDA(cudaLaunchKernelEx(&config, kernel, std::forward<A>(args)...));
   }
   void sync(StreamHandle stream) { EP_CUDA(cudaStreamSynchronize(as_stream(stream))); }
   void zero_async(void* p, size_t bytes, StreamHandle stream) {
@@ -96,10 +121,17 @@ class CudaRt {
 
  private:
   int device_;
+  bool early_ = false;  // launch_early uses programmatic dependent launch
   std::vector<cudaStream_t> channels_;  // copy engine: one per destination PE
   std::vector<cudaEvent_t> done_;
   cudaEvent_t ready_ = nullptr;
 
+  template <class K>
+  static void allow_shared(K kernel, size_t shared) {
+    if (shared > 48 * 1024)  // many experts: opt in to more shared memory (else a clear error)
+      EP_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(shared)));
+  }
   cudaStream_t channel(int pe) {
     if (!channels_[pe]) {
       EP_CUDA(cudaStreamCreateWithFlags(&channels_[pe], cudaStreamNonBlocking));

@@ -3,6 +3,8 @@
 // emulation in ep_emulated.cpp). Rt provides:
 //   int32_t* host / host_dev      the host-mapped mirror (kernels::HostWord)
 //   launch(kernel, grid, block, shared_bytes, stream, args...)
+//   launch_early(...)             as launch; the kernel may start while the
+//                                 previous one on the stream ends
 //   sync(stream)                  waits for the stream
 //   zero_async(ptr, bytes, stream)
 //   channels_after(stream)        copy-engine channels wait for the stream's work
@@ -60,6 +62,9 @@ class DeviceDriver final : public DeviceImpl {
     p.flag_per_epoch = ce ? 1 : blocks;
     p.pieces = row_pieces(g.combine_rows, g.row_bytes);
     p.tokens_per_block = std::max<int64_t>(1, (p.T + blocks - 1) / blocks);
+    // Ticket 0 totals the call's counts before its own rows: when the other
+    // blocks can take its tokens at no more per block, it takes none.
+    p.spare_ticket0 = blocks > 1 && (p.T + blocks - 2) / (blocks - 1) <= p.tokens_per_block;
     // base, prefix, rank offsets and used columns per column, counts per
     // expert and destination, scratch (routing; the count words' cache)
     const int cols = op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
@@ -72,7 +77,7 @@ class DeviceDriver final : public DeviceImpl {
     const size_t shared =
         (4 * static_cast<size_t>(cols) + op.cfg.num_experts + op.n_pes + scratch) * sizeof(int32_t);
     auto launch = [&](auto kernel) {
-      rt_.launch(kernel, blocks, kernels::kThreads, shared, a.stream, p);
+      rt_.launch_early(kernel, blocks, kernels::kThreads, shared, a.stream, p);
     };
     switch (kernels::dispatch_path(p)) {
       case kernels::kSmallTokenMajor:
@@ -166,8 +171,8 @@ class DeviceDriver final : public DeviceImpl {
                                 ? static_cast<size_t>(kernels::kWarpsPerBlock) * g.send_cols *
                                       sizeof(int64_t)
                                 : 0;  // the reducers' look-ups (reduce_landed)
-      rt_.launch(kernels::combine_kernel, p.senders + reducers, kernels::kThreads,
-                 std::max(combine_shared, places), a.stream, p);
+      rt_.launch_early(kernels::combine_kernel, p.senders + reducers, kernels::kThreads,
+                       std::max(combine_shared, places), a.stream, p);
     } else {
       // Copy engine: the host reads the plan, the channels move the rows,
       // then the sums.

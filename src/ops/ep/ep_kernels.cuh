@@ -108,6 +108,8 @@ struct Params {
   int32_t host_status, host_detail;
   int32_t pack;  // copy engine: stage locally, the host moves the rows
   int64_t tokens_per_block;  // dispatch_kernel: tokens routed and sent by one block
+  int32_t spare_ticket0;     // dispatch_kernel: ticket 0 (which totals the counts) takes no
+                             // tokens; ticket t takes those of slot t - 1
   int32_t flag_per_epoch;  // what each peer adds to a data / combine flag per call
   int32_t pieces;          // warps that share one row (at most kMaxPieces)
   int32_t senders;         // combine_kernel: blocks that send (the others reduce)
@@ -177,6 +179,15 @@ __device__ __forceinline__ void prefetch_peers(const Params& p) {
   if (threadIdx.x == 0)
     for (int q = 0; q < p.n; q += 16) asm volatile("prefetch.global.L1 [%0];" ::"l"(p.peers + q));
 }
+// Programmatic dependent launch (sm_90+; the host opts in per launch): the
+// next kernel on the stream may start once every block of this one has
+// started; each kernel waits for the previous one's memory before reading any.
+__device__ __forceinline__ void start_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 #else
 inline uint64_t ld_acquire(const uint64_t* a) { return __atomic_load_n(a, __ATOMIC_ACQUIRE); }
 inline void st_word(uint64_t* a, uint64_t v) { __atomic_store_n(a, v, __ATOMIC_RELAXED); }
@@ -190,6 +201,7 @@ inline uint64_t now_ns() {
 inline void spin_pause() { sched_yield(); }
 inline void fence_release() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void prefetch_peers(const Params&) {}
+inline void start_kernel() {}
 #endif
 __device__ __forceinline__ uint64_t ld_volatile(const uint64_t* a) {
   return *reinterpret_cast<const volatile uint64_t*>(a);
@@ -1059,7 +1071,8 @@ inline DispatchPath dispatch_path(const Params& p) {
 }
 
 // Routes, then stores (or, in pack mode, stages) the rows of this block's
-// tokens: p.tokens_per_block of them, by ticket (the order blocks start).
+// tokens: p.tokens_per_block of them, by ticket (the order blocks start;
+// none for ticket 0 when p.spare_ticket0).
 // Every block waits for every count row, so all agree on aborts and on
 // destinations; a block waits only for blocks with an earlier ticket (which
 // started before it) and for ticket 0, which never waits for a block that
@@ -1071,6 +1084,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   const bool pack = Path == kAnyDispatch && p.pack;
   const Geometry& g = p.g;
   prefetch_peers(p);
+  start_kernel();
   const uint64_t epoch = ld_volatile(local_word(p, kDispatchEpoch)) + 1;
   const int cols = tm ? n : E;
   EP_DYNAMIC_SHARED(int32_t, dyn);
@@ -1107,7 +1121,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     if (ticket == static_cast<int>(gridDim.x) - 1) *tickets = 0;  // every block has its ticket
   }
   __syncthreads();
-  const int64_t t0 = imin(static_cast<int64_t>(ticket) * p.tokens_per_block, p.T);
+  // (a spare ticket 0 takes the empty range at T)
+  const int64_t slot = ticket - p.spare_ticket0;
+  const int64_t t0 = slot < 0 ? p.T : imin(slot * p.tokens_per_block, p.T);
   const int64_t t1 = imin(t0 + p.tokens_per_block, p.T);
   // Ranks of the rows: among this PE's rows to their destination or expert
   // (small calls) or among this block's (plus before[], from the look-back).
@@ -1118,7 +1134,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     if (tm) {
       rank_dest_rows(p, 0, p.T, t0, t1, run, scratch, dst, pos, nullptr, nullptr, true);
     } else {
-      count_expert_pairs(p, 0, t0 * K, hist, nullptr);
+      count_expert_pairs(p, 0, t0 * K, hist, ticket == 0 ? &bad : nullptr);
       rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, ticket == 0 ? &bad : nullptr);
       if (ticket == 0) count_expert_pairs(p, t1 * K, p.T * K, hist, &bad);
     }
@@ -1289,6 +1305,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
 // every peer's rows and copies the handle's metadata (expert-major;
 // dispatch_kernel in pack mode already wrote the counts).
 __global__ void __launch_bounds__(kThreads) finish_kernel(Params p, int32_t abort) {
+  start_kernel();
   const uint64_t epoch = ld_volatile(local_word(p, kDispatchEpoch)) + 1;
   __shared__ bool ok;
   if (threadIdx.x == 0) ok = wait_all(p, p.g.off_data_flag, epoch * p.flag_per_epoch, epoch);
@@ -1399,6 +1416,7 @@ __device__ __forceinline__ int64_t expert_major_row(const Params& p, const int64
 // order (token-major rows go straight from expert_out), checks the handle,
 // and hands the copy plan (one segment per source) to the host.
 __global__ void __launch_bounds__(kThreads) combine_pack_kernel(Params p) {
+  start_kernel();
   const int n = p.n;
   const Geometry& g = p.g;
   const bool tm = p.c.layout == Layout::TokenMajor;
@@ -1747,6 +1765,7 @@ __device__ inline bool all_rows_landed(const Params& p, uint64_t epoch) {
 // Copy engine, after the host's copies: waits for every peer's rows, then
 // sums them per token.
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(Params p) {
+  start_kernel();
   const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
   __shared__ bool peers_ok;
   if (threadIdx.x == 0) peers_ok = all_rows_landed(p, epoch);
@@ -1897,6 +1916,7 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
 // done). Blocks wait only on senders of this grid that started before them
 // and on other PEs' senders, so the grid needs no co-residency.
 __global__ void __launch_bounds__(kThreads) combine_kernel(Params p) {
+  start_kernel();
   const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
   __shared__ int ticket;
   if (threadIdx.x == 0) {
