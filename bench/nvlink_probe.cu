@@ -25,6 +25,18 @@ __device__ __forceinline__ int4 ld_stream(const int4* a) {
   return v;
 }
 
+// A warp copies nv 16-byte vectors, eight loads in flight per lane (L2 loads
+// when `cached`, e.g. from a peer; else streaming loads).
+__device__ __forceinline__ void warp_copy(int4* d, const int4* s, int nv, int lane, bool cached) {
+  for (int i0 = lane; i0 < nv; i0 += 8 * 32) {
+    int4 v[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) if (i0 + q * 32 < nv) v[q] = cached ? __ldcg(s + i0 + q * 32) : ld_stream(s + i0 + q * 32);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) if (i0 + q * 32 < nv) d[i0 + q * 32] = v[q];
+  }
+}
+
 // Row r goes to dst_peer if (r % self_every) != 0 or self_every == 0, else dst_self.
 __device__ __forceinline__ char* row_dst(char* peer, char* self, int r, int self_every, size_t rb) {
   return (self_every && r % self_every == 0 ? self : peer) + static_cast<size_t>(r) * rb;
@@ -37,13 +49,7 @@ __global__ void __launch_bounds__(kThreads) sm_rows(char* peer, char* self, cons
   for (int r = warp; r < rows; r += warps) {
     int4* d = reinterpret_cast<int4*>(row_dst(peer, self, r, self_every, rb));
     const int4* s = reinterpret_cast<const int4*>(src + static_cast<size_t>(r) * rb);
-    for (int i0 = lane; i0 < nv; i0 += 8 * 32) {
-      int4 v[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) if (i0 + q * 32 < nv) v[q] = ld_stream(s + i0 + q * 32);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) if (i0 + q * 32 < nv) d[i0 + q * 32] = v[q];
-    }
+    warp_copy(d, s, nv, lane, false);
   }
 }
 
@@ -60,13 +66,7 @@ __global__ void __launch_bounds__(kThreads) sm_rows_claimed(char* peer, char* se
     const int r = c / split, part = c % split;
     int4* d = reinterpret_cast<int4*>(row_dst(peer, self, r, self_every, rb) + part * cb);
     const int4* s = reinterpret_cast<const int4*>(src + static_cast<size_t>(r) * rb + part * cb);
-    for (int i0 = lane; i0 < nv; i0 += 8 * 32) {
-      int4 v[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) if (i0 + q * 32 < nv) v[q] = ld_stream(s + i0 + q * 32);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) if (i0 + q * 32 < nv) d[i0 + q * 32] = v[q];
-    }
+    warp_copy(d, s, nv, lane, false);
   }
 }
 
@@ -81,13 +81,7 @@ __global__ void __launch_bounds__(kThreads) push_pull(char* peer_recv, char* my_
     const bool pull = P && r % P == P - 1;
     int4* d = reinterpret_cast<int4*>((pull ? my_recv : peer_recv) + static_cast<size_t>(r) * rb);
     const int4* s = reinterpret_cast<const int4*>((pull ? peer_src : src) + static_cast<size_t>(r) * rb);
-    for (int i0 = lane; i0 < nv; i0 += 8 * 32) {
-      int4 v[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) if (i0 + q * 32 < nv) v[q] = pull ? __ldcg(s + i0 + q * 32) : ld_stream(s + i0 + q * 32);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) if (i0 + q * 32 < nv) d[i0 + q * 32] = v[q];
-    }
+    warp_copy(d, s, nv, lane, pull);
   }
 }
 
