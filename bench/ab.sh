@@ -43,8 +43,9 @@ for patch in "$@"; do
   [ -f "$patch" ] || { echo "ab.sh: no patch file $patch" >&2; exit 2; }
   patch_file=$(realpath "$patch")
   name=$(basename "$patch" .patch)
+  [ "$name" != head ] || { echo "ab.sh: \"head\" names the tree itself; rename $patch" >&2; exit 2; }
   src=/tmp/ab-src-$name
-  rm -rf "$src" && cp -r "$tree" "$src" && rm -rf "$src/build"
+  rm -rf "$src" && cp -r "$tree" "$src"
   if ! (cd "$src" && patch -s -R -p1 < "$patch_file"); then
     echo "ab.sh: $patch does not apply in reverse to this tree" >&2
     exit 1
