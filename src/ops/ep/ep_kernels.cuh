@@ -565,10 +565,9 @@ __device__ inline void add_dest_sums(const Params& p, uint64_t epoch, const int3
 // expert-major, then this PE's send order (first combine row of each expert)
 // into its own workspace (token-major blocks derive theirs from the row).
 // scan: shared scratch of 2 * E words.
-__device__ inline void publish_counts(const Params& p, uint64_t epoch, const int32_t* run,
+__device__ inline void publish_counts(const Params& p, uint64_t epoch, bool tm, const int32_t* run,
                                       const int32_t* hist, int bad, int32_t* scan) {
   const int n = p.n, E = p.c.num_experts, L = p.g.local_experts, CW = p.g.count_words;
-  const bool tm = p.c.layout == Layout::TokenMajor;
   int32_t status = p.host_status, detail = p.host_detail;
   if (status == kOk && bad != INT32_MAX) {
     const int64_t id = topk_id(p, bad);
@@ -650,11 +649,10 @@ __device__ inline bool await_tag(const Params& p, const uint64_t* word, uint64_t
 // the values of those words there ([n][kCountDest + n]) for make_plan.
 // False in every thread after a timeout (recorded, naming the late PE) or
 // another wait's.
-__device__ inline bool wait_counts(const Params& p, uint64_t epoch, bool all_words,
+__device__ inline bool wait_counts(const Params& p, uint64_t epoch, bool tm, bool all_words,
                                    int32_t* cache) {
   __shared__ int failed;
   const int n = p.n;
-  const bool tm = p.c.layout == Layout::TokenMajor;
   const int CW = tm ? kCountDest + n : p.g.count_words;  // words of each row waited first
   const int64_t cells = static_cast<int64_t>(n) * CW;
   const int cols = tm ? 0 : p.c.num_experts;  // the send order's words
@@ -730,8 +728,8 @@ __device__ inline bool wait_dest_sums(const Params& p, uint64_t epoch, int32_t* 
 // ------------------------------------------------------------ block counts
 
 // Where the blocks of a dispatch grid leave their counts (ep_config.hpp).
-__device__ __forceinline__ int route_cols(const Params& p) {
-  return p.c.layout == Layout::TokenMajor ? p.n : p.c.num_experts;
+__device__ __forceinline__ int route_cols(const Params& p, bool tm) {
+  return tm ? p.n : p.c.num_experts;
 }
 __device__ __forceinline__ int32_t* route_totals(const Params& p, uint64_t epoch) {
   return at<int32_t>(p, p.me, p.g.off_route_totals) + (epoch & 1) * (p.n + p.c.num_experts + 1);
@@ -741,10 +739,9 @@ __device__ __forceinline__ int32_t* route_totals(const Params& p, uint64_t epoch
 // (run: rows per destination, token-major; hist: pairs per expert) for the
 // blocks after it, adds them and its lowest bad pair to this call's totals,
 // then says so in its done word.
-__device__ inline void share_block_counts(const Params& p, uint64_t epoch, int ticket,
+__device__ inline void share_block_counts(const Params& p, uint64_t epoch, bool tm, int ticket,
                                           const int32_t* run, const int32_t* hist, int bad) {
-  const int n = p.n, E = p.c.num_experts, cols = route_cols(p);
-  const bool tm = p.c.layout == Layout::TokenMajor;
+  const int n = p.n, E = p.c.num_experts, cols = route_cols(p, tm);
   const int32_t* own = tm ? run : hist;
   if (tm) add_dest_sums(p, epoch, run, p.host_status != kOk || bad != INT32_MAX, 1);
   uint64_t* mine = at<uint64_t>(p, p.me, p.g.off_route_counts) + static_cast<size_t>(ticket) * cols;
@@ -765,8 +762,8 @@ __device__ inline void share_block_counts(const Params& p, uint64_t epoch, int t
 // other block's done word says it added to them, or, if some block has not
 // within kRouteGraceNs (a grid that is not resident at once), counted from
 // every id. dst: as rank_dest_rows.
-__device__ inline void count_all(const Params& p, uint64_t epoch, int32_t* run, int32_t* hist,
-                                 int* bad, int32_t* warp_rows, int16_t* dst) {
+__device__ inline void count_all(const Params& p, uint64_t epoch, bool tm, int32_t* run,
+                                 int32_t* hist, int* bad, int32_t* warp_rows, int16_t* dst) {
   const int n = p.n, E = p.c.num_experts;
   __shared__ int missing;
   volatile int* late = &missing;
@@ -792,7 +789,7 @@ __device__ inline void count_all(const Params& p, uint64_t epoch, int32_t* run, 
     for (int i = threadIdx.x; i < n + E; i += blockDim.x) (i < n ? run[i] : hist[i - n]) = totals[i];
     if (threadIdx.x == 0 && totals[n + E] != 0) *bad = INT32_MAX - totals[n + E];
     __syncthreads();
-  } else if (p.c.layout == Layout::TokenMajor) {
+  } else if (tm) {
     rank_dest_rows(p, 0, p.T, 0, 0, run, warp_rows, dst, nullptr, hist, bad);
   } else {
     count_expert_pairs(p, 0, p.T * p.c.topk, hist, bad);
@@ -804,10 +801,10 @@ __device__ inline void count_all(const Params& p, uint64_t epoch, int32_t* run, 
 // columns list[0, m) this block uses (0 for the others). Those blocks
 // published their counts before waiting for anything, so this waits only on
 // blocks that started. False in every thread after a timeout.
-__device__ inline bool look_back(const Params& p, uint64_t epoch, int ticket, const int32_t* list,
-                                 int m, int32_t* before) {
+__device__ inline bool look_back(const Params& p, uint64_t epoch, bool tm, int ticket,
+                                 const int32_t* list, int m, int32_t* before) {
   __shared__ int failed;
-  const int cols = route_cols(p);
+  const int cols = route_cols(p, tm);
   const uint64_t* counts = at<uint64_t>(p, p.me, p.g.off_route_counts);
   volatile int* stop = &failed;
   for (int c = threadIdx.x; c < cols; c += blockDim.x) before[c] = 0;
@@ -853,10 +850,9 @@ __device__ inline int32_t count_cell(const Params& p, uint64_t epoch, int q, int
 // each destination / in each expert's run) and prefix[] (first row of each
 // destination / expert in this PE's send order = its combine rows). `cache`:
 // wait_counts' copy of the words it needs (token-major), else null.
-__device__ inline void make_plan(const Params& p, uint64_t epoch, DispatchPlan& plan,
+__device__ inline void make_plan(const Params& p, uint64_t epoch, bool tm, DispatchPlan& plan,
                                  int32_t* base, int32_t* prefix, const int32_t* cache) {
   const int n = p.n, E = p.c.num_experts, L = p.g.local_experts;
-  const bool tm = p.c.layout == Layout::TokenMajor;
   const int cols = tm ? n : E;
   const int first = tm ? kCountDest : kCountDest + n;
   const int CW = kCountDest + n;  // (the cache's row)
@@ -915,10 +911,9 @@ __device__ inline bool must_report(const Params& p, const DispatchPlan& plan) {
 // handle's summary. One block. rows: shared scratch of n * n words (each
 // PE's rows to each destination, loaded at once rather than one dependent
 // load after another), unless `cache` (wait_counts') holds them already.
-__device__ inline void finish_counts(const Params& p, uint64_t epoch, bool abort, int32_t* rows,
-                                     const int32_t* cache) {
+__device__ inline void finish_counts(const Params& p, uint64_t epoch, bool tm, bool abort,
+                                     int32_t* rows, const int32_t* cache) {
   const int n = p.n, L = p.g.local_experts;
-  const bool tm = p.c.layout == Layout::TokenMajor;
   if (!cache)
     for (int i = threadIdx.x; i < n * n; i += blockDim.x)
       rows[i] = abort ? 0 : count_cell(p, epoch, i / n, kCountDest + i % n);
@@ -1141,21 +1136,21 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     // (every block ranked every token: ticket 0 adds them for the grid, so
     // a PE whose blocks rank by look-back need not wait for this count row)
     if (ticket == 0) {
-      publish_counts(p, epoch, run, hist, bad, scratch);
+      publish_counts(p, epoch, tm, run, hist, bad, scratch);
       if (tm) add_dest_sums(p, epoch, run, p.host_status != kOk || bad != INT32_MAX, gridDim.x);
     }
   } else {
     if (tm) rank_dest_rows(p, t0, t1, t0, t1, run, scratch, dst, pos, hist, &bad);
     else rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, &bad);
-    share_block_counts(p, epoch, ticket, run, hist, bad);
+    share_block_counts(p, epoch, tm, ticket, run, hist, bad);
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
       if ((tm ? run : hist)[c] > 0) used[atomicAdd(&n_used, 1)] = c;
     __syncthreads();
     if (ticket == 0) {
-      count_all(p, epoch, run, hist, &bad, scratch, dst);
-      publish_counts(p, epoch, run, hist, bad, scratch);
+      count_all(p, epoch, tm, run, hist, &bad, scratch, dst);
+      publish_counts(p, epoch, tm, run, hist, bad, scratch);
     }
-    ranked = look_back(p, epoch, ticket, used, n_used, before);
+    ranked = look_back(p, epoch, tm, ticket, used, n_used, before);
   }
   // The next call's totals and destination sums: the previous call, the
   // last to add to them, ended here; peers add to the sums only after they
@@ -1175,10 +1170,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   int32_t* cache = tm ? scratch : nullptr;
   const bool by_sums = tm && !small && ticket != 0;
   const bool counted = ranked && (by_sums ? wait_dest_sums(p, epoch, cache)
-                                          : wait_counts(p, epoch, ticket == 0, cache));
+                                          : wait_counts(p, epoch, tm, ticket == 0, cache));
   if (counted) {
     DispatchPlan local;
-    make_plan(p, epoch, local, base, prefix, cache);
+    make_plan(p, epoch, tm, local, base, prefix, cache);
     if (threadIdx.x == 0) plan = local;
   } else if (threadIdx.x == 0) {
     plan = DispatchPlan{kPeerTimeout, 0, -1};
@@ -1188,7 +1183,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   if (ticket == 0) {  // the call's outputs that need only the counts
     if (threadIdx.x == 0 && must_report(p, plan))
       record_error(p, plan.abort_status, plan.abort_detail, plan.abort_pe, epoch);
-    finish_counts(p, epoch, abort, scratch, cache);  // (an abort reads no cell)
+    finish_counts(p, epoch, tm, abort, scratch, cache);  // (an abort reads no cell)
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = static_cast<int>(blockDim.x >> 5);
