@@ -54,20 +54,26 @@ struct Barrier {
   int arrived = 0;
   uint64_t round = 0;
   uint32_t bits = 0, result = 0;  // warp ballot
-  // Returns the OR of every arrival's `bits` (used by ballots).
-  uint32_t arrive_and_wait(int parties, uint32_t mine) {
+  int tally = 0, tally_result = 0;  // __syncthreads_count
+  // Returns the OR of every arrival's `bits` (used by ballots); with `sum`,
+  // leaves there the total of every arrival's `add`.
+  uint32_t arrive_and_wait(int parties, uint32_t mine, int add = 0, int* sum = nullptr) {
     std::unique_lock<std::mutex> lock(mu);
     const uint64_t r = round;
     bits |= mine;
+    tally += add;
     if (++arrived == parties) {
       result = bits;
+      tally_result = tally;
       bits = 0;
+      tally = 0;
       arrived = 0;
       ++round;
       cv.notify_all();
-      return result;
+    } else {
+      cv.wait(lock, [&] { return round != r; });
     }
-    cv.wait(lock, [&] { return round != r; });
+    if (sum) *sum = tally_result;
     return result;
   }
 };
@@ -95,6 +101,11 @@ using int4 = emu::Int4;
 inline thread_local emu::Dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 inline void __syncthreads() { emu::t_block->sync.arrive_and_wait(emu::t_block->threads, 0); }
+inline int __syncthreads_count(int pred) {
+  int sum = 0;
+  emu::t_block->sync.arrive_and_wait(emu::t_block->threads, 0, pred ? 1 : 0, &sum);
+  return sum;
+}
 inline unsigned __ballot_sync(unsigned, bool pred) {
   return emu::t_block->warps[threadIdx.x / 32].arrive_and_wait(32, pred ? 1u << (threadIdx.x % 32) : 0u);
 }

@@ -488,6 +488,31 @@ __device__ inline void rank_dest_rows(const Params& p, int64_t lo, int64_t hi, i
   }
 }
 
+// Token-major, whole block, for a small call with at most one token per
+// thread (token j: thread j): the same results as rank_dest_rows over every
+// token (run on entry 0) for tokens [keep_lo, keep_hi), each count taken by
+// one barrier (a call's critical path: no scratch, no per-warp sums).
+// dst: load_dests' destinations of every token.
+__device__ __forceinline__ bool rank_by_barriers_fits(const Params& p, int64_t keep) {
+  return p.T <= static_cast<int64_t>(blockDim.x) && p.n <= 64 && (1 + keep) * p.n <= 64;
+}
+__device__ inline void rank_by_barriers(const Params& p, int64_t keep_lo, int64_t keep_hi,
+                                        int32_t* run, const int16_t* dst, int32_t* pos) {
+  const int n = p.n, K = p.c.topk;
+  const int64_t j = threadIdx.x;
+  const uint64_t mask = j < p.T ? dest_mask(dst + j * K, K) : 0;
+  for (int d = 0; d < n; ++d) {
+    const bool hit = (mask >> d) & 1u;
+    const int total = __syncthreads_count(hit);
+    if (threadIdx.x == 0) run[d] = total;
+    for (int64_t t = keep_lo; t < keep_hi; ++t) {
+      const int earlier = __syncthreads_count(hit && j < t);
+      if (j == t) pos[t * n + d] = hit ? earlier : -1;
+    }
+  }
+  __syncthreads();
+}
+
 // Expert-major, whole block: hist[e] += the kept (token, slot) pairs of
 // [lo, hi) with expert e.
 __device__ inline void count_expert_pairs(const Params& p, int64_t lo, int64_t hi, int32_t* hist,
@@ -1127,7 +1152,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   if (small) {
     for (int c = threadIdx.x; c < cols; c += blockDim.x) before[c] = 0;
     if (tm) {
-      rank_dest_rows(p, 0, p.T, t0, t1, run, scratch, dst, pos, nullptr, nullptr, true);
+      if (rank_by_barriers_fits(p, t1 - t0)) rank_by_barriers(p, t0, t1, run, dst, pos);
+      else rank_dest_rows(p, 0, p.T, t0, t1, run, scratch, dst, pos, nullptr, nullptr, true);
     } else {
       count_expert_pairs(p, 0, t0 * K, hist, ticket == 0 ? &bad : nullptr);
       rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, ticket == 0 ? &bad : nullptr);
