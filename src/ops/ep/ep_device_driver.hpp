@@ -228,10 +228,14 @@ class DeviceDriver final : public DeviceImpl {
     const int64_t vectors = static_cast<int64_t>(row_bytes / 16);
     return static_cast<int>(std::clamp<int64_t>(std::min(by_rows, vectors), 1, kMaxPieces));
   }
+  // One more block than the rows need while the GPU has room: ticket 0,
+  // which totals the counts and writes the call's outputs, then sends no rows
+  // (spare_ticket0), so that work never delays a row.
   static int dispatch_blocks(const Op& op) {
     const int64_t pairs = static_cast<int64_t>(op.cfg.max_tokens) * op.geo.send_cols;
-    return blocks_for(pairs * row_pieces(op.geo.combine_rows, op.geo.row_bytes),
-                      kernels::kWarpsPerBlock);
+    const int blocks = blocks_for(pairs * row_pieces(op.geo.combine_rows, op.geo.row_bytes),
+                                  kernels::kWarpsPerBlock);
+    return blocks < kernels::kMaxBlocks ? blocks + 1 : blocks;
   }
   // Combine: some blocks reduce while the others send (as rows land, a sum
   // moves three rows' worth of memory per token, a send one), all of them
