@@ -513,6 +513,40 @@ __device__ inline void rank_by_barriers(const Params& p, int64_t keep_lo, int64_
   __syncthreads();
 }
 
+// Token-major, whole block: as rank_dest_rows with every token of [lo, hi)
+// kept (or none, without pos), one chunk (route_chunk) at a time: after
+// load_dests, one warp ranks the chunk's tokens 32 at a time by ballots
+// (no per-warp sums; one barrier per chunk).
+__device__ __forceinline__ void rank_by_warp(const Params& p, int64_t lo, int64_t hi, int32_t* run,
+                                             int16_t* dst, int32_t* pos, int32_t* hist,
+                                             int32_t* bad) {
+  const int n = p.n, K = p.c.topk;
+  const int64_t C = route_chunk(p);
+  for (int64_t c0 = lo; c0 < hi; c0 += C) {
+    const int32_t m = static_cast<int32_t>(imin(C, hi - c0));  // tokens of the chunk
+    load_dests(p, c0, c0 + m, dst, hist, bad);
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      for (int32_t s = 0; s < m; s += 32) {
+        const int32_t i = s + lane;  // (the chunk's token i)
+        const int16_t* row = dst + i * K;
+        const uint64_t mask = i < m ? dest_mask(row, K) : 0;
+        for (int d = 0; d < n; ++d) {
+          const bool hit = i < m && sends_to(row, K, mask, d);
+          const int32_t earlier = run[d];
+          const unsigned b = __ballot_sync(0xffffffffu, hit);
+          if (pos && i < m)
+            pos[(c0 + i) * n + d] = hit ? earlier + __popc(b & ((1u << lane) - 1u)) : -1;
+          __syncwarp();
+          if (lane == 0) run[d] = earlier + __popc(b);
+          __syncwarp();
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // Expert-major, whole block: hist[e] += the kept (token, slot) pairs of
 // [lo, hi) with expert e.
 __device__ inline void count_expert_pairs(const Params& p, int64_t lo, int64_t hi, int32_t* hist,
@@ -783,12 +817,12 @@ __device__ inline void share_block_counts(const Params& p, uint64_t epoch, bool 
 }
 
 // Ticket 0: this PE's counts over every token into run, hist and bad (as
-// rank_dest_rows / count_expert_pairs), read from the totals once every
+// rank_by_warp / count_expert_pairs), read from the totals once every
 // other block's done word says it added to them, or, if some block has not
 // within kRouteGraceNs (a grid that is not resident at once), counted from
-// every id. dst: as rank_dest_rows.
+// every id. dst: as rank_by_warp.
 __device__ inline void count_all(const Params& p, uint64_t epoch, bool tm, int32_t* run,
-                                 int32_t* hist, int* bad, int32_t* warp_rows, int16_t* dst) {
+                                 int32_t* hist, int* bad, int16_t* dst) {
   const int n = p.n, E = p.c.num_experts;
   __shared__ int missing;
   volatile int* late = &missing;
@@ -815,7 +849,7 @@ __device__ inline void count_all(const Params& p, uint64_t epoch, bool tm, int32
     if (threadIdx.x == 0 && totals[n + E] != 0) *bad = INT32_MAX - totals[n + E];
     __syncthreads();
   } else if (tm) {
-    rank_dest_rows(p, 0, p.T, 0, 0, run, warp_rows, dst, nullptr, hist, bad);
+    rank_by_warp(p, 0, p.T, run, dst, nullptr, hist, bad);
   } else {
     count_expert_pairs(p, 0, p.T * p.c.topk, hist, bad);
   }
@@ -1166,14 +1200,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
       if (tm) add_dest_sums(p, epoch, run, p.host_status != kOk || bad != INT32_MAX, gridDim.x);
     }
   } else {
-    if (tm) rank_dest_rows(p, t0, t1, t0, t1, run, scratch, dst, pos, hist, &bad);
+    if (tm) rank_by_warp(p, t0, t1, run, dst, pos, hist, &bad);
     else rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, &bad);
     share_block_counts(p, epoch, tm, ticket, run, hist, bad);
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
       if ((tm ? run : hist)[c] > 0) used[atomicAdd(&n_used, 1)] = c;
     __syncthreads();
     if (ticket == 0) {
-      count_all(p, epoch, tm, run, hist, &bad, scratch, dst);
+      count_all(p, epoch, tm, run, hist, &bad, dst);
       publish_counts(p, epoch, tm, run, hist, bad, scratch);
     }
     ranked = look_back(p, epoch, tm, ticket, used, n_used, before);
