@@ -120,7 +120,7 @@ enum LocalWord : int {
   kReduceDone = 5,
   kErrorWord = 6,      // first device-side failure (cuda)
   kHandleBad = 7,      // combine: 1 when this call's handle failed its bounds check (cuda)
-  kCombineTicket = 8,  // combine: blocks that took their role (cuda)
+  kCombineTicket = 8,  // combine: roles taken so far (low half, wrapping; cuda)
   kMetaHelp = 9,       // dispatch: [kMetaHelpers] helpers' decisions (cuda, epoch-tagged)
   kSendNext = 16,      // combine: [2] senders' next unit, by call parity (cuda)
   kReduceNext = 18,    // combine: [2] reducers' next unit, by call parity (cuda)

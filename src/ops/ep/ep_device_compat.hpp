@@ -131,6 +131,13 @@ inline int atomicMin(int* a, int v) {
   return old;
 }
 inline unsigned atomicOr(unsigned* a, unsigned v) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicInc(unsigned* a, unsigned limit) {  // old >= limit ? 0 : old + 1
+  unsigned old = __atomic_load_n(a, __ATOMIC_SEQ_CST);
+  while (!__atomic_compare_exchange_n(a, &old, old >= limit ? 0u : old + 1u, false,
+                                      __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+  return old;
+}
 inline int atomicMax(int* a, int v) {
   int old = __atomic_load_n(a, __ATOMIC_SEQ_CST);
   while (v > old &&

@@ -165,7 +165,8 @@ class DeviceDriver final : public DeviceImpl {
       if (p.row_flags) p.pieces = std::max(p.pieces, 2);
       p.senders = sender_blocks(op, p.row_flags);
       const int reducers = reducer_blocks(op, p.row_flags);
-      p.reduce_pieces = p.row_flags ? p.pieces : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
+      p.reduce_pieces = p.row_flags ? kernels::kReduceSplit * p.pieces
+                                    : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
       p.flag_per_epoch = p.senders;
       const size_t places = g.send_cols <= kernels::kMaxCachedCols
                                 ? static_cast<size_t>(kernels::kWarpsPerBlock) * g.send_cols *

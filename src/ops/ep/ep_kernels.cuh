@@ -63,6 +63,9 @@ constexpr int kThreads = 64;
 constexpr int64_t kRowFlagRows = 64;
 #endif
 constexpr int kWarpsPerBlock = kThreads / 32;
+// With row flags, combine sums each piece of a row in this many parts (each
+// a warp's unit): the sums left when the last rows land take fewer rounds.
+constexpr int kReduceSplit = 2;
 // Combine's reducers keep where each row of a token lies in shared memory
 // ([warps][send_cols] pointers) when a token has at most this many columns.
 constexpr int kMaxCachedCols = 128;
@@ -114,7 +117,7 @@ struct Params {
   int32_t pieces;          // warps that share one row (at most kMaxPieces)
   int32_t senders;         // combine_kernel: blocks that send (the others reduce)
   int32_t row_flags;       // combine_kernel: reducers wait per row, not for whole PEs
-  int32_t reduce_pieces;   // warps that share one token's sum (row_flags: = pieces)
+  int32_t reduce_pieces;   // warps that share one token's sum (row_flags: kReduceSplit * pieces)
   uint64_t timeout_ns;
   int32_t* host;  // device address of the host-mapped mirror
   // dispatch
@@ -179,14 +182,27 @@ __device__ __forceinline__ void prefetch_peers(const Params& p) {
   if (threadIdx.x == 0)
     for (int q = 0; q < p.n; q += 16) asm volatile("prefetch.global.L1 [%0];" ::"l"(p.peers + q));
 }
+// Starts bringing the 128-byte line at `a` into L2 (no register waits for it).
+__device__ __forceinline__ void prefetch_l2(const void* a) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+}
 // Programmatic dependent launch (sm_90+; the host opts in per launch): the
-// next kernel on the stream may start once every block of this one has
-// started; each kernel waits for the previous one's memory before reading any.
-__device__ __forceinline__ void start_kernel() {
+// next kernel on the stream may start once every block of this one called
+// release_next_kernel(); each kernel waits for the previous one's memory
+// (wait_prior_kernel) before reading any. start_kernel: both, at once.
+__device__ __forceinline__ void release_next_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_prior_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void start_kernel() {
+  release_next_kernel();
+  wait_prior_kernel();
 }
 #else
 inline uint64_t ld_acquire(const uint64_t* a) { return __atomic_load_n(a, __ATOMIC_ACQUIRE); }
@@ -201,6 +217,9 @@ inline uint64_t now_ns() {
 inline void spin_pause() { sched_yield(); }
 inline void fence_release() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void prefetch_peers(const Params&) {}
+inline void prefetch_l2(const void*) {}
+inline void release_next_kernel() {}
+inline void wait_prior_kernel() {}
 inline void start_kernel() {}
 #endif
 __device__ __forceinline__ uint64_t ld_volatile(const uint64_t* a) {
@@ -1535,6 +1554,24 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(Params p) {
   __threadfence_system();
 }
 
+// Thread 0 (others: 0): issues the atomic that gives this combine block its
+// place in the order in which the blocks of its grid start (its ticket: the
+// result modulo gridDim.x). Issued before wait_prior_kernel, as it does not
+// depend on the previous kernel: every call of an op takes one ticket per
+// block of its grid (a fixed size) from a counter that is never reset, only
+// wrapped at a multiple of the grid (the low half of kCombineTicket), and a
+// block calls release_next_kernel only once it has its ticket, so no block
+// of a later call takes one of this call's.
+__device__ __forceinline__ uint32_t take_ticket(const Params& p) {
+  if (threadIdx.x != 0) return 0;
+  const uint32_t wrap = (0x80000000u / gridDim.x) * gridDim.x;
+  return atomicInc(reinterpret_cast<unsigned*>(local_word(p, kCombineTicket)), wrap - 1);
+}
+// The combine tickets taken so far (modulo the wrap).
+__device__ __forceinline__ uint32_t tickets_taken(const Params& p) {
+  return *reinterpret_cast<const volatile uint32_t*>(local_word(p, kCombineTicket));
+}
+
 // The whole warp: the next unit of work past a first round of `first` units
 // (each warp's own), from a per-call counter; units once none are left.
 // claimed: [kWarpsPerBlock] shared slots.
@@ -1892,7 +1929,8 @@ __device__ __forceinline__ const int4* own_row(const Params& p, int32_t crow, ui
 // rows land are shared by every block. One block ends the call once every
 // sender PE is done: the last reducer to start (two combine sets), or the
 // last block to finish its sums (one set: the buffer is consumed).
-__device__ inline void reduce_landed(const Params& p, int block, int blocks, uint64_t epoch) {
+__device__ inline void reduce_landed(const Params& p, int block, int blocks, uint64_t epoch,
+                                     uint32_t senders_in) {
   const Geometry& g = p.g;
   const int S = g.send_cols;
   const bool tm = p.c.layout == Layout::TokenMajor;
@@ -1901,7 +1939,8 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
   const int64_t warp0 =
       joins ? -1 : static_cast<int64_t>(block) * kWarpsPerBlock + (threadIdx.x >> 5);
   const int64_t warps = static_cast<int64_t>(blocks) * kWarpsPerBlock;  // reducer warps
-  const int P = p.reduce_pieces;  // = pieces with row_flags
+  const int P = p.reduce_pieces;  // with row_flags, kReduceSplit parts per flagged piece
+  const int split = p.row_flags ? P / p.pieces : 1;
   const int64_t units = p.T * P;
   const uint64_t* flags = at<uint64_t>(p, p.me, g.off_row_flags);
   uint64_t* counter = local_word(p, kReduceNext + static_cast<int>(epoch & 1));
@@ -1930,11 +1969,9 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
   if (threadIdx.x == 0) {
     go = p.row_flags || all_rows_landed(p, epoch);
     // A sender joins only once every sender has started (their first units
-    // are theirs alone): the ticket counter is past them, or was reset.
-    if (joins) {
-      const uint64_t c = ld_volatile(local_word(p, kCombineTicket));
-      go = go && (c == 0 || c >= static_cast<uint64_t>(p.senders));
-    }
+    // are theirs alone): the ticket counter is past them (not if it wrapped
+    // since, which only keeps the sender out).
+    if (joins) go = go && tickets_taken(p) >= senders_in;
   }
   __syncthreads();
   const int64_t first = !go ? units : joins ? next(0) : warp0;
@@ -1942,12 +1979,20 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
     const int64_t t = u / P;
     const int piece = static_cast<int>(u % P);
     if (u != warp0) look_up(t);
+    // This PE's own row is in memory already: its piece heads for L2 while
+    // the other PEs' rows land, so the sum after the wait reads L2 only.
+    if (p.row_flags && tm && cached && places[p.me]) {
+      const int64_t vecs = static_cast<int64_t>(g.combine_row_bytes / 16);
+      for (int64_t v = vecs * piece / P + 8 * lane; v < vecs * (piece + 1) / P; v += 8 * 32)
+        prefetch_l2(places[p.me] + v);
+    }
     bool ready = true;
     if (lane == 0 && p.row_flags)
       for (int j = 0; j < S && ready; ++j) {
         const int32_t row = p.h_send_rows[t * S + j];
         if (row >= 0 && row < g.combine_rows && !(tm && j == p.me))
-          ready = wait_row(p, flags + static_cast<int64_t>(row) * kMaxPieces + piece, epoch);
+          ready = wait_row(p, flags + static_cast<int64_t>(row) * kMaxPieces + piece / split,
+                           epoch);
       }
     // Lane 0's acquire, then the warp's reads (the barrier orders them).
     if (__ballot_sync(0xffffffffu, lane == 0 && ready) == 0u) break;  // the host raises it
@@ -1971,22 +2016,26 @@ __device__ inline void reduce_landed(const Params& p, int block, int blocks, uin
 // done). Blocks wait only on senders of this grid that started before them
 // and on other PEs' senders, so the grid needs no co-residency.
 __global__ void __launch_bounds__(kThreads) combine_kernel(Params p) {
-  start_kernel();
+  // The role's ticket is on its way while the block waits for the previous
+  // kernel (take_ticket).
+  const uint32_t raw = take_ticket(p);
+  wait_prior_kernel();
   const uint64_t epoch = ld_volatile(local_word(p, kCombineEpoch)) + 1;
   __shared__ int ticket;
+  __shared__ uint32_t first_ticket;  // this call's first
   if (threadIdx.x == 0) {
-    auto* c = reinterpret_cast<unsigned long long*>(local_word(p, kCombineTicket));
-    ticket = static_cast<int>(atomicAdd(c, 1ull));
-    if (ticket == static_cast<int>(gridDim.x) - 1) *c = 0;  // every block has its ticket
+    ticket = static_cast<int>(raw % gridDim.x);
+    first_ticket = raw - static_cast<uint32_t>(ticket);
   }
   __syncthreads();
+  release_next_kernel();  // (only once this block has its ticket: take_ticket)
   const bool sender = ticket < p.senders;
   if (sender) {
     send_back(p, ticket, p.senders, epoch);
     if (!p.row_flags) return;
   }
   reduce_landed(p, sender ? -1 : ticket - p.senders, static_cast<int>(gridDim.x) - p.senders,
-                epoch);
+                epoch, first_ticket + static_cast<uint32_t>(p.senders));
 }
 
 // Copy engine: after the copies of one channel, tells the peer they landed.
