@@ -35,6 +35,8 @@ def test_every_kernel_and_layout_matches_the_cpu_implementation():
                 cfg(dtype="float16", max_recv_tokens=12, scale_dim=16, scale_dtype="float16"),
                 # several tokens per routing chunk, and rows split between warps
                 cfg(max_tokens_per_rank=40, hidden=256),
+                # every id in one pass, more tokens than a block has threads
+                cfg(max_tokens_per_rank=150),
                 # too many ids for one pass: blocks rank from the blocks before them
                 cfg(max_tokens_per_rank=200),
                 cfg(max_tokens_per_rank=200, layout="expert_major"),

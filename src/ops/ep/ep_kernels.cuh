@@ -467,43 +467,37 @@ __device__ __forceinline__ bool sends_to(const int16_t* row, int K, uint64_t mas
   return false;
 }
 
-// Token-major, whole block: adds to run[d] the rows that tokens [lo, hi)
-// send to each PE d (warp_rows: [warps][n] shared scratch) and, for the
-// tokens t of [keep_lo, keep_hi), sets pos[t * n + d] = the rank of token
-// t's row to PE d among the rows of [lo, hi) to d, plus run[d] on entry
-// (-1: no row). An empty keep range only counts. `loaded`: dst already holds
-// the destinations of [lo, hi), one chunk (load_dests).
-__device__ inline void rank_dest_rows(const Params& p, int64_t lo, int64_t hi, int64_t keep_lo,
-                                      int64_t keep_hi, int32_t* run, int32_t* warp_rows,
-                                      int16_t* dst, int32_t* pos, int32_t* hist, int32_t* bad,
-                                      bool loaded = false) {
+// Token-major, whole block, for a small call (every id in one round of
+// loads: dst holds load_dests' destinations of every token): adds to run[d]
+// (0 on entry) the rows that the call's tokens send to each PE d and, for
+// the tokens t of [keep_lo, keep_hi), sets pos[t * n + d] = the rank of
+// token t's row to PE d among them (-1: no row). warp_rows: [warps][n]
+// shared scratch.
+__device__ inline void rank_dest_rows(const Params& p, int64_t keep_lo, int64_t keep_hi,
+                                      int32_t* run, int32_t* warp_rows, const int16_t* dst,
+                                      int32_t* pos) {
   const int n = p.n, K = p.c.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = static_cast<int>(blockDim.x >> 5);
-  const int64_t C = route_chunk(p);
-  for (int64_t s0 = lo; s0 < hi; s0 += C) {
-    const int64_t e = imin(s0 + C, hi);
-    if (!loaded) load_dests(p, s0, e, dst, hist, bad);
-    for (int64_t s = s0; s < e; s += blockDim.x) {
-      const int64_t t = s + threadIdx.x;
-      const int16_t* row = dst + (t - s0) * K;
-      const uint64_t mask = t < e ? dest_mask(row, K) : 0;
-      for (int d = 0; d < n; ++d) {
-        const unsigned b = __ballot_sync(0xffffffffu, t < e && sends_to(row, K, mask, d));
-        if (lane == 0) warp_rows[warp * n + d] = __popc(b);
-      }
-      __syncthreads();
-      for (int d = 0; d < n; ++d) {
-        const bool hit = t < e && sends_to(row, K, mask, d);
-        const unsigned b = __ballot_sync(0xffffffffu, hit);
-        int32_t r = run[d] + __popc(b & ((1u << lane) - 1u));
-        for (int w = 0; w < warp; ++w) r += warp_rows[w * n + d];
-        if (t < e && t >= keep_lo && t < keep_hi) pos[t * n + d] = hit ? r : -1;
-      }
-      __syncthreads();
-      for (int d = threadIdx.x; d < n; d += blockDim.x)
-        for (int w = 0; w < warps; ++w) run[d] += warp_rows[w * n + d];
-      __syncthreads();
+  for (int64_t s = 0; s < p.T; s += blockDim.x) {
+    const int64_t t = s + threadIdx.x;
+    const int16_t* row = dst + t * K;
+    const uint64_t mask = t < p.T ? dest_mask(row, K) : 0;
+    for (int d = 0; d < n; ++d) {
+      const unsigned b = __ballot_sync(0xffffffffu, t < p.T && sends_to(row, K, mask, d));
+      if (lane == 0) warp_rows[warp * n + d] = __popc(b);
     }
+    __syncthreads();
+    for (int d = 0; d < n; ++d) {
+      const bool hit = t < p.T && sends_to(row, K, mask, d);
+      const unsigned b = __ballot_sync(0xffffffffu, hit);
+      int32_t r = run[d] + __popc(b & ((1u << lane) - 1u));
+      for (int w = 0; w < warp; ++w) r += warp_rows[w * n + d];
+      if (t < p.T && t >= keep_lo && t < keep_hi) pos[t * n + d] = hit ? r : -1;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < n; d += blockDim.x)
+      for (int w = 0; w < warps; ++w) run[d] += warp_rows[w * n + d];
+    __syncthreads();
   }
 }
 
@@ -532,10 +526,10 @@ __device__ inline void rank_by_barriers(const Params& p, int64_t keep_lo, int64_
   __syncthreads();
 }
 
-// Token-major, whole block: as rank_dest_rows with every token of [lo, hi)
-// kept (or none, without pos), one chunk (route_chunk) at a time: after
-// load_dests, one warp ranks the chunk's tokens 32 at a time by ballots
-// (no per-warp sums; one barrier per chunk).
+// Token-major, whole block: rank_dest_rows' counts and ranks for the tokens
+// of [lo, hi) (no ranks without pos), one chunk (route_chunk) at a time:
+// after load_dests, one warp ranks the chunk's tokens 32 at a time by
+// ballots (no per-warp sums; one barrier per chunk).
 __device__ __forceinline__ void rank_by_warp(const Params& p, int64_t lo, int64_t hi, int32_t* run,
                                              int16_t* dst, int32_t* pos, int32_t* hist,
                                              int32_t* bad) {
@@ -1206,7 +1200,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     for (int c = threadIdx.x; c < cols; c += blockDim.x) before[c] = 0;
     if (tm) {
       if (rank_by_barriers_fits(p, t1 - t0)) rank_by_barriers(p, t0, t1, run, dst, pos);
-      else rank_dest_rows(p, 0, p.T, t0, t1, run, scratch, dst, pos, nullptr, nullptr, true);
+      else rank_dest_rows(p, t0, t1, run, scratch, dst, pos);
     } else {
       count_expert_pairs(p, 0, t0 * K, hist, ticket == 0 ? &bad : nullptr);
       rank_expert_pairs(p, t0 * K, t1 * K, hist, scratch, pos, ticket == 0 ? &bad : nullptr);
