@@ -46,7 +46,9 @@ def cases(quick: bool, only=None):
            (4096, "intranode", "float8_e4m3fn", "token_major", True),
            (4096, "copy_engine", "bfloat16", "token_major", False),
            (4096, "intranode", "bfloat16", "token_major", False),
-           (128, "low_latency", "bfloat16", "expert_major", False)]
+           (128, "low_latency", "bfloat16", "expert_major", False),
+           (128, "low_latency", "bfloat16", "token_slots", False),
+           (4096, "intranode", "bfloat16", "token_slots", False)]
     if only is not None:
         bad = [i for i in only if not 0 <= i < len(out)]
         if bad:
@@ -174,7 +176,11 @@ def run_case(torch, dist, symheap, ep_mod, case, iters, rank, world, device, pro
         out = ep.dispatch(x, idx, w, scales)
         ep.check()
         n_recv = int(out.num_recv_tokens)
-        if layout == "token_major":
+        if layout == "token_slots":  # empty slots have zero weights (and are never read)
+            src = out.src_info[out.src_info[:, 0] >= 0, 0]
+            vals = ep_mod.dequantize_fp8(out.x, out.scales) if fp8 else out.x.float()
+            y = (vals * out.topk_weights.sum(1, keepdim=True)).to(torch.bfloat16)
+        elif layout == "token_major":
             src = out.src_info[:n_recv, 0]
             vals = ep_mod.dequantize_fp8(out.x[:n_recv], out.scales[:n_recv]) if fp8 else \
                 out.x[:n_recv].float()

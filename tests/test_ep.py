@@ -60,6 +60,11 @@ def test_config_checked_against_world():
     errors = run_threads(_make, 2, args=(dict(hidden=32, max_tokens_per_rank=2**26, num_experts=8,
                                               topk=8, layout="expert_major"),))
     assert all("too large" in e and "tokens per rank" in e for e in errors)
+    slots = dict(hidden=32, max_tokens_per_rank=4, num_experts=4, topk=2, layout="token_slots")
+    errors = run_threads(_make, 2, args=(dict(slots, kernel="copy_engine"),))
+    assert all("layout='token_slots' runs on the SM kernels" in e for e in errors)
+    errors = run_threads(_make, 2, args=(dict(slots, max_recv_tokens=4),))
+    assert all("bounds the packed token_major layout only" in e for e in errors)
 
 
 def test_fp8_helpers_round_trip():
@@ -81,7 +86,12 @@ def test_threads_two_pes_all_dtypes_expert_major():
     run_threads(progs.many_configs, 2, args=(configs,))
 
 
-@pytest.mark.parametrize("layout", ["token_major", "expert_major"])
+def test_threads_two_pes_all_dtypes_token_slots():
+    configs = [cfg(2, layout="token_slots", kernel="low_latency", **d) for d in DTYPES]
+    run_threads(progs.many_configs, 2, args=(configs,))
+
+
+@pytest.mark.parametrize("layout", ["token_major", "token_slots", "expert_major"])
 def test_threads_four_pes(layout):
     run_threads(progs.many_configs, 4, args=([cfg(4, layout=layout)],))
 
@@ -129,7 +139,8 @@ def test_close_frees_heap():
 # ------------------------------------------------------------ processes and mixes
 
 def test_processes_and_threads_agree():
-    configs = [cfg(2), cfg(2, layout="expert_major", dtype="float8_e4m3fn", scale_dim=8)]
+    configs = [cfg(2), cfg(2, layout="expert_major", dtype="float8_e4m3fn", scale_dim=8),
+               cfg(2, layout="token_slots")]
     by_threads = run_threads(progs.many_configs, 2, args=(configs,))
     by_processes = run_processes(progs.many_configs, 2, args=(configs,))
     assert by_threads == by_processes

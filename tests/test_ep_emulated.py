@@ -40,7 +40,13 @@ def test_every_kernel_and_layout_matches_the_cpu_implementation():
                 # too many ids for one pass: blocks rank from the blocks before them
                 cfg(max_tokens_per_rank=200),
                 cfg(max_tokens_per_rank=200, layout="expert_major"),
-                cfg(max_tokens_per_rank=40, kernel="low_latency", layout="expert_major")]
+                cfg(max_tokens_per_rank=40, kernel="low_latency", layout="expert_major"),
+                # fixed slots: no count before the rows; block 0 counts in chunks
+                cfg(layout="token_slots"),
+                cfg(layout="token_slots", kernel="low_latency", dtype="float8_e4m3fn",
+                    scale_dim=8),
+                cfg(layout="token_slots", max_tokens_per_rank=40, hidden=256),
+                cfg(layout="token_slots", max_tokens_per_rank=200)]
     by_kernels = emulated(progs.many_configs, 2, (configs,))
     by_cpu = run_processes(progs.many_configs, 2, args=(configs,))
     assert by_kernels == by_cpu  # bit for bit: rows, and combine's fp32 sums
@@ -58,7 +64,8 @@ def test_one_combine_set_when_the_buffer_is_large():
 
 def test_four_pes():
     configs = [cfg(num_experts=16, kernel="intranode"),
-               cfg(num_experts=16, kernel="copy_engine", layout="expert_major", dtype="float32")]
+               cfg(num_experts=16, kernel="copy_engine", layout="expert_major", dtype="float32"),
+               cfg(num_experts=16, kernel="low_latency", layout="token_slots")]
     emulated(progs.many_configs, 4, (configs,))
 
 
@@ -68,6 +75,8 @@ def test_four_pes():
     (dict(kernel="intranode", max_tokens_per_rank=200), "expert_too_large", "expert id 8"),
     (dict(kernel="intranode", max_recv_tokens=12), "too_many_tokens", "max_tokens_per_rank=6"),
     (dict(kernel="copy_engine", layout="expert_major"), "wrong_dtype", "x must have dtype"),
+    (dict(kernel="low_latency", layout="token_slots"), "expert_too_large", "expert id 8"),
+    (dict(kernel="intranode", layout="token_slots"), "too_many_tokens", "max_tokens_per_rank=6"),
 ])
 def test_bad_input(kw, fault, match):
     results = emulated(progs.bad_input_then_recover, 2, (cfg(**kw), 1, fault))

@@ -133,7 +133,9 @@ def check_dispatch(cfg, ep, out, inputs, me, n_pes):
     got_counts = out.expert_counts.cpu().to(torch.int64)
     if not torch.equal(got_counts, counts):
         raise AssertionError(f"PE {me}: expert_counts {got_counts.tolist()} != {counts.tolist()}")
-    if cfg.layout == "token_major":
+    if cfg.layout == "token_slots":
+        check_slots(cfg, out, inputs, me, n_pes, lo, hi)
+    elif cfg.layout == "token_major":
         rows = [(s, t) for s, (x, idx, w, sc) in enumerate(inputs) for t in range(idx.shape[0])
                 if bool(((idx[t] >= lo) & (idx[t] < hi)).any())]
         if num_recv != len(rows):
@@ -192,15 +194,60 @@ def check_dispatch(cfg, ep, out, inputs, me, n_pes):
                                  f"PE {me} expert {l} scales")
 
 
+def check_slots(cfg, out, inputs, me, n_pes, lo, hi):
+    """token_slots: token t of PE s in row s * max_tokens + t when it routes
+    here; every other slot marked empty (src -1, ids -1, weights 0)."""
+    M = cfg.max_tokens_per_rank
+    if tuple(out.x.shape) != (n_pes * M, cfg.hidden):
+        raise AssertionError(f"PE {me}: x has shape {tuple(out.x.shape)}")
+    want_src = torch.full((n_pes * M, 2), -1, dtype=torch.int64)
+    want_idx = torch.full((n_pes * M, cfg.topk), -1, dtype=torch.int64)
+    want_w = torch.zeros(n_pes * M, cfg.topk)
+    for s, (x, idx, w, sc) in enumerate(inputs):
+        for t in range(idx.shape[0]):
+            local = (idx[t] >= lo) & (idx[t] < hi)
+            if bool(local.any()):
+                r = s * M + t
+                want_src[r] = torch.tensor([s, t])
+                want_idx[r] = torch.where(local, idx[t] - lo, torch.full_like(idx[t], -1))
+                want_w[r] = w[t] * local
+    filled = want_src[:, 0] >= 0
+    num_recv = int(out.num_recv_tokens)
+    if num_recv != int(filled.sum()):
+        raise AssertionError(f"PE {me}: num_recv_tokens {num_recv} != reference "
+                             f"{int(filled.sum())}")
+    if not torch.equal(out.src_info.cpu().to(torch.int64), want_src):
+        raise AssertionError(f"PE {me}: src_info {out.src_info.cpu().tolist()} != slot "
+                             f"reference {want_src.tolist()}")
+    if not torch.equal(out.topk_idx.cpu().to(torch.int64), want_idx):
+        raise AssertionError(f"PE {me}: topk_idx differs from the slot reference")
+    assert_same_bits(out.topk_weights, want_w, f"PE {me} topk_weights")
+    rows = [(int(a), int(b)) for a, b in want_src[filled].tolist()]
+    if not rows:
+        return
+    got_x = out.x[filled.to(out.x.device)]
+    assert_same_bits(got_x, torch.stack([inputs[s][0][t] for s, t in rows]), f"PE {me} x")
+    if cfg.scale_dim:
+        assert_same_bits(out.scales[filled.to(out.x.device)],
+                         torch.stack([inputs[s][3][t] for s, t in rows]), f"PE {me} scales")
+
+
+def filled_rows(cfg, out):
+    """Token-major layouts: which received rows hold a token."""
+    if cfg.layout == "token_slots":
+        return out.src_info[:, 0] >= 0
+    return torch.arange(out.x.shape[0], device=out.x.device) < out.num_recv_tokens
+
+
 def identity_experts(cfg, out, device):
     """Expert outputs of identity experts: token-major rows weighted by the
     local top-k weights (the expert side's reduction), expert-major rows as
     they are. Rows past the valid count are NaN: combine must not read them."""
     cdt = getattr(torch, cfg.combine_dtype)
     val = as_float(out.x, out.scales)
-    if cfg.layout == "token_major":
+    if cfg.layout != "expert_major":
         y = val * out.topk_weights.sum(dim=-1, keepdim=True)
-        valid = torch.arange(y.shape[0], device=y.device) < out.num_recv_tokens
+        valid = filled_rows(cfg, out)
         y = torch.where(valid.unsqueeze(1), y, torch.full_like(y, float("nan")))
     else:
         valid = torch.arange(val.shape[1], device=val.device).unsqueeze(0) < \
@@ -272,8 +319,8 @@ def run_iterations(cfg: EpConfig, plan=DEFAULT_PLAN, seed: int = 1, device=None,
                 res = ep.combine(y, out.handle, out=poisoned)
             check_combine(cfg, res, *inputs[me], me, weight_scale=scale)
             nrecv = int(out.num_recv_tokens)
-            if cfg.layout == "token_major":
-                digest.update(bits(out.x[:nrecv].cpu()).numpy().tobytes())
+            if cfg.layout != "expert_major":
+                digest.update(bits(out.x[filled_rows(cfg, out)][:nrecv].cpu()).numpy().tobytes())
             else:
                 for l in range(out.x.shape[0]):
                     digest.update(bits(out.x[l, :int(out.expert_counts[l])].cpu()).numpy().tobytes())

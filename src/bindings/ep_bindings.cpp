@@ -24,7 +24,9 @@ ep::Config config_from(const py::dict& d) {
   c.scale_dim = d["scale_dim"].cast<int32_t>();
   c.scale_dtype = ep::parse_dtype(d["scale_dtype"].cast<std::string>());
   c.kernel = ep::parse_kernel(d["kernel"].cast<std::string>());
-  c.layout = ep::parse_layout(d["layout"].cast<std::string>());
+  const std::string layout = d["layout"].cast<std::string>();
+  c.token_slots = layout == "token_slots";
+  c.layout = ep::parse_layout(c.token_slots ? "token_major" : layout);
   c.max_recv_tokens = d["max_recv_tokens"].cast<int32_t>();
   c.expert_capacity = d["expert_capacity"].cast<int32_t>();
   return c;
@@ -39,7 +41,7 @@ py::dict geometry_dict(const ep::Geometry& g) {
   d["expert_cap"] = g.expert_cap;
   d["combine_rows"] = g.combine_rows;
   d["send_cols"] = g.send_cols;
-  d["summary_words"] = ep::summary_words(g.n_pes, g.local_experts);
+  d["summary_words"] = ep::summary_words(g.n_pes, g.local_experts, g.slot_words);
   d["padded_output"] = g.padded_output;
   d["combine_dtype"] = std::string(ep::dtype_name(g.combine_dtype));
   d["off_recv_x"] = g.off_recv_x;

@@ -40,6 +40,17 @@ def test_token_major_threads(kernel):
 
 
 @two_gpus
+@pytest.mark.parametrize("kernel", ["intranode", "low_latency"])
+def test_token_slots_threads(kernel):
+    configs = [cfg(kernel=kernel, layout="token_slots"),
+               cfg(kernel=kernel, layout="token_slots", dtype="float8_e4m3fn", scale_dim=128),
+               cfg(kernel=kernel, layout="token_slots", dtype="float32", hidden=64),
+               cfg(kernel=kernel, layout="token_slots", hidden=7168, max_tokens_per_rank=16,
+                   num_experts=32, topk=8)]
+    run_threads(progs.many_configs, 2, args=(configs,))
+
+
+@two_gpus
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_expert_major_threads(kernel):
     configs = [cfg(kernel=kernel, layout="expert_major"),
@@ -67,14 +78,15 @@ def test_many_tokens_rank_by_look_back():
     many = dict(max_tokens_per_rank=1200, num_experts=32, topk=8)
     configs = [cfg(**many), cfg(**many, max_recv_tokens=2400, dtype="float16"),
                cfg(**many, kernel="copy_engine"), cfg(**many, layout="expert_major"),
-               cfg(**many, hidden=28672)]
+               cfg(**many, hidden=28672), cfg(**many, layout="token_slots")]
     run_threads(progs.many_configs, 2, args=(configs,), init_kwargs={"heap_size": "2G"})
 
 
 @two_gpus
 def test_two_processes_match_two_threads():
     configs = [cfg(), cfg(kernel="low_latency", layout="expert_major"),
-               cfg(kernel="copy_engine", dtype="float16")]
+               cfg(kernel="copy_engine", dtype="float16"),
+               cfg(kernel="low_latency", layout="token_slots")]
     by_threads = run_threads(progs.many_configs, 2, args=(configs,))
     by_processes = run_per_device(progs.many_configs, (configs,))
     assert by_threads == by_processes
@@ -85,7 +97,8 @@ def test_plain_launches_match_early_launches(monkeypatch):
     """SYMHEAP_EP_PDL=0 (no programmatic dependent launch) gives the same
     results as the default; each run checks itself against the reference."""
     configs = [cfg(), cfg(kernel="low_latency", layout="expert_major"),
-               cfg(kernel="copy_engine", dtype="float16")]
+               cfg(kernel="copy_engine", dtype="float16"),
+               cfg(kernel="low_latency", layout="token_slots")]
     early = run_threads(progs.many_configs, 2, args=(configs,))
     monkeypatch.setenv("SYMHEAP_EP_PDL", "0")
     plain = run_threads(progs.many_configs, 2, args=(configs,))
@@ -93,19 +106,23 @@ def test_plain_launches_match_early_launches(monkeypatch):
 
 
 @two_gpus
-@pytest.mark.parametrize("layout", ["token_major", "expert_major"])
+@pytest.mark.parametrize("layout", ["token_major", "token_slots", "expert_major"])
 def test_low_latency_graph_replay(layout):
     kw = cfg(kernel="low_latency", layout=layout, num_experts=8)
     assert run_threads(progs.graph_replay, 2, args=(kw, 10)) == [10, 10]
 
 
 @two_gpus
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", KERNELS + ["intranode+slots", "low_latency+slots"])
 @pytest.mark.parametrize("fault,match", [("too_many_tokens", "max_tokens_per_rank=48"),
                                          ("expert_too_large", "expert id 16"),
                                          ("wrong_dtype", "x must have dtype bfloat16")])
 def test_bad_input(kernel, fault, match):
-    results = run_threads(progs.bad_input_then_recover, 2, args=(cfg(kernel=kernel), 1, fault))
+    layout = "token_major"
+    if kernel.endswith("+slots"):
+        kernel, layout = kernel[:-len("+slots")], "token_slots"
+    results = run_threads(progs.bad_input_then_recover, 2,
+                          args=(cfg(kernel=kernel, layout=layout), 1, fault))
     for rank, ((kind, msg), recovered) in enumerate(results):
         assert recovered
         if rank == 1:

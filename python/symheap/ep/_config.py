@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KERNELS = ("intranode", "low_latency", "copy_engine")
-LAYOUTS = ("token_major", "expert_major")
+LAYOUTS = ("token_major", "token_slots", "expert_major")
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32",
            "float8_e4m3fn": "float8_e4m3fn", "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn"}
@@ -61,11 +61,14 @@ class EpConfig:
     the host for the counts, and for the other PEs of this process to queue
     their copies). See docs/ep.md.
 
-    layout: "token_major" (one received row per (token, destination PE)) or
-    "expert_major" ([local_experts, expert_capacity, hidden] plus per-expert
-    counts, for grouped GEMMs). max_recv_tokens (token-major) bounds the rows
-    a PE receives; given, intranode needs no host synchronisation and
-    outputs keep max_recv_tokens rows. expert_capacity (expert-major) bounds
+    layout: "token_major" (one received row per (token, destination PE),
+    packed), "token_slots" (the same rows in fixed places: token t of PE s
+    at row s * max_tokens_per_rank + t, empty slots marked; no PE waits for
+    another's counts before its rows leave, the lowest dispatch latency; not
+    with copy_engine) or "expert_major" ([local_experts, expert_capacity,
+    hidden] plus per-expert counts, for grouped GEMMs). max_recv_tokens
+    (token_major) bounds the rows a PE receives; given, intranode needs no
+    host synchronisation and outputs keep max_recv_tokens rows. expert_capacity (expert-major) bounds
     the rows per local expert. Both default to n_pes * max_tokens_per_rank
     (never overflows); a dispatch that would overflow raises on every PE.
     """

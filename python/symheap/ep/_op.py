@@ -40,9 +40,13 @@ class DispatchOutput:
     """Rows received by this PE.
 
     token_major: ``x`` [R, hidden]: one row per (source token, this PE), ordered
-    by source PE, then token index. ``topk_idx`` [R, topk] int32: the token's
-    experts as local ids (expert e -> e - my_pe * local_experts), -1 where the
-    expert is elsewhere or the slot was dropped. ``topk_weights`` [R, topk]
+    by source PE, then token index. token_slots: the same rows, but row
+    s * max_tokens_per_rank + t holds token t of PE s (R = n_pes *
+    max_tokens_per_rank); a slot that token does not fill has ``src_info``
+    (-1, -1), ``topk_idx`` -1 and ``topk_weights`` 0 (its ``x`` is stale).
+    ``topk_idx`` [R, topk] int32: the token's experts as local ids (expert e
+    -> e - my_pe * local_experts), -1 where the expert is elsewhere or the
+    slot was dropped. ``topk_weights`` [R, topk]
     float32, 0 where ``topk_idx`` is -1. ``src_info`` [R, 2] int32: (source
     PE, token index). ``scales`` [R, hidden / scale_dim] or None.
 
@@ -82,7 +86,7 @@ class EpDispatchCombine:
     allocates its symmetric buffers once (``symheap.malloc``, so every PE has
     them at the same offsets) and ``close()`` (also collective) frees them.
 
-    Semantics, token-major (the default layout):
+    Semantics, token-major (the default layout, and token_slots):
       dispatch sends each token once to every PE that hosts at least one of
       its kept experts (``topk_idx == -1`` drops a slot). The expert side
       returns one row per received row, already reduced over the token's
@@ -142,7 +146,7 @@ class EpDispatchCombine:
     def recv_capacity(self) -> int:
         """Rows of the receive buffer (token-major) or per local expert (expert-major)."""
         g = self._geo
-        return g["recv_rows"] if self.config.layout == "token_major" else g["expert_cap"]
+        return g["expert_cap"] if self.config.layout == "expert_major" else g["recv_rows"]
 
     # ----------------------------------------------------------- public API
 
@@ -302,7 +306,7 @@ class EpDispatchCombine:
         dt = getattr(torch, cfg.dtype)
         sdt = getattr(torch, cfg.scale_dtype)
         s = g["scales_per_row"]
-        if cfg.layout == "token_major":
+        if cfg.layout != "expert_major":
             return {"x": view(g["off_recv_x"], (rows, cfg.hidden), dt),
                     "scales": view(g["off_recv_scales"], (rows, s), sdt) if s else None,
                     "topk_idx": view(g["off_recv_idx"], (rows, k), torch.int32),
@@ -317,7 +321,7 @@ class EpDispatchCombine:
     def _output(self, n, num_tokens, num_recv, expert_counts, send_rows, recv_meta, summary,
                 weights):
         cfg, g, v = self.config, self._geo, self._views
-        if cfg.layout == "token_major":
+        if cfg.layout != "expert_major":
             rows = g["recv_rows"] if g["padded_output"] or n < 0 else n
             x = v["x"][:rows]
             scales = v["scales"][:rows] if v["scales"] is not None else None
@@ -388,7 +392,7 @@ class EpDispatchCombine:
                          (cfg.max_tokens_per_rank, cfg.topk))
         cdt = getattr(torch, cfg.combine_dtype)
         expert_out = self._tensor("expert_out", expert_out, (cdt,), handle.rows_shape)
-        if cfg.layout == "token_major":
+        if cfg.layout != "expert_major":
             if topk_weights is not None:
                 raise ValueError("token_major combine sums rows the expert side already weighted: "
                                  "topk_weights applies to layout='expert_major' only")

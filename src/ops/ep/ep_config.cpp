@@ -57,7 +57,8 @@ const char* kernel_name(Kernel k) {
 Layout parse_layout(const std::string& name) {
   if (name == "token_major") return Layout::TokenMajor;
   if (name == "expert_major") return Layout::ExpertMajor;
-  throw InvalidArgument("unknown layout '" + name + "': use 'token_major' or 'expert_major'");
+  throw InvalidArgument("unknown layout '" + name +
+                        "': use 'token_major', 'token_slots' or 'expert_major'");
 }
 
 const char* layout_name(Layout l) {
@@ -87,6 +88,15 @@ void validate_config(const Config& c) {
   }
   need(c.max_recv_tokens >= 0, "max_recv_tokens must be positive");
   need(c.expert_capacity >= 0, "expert_capacity must be positive");
+  if (c.token_slots) {
+    need(c.layout == Layout::TokenMajor, "token_slots is a token-major layout");
+    need(c.kernel != Kernel::CopyEngine,
+         "layout='token_slots' runs on the SM kernels (intranode, low_latency); copy_engine "
+         "moves packed rows: use layout='token_major'");
+    need(c.max_recv_tokens == 0,
+         "layout='token_slots' receives n_pes * max_tokens_per_rank slots; max_recv_tokens "
+         "bounds the packed token_major layout only");
+  }
   if (c.layout == Layout::ExpertMajor)
     need(c.max_recv_tokens == 0,
          "max_recv_tokens bounds token-major receives; for layout='expert_major' set "
@@ -106,9 +116,17 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.n_pes = n_pes;
   g.local_experts = c.num_experts / n_pes;
   g.scales_per_row = c.scale_dim > 0 ? c.hidden / c.scale_dim : 0;
-  g.count_words = static_cast<int32_t>(align_up(kCountDest + n_pes + c.num_experts, 4));
+  g.slot_words = c.token_slots ? (c.max_tokens + 31) / 32 : 0;
+  g.count_words = static_cast<int32_t>(
+      align_up(count_bits_at(n_pes, c.num_experts) + static_cast<size_t>(n_pes) * g.slot_words, 4));
   const int64_t worst = static_cast<int64_t>(n_pes) * c.max_tokens;
-  if (c.layout == Layout::TokenMajor) {
+  if (c.token_slots) {
+    g.recv_rows = worst;
+    g.expert_cap = 0;
+    g.combine_rows = worst;  // token t's row back from PE d: row d * max_tokens + t
+    g.send_cols = n_pes;
+    g.padded_output = true;
+  } else if (c.layout == Layout::TokenMajor) {
     if (c.max_recv_tokens > worst)
       throw InvalidArgument("EpConfig: max_recv_tokens=" + str(c.max_recv_tokens) +
                             " exceeds n_pes * max_tokens_per_rank = " + str(worst) +
@@ -158,6 +176,7 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.off_data_flag = take(n * 8);
   g.off_combine_flag = take(n * 8);
   g.off_freed_flag = take(n * 8);
+  g.off_entered = take(n * 8);
   g.off_local = take(kLocalWords * 8);
   g.off_count_rows = take(2 * n * g.count_words * 8);  // device: two sets, by parity
   g.off_send_prefix = take(std::max(n, static_cast<size_t>(c.num_experts)) * 8);

@@ -32,6 +32,10 @@ struct Config {
   Layout layout = Layout::TokenMajor;
   int32_t max_recv_tokens = 0;  // token-major receive bound; 0: n_pes * max_tokens
   int32_t expert_capacity = 0;  // expert-major rows per local expert; 0: n_pes * max_tokens
+  // Token-major rows in fixed slots (layout "token_slots"): the row of token
+  // t of PE s lies at row s * max_tokens + t of each destination, so no PE
+  // waits for another's counts before its rows leave.
+  bool token_slots = false;
 };
 
 // Error codes a PE publishes with its routing counts, so that every PE
@@ -57,6 +61,7 @@ struct Geometry {
   int64_t expert_cap = 0;      // rows per local expert (expert-major)
   int64_t combine_rows = 0;    // rows of the combine buffer
   int32_t send_cols = 0;       // columns of the send-row table: n_pes or topk
+  int32_t slot_words = 0;      // token_slots: int32 words of one source's slot bits
   // Combine buffers (and statuses): two sets, used by call parity, let the
   // SM-driven combine skip waiting for its sources to consume the previous
   // call's rows (cuda); the cpu backend and the copy engine use set 0.
@@ -70,6 +75,7 @@ struct Geometry {
   size_t off_data_flag = 0;     // [n] dispatch rows from PE i have landed
   size_t off_combine_flag = 0;  // [n] combine rows from PE i have landed
   size_t off_freed_flag = 0;    // [n] PE i has consumed its combine buffer
+  size_t off_entered = 0;       // [n] device, token_slots: the last dispatch PE i started
   size_t off_local = 0;         // [kLocalWords] this PE's own epochs, counters, error word
   // Routing-count rows [n][count_words]: int32 on the cpu backend; on the
   // device, two sets (by call parity) of uint64 words (epoch << 32 | value)
@@ -124,6 +130,7 @@ enum LocalWord : int {
   kMetaHelp = 9,       // dispatch: [kMetaHelpers] helpers' decisions (cuda, epoch-tagged)
   kSendNext = 16,      // combine: [2] senders' next unit, by call parity (cuda)
   kReduceNext = 18,    // combine: [2] reducers' next unit, by call parity (cuda)
+  kSlotsDone = 20,     // token_slots dispatch: outputs written, 1 if aborted (cuda, epoch-tagged)
   kLocalWords = 24
 };
 // Blocks that may help dispatch's last block copy the metadata (cuda).
@@ -141,7 +148,14 @@ constexpr int kMaxPieces = 8;
 // s's combine buffer, [4s+1] = rows from s, [4s+2] = first receive row from
 // s (token-major), [4s+3] = first row of this PE's combine buffer for its
 // rows to s; then [4n + l] = rows of local expert l; [4n + L] = total.
-inline int64_t summary_words(int n_pes, int local_experts) {
+// token_slots: rows from s are its slots (rows [s * M, (s + 1) * M), M =
+// max_tokens), [4n + L] is their extent n * M, and [4n + L + 4 + s * W + i]
+// (W = slot_words) holds bits 32 i .. 32 i + 31 of "token t of s is here".
+inline int64_t summary_words(int n_pes, int local_experts, int slot_words) {
+  return 4 * static_cast<int64_t>(n_pes) + local_experts + 4 +
+         static_cast<int64_t>(n_pes) * slot_words;
+}
+constexpr int64_t slot_bits_at(int n_pes, int local_experts) {
   return 4 * static_cast<int64_t>(n_pes) + local_experts + 4;
 }
 
@@ -149,8 +163,10 @@ inline int64_t summary_words(int n_pes, int local_experts) {
 enum MetaField : int { kMetaSrcPe = 0, kMetaToken = 1, kMetaSlot = 2, kMetaCombineRow = 3 };
 constexpr int kMetaWords = 4;
 
-// Layout of a routing-count row: [status, detail, dest_count[n], expert_count[E]].
+// Layout of a routing-count row: [status, detail, dest_count[n], expert_count[E]],
+// then (token_slots) slot bits [n][slot_words]: which tokens go to each PE.
 constexpr int kCountStatus = 0, kCountDetail = 1, kCountDest = 2;
+constexpr int count_bits_at(int n_pes, int num_experts) { return kCountDest + n_pes + num_experts; }
 
 void validate_config(const Config& c);
 Geometry make_geometry(const Config& c, int n_pes);

@@ -13,6 +13,10 @@
 //   4. set data_flag[s] = e on every PE and wait for all of them. Waiting for
 //      count rows also proves each peer left its previous dispatch, so
 //      nothing a peer still reads is overwritten.
+//   token_slots: token t's row goes to row s * max_tokens + t of each of its
+//   destinations, and the slots it does not fill there are marked empty; the
+//   count row also carries, per destination, a bit per token sent there.
+//   (The CUDA kernel sends its rows before the counts; the results agree.)
 //
 // combine #e on PE d
 //   1. wait until each PE freed its combine buffer of #e-1 (freed_flag);
@@ -109,6 +113,10 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
   row[kCountDetail] = static_cast<int32_t>(r.detail);
   std::memcpy(&row[kCountDest], r.dest_count.data(), n * 4);
   std::memcpy(&row[kCountDest + n], r.expert_count.data(), c.num_experts * 4);
+  const int W = g.slot_words, bits_at = count_bits_at(n, c.num_experts);
+  for (int64_t t = 0; c.token_slots && t < T; ++t)
+    for (int d = 0; d < n; ++d)
+      if (r.pos[t * n + d] >= 0) row[bits_at + d * W + t / 32] |= int32_t(1u << (t % 32));
   for (int p = 0; p < n; ++p) {
     std::memcpy(at<int32_t>(s, op, p, g.off_count_rows) + me * g.count_words, row.data(),
                 row.size() * 4);
@@ -155,7 +163,7 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
   // 3. Rows straight into their destination's receive buffer.
   const char* x = static_cast<const char*>(a.x);
   const char* scales = static_cast<const char*>(a.scales);
-  if (abort.empty() && T > 0) {
+  if (abort.empty() && (T > 0 || c.token_slots)) {  // (token_slots: empty slots too)
     auto put_row = [&](int d, int64_t dst_row, int64_t t) {
       std::memcpy(at<char>(s, op, d, g.off_recv_x) + dst_row * g.row_bytes, x + t * g.row_bytes,
                   g.row_bytes);
@@ -167,11 +175,18 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
       std::vector<int64_t> base(n, 0);  // first row of this PE's rows on each destination
       for (int d = 0; d < n; ++d)
         for (int q = 0; q < me; ++q) base[d] += cell(q, kCountDest + d);
-      for (int64_t t = 0; t < T; ++t)
+      const int64_t cap = c.max_tokens;  // token_slots: slots per source
+      for (int64_t t = 0; t < (c.token_slots ? cap : T); ++t)
         for (int d = 0; d < n; ++d) {
-          int32_t p = r.pos[t * n + d];
+          int32_t p = t < T ? r.pos[t * n + d] : -1;
+          if (p < 0 && c.token_slots) {  // an empty slot: no source, no experts
+            int64_t slot = me * cap + t;
+            std::fill_n(at<int32_t>(s, op, d, g.off_recv_idx) + slot * K, K, -1);
+            std::fill_n(at<float>(s, op, d, g.off_recv_w) + slot * K, K, 0.0f);
+            std::fill_n(at<int32_t>(s, op, d, g.off_recv_meta) + slot * kMetaWords, kMetaWords, -1);
+          }
           if (p < 0) continue;
-          int64_t dst = base[d] + p;
+          int64_t dst = c.token_slots ? me * cap + t : base[d] + p;
           put_row(d, dst, t);
           int32_t* idx = at<int32_t>(s, op, d, g.off_recv_idx) + dst * K;
           float* w = at<float>(s, op, d, g.off_recv_w) + dst * K;
@@ -185,7 +200,8 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
           meta[kMetaSrcPe] = me;
           meta[kMetaToken] = static_cast<int32_t>(t);
           meta[kMetaSlot] = -1;
-          meta[kMetaCombineRow] = r.send_rows[t * n + d];
+          meta[kMetaCombineRow] = c.token_slots ? static_cast<int32_t>(d * cap + t)
+                                                : r.send_rows[t * n + d];
         }
     } else {
       std::vector<int64_t> base(c.num_experts, 0);  // this PE's first row in each expert's run
@@ -238,7 +254,7 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
     else std::fill(out, out + kMetaWords, -1);
   }
   int32_t* summary = a.recv_summary;
-  std::fill(summary, summary + summary_words(n, L), 0);
+  std::fill(summary, summary + summary_words(n, L, g.slot_words), 0);
   for (int q = 0; q < n; ++q) {
     int64_t range_start = 0, rows_from_q = 0, first_row = 0;
     if (token_major) {
@@ -261,6 +277,19 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
   const size_t table = static_cast<size_t>(c.max_tokens) * g.send_cols;
   std::fill(a.send_rows, a.send_rows + table, -1);
   std::memcpy(a.send_rows, r.send_rows.data(), r.send_rows.size() * 4);
+  if (c.token_slots) {  // every source's slots, and which of them hold a row
+    const int32_t cap = c.max_tokens;
+    for (int q = 0; q < n; ++q) {
+      summary[4 * q] = me * cap;
+      summary[4 * q + 1] = cap;
+      summary[4 * q + 2] = q * cap;
+      summary[4 * q + 3] = q * cap;
+      for (int i = 0; i < W; ++i) summary[slot_bits_at(n, L) + q * W + i] = cell(q, bits_at + me * W + i);
+    }
+    summary[4 * n + L] = n * cap;
+    for (size_t i = 0; i < r.send_rows.size(); ++i)
+      if (a.send_rows[i] >= 0) a.send_rows[i] = static_cast<int32_t>(i % n) * cap + int32_t(i / n);
+  }
   if (a.saved_weights && T > 0)
     std::memcpy(a.saved_weights, a.topk_weights, static_cast<size_t>(T) * K * 4);
   return num_recv;
@@ -305,9 +334,14 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
     // Source q's k-th row here is its combine row summary[4q] + k (its rows
     // to this PE, in token order).
     const int32_t* summary = a.recv_summary;
+    const int32_t* bits = summary + slot_bits_at(n, g.local_experts);
+    auto filled = [&](int q, int64_t k) {  // token_slots: slot k of q holds a row
+      return k < c.max_tokens && ((bits[q * g.slot_words + k / 32] >> (k % 32)) & 1);
+    };
     for (int q = 0; q < n && status == kOk; ++q)
       for (int64_t k = 0; k < summary[4 * q + 1] && status == kOk; ++k)
-        send_back(summary[4 * q + 2] + k, q, static_cast<int64_t>(summary[4 * q]) + k);
+        if (!c.token_slots || filled(q, k))
+          send_back(summary[4 * q + 2] + k, q, static_cast<int64_t>(summary[4 * q]) + k);
   } else if (status == kOk) {
     for (int64_t r = 0; r < g.recv_rows && status == kOk; ++r) {
       const int32_t* meta = a.recv_meta + r * kMetaWords;

@@ -79,15 +79,28 @@ class DeviceDriver final : public DeviceImpl {
     auto launch = [&](auto kernel) {
       rt_.launch_early(kernel, blocks, kernels::kThreads, shared, a.stream, p);
     };
-    switch (kernels::dispatch_path(p)) {
-      case kernels::kSmallTokenMajor:
-        launch(kernels::dispatch_kernel<kernels::kSmallTokenMajor>);
-        break;
-      case kernels::kLargeTokenMajor:
-        launch(kernels::dispatch_kernel<kernels::kLargeTokenMajor>);
-        break;
-      default:
-        launch(kernels::dispatch_kernel<kernels::kAnyDispatch>);
+    if (op.cfg.token_slots) {
+      // counts per expert and destination, base and prefix (make_plan), slot
+      // bits, the block's sent bits, scratch (ids as int16; the count words' cache)
+      const size_t sent_words =
+          (static_cast<size_t>(p.tokens_per_block) * g.send_cols + 31) / 32;
+      const size_t slots_shared =
+          (static_cast<size_t>(op.cfg.num_experts) + 3 * n + n * g.slot_words + sent_words +
+           std::max(4 * static_cast<size_t>(kernels::kThreads), n * (kCountDest + n))) *
+          sizeof(int32_t);
+      rt_.launch_early(kernels::dispatch_slots_kernel, blocks, kernels::kThreads, slots_shared,
+                       a.stream, p);
+    } else {
+      switch (kernels::dispatch_path(p)) {
+        case kernels::kSmallTokenMajor:
+          launch(kernels::dispatch_kernel<kernels::kSmallTokenMajor>);
+          break;
+        case kernels::kLargeTokenMajor:
+          launch(kernels::dispatch_kernel<kernels::kLargeTokenMajor>);
+          break;
+        default:
+          launch(kernels::dispatch_kernel<kernels::kAnyDispatch>);
+      }
     }
     if (!ce) {
       if (g.padded_output) {
@@ -307,10 +320,11 @@ class DeviceDriver final : public DeviceImpl {
                        std::to_string(op.my_pe) + " failed: ";
     if (status == kPeerTimeout) {
       static const char* const kinds[] = {"", "routing counts", "dispatch rows",
-                                          "its combine buffer to be freed", "combine rows"};
+                                          "its combine buffer to be freed", "combine rows",
+                                          "the same dispatch to start there"};
       const int32_t kind = h[kernels::kHostWait];
       std::string waited;
-      if (kind > 0 && kind < 5)
+      if (kind > 0 && kind < 6)
         waited = " (" + std::string(kinds[kind]) + ": its flag here read " +
                  std::to_string(h[kernels::kHostSeen]) + ", waited for " +
                  std::to_string(h[kernels::kHostTarget]) + ")";
