@@ -39,6 +39,18 @@ from ._rma import (
 
 __version__ = "0.1.0"
 
+
+def get_include() -> str:
+    """The folder to put on a compiler's include path for ``#include <symheap/device.cuh>``
+    (and the public C++ headers): installed with the package, else the source tree's."""
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(here, "include"),
+                      os.path.join(here, os.pardir, os.pardir, "include")):
+        if os.path.isfile(os.path.join(candidate, "symheap", "device.cuh")):
+            return os.path.normpath(candidate)
+    raise FileNotFoundError(f"symheap's headers are not installed next to {here}")
+
 __all__ = [
     "SymheapError", "UnsupportedError", "SymBuffer",
     "get_unique_id", "init", "init_torch", "init_mpi", "finalize", "is_initialized",
@@ -47,5 +59,5 @@ __all__ = [
     "malloc", "free", "empty", "peer_tensor", "heap_usage",
     "put", "get", "put_signal", "signal_op", "signal_wait_until",
     "atomic_fetch_add", "atomic_compare_swap", "atomic_swap", "quiet", "fence", "barrier_all",
-    "device_context", "device_context_dtype",
+    "device_context", "device_context_dtype", "get_include",
 ]

@@ -58,5 +58,10 @@ PYBIND11_MODULE(_core, m) {
 #else
   m.attr("built_with_cuda") = false;
 #endif
+#ifdef SYMHEAP_WITH_XLA_FFI
+  m.attr("built_with_xla_ffi") = true;
+#else
+  m.attr("built_with_xla_ffi") = false;
+#endif
   symheap::bindings::bind_all(m);
 }
