@@ -132,6 +132,13 @@ class Runtime {
   DeviceCaches& device_caches(int device);
   std::vector<int> active_devices();
 
+  // Devices as XLA numbers them (its DeviceOrdinal: the local GPU ordinal on
+  // CUDA, the JAX device id on cpu, global across processes) -> local device
+  // slot. Set by the JAX front end at init; an entry goes with its PE.
+  void map_xla_device(int ordinal, int device);
+  void unmap_xla_device(int ordinal);
+  int device_of_xla(int ordinal);  // -1 when no PE of this process serves it
+
  private:
   Runtime() = default;
   std::mutex mu_;
@@ -139,6 +146,7 @@ class Runtime {
   std::unordered_map<int, std::shared_ptr<PeState>> slots_;
   std::map<std::pair<uint64_t, int>, int> rank_to_device_;
   std::unordered_map<int, std::unique_ptr<DeviceCaches>> device_caches_;
+  std::unordered_map<int, int> xla_devices_;  // XLA device ordinal -> device slot
   uint64_t next_generation_ = 1;
 };
 

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <string>
 
 #include "symheap/errors.hpp"
@@ -228,6 +229,8 @@ void Runtime::destroy_pe(int device) {
     state = it->second;
     slots_.erase(it);
     rank_to_device_.erase({state->job, state->my_pe});
+    for (auto x = xla_devices_.begin(); x != xla_devices_.end();)
+      x = x->second == device ? xla_devices_.erase(x) : std::next(x);
   }
   if (state->heap && backend_) backend_->unexport(state->heap->export_handle);
   state->peers.clear();  // drops peer mappings held by this PE
@@ -275,6 +278,25 @@ std::vector<int> Runtime::active_devices() {
   std::vector<int> out;
   for (auto& kv : slots_) out.push_back(kv.first);
   return out;
+}
+
+void Runtime::map_xla_device(int ordinal, int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!slots_.count(device))
+    throw StateError("XLA device " + std::to_string(ordinal) + ": device slot " +
+                     std::to_string(device) + " hosts no PE");
+  xla_devices_[ordinal] = device;
+}
+
+void Runtime::unmap_xla_device(int ordinal) {
+  std::lock_guard<std::mutex> lock(mu_);
+  xla_devices_.erase(ordinal);
+}
+
+int Runtime::device_of_xla(int ordinal) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = xla_devices_.find(ordinal);
+  return it == xla_devices_.end() ? -1 : it->second;
 }
 
 // ---------------------------------------------------------------- DeviceGuard
