@@ -302,3 +302,16 @@ def collective_check(pe: PE, tag: str, value) -> list:
         raise ValueError(f"collective {tag} called with different arguments on different PEs "
                          f"({detail}); every PE must pass the same values")
     return values
+
+
+def release_local(device: int) -> None:
+    """Drops this process's PE on ``device`` without a collective (after a
+    collective init failed part-way); nothing if the device hosts none."""
+    with _pes_lock:
+        pe = _pes.pop(device, None)
+    if pe is None:
+        return
+    for buf in list(pe.buffers.values()):
+        buf._invalidate()
+    _core.destroy_pe(device)
+    pe.bootstrap.close()

@@ -391,3 +391,87 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
 }
 
 }  // namespace symheap::ep
+
+// redispatch #e on PE s (shares combine's epochs and combine buffers)
+//   1. wait until every PE is done with the combine buffers of #e-1;
+//   2. store each token's row into this PE's own combine buffer at every row
+//      the dispatch chose for it; set combine_flag[s] = e everywhere;
+//   3. wait for every PE, then pull each received row from its source's
+//      combine buffer (the row combine would have sent back); set freed_flag.
+namespace symheap::ep {
+
+void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
+  const Config& c = op.cfg;
+  const Geometry& g = op.geo;
+  const int n = op.n_pes, me = op.my_pe, K = c.topk;
+  const bool token_major = c.layout == Layout::TokenMajor;
+  const uint64_t epoch = ++op.combine_epoch;
+  const std::string call = "ep redispatch #" + std::to_string(epoch);
+  const size_t crb = g.combine_row_bytes;
+  int32_t status = a.status;
+  if (status == kOk && (a.num_tokens < 0 || a.num_tokens > c.max_tokens)) status = kBadArgument;
+  const int cols = token_major ? n : K;
+  for (int64_t t = 0; status == kOk && t < a.num_tokens; ++t)
+    for (int j = 0; j < cols; ++j) {
+      int32_t row = a.send_rows[t * g.send_cols + j];
+      if (row >= g.combine_rows || row < -1) status = kBadArgument;
+    }
+  // (received row, source, source's combine row) of every row that landed here.
+  struct Pull { int64_t row; int src; int64_t crow; };
+  std::vector<Pull> pulls;
+  if (status == kOk && token_major) {
+    const int32_t* summary = a.recv_summary;
+    const int32_t* bits = summary + slot_bits_at(n, g.local_experts);
+    for (int q = 0; q < n; ++q)
+      for (int64_t k = 0; k < summary[4 * q + 1]; ++k)
+        if (!c.token_slots ||
+            (k < c.max_tokens && ((bits[q * g.slot_words + k / 32] >> (k % 32)) & 1)))
+          pulls.push_back({summary[4 * q + 2] + k, q, static_cast<int64_t>(summary[4 * q]) + k});
+  } else if (status == kOk) {
+    for (int64_t r = 0; r < g.recv_rows; ++r) {
+      const int32_t* meta = a.recv_meta + r * kMetaWords;
+      if (meta[kMetaSrcPe] >= 0) pulls.push_back({r, meta[kMetaSrcPe], meta[kMetaCombineRow]});
+    }
+  }
+  for (const Pull& p : pulls)
+    if (p.row < 0 || p.row >= g.recv_rows || p.src < 0 || p.src >= n || p.crow < 0 ||
+        p.crow >= g.combine_rows)
+      status = kBadArgument;  // an edited handle
+
+  // 1-2. This PE's rows into its own combine buffer.
+  wait_all(op, at<uint64_t>(s, op, me, g.off_freed_flag), epoch - 1, call,
+           "the previous combine to finish");
+  char* mine = at<char>(s, op, me, g.off_combine_buf);
+  const char* rows = static_cast<const char*>(a.rows);
+  for (int64_t t = 0; status == kOk && t < a.num_tokens; ++t)
+    for (int j = 0; j < cols; ++j) {
+      int32_t row = a.send_rows[t * g.send_cols + j];
+      if (row >= 0) std::memcpy(mine + row * crb, rows + t * crb, crb);
+    }
+  for (int p = 0; p < n; ++p) {
+    at<int32_t>(s, op, p, g.off_combine_status)[me] = status;
+    store_flag(at<uint64_t>(s, op, p, g.off_combine_flag) + me, epoch);
+  }
+  wait_all(op, at<uint64_t>(s, op, me, g.off_combine_flag), epoch, call, "redispatched rows");
+  std::string abort;
+  const int32_t* statuses = at<int32_t>(s, op, me, g.off_combine_status);
+  for (int q = 0; q < n; ++q)
+    if (statuses[q] != kOk)
+      abort += (abort.empty() ? "PE " : "; PE ") + std::to_string(q) +
+               " passed an invalid argument to redispatch";
+  // 3. Pull every received row from its source.
+  if (abort.empty()) {
+    std::memset(a.out, 0, static_cast<size_t>(g.recv_rows) * crb);
+    for (const Pull& p : pulls)
+      std::memcpy(static_cast<char*>(a.out) + p.row * crb,
+                  at<char>(s, op, p.src, g.off_combine_buf) + p.crow * crb, crb);
+  }
+  for (int p = 0; p < n; ++p) store_flag(at<uint64_t>(s, op, p, g.off_freed_flag) + me, epoch);
+  if (!abort.empty()) {
+    std::string msg = call + " aborted on every PE: " + abort;
+    if (status != kOk) throw InvalidArgument(msg);
+    throw StateError(msg);
+  }
+}
+
+}  // namespace symheap::ep

@@ -123,6 +123,14 @@ void combine(PeState& s, Op& op, const CombineArgs& a) {
   combine_cpu(s, op, a);
 }
 
+void redispatch(PeState& s, Op& op, const RedispatchArgs& a) {
+  std::lock_guard<std::mutex> lock(op.mu);
+  if (op.impl)
+    throw Unsupported("ep redispatch (the gradient of combine through a dispatch's handle) is "
+                      "implemented on the cpu backend only; the device kernels lack it");
+  redispatch_cpu(s, op, a);
+}
+
 void check(PeState& s, Op& op, StreamHandle stream, bool sync) {
   std::lock_guard<std::mutex> lock(op.mu);
   if (!op.impl) return;

@@ -55,6 +55,20 @@ struct CombineArgs {
   StreamHandle stream = 0;
 };
 
+// Sends token rows to where an earlier dispatch placed that token's rows,
+// through that dispatch's handle: no new routing. The reverse of combine
+// (the gradient of combine, and of expert-major dispatch's rows).
+struct RedispatchArgs {
+  const void* rows = nullptr;        // [num_tokens, hidden] of the combine dtype
+  int64_t num_tokens = 0;            // the dispatch's token count
+  const int32_t* send_rows = nullptr;
+  const int32_t* recv_meta = nullptr;     // expert-major
+  const int32_t* recv_summary = nullptr;
+  void* out = nullptr;  // [recv_rows, hidden] of the combine dtype; rows nothing landed in are zeroed
+  int32_t status = kOk;
+  StreamHandle stream = 0;
+};
+
 // One dispatch/combine instance on one PE.
 struct Op {
   int64_t id = 0;
@@ -86,6 +100,9 @@ std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeS
 // intranode without max_recv_tokens); -1 when only the device knows.
 int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a);
 void combine(PeState& s, Op& op, const CombineArgs& a);
+// Collective like combine, and shares its buffers and epochs. The cpu
+// implementation only (the device kernels raise Unsupported).
+void redispatch(PeState& s, Op& op, const RedispatchArgs& a);
 // Raises the first error a device-side call recorded (cuda); nothing on cpu.
 // With sync, waits for the stream first.
 void check(PeState& s, Op& op, StreamHandle stream, bool sync);
@@ -93,6 +110,7 @@ void check(PeState& s, Op& op, StreamHandle stream, bool sync);
 // The cpu implementation (the device one is in ep_device.hpp).
 int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a);
 void combine_cpu(PeState& s, Op& op, const CombineArgs& a);
+void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a);
 
 // Address of `offset` within PE pe's copy of the workspace, as the host sees
 // it (a device address on cuda: usable by copies and kernels, not by the host).
