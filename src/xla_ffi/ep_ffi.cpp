@@ -234,7 +234,8 @@ void combine(void* stream, int32_t ordinal, uint64_t job, int64_t id,
   if (!problem.empty()) throw InvalidArgument(problem);
 }
 
-// Operands: rows [num_tokens, hidden], send_rows, recv_meta, summary.
+// Operands: rows [num_tokens, hidden], send_rows, recv_meta, summary, then one that
+// only orders the call (combine's result: the gradient runs after the forward).
 // Result: the received rows' shape (recv_x of dispatch) in the combine dtype.
 void redispatch(void* stream, int32_t ordinal, uint64_t job, int64_t id,
                 const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {

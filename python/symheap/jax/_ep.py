@@ -287,13 +287,15 @@ class EpDispatchCombine:
             handle.weights if em else empty_f, **self._attrs())
         return out
 
-    def _redispatch_call(self, rows, handle: EpHandle):
+    def _redispatch_call(self, rows, handle: EpHandle, after):
+        """``after`` (unread by the handler) orders this collective call after the
+        one that produced it, the same way on every PE."""
         import jax.numpy as jnp
         cfg, em = self.config, self._em()
         empty_i = jnp.zeros((0,), jnp.int32)
         (out,) = ffi_call("symheap_ep_redispatch",
                           ((self._rows() + (cfg.hidden,), cfg.combine_dtype),))(
-            rows, handle.send_rows, handle.recv_meta if em else empty_i, handle.summary,
+            rows, handle.send_rows, handle.recv_meta if em else empty_i, handle.summary, after,
             **self._attrs())
         return out
 
@@ -366,10 +368,12 @@ def _make_combine_vjp(op: EpDispatchCombine):
         return op._combine_call(expert_out, handle)
 
     def fwd(expert_out, handle):
-        return op._combine_call(expert_out, handle), handle
+        out = op._combine_call(expert_out, handle)
+        return out, (handle, out)
 
-    def bwd(handle, g):
-        rows = op._redispatch_call(g.astype(op.config.combine_dtype), handle)
+    def bwd(res, g):
+        handle, out = res
+        rows = op._redispatch_call(g.astype(op.config.combine_dtype), handle, out)
         if op._em():  # the row's share was weighted by its top-k weight
             geo = op._geo
             valid = handle.recv_meta[:, 0].reshape(geo["local_experts"], geo["expert_cap"]) >= 0

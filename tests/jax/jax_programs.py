@@ -1,0 +1,198 @@
+"""Programs of the symheap.jax tests, each run in its own process so that
+XLA_FLAGS (the number of cpu devices) applies: python jax_programs.py NAME JSON.
+Prints "OK <detail>" on success; any failure is an exception (non-zero exit)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import symheap.jax as shj  # noqa: E402
+from symheap.ep import EpConfig  # noqa: E402
+
+import jax_ep_reference as ref  # noqa: E402
+
+HEAP = "32M"
+
+
+def shard_map(f, mesh, in_specs, out_specs):
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+    from jax.experimental.shard_map import shard_map as sm
+    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def on_threads(fn, n):
+    """fn(i) on one thread per device; re-raises the first failure."""
+    results, errors = [None] * n, [None] * n
+
+    def run(i):
+        try:
+            results[i] = fn(i)
+        except BaseException as e:
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a device thread hung"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+# ------------------------------------------------------------ EP step
+
+def expert(cfg: EpConfig, n_pes: int, d):
+    """The test's experts: local expert l scales its rows by 1 + l / 4; token-major rows
+    come back already weighted by the token's local top-k weights."""
+    L = cfg.num_experts // n_pes
+    x = d.x.astype(jnp.float32)
+    f = 1.0 + jnp.arange(L, dtype=jnp.float32) / 4.0
+    if cfg.layout == "expert_major":
+        y = x * f[:, None, None]
+    else:
+        coef = jnp.sum(jnp.where(d.topk_idx >= 0,
+                                 d.topk_weights * f[jnp.maximum(d.topk_idx, 0)], 0.0), axis=1)
+        y = x * coef[:, None]
+    return y.astype(cfg.combine_dtype)
+
+
+def make_step(op, cfg, n_pes):
+    """dispatch -> experts -> combine, and d(sum(out * r))/dx through both custom_vjps."""
+    def step(x, idx, w, r):
+        def loss(x):
+            d = op.dispatch(x, idx, w)
+            out = op.combine(expert(cfg, n_pes, d), d.handle)
+            return jnp.sum(out.astype(jnp.float32) * r), (d, out)
+        (_, (d, out)), gx = jax.value_and_grad(loss, has_aux=True)(x)
+        fields = dict(x=d.x, topk_idx=d.topk_idx, topk_weights=d.topk_weights,
+                      num_recv_tokens=d.num_recv_tokens, src_info=d.src_info,
+                      expert_counts=d.expert_counts)
+        return {k: v for k, v in fields.items() if v is not None}, out, gx
+    return step
+
+
+def pe_inputs(cfg, n_pes, seed):
+    inputs = [ref.make_inputs(cfg, n_pes, s, seed) for s in range(n_pes)]
+    dt = jnp.dtype(cfg.dtype)
+    xs = [jnp.asarray(x, dt) for x, _, _ in inputs]
+    rs = [np.random.default_rng([seed, 99, s]).standard_normal(
+        (cfg.max_tokens_per_rank, cfg.hidden), dtype=np.float32) for s in range(n_pes)]
+    return inputs, xs, rs
+
+
+def check_pe(cfg, n_pes, me, inputs, xs, rs, d, out, gx):
+    xs_cast = [ref.to_f32(x) for x in xs]
+    ref.check_dispatch(cfg, n_pes, me, inputs, {k: np.asarray(v) for k, v in d.items()}, xs_cast)
+    want, factor = ref.combine_reference(cfg, n_pes, inputs[me], xs_cast[me])
+    tol = 2e-2 if cfg.combine_dtype != "float32" else 1e-5
+    np.testing.assert_allclose(ref.to_f32(out), want, rtol=tol, atol=tol)
+    # single-PE reference of the gradient: out = x * factor per token
+    want_g = jax.grad(lambda x: jnp.sum(x * factor[:, None] * rs[me]))(jnp.asarray(xs_cast[me]))
+    np.testing.assert_allclose(ref.to_f32(gx), np.asarray(want_g), rtol=tol, atol=tol)
+
+
+CONFIGS = {
+    "token_slots": dict(layout="token_slots"),
+    "expert_major": dict(layout="expert_major"),
+    "low_latency": dict(kernel="low_latency"),
+    "intranode": dict(kernel="intranode", max_recv_tokens=None),  # max_recv_tokens set below
+}
+
+
+def config(n_pes, name, dtype="bfloat16", tokens=6):
+    kw = dict(CONFIGS[name])
+    if name == "intranode":
+        kw["max_recv_tokens"] = n_pes * tokens
+    return EpConfig(hidden=32, max_tokens_per_rank=tokens, num_experts=2 * n_pes, topk=3,
+                    dtype=dtype, **kw)
+
+
+# ------------------------------------------------------------ programs
+
+def threads(n, layouts, seed, iters=2):
+    """One Python thread per device, each jitting on its own device."""
+    devs = jax.devices()[:n]
+    shj.init(devs, heap_size=HEAP, timeout=20)
+    try:
+        for name in layouts:
+            cfg = config(n, name, dtype="float32" if name == "intranode" else "bfloat16")
+            op = shj.EpDispatchCombine(cfg)
+            step = jax.jit(make_step(op, cfg, n))
+            for it in range(iters):
+                inputs, xs, rs = pe_inputs(cfg, n, seed + it)
+
+                def run(i):
+                    put = lambda a: jax.device_put(a, devs[i])  # noqa: E731
+                    return step(put(xs[i]), put(inputs[i][1]), put(inputs[i][2]), put(rs[i]))
+
+                got = on_threads(run, n)
+                for i, (d, out, gx) in enumerate(got):
+                    check_pe(cfg, n, i, inputs, xs, rs, d, out, gx)
+            op.close()
+        tok = on_threads(lambda i: np.asarray(jax.jit(shj.barrier)(
+            jax.device_put(jnp.full((2,), i, jnp.int32), devs[i]))), n)
+        assert [t.tolist() for t in tok] == [[i, i] for i in range(n)]
+    finally:
+        shj.finalize()
+    print("OK threads", n, layouts)
+
+
+def stacked(per_pe):
+    return np.concatenate([np.asarray(a)[None] for a in per_pe])
+
+
+def shard_map_ep(n, layouts, seed):
+    """One jit over a mesh of every device in PE order, shard_map over the PE axis."""
+    shj.init(heap_size=HEAP, timeout=20)
+    try:
+        mesh = shj.make_mesh("pe")
+        for name in layouts:
+            cfg = config(n, name)
+            op = shj.EpDispatchCombine(cfg)
+            step = make_step(op, cfg, n)
+
+            def body(x, idx, w, r):
+                d, out, gx = step(x[0], idx[0], w[0], r[0])
+                return jax.tree_util.tree_map(lambda a: a[None], (d, out, gx))
+
+            f = jax.jit(shard_map(body, mesh, in_specs=P("pe"), out_specs=P("pe")))
+            inputs, xs, rs = pe_inputs(cfg, n, seed)
+            sh = NamedSharding(mesh, P("pe"))
+            args = [jax.device_put(stacked(a), sh) for a in
+                    (xs, [i[1] for i in inputs], [i[2] for i in inputs], rs)]
+            d, out, gx = f(*args)
+            for i in range(n):
+                check_pe(cfg, n, i, inputs, xs, rs, {k: v[i] for k, v in d.items()}, out[i], gx[i])
+            op.close()
+        # the barrier inside shard_map, on every device at once
+        tok = jax.jit(shard_map(lambda t: shj.barrier(t), mesh, P("pe"), P("pe")))(
+            jax.device_put(np.arange(n, dtype=np.int32), NamedSharding(mesh, P("pe"))))
+        assert np.asarray(tok).tolist() == list(range(n))
+    finally:
+        shj.finalize()
+    print("OK shard_map", n, layouts)
+
+
+PROGRAMS = {"threads": threads, "shard_map_ep": shard_map_ep}
+
+if __name__ == "__main__":
+    name, kwargs = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    t0 = time.time()
+    PROGRAMS[name](**kwargs)
+    print(f"took {time.time() - t0:.1f} s")
