@@ -26,11 +26,9 @@ HEAP = "32M"
 
 
 def shard_map(f, mesh, in_specs, out_specs):
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
-    from jax.experimental.shard_map import shard_map as sm
-    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+    """shj.shard_map (the mesh checked against PE order), replication checks off."""
+    check = {"check_vma": False} if hasattr(jax, "shard_map") else {"check_rep": False}
+    return shj.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **check)
 
 
 def on_threads(fn, n):
@@ -184,12 +182,170 @@ def shard_map_ep(n, layouts, seed):
         tok = jax.jit(shard_map(lambda t: shj.barrier(t), mesh, P("pe"), P("pe")))(
             jax.device_put(np.arange(n, dtype=np.int32), NamedSharding(mesh, P("pe"))))
         assert np.asarray(tok).tolist() == list(range(n))
+        # a mesh whose device order is not PE rank order is refused
+        from jax.sharding import Mesh
+        permuted = Mesh(np.array(mesh.devices[::-1]), ("pe",))
+        try:
+            shard_map(lambda t: shj.barrier(t), permuted, P("pe"), P("pe"))
+        except ValueError as e:
+            assert "not in PE rank order" in str(e), e
+        else:
+            raise AssertionError("a permuted mesh was accepted")
     finally:
         shj.finalize()
     print("OK shard_map", n, layouts)
 
 
 PROGRAMS = {"threads": threads, "shard_map_ep": shard_map_ep}
+
+
+
+def distributed(process_id, n_processes, port, seed, bad_config=False):
+    """jax.distributed on 127.0.0.1: every process's local devices become PEs; one
+    thread per local device and one shard_map over the global mesh."""
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n_processes,
+                               process_id=process_id, initialization_timeout=60)
+    shj.init(heap_size=HEAP, timeout=20)
+    try:
+        n, local = shj.num_pes(), jax.local_devices()
+        assert n == len(jax.devices()), (n, len(jax.devices()))
+        ranks = [shj.rank_of(d) for d in local]
+        assert ranks == list(range(process_id * len(local), (process_id + 1) * len(local))), ranks
+        if bad_config:  # process 1 disagrees on topk: every process must raise
+            cfg = config(n, "token_slots")
+            if process_id == 1:
+                cfg = EpConfig(**{**cfg.__dict__, "topk": 2})
+            try:
+                shj.EpDispatchCombine(cfg)
+            except ValueError as e:
+                assert "different arguments" in str(e), e
+                print("OK bad config raised:", str(e)[:80])
+                return
+            raise AssertionError("a mismatched EpConfig was accepted")
+        cfg = config(n, "expert_major")
+        op = shj.EpDispatchCombine(cfg)
+        step = jax.jit(make_step(op, cfg, n))
+        inputs, xs, rs = pe_inputs(cfg, n, seed)
+
+        def run(i):
+            put = lambda a: jax.device_put(a, local[i])  # noqa: E731
+            r = ranks[i]
+            return step(put(xs[r]), put(inputs[r][1]), put(inputs[r][2]), put(rs[r]))
+
+        for i, (d, out, gx) in enumerate(on_threads(run, len(local))):
+            check_pe(cfg, n, ranks[i], inputs, xs, rs, d, out, gx)
+        tok = on_threads(lambda i: np.asarray(jax.jit(shj.barrier)(
+            jax.device_put(jnp.zeros((1,), jnp.float32), local[i]))), len(local))
+        assert all(t.tolist() == [0.0] for t in tok)
+        op.close()
+    finally:
+        shj.finalize()
+    print("OK distributed", process_id, ranks)
+
+
+def failures(seed):
+    """Clean errors: bad shapes and dtypes at trace time, a bad handle inside the handler
+    (aborted on every PE), a closed op and a finalized runtime in cached executables,
+    and one thread driving every device (a timeout, not a hang)."""
+    n = 2
+    devs = jax.devices()[:n]
+    shj.init(devs, heap_size=HEAP, timeout=3)
+    cfg = config(n, "token_slots")
+    op = shj.EpDispatchCombine(cfg)
+    inputs, xs, rs = pe_inputs(cfg, n, seed)
+    x, idx, w = xs[0], inputs[0][1], inputs[0][2]
+
+    def raises(fn, exc, text):
+        try:
+            fn()
+        except exc as e:
+            assert text in str(e), f"{text!r} not in {e}"
+            return str(e)
+        raise AssertionError(f"no {exc.__name__} ({text})")
+
+    raises(lambda: op.dispatch(x[:, :16], idx, w), ValueError, "x must have shape")
+    raises(lambda: op.dispatch(x.astype(jnp.float32), idx, w), ValueError, "x must have dtype")
+    raises(lambda: op.dispatch(x, idx.astype(np.float32), w), ValueError, "topk_idx must have dtype")
+    raises(lambda: op.dispatch(x, idx[:, :2], w), ValueError, "topk_idx must have shape")
+    raises(lambda: op.dispatch(x, idx, w.astype(np.float16)), ValueError, "topk_weights must")
+    raises(lambda: op.dispatch(x, idx, w, scales=w), ValueError, "scale_dim=0")
+    big = jnp.zeros((cfg.max_tokens_per_rank + 1, cfg.hidden), jnp.bfloat16)
+    raises(lambda: op.dispatch(big, idx, w), ValueError, "max_tokens_per_rank")
+    raises(lambda: shj.EpDispatchCombine(EpConfig(hidden=32, max_tokens_per_rank=6,
+                                                  num_experts=4, topk=2)),
+           ValueError, "fixed shapes")
+    raises(lambda: shj.EpDispatchCombine(EpConfig(hidden=32, max_tokens_per_rank=6, num_experts=4,
+                                                  topk=2, kernel="copy_engine",
+                                                  layout="expert_major")),
+           ValueError, "copy_engine")
+
+    # PE 0 hands combine a handle whose summary has the wrong length: the handler
+    # refuses it and every PE's combine is aborted together (no hang).
+    errors = []
+
+    def run_bad(i):
+        try:
+            f = jax.jit(lambda x, idx, w: _combine_bad_body(op, i, x, idx, w))
+            jax.block_until_ready(f(jax.device_put(xs[i], devs[i]),
+                                    jax.device_put(inputs[i][1], devs[i]),
+                                    jax.device_put(inputs[i][2], devs[i])))
+        except Exception as e:
+            errors.append((i, str(e)))
+
+    on_threads(run_bad, n)
+    errors.sort()
+    assert len(errors) == 2, errors
+    assert "handle.summary must have shape" in errors[0][1], errors[0]
+    assert "aborted on every PE" in errors[1][1], errors[1]
+
+    # cached executables: a closed op, then a finalized runtime
+    step = jax.jit(make_step(op, cfg, n))
+    put = lambda i, a: jax.device_put(a, devs[i])  # noqa: E731
+    on_threads(lambda i: jax.block_until_ready(
+        step(put(i, xs[i]), put(i, inputs[i][1]), put(i, inputs[i][2]), put(i, rs[i]))), n)
+    op.close()
+    raises(lambda: op.dispatch(x, idx, w), Exception, "closed")
+    msg = raises(lambda: jax.block_until_ready(
+        step(put(0, xs[0]), put(0, inputs[0][1]), put(0, inputs[0][2]), put(0, rs[0]))),
+        Exception, "was closed")
+    op2 = shj.EpDispatchCombine(cfg)
+    step2 = jax.jit(make_step(op2, cfg, n))
+    on_threads(lambda i: jax.block_until_ready(
+        step2(put(i, xs[i]), put(i, inputs[i][1]), put(i, inputs[i][2]), put(i, rs[i]))), n)
+    bar = jax.jit(shj.barrier)
+    on_threads(lambda i: jax.block_until_ready(bar(put(i, jnp.zeros(1)))), n)
+    shj.finalize()
+    raises(lambda: jax.block_until_ready(
+        step2(put(0, xs[0]), put(0, inputs[0][1]), put(0, inputs[0][2]), put(0, rs[0]))),
+        Exception, "hosts no symheap PE")
+    raises(lambda: jax.block_until_ready(bar(put(0, jnp.zeros(1)))), Exception,
+           "hosts no symheap PE")
+    # init again: the old executable names an op of the earlier init
+    shj.init(devs, heap_size=HEAP, timeout=2)
+    raises(lambda: jax.block_until_ready(
+        step2(put(0, xs[0]), put(0, inputs[0][1]), put(0, inputs[0][2]), put(0, rs[0]))),
+        Exception, "earlier symheap.jax.init")
+    # one Python thread driving both devices: the first call waits for a PE nobody
+    # drives, and gives up with a timeout naming it
+    t0 = time.time()
+    msg = raises(lambda: [jax.block_until_ready(bar(put(i, jnp.zeros(1)))) for i in range(n)],
+                 Exception, "timed out")
+    assert time.time() - t0 < 30
+    print("OK failures;", msg[:120])
+    # PE 1 still sits in nothing; PE 0 gave up: finalize releases both
+    shj.finalize()
+
+
+def _combine_bad_body(op, i, x, idx, w):
+    d = op.dispatch(x, idx, w)
+    h = d.handle
+    if i == 0:
+        h = shj.EpHandle(h.send_rows, h.summary[:-1], op_key=h.op_key, num_tokens=h.num_tokens)
+    return op._combine_call(d.x, h)
+
+
+PROGRAMS.update(distributed=distributed, failures=failures)
+
 
 if __name__ == "__main__":
     name, kwargs = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}

@@ -12,9 +12,11 @@ See docs/jax.md.
 """
 from ._barrier import barrier
 from ._ep import DispatchOutput, EpDispatchCombine, EpHandle
-from ._runtime import finalize, init, is_initialized, make_mesh, num_pes, rank_of
+from ._runtime import (check_mesh, finalize, init, is_initialized, make_mesh, num_pes, rank_of,
+                       shard_map)
 
 # attention (flash_attn_func, flash_attn_varlen_func) is imported here.
 
-__all__ = ["init", "finalize", "is_initialized", "make_mesh", "num_pes", "rank_of", "barrier",
+__all__ = ["init", "finalize", "is_initialized", "make_mesh", "num_pes", "rank_of", "check_mesh",
+           "shard_map", "barrier",
            "EpDispatchCombine", "DispatchOutput", "EpHandle"]

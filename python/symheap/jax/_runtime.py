@@ -209,3 +209,35 @@ def num_pes() -> int:
 def rank_of(device) -> int:
     """The PE rank of a local JAX device."""
     return job().pe_of(device).rank
+
+
+def check_mesh(mesh, axis_name: str = "pe") -> None:
+    """Raises ValueError unless position i along ``axis_name`` of ``mesh`` holds
+    PE rank i (for every index of the other axes), so that
+    ``jax.lax.axis_index(axis_name)`` inside shard_map is the PE rank."""
+    import numpy as np
+    current = job()
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"mesh has no axis {axis_name!r} (axes: {mesh.axis_names})")
+    rank = {d: r for r, d in enumerate(current.mesh_devices)}
+    devices = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis_name), -1)
+    size = devices.shape[-1]
+    if size != current.world:
+        raise ValueError(f"mesh axis {axis_name!r} has {size} devices, but there are "
+                         f"{current.world} PEs")
+    for line in devices.reshape(-1, size):
+        got = [rank.get(d, -1) for d in line]
+        if got != list(range(size)):
+            raise ValueError(f"mesh axis {axis_name!r} lists the devices of PE ranks {got}, not "
+                             f"in PE rank order: build the mesh with symheap.jax.make_mesh() "
+                             f"(or order its devices by symheap.jax.rank_of)")
+
+
+def shard_map(f, *, mesh, in_specs, out_specs, axis_name: str = "pe", **kwargs):
+    """jax.shard_map over ``mesh`` after check_mesh(mesh, axis_name)."""
+    import jax
+    check_mesh(mesh, axis_name)
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
+    from jax.experimental.shard_map import shard_map as legacy
+    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)

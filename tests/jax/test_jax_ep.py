@@ -1,0 +1,83 @@
+"""symheap.jax on the cpu platform: each scenario runs jax_programs.py in its own
+process (XLA_FLAGS sets the device count there), with fresh random data."""
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jax")
+
+from symheap import _core  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not getattr(_core, "built_with_xla_ffi", False),
+                                reason="symheap was built without the XLA FFI handlers")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROGRAM = os.path.join(HERE, "jax_programs.py")
+ALL_LAYOUTS = ["token_slots", "expert_major", "low_latency", "intranode"]
+
+
+def env(devices: int) -> dict:
+    e = dict(os.environ)
+    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    e["SYMHEAP_BACKEND"] = "cpu"
+    e["JAX_PLATFORMS"] = "cpu"
+    e["PYTHONPATH"] = os.pathsep.join([os.path.dirname(_core.__file__) + "/..",
+                                       e.get("PYTHONPATH", "")])
+    return e
+
+
+def launch(name: str, devices: int, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, PROGRAM, name, json.dumps(kwargs)], env=env(devices),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out:\n{out[-4000:]}")
+    assert proc.returncode == 0 and "OK" in out, out[-6000:]
+    return out
+
+
+def seed() -> int:
+    return random.SystemRandom().randrange(1 << 30)
+
+
+@pytest.mark.parametrize("n,layouts", [(2, ALL_LAYOUTS), (4, ["expert_major", "intranode"]),
+                                       (8, ["token_slots"])])
+def test_one_thread_per_device(n, layouts):
+    finish(launch("threads", 8, n=n, layouts=layouts, seed=seed(), iters=2 if n < 8 else 1))
+
+
+def test_shard_map_eight_devices_and_permuted_mesh():
+    finish(launch("shard_map_ep", 8, n=8, layouts=["token_slots", "expert_major"], seed=seed()))
+
+
+def test_failures_are_clean_errors():
+    out = finish(launch("failures", 8, seed=seed()))
+    assert "timed out" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("bad_config", [False, True])
+def test_jax_distributed_two_processes(bad_config):
+    port, s = _free_port(), seed()
+    procs = [launch("distributed", 4, process_id=p, n_processes=2, port=port, seed=s,
+                    bad_config=bad_config) for p in range(2)]
+    outs = [finish(p) for p in procs]
+    if not bad_config:
+        assert "OK distributed 0 [0, 1, 2, 3]" in outs[0]
+        assert "OK distributed 1 [4, 5, 6, 7]" in outs[1]
