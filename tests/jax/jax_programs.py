@@ -70,14 +70,18 @@ def expert(cfg: EpConfig, n_pes: int, d):
     return y.astype(cfg.combine_dtype)
 
 
-def make_step(op, cfg, n_pes):
-    """dispatch -> experts -> combine, and d(sum(out * r))/dx through both custom_vjps."""
+def make_step(op, cfg, n_pes, grad=True):
+    """dispatch -> experts -> combine, and d(sum(out * r))/dx through both custom_vjps
+    (grad=False: the forward only, gx None)."""
     def step(x, idx, w, r):
         def loss(x):
             d = op.dispatch(x, idx, w)
             out = op.combine(expert(cfg, n_pes, d), d.handle)
             return jnp.sum(out.astype(jnp.float32) * r), (d, out)
-        (_, (d, out)), gx = jax.value_and_grad(loss, has_aux=True)(x)
+        if grad:
+            (_, (d, out)), gx = jax.value_and_grad(loss, has_aux=True)(x)
+        else:
+            (_, (d, out)), gx = loss(x), None
         fields = dict(x=d.x, topk_idx=d.topk_idx, topk_weights=d.topk_weights,
                       num_recv_tokens=d.num_recv_tokens, src_info=d.src_info,
                       expert_counts=d.expert_counts)
@@ -100,6 +104,8 @@ def check_pe(cfg, n_pes, me, inputs, xs, rs, d, out, gx):
     want, factor = ref.combine_reference(cfg, n_pes, inputs[me], xs_cast[me])
     tol = 2e-2 if cfg.combine_dtype != "float32" else 1e-5
     np.testing.assert_allclose(ref.to_f32(out), want, rtol=tol, atol=tol)
+    if gx is None:
+        return
     # single-PE reference of the gradient: out = x * factor per token
     want_g = jax.grad(lambda x: jnp.sum(x * factor[:, None] * rs[me]))(jnp.asarray(xs_cast[me]))
     np.testing.assert_allclose(ref.to_f32(gx), np.asarray(want_g), rtol=tol, atol=tol)
@@ -123,7 +129,7 @@ def config(n_pes, name, dtype="bfloat16", tokens=6):
 
 # ------------------------------------------------------------ programs
 
-def threads(n, layouts, seed, iters=2):
+def threads(n, layouts, seed, iters=2, grad=True):
     """One Python thread per device, each jitting on its own device."""
     devs = jax.devices()[:n]
     shj.init(devs, heap_size=HEAP, timeout=20)
@@ -131,7 +137,7 @@ def threads(n, layouts, seed, iters=2):
         for name in layouts:
             cfg = config(n, name, dtype="float32" if name == "intranode" else "bfloat16")
             op = shj.EpDispatchCombine(cfg)
-            step = jax.jit(make_step(op, cfg, n))
+            step = jax.jit(make_step(op, cfg, n, grad))
             for it in range(iters):
                 inputs, xs, rs = pe_inputs(cfg, n, seed + it)
 
@@ -155,19 +161,19 @@ def stacked(per_pe):
     return np.concatenate([np.asarray(a)[None] for a in per_pe])
 
 
-def shard_map_ep(n, layouts, seed):
-    """One jit over a mesh of every device in PE order, shard_map over the PE axis."""
-    shj.init(heap_size=HEAP, timeout=20)
+def shard_map_ep(n, layouts, seed, grad=True):
+    """One jit over a mesh of the first n devices in PE order, shard_map over the PE axis."""
+    shj.init(jax.devices()[:n], heap_size=HEAP, timeout=20)
     try:
         mesh = shj.make_mesh("pe")
         for name in layouts:
             cfg = config(n, name)
             op = shj.EpDispatchCombine(cfg)
-            step = make_step(op, cfg, n)
+            step = make_step(op, cfg, n, grad)
 
             def body(x, idx, w, r):
                 d, out, gx = step(x[0], idx[0], w[0], r[0])
-                return jax.tree_util.tree_map(lambda a: a[None], (d, out, gx))
+                return jax.tree_util.tree_map(lambda a: a[None], (d, out, gx))  # None stays
 
             f = jax.jit(shard_map(body, mesh, in_specs=P("pe"), out_specs=P("pe")))
             inputs, xs, rs = pe_inputs(cfg, n, seed)
@@ -176,7 +182,8 @@ def shard_map_ep(n, layouts, seed):
                     (xs, [i[1] for i in inputs], [i[2] for i in inputs], rs)]
             d, out, gx = f(*args)
             for i in range(n):
-                check_pe(cfg, n, i, inputs, xs, rs, {k: v[i] for k, v in d.items()}, out[i], gx[i])
+                check_pe(cfg, n, i, inputs, xs, rs, {k: v[i] for k, v in d.items()}, out[i],
+                         None if gx is None else gx[i])
             op.close()
         # the barrier inside shard_map, on every device at once
         tok = jax.jit(shard_map(lambda t: shj.barrier(t), mesh, P("pe"), P("pe")))(
@@ -344,7 +351,60 @@ def _combine_bad_body(op, i, x, idx, w):
     return op._combine_call(d.x, h)
 
 
-PROGRAMS.update(distributed=distributed, failures=failures)
+def device_gradients(n, seed):
+    """CUDA: the gradient of dispatch (a combine of the row gradients) against the
+    single-PE reference; the gradient of combine needs redispatch, which the device
+    kernels lack: it must fail with a clean error."""
+    devs = jax.devices()[:n]
+    shj.init(devs, heap_size=HEAP, timeout=20)
+    try:
+        cfg = config(n, "token_slots")
+        op = shj.EpDispatchCombine(cfg)
+        inputs, xs, rs = pe_inputs(cfg, n, seed)
+        rows_r = [np.random.default_rng([seed, 7, s]).standard_normal(
+            (op.recv_capacity, cfg.hidden), dtype=np.float32) for s in range(n)]
+
+        def loss(x, idx, w, r):
+            d = op.dispatch(x, idx, w)
+            keep = (d.src_info[:, 0] >= 0)[:, None]
+            return jnp.sum(jnp.where(keep, d.x.astype(jnp.float32) * r, 0.0))
+
+        g = jax.jit(jax.grad(loss))
+
+        def run(i):
+            put = lambda a: jax.device_put(a, devs[i])  # noqa: E731
+            return np.asarray(g(put(xs[i]), put(inputs[i][1]), put(inputs[i][2]),
+                                put(rows_r[i])).astype(jnp.float32))
+
+        got = on_threads(run, n)
+        M = cfg.max_tokens_per_rank
+        for s in range(n):
+            want = np.zeros((M, cfg.hidden), np.float32)
+            L = cfg.num_experts // n
+            for t in range(M):
+                for dst in {int(e) // L for e in inputs[s][1][t] if e >= 0}:
+                    want[t] += rows_r[dst][s * M + t]
+            np.testing.assert_allclose(got[s], want, rtol=2e-2, atol=2e-2)
+        step = jax.jit(make_step(op, cfg, n, grad=True))
+        errors = []
+
+        def run_combine_grad(i):
+            put = lambda a: jax.device_put(a, devs[i])  # noqa: E731
+            try:
+                jax.block_until_ready(step(put(xs[i]), put(inputs[i][1]), put(inputs[i][2]),
+                                           put(rs[i])))
+            except Exception as e:
+                errors.append(str(e))
+
+        on_threads(run_combine_grad, n)
+        assert len(errors) == n and all("cpu backend only" in e for e in errors), errors
+        op.close()
+    finally:
+        shj.finalize()
+    print("OK device gradients", n)
+
+
+PROGRAMS.update(distributed=distributed, failures=failures, device_gradients=device_gradients)
 
 
 if __name__ == "__main__":

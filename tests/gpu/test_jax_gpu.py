@@ -1,0 +1,57 @@
+"""symheap.jax on CUDA GPUs (2 devices): the cpu scenarios of tests/jax on the gpu
+platform, each in its own process, plus XLA command buffers on."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jax")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROGRAM = os.path.join(HERE, os.pardir, "jax", "jax_programs.py")
+LAYOUTS = ["token_slots", "expert_major", "low_latency", "intranode"]
+
+
+def run(name: str, xla_flags: str = "", **kwargs) -> str:
+    env = dict(os.environ)
+    env.pop("JAX_PLATFORMS", None)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # leave room for the symmetric heaps
+    env["XLA_FLAGS"] = xla_flags
+    env["SYMHEAP_BACKEND"] = "cuda"
+    kwargs.setdefault("seed", random.SystemRandom().randrange(1 << 30))
+    proc = subprocess.run([sys.executable, PROGRAM, name, json.dumps(kwargs)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-6000:]
+    return proc.stdout
+
+
+pytestmark = pytest.mark.two_gpus
+
+
+def test_threads_two_gpus_every_layout():
+    # the gradient of combine needs redispatch, a cpu-only core entry: forward here,
+    # gradients in test_gradients_on_device
+    run("threads", n=2, layouts=LAYOUTS, grad=False, iters=3)
+
+
+def test_shard_map_two_gpus():
+    run("shard_map_ep", n=2, layouts=LAYOUTS, grad=False)
+
+
+def test_gradients_on_device():
+    run("device_gradients", n=2)
+
+
+def test_command_buffers_on():
+    # No symheap handler claims command-buffer compatibility (each looks its PE and op
+    # up on the host at every call), so XLA must keep them outside its graphs and the
+    # results must stay right call after call.
+    flags = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS "
+             "--xla_gpu_graph_min_graph_size=1")
+    run("threads", xla_flags=flags, n=2, layouts=["token_slots", "low_latency"], grad=False,
+        iters=4)
+    run("shard_map_ep", xla_flags=flags, n=2, layouts=["expert_major"], grad=False)
