@@ -65,7 +65,7 @@ def main():
     devs = jax.devices("gpu")
     devs = devs[:a.gpus] if a.gpus else devs
     n = len(devs)
-    shj.init(devs, heap_size="2G")
+    shj.init(devs, heap_size="4G")
     mesh = shj.make_mesh("pe")
     sh = NamedSharding(mesh, P("pe"))
     L = EXPERTS // n

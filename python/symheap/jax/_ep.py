@@ -140,7 +140,6 @@ class EpDispatchCombine:
         shard_map, on one device's arrays). Gradient: to ``x`` (combine of the
         row gradients through the same handle); topk_weights and scales get
         none (see docs/jax.md)."""
-        import jax.numpy as jnp
         self._check_open()
         x, topk_idx, topk_weights, scales = self._check_dispatch(x, topk_idx, topk_weights, scales)
         return self._dispatch_vjp(x, scales, topk_idx, topk_weights)
@@ -249,7 +248,6 @@ class EpDispatchCombine:
         return fn
 
     def _dispatch_call(self, x, scales, topk_idx, topk_weights) -> DispatchOutput:
-        import jax.numpy as jnp
         cfg, g, em = self.config, self._geo, self._em()
         rows, t = self._rows(), x.shape[0]
         m, k, h, L = cfg.max_tokens_per_rank, cfg.topk, cfg.hidden, g["local_experts"]
