@@ -209,7 +209,7 @@ PROGRAMS = {"threads": threads, "shard_map_ep": shard_map_ep}
 
 def distributed(process_id, n_processes, port, seed, bad_config=False):
     """jax.distributed on 127.0.0.1: every process's local devices become PEs; one
-    thread per local device and one shard_map over the global mesh."""
+    thread per local device, then one shard_map over the global mesh."""
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n_processes,
                                process_id=process_id, initialization_timeout=60)
     shj.init(heap_size=HEAP, timeout=20)
@@ -244,6 +244,32 @@ def distributed(process_id, n_processes, port, seed, bad_config=False):
         tok = on_threads(lambda i: np.asarray(jax.jit(shj.barrier)(
             jax.device_put(jnp.zeros((1,), jnp.float32), local[i]))), len(local))
         assert all(t.tolist() == [0.0] for t in tok)
+
+        # one jit over the global mesh of both processes, shard_map over the PE axis
+        mesh = shj.make_mesh("pe")
+        inputs, xs, rs = pe_inputs(cfg, n, seed + 1)
+        sh = NamedSharding(mesh, P("pe"))
+
+        def global_array(per_pe):
+            full = stacked(per_pe)
+            return jax.make_array_from_callback(full.shape, sh, lambda index: full[index])
+
+        def body(x, idx, w, r):
+            return jax.tree_util.tree_map(lambda a: a[None],
+                                          make_step(op, cfg, n)(x[0], idx[0], w[0], r[0]))
+
+        f = jax.jit(shard_map(body, mesh, P("pe"), P("pe")))
+        d, out, gx = f(*[global_array(a) for a in
+                         (xs, [i[1] for i in inputs], [i[2] for i in inputs], rs)])
+
+        def local_rows(a):
+            return {s.index[0].start: np.asarray(s.data)[0] for s in a.addressable_shards}
+
+        d = {k: local_rows(v) for k, v in d.items()}
+        out, gx = local_rows(out), local_rows(gx)
+        assert sorted(out) == ranks, (sorted(out), ranks)
+        for r in ranks:
+            check_pe(cfg, n, r, inputs, xs, rs, {k: v[r] for k, v in d.items()}, out[r], gx[r])
         op.close()
     finally:
         shj.finalize()
