@@ -331,6 +331,31 @@ def failures(seed):
     assert "handle.summary must have shape" in errors[0][1], errors[0]
     assert "aborted on every PE" in errors[1][1], errors[1]
 
+    # PE 0 edits its handle's row counts before a redispatch (combine's gradient):
+    # the core refuses the rows it names, and every PE's call is aborted together.
+    errors.clear()
+
+    def run_edited(i):
+        def body(x, idx, w):
+            d = op.dispatch(x, idx, w)
+            h = d.handle
+            if i == 0:
+                h = shj.EpHandle(h.send_rows, h.summary + (1 << 20), op_key=h.op_key,
+                                 num_tokens=h.num_tokens)
+            g = jnp.zeros((h.num_tokens, cfg.hidden), jnp.dtype(cfg.combine_dtype))
+            return op._redispatch_call(g, h, d.x)
+        try:
+            jax.block_until_ready(jax.jit(body)(*[jax.device_put(a, devs[i]) for a in
+                                                  (xs[i], inputs[i][1], inputs[i][2])]))
+        except Exception as e:
+            errors.append((i, str(e)))
+
+    on_threads(run_edited, n)
+    errors.sort()
+    assert len(errors) == 2, errors
+    assert "INVALID_ARGUMENT" in errors[0][1] and "aborted on every PE" in errors[0][1], errors
+    assert "PE 0 passed an invalid argument to redispatch" in errors[1][1], errors
+
     # cached executables: a closed op, then a finalized runtime
     step = jax.jit(make_step(op, cfg, n))
     put = lambda i, a: jax.device_put(a, devs[i])  # noqa: E731

@@ -422,11 +422,16 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
   if (status == kOk && token_major) {
     const int32_t* summary = a.recv_summary;
     const int32_t* bits = summary + slot_bits_at(n, g.local_experts);
-    for (int q = 0; q < n; ++q)
+    for (int q = 0; q < n && status == kOk; ++q) {
+      if (summary[4 * q + 1] < 0 || summary[4 * q + 1] > g.recv_rows) {
+        status = kBadArgument;  // an edited handle
+        break;
+      }
       for (int64_t k = 0; k < summary[4 * q + 1]; ++k)
         if (!c.token_slots ||
             (k < c.max_tokens && ((bits[q * g.slot_words + k / 32] >> (k % 32)) & 1)))
           pulls.push_back({summary[4 * q + 2] + k, q, static_cast<int64_t>(summary[4 * q]) + k});
+    }
   } else if (status == kOk) {
     for (int64_t r = 0; r < g.recv_rows; ++r) {
       const int32_t* meta = a.recv_meta + r * kMetaWords;
