@@ -123,6 +123,35 @@ def _ffi(target: str, results: tuple):
     return jax.ffi.ffi_call(target, shapes)
 
 
+def _varying_axes(x) -> frozenset:
+    """The shard_map mesh axes `x` varies over (empty outside shard_map)."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:
+        return frozenset()
+    t = typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(t, "vma", None) or ())
+
+
+def _vary(xs, axes: frozenset):
+    """Marks each array as varying over `axes` (an FFI call wants its operands
+    to agree, and custom_vjp wants gradients typed like the primals)."""
+    out = []
+    for x in xs:
+        missing = tuple(sorted(axes - _varying_axes(x)))
+        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return out
+
+
+def _union_axes(xs) -> frozenset:
+    axes = frozenset()
+    for x in xs:
+        axes |= _varying_axes(x)
+    return axes
+
+
 def _plan(o: _Options, q, k, v, bias, mask, alibi, cu_q, cu_k) -> dict:
     return _core.attention_plan_call(
         o.varlen, False, _spec(q, "q"), _spec(k, "k"), _spec(v, "v"), _spec(bias, "bias"),
@@ -150,8 +179,10 @@ def _forward(o: _Options, q, k, v, bias, mask, alibi, cu_q, cu_k):
     lse_shape = (hq, q.shape[0]) if o.varlen else (plan["batch"], hq, plan["seqlen_q"])
     results = ((tuple(q.shape), np.dtype(q.dtype).name), (lse_shape, "float32"),
                ((max(plan["scratch_forward"], 1),), "uint8"))
-    out, lse, _ = _ffi(_FWD, results)(q, k, v, *_operands(o, bias, mask, alibi, cu_q, cu_k),
-                                      **_attrs(o))
+    operands = [q, k, v, *_operands(o, bias, mask, alibi, cu_q, cu_k)]
+    axes = _union_axes(operands)
+    out, lse, _ = _ffi(_FWD, results)(*_vary(operands, axes), **_attrs(o))
+    out, lse = _vary((out, lse), axes)
     return out, lse
 
 
@@ -162,9 +193,11 @@ def _backward(o: _Options, q, k, v, bias, mask, alibi, cu_q, cu_k, out, lse, dou
     if o.has_bias:
         results.append((tuple(bias.shape), np.dtype(bias.dtype).name))
     results.append(((max(plan["scratch_backward"], 1),), "uint8"))
-    grads = _ffi(_BWD, tuple(results))(
-        q, k, v, out, lse, dout.astype(q.dtype), *_operands(o, bias, mask, alibi, cu_q, cu_k),
-        want_dbias=o.has_bias, **_attrs(o))
+    operands = [q, k, v, out, lse, dout.astype(q.dtype),
+                *_operands(o, bias, mask, alibi, cu_q, cu_k)]
+    axes = _union_axes(operands)
+    grads = _ffi(_BWD, tuple(results))(*_vary(operands, axes), want_dbias=o.has_bias, **_attrs(o))
+    grads = _vary(grads[:-1], axes)
     dq, dk, dv = grads[:3]
     dbias = grads[3] if o.has_bias else None
     return dq, dk, dv, dbias
@@ -212,7 +245,13 @@ def _call(q, k, v, *, varlen, cu_q=None, cu_k=None, max_seqlen_q=0, max_seqlen_k
                  bias is not None, mask is not None, alibi_slopes is not None)
     _plan(o, q, k, v, bias, mask, alibi_slopes, cu_q, cu_k)  # errors at trace time
     _register_targets()
-    out, lse = _differentiable(o)(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k)
+    # Under shard_map every operand varies over the same mesh axes; marking an
+    # invariant one here (outside custom_vjp) lets autodiff sum its gradient.
+    arrays = [q, k, v, bias, mask, alibi_slopes, cu_q, cu_k]
+    given = [x for x in arrays if x is not None]
+    it = iter(_vary(given, _union_axes(given)))
+    arrays = [None if x is None else next(it) for x in arrays]
+    out, lse = _differentiable(o)(*arrays)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
