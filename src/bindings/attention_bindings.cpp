@@ -9,6 +9,7 @@
 
 #include "bindings/registry.hpp"
 #include "ops/attention/attention.hpp"
+#include "ops/attention/call_plan.hpp"
 #include "symheap/errors.hpp"
 
 namespace py = pybind11;
@@ -48,6 +49,19 @@ Broadcast& broadcast_field(Args& a, const std::string& name) {
   if (name == "dbias") return a.dbias;
   throw InvalidArgument("attention: no broadcast field '" + name + "'");
 }
+
+// (shape, dtype name) or None.
+ArgSpec arg_spec(const py::object& o) {
+  ArgSpec s;
+  if (o.is_none()) return s;
+  auto t = o.cast<py::tuple>();
+  s.present = true;
+  s.shape = t[0].cast<std::vector<int64_t>>();
+  s.dtype = t[1].cast<std::string>();
+  return s;
+}
+
+py::tuple dims(const BroadcastPlan& b) { return py::make_tuple(b.dims[0], b.dims[1], b.dims[2], b.dims[3]); }
 
 }  // namespace
 
@@ -117,6 +131,61 @@ SYMHEAP_BINDINGS(attention) {
         backward_cpu(a, threads);
       },
       py::arg("args"), py::arg("threads") = 0);
+  // The checks and shape plan of one call (call_plan.hpp): each array given
+  // as (shape, dtype name) or None. Raises ValueError naming the argument.
+  m.def(
+      "attention_plan_call",
+      [](bool varlen, bool on_cuda, py::object q, py::object k, py::object v, py::object bias,
+         py::object mask, py::object alibi_slopes, py::object cu_seqlens_q, py::object cu_seqlens_k,
+         int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, int64_t window_left,
+         int64_t window_right, py::object softmax_scale, double softcap, double dropout_p) {
+        CallSpec s;
+        s.varlen = varlen;
+        s.on_cuda = on_cuda;
+        s.q = arg_spec(q);
+        s.k = arg_spec(k);
+        s.v = arg_spec(v);
+        s.bias = arg_spec(bias);
+        s.mask = arg_spec(mask);
+        s.alibi_slopes = arg_spec(alibi_slopes);
+        s.cu_seqlens_q = arg_spec(cu_seqlens_q);
+        s.cu_seqlens_k = arg_spec(cu_seqlens_k);
+        s.max_seqlen_q = max_seqlen_q;
+        s.max_seqlen_k = max_seqlen_k;
+        s.causal = causal;
+        s.window_left = window_left;
+        s.window_right = window_right;
+        s.has_scale = !softmax_scale.is_none();
+        if (s.has_scale) s.softmax_scale = softmax_scale.cast<double>();
+        s.softcap = softcap;
+        s.dropout_p = dropout_p;
+        const CallPlan p = plan_call(s);
+        py::dict r;
+        r["batch"] = p.batch;
+        r["heads_q"] = p.heads_q;
+        r["heads_kv"] = p.heads_kv;
+        r["head_dim"] = p.head_dim;
+        r["head_dim_run"] = p.head_dim_run;
+        r["seqlen_q"] = p.seqlen_q;
+        r["seqlen_k"] = p.seqlen_k;
+        r["scale"] = p.scale;
+        r["window"] = py::make_tuple(p.window_left, p.window_right);
+        r["bias_dims"] = p.bias.present ? py::object(dims(p.bias)) : py::object(py::none());
+        r["bias_kv_heads"] = p.bias.kv_heads;
+        r["bias_per_row"] = p.bias.per_row;
+        r["mask_dims"] = p.mask.present ? py::object(dims(p.mask)) : py::object(py::none());
+        r["mask_kv_heads"] = p.mask.kv_heads;
+        r["scratch_forward"] = scratch_layout(p, false, false).total;
+        r["scratch_backward"] = scratch_layout(p, true, p.bias.present).total;
+        return r;
+      },
+      py::arg("varlen"), py::arg("on_cuda"), py::arg("q"), py::arg("k"), py::arg("v"),
+      py::arg("bias") = py::none(), py::arg("mask") = py::none(),
+      py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens_q") = py::none(),
+      py::arg("cu_seqlens_k") = py::none(), py::arg("max_seqlen_q") = 0,
+      py::arg("max_seqlen_k") = 0, py::arg("causal") = false, py::arg("window_left") = -1,
+      py::arg("window_right") = -1, py::arg("softmax_scale") = py::none(),
+      py::arg("softcap") = 0.0, py::arg("dropout_p") = 0.0);
   m.def("attention_dropout_bits", &dropout_bits, py::arg("seed"), py::arg("offset"),
         py::arg("bh"), py::arg("i"), py::arg("j"));
   m.def("attention_dropout_threshold", &dropout_threshold);

@@ -15,8 +15,9 @@ from ._ep import DispatchOutput, EpDispatchCombine, EpHandle
 from ._runtime import (check_mesh, finalize, init, is_initialized, make_mesh, num_pes, rank_of,
                        shard_map)
 
-# attention (flash_attn_func, flash_attn_varlen_func) is imported here.
+from ._attention import flash_attn_func, flash_attn_varlen_func
 
 __all__ = ["init", "finalize", "is_initialized", "make_mesh", "num_pes", "rank_of", "check_mesh",
            "shard_map", "barrier",
-           "EpDispatchCombine", "DispatchOutput", "EpHandle"]
+           "EpDispatchCombine", "DispatchOutput", "EpHandle",
+           "flash_attn_func", "flash_attn_varlen_func"]

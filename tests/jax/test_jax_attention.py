@@ -1,0 +1,363 @@
+"""symheap.jax attention on the cpu platform: outputs, lse and gradients against
+jax.nn.dot_product_attention (xla) and an fp32 jnp reference, inside jit,
+under shard_map over 2 devices, and bad input."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("symheap._core")
+from symheap import _core  # noqa: E402
+
+if not hasattr(_core, "xla_attention_targets"):
+    pytest.skip("symheap built without the XLA FFI handlers", allow_module_level=True)
+
+import symheap.jax as shj  # noqa: E402
+from attention_reference import dropout_keep, make_case, randn, reference  # noqa: E402
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def err(x, ref):
+    return float(jnp.max(jnp.abs(x.astype(jnp.float32) - ref.astype(jnp.float32))))
+
+
+def scale_of(ref):
+    return max(1.0, float(jnp.max(jnp.abs(ref))))
+
+
+def grads(fn, args, dout):
+    """Gradients of sum(fn(*args) * dout) with respect to every arg."""
+    return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * dout),
+                    argnums=tuple(range(len(args))))(*args)
+
+
+def compare(case, dtype, **options):
+    """Runs the op inside jit; checks out, lse and dq, dk, dv (and dbias) against
+    the fp32 reference on the same (rounded) inputs."""
+    q, k, v, kw = case["q"], case["k"], case["v"], dict(case["kw"])
+    bias = kw.pop("bias", None)
+    ref_kw = dict(kw, **options)
+    if options.get("dropout_p", 0) > 0:
+        s, o = options["seed"] if isinstance(options["seed"], tuple) else (options["seed"], 0)
+        ref_kw["keep"] = dropout_keep(s, o, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+                                      options["dropout_p"])
+    ref_kw.pop("seed", None)
+
+    def ours(q, k, v, *b):
+        return shj.flash_attn_func(q, k, v, bias=b[0] if b else None, return_lse=True, **kw,
+                                   **options)
+
+    args = (q, k, v) + ((bias,) if bias is not None else ())
+    out, lse = jax.jit(ours)(*args)
+    ref, ref_lse = reference(*args[:3], bias=bias, **ref_kw)
+    tol = TOL[dtype]
+    assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
+    assert not bool(jnp.isnan(out).any())
+    assert err(out, ref) <= tol * scale_of(ref), err(out, ref)
+    fin = jnp.isfinite(ref_lse)
+    assert bool(jnp.array_equal(jnp.isfinite(lse), fin))
+    assert bool((lse[~fin] == -jnp.inf).all())
+    assert float(jnp.max(jnp.abs(jnp.where(fin, lse - ref_lse, 0.0)))) < 1e-3
+
+    dout = randn(jax.random.PRNGKey(99), out.shape, jnp.float32)
+    got = jax.jit(lambda *a: grads(lambda *x: ours(*x)[0], a, dout))(*args)
+    want = grads(lambda *x: reference(x[0], x[1], x[2], bias=x[3] if len(x) > 3 else None,
+                                      **ref_kw)[0], [a.astype(jnp.float32) for a in args], dout)
+    for name, g, r, a in zip(("dq", "dk", "dv", "dbias"), got, want, args):
+        assert g.shape == a.shape and g.dtype == a.dtype, name
+        assert not bool(jnp.isnan(g).any()), name
+        assert err(g, r) <= 3 * tol * scale_of(r), (name, err(g, r))
+    return out
+
+
+# ------------------------------------------------------------ against jax.nn.dot_product_attention
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_matches_jax_dot_product_attention(causal, gqa):
+    """fp32 output and gradients (dq, dk, dv, dbias) equal jax's xla attention."""
+    B, S, Hq, D = 2, 32, 4, 32
+    Hkv = 2 if gqa else Hq
+    keys = jax.random.split(jax.random.PRNGKey(int(causal) + 2 * int(gqa)), 5)
+    q, k, v = (randn(keys[0], (B, S, Hq, D), jnp.float32), randn(keys[1], (B, S, Hkv, D), jnp.float32),
+               randn(keys[2], (B, S, Hkv, D), jnp.float32))
+    bias = 0.5 * randn(keys[3], (1, Hq, S, S), jnp.float32)
+    mask = jax.random.uniform(keys[4], (B, 1, S, S)) > 0.2
+    mask = mask.at[..., jnp.arange(S), jnp.arange(S)].set(True)  # no empty row (jax gives NaN-free mean there)
+
+    def ours(q, k, v, bias):
+        return shj.flash_attn_func(q, k, v, bias=bias, mask=mask, causal=causal)
+
+    def theirs(q, k, v, bias):
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=causal,
+                                            implementation="xla")
+
+    args = (q, k, v, bias)
+    out = jax.jit(ours)(*args)
+    ref = theirs(*args)
+    assert err(out, ref) < 2e-5
+    dout = randn(jax.random.PRNGKey(7), out.shape, jnp.float32)
+    got = jax.jit(lambda *a: grads(ours, a, dout))(*args)
+    want = grads(theirs, args, dout)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert err(g, r) < 5e-5 * scale_of(r), (name, err(g, r))
+
+
+# ------------------------------------------------------------ every feature against the fp32 reference
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name,case_kw,options", [
+    ("plain", {}, {}),
+    ("causal_sq_ne_sk", {}, {"causal": True}),
+    ("window", {}, {"window_size": (5, 3)}),
+    ("window_left_causal", {}, {"window_size": (7, -1), "causal": True}),
+    ("softcap_scale", {}, {"softcap": 2.5, "softmax_scale": 0.3}),
+    ("alibi", {"alibi_shape": (4,)}, {"causal": True}),
+    ("alibi_per_batch", {"alibi_shape": (2, 4)}, {}),
+    ("bias_full", {"bias_shape": (2, 4, 24, 40)}, {}),
+    ("bias_kv_heads_rowless", {"bias_shape": (2, 2, 1, 40)}, {"causal": True}),
+    ("bias_2d", {"bias_shape": (24, 40)}, {}),
+    ("bias_1d", {"bias_shape": (40,)}, {}),
+    ("bias_3d_heads", {"bias_shape": (4, 24, 40)}, {"softcap": 4.0}),
+    ("mask", {"mask_shape": (2, 1, 24, 40)}, {}),
+    ("mask_kv_heads", {"mask_shape": (1, 2, 24, 40), "bias_shape": (1, 1, 24, 40)}, {}),
+    ("dropout", {}, {"dropout_p": 0.2, "seed": 11}),
+    ("dropout_offset_bias", {"bias_shape": (1, 4, 1, 40)}, {"dropout_p": 0.3, "seed": (5, 9)}),
+    ("head_dim_20", {"D": 20}, {"causal": True}),
+    ("head_dim_1", {"D": 1}, {}),
+    ("mqa", {"Hkv": 1, "bias_shape": (1, 1, 24, 40)}, {}),
+])
+def test_features(dtype, name, case_kw, options):
+    case = make_case(hash(name) % 1000, dtype=dtype, **case_kw)
+    compare(case, dtype, **options)
+
+
+def test_check_grads():
+    """jax.test_util.check_grads (reverse mode, finite differences in fp32)."""
+    case = make_case(3, B=1, Sq=6, Sk=8, Hq=2, Hkv=1, D=8, bias_shape=(1, 2, 6, 8))
+    q, k, v, bias = case["q"], case["k"], case["v"], case["kw"]["bias"]
+
+    def f(q, k, v, bias):
+        return shj.flash_attn_func(q, k, v, bias=bias, causal=True, softcap=3.0)
+
+    from jax.test_util import check_grads
+    check_grads(f, (q, k, v, bias), order=1, modes=["rev"], eps=1e-2, atol=2e-2,
+                              rtol=2e-2)
+
+
+def test_wrappers_are_memoized():
+    from symheap.jax import _attention
+    case = make_case(4)
+    before = _attention._ffi.cache_info()
+    for _ in range(3):
+        shj.flash_attn_func(case["q"], case["k"], case["v"], causal=True)
+    after = _attention._ffi.cache_info()
+    assert after.misses - before.misses <= 1
+    assert after.hits - before.hits >= 2
+
+
+# ------------------------------------------------------------ varlen
+
+def varlen_case(dtype, seed=0, Hq=4, Hkv=2, D=24):
+    lens_q, lens_k = [5, 0, 17, 9], [7, 3, 17, 20]
+    pad_q, pad_k = 3, 2  # rows after the last sequence: outside every sequence
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = randn(keys[0], (int(cu_q[-1]) + pad_q, Hq, D), dtype)
+    k = randn(keys[1], (int(cu_k[-1]) + pad_k, Hkv, D), dtype)
+    v = randn(keys[2], (int(cu_k[-1]) + pad_k, Hkv, D), dtype)
+    return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("options", [
+    {"causal": True},
+    {"window_size": (4, 2), "softcap": 3.0},
+    {"bias": "per_row", "alibi": True},
+    {"bias": "rowless", "mask": True, "dropout_p": 0.25, "seed": 3},
+])
+def test_varlen(dtype, options):
+    q, k, v, cu_q, cu_k, mq, mk = varlen_case(dtype)
+    B, Hq = len(cu_q) - 1, q.shape[1]
+    options = dict(options)
+    kw = {}
+    gen = np.random.default_rng(1)
+    bias_kind = options.pop("bias", None)
+    if bias_kind:
+        shape = (B, Hq, mq, mk) if bias_kind == "per_row" else (1, Hq, 1, mk)
+        kw["bias"] = jnp.asarray(gen.standard_normal(shape) * 0.5, jnp.float32).astype(dtype)
+    if options.pop("mask", None):
+        kw["mask"] = jnp.asarray(gen.random((B, 1, mq, mk)) > 0.2)
+    if options.pop("alibi", None):
+        kw["alibi_slopes"] = jnp.asarray([2.0 ** (-h - 1) for h in range(Hq)], jnp.float32)
+    cu_qj, cu_kj = jnp.asarray(cu_q), jnp.asarray(cu_k)
+    args = (q, k, v) + ((kw["bias"],) if "bias" in kw else ())
+    rest = {key: val for key, val in kw.items() if key != "bias"}
+
+    def ours(q, k, v, *b):
+        return shj.flash_attn_varlen_func(q, k, v, cu_qj, cu_kj, mq, mk, return_lse=True,
+                                          bias=b[0] if b else None, **rest, **options)
+
+    out, lse = jax.jit(ours)(*args)
+    dout = randn(jax.random.PRNGKey(5), out.shape, jnp.float32)
+    got = jax.jit(lambda *a: grads(lambda *x: ours(*x)[0], a, dout))(*args)
+    tol = TOL[dtype]
+    ref_grads = [np.zeros(a.shape, np.float32) for a in args]
+    keep_all = None
+    if options.get("dropout_p", 0) > 0:
+        keep_all = dropout_keep(options["seed"], 0, B, Hq, mq, mk, options["dropout_p"])
+    for b in range(B):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q1 == q0:
+            continue
+        sub_kw = dict(options)
+        sub_kw.pop("seed", None)
+        if keep_all is not None:
+            sub_kw["keep"] = keep_all[b:b + 1, :, : q1 - q0, : k1 - k0]
+        if "mask" in rest:
+            sub_kw["mask"] = rest["mask"][b:b + 1, :, : q1 - q0, : k1 - k0]
+        if "alibi_slopes" in rest:
+            sub_kw["alibi_slopes"] = rest["alibi_slopes"]
+        sub = [q[None, q0:q1], k[None, k0:k1], v[None, k0:k1]]
+        if "bias" in kw:
+            bb = kw["bias"]
+            bb = bb[b:b + 1] if bb.shape[0] > 1 else bb
+            sub.append(bb[:, :, : q1 - q0 if bb.shape[2] > 1 else 1, : k1 - k0])
+        sub = [x.astype(jnp.float32) for x in sub]
+
+        def ref_fn(*x):
+            return reference(x[0], x[1], x[2], bias=x[3] if len(x) > 3 else None, **sub_kw)
+
+        ref, ref_lse = ref_fn(*sub)
+        assert err(out[q0:q1], ref[0]) <= tol * scale_of(ref), (b, err(out[q0:q1], ref[0]))
+        fin = jnp.isfinite(ref_lse[0])
+        assert bool(jnp.array_equal(jnp.isfinite(lse[:, q0:q1]), fin))
+        assert float(jnp.max(jnp.abs(jnp.where(fin, lse[:, q0:q1] - ref_lse[0], 0.0)))) < 1e-3
+        g = grads(lambda *x: ref_fn(*x)[0], sub, dout[None, q0:q1])
+        ref_grads[0][q0:q1] += np.asarray(g[0][0])
+        ref_grads[1][k0:k1] += np.asarray(g[1][0])
+        ref_grads[2][k0:k1] += np.asarray(g[2][0])
+        if "bias" in kw:
+            gb = np.asarray(g[3])
+            tgt = ref_grads[3][b:b + 1] if kw["bias"].shape[0] > 1 else ref_grads[3]
+            tgt[:, :, : gb.shape[2], : gb.shape[3]] += gb
+    # Rows outside every sequence: zero output, zero gradient, lse -inf.
+    tail_q, tail_k = int(cu_q[-1]), int(cu_k[-1])
+    assert bool((out[tail_q:] == 0).all()) and bool((lse[:, tail_q:] == -jnp.inf).all())
+    assert bool((got[0][tail_q:] == 0).all()) and bool((got[1][tail_k:] == 0).all())
+    for name, gv, r in zip(("dq", "dk", "dv", "dbias"), got, ref_grads):
+        assert not bool(jnp.isnan(gv).any()), name
+        assert err(gv, jnp.asarray(r)) <= 3 * tol * scale_of(jnp.asarray(r)), (name, err(gv, r))
+
+
+# ------------------------------------------------------------ shard_map over 2 cpu devices
+
+SHARD_MAP_PROGRAM = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import symheap.jax as shj
+    from attention_reference import reference, randn
+    assert len(jax.devices()) == 2, jax.devices()
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        from jax.experimental.shard_map import shard_map
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = randn(keys[0], (4, 16, 4, 32), jnp.float32)
+    k = randn(keys[1], (4, 24, 2, 32), jnp.float32)
+    v = randn(keys[2], (4, 24, 2, 32), jnp.float32)
+    bias = 0.5 * randn(keys[3], (4, 1, 16, 24), jnp.float32)
+    spec = P("x")
+
+    def local(q, k, v, bias):
+        return shj.flash_attn_func(q, k, v, bias=bias, causal=True)
+
+    f = jax.jit(shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec))
+    out = f(q, k, v, bias)
+    ref, _ = reference(q, k, v, bias=bias, causal=True)
+    assert float(jnp.max(jnp.abs(out - ref))) < 2e-5
+    loss = lambda *a: jnp.sum(f(*a) ** 2)
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    r = jax.grad(lambda *a: jnp.sum(reference(*a[:3], bias=a[3], causal=True)[0] ** 2),
+                 argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for x, y in zip(g, r):
+        assert float(jnp.max(jnp.abs(x - y))) < 1e-4 * max(1.0, float(jnp.max(jnp.abs(y))))
+    print("SHARD_MAP_OK")
+""")
+
+
+def test_shard_map_two_cpu_devices():
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([here] + sys.path))
+    r = subprocess.run([sys.executable, "-c", SHARD_MAP_PROGRAM], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0 and "SHARD_MAP_OK" in r.stdout, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------ bad input
+
+def test_bad_arguments_raise():
+    q = jnp.zeros((1, 8, 4, 32), jnp.bfloat16)
+    k = jnp.zeros((1, 8, 2, 32), jnp.bfloat16)
+    k3 = jnp.zeros((1, 8, 3, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple"):
+        shj.flash_attn_func(q, k3, k3)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        shj.flash_attn_func(q, k.astype(jnp.float16), k.astype(jnp.float16))
+    with pytest.raises(ValueError, match="dtype int32 is not supported"):
+        shj.flash_attn_func(q.astype(jnp.int32), k.astype(jnp.int32), k.astype(jnp.int32))
+    with pytest.raises(ValueError, match=r"q must be \(B, S, H, D\)"):
+        shj.flash_attn_func(q[0], k[0], k[0])
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        shj.flash_attn_func(q, k, k, dropout_p=1.0)
+    with pytest.raises(ValueError, match="needs seed="):
+        shj.flash_attn_func(q, k, k, dropout_p=0.1)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        shj.flash_attn_func(q, k, k, bias=jnp.zeros((1, 3, 8, 8)))
+    with pytest.raises(ValueError, match="mask must be a bool"):
+        shj.flash_attn_func(q, k, k, mask=jnp.ones((8, 8)))
+    with pytest.raises(ValueError, match=r"head dim 300 is outside \[1, 256\]"):
+        x = jnp.zeros((1, 4, 1, 300))
+        shj.flash_attn_func(x, x, x)
+    with pytest.raises(ValueError, match="window_size"):
+        shj.flash_attn_func(q, k, k, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        shj.flash_attn_func(q, k, k, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\)"):
+        shj.flash_attn_func(q, k, k, alibi_slopes=jnp.ones(3))
+    with pytest.raises(ValueError, match="int32"):
+        shj.flash_attn_varlen_func(q[0], k[0], k[0], jnp.array([0, 8], jnp.int64),
+                                   jnp.array([0, 8], jnp.int64), 8, 8)
+    with pytest.raises(ValueError, match="offset"):
+        shj.flash_attn_func(q, k, k, dropout_p=0.1, seed=(1, 2 ** 32))
+    with pytest.raises(TypeError, match="q must be a jax array"):
+        shj.flash_attn_func(q.tolist(), k, k)
+    # The same messages as the torch front end (one C++ check serves both).
+    torch = pytest.importorskip("torch")
+    import symheap.attention as tattn
+    with pytest.raises(ValueError) as jax_err:
+        shj.flash_attn_func(q, k, k, bias=jnp.zeros((1, 3, 8, 8), jnp.bfloat16))
+    with pytest.raises(ValueError) as torch_err:
+        tq = torch.zeros(1, 8, 4, 32, dtype=torch.bfloat16)
+        tk = torch.zeros(1, 8, 2, 32, dtype=torch.bfloat16)
+        tattn.flash_attn_func(tq, tk, tk, bias=torch.zeros(1, 3, 8, 8, dtype=torch.bfloat16))
+    assert str(jax_err.value) == str(torch_err.value)
+
+
+def test_varlen_lengths_over_max_raise_at_run():
+    """cu_seqlens live in device memory: the cpu handler checks them when it runs."""
+    q, k, v, cu_q, cu_k, mq, mk = varlen_case(jnp.float32)
+    with pytest.raises(Exception, match="max_seqlen"):
+        jax.block_until_ready(shj.flash_attn_varlen_func(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k),
+                                                         mq - 1, mk))
