@@ -11,7 +11,6 @@ from ._bootstrap import TcpBootstrap, UniqueId, new_unique_id
 from ._errors import SymheapError
 
 _DEFAULT_HEAP = {"cpu": "128M", "cuda": "1G"}
-_DEFAULT_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -70,19 +69,28 @@ def _as_int(value, name: str) -> int:
     return value
 
 
-def resolve_timeout(timeout) -> float:
+def resolve_timeout(timeout, what: str = "timeout") -> float:
+    """Seconds for a wait: ``timeout``, else SYMHEAP_TIMEOUT, else the core's default.
+    Every source is checked against the same range, by the core."""
     if timeout is None:
         text = os.environ.get("SYMHEAP_TIMEOUT")
         if not text:
-            return _DEFAULT_TIMEOUT_S
+            return _core.default_timeout_s
         try:
-            timeout = float(text)
+            timeout, what = float(text), "SYMHEAP_TIMEOUT"
         except ValueError:
             raise ValueError(f"SYMHEAP_TIMEOUT={text!r} is not a number of seconds") from None
-    timeout = float(timeout)
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
-    return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        try:
+            timeout = float(timeout)
+        except (TypeError, ValueError):
+            raise TypeError(f"{what} must be a number of seconds, got "
+                            f"{type(timeout).__name__}") from None
+    try:
+        timeout = float(timeout)
+    except OverflowError:
+        timeout = float("inf")
+    return _core.check_timeout(timeout, what)
 
 
 def resolve_heap_size(heap_size) -> int:
@@ -126,7 +134,7 @@ def _reap_stale_segments() -> None:
 
 def current_pe() -> PE:
     """The PE of the calling thread's current device; raises before init."""
-    device = _core.current_device()
+    device = _core.acting_device()
     pe = _pes.get(device)
     if pe is None:
         raise SymheapError(f"symheap is not initialised on device {device} of this thread: "
@@ -169,7 +177,8 @@ def init(rank: int, world_size: int, unique_id: bytes, *, device: int | None = N
     info = _core.create_pe(uid.job, device, rank, world_size, heap_bytes, timeout)
     boot = None
     try:
-        boot = TcpBootstrap(uid, rank, world_size, timeout)
+        boot = TcpBootstrap(uid, rank, world_size, timeout,
+                            on_failure=lambda why: _core.mark_failed(device, why))
         infos = boot.allgather_json(info, "init")
         sizes = {i["heap_size"] for i in infos}
         if len(sizes) > 1:
@@ -203,6 +212,8 @@ def finalize() -> None:
     """
     pe = current_pe()
     try:
+        if pe.bootstrap.failure:
+            return  # the job failed (a PE died): no collective can complete; clean up here
         pe.bootstrap.barrier("finalize")
         if backend() == "cuda":
             # CUDA IPC: every importer unmaps before any owner frees its heap.
