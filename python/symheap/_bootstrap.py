@@ -574,7 +574,8 @@ class TcpBootstrap:
     def barrier(self, tag: str, timeout: float | None = None) -> None:
         self.allgather(b"", tag, timeout)
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """Says goodbye; the root (on PE 0) waits up to ``grace_s`` for the others'."""
         self.closing = True
         if not self.failure:
             try:
@@ -588,4 +589,4 @@ class TcpBootstrap:
         self.reader.join(10)
         self.sock.close()
         if self.root:
-            self.root.close(grace_s=0 if self.failure else 5.0)
+            self.root.close(grace_s=0 if self.failure else grace_s)

@@ -200,7 +200,7 @@ def init(rank: int, world_size: int, unique_id: bytes, *, device: int | None = N
     except BaseException:
         _core.destroy_pe(device)
         if boot is not None:
-            boot.close()
+            boot.close(grace_s=0)  # init failed: the other PEs fail too, no goodbyes
         raise
 
 
