@@ -1,6 +1,7 @@
 """Init, finalize and the per-device PE registry of the Python layer."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -104,8 +105,33 @@ def resolve_heap_size(heap_size) -> int:
     return heap_size
 
 
+def _segment_is_stale(path: str) -> bool:
+    """True when no process holds the segment's liveness lock.
+
+    The owner takes a shared flock on its heap segment for as long as it
+    lives (src/backends/cpu_backend.cpp). A lock is seen from every PID
+    namespace that shares /dev/shm, unlike a pid. Empty segments are left
+    alone: their owner may be about to take the lock.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_size == 0:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held: the owner lives
+        return True
+    finally:
+        os.close(fd)
+
+
 def _reap_stale_segments() -> None:
-    """Unlinks heap segments left by processes of this user that died during init.
+    """Unlinks heap segments of this user whose owner died during init.
 
     A heap's shared-memory name is dropped as soon as every peer has mapped
     it; only a process killed inside init can leave one behind.
@@ -115,21 +141,14 @@ def _reap_stale_segments() -> None:
     except OSError:
         return
     for name in names:
-        parts = name.split(".")
-        if parts[0] != "symheap" or len(parts) < 2 or not parts[1].isdigit():
+        if not name.startswith("symheap."):
             continue
         path = os.path.join("/dev/shm", name)
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
+        if _segment_is_stale(path):
             try:
                 os.unlink(path)
             except OSError:
                 pass
-        except OSError:
-            continue
 
 
 def current_pe() -> PE:

@@ -3,6 +3,7 @@
 // threads of one process use direct pointers. A "kernel" runs on the calling
 // thread, so every operation is complete when it returns.
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -87,6 +88,11 @@ class CpuBackend final : public Backend {
     int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);  // owner-only
     if (fd < 0)
       throw std::runtime_error("shm_open(" + name + ") failed: " + std::strerror(errno));
+    // A shared lock held for the heap's life tells the stale-segment reaper
+    // (symheap._runtime) that the owner lives, whatever PID namespace it is
+    // in; the reaper leaves empty segments alone, so taking it after the
+    // open is race-free.
+    flock(fd, LOCK_SH);
     // Reserve every page now: a sparse heap would fail later, with SIGBUS, on
     // the first write past the free space of /dev/shm.
     size_t free_bytes = 0, total = 0;
@@ -108,7 +114,11 @@ class CpuBackend final : public Backend {
     }
     try {
       auto region = map_shm(fd, bytes, name);
-      close(fd);
+      auto unmap = std::move(region->on_release);
+      region->on_release = [unmap, fd] {
+        unmap();
+        close(fd);  // drops the liveness lock
+      };
       return region;
     } catch (...) {
       close(fd);
