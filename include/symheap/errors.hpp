@@ -22,6 +22,11 @@ struct HeapExhausted : std::runtime_error {
 struct StateError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// A wait left early because its PE is being finalized or its job failed (a
+// PE died): the PEs are out of step (symheap.SymheapError).
+struct JobFailed : StateError {
+  using StateError::StateError;
+};
 // An operation needs a load/store path the peer does not have.
 struct Unsupported : std::runtime_error {
   using std::runtime_error::runtime_error;

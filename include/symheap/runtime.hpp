@@ -2,6 +2,7 @@
 // hosts a PE owns one PeState slot, found from the calling thread's current
 // device or, from any thread, through the process-wide rank -> device map.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -16,6 +17,14 @@
 #include "symheap/device_context.h"
 
 namespace symheap {
+
+// Timeouts, in seconds: the default of every wait, and the accepted range
+// (0, kMaxTimeoutS]. Written once here; the Python layer reads them.
+constexpr double kDefaultTimeoutS = 120.0;
+constexpr double kMaxTimeoutS = 1e6;
+// Returns `t` or throws InvalidArgument naming `what` and the range (NaN,
+// inf, zero, negative and values above kMaxTimeoutS are refused alike).
+double checked_timeout(double t, const char* what = "timeout");
 
 enum class PeerKind { Self = 0, SameProcess = 1, SameNode = 2, Remote = 3 };
 const char* peer_kind_name(PeerKind kind);
@@ -68,7 +77,7 @@ struct PeState {
   int n_pes = 0;
   size_t heap_size = 0;
   size_t header_size = 0;  // reserved bytes at the start of every heap
-  double timeout_s = 120.0;
+  double timeout_s = kDefaultTimeoutS;
   std::shared_ptr<Region> heap;
   std::vector<Peer> peers;
 
@@ -99,6 +108,37 @@ struct PeState {
 
   // Per-op caches tied to this PE (plans, symmetric workspaces).
   DeviceCaches caches;
+
+  // Lifetime of calls: every operation counts itself in `in_flight` (PeUse);
+  // finalize sets `closing`, then waits for the count to drain before it
+  // tears down peer mappings. Waits see `closing` and leave at once.
+  std::atomic<int> in_flight{0};
+  std::atomic<bool> closing{false};
+
+  // Set once when the job failed (a PE died, a collective timed out): every
+  // wait of this PE, now or later, throws the first cause.
+  void mark_failed(const std::string& why);
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  std::string failure() const;
+  void throw_if_failed() const;  // StateError with the first cause
+
+ private:
+  std::atomic<bool> failed_{false};
+  mutable std::mutex failure_mu_;
+  std::string failure_;
+};
+
+// Counts one call in flight on a PE for as long as it lives; throws
+// StateError if the PE is being finalized.
+class PeUse {
+ public:
+  explicit PeUse(PeState& s);
+  ~PeUse() { s_.in_flight.fetch_sub(1, std::memory_order_seq_cst); }
+  PeUse(const PeUse&) = delete;
+  PeUse& operator=(const PeUse&) = delete;
+
+ private:
+  PeState& s_;
 };
 
 DeviceContext device_context(const PeState& s);
@@ -114,7 +154,12 @@ class Runtime {
   std::string backend_name();
 
   int current_device();
+  // Sets the thread's device and records that the thread chose one.
   void set_device(int device);
+  // Device of the PE the calling thread acts for: its current device once it
+  // chose one (set_device or init); before that, the only PE of the process,
+  // and a StateError naming the cause when the process hosts several.
+  int acting_device();
 
   // Creates the slot of `device` with its heap; throws if the slot is in use.
   std::shared_ptr<PeState> create_pe(uint64_t job, int device, int rank, int world,

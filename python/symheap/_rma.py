@@ -1,12 +1,10 @@
 """Host-initiated RMA, signals, atomics and synchronisation."""
 from __future__ import annotations
 
-import math
-
 from . import _core
 from ._backend_views import check_device_errors, stream_handle
 from ._memory import resolve
-from ._runtime import _as_int, current_pe
+from ._runtime import _as_int, current_pe, resolve_timeout
 
 _VIAS = ("auto", "load_store", "copy_engine")
 _COMPARES = ("eq", "ne", "gt", "ge", "lt", "le", "==", "!=", ">", ">=", "<", "<=")
@@ -110,10 +108,7 @@ def signal_op(signal, value: int, pe: int, op: str = "set", *, stream=None) -> N
 
 
 def _timeout(pe, timeout) -> float:
-    t = pe.timeout if timeout is None else float(timeout)
-    if not (t > 0 and math.isfinite(t)):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
-    return t
+    return pe.timeout if timeout is None else resolve_timeout(timeout)
 
 
 def signal_wait_until(signal, cmp: str, value: int, timeout: float | None = None) -> int:

@@ -1,6 +1,7 @@
 """Init, finalize and the per-device PE registry of the Python layer."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -11,7 +12,6 @@ from ._bootstrap import TcpBootstrap, UniqueId, new_unique_id
 from ._errors import SymheapError
 
 _DEFAULT_HEAP = {"cpu": "128M", "cuda": "1G"}
-_DEFAULT_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -70,19 +70,28 @@ def _as_int(value, name: str) -> int:
     return value
 
 
-def resolve_timeout(timeout) -> float:
+def resolve_timeout(timeout, what: str = "timeout") -> float:
+    """Seconds for a wait: ``timeout``, else SYMHEAP_TIMEOUT, else the core's default.
+    Every source is checked against the same range, by the core."""
     if timeout is None:
         text = os.environ.get("SYMHEAP_TIMEOUT")
         if not text:
-            return _DEFAULT_TIMEOUT_S
+            return _core.default_timeout_s
         try:
-            timeout = float(text)
+            timeout, what = float(text), "SYMHEAP_TIMEOUT"
         except ValueError:
             raise ValueError(f"SYMHEAP_TIMEOUT={text!r} is not a number of seconds") from None
-    timeout = float(timeout)
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
-    return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        try:
+            timeout = float(timeout)
+        except (TypeError, ValueError):
+            raise TypeError(f"{what} must be a number of seconds, got "
+                            f"{type(timeout).__name__}") from None
+    try:
+        timeout = float(timeout)
+    except OverflowError:
+        timeout = float("inf")
+    return _core.check_timeout(timeout, what)
 
 
 def resolve_heap_size(heap_size) -> int:
@@ -96,8 +105,33 @@ def resolve_heap_size(heap_size) -> int:
     return heap_size
 
 
+def _segment_is_stale(path: str) -> bool:
+    """True when no process holds the segment's liveness lock.
+
+    The owner takes a shared flock on its heap segment for as long as it
+    lives (src/backends/cpu_backend.cpp). A lock is seen from every PID
+    namespace that shares /dev/shm, unlike a pid. Empty segments are left
+    alone: their owner may be about to take the lock.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_size == 0:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held: the owner lives
+        return True
+    finally:
+        os.close(fd)
+
+
 def _reap_stale_segments() -> None:
-    """Unlinks heap segments left by processes of this user that died during init.
+    """Unlinks heap segments of this user whose owner died during init.
 
     A heap's shared-memory name is dropped as soon as every peer has mapped
     it; only a process killed inside init can leave one behind.
@@ -107,26 +141,19 @@ def _reap_stale_segments() -> None:
     except OSError:
         return
     for name in names:
-        parts = name.split(".")
-        if parts[0] != "symheap" or len(parts) < 2 or not parts[1].isdigit():
+        if not name.startswith("symheap."):
             continue
         path = os.path.join("/dev/shm", name)
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
+        if _segment_is_stale(path):
             try:
                 os.unlink(path)
             except OSError:
                 pass
-        except OSError:
-            continue
 
 
 def current_pe() -> PE:
     """The PE of the calling thread's current device; raises before init."""
-    device = _core.current_device()
+    device = _core.acting_device()
     pe = _pes.get(device)
     if pe is None:
         raise SymheapError(f"symheap is not initialised on device {device} of this thread: "
@@ -169,7 +196,8 @@ def init(rank: int, world_size: int, unique_id: bytes, *, device: int | None = N
     info = _core.create_pe(uid.job, device, rank, world_size, heap_bytes, timeout)
     boot = None
     try:
-        boot = TcpBootstrap(uid, rank, world_size, timeout)
+        boot = TcpBootstrap(uid, rank, world_size, timeout,
+                            on_failure=lambda why: _core.mark_failed(device, why))
         infos = boot.allgather_json(info, "init")
         sizes = {i["heap_size"] for i in infos}
         if len(sizes) > 1:
@@ -191,7 +219,7 @@ def init(rank: int, world_size: int, unique_id: bytes, *, device: int | None = N
     except BaseException:
         _core.destroy_pe(device)
         if boot is not None:
-            boot.close()
+            boot.close(grace_s=0)  # init failed: the other PEs fail too, no goodbyes
         raise
 
 
@@ -203,6 +231,8 @@ def finalize() -> None:
     """
     pe = current_pe()
     try:
+        if pe.bootstrap.failure:
+            return  # the job failed (a PE died): no collective can complete; clean up here
         pe.bootstrap.barrier("finalize")
         if backend() == "cuda":
             # CUDA IPC: every importer unmaps before any owner frees its heap.

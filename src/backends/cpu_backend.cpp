@@ -3,8 +3,10 @@
 // threads of one process use direct pointers. A "kernel" runs on the calling
 // thread, so every operation is complete when it returns.
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -15,6 +17,7 @@
 
 #include "symheap/backend.hpp"
 #include "symheap/errors.hpp"
+#include "symheap/runtime.hpp"
 
 namespace symheap {
 namespace {
@@ -45,6 +48,27 @@ std::shared_ptr<Region> map_shm(int fd, size_t bytes, const std::string& name) {
   return region;
 }
 
+// Free and total bytes of the file system behind shared memory.
+bool shm_space(size_t* free_bytes, size_t* total_bytes) {
+  struct statvfs st;
+  if (statvfs("/dev/shm", &st) != 0) return false;
+  *free_bytes = static_cast<size_t>(st.f_bavail) * st.f_frsize;
+  *total_bytes = static_cast<size_t>(st.f_blocks) * st.f_frsize;
+  return true;
+}
+
+// A heap that does not fit: the message names the sizes and the remedies.
+std::string no_room(const std::string& name, size_t bytes, const char* why) {
+  size_t free_bytes = 0, total = 0;
+  std::string space = shm_space(&free_bytes, &total)
+                          ? format_size(free_bytes) + " free of " + format_size(total)
+                          : std::string("free space unknown");
+  return "cannot reserve the " + format_size(bytes) + " shared-memory heap " + name +
+         ": /dev/shm has " + space + " (" + why +
+         "). Lower heap_size / SYMHEAP_HEAP_SIZE, run fewer PEs on this node, or enlarge "
+         "/dev/shm (docker run --shm-size=..., or mount -o remount,size=... /dev/shm)";
+}
+
 class CpuBackend final : public Backend {
  public:
   CpuBackend() : device_count_(env_device_count()) {}
@@ -64,17 +88,37 @@ class CpuBackend final : public Backend {
     int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);  // owner-only
     if (fd < 0)
       throw std::runtime_error("shm_open(" + name + ") failed: " + std::strerror(errno));
-    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-      int err = errno;
+    // A shared lock held for the heap's life tells the stale-segment reaper
+    // (symheap._runtime) that the owner lives, whatever PID namespace it is
+    // in; the reaper leaves empty segments alone, so taking it after the
+    // open is race-free.
+    flock(fd, LOCK_SH);
+    // Reserve every page now: a sparse heap would fail later, with SIGBUS, on
+    // the first write past the free space of /dev/shm.
+    size_t free_bytes = 0, total = 0;
+    int err = 0;
+    const char* why = nullptr;
+    if (shm_space(&free_bytes, &total) && bytes > free_bytes) {
+      why = "not enough free space";
+    } else if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      err = errno;
+      why = "ftruncate failed";
+    } else if ((err = posix_fallocate(fd, 0, static_cast<off_t>(bytes))) != 0) {
+      why = err == ENOSPC ? "the reservation ran out of space" : "posix_fallocate failed";
+    }
+    if (why) {
       close(fd);
       shm_unlink(name.c_str());
-      throw HeapExhausted("cannot size the shared-memory heap " + name + " to " +
-                          std::to_string(bytes) + " bytes: " + std::strerror(err) +
-                          " (lower SYMHEAP_HEAP_SIZE or enlarge /dev/shm)");
+      std::string detail = err ? std::string(why) + ": " + std::strerror(err) : why;
+      throw HeapExhausted(no_room(name, bytes, detail.c_str()));
     }
     try {
       auto region = map_shm(fd, bytes, name);
-      close(fd);
+      auto unmap = std::move(region->on_release);
+      region->on_release = [unmap, fd] {
+        unmap();
+        close(fd);  // drops the liveness lock
+      };
       return region;
     } catch (...) {
       close(fd);

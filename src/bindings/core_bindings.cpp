@@ -8,6 +8,7 @@
 #include "bindings/registry.hpp"
 #include "symheap/errors.hpp"
 #include "symheap/runtime.hpp"
+#include "symheap/wait.hpp"
 
 namespace py = pybind11;
 using namespace symheap;
@@ -57,6 +58,15 @@ PeInfo dict_to_info(const py::dict& d) {
   return info;
 }
 
+// Lets Ctrl-C through long waits: on the main thread, runs Python's signal
+// handlers (with the GIL briefly taken) and raises what they raise.
+unsigned long g_main_thread = 0;
+void check_python_signals() {
+  if (PyThread_get_thread_ident() != g_main_thread) return;  // handlers run there only
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
 // Keeps a heap mapping alive for as long as Python objects view it.
 struct HeapRef {
   std::shared_ptr<Region> region;
@@ -70,6 +80,29 @@ SYMHEAP_BINDINGS(core) {
         return reinterpret_cast<uintptr_t>(h.region->base);
       })
       .def_property_readonly("size", [](const HeapRef& h) { return h.region->size; });
+
+  g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident")
+                      .cast<unsigned long>();
+  set_interrupt_check(&check_python_signals);
+  m.attr("default_timeout_s") = kDefaultTimeoutS;
+  m.attr("max_timeout_s") = kMaxTimeoutS;
+  m.def("check_timeout", [](double t, const std::string& what) {
+    return checked_timeout(t, what.c_str());
+  });
+  m.def("acting_device", [] { return rt().acting_device(); });
+  // Records that the job failed (a PE died): every wait of the PE on
+  // `device` raises `why` from now on. False when no PE is there.
+  m.def("mark_failed", [](int device, const std::string& why) {
+    auto s = rt().slot(device);
+    if (!s) return false;
+    s->mark_failed(why);
+    return true;
+  });
+  m.def("failure", [](int device) -> py::object {
+    auto s = rt().slot(device);
+    if (!s || !s->failed()) return py::none();
+    return py::str(s->failure());
+  });
 
   m.def("backend_name", [] { return rt().backend_name(); });
   m.def("select_backend", [](const std::string& name) { rt().select_backend(name); });
@@ -235,6 +268,7 @@ SYMHEAP_BINDINGS(core) {
   });
   m.def("all_peers_load_store", [] {
     auto s = rt().current();
+    PeUse use(*s);
     for (auto& p : s->peers)
       if (!p.base) return false;
     return true;

@@ -9,33 +9,13 @@
 
 #include "symheap/errors.hpp"
 #include "symheap/runtime.hpp"
+#include "symheap/wait.hpp"
 
 namespace symheap {
 namespace host {
 namespace {
 
 Backend& be() { return Runtime::instance().backend(); }
-
-using Clock = std::chrono::steady_clock;
-
-// Spins briefly, then yields, then sleeps: cheap when the answer comes soon,
-// polite to the other PEs of the process when it does not.
-class Backoff {
- public:
-  void pause() {
-    ++n_;
-    if (n_ < 256) return;
-    if (n_ < 2048) {
-      sched_yield();
-      return;
-    }
-    timespec ts{0, 20000};
-    nanosleep(&ts, nullptr);
-  }
-
- private:
-  unsigned n_ = 0;
-};
 
 std::string fmt_seconds(double s) {
   char buf[32];
@@ -46,12 +26,14 @@ std::string fmt_seconds(double s) {
 }  // namespace
 
 void put(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream) {
+  PeUse use(s);
   size_t off = s.checked_offset(dst, nbytes, "put destination");
   char* remote = s.peer_address(pe, off, "put");
   be().copy(s.device, remote, src, nbytes, stream);
 }
 
 void get(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream) {
+  PeUse use(s);
   size_t off = s.checked_offset(src, nbytes, "get source");
   char* remote = s.peer_address(pe, off, "get");
   be().copy(s.device, dst, remote, nbytes, stream);
@@ -69,11 +51,13 @@ uint64_t* signal_target(PeState& s, uint64_t* signal, int pe) {
 
 void signal_op(PeState& s, uint64_t* signal, uint64_t value, SignalOp op, int pe,
                StreamHandle stream) {
+  PeUse use(s);
   be().signal(s.device, signal_target(s, signal, pe), value, op, stream);
 }
 
 void put_signal(PeState& s, void* dst, const void* src, size_t nbytes, uint64_t* signal,
                 uint64_t value, SignalOp op, int pe, StreamHandle stream) {
+  PeUse use(s);
   // Validate everything before moving a byte.
   uint64_t* word = signal_target(s, signal, pe);
   put(s, dst, src, nbytes, pe, stream);
@@ -83,22 +67,20 @@ void put_signal(PeState& s, void* dst, const void* src, size_t nbytes, uint64_t*
 
 uint64_t signal_wait_until(PeState& s, uint64_t* signal, Compare cmp, uint64_t value,
                            double timeout_s) {
+  PeUse use(s);
   size_t off = s.checked_offset(signal, sizeof(uint64_t), "signal");
   if (off % sizeof(uint64_t))
     throw InvalidArgument("signal word must be 8-byte aligned");
-  if (!(timeout_s > 0) || !std::isfinite(timeout_s)) timeout_s = s.timeout_s;
-  auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
-  Backoff backoff;
-  for (unsigned i = 0;; ++i) {
+  Waiter waiter(&s, timeout_s);
+  for (;;) {
     uint64_t now = be().load_word(s.device, signal);
     if (compare_holds(now, cmp, value)) return now;
-    if ((i & 63) == 0 && Clock::now() > deadline)
+    if (!waiter.pause())
       throw TimeoutError("signal_wait_until on PE " + std::to_string(s.my_pe) +
                          ": signal at heap offset " + std::to_string(off) + " is " +
                          std::to_string(now) + ", still not " + compare_name(cmp) + " " +
                          std::to_string(value) + " after " + fmt_seconds(timeout_s) +
                          " (the PE expected to signal is late or never signalled)");
-    backoff.pause();
   }
 }
 
@@ -112,21 +94,31 @@ int64_t* atomic_target(PeState& s, int64_t* dst, int pe, const char* what) {
 }  // namespace
 
 int64_t atomic_fetch_add(PeState& s, int64_t* dst, int64_t value, int pe) {
+  PeUse use(s);
   return be().fetch_add(s.device, atomic_target(s, dst, pe, "atomic_fetch_add"), value);
 }
 int64_t atomic_compare_swap(PeState& s, int64_t* dst, int64_t cond, int64_t value, int pe) {
+  PeUse use(s);
   return be().compare_swap(s.device, atomic_target(s, dst, pe, "atomic_compare_swap"), cond,
                            value);
 }
 int64_t atomic_swap(PeState& s, int64_t* dst, int64_t value, int pe) {
+  PeUse use(s);
   return be().swap(s.device, atomic_target(s, dst, pe, "atomic_swap"), value);
 }
 
-void quiet(PeState& s, StreamHandle stream) { be().quiet(s.device, stream); }
-void fence(PeState& s, StreamHandle stream) { be().fence(s.device, stream); }
+void quiet(PeState& s, StreamHandle stream) {
+  PeUse use(s);
+  be().quiet(s.device, stream);
+}
+void fence(PeState& s, StreamHandle stream) {
+  PeUse use(s);
+  be().fence(s.device, stream);
+}
 
 void barrier_all(PeState& s, double timeout_s) {
-  if (!(timeout_s > 0) || !std::isfinite(timeout_s)) timeout_s = s.timeout_s;
+  PeUse use(s);
+  Waiter waiter(&s, timeout_s);
   for (int p = 0; p < s.n_pes; ++p)
     if (!s.peers[p].base)
       throw Unsupported("barrier_all through the heap needs a load/store path to every PE");
@@ -143,12 +135,10 @@ void barrier_all(PeState& s, double timeout_s) {
     auto* word = reinterpret_cast<uint64_t*>(static_cast<char*>(s.peers[p].base) + my_flag);
     be().signal(s.device, word, 1, SignalOp::Add, 0);
   }
-  auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
   uint64_t* flags = s.barrier_flags();
   for (int q = 0; q < s.n_pes; ++q) {
-    Backoff backoff;
-    for (unsigned i = 0; be().load_word(s.device, &flags[q]) < epoch; ++i) {
-      if ((i & 63) == 0 && Clock::now() > deadline) {
+    while (be().load_word(s.device, &flags[q]) < epoch) {
+      if (!waiter.pause()) {
         std::string late;
         for (int r = 0; r < s.n_pes; ++r)
           if (be().load_word(s.device, &flags[r]) < epoch)
@@ -158,7 +148,6 @@ void barrier_all(PeState& s, double timeout_s) {
                            fmt_seconds(timeout_s) + ": PE(s) " + late +
                            " never reached the barrier");
       }
-      backoff.pause();
     }
   }
 }

@@ -1,5 +1,6 @@
 #include "symheap/runtime.hpp"
 
+#include <time.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -13,6 +14,9 @@ namespace symheap {
 
 namespace {
 size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+// Whether the calling thread chose its device (set_device or init): a thread
+// that did not must not silently act for device 0's PE.
+thread_local bool t_device_chosen = false;
 }  // namespace
 
 // ---------------------------------------------------------------- PeState
@@ -99,7 +103,27 @@ void Runtime::select_backend(const std::string& name) {
 std::string Runtime::backend_name() { return backend().name(); }
 
 int Runtime::current_device() { return backend().current_device(); }
-void Runtime::set_device(int device) { backend().set_device(device); }
+void Runtime::set_device(int device) {
+  backend().set_device(device);
+  t_device_chosen = true;
+}
+
+int Runtime::acting_device() {
+  if (t_device_chosen) return current_device();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (slots_.size() == 1) return slots_.begin()->first;
+    if (slots_.size() > 1) {
+      std::string devices;
+      for (auto& kv : slots_) devices += (devices.empty() ? "" : ", ") + std::to_string(kv.first);
+      throw StateError(
+          "this thread never chose a device, and this process hosts PEs on devices " + devices +
+          ": call symheap.set_device(d) in this thread first (a new thread does not inherit "
+          "the device of the thread that started it)");
+    }
+  }
+  return current_device();
+}
 
 std::shared_ptr<PeState> Runtime::create_pe(uint64_t job, int device, int rank, int world,
                                             size_t heap_size, double timeout_s) {
@@ -112,7 +136,7 @@ std::shared_ptr<PeState> Runtime::create_pe(uint64_t job, int device, int rank, 
     throw InvalidArgument("device " + std::to_string(device) + " out of range: the " +
                           std::string(be.name()) + " backend has " +
                           std::to_string(be.device_count()) + " devices");
-  if (!(timeout_s > 0)) throw InvalidArgument("timeout must be positive");
+  checked_timeout(timeout_s);
   size_t header = round_up(PeState::header_words(world) * sizeof(uint64_t), 4096);
   if (heap_size < header + 4096)
     throw InvalidArgument("heap size " + std::to_string(heap_size) + " bytes is too small: " +
@@ -232,6 +256,13 @@ void Runtime::destroy_pe(int device) {
     for (auto x = xla_devices_.begin(); x != xla_devices_.end();)
       x = x->second == device ? xla_devices_.erase(x) : std::next(x);
   }
+  // Let calls in flight on other threads finish (waits leave at once when
+  // they see `closing`) before the peer mappings go away under them.
+  state->closing.store(true, std::memory_order_seq_cst);
+  while (state->in_flight.load(std::memory_order_seq_cst) > 0) {
+    timespec ts{0, 200000};
+    nanosleep(&ts, nullptr);
+  }
   if (state->heap && backend_) backend_->unexport(state->heap->export_handle);
   state->peers.clear();  // drops peer mappings held by this PE
 }
@@ -243,7 +274,7 @@ std::shared_ptr<PeState> Runtime::slot(int device) {
 }
 
 std::shared_ptr<PeState> Runtime::current() {
-  int device = current_device();
+  int device = acting_device();
   auto state = slot(device);
   if (!state || state->peers.empty())
     throw StateError("symheap is not initialised on device " + std::to_string(device) +

@@ -35,6 +35,7 @@
 #include "ops/ep/ep_op.hpp"
 #include "ops/ep/ep_routing.hpp"
 #include "symheap/errors.hpp"
+#include "symheap/wait.hpp"
 
 namespace symheap::ep {
 namespace {
@@ -49,23 +50,13 @@ T* at(const PeState& s, const Op& op, int pe, size_t off) {
 void store_flag(uint64_t* word, uint64_t v) { __atomic_store_n(word, v, __ATOMIC_RELEASE); }
 uint64_t load_flag(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
-void pause(unsigned i) {
-  if (i < 64) return;
-  if (i < 1024) {
-    sched_yield();
-    return;
-  }
-  timespec ts{0, 20000};
-  nanosleep(&ts, nullptr);
-}
-
 // Waits until flags[q] >= target for every PE q; the error names the late ones.
-void wait_all(const Op& op, const uint64_t* flags, uint64_t target, const std::string& call,
-              const char* what) {
-  auto deadline = Clock::now() + std::chrono::duration<double>(op.timeout_s);
+void wait_all(const PeState& s, const Op& op, const uint64_t* flags, uint64_t target,
+              const std::string& call, const char* what) {
+  Waiter waiter(&s, op.timeout_s);
   for (int q = 0; q < op.n_pes; ++q) {
-    for (unsigned i = 0; load_flag(&flags[q]) < target; ++i) {
-      if ((i & 63) == 0 && Clock::now() > deadline) {
+    while (load_flag(&flags[q]) < target) {
+      if (!waiter.pause()) {
         std::string late;
         for (int r = 0; r < op.n_pes; ++r)
           if (load_flag(&flags[r]) < target) late += (late.empty() ? "" : ", ") + std::to_string(r);
@@ -73,7 +64,6 @@ void wait_all(const Op& op, const uint64_t* flags, uint64_t target, const std::s
                            std::to_string(op.timeout_s) + " s waiting for " + what +
                            " from PE(s) " + late + " (did every PE make the same call?)");
       }
-      pause(i);
     }
   }
 }
@@ -124,7 +114,7 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
   }
 
   // 2. Every PE's counts: the same matrix everywhere, so the same decisions.
-  wait_all(op, at<uint64_t>(s, op, me, g.off_count_flag), epoch, call, "routing counts");
+  wait_all(s, op, at<uint64_t>(s, op, me, g.off_count_flag), epoch, call, "routing counts");
   std::vector<int32_t> M(static_cast<size_t>(n) * g.count_words);
   std::memcpy(M.data(), at<int32_t>(s, op, me, g.off_count_rows), M.size() * 4);
   auto cell = [&](int q, int i) { return M[static_cast<size_t>(q) * g.count_words + i]; };
@@ -227,7 +217,7 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
 
   // 4. Signal and wait even when aborting: count rows stay safe to reuse.
   for (int p = 0; p < n; ++p) store_flag(at<uint64_t>(s, op, p, g.off_data_flag) + me, epoch);
-  wait_all(op, at<uint64_t>(s, op, me, g.off_data_flag), epoch, call, "dispatched rows");
+  wait_all(s, op, at<uint64_t>(s, op, me, g.off_data_flag), epoch, call, "dispatched rows");
   if (!abort.empty()) {
     std::string msg = call + " aborted on every PE: " + abort;
     if (my_fault || overflow) throw InvalidArgument(msg);
@@ -306,7 +296,7 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
   if (status == kOk && (a.num_tokens < 0 || a.num_tokens > c.max_tokens)) status = kBadArgument;
 
   // 1. Each source must have consumed its buffer of the previous combine.
-  wait_all(op, at<uint64_t>(s, op, me, g.off_freed_flag), epoch - 1, call,
+  wait_all(s, op, at<uint64_t>(s, op, me, g.off_freed_flag), epoch - 1, call,
            "the previous combine to finish");
   // 2. Every received row back to its source, at the row the source chose.
   const size_t crb = g.combine_row_bytes;
@@ -352,7 +342,7 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
     at<int32_t>(s, op, p, g.off_combine_status)[me] = status;
     store_flag(at<uint64_t>(s, op, p, g.off_combine_flag) + me, epoch);
   }
-  wait_all(op, at<uint64_t>(s, op, me, g.off_combine_flag), epoch, call, "combined rows");
+  wait_all(s, op, at<uint64_t>(s, op, me, g.off_combine_flag), epoch, call, "combined rows");
   std::string abort;
   const int32_t* statuses = at<int32_t>(s, op, me, g.off_combine_status);
   for (int q = 0; q < n; ++q)

@@ -109,18 +109,55 @@ std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeS
   return it->second;
 }
 
+namespace {
+// A call that failed part-way (a wait timed out, a peer died, an interrupt)
+// leaves the PEs out of step on this op's sync words: remember the cause so
+// every later call raises it at once instead of waiting for another timeout.
+// Bad arguments are found before anything moves and leave the op usable.
+template <class F>
+auto guarded(PeState& s, Op& op, const char* what, F&& body) {
+  PeUse use(s);
+  if (!op.failure.empty())
+    throw StateError("ep " + std::string(what) + " on PE " + std::to_string(op.my_pe) +
+                     ": this EpDispatchCombine failed earlier and is out of step with its "
+                     "peers (" + op.failure +
+                     "); close it and create a new one on every PE (or finalize and init "
+                     "again if a PE died)");
+  try {
+    return body();
+  } catch (const TimeoutError& e) {
+    op.failure = e.what();
+    throw;
+  } catch (const JobFailed& e) {
+    op.failure = e.what();
+    throw;
+  } catch (const InvalidArgument&) {
+    throw;  // found before anything moved, or aborted in step on every PE
+  } catch (const StateError&) {
+    throw;
+  } catch (...) {  // an interrupt (Ctrl-C) part-way
+    op.failure = "an earlier call was interrupted part-way";
+    throw;
+  }
+}
+}  // namespace
+
 int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a) {
   std::lock_guard<std::mutex> lock(op.mu);
-  DeviceGuard guard(s.device);
-  if (op.impl) return op.impl->dispatch(s, op, a);
-  return dispatch_cpu(s, op, a);
+  return guarded(s, op, "dispatch", [&]() -> int64_t {
+    DeviceGuard guard(s.device);
+    if (op.impl) return op.impl->dispatch(s, op, a);
+    return dispatch_cpu(s, op, a);
+  });
 }
 
 void combine(PeState& s, Op& op, const CombineArgs& a) {
   std::lock_guard<std::mutex> lock(op.mu);
-  DeviceGuard guard(s.device);
-  if (op.impl) return op.impl->combine(s, op, a);
-  combine_cpu(s, op, a);
+  guarded(s, op, "combine", [&] {
+    DeviceGuard guard(s.device);
+    if (op.impl) return op.impl->combine(s, op, a);
+    combine_cpu(s, op, a);
+  });
 }
 
 void redispatch(PeState& s, Op& op, const RedispatchArgs& a) {
@@ -134,8 +171,10 @@ void redispatch(PeState& s, Op& op, const RedispatchArgs& a) {
 void check(PeState& s, Op& op, StreamHandle stream, bool sync) {
   std::lock_guard<std::mutex> lock(op.mu);
   if (!op.impl) return;
-  DeviceGuard guard(s.device);
-  op.impl->check(s, op, stream, sync);
+  guarded(s, op, "check", [&] {
+    DeviceGuard guard(s.device);
+    op.impl->check(s, op, stream, sync);
+  });
 }
 
 }  // namespace symheap::ep

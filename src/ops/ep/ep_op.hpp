@@ -79,7 +79,7 @@ struct Op {
   int n_pes = 0;
   int device = -1;
   size_t ws_offset = 0;  // heap offset of the symmetric workspace
-  double timeout_s = 120.0;
+  double timeout_s = kDefaultTimeoutS;
   std::mutex mu;         // one call at a time per op
   uint64_t dispatch_epoch = 0;  // host-side epochs (cpu; the cuda kernels keep theirs on device)
   uint64_t combine_epoch = 0;
@@ -88,6 +88,8 @@ struct Op {
   std::shared_ptr<IssueBoard> board;
   std::vector<int> same_process_peers;
   uint64_t queued_dispatches = 0, queued_combines = 0;
+  // Why a call failed part-way; non-empty: every later call raises it (see ep_op.cpp).
+  std::string failure;
 };
 
 // Creates the op on the calling thread's PE, zeroes its sync words, and
