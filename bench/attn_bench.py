@@ -1,10 +1,14 @@
-"""Attention throughput (TFLOP/s) on CUDA for the shapes of ANCHORS.md, with
-torch SDPA's flash and cuDNN backends measured in the same run.
+"""Attention throughput (TFLOP/s) on CUDA, with torch SDPA's flash and cuDNN
+backends measured in the same run.
 
 bf16, B*S = 16k tokens, H*D = 2048. FLOPs: forward 4*B*H*S*S*D (halved when
 causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
 
-    python bench/attn_bench.py [--json out.json] [--quick]
+    python bench/attn_bench.py [--backend auto|cudnn|own] [--grid issue|full]
+                               [--json out.json] [--quick]
+
+--backend picks symheap's path (as flash_attn_func's backend=); --grid full
+runs head dims 64, 128, 256 x S 512 .. 16k x causal or not.
 """
 from __future__ import annotations
 
@@ -16,12 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from symheap.attention import flash_attn_func
+from symheap.attention import backends, flash_attn_func
 
 SHAPES = [  # (head dim, causal, seqlen)
     (64, False, 4096), (64, True, 4096), (128, False, 1024), (128, False, 4096),
     (128, True, 4096), (128, False, 16384), (128, True, 16384),
 ]
+FULL_SHAPES = [(D, causal, S) for D in (64, 128, 256) for causal in (False, True)
+               for S in (512, 1024, 2048, 4096, 8192, 16384)]
 
 
 def time_ms(fn, warmup=3, reps=10):
@@ -38,7 +44,7 @@ def time_ms(fn, warmup=3, reps=10):
     return statistics.median(times)
 
 
-def bench_shape(D, causal, S, reps):
+def bench_shape(D, causal, S, reps, backend):
     B, H = 16384 // S, 2048 // D
     gen = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
@@ -47,10 +53,10 @@ def bench_shape(D, causal, S, reps):
     flops_fwd = 4 * B * H * S * S * D / (2 if causal else 1)
 
     def ours_fwd():
-        return flash_attn_func(q, k, v, causal=causal)
+        return flash_attn_func(q, k, v, causal=causal, backend=backend)
 
     def ours_fwd_bwd():
-        out = flash_attn_func(q, k, v, causal=causal)
+        out = flash_attn_func(q, k, v, causal=causal, backend=backend)
         torch.autograd.grad(out, (q, k, v), dout)
 
     # SDPA takes (B, H, S, D).
@@ -65,7 +71,7 @@ def bench_shape(D, causal, S, reps):
                     torch.autograd.grad(out, (qt, kt, vt), doutt)
         return run
 
-    row = {"hdim": D, "causal": causal, "seqlen": S, "batch": B, "heads": H}
+    row = {"hdim": D, "causal": causal, "seqlen": S, "batch": B, "heads": H, "backend": backend}
     cases = {"symheap": (ours_fwd, ours_fwd_bwd),
              "sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION, False), sdpa(SDPBackend.FLASH_ATTENTION, True)),
              "sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION, False), sdpa(SDPBackend.CUDNN_ATTENTION, True))}
@@ -81,7 +87,7 @@ def bench_shape(D, causal, S, reps):
     # Accuracy of our output in the same run, against SDPA (flash).
     with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
-        out = flash_attn_func(q, k, v, causal=causal)
+        out = flash_attn_func(q, k, v, causal=causal, backend=backend)
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
     return row
 
@@ -90,23 +96,37 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, skip S=16384")
+    parser.add_argument("--backend", default="auto", choices=["auto", "cudnn", "own"],
+                        help="symheap's path (flash_attn_func's backend=)")
+    parser.add_argument("--grid", default="issue", choices=["issue", "full"],
+                        help="issue: the rows of the issue; full: hdim 64/128/256 x S 512..16k x causal")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"symheap backend {args.backend}, paths {backends()}")
     rows = []
-    for D, causal, S in SHAPES:
+    for D, causal, S in (FULL_SHAPES if args.grid == "full" else SHAPES):
         if args.quick and S > 4096:
             continue
-        rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10))
+        try:
+            rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10, backend=args.backend))
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
+            print(f"hdim {D} causal {causal} S {S}: {type(e).__name__}: {e}"[:300], flush=True)
         torch.cuda.empty_cache()
     fmt = lambda r, n, key: f"{r[n][key]:6.0f}" if key in r[n] else "   n/a"  # noqa: E731
+
+    def ratio(r, key):
+        if key in r["symheap"] and key in r["sdpa_cudnn"]:
+            return f"{r['symheap'][key] / r['sdpa_cudnn'][key]:5.2f}"
+        return "  n/a"
     print(f"{'hdim':>4} {'causal':>6} {'seq':>6} | {'symheap fwd/fwd+bwd':>20} | "
-          f"{'SDPA flash':>14} | {'SDPA cuDNN':>14} | max|diff|")
+          f"{'SDPA flash':>14} | {'SDPA cuDNN':>14} | {'symheap/cuDNN':>13} | max|diff|")
     for r in rows:
         print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} | "
               f"{fmt(r, 'symheap', 'fwd_tflops')} / {fmt(r, 'symheap', 'fwd_bwd_tflops')}      | "
               f"{fmt(r, 'sdpa_flash', 'fwd_tflops')} / {fmt(r, 'sdpa_flash', 'fwd_bwd_tflops')} | "
               f"{fmt(r, 'sdpa_cudnn', 'fwd_tflops')} / {fmt(r, 'sdpa_cudnn', 'fwd_bwd_tflops')} | "
+              f"{ratio(r, 'fwd_tflops')} / {ratio(r, 'fwd_bwd_tflops')} | "
               f"{r['max_abs_diff_vs_sdpa']:.2e}")
     if args.json:
         with open(args.json, "w") as f:

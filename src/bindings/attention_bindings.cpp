@@ -6,10 +6,17 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "bindings/registry.hpp"
 #include "ops/attention/attention.hpp"
 #include "ops/attention/call_plan.hpp"
+#ifdef SYMHEAP_WITH_CUDNN
+#include "ops/attention/cudnn_attention.hpp"
+#elif !defined(SYMHEAP_CUDNN_MISSING)
+#define SYMHEAP_CUDNN_MISSING "the build did not look for cuDNN"
+#endif
 #include "symheap/errors.hpp"
 
 namespace py = pybind11;
@@ -220,5 +227,35 @@ SYMHEAP_BINDINGS(attention) {
   });
 #else
   m.attr("attention_has_cuda") = false;
+#endif
+
+  // The cuDNN path: (usable, version or the reason it is not).
+#ifdef SYMHEAP_WITH_CUDNN
+  m.def("attention_cudnn_status", [] {
+    py::gil_scoped_release nogil;
+    std::string why = cudnn::unavailable_reason();
+    return std::make_pair(why.empty(), why.empty() ? cudnn::version_string() : why);
+  });
+  // (ok, workspace bytes, reason): builds or finds the call's graph.
+  m.def("attention_cudnn_prepare", [](const Args& a, int device, bool backward) {
+    py::gil_scoped_release nogil;
+    cudnn::Prepared p = cudnn::prepare(a, backward, device);
+    return std::make_tuple(p.ok, p.workspace_bytes, p.reason);
+  });
+  m.def("attention_cudnn_forward", [](const Args& a, int device, uintptr_t stream, uintptr_t workspace,
+                                      size_t bytes) {
+    py::gil_scoped_release nogil;
+    cudnn::forward(a, device, as_ptr<void>(stream), as_ptr<void>(workspace), bytes);
+  });
+  m.def("attention_cudnn_backward", [](const Args& a, int device, uintptr_t stream, uintptr_t workspace,
+                                       size_t bytes) {
+    py::gil_scoped_release nogil;
+    cudnn::backward(a, device, as_ptr<void>(stream), as_ptr<void>(workspace), bytes);
+  });
+#else
+  m.def("attention_cudnn_status", [] {
+    return std::make_pair(false, std::string("the cuDNN path was not built: ") +
+                                     SYMHEAP_CUDNN_MISSING);
+  });
 #endif
 }

@@ -1,6 +1,7 @@
 """Attention on CUDA: the issue's grid in float16 and bfloat16 against an fp32
-reference (FlashAttention's rule), every feature, varlen and dropout checked
-against the cpu path, and concurrent threads over all devices."""
+reference (FlashAttention's rule) with each path forced (own kernels, cuDNN,
+auto), every feature, varlen and dropout checked against the cpu path, and
+concurrent threads over all devices."""
 import os
 import sys
 import threading
@@ -29,6 +30,51 @@ def poison_outputs(monkeypatch):
     monkeypatch.setattr(_plan, "poison_outputs", True)
 
 
+# "own" and "cudnn" force a path (SYMHEAP_ATTN_BACKEND); "auto" takes cuDNN
+# for what it supports and the own kernels for the rest.
+PATHS = ["own", "cudnn", "auto"]
+
+
+def require_cudnn():
+    """Skips when this build has no cuDNN path (configured without its headers);
+    fails when it was built in but cannot run here."""
+    ok, why = _core.attention_cudnn_status()
+    if not ok:
+        if "not built" in why:
+            pytest.skip(why)
+        pytest.fail(f"the cuDNN path is built in but unusable: {why}")
+
+
+def cudnn_expected(case, opts) -> bool:
+    """The calls the cuDNN path takes (docs/attention.md, "The cuDNN path"):
+    no bias, mask, ALiBi, softcap or dropout; masking none, causal, or causal
+    with a left window; and causal only with seqlen_q <= seqlen_k."""
+    kw = dict(case["kwargs"], **opts)
+    if any(kw.get(n) is not None for n in ("bias", "mask", "alibi_slopes")):
+        return False
+    if kw.get("softcap", 0) or kw.get("dropout_p", 0):
+        return False
+    left, right = kw.get("window_size", (-1, -1))
+    if kw.get("causal"):
+        right = 0
+    if right > 0 or (left >= 0 and right != 0):
+        return False
+    return not (right == 0 and case["q"].shape[1] > case["k"].shape[1])
+
+
+def check_on_path(path, monkeypatch, case, **opts):
+    """check_case with `path` forced through SYMHEAP_ATTN_BACKEND; a call that
+    cuDNN must not take raises UnsupportedError when cudnn is forced."""
+    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", path)
+    if path == "cudnn":
+        require_cudnn()
+        if not cudnn_expected(case, opts):
+            with pytest.raises(_core.UnsupportedError, match="backend='cudnn' cannot run this call"):
+                flash_attn_func(case["q"], case["k"], case["v"], **dict(case["kwargs"], **opts))
+            return None
+    return check_case(case, **opts)
+
+
 def on_gpu(case):
     return {key: (val.detach().cuda().requires_grad_(val.requires_grad)
                   if isinstance(val, torch.Tensor) else val) for key, val in case.items()}
@@ -42,9 +88,10 @@ def gpu_case(**kw):
 @pytest.mark.parametrize("D", HEAD_DIMS + [32, 64, 96, 128, 160, 192])
 @pytest.mark.parametrize("Sq,Sk", SHAPES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_grid(dtype, D, Sq, Sk, causal):
+@pytest.mark.parametrize("path", PATHS)
+def test_grid(path, dtype, D, Sq, Sk, causal, monkeypatch):
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=D, dtype=dtype, seed=D + Sq)
-    check_case(case, causal=causal)
+    check_on_path(path, monkeypatch, case, causal=causal)
 
 
 FEATURES = {
@@ -66,13 +113,14 @@ FEATURES = {
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("Sq,Sk", [(113, 203), (1024, 1023)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_features(feature, dtype, D, Sq, Sk, causal):
+@pytest.mark.parametrize("path", PATHS)
+def test_features(path, feature, dtype, D, Sq, Sk, causal, monkeypatch):
     make_kw, opts = FEATURES[feature]
     make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
                    if isinstance(v, tuple) else v) for k, v in make_kw.items()}
     make_kw.setdefault("Hkv", 4)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=dtype, seed=D * 7 + Sq, **make_kw)
-    check_case(case, causal=causal, **opts)
+    check_on_path(path, monkeypatch, case, causal=causal, **opts)
 
 
 @pytest.mark.parametrize("opts", [
@@ -198,6 +246,99 @@ def test_threads_over_all_devices():
     assert not errors, errors
     for i in range(8):
         for a, b in zip(single[i], results[i]):
+            assert torch.equal(a, b), f"thread {i} differs"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_cudnn_auto_takes_cudnn_when_supported(D):
+    """auto gives cuDNN's bits on a call it supports and the own kernels' bits
+    on one it does not (a bias)."""
+    require_cudnn()
+    case = gpu_case(B=2, Sq=256, Sk=320, Hq=4, Hkv=2, D=D, bias_shape=(1, 4, 1, 320))
+    q, k, v, bias = case["q"], case["k"], case["v"], case["kwargs"]["bias"]
+    run = {p: flash_attn_func(q, k, v, causal=True, return_lse=True, backend=p) for p in PATHS}
+    for a, b in zip(run["auto"], run["cudnn"]):
+        assert torch.equal(a, b)
+    own = flash_attn_func(q, k, v, bias=bias, causal=True, backend="own")
+    auto = flash_attn_func(q, k, v, bias=bias, causal=True, backend="auto")
+    assert torch.equal(own, auto)
+    with pytest.raises(_core.UnsupportedError, match="bias"):
+        flash_attn_func(q, k, v, bias=bias, backend="cudnn")
+
+
+def test_cudnn_lse_matches_own_kernels():
+    """Backward and return_lse rely on one lse convention (natural log, (B, Hq, Sq))."""
+    require_cudnn()
+    case = gpu_case(B=2, Sq=300, Sk=300, Hq=8, Hkv=2, D=128)
+    _, lse_own = flash_attn_func(case["q"], case["k"], case["v"], causal=True, return_lse=True,
+                                 backend="own")
+    _, lse_cudnn = flash_attn_func(case["q"], case["k"], case["v"], causal=True, return_lse=True,
+                                   backend="cudnn")
+    assert lse_own.shape == lse_cudnn.shape == (2, 8, 300)
+    assert (lse_own - lse_cudnn).abs().max().item() < 1e-3
+
+
+def test_cudnn_no_host_sync_and_no_new_device_memory():
+    require_cudnn()
+    case = gpu_case(B=2, Sq=512, Sk=512, Hq=8, Hkv=2, D=128)
+    q, k, v = case["q"], case["k"], case["v"]
+
+    def step():
+        out = flash_attn_func(q, k, v, causal=True, backend="cudnn")
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    step()  # builds the graphs
+    torch.cuda.synchronize()
+    segments = torch.cuda.memory_stats()["segment.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == segments
+
+
+def test_cudnn_threads_mixed_paths():
+    """8 threads over every device run mixed shapes through cuDNN and the own
+    kernels at once, each on its own stream: results equal the serial ones
+    (deterministic=True, so cuDNN's backward has a fixed summation order)."""
+    require_cudnn()
+    n_dev = torch.cuda.device_count()
+
+    def work(i):
+        dev = torch.device("cuda", i % n_dev)
+        case = make_case(B=2, Sq=256 + 64 * (i % 3), Sk=384, Hq=8, Hkv=[8, 2, 1][i % 3],
+                         D=[64, 128][i % 2], seed=100 + i)
+        xs = [case[n].detach().to(dev).requires_grad_() for n in ("q", "k", "v")]
+        path = "cudnn" if i % 2 == 0 else "own"
+        out, lse = flash_attn_func(*xs, causal=i % 4 < 2, return_lse=True, deterministic=True,
+                                   backend=path)
+        grads = torch.autograd.grad(out, xs, torch.ones_like(out))
+        return [t.cpu() for t in (out, lse) + grads]
+
+    serial = [work(i) for i in range(8)]
+    results, errors = [None] * 8, []
+
+    def body(i):
+        try:
+            dev = torch.device("cuda", i % n_dev)
+            with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
+                for _ in range(3):
+                    results[i] = work(i)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish in 300 s"
+    assert not errors, errors
+    for i in range(8):
+        for a, b in zip(serial[i], results[i]):
             assert torch.equal(a, b), f"thread {i} differs"
 
 

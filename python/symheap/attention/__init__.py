@@ -4,8 +4,8 @@
 the cpu or a CUDA device (no ``symheap.init`` needed) and are differentiable in
 q, k, v and bias. See docs/attention.md.
 """
-from ._function import flash_attn_func, flash_attn_varlen_func
+from ._function import backends, flash_attn_func, flash_attn_varlen_func
 from .reference import attention_reference, dropout_keep_mask
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "attention_reference",
+__all__ = ["backends", "flash_attn_func", "flash_attn_varlen_func", "attention_reference",
            "dropout_keep_mask"]

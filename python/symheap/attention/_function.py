@@ -5,7 +5,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _core
-from ._plan import Plan, core_args, make_plan, new_output, prepare
+from ._plan import Plan, core_args, cudnn_status, make_plan, new_output, prepare
 
 
 def _run_forward(plan: Plan, q, k, v):
@@ -17,10 +17,32 @@ def _run_forward(plan: Plan, q, k, v):
     args = core_args(plan, q=q, k=k, v=v, out=out, lse=lse)
     if plan.on_cuda:
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        _core.attention_forward_cuda(args, q.device.index, stream)
+        if not _run_cudnn(plan, args, q.device, stream, backward=False):
+            _core.attention_forward_cuda(args, q.device.index, stream)
     else:
         _core.attention_forward_cpu(args)
     return out, lse
+
+
+def _run_cudnn(plan: Plan, args, device, stream, backward: bool) -> bool:
+    """Runs the call through cuDNN when the plan allows it and cuDNN takes it.
+    Returns False for the own kernels; raises when backend="cudnn" cannot run it."""
+    if plan.backend == "own":
+        return False
+    if hasattr(_core, "attention_cudnn_prepare"):
+        ok, nbytes, reason = _core.attention_cudnn_prepare(args, device.index, backward)
+    else:
+        ok, nbytes, reason = False, 0, cudnn_status()[1]
+    if not ok:
+        if plan.backend == "cudnn":
+            raise _core.UnsupportedError(f"attention: backend='cudnn' cannot run this call: {reason}")
+        return False
+    # From torch's caching allocator on the caller's stream: no cudaMalloc once
+    # the pool is warm, and no host synchronisation.
+    workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    run = _core.attention_cudnn_backward if backward else _core.attention_cudnn_forward
+    run(args, device.index, stream, workspace.data_ptr(), nbytes)
+    return True
 
 
 def _run_backward(plan: Plan, q, k, v, out, lse, dout, want_dbias: bool):
@@ -36,11 +58,12 @@ def _run_backward(plan: Plan, q, k, v, out, lse, dout, want_dbias: bool):
                      dbias=dbias_ws)
     if plan.on_cuda:
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        nbytes = _core.attention_backward_cuda_workspace_bytes(args)
-        # From torch's caching allocator on the caller's stream: no cudaMalloc
-        # once the pool is warm, and no host synchronisation.
-        workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=q.device)
-        _core.attention_backward_cuda(args, q.device.index, stream, workspace.data_ptr(), nbytes)
+        if not _run_cudnn(plan, args, q.device, stream, backward=True):
+            nbytes = _core.attention_backward_cuda_workspace_bytes(args)
+            # From torch's caching allocator on the caller's stream: no cudaMalloc
+            # once the pool is warm, and no host synchronisation.
+            workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=q.device)
+            _core.attention_backward_cuda(args, q.device.index, stream, workspace.data_ptr(), nbytes)
     else:
         _core.attention_backward_cpu(args)
     dbias = _reduce_dbias(plan, dbias_ws) if want_dbias else None
@@ -92,8 +115,12 @@ def _attention(q, k, v, bias, plan: Plan, return_lse: bool):
 
 def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scale=None,
                     softcap=0.0, bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=None,
-                    return_lse=False, deterministic=False):
+                    return_lse=False, deterministic=False, backend=None):
     """Attention over (B, S, H, D) tensors; see docs/attention.md.
+
+    ``backend`` picks the CUDA path: "auto" (cuDNN's fused attention for every
+    call it supports, the own kernels otherwise), "cudnn" (raise if cuDNN cannot
+    run the call) or "own"; None reads $SYMHEAP_ATTN_BACKEND (default "auto").
 
     Returns ``out`` (B, Sq, Hq, D), or ``(out, lse)`` with ``lse`` (B, Hq, Sq)
     float32 when ``return_lse``. Differentiable in q, k, v and bias.
@@ -101,14 +128,14 @@ def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scal
     plan = make_plan(q, k, v, varlen=False, causal=causal, window_size=window_size,
                      softmax_scale=softmax_scale, softcap=softcap, bias=bias, mask=mask,
                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                     deterministic=deterministic)
+                     deterministic=deterministic, backend=backend)
     return _attention(q, k, v, bias, plan, return_lse)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0,
                            bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=None,
-                           return_lse=False, deterministic=False):
+                           return_lse=False, deterministic=False, backend=None):
     """Attention over packed variable-length sequences: q (total_q, Hq, D), k and
     v (total_k, Hkv, D); sequence b spans rows cu_seqlens[b] : cu_seqlens[b+1].
 
@@ -120,5 +147,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                      window_size=window_size, softmax_scale=softmax_scale, softcap=softcap,
                      bias=bias, mask=mask, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                     seed=seed, deterministic=deterministic)
+                     seed=seed, deterministic=deterministic, backend=backend)
     return _attention(q, k, v, bias, plan, return_lse)
+
+
+def backends() -> dict:
+    """Which attention paths this build and process can use:
+    {name: (usable, detail)}, detail being a version or the reason it is not."""
+    has_cuda = bool(getattr(_core, "attention_has_cuda", False))
+    return {
+        "cpu": (True, "C++ kernels, float32/float16/bfloat16"),
+        "own": (has_cuda, "CUDA kernels (sm_90a)" if has_cuda else "symheap was built without CUDA"),
+        "cudnn": tuple(cudnn_status()),
+    }

@@ -87,6 +87,7 @@ class Plan:
     offset: int
     deterministic: bool
     on_cuda: bool
+    backend: str             # "auto", "cudnn" or "own" (see resolve_backend)
 
 
 def _check_qkv(q, k, v, varlen: bool):
@@ -150,6 +151,37 @@ def _broadcast(x, name, B, Hq, Hkv, Sq, Sk, device, float_ok: bool) -> Optional[
                          per_row=(sq != 1 or Sq == 1))
 
 
+BACKENDS = ("auto", "cudnn", "own")
+BACKEND_ENV = "SYMHEAP_ATTN_BACKEND"
+
+
+def cudnn_status():
+    """(usable, version or the reason it is not) of the cuDNN path, from the core."""
+    return _core.attention_cudnn_status()
+
+
+def resolve_backend(backend, on_cuda: bool) -> str:
+    """The path a CUDA call may take: ``backend`` if given, else $SYMHEAP_ATTN_BACKEND,
+    else "auto" (cuDNN for every call it supports, the own kernels for the rest).
+    cpu calls always run the cpu path: the variable is ignored for them, and an
+    explicit backend="cudnn" on cpu tensors is an error."""
+    source = "backend"
+    if backend is None:
+        backend, source = os.environ.get(BACKEND_ENV, "") or "auto", BACKEND_ENV
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        _fail(f"{source} must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
+    if not on_cuda:
+        if backend == "cudnn" and source == "backend":
+            _fail("backend='cudnn' needs CUDA tensors (q is on the cpu); use backend='auto' or 'own'")
+        return "own"
+    if backend == "cudnn":
+        ok, why = cudnn_status()
+        if not ok:
+            raise _core.UnsupportedError(f"attention: backend='cudnn' ({source}) but the cuDNN path is "
+                                         f"unavailable: {why}")
+    return backend
+
+
 _offset_lock = threading.Lock()
 
 
@@ -178,9 +210,10 @@ def _dropout_seed(seed, dropout_p: float):
 def make_plan(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
               max_seqlen_k=None, causal=False, window_size=(-1, -1), softmax_scale=None,
               softcap=0.0, bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=None,
-              deterministic=False) -> Plan:
+              deterministic=False, backend=None) -> Plan:
     _check_qkv(q, k, v, varlen)
     device = q.device
+    backend = resolve_backend(backend, device.type == "cuda")
     if varlen:
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
@@ -242,7 +275,7 @@ def make_plan(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
     d_run = (D + 7) // 8 * 8 if on_cuda else D
     return Plan(B, Hq, Hkv, D, d_run, Sq, Sk, varlen, cu_seqlens_q, cu_seqlens_k, scale, softcap,
                 (left, right), bias_spec, mask_spec, alibi, dropout_p, seed_value, offset,
-                bool(deterministic), on_cuda)
+                bool(deterministic), on_cuda, backend)
 
 
 def prepare(t: torch.Tensor, plan: Plan) -> torch.Tensor:

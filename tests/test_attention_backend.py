@@ -1,0 +1,53 @@
+"""The attention path selector (backend= / SYMHEAP_ATTN_BACKEND) on the cpu:
+clear errors for impossible or misspelt choices, and backends() reporting."""
+import pytest
+import torch
+
+from symheap.attention import _plan, attention_reference, backends, flash_attn_func
+
+
+def small(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 37, 2, 16, generator=gen) for _ in range(3)]
+
+
+def test_cudnn_on_cpu_tensors_is_a_clear_error():
+    q, k, v = small()
+    with pytest.raises(ValueError, match="backend='cudnn' needs CUDA tensors"):
+        flash_attn_func(q, k, v, backend="cudnn")
+
+
+@pytest.mark.parametrize("bad", ["cuDNN", "flash", "", 3])
+def test_bad_backend_value(bad):
+    q, k, v = small()
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'cudnn', 'own'"):
+        flash_attn_func(q, k, v, backend=bad)
+
+
+def test_bad_env_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "fast")
+    q, k, v = small()
+    with pytest.raises(ValueError, match="SYMHEAP_ATTN_BACKEND must be one of"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("env", ["cudnn", "own", "auto"])
+@pytest.mark.parametrize("arg", [None, "own", "auto"])
+def test_cpu_calls_run_the_cpu_path(monkeypatch, env, arg):
+    """The variable only steers CUDA calls; cpu results match the reference."""
+    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", env)
+    monkeypatch.setattr(_plan, "poison_outputs", True)
+    q, k, v = small(1)
+    out = flash_attn_func(q, k, v, causal=True, backend=arg)
+    ref, _ = attention_reference(q, k, v, causal=True)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_backends_reports_every_path():
+    info = backends()
+    assert set(info) == {"cpu", "own", "cudnn"}
+    for name, (usable, detail) in info.items():
+        assert isinstance(usable, bool) and isinstance(detail, str) and detail, name
+    assert info["cpu"][0]
+    if not info["cudnn"][0]:  # the reason says what is missing
+        assert "cuDNN" in info["cudnn"][1] or "cudnn" in info["cudnn"][1]
