@@ -204,6 +204,85 @@ def test_combine_misuse():
         assert "another EpDispatchCombine" in errors[2]
 
 
+@pytest.mark.parametrize("layout", ["token_major", "expert_major"])
+def test_call_from_a_thread_that_is_not_the_pes(layout):
+    results = run_threads(progs.from_other_thread, 2, args=(cfg(2, layout=layout),),
+                          devices=[0, 1])
+    assert results[0] == []
+    assert results[1] == [(0, 0), (7, 7)]  # the helper's current device is kept
+
+
+def _argument_errors():
+    """Exact messages and types of bad calls on one PE (no peer involved)."""
+    c = EpConfig(hidden=16, max_tokens_per_rank=4, num_experts=2, topk=2, dtype="float32")
+    c2 = EpConfig(hidden=16, max_tokens_per_rank=4, num_experts=2, topk=2, dtype="float32",
+                  layout="expert_major")
+    x, idx, w = torch.randn(3, 16), torch.tensor([[0, 1]] * 3), torch.rand(3, 2)
+    got = []
+
+    def call(fn):
+        try:
+            fn()
+        except Exception as e:
+            got.append((type(e).__name__, str(e)))
+        else:
+            got.append(None)
+
+    with EpDispatchCombine(c) as ep, EpDispatchCombine(c2) as em:
+        call(lambda: ep.dispatch(x.numpy(), idx, w))
+        call(lambda: ep.dispatch(x[:, :8], idx, w))
+        call(lambda: ep.dispatch(x.half(), idx, w))
+        call(lambda: ep.dispatch(x, idx.float(), w))
+        call(lambda: ep.dispatch(x, idx, w[:2]))
+        call(lambda: ep.dispatch(x, idx, w, torch.ones(3, 1)))
+        call(lambda: ep.dispatch(x, idx, None))
+        d = ep.dispatch(x, idx, w)
+        y = torch.zeros(d.handle.rows_shape)
+        call(lambda: ep.combine(y, "handle"))
+        call(lambda: ep.combine(y.double(), d.handle))
+        call(lambda: ep.combine(y, d.handle, out=torch.empty(2, 16)))
+        call(lambda: ep.combine(y, d.handle, topk_weights=w))
+        d.handle.num_tokens = 9
+        call(lambda: ep.combine(y, d.handle))
+        d.handle.num_tokens = 3
+        d.handle.summary = d.handle.summary[:-1]
+        call(lambda: ep.combine(y, d.handle))
+        call(lambda: em.combine(y, d.handle))
+        e = em.dispatch(x, idx, w)
+        ye = torch.zeros(e.handle.rows_shape)
+        call(lambda: em.combine(ye, e.handle, topk_weights=w[:, :1]))
+        e.handle.weights = None
+        call(lambda: em.combine(ye, e.handle))
+        ok = em.combine(ye, e.handle, topk_weights=w)  # still usable; explicit weights
+        got.append(tuple(ok.shape))
+    return got
+
+
+def test_argument_errors_keep_their_types_and_messages():
+    pre = " (dispatch aborted on every PE)"
+    cpre = " (combine aborted on every PE)"
+    assert run_threads(_argument_errors, 1)[0] == [
+        ("TypeError", "x must be a torch.Tensor, got ndarray" + pre),
+        ("ValueError", "x must have shape [num_tokens, 16], got (3, 8)" + pre),
+        ("ValueError", "x must have dtype float32, got float16" + pre),
+        ("ValueError", "topk_idx must have dtype int64 or int32, got float32" + pre),
+        ("ValueError", "topk_weights must have shape (3, 2), got (2, 2)" + pre),
+        ("ValueError", "scales given, but the config has scale_dim=0" + pre),
+        ("TypeError", "topk_weights must be a torch.Tensor, got NoneType" + pre),
+        ("TypeError", "handle must be the EpHandle of a dispatch, got str" + cpre),
+        ("ValueError", "expert_out must have dtype float32, got float64" + cpre),
+        ("ValueError", "out must be a contiguous float32 tensor of shape (3, 16) on cpu" + cpre),
+        ("ValueError", "token_major combine sums rows the expert side already weighted: "
+                       "topk_weights applies to layout='expert_major' only" + cpre),
+        ("ValueError", "handle was modified: its layout or num_tokens no longer match this op"
+         + cpre),
+        ("ValueError", "handle.summary must have shape (10,), got (9,)" + cpre),
+        ("ValueError", "handle comes from another EpDispatchCombine" + cpre),
+        ("ValueError", "topk_weights must have shape (3, 2), got (3, 1)" + cpre),
+        ("TypeError", "handle.weights must be a torch.Tensor, got NoneType" + cpre),
+        (3, 16)]
+
+
 def test_absent_peer_times_out_naming_it():
     results = run_threads(progs.absent_peer, 2, args=(1,), init_kwargs={"timeout": 1.0})
     assert results[1] is None

@@ -256,7 +256,7 @@ def identity_experts(cfg, out, device):
     return y.to(cdt).to(device)
 
 
-def check_combine(cfg, got, x, idx, w, scales, me, weight_scale=1.0):
+def check_combine(cfg, got, x, idx, w, scales, me, weight_scale=1.0, n_pes=None):
     """combine of identity experts == x * (sum of the token's kept weights).
 
     Error bound: two roundings to the combine dtype (expert output, result)
@@ -271,10 +271,11 @@ def check_combine(cfg, got, x, idx, w, scales, me, weight_scale=1.0):
     if got.shape != want.shape:
         raise AssertionError(f"PE {me}: combine returned {tuple(got.shape)}, "
                              f"want {tuple(want.shape)}")
-    terms = cfg.topk + symheap.n_pes() + 2
+    n_pes = symheap.n_pes() if n_pes is None else n_pes
+    terms = cfg.topk + n_pes + 2
     rel = 2 * (2 * _UNIT[cfg.combine_dtype] + terms * 2.0 ** -24)
     w_max = max(1.0, float(w.abs().max()) * weight_scale) if w.numel() else 1.0
-    subnormal = (max(symheap.n_pes(), cfg.topk) * w_max + 1) * _TINY[cfg.combine_dtype]
+    subnormal = (max(n_pes, cfg.topk) * w_max + 1) * _TINY[cfg.combine_dtype]
     err = (got - want).abs()
     bound = rel * want.abs() + subnormal + 1e-30
     if not bool((err <= bound).all()):
@@ -371,14 +372,18 @@ def bad_input_then_recover(cfg_kwargs: dict, culprit: int, fault: str):
     return caught, run_ok
 
 
-def run_once(cfg, ep, seed, pattern="random", tokens="full"):
-    me, n = symheap.my_pe(), symheap.n_pes()
+def run_once(cfg, ep, seed, pattern="random", tokens="full", me=None, device=None, n_pes=None):
+    """One checked dispatch + combine; ``me``, ``n_pes`` and ``device``
+    default to the calling thread's PE."""
+    n = symheap.n_pes() if me is None else n_pes
+    me = symheap.my_pe() if me is None else me
+    device = device or pe_device()
     inputs = [make_inputs(cfg, n, r, seed, pattern, tokens) for r in range(n)]
-    out = ep.dispatch(*on_device(inputs[me]))
+    out = ep.dispatch(*on_device(inputs[me], device))
     check_dispatch(cfg, ep, out, inputs, me, n)
-    res = ep.combine(identity_experts(cfg, out, pe_device()), out.handle)
+    res = ep.combine(identity_experts(cfg, out, device), out.handle)
     ep.check()
-    check_combine(cfg, res, *inputs[me], me)
+    check_combine(cfg, res, *inputs[me], me, n_pes=n)
     return True
 
 
@@ -517,3 +522,39 @@ def graph_replay(cfg_kwargs: dict, replays: int = 10):
             check_dispatch(cfg, ep, out, inputs, me, n)
             check_combine(cfg, res, *inputs[me], me)
     return replays
+
+
+def from_other_thread(cfg_kwargs: dict, rounds: int = 2):
+    """PE 1's dispatch and combine run on a helper thread whose current device
+    is another one (PE 0's, then one with no PE): the op runs on PE 1 and the
+    helper's current device is left as it was. Returns, per round, the
+    helper's current device before and after, or the error it raised."""
+    import threading
+    cfg = EpConfig(**cfg_kwargs)
+    me, n = symheap.my_pe(), symheap.n_pes()
+    seen = []
+    with EpDispatchCombine(cfg) as ep:
+        for r in range(rounds):
+            if me != 1:
+                run_once(cfg, ep, seed=20 + r)
+                continue
+            box, device = {}, pe_device()
+
+            def helper():
+                try:
+                    symheap.set_device(0 if r == 0 else 7)  # PE 0's device; one with no PE
+                    before = symheap.current_device()
+                    run_once(cfg, ep, seed=20 + r, me=1, device=device, n_pes=n)
+                    box["devices"] = (before, symheap.current_device())
+                except BaseException as e:  # reported to the PE thread
+                    box["error"] = f"{type(e).__name__}: {e}"
+
+            t = threading.Thread(target=helper, name=f"helper{r}")
+            t.start()
+            t.join(120)
+            if t.is_alive():
+                raise AssertionError("helper thread still running after 120 s")
+            if "error" in box:
+                raise AssertionError(box["error"])
+            seen.append(box["devices"])
+    return seen

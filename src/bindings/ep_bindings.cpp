@@ -1,38 +1,68 @@
-// Python bindings of the expert-parallel op core. Ops are addressed by
-// (job, rank, id), the way any thread (an XLA FFI worker included) finds them;
-// buffers travel as raw addresses. Blocking calls release the GIL so that
-// PEs driven by other threads of the process make progress.
+// Python bindings of the expert-parallel op core.
+//
+// One entry per user call: dispatch and combine read their torch tensors
+// through torch_tensor.hpp (under the GIL, the only Python work), then check
+// the arguments, find the op's PE and run the call with the GIL released, so
+// PEs driven by other threads of the process make progress. The checks and
+// their messages live here, once. Ops are addressed by (job, rank, id), the
+// way any thread (an XLA FFI worker included) finds them: a call from a
+// thread whose current device is another one runs on the op's PE and leaves
+// the thread's current device as it was.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <climits>
+#include <optional>
+
 #include "bindings/registry.hpp"
+#include "bindings/torch_tensor.hpp"
 #include "ops/ep/ep_op.hpp"
 #include "symheap/errors.hpp"
 
 namespace py = pybind11;
 using namespace symheap;
+using bindings::TensorRef;
+using bindings::TorchDType;
 
 namespace {
 
+const char* const kKernels[] = {"intranode", "low_latency", "copy_engine"};
+const char* const kLayouts[] = {"token_major", "token_slots", "expert_major"};
+
+// A config field as the core's int32; None (an optional bound) is 0.
+int32_t int32_field(const py::dict& d, const char* name, bool optional = false) {
+  py::object v = d[name];
+  if (optional && v.is_none()) return 0;
+  const int64_t x = v.cast<int64_t>();
+  if (optional && x <= 0)
+    throw InvalidArgument(std::string("EpConfig: ") + name + " must be positive, got " +
+                          std::to_string(x));
+  if (x < INT32_MIN || x > INT32_MAX)
+    throw InvalidArgument(std::string("EpConfig: ") + name + "=" + std::to_string(x) +
+                          " is out of range");
+  return static_cast<int32_t>(x);
+}
+
 ep::Config config_from(const py::dict& d) {
   ep::Config c;
-  c.hidden = d["hidden"].cast<int32_t>();
-  c.max_tokens = d["max_tokens_per_rank"].cast<int32_t>();
-  c.num_experts = d["num_experts"].cast<int32_t>();
-  c.topk = d["topk"].cast<int32_t>();
+  c.hidden = int32_field(d, "hidden");
+  c.max_tokens = int32_field(d, "max_tokens_per_rank");
+  c.num_experts = int32_field(d, "num_experts");
+  c.topk = int32_field(d, "topk");
   c.dtype = ep::parse_dtype(d["dtype"].cast<std::string>());
-  c.scale_dim = d["scale_dim"].cast<int32_t>();
+  c.scale_dim = int32_field(d, "scale_dim");
   c.scale_dtype = ep::parse_dtype(d["scale_dtype"].cast<std::string>());
   c.kernel = ep::parse_kernel(d["kernel"].cast<std::string>());
   const std::string layout = d["layout"].cast<std::string>();
   c.token_slots = layout == "token_slots";
   c.layout = ep::parse_layout(c.token_slots ? "token_major" : layout);
-  c.max_recv_tokens = d["max_recv_tokens"].cast<int32_t>();
-  c.expert_capacity = d["expert_capacity"].cast<int32_t>();
+  c.max_recv_tokens = int32_field(d, "max_recv_tokens", true);
+  c.expert_capacity = int32_field(d, "expert_capacity", true);
   return c;
 }
 
-py::dict geometry_dict(const ep::Geometry& g) {
+py::dict geometry_dict(const ep::Config& c, const ep::Geometry& g) {
   py::dict d;
   d["n_pes"] = g.n_pes;
   d["local_experts"] = g.local_experts;
@@ -50,87 +80,426 @@ py::dict geometry_dict(const ep::Geometry& g) {
   d["off_recv_w"] = g.off_recv_w;
   d["off_recv_meta"] = g.off_recv_meta;
   d["total"] = g.total;
+  const ep::HandleLayout h = ep::handle_layout(c, g);
+  py::dict hd;
+  hd["num_recv"] = h.num_recv;
+  hd["expert_counts"] = h.expert_counts;
+  hd["send_rows"] = h.send_rows;
+  hd["summary"] = h.summary;
+  hd["recv_meta"] = h.recv_meta;
+  hd["weights"] = h.weights;
+  hd["words"] = h.words;
+  d["handle"] = hd;
   return d;
 }
 
-template <class T>
-T* ptr(uintptr_t addr) {
-  return reinterpret_cast<T*>(addr);
+TorchDType torch_dtype(ep::DType t) {
+  switch (t) {
+    case ep::DType::F32: return TorchDType::F32;
+    case ep::DType::F16: return TorchDType::F16;
+    case ep::DType::BF16: return TorchDType::BF16;
+    case ep::DType::FP8_E4M3: return TorchDType::FP8_E4M3;
+  }
+  return TorchDType::Other;
 }
 
-std::shared_ptr<ep::Op> lookup(uint64_t job, int rank, int64_t id,
-                               std::shared_ptr<PeState>* state) {
-  return ep::find(job, rank, id, state);
-}
+// The first bad argument of a call, raised as TypeError or ValueError.
+struct Problem {
+  bool type_error = false;
+  std::string message;
+  [[noreturn]] void raise(const std::string& suffix = "") const {
+    if (type_error) throw py::type_error(message + suffix);
+    throw InvalidArgument(message + suffix);
+  }
+};
+using Check = std::optional<Problem>;
+
+Check value_error(std::string m) { return Problem{false, std::move(m)}; }
+
+// One op of one PE as the Python front end holds it.
+class EpOp {
+ public:
+  EpOp(const py::dict& cfg, size_t ws_offset, size_t ws_bytes, py::object handle_type)
+      : handle_type_(std::move(handle_type)) {
+    auto s = Runtime::instance().current();
+    cfg_ = config_from(cfg);
+    layout_name_ = cfg["layout"].cast<std::string>();
+    {
+      py::gil_scoped_release nogil;
+      id_ = ep::create(*s, cfg_, ws_offset, ws_bytes);
+    }
+    job_ = s->job;
+    rank_ = s->my_pe;
+    generation_ = s->generation;
+    geo_ = ep::make_geometry(cfg_, s->n_pes);
+    hl_ = ep::handle_layout(cfg_, geo_);
+    on_cuda_ = Runtime::instance().backend_name() == "cuda";
+    torch_device_ = on_cuda_ ? s->device : -1;
+    x_dtype_ = torch_dtype(cfg_.dtype);
+    scale_dtype_ = torch_dtype(cfg_.scale_dtype);
+    combine_dtype_ = torch_dtype(geo_.combine_dtype);
+  }
+
+  int64_t id() const { return id_; }
+
+  void destroy() {
+    auto s = Runtime::instance().slot_of_rank(job_, rank_);
+    if (!s || s->generation != generation_) return;
+    py::gil_scoped_release nogil;
+    ep::destroy(*s, id_);
+  }
+
+  void check(py::handle stream, bool sync) {
+    const uintptr_t h = stream_of(stream);
+    py::gil_scoped_release nogil;
+    std::shared_ptr<PeState> s;
+    auto op = find(&s);
+    ep::check(*s, *op, h, sync);
+  }
+
+  // Returns (rows received or -1, num_tokens, handle storage).
+  py::tuple dispatch(py::handle x, py::handle topk_idx, py::handle topk_weights,
+                     py::handle scales, py::handle stream) {
+    DispatchInputs in{bindings::read_tensor(x), bindings::read_tensor(topk_idx),
+                      bindings::read_tensor(topk_weights), bindings::read_tensor(scales)};
+    const uintptr_t h = stream_of(stream);
+    if (!storage_kwargs_) storage_kwargs_ = bindings::empty_kwargs(TorchDType::I32, torch_device_);
+    py::object storage = bindings::torch_empty({hl_.words}, *storage_kwargs_);
+    const uintptr_t base = bindings::tensor_data_ptr(storage);
+    int64_t n = 0, num_tokens = 0;
+    {
+      py::gil_scoped_release nogil;
+      const Check problem = check_dispatch(in);
+      num_tokens = problem ? 0 : in.x.shape[0];
+      ep::DispatchArgs a;
+      if (!problem) {
+        a.x = ptr<const void>(in.x.ptr);
+        a.scales = in.scales.present ? ptr<const void>(in.scales.ptr) : nullptr;
+        a.topk_idx = ptr<const void>(in.idx.ptr);
+        a.idx_int64 = in.idx.dtype == TorchDType::I64;
+        a.topk_weights = ptr<const float>(in.w.ptr);
+      }
+      a.num_tokens = num_tokens;
+      a.status = problem ? ep::kBadArgument : ep::kOk;
+      a.num_recv = word<int32_t>(base, hl_.num_recv);
+      a.expert_counts = word<int32_t>(base, hl_.expert_counts);
+      a.send_rows = word<int32_t>(base, hl_.send_rows);
+      a.recv_meta = hl_.recv_meta < 0 ? nullptr : word<int32_t>(base, hl_.recv_meta);
+      a.recv_summary = word<int32_t>(base, hl_.summary);
+      a.saved_weights = hl_.weights < 0 ? nullptr : word<float>(base, hl_.weights);
+      a.stream = h;
+      std::shared_ptr<PeState> s;
+      auto op = find(&s);
+      try {
+        n = ep::dispatch(*s, *op, a);
+      } catch (const InvalidArgument&) {
+        if (problem) problem->raise(" (dispatch aborted on every PE)");
+        throw;
+      }
+      if (problem) problem->raise();  // only reached if the core did not raise
+    }
+    return py::make_tuple(n, num_tokens, std::move(storage));
+  }
+
+  // Returns `out` (allocated here when None).
+  py::object combine(py::handle expert_out, py::handle handle, py::handle topk_weights,
+                     py::handle out, py::handle stream) {
+    CombineInputs in = read_combine(expert_out, handle, topk_weights, out);
+    const uintptr_t h = stream_of(stream);
+    py::object result = py::reinterpret_borrow<py::object>(out);
+    if (out.is_none() && in.num_tokens >= 0) {
+      if (!out_kwargs_) out_kwargs_ = bindings::empty_kwargs(combine_dtype_, torch_device_);
+      result = bindings::torch_empty({in.num_tokens, cfg_.hidden}, *out_kwargs_);
+      in.out = bindings::read_tensor(result, false);
+    }
+    {
+      py::gil_scoped_release nogil;
+      const Check problem = check_combine(in);
+      const bool ok = !problem;
+      ep::CombineArgs a;
+      if (ok) {
+        a.expert_out = ptr<const void>(in.expert_out.ptr);
+        a.expert_rows = in.expert_out.numel() / cfg_.hidden;
+        a.send_rows = ptr<const int32_t>(in.part(kSendRows));
+        a.recv_meta = expert_major() ? ptr<const int32_t>(in.part(kRecvMeta)) : nullptr;
+        a.recv_summary = ptr<const int32_t>(in.part(kSummary));
+        a.weights = !expert_major()     ? nullptr
+                    : in.w.present      ? ptr<const float>(in.w.ptr)
+                                        : ptr<const float>(in.part(kWeights));
+        a.num_tokens = in.num_tokens;
+        a.out = ptr<void>(in.out.ptr);
+      }
+      a.status = ok ? ep::kOk : ep::kBadArgument;
+      a.stream = h;
+      std::shared_ptr<PeState> s;
+      auto op = find(&s);
+      try {
+        ep::combine(*s, *op, a);
+      } catch (const InvalidArgument&) {
+        if (problem) problem->raise(" (combine aborted on every PE)");
+        throw;
+      }
+      if (problem) problem->raise();
+    }
+    return result;
+  }
+
+ private:
+  struct DispatchInputs {
+    TensorRef x, idx, w, scales;
+  };
+  // The handle's four tensors: each from the handle's one storage, unless
+  // the caller replaced it (then read and checked on its own).
+  enum Part { kSendRows = 0, kRecvMeta = 1, kSummary = 2, kWeights = 3 };
+  struct CombineInputs {
+    TensorRef expert_out, w, out;
+    bool is_handle = false;
+    std::string handle_type;
+    bool foreign = false, modified = false;
+    int64_t num_tokens = -1;  // -1: the handle's count is unusable
+    std::vector<int64_t> rows_shape;
+    TensorRef storage;
+    TensorRef parts[4];
+    bool replaced[4] = {};
+    uintptr_t part_ptr[4] = {};
+    uintptr_t part(Part p) const { return replaced[p] ? parts[p].ptr : part_ptr[p]; }
+  };
+
+  template <class T>
+  static T* ptr(uintptr_t addr) {
+    return reinterpret_cast<T*>(addr);
+  }
+  template <class T>
+  static T* word(uintptr_t base, int64_t off) {
+    return reinterpret_cast<T*>(base + static_cast<uintptr_t>(off) * 4);
+  }
+  bool expert_major() const { return cfg_.layout == ep::Layout::ExpertMajor; }
+
+  std::shared_ptr<ep::Op> find(std::shared_ptr<PeState>* s) const {
+    auto slot = Runtime::instance().slot_of_rank(job_, rank_);
+    if (slot && slot->generation != generation_)
+      throw StateError("this EpDispatchCombine's PE was finalized");
+    return ep::find(job_, rank_, id_, s);
+  }
+
+  uintptr_t stream_of(py::handle stream) const {
+    if (!stream.is_none()) return stream.cast<uintptr_t>();
+    return on_cuda_ ? bindings::torch_current_stream(torch_device_) : 0;
+  }
+
+  std::string device_str() const {
+    return torch_device_ < 0 ? "cpu" : "cuda:" + std::to_string(torch_device_);
+  }
+
+  // A tensor argument of one of `dtypes` and exactly `shape`, on this PE's device.
+  Check check_tensor(const std::string& name, const TensorRef& t,
+                     std::initializer_list<TorchDType> dtypes,
+                     const std::vector<int64_t>& shape) const {
+    if (!t.is_tensor)
+      return Problem{true, name + " must be a torch.Tensor, got " +
+                               (t.present ? t.type_name : std::string("NoneType"))};
+    bool dtype_ok = false;
+    std::string want;
+    for (TorchDType d : dtypes) {
+      dtype_ok |= t.dtype == d;
+      want += (want.empty() ? "" : " or ") + std::string(bindings::torch_dtype_name(d));
+    }
+    if (!dtype_ok) return value_error(name + " must have dtype " + want + ", got " + t.dtype_str());
+    if (t.shape != shape)
+      return value_error(name + " must have shape " + bindings::shape_repr(shape) + ", got " +
+                         t.shape_repr());
+    if (t.device != torch_device_)
+      return value_error(name + " is on " + t.device_str() + ", but this PE runs on " +
+                         device_str());
+    return std::nullopt;
+  }
+
+  Check check_dispatch(const DispatchInputs& in) const {
+    const TensorRef& x = in.x;
+    if (!x.is_tensor)
+      return Problem{true, "x must be a torch.Tensor, got " +
+                               (x.present ? x.type_name : std::string("NoneType"))};
+    if (x.shape.size() != 2 || x.shape[1] != cfg_.hidden)
+      return value_error("x must have shape [num_tokens, " + std::to_string(cfg_.hidden) +
+                         "], got " + x.shape_repr());
+    const int64_t t = x.shape[0];
+    if (auto p = check_tensor("x", x, {x_dtype_}, {t, cfg_.hidden})) return p;
+    if (auto p = check_tensor("topk_idx", in.idx, {TorchDType::I64, TorchDType::I32},
+                              {t, cfg_.topk}))
+      return p;
+    if (auto p = check_tensor("topk_weights", in.w, {TorchDType::F32}, {t, cfg_.topk})) return p;
+    if (cfg_.scale_dim) {
+      if (!in.scales.present)
+        return value_error("scales are required: the config has scale_dim=" +
+                           std::to_string(cfg_.scale_dim));
+      if (auto p = check_tensor("scales", in.scales, {scale_dtype_},
+                                {t, cfg_.hidden / cfg_.scale_dim}))
+        return p;
+    } else if (in.scales.present) {
+      return value_error("scales given, but the config has scale_dim=0");
+    }
+    return std::nullopt;
+  }
+
+  // Reads what combine needs from Python objects (GIL held).
+  CombineInputs read_combine(py::handle expert_out, py::handle handle, py::handle topk_weights,
+                             py::handle out) {
+    CombineInputs in;
+    in.expert_out = bindings::read_tensor(expert_out);
+    in.w = bindings::read_tensor(topk_weights);
+    in.out = bindings::read_tensor(out, false);
+    in.is_handle = PyObject_IsInstance(handle.ptr(), handle_type_.ptr()) == 1;
+    if (!in.is_handle) {
+      in.handle_type = py::str(py::type::handle_of(handle).attr("__name__"));
+      return in;
+    }
+    py::dict d = handle.attr("__dict__");
+    auto field = [&](const char* name) -> py::handle {
+      PyObject* v = PyDict_GetItemString(d.ptr(), name);
+      return v ? py::handle(v) : py::handle();
+    };
+    py::handle op_id = field("op_id");
+    in.foreign = !op_id || !PyLong_CheckExact(op_id.ptr()) ||
+                 PyLong_AsLongLong(op_id.ptr()) != id_;
+    if (in.foreign) return in;
+    py::handle layout = field("layout"), count = field("num_tokens"), rows = field("rows_shape");
+    in.modified = !layout || !PyUnicode_Check(layout.ptr()) ||
+                  layout.cast<std::string>() != layout_name_ || !count ||
+                  !PyLong_CheckExact(count.ptr()) || !rows || !PyTuple_Check(rows.ptr());
+    if (!in.modified) {
+      const int64_t n = PyLong_AsLongLong(count.ptr());
+      in.modified = n < 0 || n > cfg_.max_tokens;
+      if (!in.modified) in.num_tokens = n;
+      for (py::handle r : py::reinterpret_borrow<py::tuple>(rows))
+        in.rows_shape.push_back(PyLong_AsLongLong(r.ptr()));
+    }
+    if (in.modified) return in;
+    static const char* const names[4] = {"send_rows", "recv_meta", "summary", "weights"};
+    for (int p = 0; p < 4; ++p)
+      if (py::handle v = field(names[p])) {
+        in.replaced[p] = true;
+        in.parts[p] = bindings::read_tensor(v);
+      }
+    if (py::handle st = field("_storage")) {
+      in.storage = bindings::read_tensor(st, false);
+      const int64_t offs[4] = {hl_.send_rows, hl_.recv_meta, hl_.summary, hl_.weights};
+      for (int p = 0; p < 4; ++p)
+        if (offs[p] >= 0) in.part_ptr[p] = in.storage.ptr + static_cast<uintptr_t>(offs[p]) * 4;
+    }
+    PyErr_Clear();
+    return in;
+  }
+
+  Check check_combine(const CombineInputs& in) const {
+    if (!in.is_handle)
+      return Problem{true, "handle must be the EpHandle of a dispatch, got " + in.handle_type};
+    if (in.foreign) return value_error("handle comes from another EpDispatchCombine");
+    if (in.modified)
+      return value_error("handle was modified: its layout or num_tokens no longer match this op");
+    const bool em = expert_major();
+    // The parts that come from the handle's storage need it intact.
+    bool from_storage = !in.replaced[kSendRows] || !in.replaced[kSummary] ||
+                        (em && (!in.replaced[kRecvMeta] ||
+                                (!in.w.present && !in.replaced[kWeights])));
+    if (from_storage) {
+      const TensorRef& st = in.storage;
+      if (!st.is_tensor || st.dtype != TorchDType::I32 || st.shape.size() != 1 ||
+          st.shape[0] != hl_.words || !st.contiguous || st.device != torch_device_)
+        return value_error("handle was modified: its storage no longer matches this op");
+    }
+    const int64_t M = cfg_.max_tokens;
+    if (in.replaced[kSendRows])
+      if (auto p = check_tensor("handle.send_rows", in.parts[kSendRows], {TorchDType::I32},
+                                {M, geo_.send_cols}))
+        return p;
+    if (em && in.replaced[kRecvMeta])
+      if (auto p = check_tensor("handle.recv_meta", in.parts[kRecvMeta], {TorchDType::I32},
+                                {geo_.recv_rows, ep::kMetaWords}))
+        return p;
+    if (in.replaced[kSummary])
+      if (auto p = check_tensor("handle.summary", in.parts[kSummary], {TorchDType::I32},
+                                {ep::summary_words(geo_.n_pes, geo_.local_experts,
+                                                   geo_.slot_words)}))
+        return p;
+    if (em && !in.w.present && in.replaced[kWeights])
+      if (auto p = check_tensor("handle.weights", in.parts[kWeights], {TorchDType::F32},
+                                {M, cfg_.topk}))
+        return p;
+    if (auto p = check_tensor("expert_out", in.expert_out, {combine_dtype_}, in.rows_shape))
+      return p;
+    if (!em && in.w.present)
+      return value_error(
+          "token_major combine sums rows the expert side already weighted: topk_weights "
+          "applies to layout='expert_major' only");
+    if (em && in.w.present)
+      if (auto p = check_tensor("topk_weights", in.w, {TorchDType::F32},
+                                {in.num_tokens, cfg_.topk}))
+        return p;
+    const TensorRef& o = in.out;
+    const std::vector<int64_t> shape{in.num_tokens, cfg_.hidden};
+    if (!o.is_tensor || o.dtype != combine_dtype_ || o.shape != shape || !o.contiguous ||
+        o.device != torch_device_)
+      return value_error(std::string("out must be a contiguous ") +
+                         bindings::torch_dtype_name(combine_dtype_) + " tensor of shape " +
+                         bindings::shape_repr(shape) + " on " + device_str());
+    return std::nullopt;
+  }
+
+  ep::Config cfg_;
+  ep::Geometry geo_;
+  ep::HandleLayout hl_;
+  std::string layout_name_;
+  uint64_t job_ = 0;
+  int rank_ = -1;
+  int64_t id_ = 0;
+  uint64_t generation_ = 0;
+  bool on_cuda_ = false;
+  int torch_device_ = -1;
+  TorchDType x_dtype_ = TorchDType::Other, scale_dtype_ = TorchDType::Other,
+             combine_dtype_ = TorchDType::Other;
+  py::object handle_type_;
+  std::optional<py::dict> storage_kwargs_, out_kwargs_;
+};
 
 }  // namespace
 
 SYMHEAP_BINDINGS(ep) {
+  py::tuple kernels(3), layouts(3);
+  for (int i = 0; i < 3; ++i) {
+    kernels[i] = kKernels[i];
+    layouts[i] = kLayouts[i];
+  }
+  m.attr("ep_kernels") = kernels;
+  m.attr("ep_layouts") = layouts;
+  m.def("ep_dtype_name", [](const std::string& name) {
+    return std::string(ep::dtype_name(ep::parse_dtype(name)));
+  }, "Canonical name of an EP dtype alias (\"bf16\" -> \"bfloat16\"); ValueError if unknown.");
+  m.def("ep_combine_dtype", [](const std::string& name) {
+    return std::string(ep::dtype_name(ep::combine_dtype_of(ep::parse_dtype(name))));
+  }, "dtype of expert outputs and of combine's result for a dispatch dtype.");
+  m.def("ep_validate_config", [](const py::dict& cfg) {
+    const std::string kernel = cfg["kernel"].cast<std::string>();
+    const std::string layout = cfg["layout"].cast<std::string>();
+    if (std::find(std::begin(kKernels), std::end(kKernels), kernel) == std::end(kKernels))
+      throw InvalidArgument("EpConfig.kernel must be one of ('intranode', 'low_latency', "
+                            "'copy_engine'), got '" + kernel + "'");
+    if (std::find(std::begin(kLayouts), std::end(kLayouts), layout) == std::end(kLayouts))
+      throw InvalidArgument("EpConfig.layout must be one of ('token_major', 'token_slots', "
+                            "'expert_major'), got '" + layout + "'");
+    ep::validate_config(config_from(cfg));
+  });
   m.def("ep_geometry", [](const py::dict& cfg, int n_pes) {
-    return geometry_dict(ep::make_geometry(config_from(cfg), n_pes));
-  });
-  m.def("ep_create", [](const py::dict& cfg, size_t ws_offset, size_t ws_bytes) {
-    auto s = Runtime::instance().current();
     ep::Config c = config_from(cfg);
-    py::gil_scoped_release nogil;
-    return ep::create(*s, c, ws_offset, ws_bytes);
+    return geometry_dict(c, ep::make_geometry(c, n_pes));
   });
-  m.def("ep_destroy", [](uint64_t job, int rank, int64_t id) {
-    auto s = Runtime::instance().slot_of_rank(job, rank);
-    if (!s) return;
-    py::gil_scoped_release nogil;
-    ep::destroy(*s, id);
-  });
-  m.def(
-      "ep_dispatch",
-      [](uint64_t job, int rank, int64_t id, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
-         bool idx_int64, uintptr_t topk_weights, int64_t num_tokens, int32_t status,
-         uintptr_t num_recv, uintptr_t expert_counts, uintptr_t send_rows, uintptr_t recv_meta,
-         uintptr_t recv_summary, uintptr_t saved_weights, uintptr_t stream) {
-        std::shared_ptr<PeState> s;
-        auto op = lookup(job, rank, id, &s);
-        ep::DispatchArgs a;
-        a.x = ptr<const void>(x);
-        a.scales = ptr<const void>(scales);
-        a.topk_idx = ptr<const void>(topk_idx);
-        a.idx_int64 = idx_int64;
-        a.topk_weights = ptr<const float>(topk_weights);
-        a.num_tokens = num_tokens;
-        a.status = status;
-        a.num_recv = ptr<int32_t>(num_recv);
-        a.expert_counts = ptr<int32_t>(expert_counts);
-        a.send_rows = ptr<int32_t>(send_rows);
-        a.recv_meta = ptr<int32_t>(recv_meta);
-        a.recv_summary = ptr<int32_t>(recv_summary);
-        a.saved_weights = ptr<float>(saved_weights);
-        a.stream = stream;
-        py::gil_scoped_release nogil;
-        return ep::dispatch(*s, *op, a);
-      });
-  m.def("ep_combine", [](uint64_t job, int rank, int64_t id, uintptr_t expert_out,
-                         int64_t expert_rows, uintptr_t send_rows, uintptr_t recv_meta,
-                         uintptr_t recv_summary, uintptr_t weights, int64_t num_tokens, uintptr_t out, int32_t status,
-                         uintptr_t stream) {
-    std::shared_ptr<PeState> s;
-    auto op = lookup(job, rank, id, &s);
-    ep::CombineArgs a;
-    a.expert_out = ptr<const void>(expert_out);
-    a.expert_rows = expert_rows;
-    a.send_rows = ptr<const int32_t>(send_rows);
-    a.recv_meta = ptr<const int32_t>(recv_meta);
-    a.recv_summary = ptr<const int32_t>(recv_summary);
-    a.weights = ptr<const float>(weights);
-    a.num_tokens = num_tokens;
-    a.out = ptr<void>(out);
-    a.status = status;
-    a.stream = stream;
-    py::gil_scoped_release nogil;
-    ep::combine(*s, *op, a);
-  });
-  m.def("ep_check", [](uint64_t job, int rank, int64_t id, uintptr_t stream, bool sync) {
-    std::shared_ptr<PeState> s;
-    auto op = lookup(job, rank, id, &s);
-    py::gil_scoped_release nogil;
-    ep::check(*s, *op, stream, sync);
-  });
+  py::class_<EpOp>(m, "EpOp")
+      .def(py::init<const py::dict&, size_t, size_t, py::object>(), py::arg("config"),
+           py::arg("ws_offset"), py::arg("ws_bytes"), py::arg("handle_type"))
+      .def_property_readonly("id", &EpOp::id)
+      .def("destroy", &EpOp::destroy)
+      .def("check", &EpOp::check, py::arg("stream"), py::arg("sync"))
+      .def("dispatch", &EpOp::dispatch, py::arg("x"), py::arg("topk_idx"),
+           py::arg("topk_weights"), py::arg("scales"), py::arg("stream"))
+      .def("combine", &EpOp::combine, py::arg("expert_out"), py::arg("handle"),
+           py::arg("topk_weights"), py::arg("out"), py::arg("stream"));
 }

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KERNELS = ("intranode", "low_latency", "copy_engine")
-LAYOUTS = ("token_major", "token_slots", "expert_major")
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32",
-           "float8_e4m3fn": "float8_e4m3fn", "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn"}
-_SCALE_DTYPES = ("float32", "float16", "bfloat16")
+from .. import _core
+
+# The kernels, layouts, dtype aliases and value checks are the core's.
+KERNELS = tuple(_core.ep_kernels)
+LAYOUTS = tuple(_core.ep_layouts)
 
 
 def dtype_name(dtype) -> str:
@@ -21,13 +20,10 @@ def dtype_name(dtype) -> str:
             name = name[len("torch."):]
         elif name.startswith("<class 'numpy."):
             name = name[len("<class 'numpy."):-2]
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}: use bfloat16, float16, float32 or "
-                         f"float8_e4m3fn")
-    return _DTYPES[name]
+    return _core.ep_dtype_name(name)
 
 
-def _positive(name: str, value, allow_none: bool = False):
+def _int(name: str, value, allow_none: bool = False):
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
@@ -36,8 +32,6 @@ def _positive(name: str, value, allow_none: bool = False):
             value = operator.index(value)
         except TypeError:
             raise TypeError(f"EpConfig.{name} must be an int, got {type(value).__name__}") from None
-    if value <= 0:
-        raise ValueError(f"EpConfig.{name} must be positive, got {value}")
     return value
 
 
@@ -86,35 +80,21 @@ class EpConfig:
     expert_capacity: int | None = None
 
     def __post_init__(self):
-        for name in ("hidden", "max_tokens_per_rank", "num_experts", "topk"):
-            object.__setattr__(self, name, _positive(name, getattr(self, name)))
+        for name in ("hidden", "max_tokens_per_rank", "num_experts", "topk", "scale_dim"):
+            object.__setattr__(self, name, _int(name, getattr(self, name)))
+        for name in ("max_recv_tokens", "expert_capacity"):
+            object.__setattr__(self, name, _int(name, getattr(self, name), True))
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        scale_dim = self.scale_dim
-        if isinstance(scale_dim, bool) or not isinstance(scale_dim, int) or scale_dim < 0:
-            raise ValueError(f"EpConfig.scale_dim must be an int >= 0, got {scale_dim!r}")
-        scale_dtype = "float32" if self.scale_dtype is None else dtype_name(self.scale_dtype)
-        if scale_dtype not in _SCALE_DTYPES:
-            raise ValueError(f"EpConfig.scale_dtype must be one of {_SCALE_DTYPES}, "
-                             f"got {scale_dtype}")
-        object.__setattr__(self, "scale_dtype", scale_dtype)
-        if self.kernel not in KERNELS:
-            raise ValueError(f"EpConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"EpConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
-        object.__setattr__(self, "max_recv_tokens",
-                           _positive("max_recv_tokens", self.max_recv_tokens, True))
-        object.__setattr__(self, "expert_capacity",
-                           _positive("expert_capacity", self.expert_capacity, True))
-        if self.topk > self.num_experts:
-            raise ValueError(f"EpConfig.topk={self.topk} exceeds num_experts={self.num_experts}")
-        if self.scale_dim and self.hidden % self.scale_dim:
-            raise ValueError(f"EpConfig.scale_dim={self.scale_dim} must divide "
-                             f"hidden={self.hidden}")
+        object.__setattr__(self, "scale_dtype",
+                           "float32" if self.scale_dtype is None else dtype_name(self.scale_dtype))
+        if not isinstance(self.kernel, str) or not isinstance(self.layout, str):
+            raise TypeError("EpConfig.kernel and EpConfig.layout must be strings")
+        _core.ep_validate_config(self.core_dict())
 
     @property
     def combine_dtype(self) -> str:
         """dtype of expert outputs and of combine's result."""
-        return "bfloat16" if self.dtype == "float8_e4m3fn" else self.dtype
+        return _core.ep_combine_dtype(self.dtype)
 
     def core_dict(self) -> dict:
         """The config as the C++ core takes it."""
@@ -122,5 +102,5 @@ class EpConfig:
                 "num_experts": self.num_experts, "topk": self.topk, "dtype": self.dtype,
                 "scale_dim": self.scale_dim, "scale_dtype": self.scale_dtype,
                 "kernel": self.kernel, "layout": self.layout,
-                "max_recv_tokens": self.max_recv_tokens or 0,
-                "expert_capacity": self.expert_capacity or 0}
+                "max_recv_tokens": self.max_recv_tokens,
+                "expert_capacity": self.expert_capacity}

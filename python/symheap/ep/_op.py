@@ -10,7 +10,9 @@ from .._rma import barrier_all, stream_handle
 from .._runtime import collective_check, current_pe
 from ._config import EpConfig
 
-_BAD_ARGUMENT = 3  # status code of the core: this PE aborts the call on every PE
+_HANDLE_PARTS = ("send_rows", "recv_meta", "summary", "weights")
+_OUTPUT_FIELDS = ("x", "topk_idx", "topk_weights", "scales", "num_recv_tokens", "src_info",
+                  "expert_counts")
 
 
 def _torch():
@@ -33,6 +35,18 @@ class EpHandle:
     summary: object         # int32 per-source and per-expert counts (see ep_config.hpp)
     weights: object         # [max_tokens, topk] float32 (expert-major), else None
     device: object
+
+    # A dispatch fills its handle with one int32 storage tensor (the core's
+    # HandleLayout); the four tensors above are views of it, made on first
+    # use. Assigning one replaces it: combine then reads and checks that one.
+    def __getattr__(self, name):
+        d = self.__dict__
+        if name not in _HANDLE_PARTS or "_storage" not in d:
+            raise AttributeError(f"'EpHandle' object has no attribute '{name}'")
+        views = d["_views"]
+        if name not in views:
+            views[name] = d["_op"]._handle_part(d["_storage"], name)
+        return views[name]
 
 
 @dataclass
@@ -78,6 +92,17 @@ class DispatchOutput:
     expert_counts: object
     handle: EpHandle
 
+    # A dispatch makes each field on first use (a view of the op's receive
+    # buffer or of the handle's storage), so a call pays only for what is read.
+    def __getattr__(self, name):
+        d = self.__dict__
+        if name not in _OUTPUT_FIELDS or "_lazy" not in d:
+            raise AttributeError(f"'DispatchOutput' object has no attribute '{name}'")
+        op, rows = d["_lazy"]
+        value = op._output_field(name, rows, d["handle"])
+        d[name] = value
+        return value
+
 
 class EpDispatchCombine:
     """Expert-parallel dispatch and combine over the symmetric heap.
@@ -118,23 +143,31 @@ class EpDispatchCombine:
         collective_check(pe, "ep.create", core_cfg)
         self._geo = _core.ep_geometry(core_cfg, pe.world)
         self._pe = pe
-        self._job, self._rank = pe.job, pe.rank
+        self._op = None
         self._buf = malloc(self._geo["total"], align=4096)
-        error = ""
+        error, op = "", None
         try:
-            self._id = _core.ep_create(core_cfg, self._buf.offset, self._buf.nbytes)
+            op = _core.EpOp(core_cfg, self._buf.offset, self._buf.nbytes, EpHandle)
         except Exception as e:  # every PE learns it, so none waits on this one
             error = f"PE {pe.rank}: {type(e).__name__}: {e}"
         errors = [e for e in pe.bootstrap.allgather_json(error, "ep.create") if e]
         if errors:
-            if not error:
-                _core.ep_destroy(self._job, self._rank, self._id)
+            if op is not None:
+                op.destroy()
             free(self._buf)
             raise SymheapError("EpDispatchCombine failed: " + "; ".join(errors))
         barrier_all()  # every PE zeroed its sync words before anyone writes them
-        self._closed = False
+        self._id = op.id
         self._torch_device = self._make_device()
         self._views = self._make_views()
+        g = self._geo
+        if config.layout == "expert_major":
+            self._fixed_rows = (g["local_experts"], g["expert_cap"], config.hidden)
+        elif g["padded_output"]:
+            self._fixed_rows = (g["recv_rows"], config.hidden)
+        else:
+            self._fixed_rows = None  # the host knows the count: outputs keep that many rows
+        self._op = op
 
     # ----------------------------------------------------------- properties
 
@@ -157,48 +190,25 @@ class EpDispatchCombine:
         topk_idx [num_tokens, topk] int64 or int32, -1 drops a slot;
         topk_weights [num_tokens, topk] float32; scales [num_tokens,
         hidden / scale_dim] of config.scale_dtype when config.scale_dim > 0.
-        Runs on ``stream`` (default: the current stream). See DispatchOutput.
+        Runs on ``stream`` (default: the current stream of this PE's device).
+        Any thread may call it: it runs on this op's PE and leaves the
+        thread's current device as it was. See DispatchOutput.
         """
-        torch = _torch()
-        self._check_open()
-        cfg, geo = self.config, self._geo
-        problem = None
-        try:
-            x, topk_idx, topk_weights, scales = self._validate_dispatch(x, topk_idx,
-                                                                        topk_weights, scales)
-            num_tokens = x.shape[0]
-        except (TypeError, ValueError) as e:
-            problem, num_tokens = e, 0
-        dev = self._torch_device
-        i32 = torch.int32
-        num_recv = torch.empty((), dtype=i32, device=dev)
-        expert_counts = torch.empty(geo["local_experts"], dtype=i32, device=dev)
-        send_rows = torch.empty(cfg.max_tokens_per_rank, geo["send_cols"], dtype=i32, device=dev)
-        recv_meta = (torch.empty(geo["recv_rows"], 4, dtype=i32, device=dev)
-                     if cfg.layout == "expert_major" else None)
-        summary = torch.empty(geo["summary_words"], dtype=i32, device=dev)
-        weights = (torch.empty(cfg.max_tokens_per_rank, cfg.topk, dtype=torch.float32, device=dev)
-                   if cfg.layout == "expert_major" else None)
-        ptr = _data_ptr
-        try:
-            n = _core.ep_dispatch(
-                self._job, self._rank, self._id,
-                0 if problem else ptr(x), 0 if problem else ptr(scales),
-                0 if problem else ptr(topk_idx),
-                bool(problem is None and topk_idx.dtype == torch.int64),
-                0 if problem else ptr(topk_weights), num_tokens,
-                _BAD_ARGUMENT if problem else 0,
-                ptr(num_recv), ptr(expert_counts), ptr(send_rows), ptr(recv_meta),
-                ptr(summary), ptr(weights),
-                self._stream(stream))
-        except ValueError as e:
-            if problem is not None:
-                raise type(problem)(f"{problem} (dispatch aborted on every PE)") from e
-            raise
-        if problem is not None:  # only reached if the core did not raise
-            raise problem
-        return self._output(n, num_tokens, num_recv, expert_counts, send_rows, recv_meta, summary,
-                            weights)
+        op = self._op
+        if op is None:
+            raise SymheapError("this EpDispatchCombine is closed")
+        # One core call checks the arguments, routes, moves the rows (GIL released)
+        # and returns the handle's one storage tensor.
+        rows, num_tokens, storage = op.dispatch(
+            x, topk_idx, topk_weights, scales, None if stream is None else stream_handle(stream))
+        handle = EpHandle.__new__(EpHandle)
+        handle.__dict__.update(
+            op_id=self._id, layout=self.config.layout, num_tokens=num_tokens,
+            rows_shape=self._fixed_rows or (max(rows, 0), self.config.hidden),
+            device=self._torch_device, _storage=storage, _views={}, _op=self)
+        out = DispatchOutput.__new__(DispatchOutput)
+        out.__dict__.update(handle=handle, _lazy=(self, rows))
+        return out
 
     def combine(self, expert_out, handle: EpHandle, topk_weights=None, *, out=None,
                 stream=None):
@@ -213,52 +223,30 @@ class EpDispatchCombine:
         and sums. ``out`` [num_tokens, hidden] may be given. Tokens with every
         slot dropped get zeros.
         """
-        torch = _torch()
-        self._check_open()
-        problem = None
-        try:
-            expert_out, weights, out = self._validate_combine(expert_out, handle, topk_weights,
-                                                              out)
-        except (TypeError, ValueError) as e:
-            problem = e
-        ok = problem is None
-        try:
-            _core.ep_combine(
-                self._job, self._rank, self._id,
-                _data_ptr(expert_out) if ok else 0,
-                int(expert_out.numel() // self.config.hidden) if ok else 0,
-                _data_ptr(handle.send_rows) if ok else 0,
-                _data_ptr(handle.recv_meta) if ok and self.config.layout == "expert_major"
-                else 0,
-                _data_ptr(handle.summary) if ok else 0,
-                _data_ptr(weights) if ok else 0,
-                handle.num_tokens if ok else 0,
-                _data_ptr(out) if ok else 0,
-                0 if ok else _BAD_ARGUMENT, self._stream(stream))
-        except ValueError as e:
-            if problem is not None:
-                raise type(problem)(f"{problem} (combine aborted on every PE)") from e
-            raise
-        if problem is not None:
-            raise problem
-        del torch
-        return out
+        op = self._op
+        if op is None:
+            raise SymheapError("this EpDispatchCombine is closed")
+        return op.combine(expert_out, handle, topk_weights, out,
+                          None if stream is None else stream_handle(stream))
 
     def check(self, stream=None) -> None:
         """Waits for ``stream`` and raises any error a device-side check recorded
         (cuda); returns at once on the cpu backend."""
-        self._check_open()
-        _core.ep_check(self._job, self._rank, self._id, self._stream(stream), True)
+        op = self._op
+        if op is None:
+            raise SymheapError("this EpDispatchCombine is closed")
+        op.check(None if stream is None else stream_handle(stream), True)
 
     def close(self) -> None:
         """Collective: frees the symmetric buffers. Idempotent."""
-        if getattr(self, "_closed", True):
+        op = getattr(self, "_op", None)
+        if op is None:
             return
-        self._closed = True
+        self._op = None
         try:
-            _core.ep_check(self._job, self._rank, self._id, self._stream(None), True)
+            op.check(None, True)
         finally:
-            _core.ep_destroy(self._job, self._rank, self._id)
+            op.destroy()
             self._views = None
             free(self._buf)
 
@@ -270,25 +258,11 @@ class EpDispatchCombine:
 
     # ----------------------------------------------------------- internals
 
-    def _check_open(self) -> None:
-        if getattr(self, "_closed", True):
-            raise SymheapError("this EpDispatchCombine is closed")
-        if not self._buf.alive:
-            raise SymheapError("this EpDispatchCombine's PE was finalized")
-
     def _make_device(self):
         torch = _torch()
         if _core.backend_name() == "cpu":
             return torch.device("cpu")
         return torch.device("cuda", self._pe.device)
-
-    def _stream(self, stream) -> int:
-        if stream is not None:
-            return stream_handle(stream)
-        if self._torch_device.type == "cuda":
-            torch = _torch()
-            return torch.cuda.current_stream(self._torch_device).cuda_stream
-        return 0
 
     def _make_views(self) -> dict:
         torch = _torch()
@@ -318,101 +292,41 @@ class EpDispatchCombine:
                 "topk_idx": None,
                 "topk_weights": view(g["off_recv_w"], (L, cap), torch.float32)}
 
-    def _output(self, n, num_tokens, num_recv, expert_counts, send_rows, recv_meta, summary,
-                weights):
-        cfg, g, v = self.config, self._geo, self._views
-        if cfg.layout != "expert_major":
-            rows = g["recv_rows"] if g["padded_output"] or n < 0 else n
-            x = v["x"][:rows]
-            scales = v["scales"][:rows] if v["scales"] is not None else None
-            idx, w = v["topk_idx"][:rows], v["topk_weights"][:rows]
-            src_info = v["meta"][:rows, :2]
-        else:
-            x, scales, idx, w = v["x"], v["scales"], None, v["topk_weights"]
-            src_info = recv_meta.view(g["local_experts"], g["expert_cap"], 4)[..., :3]
-        handle = EpHandle(self._id, cfg.layout, num_tokens, tuple(x.shape), send_rows, recv_meta,
-                          summary, weights, self._torch_device)
-        return DispatchOutput(x, idx, w, scales, num_recv, src_info, expert_counts, handle)
-
-    def _tensor(self, name, t, dtypes, shape):
+    def _handle_part(self, storage, name):
+        """A view of a dispatch's handle storage (see the core's HandleLayout)."""
         torch = _torch()
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in dtypes:
-            want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-            raise ValueError(f"{name} must have dtype {want}, got {str(t.dtype).replace('torch.', '')}")
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-        dev = self._torch_device
-        if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
-            raise ValueError(f"{name} is on {t.device}, but this PE runs on {dev}")
-        return t.contiguous()
+        cfg, g = self.config, self._geo
+        off = g["handle"][name]
+        if off < 0:
+            return None
+        shape = {"num_recv": (), "expert_counts": (g["local_experts"],),
+                 "send_rows": (cfg.max_tokens_per_rank, g["send_cols"]),
+                 "recv_meta": (g["recv_rows"], 4), "summary": (g["summary_words"],),
+                 "weights": (cfg.max_tokens_per_rank, cfg.topk)}[name]
+        n = 1
+        for s in shape:
+            n *= s
+        part = storage[off:off + n].view(shape)
+        return part.view(torch.float32) if name == "weights" else part
 
-    def _validate_dispatch(self, x, topk_idx, topk_weights, scales):
-        torch = _torch()
-        cfg = self.config
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 2 or x.shape[1] != cfg.hidden:
-            raise ValueError(f"x must have shape [num_tokens, {cfg.hidden}], got {tuple(x.shape)}")
-        t = x.shape[0]
-        x = self._tensor("x", x, (getattr(torch, cfg.dtype),), (t, cfg.hidden))
-        topk_idx = self._tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (t, cfg.topk))
-        topk_weights = self._tensor("topk_weights", topk_weights, (torch.float32,), (t, cfg.topk))
-        if cfg.scale_dim:
-            if scales is None:
-                raise ValueError(f"scales are required: the config has scale_dim={cfg.scale_dim}")
-            scales = self._tensor("scales", scales, (getattr(torch, cfg.scale_dtype),),
-                                  (t, cfg.hidden // cfg.scale_dim))
-        elif scales is not None:
-            raise ValueError("scales given, but the config has scale_dim=0")
-        return x, topk_idx, topk_weights, scales
-
-    def _validate_combine(self, expert_out, handle, topk_weights, out):
-        torch = _torch()
-        cfg = self.config
-        if not isinstance(handle, EpHandle):
-            raise TypeError(f"handle must be the EpHandle of a dispatch, got {type(handle).__name__}")
-        if handle.op_id != self._id:
-            raise ValueError("handle comes from another EpDispatchCombine")
-        # The handle is a plain dataclass: check what it holds, not only where it came from.
-        geo, i32 = self._geo, torch.int32
-        if handle.layout != cfg.layout or isinstance(handle.num_tokens, bool) or \
-                not isinstance(handle.num_tokens, int) or \
-                not 0 <= handle.num_tokens <= cfg.max_tokens_per_rank:
-            raise ValueError("handle was modified: its layout or num_tokens no longer match "
-                             "this op")
-        self._tensor("handle.send_rows", handle.send_rows, (i32,),
-                     (cfg.max_tokens_per_rank, geo["send_cols"]))
-        if cfg.layout == "expert_major":
-            self._tensor("handle.recv_meta", handle.recv_meta, (i32,), (geo["recv_rows"], 4))
-        self._tensor("handle.summary", handle.summary, (i32,), (geo["summary_words"],))
-        if cfg.layout == "expert_major" and topk_weights is None:
-            self._tensor("handle.weights", handle.weights, (torch.float32,),
-                         (cfg.max_tokens_per_rank, cfg.topk))
-        cdt = getattr(torch, cfg.combine_dtype)
-        expert_out = self._tensor("expert_out", expert_out, (cdt,), handle.rows_shape)
-        if cfg.layout != "expert_major":
-            if topk_weights is not None:
-                raise ValueError("token_major combine sums rows the expert side already weighted: "
-                                 "topk_weights applies to layout='expert_major' only")
-            weights = None
-        elif topk_weights is None:
-            weights = handle.weights
-        else:
-            weights = self._tensor("topk_weights", topk_weights, (torch.float32,),
-                                   (handle.num_tokens, cfg.topk))
-        shape = (handle.num_tokens, cfg.hidden)
-        if out is None:
-            out = torch.empty(shape, dtype=cdt, device=self._torch_device)
-        else:
-            dev = self._torch_device
-            if not isinstance(out, torch.Tensor) or out.dtype != cdt or tuple(out.shape) != shape \
-                    or not out.is_contiguous() or out.device.type != dev.type:
-                raise ValueError(f"out must be a contiguous {cfg.combine_dtype} tensor of shape "
-                                 f"{shape} on {dev}")
-        return expert_out, weights, out
-
-
-def _data_ptr(t) -> int:
-    return 0 if t is None else t.data_ptr()
+    def _output_field(self, name, rows, handle):
+        """One field of a DispatchOutput (see there); rows: what the core returned."""
+        if name == "num_recv_tokens":
+            return self._handle_part(handle._storage, "num_recv")
+        if name == "expert_counts":
+            return self._handle_part(handle._storage, "expert_counts")
+        v, g = self._views, self._geo
+        if v is None:
+            raise SymheapError("this EpDispatchCombine is closed: its outputs are gone")
+        if self.config.layout == "expert_major":
+            if name == "src_info":
+                meta = self._handle_part(handle._storage, "recv_meta")
+                return meta.view(g["local_experts"], g["expert_cap"], 4)[..., :3]
+            return v[name]
+        n = handle.rows_shape[0]
+        if name == "src_info":
+            return v["meta"][:n, :2]
+        full = v[name]
+        if full is None or n == g["recv_rows"]:
+            return full
+        return full[:n]

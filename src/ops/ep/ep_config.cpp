@@ -154,7 +154,7 @@ Geometry make_geometry(const Config& c, int n_pes) {
                           str(g.send_cols) + " rows per token is too large (at most " +
                           str(INT32_MAX / (static_cast<int64_t>(g.send_cols) * kMaxPieces)) +
                           " tokens per rank)");
-  g.combine_dtype = c.dtype == DType::FP8_E4M3 ? DType::BF16 : c.dtype;
+  g.combine_dtype = combine_dtype_of(c.dtype);
   g.row_bytes = static_cast<size_t>(c.hidden) * dtype_size(c.dtype);
   g.scale_row_bytes = static_cast<size_t>(g.scales_per_row) * dtype_size(c.scale_dtype);
   g.combine_row_bytes = static_cast<size_t>(c.hidden) * dtype_size(g.combine_dtype);
@@ -210,6 +210,26 @@ Geometry make_geometry(const Config& c, int n_pes) {
   }
   g.total = at;
   return g;
+}
+
+HandleLayout handle_layout(const Config& c, const Geometry& g) {
+  HandleLayout h;
+  int64_t at = 0;
+  auto take = [&](int64_t words) {
+    int64_t off = at;
+    at = static_cast<int64_t>(align_up(static_cast<size_t>(at + words), 64));
+    return off;
+  };
+  h.num_recv = take(1);
+  h.expert_counts = take(g.local_experts);
+  h.send_rows = take(static_cast<int64_t>(c.max_tokens) * g.send_cols);
+  h.summary = take(summary_words(g.n_pes, g.local_experts, g.slot_words));
+  if (c.layout == Layout::ExpertMajor) {
+    h.recv_meta = take(g.recv_rows * kMetaWords);
+    h.weights = take(static_cast<int64_t>(c.max_tokens) * c.topk);
+  }
+  h.words = at;
+  return h;
 }
 
 std::string describe_status(int32_t status, int64_t detail, int pe, const Config& c) {

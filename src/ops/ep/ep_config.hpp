@@ -15,6 +15,8 @@ enum class Layout : int32_t { TokenMajor = 0, ExpertMajor = 1 };
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 DType parse_dtype(const std::string& name);  // torch names: "bfloat16", "float8_e4m3fn", ...
+// dtype of expert outputs and of combine's result: bfloat16 for fp8 dispatch.
+inline DType combine_dtype_of(DType t) { return t == DType::FP8_E4M3 ? DType::BF16 : t; }
 Kernel parse_kernel(const std::string& name);
 const char* kernel_name(Kernel k);
 Layout parse_layout(const std::string& name);
@@ -168,8 +170,22 @@ constexpr int kMetaWords = 4;
 constexpr int kCountStatus = 0, kCountDetail = 1, kCountDest = 2;
 constexpr int count_bits_at(int n_pes, int num_experts) { return kCountDest + n_pes + num_experts; }
 
+// One dispatch's handle storage (what combine needs: see DispatchArgs) and
+// its two small outputs, laid out in one int32 allocation so that a call
+// allocates once. Offsets in int32 words, each region 256-byte aligned.
+struct HandleLayout {
+  int64_t num_recv = 0;       // [1]
+  int64_t expert_counts = 0;  // [local_experts]
+  int64_t send_rows = 0;      // [max_tokens][send_cols]
+  int64_t summary = 0;        // [summary_words]
+  int64_t recv_meta = -1;     // expert-major: [recv_rows][kMetaWords]; else -1
+  int64_t weights = -1;       // expert-major: float32 [max_tokens][topk]; else -1
+  int64_t words = 0;          // total
+};
+
 void validate_config(const Config& c);
 Geometry make_geometry(const Config& c, int n_pes);
+HandleLayout handle_layout(const Config& c, const Geometry& g);
 std::string describe_status(int32_t status, int64_t detail, int pe, const Config& c);
 
 }  // namespace symheap::ep

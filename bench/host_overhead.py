@@ -1,0 +1,209 @@
+"""Host overhead of eager calls in both launch models, side by side.
+
+For each case, the same PE program runs once with one process per PE and once
+with PE threads in one process, with 2 PEs and with 8 PE threads (8 virtual
+devices on the cpu backend; on cuda, as many as there are GPUs, up to 8).
+
+Figures, per PE (the slowest PE reported):
+  host      mean time until the Python call returns (dispatch, combine);
+  pair      mean wall time of one dispatch + combine in a loop of --iters;
+  gpu b2b   (cuda) CUDA events over 30 back-to-back dispatch + combine pairs.
+
+Cases. cuda: EP low_latency 128 tokens and intranode 4096 tokens with
+max_recv_tokens given (7168 bf16, top-8 of 256), and attention forward
+(B=1, S=128, H=8, D=64 bf16, causal) against torch SDPA in the same run, in one
+thread and in one thread per GPU at once. cpu: a dispatch + combine pair of 8
+tokens x 16 float32 (top-2 of 8 experts), i.e. the per-call overhead.
+
+    python bench/host_overhead.py [--iters 200] [--pes 2] [--skip-8] [--backend cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+CUDA_CASES = [  # (name, tokens, hidden, experts, topk, dtype, kernel, max_recv given)
+    ("low_latency 128", 128, 7168, 256, 8, "bfloat16", "low_latency", False),
+    ("intranode 4096", 4096, 7168, 256, 8, "bfloat16", "intranode", True),
+]
+CPU_CASES = [("cpu pair 8x16", 8, 16, 8, 2, "float32", "intranode", False)]
+GPU_B2B_CALLS = 30
+
+
+def ep_program(case, iters):
+    """One PE's measurement; returns a dict of microseconds."""
+    import torch
+
+    import symheap
+    from symheap import ep as ep_mod
+
+    _, tokens, hidden, experts, topk, dtype, kernel, bounded = case
+    rank, world = symheap.my_pe(), symheap.n_pes()
+    on_cuda = symheap.backend() == "cuda"
+    device = torch.device("cuda", symheap.current_device()) if on_cuda else torch.device("cpu")
+    if on_cuda:
+        torch.cuda.set_device(device)
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    idx = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices.to(device)
+    w = (torch.rand(tokens, topk, generator=g) + 0.1).to(device)
+    x = torch.randn(tokens, hidden, generator=g).to(getattr(torch, dtype)).to(device)
+    cfg = ep_mod.EpConfig(hidden=hidden, max_tokens_per_rank=tokens, num_experts=experts,
+                          topk=topk, dtype=dtype, kernel=kernel,
+                          max_recv_tokens=world * tokens if bounded else None)
+    with ep_mod.EpDispatchCombine(cfg) as ep:
+        out = ep.dispatch(x, idx, w)
+        y = torch.zeros(out.handle.rows_shape, dtype=getattr(torch, cfg.combine_dtype),
+                        device=device)
+        ep.combine(y, out.handle)
+        ep.check()
+
+        def pair():
+            o = ep.dispatch(x, idx, w)
+            ep.combine(y, o.handle)
+
+        for _ in range(10):
+            pair()
+        ep.check()
+        symheap.barrier_all()
+        t_disp = t_comb = 0.0
+        clock = time.perf_counter
+        start = clock()
+        for _ in range(iters):
+            t0 = clock()
+            o = ep.dispatch(x, idx, w)
+            t1 = clock()
+            ep.combine(y, o.handle)
+            t2 = clock()
+            t_disp += t1 - t0
+            t_comb += t2 - t1
+        loop = clock() - start
+        ep.check()
+        res = {"dispatch": t_disp / iters * 1e6, "combine": t_comb / iters * 1e6,
+               "pair": loop / iters * 1e6}
+        if on_cuda:
+            symheap.barrier_all()
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(GPU_B2B_CALLS):
+                pair()
+            e1.record()
+            e1.synchronize()
+            res["gpu_b2b"] = e0.elapsed_time(e1) * 1e3 / GPU_B2B_CALLS
+            ep.check()
+        symheap.barrier_all()
+    return res
+
+
+def attention_host_times(device_index, iters, barrier=None):
+    """Host time of symheap's and SDPA's eager forward on one GPU (us)."""
+    import torch
+    import torch.nn.functional as F
+
+    from symheap.attention import flash_attn_func
+
+    dev = torch.device("cuda", device_index)
+    torch.cuda.set_device(dev)
+    q, k, v = (torch.randn(1, 128, 8, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    fns = {"symheap": lambda: flash_attn_func(q, k, v, causal=True),
+           "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)}
+    res = {}
+    for name, fn in fns.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize(dev)
+        if barrier is not None:
+            barrier.wait(60)
+        clock, total = time.perf_counter, 0.0
+        for _ in range(iters):
+            t0 = clock()
+            fn()
+            total += clock() - t0
+            if _ % 50 == 49:
+                torch.cuda.synchronize(dev)  # keep the launch queue from filling
+        torch.cuda.synchronize(dev)
+        res[name] = total / iters * 1e6
+    return res
+
+
+def slowest(results):
+    keys = results[0].keys()
+    return {k: max(r[k] for r in results) for k in keys}
+
+
+def fmt(r):
+    s = f"dispatch {r['dispatch']:7.1f}  combine {r['combine']:7.1f}  pair {r['pair']:7.1f}"
+    if "gpu_b2b" in r:
+        s += f"  gpu b2b/pair {r['gpu_b2b']:7.1f}"
+    return s
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--pes", type=int, default=2)
+    ap.add_argument("--skip-8", action="store_true", help="skip the 8 PE threads row")
+    ap.add_argument("--backend", default=None, help="cpu or cuda (default: what is present)")
+    ap.add_argument("--no-attention", action="store_true")
+    args = ap.parse_args()
+    if args.backend:
+        os.environ["SYMHEAP_BACKEND"] = args.backend
+    import symheap
+    from symheap.testing import run_processes, run_threads
+
+    backend = symheap.backend()
+    on_cuda = backend == "cuda"
+    ndev = symheap.device_count()
+    cases = CUDA_CASES if on_cuda else CPU_CASES
+    wide = min(8, ndev) if on_cuda else 8
+    print(f"# backend {backend}, {ndev} device(s), iters {args.iters}; times in us per call "
+          f"(slowest PE)", flush=True)
+    env = {"SYMHEAP_BACKEND": backend}
+    for case in cases:
+        print(f"\n## EP {case[0]}")
+        rows = [(f"{args.pes} processes", lambda n=args.pes: run_processes(
+                    ep_program, n, args=(case, args.iters), env=env, spread_devices=True)),
+                (f"{args.pes} threads", lambda n=args.pes: run_threads(
+                    ep_program, n, args=(case, args.iters)))]
+        if not args.skip_8 and wide != args.pes:
+            rows += [(f"{wide} processes", lambda n=wide: run_processes(
+                         ep_program, n, args=(case, args.iters), env=env, spread_devices=True)),
+                     (f"{wide} threads", lambda n=wide: run_threads(
+                         ep_program, n, args=(case, args.iters)))]
+        figures = {}
+        for label, fn in rows:
+            figures[label] = slowest(fn())
+            print(f"  {label:<12} {fmt(figures[label])}", flush=True)
+        for n in sorted({args.pes, wide}):
+            p, t = figures.get(f"{n} processes"), figures.get(f"{n} threads")
+            if p and t:
+                print(f"  {n} PEs: threads / processes per pair = {t['pair'] / p['pair']:.2f}x")
+    if on_cuda and not args.no_attention:
+        print("\n## attention forward B=1 S=128 H=8 D=64 bf16 causal: host us per call")
+        r = attention_host_times(0, args.iters)
+        print(f"  1 thread     symheap {r['symheap']:7.1f}  sdpa {r['sdpa']:7.1f}")
+        n = min(2, ndev)
+        if n > 1:
+            barrier, out = threading.Barrier(n), [None] * n
+
+            def body(i):
+                out[i] = attention_host_times(i, args.iters, barrier)
+
+            threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(600)
+            for i, r in enumerate(out):
+                print(f"  {n} threads, GPU {i}: symheap {r['symheap']:7.1f}  "
+                      f"sdpa {r['sdpa']:7.1f}")
+
+
+if __name__ == "__main__":
+    main()

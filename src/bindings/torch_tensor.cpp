@@ -1,0 +1,177 @@
+#include "bindings/torch_tensor.hpp"
+
+#include "symheap/errors.hpp"
+
+namespace symheap::bindings {
+
+namespace {
+
+PyObject* owned(py::object o) { return o.release().ptr(); }
+
+constexpr int kDTypes = 7;
+const char* const kDTypeNames[kDTypes] = {"?",       "float32", "float16", "bfloat16",
+                                          "float8_e4m3fn", "int32", "int64"};
+
+// What a call needs from torch, resolved once under the GIL and never freed
+// (it must outlive every module-level object at interpreter exit).
+struct Torch {
+  PyObject* tensor_type = nullptr;
+  PyObject* dtypes[kDTypes] = {};
+  PyObject* empty = nullptr;
+  PyObject* device_type = nullptr;  // torch.device
+  PyObject* raw_stream = nullptr;   // torch._C._cuda_getCurrentRawStream, if built with CUDA
+  PyObject* current_stream = nullptr;  // torch.cuda.current_stream otherwise
+  PyObject* s_dtype = nullptr;
+  PyObject* s_shape = nullptr;
+  PyObject* s_data_ptr = nullptr;
+  PyObject* s_get_device = nullptr;
+  PyObject* s_is_contiguous = nullptr;
+  PyObject* s_contiguous = nullptr;
+  PyObject* s_stride = nullptr;
+};
+
+const Torch& torch_api() {
+  static Torch* t = nullptr;
+  if (t) return *t;
+  py::module_ torch = py::module_::import("torch");
+  auto* made = new Torch;
+  made->tensor_type = owned(torch.attr("Tensor"));
+  for (int i = 1; i < kDTypes; ++i)
+    made->dtypes[i] = owned(torch.attr(kDTypeNames[i]));
+  made->empty = owned(torch.attr("empty"));
+  made->device_type = owned(torch.attr("device"));
+  py::object C = torch.attr("_C");
+  if (py::hasattr(C, "_cuda_getCurrentRawStream"))
+    made->raw_stream = owned(C.attr("_cuda_getCurrentRawStream"));
+  else
+    made->current_stream = owned(torch.attr("cuda").attr("current_stream"));
+  made->s_dtype = PyUnicode_InternFromString("dtype");
+  made->s_shape = PyUnicode_InternFromString("shape");
+  made->s_data_ptr = PyUnicode_InternFromString("data_ptr");
+  made->s_get_device = PyUnicode_InternFromString("get_device");
+  made->s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+  made->s_contiguous = PyUnicode_InternFromString("contiguous");
+  made->s_stride = PyUnicode_InternFromString("stride");
+  t = made;
+  return *t;
+}
+
+py::object call_method(py::handle obj, PyObject* name) {
+  PyObject* r = PyObject_CallMethodNoArgs(obj.ptr(), name);
+  if (!r) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+py::object get_attr(py::handle obj, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(obj.ptr(), name);
+  if (!r) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+std::vector<int64_t> int_tuple(const py::object& t) {
+  PyObject* p = t.ptr();
+  if (!PyTuple_Check(p)) throw InvalidArgument("expected a tuple of ints");
+  Py_ssize_t n = PyTuple_GET_SIZE(p);
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(p, i));
+  return out;
+}
+
+void read_fields(const Torch& T, py::handle obj, TensorRef& r) {
+  PyObject* dt = get_attr(obj, T.s_dtype).ptr();
+  r.dtype = TorchDType::Other;
+  for (int i = 1; i < kDTypes; ++i)
+    if (dt == T.dtypes[i]) r.dtype = static_cast<TorchDType>(i);
+  if (r.dtype == TorchDType::Other) {
+    std::string name = py::str(dt);
+    r.dtype_name = name.rfind("torch.", 0) == 0 ? name.substr(6) : name;
+  }
+  r.shape = int_tuple(get_attr(obj, T.s_shape));
+  r.ptr = PyLong_AsUnsignedLongLong(call_method(obj, T.s_data_ptr).ptr());
+  r.device = static_cast<int>(PyLong_AsLong(call_method(obj, T.s_get_device).ptr()));
+  r.contiguous = call_method(obj, T.s_is_contiguous).ptr() == Py_True;
+}
+
+}  // namespace
+
+const char* torch_dtype_name(TorchDType t) { return kDTypeNames[static_cast<int>(t)]; }
+
+int64_t TensorRef::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+std::string shape_repr(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+
+std::string TensorRef::shape_repr() const { return bindings::shape_repr(shape); }
+
+std::string TensorRef::dtype_str() const {
+  return dtype == TorchDType::Other ? dtype_name : torch_dtype_name(dtype);
+}
+
+std::string TensorRef::device_str() const {
+  return device < 0 ? "cpu" : "cuda:" + std::to_string(device);
+}
+
+TensorRef read_tensor(py::handle obj, bool make_contiguous, bool want_strides) {
+  TensorRef r;
+  if (obj.is_none()) return r;
+  r.present = true;
+  const Torch& T = torch_api();
+  if (!PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(T.tensor_type))) {
+    r.type_name = py::str(py::type::handle_of(obj).attr("__name__"));
+    return r;
+  }
+  r.is_tensor = true;
+  read_fields(T, obj, r);
+  if (!r.contiguous && make_contiguous) {
+    r.keep = call_method(obj, T.s_contiguous);
+    r.ptr = PyLong_AsUnsignedLongLong(call_method(r.keep, T.s_data_ptr).ptr());
+    r.contiguous = true;
+  }
+  if (want_strides) r.strides = int_tuple(call_method(r.keep ? r.keep : obj, T.s_stride));
+  return r;
+}
+
+uintptr_t tensor_data_ptr(py::handle tensor) {
+  return PyLong_AsUnsignedLongLong(call_method(tensor, torch_api().s_data_ptr).ptr());
+}
+
+uintptr_t torch_current_stream(int device) {
+  const Torch& T = torch_api();
+  if (T.raw_stream) {
+    py::object s = py::reinterpret_steal<py::object>(
+        PyObject_CallOneArg(T.raw_stream, py::int_(device).ptr()));
+    if (!s) throw py::error_already_set();
+    return PyLong_AsUnsignedLongLong(s.ptr());
+  }
+  py::object s = py::handle(T.current_stream)(device);
+  return s.attr("cuda_stream").cast<uintptr_t>();
+}
+
+py::object torch_empty(const std::vector<int64_t>& shape, const py::dict& kwargs) {
+  const Torch& T = torch_api();
+  py::tuple size(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) size[i] = py::int_(shape[i]);
+  PyObject* r = PyObject_Call(T.empty, py::make_tuple(size).ptr(), kwargs.ptr());
+  if (!r) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+py::dict empty_kwargs(TorchDType dtype, int device) {
+  const Torch& T = torch_api();
+  py::dict kw;
+  kw["dtype"] = py::handle(T.dtypes[static_cast<int>(dtype)]);
+  if (device < 0)
+    kw["device"] = py::handle(T.device_type)("cpu");
+  else
+    kw["device"] = py::handle(T.device_type)("cuda", device);
+  return kw;
+}
+
+}  // namespace symheap::bindings

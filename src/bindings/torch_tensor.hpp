@@ -1,0 +1,63 @@
+// A minimal C-level reader of torch tensors for the bindings, without linking
+// torch: a tensor's address, dtype, shape, strides and device are read through
+// the Python C API (torch dtypes are singletons, so a dtype is one pointer
+// compare), under the GIL, into plain data that the rest of a call uses with
+// the GIL released. Also: torch's current stream of a device and a cached
+// torch.empty, both looked up once per process.
+#pragma once
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace symheap::bindings {
+
+namespace py = pybind11;
+
+// The dtypes the ops take; Other: any other torch dtype (its name is kept).
+enum class TorchDType : int { Other = 0, F32, F16, BF16, FP8_E4M3, I32, I64 };
+const char* torch_dtype_name(TorchDType t);
+
+// One argument as read from Python. `present` is false for None; `is_tensor`
+// false for anything that is not a torch.Tensor (its type name is kept).
+struct TensorRef {
+  bool present = false;
+  bool is_tensor = false;
+  uintptr_t ptr = 0;
+  TorchDType dtype = TorchDType::Other;
+  int device = -1;  // CUDA ordinal, -1 on the cpu
+  bool contiguous = false;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;  // filled only when asked for
+  std::string type_name;         // not a tensor: its Python type name
+  std::string dtype_name;        // dtype Other: torch's name for it
+  py::object keep;               // a contiguous copy the call made, kept alive
+
+  int64_t numel() const;
+  // "(4, 2)", "(4,)", "()": Python's repr of the shape tuple.
+  std::string shape_repr() const;
+  std::string dtype_str() const;
+  std::string device_str() const;  // "cpu" or "cuda:N", as torch prints it
+};
+
+// Reads `obj` (a torch.Tensor or None). With `make_contiguous`, a
+// non-contiguous tensor is replaced by its contiguous copy (kept in `keep`).
+TensorRef read_tensor(py::handle obj, bool make_contiguous = true, bool want_strides = false);
+
+// The address of a tensor known to be one (a tensor this call allocated).
+uintptr_t tensor_data_ptr(py::handle tensor);
+
+// "(4, 2)" for a shape given as numbers.
+std::string shape_repr(const std::vector<int64_t>& shape);
+
+// torch's current CUDA stream of `device` for the calling thread (0 where
+// torch has no CUDA); the lookup function is resolved once.
+uintptr_t torch_current_stream(int device);
+
+// torch.empty(shape, dtype=dtype, device=device), with the callable resolved
+// once; `kwargs` comes from empty_kwargs() and is kept by the caller.
+py::object torch_empty(const std::vector<int64_t>& shape, const py::dict& kwargs);
+py::dict empty_kwargs(TorchDType dtype, int device);
+
+}  // namespace symheap::bindings
