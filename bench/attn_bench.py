@@ -5,6 +5,7 @@ bf16, B*S = 16k tokens, H*D = 2048. FLOPs: forward 4*B*H*S*S*D (halved when
 causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
 
     python bench/attn_bench.py [--json out.json] [--quick]
+    python bench/attn_bench.py --decode [--json out.json] [--quick]   (KV-cache decode)
 """
 from __future__ import annotations
 
@@ -90,7 +91,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, skip S=16384")
+    parser.add_argument("--decode", action="store_true",
+                        help="decode over a paged KV cache instead (bench/attn_decode_bench.py)")
     args = parser.parse_args()
+    if args.decode:
+        import attn_decode_bench
+        return attn_decode_bench.main(args.json, args.quick)
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
