@@ -6,6 +6,7 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
 
     python bench/attn_bench.py [--backend auto|cudnn|own] [--grid issue|full]
                                [--json out.json] [--quick]
+    python bench/attn_bench.py --decode [--json out.json] [--quick]   (KV-cache decode)
 
 --backend picks symheap's path (as flash_attn_func's backend=); --grid full
 runs head dims 64, 128, 256 x S 512 .. 16k x causal or not.
@@ -100,7 +101,12 @@ def main():
                         help="symheap's path (flash_attn_func's backend=)")
     parser.add_argument("--grid", default="issue", choices=["issue", "full"],
                         help="issue: the rows of the issue; full: hdim 64/128/256 x S 512..16k x causal")
+    parser.add_argument("--decode", action="store_true",
+                        help="decode over a paged KV cache instead (bench/attn_decode_bench.py)")
     args = parser.parse_args()
+    if args.decode:
+        import attn_decode_bench
+        return attn_decode_bench.main(args.json, args.quick)
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"symheap backend {args.backend}, paths {backends()}")

@@ -5,6 +5,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _core
+from ._kvcache import paged_varlen
 from ._plan import Plan, core_args, cudnn_status, make_plan, new_output, prepare
 
 
@@ -135,14 +136,21 @@ def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scal
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0,
                            bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=None,
-                           return_lse=False, deterministic=False, backend=None):
+                           return_lse=False, deterministic=False, backend=None, block_table=None):
     """Attention over packed variable-length sequences: q (total_q, Hq, D), k and
     v (total_k, Hkv, D); sequence b spans rows cu_seqlens[b] : cu_seqlens[b+1].
+    With ``block_table`` (B, max_blocks) int32, k and v are paged caches
+    (num_blocks, block_size, Hkv, D) instead (forward only; see _kvcache.py).
 
     bias and mask are indexed [b, h, i, j] by positions inside sequence b, so
     they broadcast as (B or 1, H, max_seqlen_q or 1, max_seqlen_k).
     Returns ``out`` (total_q, Hq, D), or ``(out, lse)`` with ``lse`` (Hq, total_q).
     """
+    if block_table is not None:
+        return paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                            bias=bias, mask=mask, dropout_p=dropout_p, causal=causal,
+                            window_size=window_size, softmax_scale=softmax_scale, softcap=softcap,
+                            alibi_slopes=alibi_slopes, return_lse=return_lse)
     plan = make_plan(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                      window_size=window_size, softmax_scale=softmax_scale, softcap=softcap,

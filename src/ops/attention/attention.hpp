@@ -7,6 +7,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace symheap::attention {
@@ -96,6 +97,13 @@ void backward_cpu(const Args& a, int threads);
 // call (seed, offset). Identical on cpu and CUDA; kept iff bits >= threshold.
 uint32_t dropout_bits(uint64_t seed, uint64_t offset, uint32_t bh, uint32_t i, uint32_t j);
 uint32_t dropout_threshold(float p);
+
+// cpu building blocks shared with the KV-cache path (decode_cpu.cpp): the
+// worker pool (same thread count rule) and fp32 row conversions.
+void cpu_parallel_for(int64_t items, int threads, const std::function<void(int64_t)>& fn);
+void cpu_load_row(const void* base, DType t, int64_t off, int n, float* dst);
+void cpu_store_row(void* base, DType t, int64_t off, int n, const float* src);
+float cpu_dot(const float* x, const float* y, int n);
 
 #ifdef SYMHEAP_WITH_CUDA
 // CUDA path: F16/BF16 tensors, head_dim a multiple of 8 (<= 256), rows

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -405,5 +406,18 @@ void backward_cpu(const Args& a, int threads) {
     backward_item(a, static_cast<int>(it / a.heads_kv), static_cast<int>(it % a.heads_kv));
   });
 }
+
+// ------------------------------------------------------------ shared with the KV-cache path
+
+void cpu_parallel_for(int64_t items, int threads, const std::function<void(int64_t)>& fn) {
+  parallel_for(items, threads, fn);
+}
+void cpu_load_row(const void* base, DType t, int64_t off, int n, float* dst) {
+  load_row(base, t, off, n, dst);
+}
+void cpu_store_row(void* base, DType t, int64_t off, int n, const float* src) {
+  store_row(base, t, off, n, src);
+}
+float cpu_dot(const float* x, const float* y, int n) { return dot(x, y, n); }
 
 }  // namespace symheap::attention

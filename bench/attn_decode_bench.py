@@ -1,0 +1,132 @@
+"""Decode attention over a paged KV cache on CUDA: bytes of K and V read per
+second against the device-to-device copy bandwidth measured in the same run
+(the memory bound), and torch SDPA over the same cache gathered dense.
+
+bf16, Hq 32 over Hkv 8, D 128, one query row per sequence, every sequence
+holding `cache` rows, paged in 256-row blocks in a shuffled order. Times are
+medians of CUDA-event timed CUDA-graph replays (launch overhead excluded for
+both sides). Copy bandwidth counts the bytes read plus the bytes written.
+
+    python bench/attn_bench.py --decode [--json out.json] [--quick]
+"""
+from __future__ import annotations
+
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from symheap.attention import flash_attn_with_kvcache, kvcache_check
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 256
+BATCHES = [1, 4, 16, 64, 128]
+CACHES = [1024, 4096, 16384, 65536, 131072]
+MAX_CACHE_BYTES = 12 << 30  # K+V of one layout; SDPA's dense copy needs as much again
+
+
+def graph_time_us(fn, calls=20, reps=7):
+    """Median time of one call, from replays of a graph of `calls` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes=2 << 30):
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda: dst.copy_(src), calls=5)
+    return 2 * nbytes / (us * 1e-6)  # read + write
+
+
+def bench_case(B, L, copy_bw, reps):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks_per_seq = L // BLOCK
+    num_blocks = B * blocks_per_seq
+    k_cache = torch.randn((num_blocks, BLOCK, HKV, D), device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32).view(B, blocks_per_seq)
+    q = torch.randn((B, 1, HQ, D), device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+
+    def ours():
+        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+
+    kv_bytes = 2 * B * L * HKV * D * 2
+    row = {"batch": B, "cache": L, "kv_bytes": kv_bytes}
+    t = graph_time_us(ours, reps=reps)
+    kvcache_check()
+    row["symheap_us"] = t
+    row["symheap_GBps"] = kv_bytes / (t * 1e-6) / 1e9
+    row["fraction_of_copy_bw"] = kv_bytes / (t * 1e-6) / copy_bw
+    out = ours()
+    # SDPA over the same cache gathered dense: (B, Hkv, L, D), GQA inside SDPA.
+    kd = k_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
+    vd = v_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
+    del k_cache, v_cache
+    qt = q.transpose(1, 2)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(qt, kd, vd, enable_gqa=True)
+
+    try:
+        row["sdpa_us"] = graph_time_us(sdpa, reps=reps)
+        row["speedup_vs_sdpa"] = row["sdpa_us"] / t
+        row["max_abs_diff_vs_sdpa"] = (out.float() - sdpa().transpose(1, 2).float()).abs().max().item()
+    except Exception as e:  # a backend may be unavailable for a shape
+        row["sdpa_error"] = f"{type(e).__name__}: {e}"[:200]
+    return row
+
+
+def main(json_path=None, quick=False):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    copy_bw = copy_bandwidth()
+    print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    rows = []
+    for B in BATCHES:
+        for L in CACHES:
+            if quick and (B not in (1, 16, 128) or L not in (1024, 16384, 131072)):
+                continue
+            kv_bytes = 2 * B * L * HKV * D * 2
+            if kv_bytes > MAX_CACHE_BYTES:
+                rows.append({"batch": B, "cache": L, "skipped": f"K+V {kv_bytes >> 30} GiB"})
+                continue
+            rows.append(bench_case(B, L, copy_bw, reps=3 if quick else 7))
+            torch.cuda.empty_cache()
+    print(f"{'batch':>5} {'cache':>7} | {'symheap us':>10} {'GB/s':>6} {'of copy':>7} | "
+          f"{'SDPA us':>8} {'speedup':>7} | max|diff|")
+    worst = None
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['batch']:>5} {r['cache']:>7} | skipped ({r['skipped']} > the limit)")
+            continue
+        sd = f"{r['sdpa_us']:8.1f} {r['speedup_vs_sdpa']:6.2f}x" if "sdpa_us" in r else "     n/a        "
+        diff = f"{r['max_abs_diff_vs_sdpa']:.2e}" if "max_abs_diff_vs_sdpa" in r else "n/a"
+        print(f"{r['batch']:>5} {r['cache']:>7} | {r['symheap_us']:10.1f} {r['symheap_GBps']:6.0f} "
+              f"{100 * r['fraction_of_copy_bw']:6.1f}% | {sd} | {diff}")
+        if r["cache"] * r["batch"] >= 65536:  # large enough to be bandwidth-bound
+            worst = r if worst is None or r["fraction_of_copy_bw"] < worst["fraction_of_copy_bw"] else worst
+    if worst:
+        print(f"summary: decode min {100 * worst['fraction_of_copy_bw']:.1f}% of copy bandwidth "
+              f"over cases with >= 64k cached rows in all (batch {worst['batch']}, cache {worst['cache']})")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"copy_bw": copy_bw, "rows": rows}, f, indent=1)

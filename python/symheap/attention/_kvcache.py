@@ -1,0 +1,195 @@
+"""Attention over a KV cache (inference, forward only): the decode call
+``flash_attn_with_kvcache`` and the paged path of ``flash_attn_varlen_func``.
+
+This module only describes tensors to the core and allocates outputs; every
+shape, length and block-id check lives in C++ (src/ops/attention/decode_args.cpp
+and decode_cpu.cpp) and raises ValueError.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from .. import _core
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.int32: "int32"}
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
+
+
+def _describe(call, name: str, t):
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+    call.set_tensor(name, t.data_ptr(), _dtype_name(t), list(t.shape), list(t.stride()))
+
+
+def _same_device(device, **tensors):
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise ValueError(f"attention: {name} is on {t.device} but q is on {device}")
+
+
+def _no_grad_needed(*tensors):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in tensors):
+        raise ValueError("attention: attention over a KV cache is forward only; call it under "
+                         "torch.no_grad() (or torch.inference_mode()) or detach the inputs")
+
+
+def _options(call, head_dim: int, causal, window_size, softmax_scale, softcap):
+    try:
+        left, right = int(window_size[0]), int(window_size[1])
+    except (TypeError, ValueError, IndexError):
+        raise ValueError("attention: window_size must be a pair (left, right) of ints, -1 = "
+                         f"unbounded, got {window_size!r}") from None
+    if causal:
+        right = 0
+    call.window_left, call.window_right = left, right
+    call.scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    call.softcap = float(softcap)
+
+
+def _alibi(slopes, device):
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError("attention: alibi_slopes must be a tensor of shape (Hq,) or (B, Hq)")
+    _same_device(device, alibi_slopes=slopes)
+    return slopes.detach().to(torch.float32).contiguous()
+
+
+def _int32(t, name: str, device):
+    """An int32 index tensor as the core reads it (contiguous rows)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"attention: {name} must be an int32 torch.Tensor")
+    _same_device(device, **{name: t})
+    if t.dtype != torch.int32:
+        raise ValueError(f"attention: {name} must be int32, got {t.dtype}")
+    return t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _run(call, q: torch.Tensor):
+    if q.device.type == "cuda":
+        if not getattr(_core, "attention_has_cuda", False):
+            raise ValueError("attention: q is on a CUDA device but symheap was built without CUDA")
+        device = q.device.index
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        nbytes = _core.attention_cache_cuda_workspace_bytes(call, device)
+        # From torch's caching allocator on the caller's stream: capturable in a
+        # CUDA graph, no host synchronisation.
+        workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=q.device)
+        _core.attention_cache_cuda(call, device, stream, workspace.data_ptr(), nbytes)
+    elif q.device.type == "cpu":
+        _core.attention_cache_cpu(call)
+    else:
+        raise ValueError(f"attention: device type {q.device.type} is not supported (cpu or cuda)")
+
+
+def _query(q: torch.Tensor) -> torch.Tensor:
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"attention: q must be a torch.Tensor, got {type(q).__name__}")
+    return q if q.stride(-1) == 1 else q.contiguous()
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                            block_table=None, causal=False, window_size=(-1, -1),
+                            softmax_scale=None, softcap=0.0, alibi_slopes=None, num_splits=0,
+                            return_lse=False):
+    """One decode step over a KV cache; see docs/attention.md.
+
+    q (B, Sq, Hq, D). k_cache, v_cache: dense (B, capacity, Hkv, D), or paged
+    (num_blocks, block_size, Hkv, D) with ``block_table`` (B, max_blocks) int32.
+    ``cache_seqlens``: int or (B,) int32 tensor, rows already cached. k, v
+    (B, S_new, Hkv, D), when given, are written in place at rows
+    ``cache_seqlens[b] ...`` of each sequence's cache before the attention,
+    which then covers ``cache_seqlens[b] + S_new`` keys (``cache_seqlens`` is
+    not updated). Returns ``out`` (B, Sq, Hq, D), or ``(out, lse)`` with
+    ``lse`` (B, Hq, Sq) float32. Forward only.
+    """
+    q = _query(q)
+    device = q.device
+    _same_device(device, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
+                  cache_seqlens=cache_seqlens)
+    _no_grad_needed(q, k_cache, v_cache, k, v)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((q.shape[0] if q.dim() == 4 else 1,), cache_seqlens,
+                                   dtype=torch.int32, device=device)
+    cache_seqlens = _int32(cache_seqlens, "cache_seqlens", device)
+    if block_table is not None:
+        block_table = _int32(block_table, "block_table", device)
+    k = k.contiguous() if isinstance(k, torch.Tensor) and k.stride(-1) != 1 else k
+    v = v.contiguous() if isinstance(v, torch.Tensor) and v.stride(-1) != 1 else v
+    alibi = _alibi(alibi_slopes, device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (0, 0, 0)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+
+    call = _core.AttentionCacheCall()
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                    ("out", out), ("lse", lse), ("cache_seqlens", cache_seqlens),
+                    ("block_table", block_table), ("alibi_slopes", alibi)):
+        _describe(call, name, t)
+    _options(call, q.shape[-1], causal, window_size, softmax_scale, softcap)
+    call.num_splits = int(num_splits)
+    _run(call, q)
+    return (out, lse) if return_lse else out
+
+
+def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, *,
+                 bias, mask, dropout_p, causal, window_size, softmax_scale, softcap, alibi_slopes,
+                 return_lse):
+    """``flash_attn_varlen_func`` over a paged cache: sequence b has the queries
+    q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] and the keys of cache rows
+    0 .. cu_seqlens_k[b+1] - cu_seqlens_k[b] - 1, found through block_table."""
+    for name, given in (("bias", bias is not None), ("mask", mask is not None),
+                        ("dropout_p", dropout_p != 0)):
+        if given:
+            raise ValueError(f"attention: {name} is not supported with block_table (paged KV "
+                             "supports causal, window_size, softcap, alibi_slopes and GQA)")
+    q = _query(q)
+    device = q.device
+    _same_device(device, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
+                 cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+    _no_grad_needed(q, k_cache, v_cache)
+    cu_seqlens_q = _int32(cu_seqlens_q, "cu_seqlens_q", device)
+    cu_seqlens_k = _int32(cu_seqlens_k, "cu_seqlens_k", device)
+    block_table = _int32(block_table, "block_table", device)
+    alibi = _alibi(alibi_slopes, device)
+    # Rows outside every sequence are never written: zero output, lse -inf.
+    out = torch.zeros(q.shape, dtype=q.dtype, device=device)
+    lse = torch.full((q.shape[1], q.shape[0]) if q.dim() == 3 else (0, 0), float("-inf"),
+                     dtype=torch.float32, device=device)
+    call = _core.AttentionCacheCall()
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out),
+                    ("lse", lse), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("block_table", block_table), ("alibi_slopes", alibi)):
+        _describe(call, name, t)
+    try:
+        call.max_seqlen_q = operator.index(max_seqlen_q)
+    except TypeError:
+        raise ValueError(f"attention: max_seqlen_q must be an int, got {max_seqlen_q!r}") from None
+    _options(call, q.shape[-1], causal, window_size, softmax_scale, softcap)
+    _run(call, q)
+    return (out, lse) if return_lse else out
+
+
+def kvcache_check(device=None) -> None:
+    """Waits for the current stream of ``device`` (a CUDA device; default the
+    current one) and raises the error a KV-cache call recorded there (a block
+    id out of range or a cache too small for the appended rows), then clears
+    it. A later call on the device raises it too, without waiting."""
+    if not getattr(_core, "attention_has_cuda", False) or not torch.cuda.is_available():
+        return
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    stream = torch.cuda.current_stream(index).cuda_stream
+    _core.attention_cache_check_cuda(index, stream, True)

@@ -1,0 +1,140 @@
+// Attention over a KV cache (inference, forward only): the op core of the
+// paged varlen call and of the decode call, free of Python and of torch.
+//
+// `CacheArgs` holds raw pointers, element strides and shapes; the PyTorch
+// wrapper fills it from tensors and an XLA FFI handler can fill it from
+// buffers. A call optionally appends new keys and values to the cache at each
+// sequence's current length, then runs attention of the queries over the
+// cache. The cache is dense ([batch, capacity, Hkv, D]) or paged
+// ([num_blocks, block_size, Hkv, D] pools and a block table).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ops/attention/attention.hpp"
+
+namespace symheap::attention {
+
+struct CacheArgs {
+  int batch = 0;
+  int heads_q = 0;
+  int heads_kv = 0;
+  int head_dim = 0;
+
+  // Queries and output: element [b, row, head, col] as in `Tensor`. Fixed
+  // lengths: `seqlen_q` rows per sequence. Packed: cu_seqlens_q [batch + 1],
+  // batch_stride 0, seqlen_q the maximum length and total_q the row count.
+  Tensor q, out;
+  int seqlen_q = 0;
+  const int32_t* cu_seqlens_q = nullptr;
+  int64_t total_q = 0;
+  float* lse = nullptr;  // [b*lse_batch_stride + h*lse_head_stride + row]
+  int64_t lse_batch_stride = 0;
+  int64_t lse_head_stride = 0;
+
+  // The cache. Dense (block_table null): k_cache.batch_stride steps over
+  // sequences and `capacity` rows each. Paged: k_cache.batch_stride steps over
+  // blocks of `block_size` rows; cache row j of sequence b is row
+  // j % block_size of block block_table[b * block_table_stride + j / block_size],
+  // and capacity = max_blocks * block_size.
+  Tensor k_cache, v_cache;
+  int capacity = 0;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int max_blocks = 0;
+  int block_size = 0;
+  int num_blocks = 0;
+
+  // Rows in the cache before the call: seqlens_k[b], or with
+  // `seqlens_k_cumulative` seqlens_k[b + 1] - seqlens_k[b] (cu_seqlens_k of
+  // the varlen call).
+  const int32_t* seqlens_k = nullptr;
+  bool seqlens_k_cumulative = false;
+
+  // New keys and values [b, row, head, col] (fixed length seqlen_new; data
+  // null: none). Row t of sequence b is written to cache row seqlens_k[b] + t;
+  // the keys attended are then the first seqlens_k[b] + seqlen_new rows.
+  Tensor k_new, v_new;
+  int seqlen_new = 0;
+
+  // Options, as in `Args`: visibility is aligned bottom-right (query row i of
+  // sq sees key j <= i + sk - sq with causal), softcap, ALiBi.
+  float scale = 1.0f;
+  float softcap = 0.0f;
+  int window_left = -1;
+  int window_right = -1;
+  const float* alibi_slopes = nullptr;  // [batch or 1][heads_q]
+  int64_t alibi_batch_stride = 0;
+
+  // CUDA: splits of the key length (0 = chosen from the shapes and the device).
+  int num_splits = 0;
+
+  bool paged() const { return block_table != nullptr; }
+  bool varlen() const { return cu_seqlens_q != nullptr; }
+  bool appends() const { return k_new.data != nullptr; }
+  int group() const { return heads_q / heads_kv; }
+};
+
+// A call as front ends describe it: each tensor with its dtype name, shape
+// and element strides (absent ones not `present`). `cache_args` checks every
+// shape, dtype and stride against the others and fills a CacheArgs; this is
+// where all the shape checks live, for every front end.
+struct TensorDesc {
+  bool present = false;
+  const void* data = nullptr;
+  std::string dtype;  // "float32", "float16", "bfloat16", "int32", ...
+  std::vector<int64_t> shape, strides;
+};
+
+struct CacheCall {
+  // Decode: q (B, Sq, Hq, D), cache_seqlens (B,) int32, optional k, v
+  // (B, S_new, Hkv, D) to append, out like q, lse (B, Hq, Sq) float32.
+  // Paged varlen: q (total_q, Hq, D), cu_seqlens_q and cu_seqlens_k (B + 1,)
+  // int32 (key lengths are the differences), max_seqlen_q, a block table,
+  // out like q, lse (Hq, total_q) float32.
+  // Caches: dense (B, capacity, Hkv, D), or with block_table (B, max_blocks)
+  // int32, paged (num_blocks, block_size, Hkv, D).
+  TensorDesc q, k_cache, v_cache, k, v, out, lse;
+  TensorDesc cache_seqlens, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes;
+  int max_seqlen_q = 0;
+  float scale = 1.0f;
+  float softcap = 0.0f;
+  int window_left = -1;
+  int window_right = -1;
+  int num_splits = 0;
+};
+CacheArgs cache_args(const CacheCall& call);
+
+// Checks of shapes, strides and options (no data is read). Throws
+// InvalidArgument naming the argument and the allowed range.
+void validate_cache(const CacheArgs& a);
+
+// cpu path: also checks the lengths and the block ids a call would use
+// (cache_seqlens >= 0, room for the appended rows, block ids in
+// [0, num_blocks)) before it writes anything, and raises InvalidArgument.
+void cache_attention_cpu(const CacheArgs& a, int threads);
+
+#ifdef SYMHEAP_WITH_CUDA
+// Bytes of device workspace (the partial results of the key-length splits),
+// from the shapes alone; 0 when one split suffices. Pass the same args (and
+// the same device) to cache_attention_cuda.
+size_t cache_attention_cuda_workspace_bytes(const CacheArgs& a, int device);
+
+// CUDA path: F16/BF16, head_dim a multiple of 8 (<= 256), 16-byte aligned
+// rows. No host synchronisation and no allocation, so it can be captured in a
+// CUDA graph. Lengths and block ids live on the device and are checked there:
+// a sequence whose append would not fit or that names a block id out of range
+// writes nothing to the cache, gets NaN outputs, and the first such error is
+// recorded for the device. It is raised (InvalidArgument) by the next call on
+// that device or by cache_check_cuda.
+void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* workspace,
+                          size_t bytes);
+
+// Raises the error a cache call recorded on `device` (and clears it); with
+// `sync` it first waits for `stream`.
+void cache_check_cuda(int device, void* stream, bool sync);
+#endif
+
+}  // namespace symheap::attention

@@ -1,0 +1,234 @@
+"""Attention over KV caches on CUDA, float16 and bfloat16: the cpu test grid
+(dense and paged caches, appended rows, every feature), forced key-length
+splits (the log-sum-exp combine), a long cache, device-recorded errors, and a
+decode step captured in a CUDA graph."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from symheap import _core  # noqa: E402
+from symheap.attention import (flash_attn_varlen_func, flash_attn_with_kvcache,  # noqa: E402
+                               kvcache_check)
+
+from attention_kvcache_common import FEATURES, Cache, bits, call_options, reference  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not getattr(_core, "attention_has_cuda", False),
+    reason="needs a CUDA device and a CUDA build of symheap")
+
+DTYPES = [torch.bfloat16, torch.float16]
+TOL = {torch.bfloat16: 2.5e-2, torch.float16: 4e-3}
+
+
+def max_err(x, ref):
+    return (x.float().cpu() - ref.float()).abs().max().item() if x.numel() else 0.0
+
+
+def setup_decode(*, layout, feature, s_new, dtype, D=128, B=3, Sq=None, capacity=300, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    Hq, Hkv, opts = FEATURES[feature]
+    cap = Cache(B=1, capacity=capacity, Hkv=1, D=8, dtype=dtype, device="cuda", gen=gen,
+                lengths=[0], block_size=layout).capacity
+    lengths = [0, cap - s_new, int(torch.randint(1, cap - s_new, (1,), generator=gen))][:B]
+    cache = Cache(B=B, capacity=capacity, Hkv=Hkv, D=D, dtype=dtype, device="cuda", gen=gen,
+                  lengths=lengths, block_size=layout)
+    Sq = Sq if Sq is not None else max(1, s_new)
+    q = torch.randn((B, Sq, Hq, D), generator=gen).to(device="cuda", dtype=dtype)
+    new = None
+    if s_new:
+        new = tuple(torch.randn((B, s_new, Hkv, D), generator=gen).to(device="cuda", dtype=dtype)
+                    for _ in range(2))
+    return cache, lengths, q, new, Hq, opts
+
+
+def run_and_check(cache, lengths, q, new, Hq, opts, *, tol, **extra):
+    before = cache.snapshot()
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    k, v = new if new is not None else (None, None)
+    out, lse = flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=seqlens,
+                                       block_table=cache.block_table, return_lse=True,
+                                       **call_options(opts, Hq, "cuda"), **extra)
+    kvcache_check()
+    s_new = 0 if new is None else new[0].shape[1]
+    want = Cache.__new__(Cache)
+    want.__dict__.update(cache.__dict__)
+    want.k, want.v = before
+    for b, n in enumerate(lengths):
+        if s_new:
+            want.write(b, n, new[0][b], new[1][b])
+    assert torch.equal(bits(cache.k), bits(want.k)), "k_cache differs outside the appended rows"
+    assert torch.equal(bits(cache.v), bits(want.v)), "v_cache differs outside the appended rows"
+    for b, n in enumerate(lengths):
+        ref, ref_lse = reference(q[b:b + 1], cache, b, n + s_new, opts, Hq)
+        assert not torch.isnan(out[b]).any(), f"NaN in sequence {b}"
+        assert max_err(out[b:b + 1], ref) <= tol, f"sequence {b}: error {max_err(out[b:b + 1], ref):.3g}"
+        finite = torch.isfinite(ref_lse)
+        got = lse[b:b + 1].cpu()
+        assert torch.equal(torch.isfinite(got), finite)
+        if finite.any():
+            assert (got[finite] - ref_lse[finite]).abs().max().item() <= 2e-3
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", [None, 16, 256, 512])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("s_new", [0, 1, 3])
+def test_decode(dtype, layout, feature, s_new):
+    setup = setup_decode(layout=layout, feature=feature, s_new=s_new, dtype=dtype,
+                         seed=hash((layout, feature, s_new)) % 1000)
+    run_and_check(*setup, tol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [32, 64, 96, 256])
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_decode_head_dims_and_splits(dtype, D, num_splits):
+    setup = setup_decode(layout=16, feature="all", s_new=2, Sq=4, dtype=dtype, D=D, seed=D)
+    run_and_check(*setup, tol=TOL[dtype], num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_cache_batch_one(dtype):
+    """Batch 1 over a 32k-row paged cache: the automatic split count fills the GPU."""
+    setup = setup_decode(layout=256, feature="gqa", s_new=1, B=1, capacity=32768, dtype=dtype, seed=4)
+    run_and_check(*setup, tol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_paged_varlen(dtype, block_size, feature):
+    gen = torch.Generator().manual_seed(hash((block_size, feature)) % 1000)
+    Hq, Hkv, opts = FEATURES[feature]
+    q_lens, k_lens = [1, 37, 0, 20], [290, 130, 9, 0]
+    cache = Cache(B=4, capacity=300, Hkv=Hkv, D=128, dtype=dtype, device="cuda", gen=gen,
+                  lengths=k_lens, block_size=block_size)
+    cu_q = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(k_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn((sum(q_lens), Hq, 128), generator=gen).to(device="cuda", dtype=dtype)
+    before = cache.snapshot()
+    out, lse = flash_attn_varlen_func(q, cache.k, cache.v, cu_q, cu_k, max(q_lens), max(k_lens),
+                                      block_table=cache.block_table, return_lse=True,
+                                      **call_options(opts, Hq, "cuda"))
+    kvcache_check()
+    assert torch.equal(bits(cache.k), bits(before[0])) and torch.equal(bits(cache.v), bits(before[1]))
+    cu = cu_q.tolist()
+    for b, nk in enumerate(k_lens):
+        rows = slice(cu[b], cu[b + 1])
+        ref, ref_lse = reference(q[rows][None], cache, b, nk, opts, Hq)
+        assert max_err(out[rows][None], ref) <= TOL[dtype], f"sequence {b}"
+        got = lse[:, rows][None].cpu()
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(got), finite)
+        if finite.any():
+            assert (got[finite] - ref_lse[finite]).abs().max().item() <= 2e-3
+
+
+# ---------------------------------------------------------------- device-side errors
+
+@pytest.mark.parametrize("problem", ["block_id", "no_room", "negative"])
+def test_device_errors_are_recorded(problem):
+    setup = setup_decode(layout=16, feature="gqa", s_new=2, dtype=torch.bfloat16, seed=8)
+    cache, lengths, q, new, Hq, opts = setup
+    kvcache_check()  # nothing pending
+    table = cache.block_table.clone()
+    lengths = [0, 5, 10]
+    if problem == "block_id":
+        table[1, 0] = cache.k.shape[0]
+    elif problem == "no_room":
+        lengths[1] = cache.capacity - 1
+    else:
+        lengths[1] = -4
+    before = cache.snapshot()
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q, cache.k, cache.v, *new, cache_seqlens=seqlens, block_table=table,
+                                  num_splits=2)
+    with pytest.raises(ValueError, match=r"an earlier call on CUDA device \d+ found that sequence 1"):
+        kvcache_check()
+    kvcache_check()  # raised once, then cleared
+    assert torch.isnan(out[1]).all(), "the bad sequence's output must be NaN"
+    # Sequence 1 wrote nothing; the good sequences appended their rows.
+    want = Cache.__new__(Cache)
+    want.__dict__.update(cache.__dict__)
+    want.k, want.v = before
+    for b in (0, 2):
+        want.write(b, lengths[b], new[0][b], new[1][b])
+    assert torch.equal(bits(cache.k), bits(want.k))
+    assert torch.equal(bits(cache.v), bits(want.v))
+    for b in (0, 2):
+        ref, _ = reference(q[b:b + 1], cache, b, lengths[b] + 2, opts, Hq)
+        assert max_err(out[b:b + 1], ref) <= TOL[torch.bfloat16]
+    # Without a check, the next call raises it.
+    flash_attn_with_kvcache(q, cache.k, cache.v, *new, cache_seqlens=seqlens, block_table=table)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="an earlier call"):
+        flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=0, block_table=table)
+
+
+def test_host_side_shape_errors():
+    setup = setup_decode(layout=16, feature="gqa", s_new=1, dtype=torch.bfloat16, seed=9)
+    cache, lengths, q, new, Hq, opts = setup
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        flash_attn_with_kvcache(q.float(), cache.k.float(), cache.v.float(), cache_seqlens=seqlens,
+                                block_table=cache.block_table)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 8"):
+        flash_attn_with_kvcache(q[..., :12], cache.k[..., :12], cache.v[..., :12],
+                                cache_seqlens=seqlens, block_table=cache.block_table)
+    with pytest.raises(ValueError, match="cache_seqlens is on cpu"):
+        flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens.cpu(),
+                                block_table=cache.block_table)
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+@pytest.mark.parametrize("layout", [None, 16])
+def test_decode_step_in_a_cuda_graph(layout):
+    """A decode step (append one row, attend) captured once and replayed with new
+    lengths and new rows written into the static inputs."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(21)
+    B, Hq, Hkv, D, capacity = 4, 8, 2, 128, 4096
+    lengths = [100, 2000, 7, 4000]
+    cache = Cache(B=B, capacity=capacity, Hkv=Hkv, D=D, dtype=dtype, device="cuda", gen=gen,
+                  lengths=lengths, block_size=layout)
+    q = torch.zeros((B, 1, Hq, D), dtype=dtype, device="cuda")
+    k_new = torch.zeros((B, 1, Hkv, D), dtype=dtype, device="cuda")
+    v_new = torch.zeros_like(k_new)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+    def step():
+        return flash_attn_with_kvcache(q, cache.k, cache.v, k_new, v_new, cache_seqlens=seqlens,
+                                       block_table=cache.block_table, causal=True, return_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: per-device state is made outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    # The warm-up appended zero rows at `lengths`; the replays overwrite them.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for it in range(3):
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        kn, vn = (torch.randn(k_new.shape, generator=gen).to(dtype) for _ in range(2))
+        k_new.copy_(kn)
+        v_new.copy_(vn)
+        graph.replay()
+        torch.cuda.synchronize()
+        kvcache_check()
+        for b in range(B):
+            cache_k, cache_v = cache.gather(b, lengths[b] + 1)
+            assert torch.equal(cache_k[0, -1], kn[b, 0].float()), "appended key not at cache_seqlens"
+            assert torch.equal(cache_v[0, -1], vn[b, 0].float())
+            ref, ref_lse = reference(q[b:b + 1], cache, b, lengths[b] + 1, dict(causal=True), Hq)
+            assert max_err(out[b:b + 1], ref) <= TOL[dtype]
+            assert (lse[b].cpu() - ref_lse[0]).abs().max().item() <= 2e-3
+        lengths = [n + 1 for n in lengths]
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
