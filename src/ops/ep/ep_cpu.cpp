@@ -434,7 +434,7 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
       status = kBadArgument;  // an edited handle
 
   // 1-2. This PE's rows into its own combine buffer.
-  wait_all(op, at<uint64_t>(s, op, me, g.off_freed_flag), epoch - 1, call,
+  wait_all(s, op, at<uint64_t>(s, op, me, g.off_freed_flag), epoch - 1, call,
            "the previous combine to finish");
   char* mine = at<char>(s, op, me, g.off_combine_buf);
   const char* rows = static_cast<const char*>(a.rows);
@@ -447,7 +447,7 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
     at<int32_t>(s, op, p, g.off_combine_status)[me] = status;
     store_flag(at<uint64_t>(s, op, p, g.off_combine_flag) + me, epoch);
   }
-  wait_all(op, at<uint64_t>(s, op, me, g.off_combine_flag), epoch, call, "redispatched rows");
+  wait_all(s, op, at<uint64_t>(s, op, me, g.off_combine_flag), epoch, call, "redispatched rows");
   std::string abort;
   const int32_t* statuses = at<int32_t>(s, op, me, g.off_combine_status);
   for (int q = 0; q < n; ++q)
