@@ -12,7 +12,7 @@ pytest.importorskip("jax")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAM = os.path.join(HERE, os.pardir, "jax", "jax_programs.py")
-LAYOUTS = ["token_slots", "expert_major", "low_latency", "intranode"]
+LAYOUTS = ["token_slots", "expert_major", "low_latency", "intranode", "fp8"]
 
 
 def run(name: str, xla_flags: str = "", **kwargs) -> str:

@@ -73,9 +73,9 @@ def expert(cfg: EpConfig, n_pes: int, d):
 def make_step(op, cfg, n_pes, grad=True):
     """dispatch -> experts -> combine, and d(sum(out * r))/d(x, topk_weights) through both
     custom_vjps (grad=False: the forward only, gx None)."""
-    def step(x, idx, w, r):
+    def step(x, idx, w, r, scales=None):
         def loss(x, w):
-            d = op.dispatch(x, idx, w)
+            d = op.dispatch(x, idx, w, scales)
             out = op.combine(expert(cfg, n_pes, d), d.handle)
             return jnp.sum(out.astype(jnp.float32) * r), (d, out)
         if grad:
@@ -84,7 +84,7 @@ def make_step(op, cfg, n_pes, grad=True):
             (_, (d, out)), gx = loss(x, w), None
         fields = dict(x=d.x, topk_idx=d.topk_idx, topk_weights=d.topk_weights,
                       num_recv_tokens=d.num_recv_tokens, src_info=d.src_info,
-                      expert_counts=d.expert_counts)
+                      expert_counts=d.expert_counts, scales=d.scales)
         return {k: v for k, v in fields.items() if v is not None}, out, gx
     return step
 
@@ -126,6 +126,7 @@ CONFIGS = {
     "expert_major": dict(layout="expert_major"),
     "low_latency": dict(kernel="low_latency"),
     "intranode": dict(kernel="intranode", max_recv_tokens=None),  # max_recv_tokens set below
+    "fp8": dict(layout="token_slots", dtype="float8_e4m3fn", scale_dim=8),  # forward only
 }
 
 
@@ -133,8 +134,8 @@ def config(n_pes, name, dtype="bfloat16", tokens=6):
     kw = dict(CONFIGS[name])
     if name == "intranode":
         kw["max_recv_tokens"] = n_pes * tokens
-    return EpConfig(hidden=32, max_tokens_per_rank=tokens, num_experts=2 * n_pes, topk=3,
-                    dtype=dtype, **kw)
+    kw.setdefault("dtype", dtype)
+    return EpConfig(hidden=32, max_tokens_per_rank=tokens, num_experts=2 * n_pes, topk=3, **kw)
 
 
 # ------------------------------------------------------------ programs
@@ -147,13 +148,15 @@ def threads(n, layouts, seed, iters=2, grad=True):
         for name in layouts:
             cfg = config(n, name, dtype="float32" if name == "intranode" else "bfloat16")
             op = shj.EpDispatchCombine(cfg)
-            step = jax.jit(make_step(op, cfg, n, grad))
+            step = jax.jit(make_step(op, cfg, n, grad and not cfg.scale_dim))
             for it in range(iters):
                 inputs, xs, rs = pe_inputs(cfg, n, seed + it)
 
                 def run(i):
                     put = lambda a: jax.device_put(a, devs[i])  # noqa: E731
-                    return step(put(xs[i]), put(inputs[i][1]), put(inputs[i][2]), put(rs[i]))
+                    scales = put(ref.scales_of(cfg, i)) if cfg.scale_dim else None
+                    return step(put(xs[i]), put(inputs[i][1]), put(inputs[i][2]), put(rs[i]),
+                                scales)
 
                 got = on_threads(run, n)
                 for i, (d, out, gx) in enumerate(got):
