@@ -312,7 +312,8 @@ def failures(seed):
 
     raises(lambda: op.dispatch(x[:, :16], idx, w), ValueError, "x must have shape")
     raises(lambda: op.dispatch(x.astype(jnp.float32), idx, w), ValueError, "x must have dtype")
-    raises(lambda: op.dispatch(x, idx.astype(np.float32), w), ValueError, "topk_idx must have dtype")
+    raises(lambda: op.dispatch(x, idx.astype(np.float32), w), ValueError,
+           "topk_idx must have dtype")
     raises(lambda: op.dispatch(x, idx[:, :2], w), ValueError, "topk_idx must have shape")
     raises(lambda: op.dispatch(x, idx, w.astype(np.float16)), ValueError, "topk_weights must")
     raises(lambda: op.dispatch(x, idx, w, scales=w), ValueError, "scale_dim=0")
