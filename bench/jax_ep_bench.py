@@ -1,6 +1,7 @@
 """EP dispatch + combine inside jit (symheap.jax: shard_map over every GPU, and one
-Python thread per GPU each running its own jit) against what JAX offers without it: jax.lax.all_to_all of padded per-destination buffers
-inside shard_map (dispatch) and the reverse all_to_all plus a sum (combine).
+Python thread per GPU each running its own jit) against what JAX offers without it:
+jax.lax.all_to_all of padded per-destination buffers inside shard_map (dispatch) and
+the reverse all_to_all plus a sum (combine).
 
 DeepSeek-V3 shape: hidden 7168 bf16, top-8 of 256 experts; 4096 tokens per GPU
 (kernel intranode, max_recv_tokens set) and 128 (kernel low_latency). Times are

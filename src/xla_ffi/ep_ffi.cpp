@@ -176,7 +176,8 @@ void dispatch(void* stream, int32_t ordinal, uint64_t job, int64_t id,
   }
 }
 
-// Operands: expert_out, send_rows, recv_meta, summary, weights. Result: out.
+// Operands: expert_out, send_rows, recv_meta, summary, weights, then any that only
+// order the call (unread). Result: out.
 void combine(void* stream, int32_t ordinal, uint64_t job, int64_t id,
              const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
   Bound b = bind_op(ordinal, job, id, "ep combine");

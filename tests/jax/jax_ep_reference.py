@@ -23,6 +23,13 @@ def make_inputs(cfg: EpConfig, n_pes: int, rank: int, seed: int, tokens: int | N
     return x, idx, w
 
 
+def scales_of(cfg: EpConfig, rank: int) -> np.ndarray:
+    """PE ``rank``'s dispatch scales: a value that names (PE, token, column)."""
+    t = np.arange(cfg.max_tokens_per_rank, dtype=np.float32)[:, None]
+    j = np.arange(cfg.hidden // cfg.scale_dim, dtype=np.float32)[None, :]
+    return (1 + rank + t / 64 + j / 4096).astype(np.float32)
+
+
 def rows_of(cfg: EpConfig, n_pes: int, me: int, inputs):
     """Reference received rows on PE ``me``: token-major [(src, token)]; expert-major
     {local expert: [(src, token, slot)]}, each in (source PE, token) order."""
@@ -75,6 +82,8 @@ def check_dispatch(cfg: EpConfig, n_pes: int, me: int, inputs, out, xs_cast):
         assert int(out["num_recv_tokens"]) == len(ref), (me, int(out["num_recv_tokens"]), len(ref))
     for r, (s, t) in placed.items():
         assert tuple(src[r]) == (s, t), (me, r, src[r], (s, t))
+        if cfg.scale_dim:
+            np.testing.assert_array_equal(np.asarray(out["scales"])[r], scales_of(cfg, s)[t])
         np.testing.assert_array_equal(got_x[r], xs_cast[s][t])
         idx = inputs[s][1][t]
         local = (idx >= 0) & (idx // L == me)

@@ -71,20 +71,20 @@ def expert(cfg: EpConfig, n_pes: int, d):
 
 
 def make_step(op, cfg, n_pes, grad=True):
-    """dispatch -> experts -> combine, and d(sum(out * r))/dx through both custom_vjps
-    (grad=False: the forward only, gx None)."""
-    def step(x, idx, w, r):
-        def loss(x):
-            d = op.dispatch(x, idx, w)
+    """dispatch -> experts -> combine, and d(sum(out * r))/d(x, topk_weights) through both
+    custom_vjps (grad=False: the forward only, gx None)."""
+    def step(x, idx, w, r, scales=None):
+        def loss(x, w):
+            d = op.dispatch(x, idx, w, scales)
             out = op.combine(expert(cfg, n_pes, d), d.handle)
             return jnp.sum(out.astype(jnp.float32) * r), (d, out)
         if grad:
-            (_, (d, out)), gx = jax.value_and_grad(loss, has_aux=True)(x)
+            (_, (d, out)), gx = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
         else:
-            (_, (d, out)), gx = loss(x), None
+            (_, (d, out)), gx = loss(x, w), None
         fields = dict(x=d.x, topk_idx=d.topk_idx, topk_weights=d.topk_weights,
                       num_recv_tokens=d.num_recv_tokens, src_info=d.src_info,
-                      expert_counts=d.expert_counts)
+                      expert_counts=d.expert_counts, scales=d.scales)
         return {k: v for k, v in fields.items() if v is not None}, out, gx
     return step
 
@@ -106,9 +106,19 @@ def check_pe(cfg, n_pes, me, inputs, xs, rs, d, out, gx):
     np.testing.assert_allclose(ref.to_f32(out), want, rtol=tol, atol=tol)
     if gx is None:
         return
-    # single-PE reference of the gradient: out = x * factor per token
-    want_g = jax.grad(lambda x: jnp.sum(x * factor[:, None] * rs[me]))(jnp.asarray(xs_cast[me]))
-    np.testing.assert_allclose(ref.to_f32(gx), np.asarray(want_g), rtol=tol, atol=tol)
+    gx, gw = gx
+    # single-PE reference of the gradients: out[t] = x[t] * sum_k w[t, k] * f(expert k)
+    _, idx, w = inputs[me]
+    f = np.array([[ref.expert_factor(cfg, n_pes, e) if e >= 0 else 0.0 for e in row]
+                  for row in idx], np.float32).reshape(idx.shape)
+
+    def single_pe(x, w):
+        return jnp.sum(x * jnp.sum(w * f, axis=1, keepdims=True) * rs[me])
+
+    want_x, want_w = jax.grad(single_pe, argnums=(0, 1))(jnp.asarray(xs_cast[me]), jnp.asarray(w))
+    np.testing.assert_allclose(ref.to_f32(gx), np.asarray(want_x), rtol=tol, atol=tol)
+    scale = float(np.abs(np.asarray(want_w)).max()) + 1.0  # bf16 transport of the sums
+    np.testing.assert_allclose(np.asarray(gw), np.asarray(want_w), rtol=tol, atol=tol * scale)
 
 
 CONFIGS = {
@@ -116,6 +126,7 @@ CONFIGS = {
     "expert_major": dict(layout="expert_major"),
     "low_latency": dict(kernel="low_latency"),
     "intranode": dict(kernel="intranode", max_recv_tokens=None),  # max_recv_tokens set below
+    "fp8": dict(layout="token_slots", dtype="float8_e4m3fn", scale_dim=8),  # forward only
 }
 
 
@@ -123,8 +134,8 @@ def config(n_pes, name, dtype="bfloat16", tokens=6):
     kw = dict(CONFIGS[name])
     if name == "intranode":
         kw["max_recv_tokens"] = n_pes * tokens
-    return EpConfig(hidden=32, max_tokens_per_rank=tokens, num_experts=2 * n_pes, topk=3,
-                    dtype=dtype, **kw)
+    kw.setdefault("dtype", dtype)
+    return EpConfig(hidden=32, max_tokens_per_rank=tokens, num_experts=2 * n_pes, topk=3, **kw)
 
 
 # ------------------------------------------------------------ programs
@@ -137,13 +148,15 @@ def threads(n, layouts, seed, iters=2, grad=True):
         for name in layouts:
             cfg = config(n, name, dtype="float32" if name == "intranode" else "bfloat16")
             op = shj.EpDispatchCombine(cfg)
-            step = jax.jit(make_step(op, cfg, n, grad))
+            step = jax.jit(make_step(op, cfg, n, grad and not cfg.scale_dim))
             for it in range(iters):
                 inputs, xs, rs = pe_inputs(cfg, n, seed + it)
 
                 def run(i):
                     put = lambda a: jax.device_put(a, devs[i])  # noqa: E731
-                    return step(put(xs[i]), put(inputs[i][1]), put(inputs[i][2]), put(rs[i]))
+                    scales = put(ref.scales_of(cfg, i)) if cfg.scale_dim else None
+                    return step(put(xs[i]), put(inputs[i][1]), put(inputs[i][2]), put(rs[i]),
+                                scales)
 
                 got = on_threads(run, n)
                 for i, (d, out, gx) in enumerate(got):
@@ -183,7 +196,7 @@ def shard_map_ep(n, layouts, seed, grad=True):
             d, out, gx = f(*args)
             for i in range(n):
                 check_pe(cfg, n, i, inputs, xs, rs, {k: v[i] for k, v in d.items()}, out[i],
-                         None if gx is None else gx[i])
+                         None if gx is None else (gx[0][i], gx[1][i]))
             op.close()
         # the barrier inside shard_map, on every device at once
         tok = jax.jit(shard_map(lambda t: shj.barrier(t), mesh, P("pe"), P("pe")))(
@@ -266,10 +279,11 @@ def distributed(process_id, n_processes, port, seed, bad_config=False):
             return {s.index[0].start: np.asarray(s.data)[0] for s in a.addressable_shards}
 
         d = {k: local_rows(v) for k, v in d.items()}
-        out, gx = local_rows(out), local_rows(gx)
+        out, gx, gw = local_rows(out), local_rows(gx[0]), local_rows(gx[1])
         assert sorted(out) == ranks, (sorted(out), ranks)
         for r in ranks:
-            check_pe(cfg, n, r, inputs, xs, rs, {k: v[r] for k, v in d.items()}, out[r], gx[r])
+            check_pe(cfg, n, r, inputs, xs, rs, {k: v[r] for k, v in d.items()}, out[r],
+                     (gx[r], gw[r]))
         op.close()
     finally:
         shj.finalize()
@@ -298,7 +312,8 @@ def failures(seed):
 
     raises(lambda: op.dispatch(x[:, :16], idx, w), ValueError, "x must have shape")
     raises(lambda: op.dispatch(x.astype(jnp.float32), idx, w), ValueError, "x must have dtype")
-    raises(lambda: op.dispatch(x, idx.astype(np.float32), w), ValueError, "topk_idx must have dtype")
+    raises(lambda: op.dispatch(x, idx.astype(np.float32), w), ValueError,
+           "topk_idx must have dtype")
     raises(lambda: op.dispatch(x, idx[:, :2], w), ValueError, "topk_idx must have shape")
     raises(lambda: op.dispatch(x, idx, w.astype(np.float16)), ValueError, "topk_weights must")
     raises(lambda: op.dispatch(x, idx, w, scales=w), ValueError, "scale_dim=0")

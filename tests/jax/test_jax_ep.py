@@ -51,10 +51,11 @@ def seed() -> int:
     return random.SystemRandom().randrange(1 << 30)
 
 
-@pytest.mark.parametrize("n,layouts", [(2, ALL_LAYOUTS), (4, ["expert_major", "intranode"]),
+@pytest.mark.parametrize("n,layouts", [(2, ALL_LAYOUTS + ["fp8"]),
+                                       (4, ["expert_major", "intranode"]),
                                        (8, ["token_slots"])])
 def test_one_thread_per_device(n, layouts):
-    finish(launch("threads", 8, n=n, layouts=layouts, seed=seed(), iters=2 if n < 8 else 1))
+    finish(launch("threads", 8, n=n, layouts=layouts, seed=seed(), iters=2 if n == 2 else 1))
 
 
 def test_shard_map_eight_devices_and_permuted_mesh():

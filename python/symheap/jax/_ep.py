@@ -137,18 +137,18 @@ class EpDispatchCombine:
 
     def dispatch(self, x, topk_idx, topk_weights, scales=None) -> DispatchOutput:
         """Sends each token's row to the PEs of its top-k experts (inside jit or
-        shard_map, on one device's arrays). Gradient: to ``x`` (combine of the
-        row gradients through the same handle); topk_weights and scales get
-        none (see docs/jax.md)."""
+        shard_map, on one device's arrays). Gradients: to ``x`` (a combine of the
+        row gradients through the same handle) and to ``topk_weights`` (a combine
+        of the received weights' gradients); scales get none (see docs/jax.md)."""
         self._check_open()
         x, topk_idx, topk_weights, scales = self._check_dispatch(x, topk_idx, topk_weights, scales)
         return self._dispatch_vjp(x, scales, topk_idx, topk_weights)
 
     def combine(self, expert_out, handle: EpHandle):
         """Returns [num_tokens, hidden] of config.combine_dtype: each token's rows
-        summed (expert-major: weighted by dispatch's topk_weights). Gradient:
-        to ``expert_out`` (a dispatch of the output gradient through the same
-        handle)."""
+        summed (expert-major: weighted by dispatch's topk_weights). Gradients:
+        to ``expert_out`` (a redispatch of the output gradient through the same
+        handle; cpu backend) and, expert-major, to the weights."""
         self._check_open()
         expert_out = self._check_combine(expert_out, handle)
         return self._combine_vjp(expert_out, handle)
@@ -275,14 +275,19 @@ class EpDispatchCombine:
         return DispatchOutput(rx, ridx, rw, rs if cfg.scale_dim else None, n, src_info, counts,
                               handle)
 
-    def _combine_call(self, expert_out, handle: EpHandle):
+    def _combine_call(self, expert_out, handle: EpHandle, weights=None, after=None):
+        """``weights`` replaces the handle's (expert-major); ``after`` (unread by the
+        handler) orders this collective call after the one that produced it."""
         import jax.numpy as jnp
         cfg, em = self.config, self._em()
         empty_i, empty_f = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
+        if em and weights is None:
+            weights = handle.weights
+        extra = () if after is None else (after,)
         (out,) = ffi_call("symheap_ep_combine",
                           (((handle.num_tokens, cfg.hidden), cfg.combine_dtype),))(
             expert_out, handle.send_rows, handle.recv_meta if em else empty_i, handle.summary,
-            handle.weights if em else empty_f, **self._attrs())
+            weights if em else empty_f, *extra, **self._attrs())
         return out
 
     def _redispatch_call(self, rows, handle: EpHandle, after):
@@ -329,6 +334,22 @@ def _expect(name, a, dtypes, shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(a.shape)}")
 
 
+def _pack_columns(values, columns, width, dtype):
+    """Rows of ``width`` zeros with values[..., j] at column columns[..., j] (-1: none):
+    small per-row numbers carried by a combine (each lands at one column of its token)."""
+    import jax
+    import jax.numpy as jnp
+    hot = jax.nn.one_hot(columns, width, dtype=jnp.float32)  # -1 gives a zero row
+    return jnp.einsum("...j,...jh->...h", values.astype(jnp.float32), hot).astype(dtype)
+
+
+def _check_weight_columns(op):
+    cfg = op.config
+    if cfg.topk > cfg.hidden:
+        raise ValueError(f"the gradient of topk_weights travels in the columns of a row: it "
+                         f"needs topk={cfg.topk} <= hidden={cfg.hidden}")
+
+
 def _make_dispatch_vjp(op: EpDispatchCombine):
     import jax
     import jax.numpy as jnp
@@ -339,19 +360,34 @@ def _make_dispatch_vjp(op: EpDispatchCombine):
 
     def fwd(x, scales, topk_idx, topk_weights):
         out = op._dispatch_call(x, scales, topk_idx, topk_weights)
-        return out, out.handle
+        return out, (out.handle, out.topk_idx)
 
-    def bwd(handle, ct):
-        cfg = op.config
+    def bwd(res, ct):
+        handle, recv_idx = res
+        cfg, geo, em = op.config, op._geo, op._em()
         if cfg.dtype != cfg.combine_dtype:
             raise ValueError(f"dispatch of {cfg.dtype} rows has no gradient")
-        g = ct.x.astype(cfg.combine_dtype)
-        if op._em():  # each (token, slot) row's gradient, summed per token unweighted
-            ones = jnp.ones_like(handle.weights)
-            handle = EpHandle(handle.send_rows, handle.summary, handle.recv_meta, ones,
-                              handle.row_weights, handle.op_key, handle.num_tokens)
-        gx = op._combine_call(g, handle)
-        return gx.astype(cfg.dtype), None, None, None
+        _check_weight_columns(op)
+        cdt, K, T = jnp.dtype(cfg.combine_dtype), cfg.topk, handle.num_tokens
+        ones = jnp.ones_like(handle.weights) if em else None
+        # The gradient of handle.weights comes from combine's backward: ordering this
+        # call after it keeps every PE's sequence of collective calls the same.
+        after = ct.handle.weights if em else None
+        # x: every received row's gradient back to its token, summed (unweighted)
+        gx = op._combine_call(ct.x.astype(cdt), handle, ones, after)
+        # topk_weights: each received row's weight gradient, in the column of its slot
+        if em:
+            slot = handle.recv_meta[:, 2].reshape(geo["local_experts"], geo["expert_cap"])
+            ctw = ct.topk_weights + ct.handle.row_weights
+            packed = _pack_columns(jnp.where(slot >= 0, ctw, 0.0)[..., None], slot[..., None],
+                                   cfg.hidden, cdt)
+        else:
+            cols = jnp.where(recv_idx >= 0, jnp.arange(K), -1)
+            packed = _pack_columns(ct.topk_weights, cols, cfg.hidden, cdt)
+        gw = op._combine_call(packed, handle, ones, gx)[:, :K].astype(jnp.float32)
+        if em:
+            gw = gw + ct.handle.weights[:T]
+        return gx.astype(cfg.dtype), None, None, gw
 
     dispatch.defvjp(fwd, bwd)
     return dispatch
@@ -367,20 +403,31 @@ def _make_combine_vjp(op: EpDispatchCombine):
 
     def fwd(expert_out, handle):
         out = op._combine_call(expert_out, handle)
-        return out, (handle, out)
+        return out, (expert_out, handle, out)
 
     def bwd(res, g):
-        handle, out = res
-        rows = op._redispatch_call(g.astype(op.config.combine_dtype), handle, out)
-        if op._em():  # the row's share was weighted by its top-k weight
-            geo = op._geo
-            valid = handle.recv_meta[:, 0].reshape(geo["local_experts"], geo["expert_cap"]) >= 0
-            w = jnp.where(valid, handle.row_weights, 0.0)
-            rows = (rows.astype(jnp.float32) * w[..., None]).astype(rows.dtype)
-        zero = jax.tree_util.tree_map(
-            lambda a: None if a is None else np.zeros(a.shape, jax.dtypes.float0)
+        expert_out, handle, out = res
+        cfg, geo = op.config, op._geo
+        rows = op._redispatch_call(g.astype(cfg.combine_dtype), handle, out)
+        cotangent = jax.tree_util.tree_map(
+            lambda a: np.zeros(a.shape, jax.dtypes.float0)
             if not jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros_like(a), handle)
-        return rows, zero
+        if op._em():
+            # Row (token, slot) was weighted by weights[token, slot]: its gradient is
+            # that weight times the token's; the weight's is <row, token's gradient>,
+            # carried back to the token in the column of its slot.
+            _check_weight_columns(op)
+            shape = (geo["local_experts"], geo["expert_cap"])
+            slot = handle.recv_meta[:, 2].reshape(shape)
+            w = jnp.where(slot >= 0, handle.row_weights, 0.0)
+            dots = jnp.sum(rows.astype(jnp.float32) * expert_out.astype(jnp.float32), axis=-1)
+            packed = _pack_columns(jnp.where(slot >= 0, dots, 0.0)[..., None], slot[..., None],
+                                   cfg.hidden, rows.dtype)
+            gw = op._combine_call(packed, handle, jnp.ones_like(handle.weights), rows)
+            gw = gw[:, :cfg.topk].astype(jnp.float32)
+            cotangent.weights = jnp.zeros_like(handle.weights).at[:handle.num_tokens].set(gw)
+            rows = (rows.astype(jnp.float32) * w[..., None]).astype(rows.dtype)
+        return rows, cotangent
 
     combine.defvjp(fwd, bwd)
     return combine
