@@ -20,63 +20,8 @@ if not hasattr(_core, "xla_attention_targets"):
     pytest.skip("symheap built without the XLA FFI handlers", allow_module_level=True)
 
 import symheap.jax as shj  # noqa: E402
-from attention_reference import dropout_keep, make_case, randn, reference  # noqa: E402
-
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
-
-
-def err(x, ref):
-    return float(jnp.max(jnp.abs(x.astype(jnp.float32) - ref.astype(jnp.float32))))
-
-
-def scale_of(ref):
-    return max(1.0, float(jnp.max(jnp.abs(ref))))
-
-
-def grads(fn, args, dout):
-    """Gradients of sum(fn(*args) * dout) with respect to every arg."""
-    return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * dout),
-                    argnums=tuple(range(len(args))))(*args)
-
-
-def compare(case, dtype, **options):
-    """Runs the op inside jit; checks out, lse and dq, dk, dv (and dbias) against
-    the fp32 reference on the same (rounded) inputs."""
-    q, k, v, kw = case["q"], case["k"], case["v"], dict(case["kw"])
-    bias = kw.pop("bias", None)
-    ref_kw = dict(kw, **options)
-    if options.get("dropout_p", 0) > 0:
-        s, o = options["seed"] if isinstance(options["seed"], tuple) else (options["seed"], 0)
-        ref_kw["keep"] = dropout_keep(s, o, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
-                                      options["dropout_p"])
-    ref_kw.pop("seed", None)
-
-    def ours(q, k, v, *b):
-        return shj.flash_attn_func(q, k, v, bias=b[0] if b else None, return_lse=True, **kw,
-                                   **options)
-
-    args = (q, k, v) + ((bias,) if bias is not None else ())
-    out, lse = jax.jit(ours)(*args)
-    ref, ref_lse = reference(*args[:3], bias=bias, **ref_kw)
-    tol = TOL[dtype]
-    assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
-    assert not bool(jnp.isnan(out).any())
-    assert err(out, ref) <= tol * scale_of(ref), err(out, ref)
-    fin = jnp.isfinite(ref_lse)
-    assert bool(jnp.array_equal(jnp.isfinite(lse), fin))
-    assert bool((lse[~fin] == -jnp.inf).all())
-    assert float(jnp.max(jnp.abs(jnp.where(fin, lse - ref_lse, 0.0)))) < 1e-3
-
-    dout = randn(jax.random.PRNGKey(99), out.shape, jnp.float32)
-    got = jax.jit(lambda *a: grads(lambda *x: ours(*x)[0], a, dout))(*args)
-    want = grads(lambda *x: reference(x[0], x[1], x[2], bias=x[3] if len(x) > 3 else None,
-                                      **ref_kw)[0], [a.astype(jnp.float32) for a in args], dout)
-    for name, g, r, a in zip(("dq", "dk", "dv", "dbias"), got, want, args):
-        assert g.shape == a.shape and g.dtype == a.dtype, name
-        assert not bool(jnp.isnan(g).any()), name
-        assert err(g, r) <= 3 * tol * scale_of(r), (name, err(g, r))
-    return out
-
+from jax_attention_common import (TOL, check_varlen, compare, err, grads, make_case,  # noqa: E402
+                                  randn, scale_of, varlen_case)
 
 # ------------------------------------------------------------ against jax.nn.dot_product_attention
 
@@ -166,18 +111,6 @@ def test_wrappers_are_memoized():
 
 # ------------------------------------------------------------ varlen
 
-def varlen_case(dtype, seed=0, Hq=4, Hkv=2, D=24):
-    lens_q, lens_k = [5, 0, 17, 9], [7, 3, 17, 20]
-    pad_q, pad_k = 3, 2  # rows after the last sequence: outside every sequence
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-    q = randn(keys[0], (int(cu_q[-1]) + pad_q, Hq, D), dtype)
-    k = randn(keys[1], (int(cu_k[-1]) + pad_k, Hkv, D), dtype)
-    v = randn(keys[2], (int(cu_k[-1]) + pad_k, Hkv, D), dtype)
-    return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("options", [
     {"causal": True},
@@ -186,77 +119,7 @@ def varlen_case(dtype, seed=0, Hq=4, Hkv=2, D=24):
     {"bias": "rowless", "mask": True, "dropout_p": 0.25, "seed": 3},
 ])
 def test_varlen(dtype, options):
-    q, k, v, cu_q, cu_k, mq, mk = varlen_case(dtype)
-    B, Hq = len(cu_q) - 1, q.shape[1]
-    options = dict(options)
-    kw = {}
-    gen = np.random.default_rng(1)
-    bias_kind = options.pop("bias", None)
-    if bias_kind:
-        shape = (B, Hq, mq, mk) if bias_kind == "per_row" else (1, Hq, 1, mk)
-        kw["bias"] = jnp.asarray(gen.standard_normal(shape) * 0.5, jnp.float32).astype(dtype)
-    if options.pop("mask", None):
-        kw["mask"] = jnp.asarray(gen.random((B, 1, mq, mk)) > 0.2)
-    if options.pop("alibi", None):
-        kw["alibi_slopes"] = jnp.asarray([2.0 ** (-h - 1) for h in range(Hq)], jnp.float32)
-    cu_qj, cu_kj = jnp.asarray(cu_q), jnp.asarray(cu_k)
-    args = (q, k, v) + ((kw["bias"],) if "bias" in kw else ())
-    rest = {key: val for key, val in kw.items() if key != "bias"}
-
-    def ours(q, k, v, *b):
-        return shj.flash_attn_varlen_func(q, k, v, cu_qj, cu_kj, mq, mk, return_lse=True,
-                                          bias=b[0] if b else None, **rest, **options)
-
-    out, lse = jax.jit(ours)(*args)
-    dout = randn(jax.random.PRNGKey(5), out.shape, jnp.float32)
-    got = jax.jit(lambda *a: grads(lambda *x: ours(*x)[0], a, dout))(*args)
-    tol = TOL[dtype]
-    ref_grads = [np.zeros(a.shape, np.float32) for a in args]
-    keep_all = None
-    if options.get("dropout_p", 0) > 0:
-        keep_all = dropout_keep(options["seed"], 0, B, Hq, mq, mk, options["dropout_p"])
-    for b in range(B):
-        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        if q1 == q0:
-            continue
-        sub_kw = dict(options)
-        sub_kw.pop("seed", None)
-        if keep_all is not None:
-            sub_kw["keep"] = keep_all[b:b + 1, :, : q1 - q0, : k1 - k0]
-        if "mask" in rest:
-            sub_kw["mask"] = rest["mask"][b:b + 1, :, : q1 - q0, : k1 - k0]
-        if "alibi_slopes" in rest:
-            sub_kw["alibi_slopes"] = rest["alibi_slopes"]
-        sub = [q[None, q0:q1], k[None, k0:k1], v[None, k0:k1]]
-        if "bias" in kw:
-            bb = kw["bias"]
-            bb = bb[b:b + 1] if bb.shape[0] > 1 else bb
-            sub.append(bb[:, :, : q1 - q0 if bb.shape[2] > 1 else 1, : k1 - k0])
-        sub = [x.astype(jnp.float32) for x in sub]
-
-        def ref_fn(*x):
-            return reference(x[0], x[1], x[2], bias=x[3] if len(x) > 3 else None, **sub_kw)
-
-        ref, ref_lse = ref_fn(*sub)
-        assert err(out[q0:q1], ref[0]) <= tol * scale_of(ref), (b, err(out[q0:q1], ref[0]))
-        fin = jnp.isfinite(ref_lse[0])
-        assert bool(jnp.array_equal(jnp.isfinite(lse[:, q0:q1]), fin))
-        assert float(jnp.max(jnp.abs(jnp.where(fin, lse[:, q0:q1] - ref_lse[0], 0.0)))) < 1e-3
-        g = grads(lambda *x: ref_fn(*x)[0], sub, dout[None, q0:q1])
-        ref_grads[0][q0:q1] += np.asarray(g[0][0])
-        ref_grads[1][k0:k1] += np.asarray(g[1][0])
-        ref_grads[2][k0:k1] += np.asarray(g[2][0])
-        if "bias" in kw:
-            gb = np.asarray(g[3])
-            tgt = ref_grads[3][b:b + 1] if kw["bias"].shape[0] > 1 else ref_grads[3]
-            tgt[:, :, : gb.shape[2], : gb.shape[3]] += gb
-    # Rows outside every sequence: zero output, zero gradient, lse -inf.
-    tail_q, tail_k = int(cu_q[-1]), int(cu_k[-1])
-    assert bool((out[tail_q:] == 0).all()) and bool((lse[:, tail_q:] == -jnp.inf).all())
-    assert bool((got[0][tail_q:] == 0).all()) and bool((got[1][tail_k:] == 0).all())
-    for name, gv, r in zip(("dq", "dk", "dv", "dbias"), got, ref_grads):
-        assert not bool(jnp.isnan(gv).any()), name
-        assert err(gv, jnp.asarray(r)) <= 3 * tol * scale_of(jnp.asarray(r)), (name, err(gv, r))
+    check_varlen(dtype, options)
 
 
 # ------------------------------------------------------------ shard_map over 2 cpu devices
@@ -265,7 +128,7 @@ SHARD_MAP_PROGRAM = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
     import symheap.jax as shj
-    from attention_reference import reference, randn
+    from jax_attention_common import reference, randn
     assert len(jax.devices()) == 2, jax.devices()
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:

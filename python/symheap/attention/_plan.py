@@ -6,7 +6,6 @@ core through these plans.
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -17,7 +16,6 @@ import torch
 from .. import _core
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_MAX_HEAD_DIM = 256
 
 # Filling fresh outputs with NaN before each call shows any element the op
 # forgot to write (tests turn this on).
@@ -90,65 +88,44 @@ class Plan:
     backend: str             # "auto", "cudnn" or "own" (see resolve_backend)
 
 
-def _check_qkv(q, k, v, varlen: bool):
+def _dtype_name(dtype) -> str:
+    return _DTYPE_NAMES.get(dtype) or str(dtype).replace("torch.", "")
+
+
+def _spec(x):
+    """(shape, dtype name) as the C++ checks take it, or None."""
+    return None if x is None else (tuple(x.shape), _dtype_name(x.dtype))
+
+
+def _check_devices(q, k, v):
+    """What only torch knows (tensor types, devices); shapes, dtypes and options
+    are checked in C++ (_core.attention_plan_call), shared with symheap.jax."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-    want = 3 if varlen else 4
-    layout = "(total, H, D)" if varlen else "(B, S, H, D)"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != want:
-            _fail(f"{name} must be {layout}, got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        _fail(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in _DTYPE_NAMES:
-        _fail(f"dtype {q.dtype} is not supported: use float16 or bfloat16 (float32 on cpu)")
     if not (q.device == k.device == v.device):
         _fail(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.device.type not in ("cpu", "cuda"):
         _fail(f"device type {q.device.type} is not supported (cpu or cuda)")
-    if q.device.type == "cuda":
-        if not getattr(_core, "attention_has_cuda", False):
-            _fail("q is on a CUDA device but symheap was built without CUDA; rebuild with nvcc "
-                  "available (SYMHEAP_CUDA=ON) or move the tensors to the cpu")
-        if q.dtype == torch.float32:
-            _fail("the CUDA path takes float16 or bfloat16; cast q, k, v (float32 runs on cpu)")
-    if k.shape != v.shape:
-        _fail(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        _fail(f"q and k head dims differ: {q.shape[-1]} vs {k.shape[-1]}")
-    d = q.shape[-1]
-    if not 1 <= d <= _MAX_HEAD_DIM:
-        _fail(f"head dim {d} is outside [1, {_MAX_HEAD_DIM}]")
-    hq, hkv = q.shape[-2], k.shape[-2]
-    if hkv < 1 or hq % hkv:
-        _fail(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if q.device.type == "cuda" and not getattr(_core, "attention_has_cuda", False):
+        _fail("q is on a CUDA device but symheap was built without CUDA; rebuild with nvcc "
+              "available (SYMHEAP_CUDA=ON) or move the tensors to the cpu")
 
 
-def _broadcast(x, name, B, Hq, Hkv, Sq, Sk, device, float_ok: bool) -> Optional[BroadcastSpec]:
+def _check_optional(x, name, device, what):
     if x is None:
-        return None
+        return
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"attention: {name} must be a torch.Tensor or None")
+        raise TypeError(f"attention: {name} must be {what}")
     if x.device != device:
         _fail(f"{name} is on {x.device} but q is on {device}")
-    if float_ok:
-        if x.dtype not in _DTYPE_NAMES:
-            _fail(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
-    elif x.dtype != torch.bool:
-        _fail(f"{name} must be a bool tensor (True = attend), got {x.dtype}; use bias= for "
-              "additive masks")
-    if x.dim() > 4:
-        _fail(f"{name} must have at most 4 dims (B, H, Sq, Sk), got shape {tuple(x.shape)}")
-    shape = tuple(x.shape)
+
+
+def _broadcast(x, kv_heads: bool, per_row: bool) -> Optional[BroadcastSpec]:
+    if x is None:
+        return None
     view = x[(None,) * (4 - x.dim())] if x.dim() < 4 else x
-    b, h, sq, sk = view.shape
-    ok = b in (B, 1) and h in (Hq, Hkv, 1) and sq in (Sq, 1) and sk == Sk
-    if not ok:
-        _fail(f"{name} of shape {shape} does not broadcast as (B or 1, Hq or Hkv or 1, Sq or 1, Sk) "
-              f"= ({B} or 1, {Hq} or {Hkv} or 1, {Sq} or 1, {Sk})")
-    return BroadcastSpec(view, shape, kv_heads=(h == Hkv and Hkv != Hq and h != 1),
-                         per_row=(sq != 1 or Sq == 1))
+    return BroadcastSpec(view, tuple(x.shape), kv_heads=kv_heads, per_row=per_row)
 
 
 BACKENDS = ("auto", "cudnn", "own")
@@ -211,71 +188,48 @@ def make_plan(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
               max_seqlen_k=None, causal=False, window_size=(-1, -1), softmax_scale=None,
               softcap=0.0, bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=None,
               deterministic=False, backend=None) -> Plan:
-    _check_qkv(q, k, v, varlen)
+    _check_devices(q, k, v)
     device = q.device
     backend = resolve_backend(backend, device.type == "cuda")
     if varlen:
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
+            if not isinstance(cu, torch.Tensor):
                 _fail(f"{name} must be a 1-D int32 tensor of sequence starts (length batch + 1)")
             if cu.device != device:
                 _fail(f"{name} is on {cu.device} but q is on {device}")
-        if cu_seqlens_q.numel() != cu_seqlens_k.numel() or cu_seqlens_q.numel() < 2:
-            _fail(f"cu_seqlens_q and cu_seqlens_k must both have batch + 1 >= 2 entries, got "
-                  f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
-        B = cu_seqlens_q.numel() - 1
-        Sq, Sk = _as_int(max_seqlen_q, "max_seqlen_q"), _as_int(max_seqlen_k, "max_seqlen_k")
-        if Sq < 0 or Sk < 0:
-            _fail("max_seqlen_q and max_seqlen_k must be >= 0")
-        if k.shape[0] != v.shape[0]:
-            _fail("k and v must have the same number of rows")
-        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    else:
-        B, Sq = q.shape[0], q.shape[1]
-        Sk = k.shape[1]
-        if k.shape[0] != B:
-            _fail(f"q has batch {B} but k has batch {k.shape[0]}")
-    Hq, Hkv, D = q.shape[-2], k.shape[-2], q.shape[-1]
-
+        max_seqlen_q = _as_int(max_seqlen_q, "max_seqlen_q")
+        max_seqlen_k = _as_int(max_seqlen_k, "max_seqlen_k")
+    _check_optional(bias, "bias", device, "a torch.Tensor or None")
+    _check_optional(mask, "mask", device, "a torch.Tensor or None")
+    _check_optional(alibi_slopes, "alibi_slopes", device, "a tensor of shape (Hq,) or (B, Hq)")
     try:
         left, right = (int(window_size[0]), int(window_size[1]))
     except (TypeError, ValueError, IndexError):
         _fail(f"window_size must be a pair (left, right) of ints, -1 = unbounded, got {window_size!r}")
-    if left < -1 or right < -1:
-        _fail(f"window_size sides must be >= -1 (-1 = unbounded), got {window_size!r}")
-    if causal:
-        right = 0  # causal = no key to the right of the bottom-right-aligned diagonal
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    if not math.isfinite(scale):
-        _fail("softmax_scale must be finite")
-    softcap = float(softcap)
-    if not (softcap >= 0 and math.isfinite(softcap)):
-        _fail(f"softcap must be >= 0 (0 disables it), got {softcap}")
-    dropout_p = float(dropout_p)
-    if not 0 <= dropout_p < 1:
-        _fail(f"dropout_p must be in [0, 1), got {dropout_p}")
-
-    bias_spec = _broadcast(bias, "bias", B, Hq, Hkv, Sq, Sk, device, float_ok=True)
-    mask_spec = _broadcast(mask, "mask", B, Hq, Hkv, Sq, Sk, device, float_ok=False)
+    on_cuda = device.type == "cuda"
+    info = _core.attention_plan_call(
+        varlen, on_cuda, _spec(q), _spec(k), _spec(v), _spec(bias), _spec(mask),
+        _spec(alibi_slopes), _spec(cu_seqlens_q) if varlen else None,
+        _spec(cu_seqlens_k) if varlen else None, max_seqlen_q if varlen else 0,
+        max_seqlen_k if varlen else 0, bool(causal), left, right,
+        None if softmax_scale is None else float(softmax_scale), float(softcap), float(dropout_p))
+    B, Hq, Hkv, D = info["batch"], info["heads_q"], info["heads_kv"], info["head_dim"]
+    Sq, Sk = info["seqlen_q"], info["seqlen_k"]
+    if varlen:
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    bias_spec = _broadcast(bias, info["bias_kv_heads"], info["bias_per_row"])
+    mask_spec = _broadcast(mask, info["mask_kv_heads"], True)
     alibi = None
     if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor):
-            raise TypeError("attention: alibi_slopes must be a tensor of shape (Hq,) or (B, Hq)")
-        if alibi_slopes.device != device:
-            _fail(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
-        if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq), (1, Hq)):
-            _fail(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}), got "
-                  f"{tuple(alibi_slopes.shape)}")
         alibi = alibi_slopes.detach().to(torch.float32).contiguous()
         if alibi.dim() == 1 or alibi.shape[0] == 1:
             alibi = alibi.reshape(1, Hq)
+    dropout_p = float(dropout_p)
 
     seed_value, offset = _dropout_seed(seed, dropout_p)
-    on_cuda = device.type == "cuda"
-    d_run = (D + 7) // 8 * 8 if on_cuda else D
-    return Plan(B, Hq, Hkv, D, d_run, Sq, Sk, varlen, cu_seqlens_q, cu_seqlens_k, scale, softcap,
-                (left, right), bias_spec, mask_spec, alibi, dropout_p, seed_value, offset,
-                bool(deterministic), on_cuda, backend)
+    return Plan(B, Hq, Hkv, D, info["head_dim_run"], Sq, Sk, varlen, cu_seqlens_q, cu_seqlens_k,
+                info["scale"], float(softcap), info["window"], bias_spec, mask_spec, alibi,
+                dropout_p, seed_value, offset, bool(deterministic), on_cuda, backend)
 
 
 def prepare(t: torch.Tensor, plan: Plan) -> torch.Tensor:
