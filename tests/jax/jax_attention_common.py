@@ -34,8 +34,10 @@ def _heads_to_q(x, hq):
 
 
 def reference(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0,
-              bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, keep=None):
-    """(out, lse) in fp32 for (B, S, H, D) inputs (rows with no visible key: 0, -inf)."""
+              bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, keep=None, lengths=None):
+    """(out, lse) in fp32 for (B, S, H, D) inputs (rows with no visible key: 0, -inf).
+    ``lengths`` = (lens_q, lens_k) of shape (B,): sequence b has only its first
+    lens_q[b] queries and lens_k[b] keys (the padded form of a varlen batch)."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -47,21 +49,25 @@ def reference(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scale=None
         s = softcap * jnp.tanh(s / softcap)
     if bias is not None:
         s = s + _heads_to_q(_to4(bias.astype(jnp.float32)), Hq)
-    i = jnp.arange(Sq)[:, None]
-    j = jnp.arange(Sk)[None, :]
-    diag = i + (Sk - Sq)
+    i = jnp.arange(Sq)[None, :, None]
+    j = jnp.arange(Sk)[None, None, :]
+    if lengths is None:
+        lq, lk = jnp.full((1, 1, 1), Sq), jnp.full((1, 1, 1), Sk)
+    else:
+        lq, lk = (jnp.asarray(x).reshape(-1, 1, 1) for x in lengths)
+    diag = (i + (lk - lq))[:, None]  # (B or 1, 1, Sq, 1)
+    j = j[:, None]
     if alibi_slopes is not None:
         slopes = jnp.asarray(alibi_slopes, jnp.float32).reshape(-1, Hq, 1, 1)
         s = s - slopes * jnp.abs(diag - j)
     left, right = window_size
     if causal:
         right = 0
-    visible = jnp.ones((Sq, Sk), bool)
+    visible = ((i < lq) & (j[:, 0] < lk))[:, None]
     if left >= 0:
         visible &= j >= diag - left
     if right >= 0:
         visible &= j <= diag + right
-    visible = visible[None, None]
     if mask is not None:
         visible = visible & _heads_to_q(_to4(mask), Hq)
     visible = jnp.broadcast_to(visible, s.shape)
@@ -133,7 +139,7 @@ def compare(case, dtype, **options):
 
     args = (q, k, v) + ((bias,) if bias is not None else ())
     out, lse = jax.jit(ours)(*args)
-    ref, ref_lse = reference(*args[:3], bias=bias, **ref_kw)
+    ref, ref_lse = jax.jit(lambda q, k, v, b: reference(q, k, v, bias=b, **ref_kw))(*args[:3], bias)
     tol = TOL[dtype]
     assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
     assert not bool(jnp.isnan(out).any())
@@ -145,8 +151,9 @@ def compare(case, dtype, **options):
 
     dout = randn(jax.random.PRNGKey(99), out.shape, jnp.float32)
     got = jax.jit(lambda *a: grads(lambda *x: ours(*x)[0], a, dout))(*args)
-    want = grads(lambda *x: reference(x[0], x[1], x[2], bias=x[3] if len(x) > 3 else None,
-                                      **ref_kw)[0], [a.astype(jnp.float32) for a in args], dout)
+    want = jax.jit(lambda *a: grads(lambda *x: reference(
+        x[0], x[1], x[2], bias=x[3] if len(x) > 3 else None, **ref_kw)[0], a, dout))(
+        *[a.astype(jnp.float32) for a in args])
     for name, g, r, a in zip(("dq", "dk", "dv", "dbias"), got, want, args):
         assert g.shape == a.shape and g.dtype == a.dtype, name
         assert not bool(jnp.isnan(g).any()), name
@@ -166,7 +173,19 @@ def varlen_case(dtype, seed=0, Hq=4, Hkv=2, D=24):
     return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)
 
 
+def to_padded(x, cu, m):
+    """(total, H, D) packed rows -> (B, m, H, D), zero past each sequence's end."""
+    cu = jnp.asarray(cu)
+    lens = cu[1:] - cu[:-1]
+    pos = jnp.arange(m)[None, :]
+    idx = jnp.clip(cu[:-1, None] + pos, 0, x.shape[0] - 1)
+    valid = pos < lens[:, None]
+    return jnp.where(valid[..., None, None], x[idx], 0)
+
+
 def check_varlen(dtype, options, D=24):
+    """Varlen inside jit against the reference on the padded batch; rows outside
+    every sequence must come back as zeros (lse -inf)."""
     q, k, v, cu_q, cu_k, mq, mk = varlen_case(dtype, D=D)
     B, Hq = len(cu_q) - 1, q.shape[1]
     options = dict(options)
@@ -191,50 +210,35 @@ def check_varlen(dtype, options, D=24):
     out, lse = jax.jit(ours)(*args)
     dout = randn(jax.random.PRNGKey(5), out.shape, jnp.float32)
     got = jax.jit(lambda *a: grads(lambda *x: ours(*x)[0], a, dout))(*args)
-    tol = TOL[dtype]
-    ref_grads = [np.zeros(a.shape, np.float32) for a in args]
-    keep_all = None
+
+    ref_kw = dict(rest, **options)
+    ref_kw.pop("seed", None)
     if options.get("dropout_p", 0) > 0:
-        keep_all = dropout_keep(options["seed"], 0, B, Hq, mq, mk, options["dropout_p"])
-    for b in range(B):
-        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        if q1 == q0:
-            continue
-        sub_kw = dict(options)
-        sub_kw.pop("seed", None)
-        if keep_all is not None:
-            sub_kw["keep"] = keep_all[b:b + 1, :, : q1 - q0, : k1 - k0]
-        if "mask" in rest:
-            sub_kw["mask"] = rest["mask"][b:b + 1, :, : q1 - q0, : k1 - k0]
-        if "alibi_slopes" in rest:
-            sub_kw["alibi_slopes"] = rest["alibi_slopes"]
-        sub = [q[None, q0:q1], k[None, k0:k1], v[None, k0:k1]]
-        if "bias" in kw:
-            bb = kw["bias"]
-            bb = bb[b:b + 1] if bb.shape[0] > 1 else bb
-            sub.append(bb[:, :, : q1 - q0 if bb.shape[2] > 1 else 1, : k1 - k0])
-        sub = [x.astype(jnp.float32) for x in sub]
+        ref_kw["keep"] = dropout_keep(options["seed"], 0, B, Hq, mq, mk, options["dropout_p"])
+    lengths = (cu_qj[1:] - cu_qj[:-1], cu_kj[1:] - cu_kj[:-1])
 
-        def ref_fn(*x):
-            return reference(x[0], x[1], x[2], bias=x[3] if len(x) > 3 else None, **sub_kw)
+    def ref_fn(q, k, v, *b):
+        return reference(to_padded(q, cu_q, mq), to_padded(k, cu_k, mk), to_padded(v, cu_k, mk),
+                         bias=b[0] if b else None, lengths=lengths, **ref_kw)
 
-        ref, ref_lse = ref_fn(*sub)
-        assert err(out[q0:q1], ref[0]) <= tol * scale_of(ref), (b, err(out[q0:q1], ref[0]))
-        fin = jnp.isfinite(ref_lse[0])
-        assert bool(jnp.array_equal(jnp.isfinite(lse[:, q0:q1]), fin))
-        assert float(jnp.max(jnp.abs(jnp.where(fin, lse[:, q0:q1] - ref_lse[0], 0.0)))) < 1e-3
-        g = grads(lambda *x: ref_fn(*x)[0], sub, dout[None, q0:q1])
-        ref_grads[0][q0:q1] += np.asarray(g[0][0])
-        ref_grads[1][k0:k1] += np.asarray(g[1][0])
-        ref_grads[2][k0:k1] += np.asarray(g[2][0])
-        if "bias" in kw:
-            gb = np.asarray(g[3])
-            tgt = ref_grads[3][b:b + 1] if kw["bias"].shape[0] > 1 else ref_grads[3]
-            tgt[:, :, : gb.shape[2], : gb.shape[3]] += gb
+    fargs = [a.astype(jnp.float32) for a in args]
+    ref, ref_lse = jax.jit(ref_fn)(*fargs)
+    want = jax.jit(lambda *a: jax.grad(
+        lambda *x: jnp.sum(ref_fn(*x)[0] * to_padded(dout, cu_q, mq)),
+        argnums=tuple(range(len(a))))(*a))(*fargs)
+    tol = TOL[dtype]
+    valid = (jnp.arange(mq)[None, :] < lengths[0][:, None])  # (B, mq)
+    out_p = to_padded(out, cu_q, mq)
+    assert err(out_p, ref) <= tol * scale_of(ref), err(out_p, ref)
+    lse_p = jnp.swapaxes(to_padded(jnp.swapaxes(lse, 0, 1)[..., None], cu_q, mq)[..., 0], 1, 2)
+    fin = jnp.isfinite(ref_lse)
+    v3 = valid[:, None, :]
+    assert bool(jnp.array_equal(jnp.where(v3, jnp.isfinite(lse_p), False), fin))
+    assert float(jnp.max(jnp.abs(jnp.where(fin, lse_p - ref_lse, 0.0)))) < 1e-3
     # Rows outside every sequence: zero output, zero gradient, lse -inf.
     tail_q, tail_k = int(cu_q[-1]), int(cu_k[-1])
     assert bool((out[tail_q:] == 0).all()) and bool((lse[:, tail_q:] == -jnp.inf).all())
     assert bool((got[0][tail_q:] == 0).all()) and bool((got[1][tail_k:] == 0).all())
-    for name, gv, r in zip(("dq", "dk", "dv", "dbias"), got, ref_grads):
+    for name, gv, r in zip(("dq", "dk", "dv", "dbias"), got, want):
         assert not bool(jnp.isnan(gv).any()), name
-        assert err(gv, jnp.asarray(r)) <= 3 * tol * scale_of(jnp.asarray(r)), (name, err(gv, r))
+        assert err(gv, r) <= 3 * tol * scale_of(r), (name, err(gv, r))

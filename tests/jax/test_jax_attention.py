@@ -58,28 +58,25 @@ def test_matches_jax_dot_product_attention(causal, gqa):
 
 # ------------------------------------------------------------ every feature against the fp32 reference
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("name,case_kw,options", [
+# Each case combines a few features; together they cover every option.
+FEATURE_CASES = [
     ("plain", {}, {}),
-    ("causal_sq_ne_sk", {}, {"causal": True}),
-    ("window", {}, {"window_size": (5, 3)}),
-    ("window_left_causal", {}, {"window_size": (7, -1), "causal": True}),
-    ("softcap_scale", {}, {"softcap": 2.5, "softmax_scale": 0.3}),
-    ("alibi", {"alibi_shape": (4,)}, {"causal": True}),
-    ("alibi_per_batch", {"alibi_shape": (2, 4)}, {}),
-    ("bias_full", {"bias_shape": (2, 4, 24, 40)}, {}),
-    ("bias_kv_heads_rowless", {"bias_shape": (2, 2, 1, 40)}, {"causal": True}),
-    ("bias_2d", {"bias_shape": (24, 40)}, {}),
-    ("bias_1d", {"bias_shape": (40,)}, {}),
-    ("bias_3d_heads", {"bias_shape": (4, 24, 40)}, {"softcap": 4.0}),
-    ("mask", {"mask_shape": (2, 1, 24, 40)}, {}),
-    ("mask_kv_heads", {"mask_shape": (1, 2, 24, 40), "bias_shape": (1, 1, 24, 40)}, {}),
-    ("dropout", {}, {"dropout_p": 0.2, "seed": 11}),
-    ("dropout_offset_bias", {"bias_shape": (1, 4, 1, 40)}, {"dropout_p": 0.3, "seed": (5, 9)}),
-    ("head_dim_20", {"D": 20}, {"causal": True}),
-    ("head_dim_1", {"D": 1}, {}),
-    ("mqa", {"Hkv": 1, "bias_shape": (1, 1, 24, 40)}, {}),
-])
+    ("causal_alibi", {"alibi_shape": (4,)}, {"causal": True}),
+    ("window_softcap_scale_bias_kv_rowless", {"bias_shape": (2, 2, 1, 40)},
+     {"window_size": (5, 3), "softcap": 2.5, "softmax_scale": 0.3}),
+    ("window_left_causal_alibi_per_batch_mask", {"alibi_shape": (2, 4), "mask_shape": (2, 1, 24, 40)},
+     {"window_size": (7, -1), "causal": True}),
+    ("bias_full_mask_kv_heads", {"bias_shape": (2, 4, 24, 40), "mask_shape": (1, 2, 24, 40)}, {}),
+    ("bias_2d_dropout", {"bias_shape": (24, 40)}, {"dropout_p": 0.2, "seed": 11}),
+    ("bias_1d_head_dim_20_causal", {"bias_shape": (40,), "D": 20}, {"causal": True}),
+    ("bias_3d_softcap_dropout_offset", {"bias_shape": (4, 24, 40)},
+     {"softcap": 4.0, "dropout_p": 0.3, "seed": (5, 9)}),
+    ("mqa_head_dim_1_bias", {"Hkv": 1, "D": 1, "bias_shape": (1, 1, 24, 40)}, {}),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name,case_kw,options", FEATURE_CASES, ids=[c[0] for c in FEATURE_CASES])
 def test_features(dtype, name, case_kw, options):
     case = make_case(hash(name) % 1000, dtype=dtype, **case_kw)
     compare(case, dtype, **options)
@@ -154,6 +151,13 @@ SHARD_MAP_PROGRAM = textwrap.dedent("""
                  argnums=(0, 1, 2, 3))(q, k, v, bias)
     for x, y in zip(g, r):
         assert float(jnp.max(jnp.abs(x - y))) < 1e-4 * max(1.0, float(jnp.max(jnp.abs(y))))
+    # A bias shared by every shard: its gradient is the sum over the shards.
+    shared = 0.5 * randn(keys[3], (1, 4, 16, 24), jnp.float32)
+    f2 = jax.jit(shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (P(),), out_specs=spec))
+    g2 = jax.jit(jax.grad(lambda b: jnp.sum(f2(q, k, v, b) ** 2)))(shared)
+    r2 = jax.grad(lambda b: jnp.sum(reference(q, k, v, bias=b, causal=True)[0] ** 2))(shared)
+    assert g2.shape == shared.shape
+    assert float(jnp.max(jnp.abs(g2 - r2))) < 1e-4 * max(1.0, float(jnp.max(jnp.abs(r2))))
     print("SHARD_MAP_OK")
 """)
 
@@ -200,8 +204,8 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\)"):
         shj.flash_attn_func(q, k, k, alibi_slopes=jnp.ones(3))
     with pytest.raises(ValueError, match="int32"):
-        shj.flash_attn_varlen_func(q[0], k[0], k[0], jnp.array([0, 8], jnp.int64),
-                                   jnp.array([0, 8], jnp.int64), 8, 8)
+        shj.flash_attn_varlen_func(q[0], k[0], k[0], jnp.array([0.0, 8.0]), jnp.array([0.0, 8.0]),
+                                   8, 8)
     with pytest.raises(ValueError, match="offset"):
         shj.flash_attn_func(q, k, k, dropout_p=0.1, seed=(1, 2 ** 32))
     with pytest.raises(TypeError, match="q must be a jax array"):
