@@ -192,8 +192,9 @@ def make_plan(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
                   f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
         B = cu_seqlens_q.numel() - 1
         Sq, Sk = _as_int(max_seqlen_q, "max_seqlen_q"), _as_int(max_seqlen_k, "max_seqlen_k")
-        if Sq < 0 or Sk < 0:
-            _fail("max_seqlen_q and max_seqlen_k must be >= 0")
+        if not (0 <= Sq < 1 << 31 and 0 <= Sk < 1 << 31):  # int32 in the kernels
+            _fail(f"max_seqlen_q and max_seqlen_k must be in [0, {(1 << 31) - 1}], got "
+                  f"{Sq} and {Sk}")
         if k.shape[0] != v.shape[0]:
             _fail("k and v must have the same number of rows")
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()

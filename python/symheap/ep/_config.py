@@ -36,8 +36,8 @@ def _positive(name: str, value, allow_none: bool = False):
             value = operator.index(value)
         except TypeError:
             raise TypeError(f"EpConfig.{name} must be an int, got {type(value).__name__}") from None
-    if value <= 0:
-        raise ValueError(f"EpConfig.{name} must be positive, got {value}")
+    if not 0 < value < 1 << 31:  # the core keeps them as int32
+        raise ValueError(f"EpConfig.{name} must be in [1, {(1 << 31) - 1}], got {value}")
     return value
 
 
