@@ -121,9 +121,19 @@ def _segment_is_stale(path: str) -> bool:
 
     The owner takes a shared flock on its heap segment for as long as it
     lives (src/backends/cpu_backend.cpp). A lock is seen from every PID
-    namespace that shares /dev/shm, unlike a pid. Empty segments are left
-    alone: their owner may be about to take the lock.
+    namespace that shares /dev/shm, unlike a pid; a pid alive in this
+    namespace (the name's second field) also counts as alive. Empty segments
+    are left alone: their owner may be about to take the lock.
     """
+    pid = os.path.basename(path).split(".")[1]
+    if pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+            return False
+        except ProcessLookupError:
+            pass
+        except OSError:
+            return False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:

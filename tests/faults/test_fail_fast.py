@@ -290,6 +290,7 @@ def _ping_pong(rounds):
 
 def test_short_waits_stay_short():
     # The signal comes 2 ms after the wait starts: backing off may add at most
-    # an eighth of the time waited, plus scheduling noise.
+    # an eighth of the time waited; the rest of the bound is scheduling noise
+    # on a busy machine (a coarse poll, 10 ms or more, fails it).
     median = run_threads(_ping_pong, 2, args=(40,), init_kwargs={"heap_size": "1M"})[1]
-    assert median < 0.002 + 0.003, median
+    assert median < 0.002 + 0.006, median
