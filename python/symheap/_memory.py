@@ -178,24 +178,30 @@ def empty(shape, dtype="float32", like: str = "torch"):
             raise SymheapError("numpy arrays need host-visible memory; on the cuda backend use "
                                "like='torch'")
         dt = np.dtype(dtype)
-        itemsize, make = dt.itemsize, lambda buf: _numpy_view(buf, buf.ptr, buf.nbytes, dt,
-                                                               shape, keep=buf)
+        itemsize = dt.itemsize
+
+        def view(buf):
+            return _numpy_view(buf, buf.ptr, buf.nbytes, dt, shape, keep=buf)
     elif like == "torch":
         torch = _torch()
         tdt = _torch_dtype(dtype)
         itemsize = torch.empty(0, dtype=tdt).element_size()
-        make = lambda buf: tensor_view(buf, buf.ptr, count * itemsize, shape, tdt)  # noqa: E731
+
+        def view(buf):
+            return tensor_view(buf, buf.ptr, buf.nbytes, shape, tdt)
     else:
         raise ValueError(f"like must be 'torch' or 'numpy', got {like!r}")
     nbytes = count * itemsize
     if nbytes >= 1 << 63:
         raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes, beyond the 2**63 - 1 "
                          f"a heap can hold")
+    # Everything that can be refused is refused above; should the view still
+    # fail, the block is freed (collectively: every PE fails alike).
     buf = malloc(nbytes)
     try:
-        return make(buf)
+        return view(buf)
     except BaseException:
-        free(buf)  # collective: every PE passed the same arguments and fails alike
+        free(buf)
         raise
 
 

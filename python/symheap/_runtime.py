@@ -92,16 +92,15 @@ def resolve_timeout(timeout, what: str = "timeout") -> float:
             timeout, what = float(text), "SYMHEAP_TIMEOUT"
         except ValueError:
             raise ValueError(f"SYMHEAP_TIMEOUT={text!r} is not a number of seconds") from None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        try:
-            timeout = float(timeout)
-        except (TypeError, ValueError):
-            raise TypeError(f"{what} must be a number of seconds, got "
-                            f"{type(timeout).__name__}") from None
+    if isinstance(timeout, bool):
+        raise TypeError(f"{what} must be a number of seconds, got bool")
     try:
         timeout = float(timeout)
-    except OverflowError:
+    except OverflowError:  # an int beyond float's range: as refused as inf
         timeout = float("inf")
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be a number of seconds, got "
+                        f"{type(timeout).__name__}") from None
     return _core.check_timeout(timeout, what)
 
 

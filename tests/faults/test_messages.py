@@ -84,7 +84,7 @@ def test_ep_config_fields_beyond_int32():
     for name in ("hidden", "max_tokens_per_rank", "num_experts"):
         kw = dict(hidden=16, max_tokens_per_rank=4, num_experts=4, topk=2, dtype="float32")
         kw[name] = 1 << 40
-        with pytest.raises(ValueError, match=rf"EpConfig.{name} must be in \[1, 2147483647\]"):
+        with pytest.raises(ValueError, match=rf"EpConfig.{name} .*\[1, 2147483647\]"):
             EpConfig(**kw)
 
 

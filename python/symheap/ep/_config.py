@@ -37,7 +37,8 @@ def _positive(name: str, value, allow_none: bool = False):
         except TypeError:
             raise TypeError(f"EpConfig.{name} must be an int, got {type(value).__name__}") from None
     if not 0 < value < 1 << 31:  # the core keeps them as int32
-        raise ValueError(f"EpConfig.{name} must be in [1, {(1 << 31) - 1}], got {value}")
+        raise ValueError(f"EpConfig.{name} must be positive and at most {(1 << 31) - 1} "
+                         f"(allowed range [1, {(1 << 31) - 1}]), got {value}")
     return value
 
 
