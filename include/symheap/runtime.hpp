@@ -91,7 +91,7 @@ struct PeState {
   size_t checked_offset(const void* addr, size_t nbytes, const char* what);
   // Load/store address of `offset` in peer `pe`'s heap; throws for remote peers.
   char* peer_address(int pe, size_t offset, const char* what);
-  void check_pe(int pe) const;
+  void check_pe(int64_t pe) const;  // InvalidArgument naming [0, n_pes)
   // Heap header layout (same on every PE): [barrier flags: n_pes words]
   // [scratch words: n_pes] [peer table: n_pes load/store base addresses]
   // [device barrier counters: n_pes] [device error record: 4 words].
@@ -114,6 +114,8 @@ struct PeState {
   // tears down peer mappings. Waits see `closing` and leave at once.
   std::atomic<int> in_flight{0};
   std::atomic<bool> closing{false};
+  // Sets `closing` and waits until no call is in flight (finalize).
+  void close_calls();
 
   // Set once when the job failed (a PE died, a collective timed out): every
   // wait of this PE, now or later, throws the first cause.

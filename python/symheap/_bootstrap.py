@@ -271,6 +271,7 @@ class BootstrapRoot:
                     continue
                 self.pending += 1
                 self.conns.add(conn)
+                self.threads = {t for t in self.threads if t.is_alive()}
                 t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                      name="symheap-bootstrap-conn")
                 self.threads.add(t)
@@ -370,8 +371,7 @@ class BootstrapRoot:
                         except OSError:
                             pass
                 self.cond.notify_all()
-            self.conns.discard(conn)
-            self.threads.discard(threading.current_thread())
+            self.conns.discard(conn)  # the thread stays in self.threads: close() joins it
         conn.close()
         self.send_locks.pop(conn, None)
 

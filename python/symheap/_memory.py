@@ -1,6 +1,8 @@
 """Symmetric buffers: collective malloc/free, arrays and tensors on the heap."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import _core
@@ -97,9 +99,7 @@ def malloc(nbytes: int, align: int = 256) -> SymBuffer:
     Every PE must pass the same size and alignment; otherwise every PE gets a
     ValueError. MemoryError when the heap is full (SYMHEAP_HEAP_SIZE raises it).
     """
-    nbytes, align = _as_int(nbytes, "nbytes"), _as_int(align, "align")
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    nbytes, align = _as_int(nbytes, "nbytes", 0), _as_int(align, "align")
     if align <= 0 or align & (align - 1):
         raise ValueError(f"align must be a power of two, got {align}")
     pe = current_pe()
@@ -172,18 +172,37 @@ def empty(shape, dtype="float32", like: str = "torch"):
     shape = tuple(_as_int(s, "shape") for s in shape)
     if any(s < 0 for s in shape):
         raise ValueError(f"negative dimension in shape {shape}")
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if like == "numpy":
+        if _core.backend_name() != "cpu":
+            raise SymheapError("numpy arrays need host-visible memory; on the cuda backend use "
+                               "like='torch'")
         dt = np.dtype(dtype)
-        buf = malloc(count * dt.itemsize)
-        return _numpy_view(buf, buf.ptr, buf.nbytes, dt, shape, keep=buf)
-    if like != "torch":
+        itemsize = dt.itemsize
+
+        def view(buf):
+            return _numpy_view(buf, buf.ptr, buf.nbytes, dt, shape, keep=buf)
+    elif like == "torch":
+        torch = _torch()
+        tdt = _torch_dtype(dtype)
+        itemsize = torch.empty(0, dtype=tdt).element_size()
+
+        def view(buf):
+            return tensor_view(buf, buf.ptr, buf.nbytes, shape, tdt)
+    else:
         raise ValueError(f"like must be 'torch' or 'numpy', got {like!r}")
-    torch = _torch()
-    tdt = _torch_dtype(dtype)
-    itemsize = torch.empty(0, dtype=tdt).element_size()
-    buf = malloc(count * itemsize)
-    return tensor_view(buf, buf.ptr, count * itemsize, shape, tdt)
+    nbytes = count * itemsize
+    if nbytes >= 1 << 63:
+        raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes, beyond the 2**63 - 1 "
+                         f"a heap can hold")
+    # Everything that can be refused is refused above; should the view still
+    # fail, the block is freed (collectively: every PE fails alike).
+    buf = malloc(nbytes)
+    try:
+        return view(buf)
+    except BaseException:
+        free(buf)
+        raise
 
 
 def tensor_view(owner, ptr: int, nbytes: int, shape, dtype):

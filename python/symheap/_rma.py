@@ -4,7 +4,7 @@ from __future__ import annotations
 from . import _core
 from ._backend_views import check_device_errors, stream_handle
 from ._memory import resolve
-from ._runtime import _as_int, current_pe, resolve_timeout
+from ._runtime import UINT64, _as_int, current_pe, resolve_timeout
 
 _VIAS = ("auto", "load_store", "copy_engine")
 _COMPARES = ("eq", "ne", "gt", "ge", "lt", "le", "==", "!=", ">", ">=", "<", "<=")
@@ -17,6 +17,26 @@ def _nbytes(nbytes, limit: int, what: str) -> int:
     if not 0 <= nbytes <= limit:
         raise ValueError(f"nbytes={nbytes} exceeds the {limit} bytes of the {what}")
     return nbytes
+
+
+# Words are integers: a float or complex array is refused outright (integer
+# views of other widths go to the size and alignment checks).
+_NOT_WORD_KINDS = ("float", "bfloat", "complex", "bool")
+
+
+def _dtype_name(obj) -> str | None:
+    """numpy/torch dtype name of an array or tensor; None for untyped bytes."""
+    dtype = getattr(obj, "dtype", None)
+    if dtype is None or obj.__class__.__name__ == "SymBuffer":
+        return None
+    return str(dtype).replace("torch.", "")
+
+
+def _same_dtype(dst, src, call: str) -> None:
+    d, s = _dtype_name(dst), _dtype_name(src)
+    if d is not None and s is not None and d != s:
+        raise TypeError(f"{call}: dst has dtype {d} but src has dtype {s}; convert one of them "
+                        f"first (or pass byte views to copy raw bytes)")
 
 
 def _size_check(n: int, have: int, what: str) -> None:
@@ -48,6 +68,7 @@ def put(dst, src, pe: int, *, nbytes: int | None = None, stream=None, via: str =
     """
     current_pe()
     _check_via(via)
+    _same_dtype(dst, src, "put")
     d_addr, d_n = resolve(dst)
     s_addr, s_n = resolve(src, writable=False)
     n = _nbytes(nbytes, s_n, "source")
@@ -62,6 +83,7 @@ def put(dst, src, pe: int, *, nbytes: int | None = None, stream=None, via: str =
 def get(dst, src, pe: int, *, nbytes: int | None = None, stream=None) -> None:
     """Copies PE ``pe``'s copy of symmetric ``src`` into local ``dst``."""
     current_pe()
+    _same_dtype(dst, src, "get")
     d_addr, d_n = resolve(dst)
     s_addr, s_n = resolve(src, writable=False)
     n = _nbytes(nbytes, d_n, "destination")
@@ -69,7 +91,14 @@ def get(dst, src, pe: int, *, nbytes: int | None = None, stream=None) -> None:
     _core.get(d_addr, s_addr, n, _as_int(pe, "pe"), stream_handle(stream))
 
 
+def _check_word_dtype(obj, what: str) -> None:
+    name = _dtype_name(obj)
+    if name is not None and name.startswith(_NOT_WORD_KINDS):
+        raise TypeError(f"{what} act on 64-bit integer words (int64 or uint64), got dtype {name}")
+
+
 def _signal_addr(signal) -> int:
+    _check_word_dtype(signal, "signals")
     addr, n = resolve(signal)
     if n < 8:
         raise ValueError(f"a signal needs an 8-byte word, got {n} bytes")
@@ -86,13 +115,14 @@ def put_signal(dst, src, signal, value: int, pe: int, op: str = "set", *,
     """
     current_pe()
     _check_via(via)
+    _same_dtype(dst, src, "put_signal")
     d_addr, d_n = resolve(dst)
     s_addr, s_n = resolve(src, writable=False)
     n = _nbytes(nbytes, s_n, "source")
     _size_check(n, d_n, "destination")
     if op not in ("set", "add"):
         raise ValueError(f"signal op must be 'set' or 'add', got {op!r}")
-    sig, value, pe = _signal_addr(signal), _as_int(value, "value"), _as_int(pe, "pe")
+    sig, value, pe = _signal_addr(signal), _as_int(value, "value", *UINT64), _as_int(pe, "pe")
     h = stream_handle(stream)
     if _explicit_transport(via):
         _core.cuda_put(d_addr, s_addr, n, pe, h, via, sig, value, op)
@@ -103,7 +133,8 @@ def put_signal(dst, src, signal, value: int, pe: int, op: str = "set", *,
 def signal_op(signal, value: int, pe: int, op: str = "set", *, stream=None) -> None:
     """Sets or adds ``value`` to PE ``pe``'s copy of the signal word."""
     current_pe()
-    _core.signal_op(_signal_addr(signal), _as_int(value, "value"), op, _as_int(pe, "pe"),
+    _core.signal_op(_signal_addr(signal), _as_int(value, "value", *UINT64), op,
+                    _as_int(pe, "pe"),
                     stream_handle(stream))
 
 
@@ -118,10 +149,12 @@ def signal_wait_until(signal, cmp: str, value: int, timeout: float | None = None
     if cmp not in _COMPARES:
         raise ValueError(f"cmp must be one of {', '.join(_COMPARES[:6])}, got {cmp!r}")
     t = _timeout(pe, timeout)
-    return _core.signal_wait_until(_signal_addr(signal), cmp, _as_int(value, "value"), t)
+    value = _as_int(value, "value", *UINT64)
+    return _core.signal_wait_until(_signal_addr(signal), cmp, value, t)
 
 
 def _word(dst) -> int:
+    _check_word_dtype(dst, "atomics")
     addr, n = resolve(dst)
     if n < 8:
         raise ValueError(f"atomics act on an int64 word, got {n} bytes")

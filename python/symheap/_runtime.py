@@ -53,20 +53,31 @@ def device_count() -> int:
 
 def set_device(device: int) -> None:
     """Sets the calling thread's current device (per thread, like CUDA's)."""
-    _core.set_device(_as_int(device, "device"))
+    _core.set_device(_as_int(device, "device", *INT32))
 
 
 def current_device() -> int:
     return _core.current_device()
 
 
-def _as_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+INT32 = (-(1 << 31), (1 << 31) - 1)
+INT64 = (-(1 << 63), (1 << 63) - 1)
+UINT64 = (0, (1 << 64) - 1)
+
+
+def _as_int(value, name: str, lo: int = INT64[0], hi: int = INT64[1]) -> int:
+    """``value`` as an int in [lo, hi] (by default what the core's int64 takes);
+    TypeError for a bool or a non-integer, ValueError naming the range."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool ({value})")
+    if not isinstance(value, int):
         try:
             import operator
-            return operator.index(value)
+            value = operator.index(value)
         except TypeError:
             raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value} is outside the allowed range [{lo}, {hi}]")
     return value
 
 
@@ -81,16 +92,15 @@ def resolve_timeout(timeout, what: str = "timeout") -> float:
             timeout, what = float(text), "SYMHEAP_TIMEOUT"
         except ValueError:
             raise ValueError(f"SYMHEAP_TIMEOUT={text!r} is not a number of seconds") from None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        try:
-            timeout = float(timeout)
-        except (TypeError, ValueError):
-            raise TypeError(f"{what} must be a number of seconds, got "
-                            f"{type(timeout).__name__}") from None
+    if isinstance(timeout, bool):
+        raise TypeError(f"{what} must be a number of seconds, got bool")
     try:
         timeout = float(timeout)
-    except OverflowError:
+    except OverflowError:  # an int beyond float's range: as refused as inf
         timeout = float("inf")
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be a number of seconds, got "
+                        f"{type(timeout).__name__}") from None
     return _core.check_timeout(timeout, what)
 
 
@@ -99,7 +109,7 @@ def resolve_heap_size(heap_size) -> int:
         heap_size = os.environ.get("SYMHEAP_HEAP_SIZE") or _DEFAULT_HEAP.get(backend(), "128M")
     if isinstance(heap_size, str):
         return _core.parse_size(heap_size)
-    heap_size = _as_int(heap_size, "heap_size")
+    heap_size = _as_int(heap_size, "heap_size", 0)
     if heap_size <= 0:
         raise ValueError(f"heap_size must be positive, got {heap_size}")
     return heap_size
@@ -110,9 +120,19 @@ def _segment_is_stale(path: str) -> bool:
 
     The owner takes a shared flock on its heap segment for as long as it
     lives (src/backends/cpu_backend.cpp). A lock is seen from every PID
-    namespace that shares /dev/shm, unlike a pid. Empty segments are left
-    alone: their owner may be about to take the lock.
+    namespace that shares /dev/shm, unlike a pid; a pid alive in this
+    namespace (the name's second field) also counts as alive. Empty segments
+    are left alone: their owner may be about to take the lock.
     """
+    pid = os.path.basename(path).split(".")[1]
+    if pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+            return False
+        except ProcessLookupError:
+            pass
+        except OSError:
+            return False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
@@ -178,8 +198,8 @@ def init(rank: int, world_size: int, unique_id: bytes, *, device: int | None = N
     ``timeout`` seconds (default SYMHEAP_TIMEOUT, else 120) and name the PEs
     that never arrived.
     """
-    rank = _as_int(rank, "rank")
-    world_size = _as_int(world_size, "world_size")
+    rank = _as_int(rank, "rank", *INT32)
+    world_size = _as_int(world_size, "world_size", *INT32)
     uid = UniqueId.parse(unique_id)
     timeout = resolve_timeout(timeout)
     heap_bytes = resolve_heap_size(heap_size)
@@ -189,7 +209,7 @@ def init(rank: int, world_size: int, unique_id: bytes, *, device: int | None = N
         raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
     if device is None:
         device = _core.current_device()
-    device = _as_int(device, "device")
+    device = _as_int(device, "device", *INT32)
     _core.set_device(device)  # create_pe below refuses a device slot already in use
     if _core.backend_name() == "cpu":
         _reap_stale_segments()

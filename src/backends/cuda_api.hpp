@@ -30,6 +30,10 @@ void put_load_store(PeState& s, void* dst, const void* src, size_t nbytes, int p
 void put_copy_engine(PeState& s, void* dst, const void* src, size_t nbytes, int pe,
                      StreamHandle stream, uint64_t* signal, uint64_t value, SignalOp op);
 
+// Waits for every kernel and copy on `device`, whatever stream (finalize:
+// nothing may still touch a peer's memory when its mapping closes).
+void synchronize_device(int device);
+
 // Waits for every copy-engine channel that starts on `device`.
 void sync_channels(int device);
 // Number of channels created so far from `device` (for tests).

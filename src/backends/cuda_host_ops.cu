@@ -64,4 +64,10 @@ void put_load_store(PeState& s, void* dst, const void* src, size_t nbytes, int p
   SYMHEAP_CUDA_CHECK_LAUNCH("sm_put_kernel");
 }
 
+void synchronize_device(int device) {
+  ScopedDevice on(device);
+  cudaDeviceSynchronize();  // an error here belongs to the kernel; finalize goes on
+  cudaGetLastError();
+}
+
 }  // namespace symheap::cuda

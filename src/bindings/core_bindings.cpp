@@ -67,6 +67,13 @@ void check_python_signals() {
   if (PyErr_CheckSignals() != 0) throw py::error_already_set();
 }
 
+// A PE argument as Python gives it (any int64): checked against [0, n_pes)
+// before it narrows to int.
+int pe_arg(const PeState& s, int64_t pe) {
+  s.check_pe(pe);
+  return static_cast<int>(pe);
+}
+
 // Keeps a heap mapping alive for as long as Python objects view it.
 struct HeapRef {
   std::shared_ptr<Region> region;
@@ -162,7 +169,7 @@ SYMHEAP_BINDINGS(core) {
     return py::make_tuple(s->my_pe, s->n_pes, s->generation, s->job, s->device);
   });
   m.def("heap_ref", [] { return HeapRef{rt().current()->heap}; });
-  m.def("peer_heap_ref", [](int pe) {
+  m.def("peer_heap_ref", [](int64_t pe) {
     auto s = rt().current();
     s->check_pe(pe);
     const Peer& p = s->peers[pe];
@@ -172,12 +179,12 @@ SYMHEAP_BINDINGS(core) {
                         ": no load/store path, so no tensor can alias its memory");
     return HeapRef{p.mapping};
   });
-  m.def("peer_kind", [](int pe) {
+  m.def("peer_kind", [](int64_t pe) {
     auto s = rt().current();
     s->check_pe(pe);
     return std::string(peer_kind_name(s->peers[pe].kind));
   });
-  m.def("peer_device", [](int pe) {
+  m.def("peer_device", [](int64_t pe) {
     auto s = rt().current();
     s->check_pe(pe);
     return s->peers[pe].info.device;
@@ -204,27 +211,31 @@ SYMHEAP_BINDINGS(core) {
   });
 
   // RMA, signals, atomics, ordering.
-  m.def("put", [](uintptr_t dst, uintptr_t src, size_t n, int pe, uintptr_t stream) {
+  m.def("put", [](uintptr_t dst, uintptr_t src, size_t n, int64_t pe_in, uintptr_t stream) {
     auto s = rt().current();
+    int pe = pe_arg(*s, pe_in);
     py::gil_scoped_release nogil;
     host::put(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream);
   });
-  m.def("get", [](uintptr_t dst, uintptr_t src, size_t n, int pe, uintptr_t stream) {
+  m.def("get", [](uintptr_t dst, uintptr_t src, size_t n, int64_t pe_in, uintptr_t stream) {
     auto s = rt().current();
+    int pe = pe_arg(*s, pe_in);
     py::gil_scoped_release nogil;
     host::get(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream);
   });
   m.def("put_signal", [](uintptr_t dst, uintptr_t src, size_t n, uintptr_t sig, uint64_t value,
-                         const std::string& op, int pe, uintptr_t stream) {
+                         const std::string& op, int64_t pe_in, uintptr_t stream) {
     auto s = rt().current();
+    int pe = pe_arg(*s, pe_in);
     SignalOp sop = parse_signal_op(op);
     py::gil_scoped_release nogil;
     host::put_signal(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, as_ptr<uint64_t>(sig),
                      value, sop, pe, stream);
   });
-  m.def("signal_op", [](uintptr_t sig, uint64_t value, const std::string& op, int pe,
+  m.def("signal_op", [](uintptr_t sig, uint64_t value, const std::string& op, int64_t pe_in,
                         uintptr_t stream) {
     auto s = rt().current();
+    int pe = pe_arg(*s, pe_in);
     SignalOp sop = parse_signal_op(op);
     py::gil_scoped_release nogil;
     host::signal_op(*s, as_ptr<uint64_t>(sig), value, sop, pe, stream);
@@ -236,18 +247,21 @@ SYMHEAP_BINDINGS(core) {
     py::gil_scoped_release nogil;
     return host::signal_wait_until(*s, as_ptr<uint64_t>(sig), c, value, timeout_s);
   });
-  m.def("atomic_fetch_add", [](uintptr_t dst, int64_t v, int pe) {
+  m.def("atomic_fetch_add", [](uintptr_t dst, int64_t v, int64_t pe_in) {
     auto s = rt().current();
+    int pe = pe_arg(*s, pe_in);
     py::gil_scoped_release nogil;
     return host::atomic_fetch_add(*s, as_ptr<int64_t>(dst), v, pe);
   });
-  m.def("atomic_compare_swap", [](uintptr_t dst, int64_t cond, int64_t v, int pe) {
+  m.def("atomic_compare_swap", [](uintptr_t dst, int64_t cond, int64_t v, int64_t pe_in) {
     auto s = rt().current();
+    int pe = pe_arg(*s, pe_in);
     py::gil_scoped_release nogil;
     return host::atomic_compare_swap(*s, as_ptr<int64_t>(dst), cond, v, pe);
   });
-  m.def("atomic_swap", [](uintptr_t dst, int64_t v, int pe) {
+  m.def("atomic_swap", [](uintptr_t dst, int64_t v, int64_t pe_in) {
     auto s = rt().current();
+    int pe = pe_arg(*s, pe_in);
     py::gil_scoped_release nogil;
     return host::atomic_swap(*s, as_ptr<int64_t>(dst), v, pe);
   });

@@ -137,6 +137,11 @@ SYMHEAP_BINDINGS(device) {
     auto s = rt().slot(device);
     if (!s) return;
     py::gil_scoped_release nogil;
+    s->close_calls();  // host calls of other threads first, then their kernels
+#ifdef SYMHEAP_WITH_CUDA
+    cuda::sync_channels(device);
+    cuda::synchronize_device(device);
+#endif
     for (auto& peer : s->peers) {
       if (peer.kind != PeerKind::SameNode) continue;
       peer.base = nullptr;
@@ -147,12 +152,15 @@ SYMHEAP_BINDINGS(device) {
         py::arg("device_type"), py::arg("device"), py::arg("owner"));
 
 #ifdef SYMHEAP_WITH_CUDA
-  m.def("cuda_put", [](uintptr_t dst, uintptr_t src, size_t n, int pe, uintptr_t stream,
+  m.def("cuda_put", [](uintptr_t dst, uintptr_t src, size_t n, int64_t pe_in, uintptr_t stream,
                        const std::string& via, uintptr_t sig, uint64_t value,
                        const std::string& op) {
     auto s = cuda_pe("put");
     SignalOp sop = parse_op(op);
+    s->check_pe(pe_in);
+    int pe = static_cast<int>(pe_in);
     py::gil_scoped_release nogil;
+    PeUse use(*s);  // finalize waits for this call (see release_peer_mappings)
     if (via == "copy_engine") {
       cuda::put_copy_engine(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream,
                             sig ? as_ptr<uint64_t>(sig) : nullptr, value, sop);

@@ -34,13 +34,15 @@ const char* const kLayouts[] = {"token_major", "token_slots", "expert_major"};
 int32_t int32_field(const py::dict& d, const char* name, bool optional = false) {
   py::object v = d[name];
   if (optional && v.is_none()) return 0;
-  const int64_t x = v.cast<int64_t>();
+  int overflow = 0;
+  const long long x = PyLong_Check(v.ptr()) ? PyLong_AsLongLongAndOverflow(v.ptr(), &overflow) : 0;
+  if (!PyLong_Check(v.ptr()) || overflow || x < INT32_MIN || x > INT32_MAX)
+    throw InvalidArgument(std::string("EpConfig.") + name + " must be an int in [1, " +
+                          std::to_string(INT32_MAX) + "], got " +
+                          py::str(v).cast<std::string>());
   if (optional && x <= 0)
     throw InvalidArgument(std::string("EpConfig: ") + name + " must be positive, got " +
                           std::to_string(x));
-  if (x < INT32_MIN || x > INT32_MAX)
-    throw InvalidArgument(std::string("EpConfig: ") + name + "=" + std::to_string(x) +
-                          " is out of range");
   return static_cast<int32_t>(x);
 }
 

@@ -1,10 +1,6 @@
 // Host-initiated SHMEM operations. Addresses are this PE's symmetric
 // addresses; the peer's copy is found at the same heap offset.
-#include <sched.h>
-#include <time.h>
-
-#include <chrono>
-#include <cmath>
+#include <cstdio>
 #include <string>
 
 #include "symheap/errors.hpp"

@@ -21,7 +21,7 @@ thread_local bool t_device_chosen = false;
 
 // ---------------------------------------------------------------- PeState
 
-void PeState::check_pe(int pe) const {
+void PeState::check_pe(int64_t pe) const {
   if (pe < 0 || pe >= n_pes)
     throw InvalidArgument("pe " + std::to_string(pe) + " out of range [0, " +
                           std::to_string(n_pes) + ")");
@@ -258,11 +258,7 @@ void Runtime::destroy_pe(int device) {
   }
   // Let calls in flight on other threads finish (waits leave at once when
   // they see `closing`) before the peer mappings go away under them.
-  state->closing.store(true, std::memory_order_seq_cst);
-  while (state->in_flight.load(std::memory_order_seq_cst) > 0) {
-    timespec ts{0, 200000};
-    nanosleep(&ts, nullptr);
-  }
+  state->close_calls();
   if (state->heap && backend_) backend_->unexport(state->heap->export_handle);
   state->peers.clear();  // drops peer mappings held by this PE
 }

@@ -86,6 +86,14 @@ void PeState::throw_if_failed() const {
                                  failure() + " (finalize, then init a new job)");
 }
 
+void PeState::close_calls() {
+  closing.store(true, std::memory_order_seq_cst);
+  while (in_flight.load(std::memory_order_seq_cst) > 0) {
+    timespec ts{0, 200000};
+    nanosleep(&ts, nullptr);
+  }
+}
+
 PeUse::PeUse(PeState& s) : s_(s) {
   s_.in_flight.fetch_add(1, std::memory_order_seq_cst);
   if (s_.closing.load(std::memory_order_seq_cst)) {

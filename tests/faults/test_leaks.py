@@ -40,6 +40,17 @@ def probe():
             "listening": len(socks & _listening_inodes()),
             "vm_mb": int(status["VmSize"].split()[0]) / 1024,
             "rss_mb": int(status["VmRSS"].split()[0]) / 1024}
+
+def _settled_probe(before):
+    """probe(), given up to 1 s for threads that are just exiting to finish
+    (a leak is permanent)."""
+    import time
+    for _ in range(20):
+        after = probe()
+        if after["threads"] <= before["threads"] and after["fds"] <= before["fds"] + 1:
+            break
+        time.sleep(0.05)
+    return after
 '''
 exec(_PROBE)
 
@@ -48,9 +59,9 @@ def _assert_flat(before, after, cycles):
     assert after["threads"] <= before["threads"], (before, after)
     assert after["fds"] <= before["fds"] + 1, (before, after)
     assert after["listening"] <= before["listening"], (before, after)
-    # A leaked thread costs ~8 MiB of virtual memory: a few MiB of slack for
-    # allocator noise, far below one per cycle.
-    assert after["vm_mb"] - before["vm_mb"] < 48, (cycles, before, after)
+    # A leaked thread costs ~8 MiB of virtual memory per cycle; the slack is for
+    # one more malloc arena (64 MiB reserved), not for a thread per cycle.
+    assert after["vm_mb"] - before["vm_mb"] < 128, (cycles, before, after)
     assert after["rss_mb"] - before["rss_mb"] < 32, (cycles, before, after)
 
 
@@ -66,7 +77,7 @@ def test_init_finalize_cycles_in_threads_leave_nothing():
     cycles = 200
     for _ in range(cycles):
         assert run_threads(_one_job, 2, **kw) == [2, 2]
-    _assert_flat(before, probe(), cycles)
+    _assert_flat(before, _settled_probe(before), cycles)
 
 
 _PARENT = _PROBE + r'''
@@ -82,8 +93,9 @@ for cycle in range(CYCLES):
     symheap.barrier_all()
     symheap.finalize()
     assert child.stdout.readline().strip() == "ok"
-    if cycle in (4, CYCLES - 1):
+    if cycle == 4:
         figures.append(probe())
+figures.append(_settled_probe(figures[0]))
 child.stdin.close()
 assert child.wait(20) == 0
 print(json.dumps(figures))

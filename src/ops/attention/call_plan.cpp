@@ -2,6 +2,7 @@
 // torch front end and the XLA FFI handlers (one message per mistake).
 #include "ops/attention/call_plan.hpp"
 
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -122,7 +123,9 @@ CallPlan plan_call(const CallSpec& s) {
     B = nq - 1;
     Sq = s.max_seqlen_q;
     Sk = s.max_seqlen_k;
-    if (Sq < 0 || Sk < 0) fail("max_seqlen_q and max_seqlen_k must be >= 0");
+    if (Sq < 0 || Sk < 0 || Sq > INT32_MAX || Sk > INT32_MAX)  // int32 in the kernels
+      fail("max_seqlen_q and max_seqlen_k must be in [0, " + std::to_string(INT32_MAX) +
+           "], got " + std::to_string(Sq) + " and " + std::to_string(Sk));
     p.total_q = s.q.shape[0];
     p.total_k = s.k.shape[0];
   } else {

@@ -23,10 +23,6 @@
 //   2. store each received row into its source's combine buffer at the row
 //      the source chose at dispatch; set combine_flag[d] = e everywhere;
 //   3. wait for every PE's rows, reduce in fp32 per token, set freed_flag.
-#include <sched.h>
-#include <time.h>
-
-#include <chrono>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -39,8 +35,6 @@
 
 namespace symheap::ep {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 template <class T>
 T* at(const PeState& s, const Op& op, int pe, size_t off) {
