@@ -506,7 +506,7 @@ def print_result(name, r) -> bool:
     return ok
 
 
-def plot(results, path):
+def plot(results, path, title):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -522,8 +522,11 @@ def plot(results, path):
         vals = [1e3 * results[k]["split_s"][phase] for k in names]
         ax.bar(names, vals, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, k in enumerate(names):
+        ax.text(i, bottom[i], f"{results[k]['tokens_per_s']:,.0f} tok/s", ha="center",
+                va="bottom", fontsize=8)
     ax.set_ylabel("ms per step (mean over PEs)")
-    ax.set_title("MoE block: time split per launch model")
+    ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -583,7 +586,8 @@ def main(argv=None) -> int:
         results["baseline"] = launch_baseline(c)
         ok &= print_result("baseline", results["baseline"])
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, f"MoE block, --size {args.size}, {c['n_pes']} PEs on "
+             f"{args.backend}: time split per launch model")
     print("all checks passed" if ok else "CHECK FAILED: see the lines above")
     return 0 if ok else 1
 
