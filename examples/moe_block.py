@@ -215,11 +215,11 @@ def pe_device():
 def heap_size(c) -> str:
     h, kv = c["hidden"], c["kv_heads"] * c["hidden"] // c["heads"]
     n_rep = 2 * h + 2 * h * h + 2 * h * kv + h * c["experts"]  # replicated_params' sizes
-    rows = c["n_pes"] * c["batch"] * c["seq"]
-    ep_bytes = (c["experts"] // c["n_pes"] * c["capacity"] + 4 * rows * c["topk"]) * \
-        c["hidden"] * (2 if c["dtype"] == "bfloat16" else 4)
-    need = c["n_pes"] * n_rep * 4 + 2 * ep_bytes + (256 << 20)
-    return f"{max(256, need >> 20)}M"
+    # EP op: the expert-major receive rows and two sets of combine rows (with a margin)
+    rows = c["experts"] // c["n_pes"] * c["capacity"] + 2 * c["batch"] * c["seq"] * c["topk"]
+    ep_bytes = rows * c["hidden"] * (2 if c["dtype"] == "bfloat16" else 4) * 3 // 2
+    need = c["n_pes"] * n_rep * 4 + ep_bytes + (64 << 20)  # gather buffer, EP op, slack
+    return f"{need >> 20}M"
 
 
 def pe_main(c: dict) -> dict:

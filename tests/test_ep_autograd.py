@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import symheap.ep as ep  # noqa: E402
-from symheap.testing import PeFailure, run_processes, run_threads  # noqa: E402
+from symheap.testing import run_processes, run_threads  # noqa: E402
 
 import ep_autograd_programs as progs  # noqa: E402
 
