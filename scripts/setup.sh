@@ -21,10 +21,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 
-say "installing Python dependencies (torch CPU, jax CPU, mpi4py, pytest)"
+say "installing Python dependencies (torch CPU, jax CPU, mpi4py, pytest, matplotlib)"
 $VPY -m pip install -q --upgrade pip >/dev/null
 $VPY -m pip install -q "torch==2.13.0" jax jaxlib numpy mpi4py pytest pytest-timeout \
-  scikit-build-core pybind11 cmake ninja
+  scikit-build-core pybind11 cmake ninja matplotlib
 
 say "building and installing symheap (CUDA sources too when nvcc is found)"
 $VPY -m pip install -q --no-build-isolation --no-deps . 

@@ -47,5 +47,12 @@ for b in "${benches[@]}"; do
   note "$b: $status ($(elapsed $t)); $(grep -E '^summary|latency' "$OUT/$name.log" | tr '\n' ' ' | cut -c1-400)"
 done
 
+# The demo at the large preset: every launch model and the torch.distributed baseline.
+t=$(date +%s)
+if timeout "${SYMHEAP_DEMO_TIMEOUT:-1200}" $PY examples/moe_block.py --backend cuda --size large \
+    --steps 6 --launch threads,processes,mixed,torchrun,mpirun --baseline \
+    --plot "$OUT/moe_block_large.png" > "$OUT/moe_block_large.log" 2>&1; then status=ok; else status="FAILED rc $?"; fi
+note "examples/moe_block.py --size large: $status ($(elapsed $t)); $(grep -E 'tokens/s,|checks' "$OUT/moe_block_large.log" | tr '\n' ' ' | cut -c1-600)"
+
 echo "================ summary"
 printf '%s\n' "${summary[@]}"

@@ -132,7 +132,9 @@ class _Combine(torch.autograd.Function):
         out = op.combine(expert_out.detach().contiguous(), handle.handle,
                          weights.detach() if weights is not None else None)
         ctx.op, ctx.handle = op, handle
-        ctx.save_for_backward(expert_out, weights)
+        ctx.eo_dtype = expert_out.dtype
+        # expert_out is needed only for the weights' gradient
+        ctx.save_for_backward(expert_out if ctx.needs_input_grad[2] else None, weights)
         return out
 
     @staticmethod
@@ -142,17 +144,19 @@ class _Combine(torch.autograd.Function):
         em = _expert_major(op)
         send_w = (weights if em else handle.topk_weights).detach()
         # The same routing places every token's gradient on the rows its outputs came from.
-        d = op.dispatch(g_out.to(expert_out.dtype).contiguous(), handle.topk_idx, send_w)
+        d = op.dispatch(g_out.to(ctx.eo_dtype).contiguous(), handle.topk_idx, send_w)
         valid = _valid_rows(op, d)
         g_rows = torch.where(valid, d.x, 0)  # a copy: later calls rewrite the buffer
         g_eo = g_w = None
         if ctx.needs_input_grad[2]:
-            dots = (g_rows.float() * expert_out.detach().float()).sum(-1) * valid[..., 0]
+            # row dot products as batched matmuls: fp32 accumulation, no fp32 copy of the rows
+            dots = torch.einsum("...h,...h->...", g_rows, expert_out.detach()).float()
+            dots = dots * valid[..., 0]
             g_w = _send_back_per_slot(op, handle, dots, d.src_info[..., 2])
         if ctx.needs_input_grad[1]:
             if em:
                 row_w = torch.where(valid[..., 0], d.topk_weights, 0.0)
-                g_eo = (g_rows.float() * row_w[..., None]).to(expert_out.dtype)
+                g_eo = (g_rows.float() * row_w[..., None]).to(ctx.eo_dtype)
             else:
                 g_eo = g_rows
         return None, g_eo, g_w, None
