@@ -30,18 +30,54 @@ FULL_SHAPES = [(D, causal, S) for D in (64, 128, 256) for causal in (False, True
                for S in (512, 1024, 2048, 4096, 8192, 16384)]
 
 
+INNER = 1  # calls per timed sample (--inner); 1 = each call alone on an idle stream
+
+
 def time_ms(fn, warmup=3, reps=10):
+    """Median per-call time. With INNER = 1 a call's host overhead counts in
+    full (the stream idles while it launches); with INNER > 1 the calls queue
+    back to back and only host overhead beyond the GPU time shows."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(INNER):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / INNER)
     return statistics.median(times)
+
+
+def host_overhead_us(backend, n=200):
+    """Host time per forward call on a tiny problem (the GPU work is a few us),
+    for symheap's path and for SDPA's cuDNN backend."""
+    import time
+    q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    qt = q.transpose(1, 2)
+    runs = {"symheap": lambda: flash_attn_func(q, q, q, causal=True, backend=backend)}
+    for name, sdpa_backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                               ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def run(b=sdpa_backend):
+            with sdpa_kernel(b):
+                F.scaled_dot_product_attention(qt, qt, qt, is_causal=True)
+        runs[name] = run
+    result = {}
+    for name, fn in runs.items():
+        try:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            result[name] = (time.perf_counter() - t) / n * 1e6
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported
+            result[name] = f"{type(e).__name__}: {e}"[:120]
+    return result
 
 
 def bench_shape(D, causal, S, reps, backend):
@@ -100,10 +136,18 @@ def main():
                         help="symheap's path (flash_attn_func's backend=)")
     parser.add_argument("--grid", default="issue", choices=["issue", "full"],
                         help="issue: the rows of the issue; full: hdim 64/128/256 x S 512..16k x causal")
+    parser.add_argument("--inner", type=int, default=1,
+                        help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()
+    global INNER
+    INNER = max(1, args.inner)
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"symheap backend {args.backend}, paths {backends()}")
+    overhead = host_overhead_us(args.backend)
+    print("host us per forward call (tiny shape): " +
+          ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in overhead.items()),
+          flush=True)
     rows = []
     for D, causal, S in (FULL_SHAPES if args.grid == "full" else SHAPES):
         if args.quick and S > 4096:
@@ -130,7 +174,7 @@ def main():
               f"{r['max_abs_diff_vs_sdpa']:.2e}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"inner": INNER, "host_overhead_us": overhead, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
