@@ -28,6 +28,7 @@ SHAPES = [  # (head dim, causal, seqlen)
 ]
 FULL_SHAPES = [(D, causal, S) for D in (64, 128, 256) for causal in (False, True)
                for S in (512, 1024, 2048, 4096, 8192, 16384)]
+GQA_SHAPES = [(128, False, 4096), (128, True, 4096)]  # with 8 query heads per kv head
 
 
 INNER = 1  # calls per timed sample (--inner); 1 = each call alone on an idle stream
@@ -80,12 +81,14 @@ def host_overhead_us(backend, n=200):
     return result
 
 
-def bench_shape(D, causal, S, reps, backend):
+def bench_shape(D, causal, S, reps, backend, group=1):
     B, H = 16384 // S, 2048 // D
     gen = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
-    q, k, v = (mk().requires_grad_() for _ in range(3))
+    mk = lambda h=H: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q = mk().requires_grad_()
+    k, v = (mk(H // group).requires_grad_() for _ in range(2))
     dout = mk()
+    gqa = {"enable_gqa": True} if group > 1 else {}
     flops_fwd = 4 * B * H * S * S * D / (2 if causal else 1)
 
     def ours_fwd():
@@ -102,12 +105,13 @@ def bench_shape(D, causal, S, reps, backend):
     def sdpa(backend, backward):
         def run():
             with sdpa_kernel(backend):
-                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
                 if backward:
                     torch.autograd.grad(out, (qt, kt, vt), doutt)
         return run
 
-    row = {"hdim": D, "causal": causal, "seqlen": S, "batch": B, "heads": H, "backend": backend}
+    row = {"hdim": D, "causal": causal, "seqlen": S, "batch": B, "heads": H, "kv_heads": H // group,
+           "backend": backend}
     cases = {"symheap": (ours_fwd, ours_fwd_bwd),
              "sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION, False), sdpa(SDPBackend.FLASH_ATTENTION, True)),
              "sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION, False), sdpa(SDPBackend.CUDNN_ATTENTION, True))}
@@ -122,7 +126,7 @@ def bench_shape(D, causal, S, reps, backend):
             row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
     # Accuracy of our output in the same run, against SDPA (flash).
     with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+        ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa).transpose(1, 2)
         out = flash_attn_func(q, k, v, causal=causal, backend=backend)
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
     return row
@@ -149,11 +153,14 @@ def main():
           ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in overhead.items()),
           flush=True)
     rows = []
-    for D, causal, S in (FULL_SHAPES if args.grid == "full" else SHAPES):
+    shapes = [(D, causal, S, 1) for D, causal, S in (FULL_SHAPES if args.grid == "full" else SHAPES)]
+    shapes += [(D, causal, S, 8) for D, causal, S in GQA_SHAPES] if args.grid == "full" else []
+    for D, causal, S, group in shapes:
         if args.quick and S > 4096:
             continue
         try:
-            rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10, backend=args.backend))
+            rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10, backend=args.backend,
+                                    group=group))
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
             print(f"hdim {D} causal {causal} S {S}: {type(e).__name__}: {e}"[:300], flush=True)
         torch.cuda.empty_cache()
@@ -163,10 +170,10 @@ def main():
         if key in r["symheap"] and key in r["sdpa_cudnn"]:
             return f"{r['symheap'][key] / r['sdpa_cudnn'][key]:5.2f}"
         return "  n/a"
-    print(f"{'hdim':>4} {'causal':>6} {'seq':>6} | {'symheap fwd/fwd+bwd':>20} | "
+    print(f"{'hdim':>4} {'causal':>6} {'seq':>6} {'kvh':>4} | {'symheap fwd/fwd+bwd':>20} | "
           f"{'SDPA flash':>14} | {'SDPA cuDNN':>14} | {'symheap/cuDNN':>13} | max|diff|")
     for r in rows:
-        print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} | "
+        print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} {r['kv_heads']:>4} | "
               f"{fmt(r, 'symheap', 'fwd_tflops')} / {fmt(r, 'symheap', 'fwd_bwd_tflops')}      | "
               f"{fmt(r, 'sdpa_flash', 'fwd_tflops')} / {fmt(r, 'sdpa_flash', 'fwd_bwd_tflops')} | "
               f"{fmt(r, 'sdpa_cudnn', 'fwd_tflops')} / {fmt(r, 'sdpa_cudnn', 'fwd_bwd_tflops')} | "
