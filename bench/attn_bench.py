@@ -29,28 +29,67 @@ SHAPES = [  # (head dim, causal, seqlen)
 ]
 FULL_SHAPES = [(D, causal, S) for D in (64, 128, 256) for causal in (False, True)
                for S in (512, 1024, 2048, 4096, 8192, 16384)]
+GQA_SHAPES = [(128, False, 4096), (128, True, 4096)]  # with 8 query heads per kv head
+
+
+INNER = 1  # calls per timed sample (--inner); 1 = each call alone on an idle stream
 
 
 def time_ms(fn, warmup=3, reps=10):
+    """Median per-call time. With INNER = 1 a call's host overhead counts in
+    full (the stream idles while it launches); with INNER > 1 the calls queue
+    back to back and only host overhead beyond the GPU time shows."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(INNER):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / INNER)
     return statistics.median(times)
 
 
-def bench_shape(D, causal, S, reps, backend):
+def host_overhead_us(backend, n=200):
+    """Host time per forward call on a tiny problem (the GPU work is a few us),
+    for symheap's path and for SDPA's cuDNN backend."""
+    import time
+    q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    qt = q.transpose(1, 2)
+    runs = {"symheap": lambda: flash_attn_func(q, q, q, causal=True, backend=backend)}
+    for name, sdpa_backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                               ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def run(b=sdpa_backend):
+            with sdpa_kernel(b):
+                F.scaled_dot_product_attention(qt, qt, qt, is_causal=True)
+        runs[name] = run
+    result = {}
+    for name, fn in runs.items():
+        try:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            result[name] = (time.perf_counter() - t) / n * 1e6
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported
+            result[name] = f"{type(e).__name__}: {e}"[:120]
+    return result
+
+
+def bench_shape(D, causal, S, reps, backend, group=1):
     B, H = 16384 // S, 2048 // D
     gen = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
-    q, k, v = (mk().requires_grad_() for _ in range(3))
+    mk = lambda h=H: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q = mk().requires_grad_()
+    k, v = (mk(H // group).requires_grad_() for _ in range(2))
     dout = mk()
+    gqa = {"enable_gqa": True} if group > 1 else {}
     flops_fwd = 4 * B * H * S * S * D / (2 if causal else 1)
 
     def ours_fwd():
@@ -67,12 +106,13 @@ def bench_shape(D, causal, S, reps, backend):
     def sdpa(backend, backward):
         def run():
             with sdpa_kernel(backend):
-                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
                 if backward:
                     torch.autograd.grad(out, (qt, kt, vt), doutt)
         return run
 
-    row = {"hdim": D, "causal": causal, "seqlen": S, "batch": B, "heads": H, "backend": backend}
+    row = {"hdim": D, "causal": causal, "seqlen": S, "batch": B, "heads": H, "kv_heads": H // group,
+           "backend": backend}
     cases = {"symheap": (ours_fwd, ours_fwd_bwd),
              "sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION, False), sdpa(SDPBackend.FLASH_ATTENTION, True)),
              "sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION, False), sdpa(SDPBackend.CUDNN_ATTENTION, True))}
@@ -87,7 +127,7 @@ def bench_shape(D, causal, S, reps, backend):
             row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
     # Accuracy of our output in the same run, against SDPA (flash).
     with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+        ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa).transpose(1, 2)
         out = flash_attn_func(q, k, v, causal=causal, backend=backend)
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
     return row
@@ -103,19 +143,30 @@ def main():
                         help="issue: the rows of the issue; full: hdim 64/128/256 x S 512..16k x causal")
     parser.add_argument("--decode", action="store_true",
                         help="decode over a paged KV cache instead (bench/attn_decode_bench.py)")
+    parser.add_argument("--inner", type=int, default=1,
+                        help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()
     if args.decode:
         import attn_decode_bench
         return attn_decode_bench.main(args.json, args.quick)
+    global INNER
+    INNER = max(1, args.inner)
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"symheap backend {args.backend}, paths {backends()}")
+    overhead = host_overhead_us(args.backend)
+    print("host us per forward call (tiny shape): " +
+          ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in overhead.items()),
+          flush=True)
     rows = []
-    for D, causal, S in (FULL_SHAPES if args.grid == "full" else SHAPES):
+    shapes = [(D, causal, S, 1) for D, causal, S in (FULL_SHAPES if args.grid == "full" else SHAPES)]
+    shapes += [(D, causal, S, 8) for D, causal, S in GQA_SHAPES] if args.grid == "full" else []
+    for D, causal, S, group in shapes:
         if args.quick and S > 4096:
             continue
         try:
-            rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10, backend=args.backend))
+            rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10, backend=args.backend,
+                                    group=group))
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
             print(f"hdim {D} causal {causal} S {S}: {type(e).__name__}: {e}"[:300], flush=True)
         torch.cuda.empty_cache()
@@ -125,10 +176,10 @@ def main():
         if key in r["symheap"] and key in r["sdpa_cudnn"]:
             return f"{r['symheap'][key] / r['sdpa_cudnn'][key]:5.2f}"
         return "  n/a"
-    print(f"{'hdim':>4} {'causal':>6} {'seq':>6} | {'symheap fwd/fwd+bwd':>20} | "
+    print(f"{'hdim':>4} {'causal':>6} {'seq':>6} {'kvh':>4} | {'symheap fwd/fwd+bwd':>20} | "
           f"{'SDPA flash':>14} | {'SDPA cuDNN':>14} | {'symheap/cuDNN':>13} | max|diff|")
     for r in rows:
-        print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} | "
+        print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} {r['kv_heads']:>4} | "
               f"{fmt(r, 'symheap', 'fwd_tflops')} / {fmt(r, 'symheap', 'fwd_bwd_tflops')}      | "
               f"{fmt(r, 'sdpa_flash', 'fwd_tflops')} / {fmt(r, 'sdpa_flash', 'fwd_bwd_tflops')} | "
               f"{fmt(r, 'sdpa_cudnn', 'fwd_tflops')} / {fmt(r, 'sdpa_cudnn', 'fwd_bwd_tflops')} | "
@@ -136,7 +187,7 @@ def main():
               f"{r['max_abs_diff_vs_sdpa']:.2e}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"inner": INNER, "host_overhead_us": overhead, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

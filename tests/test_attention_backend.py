@@ -51,3 +51,27 @@ def test_backends_reports_every_path():
     assert info["cpu"][0]
     if not info["cudnn"][0]:  # the reason says what is missing
         assert "cuDNN" in info["cudnn"][1] or "cudnn" in info["cudnn"][1]
+
+
+def test_repeat_calls_with_changing_options_match_the_reference(monkeypatch):
+    """Plans are remembered by every input they depend on: the same tensors
+    called with each option in turn (twice) give each option's result."""
+    monkeypatch.setattr(_plan, "poison_outputs", True)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 45, 4, 24, generator=gen)
+    k = torch.randn(2, 61, 2, 24, generator=gen)
+    v = torch.randn(2, 61, 2, 24, generator=gen)
+    variants = [dict(), dict(causal=True), dict(window_size=(5, 3)), dict(softmax_scale=0.3),
+                dict(softcap=2.0), dict(causal=True, window_size=(7, -1)), dict(deterministic=True),
+                dict(backend="own")]
+    for _ in range(2):
+        for opts in variants:
+            out, lse = flash_attn_func(q, k, v, return_lse=True, **opts)
+            ref_opts = {key: val for key, val in opts.items() if key not in ("deterministic", "backend")}
+            ref, ref_lse = attention_reference(q, k, v, **ref_opts)
+            assert (out - ref).abs().max().item() < 1e-4, opts
+            assert (lse - ref_lse).abs().max().item() < 1e-4, opts
+    # Other shapes through the same function are planned afresh.
+    q2 = torch.randn(1, 45, 4, 24, generator=gen)
+    out = flash_attn_func(q2, k[:1], v[:1], causal=True)
+    assert (out - attention_reference(q2, k[:1], v[:1], causal=True)[0]).abs().max().item() < 1e-4

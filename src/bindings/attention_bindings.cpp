@@ -242,13 +242,34 @@ SYMHEAP_BINDINGS(attention) {
     cudnn::Prepared p = cudnn::prepare(a, backward, device);
     return std::make_tuple(p.ok, p.workspace_bytes, p.reason);
   });
-  m.def("attention_cudnn_forward", [](const Args& a, int device, uintptr_t stream, uintptr_t workspace,
-                                      size_t bytes) {
+  // Runs a call through the graph prepare() found: `args` is the call's block
+  // (or one filled for an earlier call of the same signature; it is copied),
+  // the pointers are this call's.
+  m.def("attention_cudnn_forward", [](const Args& args, int device, uintptr_t stream, uintptr_t workspace,
+                                      size_t bytes, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
+                                      uintptr_t lse) {
+    Args a = args;
+    a.q.data = as_ptr<void>(q);
+    a.k.data = as_ptr<void>(k);
+    a.v.data = as_ptr<void>(v);
+    a.out.data = as_ptr<void>(out);
+    a.lse = as_ptr<float>(lse);
     py::gil_scoped_release nogil;
     cudnn::forward(a, device, as_ptr<void>(stream), as_ptr<void>(workspace), bytes);
   });
-  m.def("attention_cudnn_backward", [](const Args& a, int device, uintptr_t stream, uintptr_t workspace,
-                                       size_t bytes) {
+  m.def("attention_cudnn_backward", [](const Args& args, int device, uintptr_t stream, uintptr_t workspace,
+                                       size_t bytes, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
+                                       uintptr_t lse, uintptr_t dout, uintptr_t dq, uintptr_t dk, uintptr_t dv) {
+    Args a = args;
+    a.q.data = as_ptr<void>(q);
+    a.k.data = as_ptr<void>(k);
+    a.v.data = as_ptr<void>(v);
+    a.out.data = as_ptr<void>(out);
+    a.lse = as_ptr<float>(lse);
+    a.dout.data = as_ptr<void>(dout);
+    a.dq.data = as_ptr<void>(dq);
+    a.dk.data = as_ptr<void>(dk);
+    a.dv.data = as_ptr<void>(dv);
     py::gil_scoped_release nogil;
     cudnn::backward(a, device, as_ptr<void>(stream), as_ptr<void>(workspace), bytes);
   });

@@ -17,6 +17,15 @@ elapsed() { echo $(( $(date +%s) - $1 ))s; }
 
 t=$(date +%s)
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1; nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
+# Wheels this machine cannot download (scripts/fetch_gpu_wheels.sh puts them in .whl/).
+for w in .whl/*.whl; do
+  [ -e "$w" ] || continue
+  if $PY -m pip install -q --no-deps --no-index "$w" >> "$OUT/wheels.log" 2>&1; then
+    note "installed $(basename "$w")"
+  else
+    note "installing $(basename "$w") FAILED, see wheels.log"
+  fi
+done
 if [ -n "${SYMHEAP_SKIP_BUILD:-}" ]; then
   note "build: skipped (SYMHEAP_SKIP_BUILD set; using the installed symheap)"
 elif SYMHEAP_CUDA=ON $PY -m pip install -q --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; then
@@ -27,7 +36,7 @@ else
   printf '%s\n' "${summary[@]}"; exit 1
 fi
 # Import the installed package, not the source tree's python/ folder.
-$PY -c "import symheap, sys; print('symheap', symheap.__version__, symheap.backend(), symheap.device_count(), 'GPUs')" \
+$PY -c "import torch, symheap, symheap.attention as a; print('symheap', symheap.__version__, symheap.backend(), symheap.device_count(), 'GPUs', a.backends())" \
   2>&1 | tee -a "$OUT/build.log"
 
 t=$(date +%s)

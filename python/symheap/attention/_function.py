@@ -6,7 +6,11 @@ from torch.autograd.function import once_differentiable
 
 from .. import _core
 from ._kvcache import paged_varlen
-from ._plan import Plan, core_args, cudnn_status, make_plan, new_output, prepare
+from ._plan import Plan, cached_plan, core_args, cudnn_status, make_plan, new_output, prepare
+
+
+_FORWARD = ("q", "k", "v", "out", "lse")
+_BACKWARD = _FORWARD + ("dout", "dq", "dk", "dv")
 
 
 def _run_forward(plan: Plan, q, k, v):
@@ -15,34 +19,47 @@ def _run_forward(plan: Plan, q, k, v):
         lse = torch.full((plan.heads_q, q.shape[0]), float("-inf"), device=q.device)
     else:
         lse = new_output((plan.batch, plan.heads_q, plan.seqlen_q), torch.float32, q.device)
-    args = core_args(plan, q=q, k=k, v=v, out=out, lse=lse)
+    tensors = dict(q=q, k=k, v=v, out=out, lse=lse)
     if plan.on_cuda:
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        if not _run_cudnn(plan, args, q.device, stream, backward=False):
-            _core.attention_forward_cuda(args, q.device.index, stream)
+        if not _run_cudnn(plan, tensors, stream, backward=False):
+            _core.attention_forward_cuda(core_args(plan, **tensors), q.device.index, stream)
     else:
-        _core.attention_forward_cpu(args)
+        _core.attention_forward_cpu(core_args(plan, **tensors))
     return out, lse
 
 
-def _run_cudnn(plan: Plan, args, device, stream, backward: bool) -> bool:
+def _run_cudnn(plan: Plan, tensors: dict, stream, backward: bool) -> bool:
     """Runs the call through cuDNN when the plan allows it and cuDNN takes it.
-    Returns False for the own kernels; raises when backend="cudnn" cannot run it."""
+    Returns False for the own kernels; raises when backend="cudnn" cannot run it.
+
+    The outcome is kept in the plan, by the strides cuDNN's graph bakes in: the
+    argument block of a call that ran (a repeat with a cached plan only passes
+    new pointers), or the reason cuDNN does not take it."""
     if plan.backend == "own":
         return False
-    if hasattr(_core, "attention_cudnn_prepare"):
-        ok, nbytes, reason = _core.attention_cudnn_prepare(args, device.index, backward)
-    else:
-        ok, nbytes, reason = False, 0, cudnn_status()[1]
-    if not ok:
+    names = _BACKWARD if backward else _FORWARD
+    ts = [tensors[n] for n in names]
+    key = (backward,) + tuple(t.stride() for t in ts)
+    known = plan.cudnn_calls.get(key)
+    if known is None:
+        args = core_args(plan, **tensors)
+        if hasattr(_core, "attention_cudnn_prepare"):
+            ok, nbytes, reason = _core.attention_cudnn_prepare(args, ts[0].device.index, backward)
+        else:
+            ok, nbytes, reason = False, 0, cudnn_status()[1]
+        known = plan.cudnn_calls[key] = (args, nbytes) if ok else reason
+    if isinstance(known, str):  # cuDNN does not take this call: the reason
         if plan.backend == "cudnn":
-            raise _core.UnsupportedError(f"attention: backend='cudnn' cannot run this call: {reason}")
+            raise _core.UnsupportedError(f"attention: backend='cudnn' cannot run this call: {known}")
         return False
+    args, nbytes = known
+    device = ts[0].device
     # From torch's caching allocator on the caller's stream: no cudaMalloc once
     # the pool is warm, and no host synchronisation.
     workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
     run = _core.attention_cudnn_backward if backward else _core.attention_cudnn_forward
-    run(args, device.index, stream, workspace.data_ptr(), nbytes)
+    run(args, device.index, stream, workspace.data_ptr(), nbytes, *[t.data_ptr() for t in ts])
     return True
 
 
@@ -55,18 +72,18 @@ def _run_backward(plan: Plan, q, k, v, out, lse, dout, want_dbias: bool):
         rows = plan.seqlen_q if plan.bias.per_row else 1
         dbias_ws = torch.zeros((plan.batch, plan.heads_q, rows, plan.seqlen_k), dtype=torch.float32,
                                device=q.device)
-    args = core_args(plan, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv,
-                     dbias=dbias_ws)
+    tensors = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, dbias=dbias_ws)
     if plan.on_cuda:
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        if not _run_cudnn(plan, args, q.device, stream, backward=True):
+        if want_dbias or not _run_cudnn(plan, tensors, stream, backward=True):
+            args = core_args(plan, **tensors)
             nbytes = _core.attention_backward_cuda_workspace_bytes(args)
             # From torch's caching allocator on the caller's stream: no cudaMalloc
             # once the pool is warm, and no host synchronisation.
             workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=q.device)
             _core.attention_backward_cuda(args, q.device.index, stream, workspace.data_ptr(), nbytes)
     else:
-        _core.attention_backward_cpu(args)
+        _core.attention_backward_cpu(core_args(plan, **tensors))
     dbias = _reduce_dbias(plan, dbias_ws) if want_dbias else None
     return dq, dk, dv, dbias
 
@@ -126,10 +143,10 @@ def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scal
     Returns ``out`` (B, Sq, Hq, D), or ``(out, lse)`` with ``lse`` (B, Hq, Sq)
     float32 when ``return_lse``. Differentiable in q, k, v and bias.
     """
-    plan = make_plan(q, k, v, varlen=False, causal=causal, window_size=window_size,
-                     softmax_scale=softmax_scale, softcap=softcap, bias=bias, mask=mask,
-                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                     deterministic=deterministic, backend=backend)
+    plan = cached_plan(q, k, v, causal=causal, window_size=window_size,
+                       softmax_scale=softmax_scale, softcap=softcap, bias=bias, mask=mask,
+                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                       deterministic=deterministic, backend=backend)
     return _attention(q, k, v, bias, plan, return_lse)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -86,6 +86,9 @@ class Plan:
     deterministic: bool
     on_cuda: bool
     backend: str             # "auto", "cudnn" or "own" (see resolve_backend)
+    # cuDNN argument blocks of earlier calls with this plan, by direction and
+    # strides (see _function._run_cudnn); only plans from cached_plan are reused.
+    cudnn_calls: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _dtype_name(dtype) -> str:
@@ -230,6 +233,37 @@ def make_plan(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
     return Plan(B, Hq, Hkv, D, info["head_dim_run"], Sq, Sk, varlen, cu_seqlens_q, cu_seqlens_k,
                 info["scale"], float(softcap), info["window"], bias_spec, mask_spec, alibi,
                 dropout_p, seed_value, offset, bool(deterministic), on_cuda, backend)
+
+
+# Plans of fixed-length calls that hold no tensor (no bias, mask, ALiBi or
+# dropout), keyed by every input make_plan reads: a repeat call skips the checks.
+_cached_plans: dict = {}
+_MAX_CACHED_PLANS = 1024
+
+
+def cached_plan(q, k, v, **options) -> Plan:
+    """make_plan(q, k, v, varlen=False, **options), remembered for repeat calls."""
+    key = None
+    if (options["bias"] is None and options["mask"] is None and options["alibi_slopes"] is None
+            and not options["dropout_p"] and isinstance(q, torch.Tensor)
+            and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        backend = options["backend"]
+        key = (q.device, k.device, v.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape,
+               options["causal"], options["window_size"], options["softmax_scale"],
+               options["softcap"], options["deterministic"],
+               os.environ.get(BACKEND_ENV, "") if backend is None else backend)
+        try:
+            plan = _cached_plans.get(key)
+        except TypeError:  # an unhashable option (a list window): no caching
+            key, plan = None, None
+        if plan is not None:
+            return plan
+    plan = make_plan(q, k, v, varlen=False, **options)
+    if key is not None:
+        if len(_cached_plans) >= _MAX_CACHED_PLANS:
+            _cached_plans.clear()
+        _cached_plans[key] = plan
+    return plan
 
 
 def prepare(t: torch.Tensor, plan: Plan) -> torch.Tensor:

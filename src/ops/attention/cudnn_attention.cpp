@@ -91,6 +91,17 @@ Library load_library() {
     return lib;
   }
   fe::cudnn_dlhandle = handle;
+  // The frontend opens libcudart itself for its few CUDA runtime calls and,
+  // when several majors are on the path, takes the first. Point it at the one
+  // this process already loaded (torch's), unless the user chose one.
+  for (const char* cudart : {"libcudart.so.13", "libcudart.so.12"}) {
+    void* loaded = dlopen(cudart, RTLD_NOW | RTLD_NOLOAD);
+    if (loaded) {
+      setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", cudart, /*overwrite=*/0);
+      dlclose(loaded);  // drops only the reference NOLOAD took
+      break;
+    }
+  }
   return lib;
 }
 
