@@ -5,11 +5,15 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _core
-from ._plan import Plan, core_args, make_plan, new_output, prepare
+from ._plan import Plan, cached_plan, core_args, make_plan, new_output, prepare
 
 
 def _run_forward(plan: Plan, q, k, v):
     out = new_output(q.shape, q.dtype, q.device, zero=plan.varlen)
+    if plan.core_template is not None:  # a cached fixed-length plan: one core call
+        lse = new_output((plan.batch, plan.heads_q, plan.seqlen_q), torch.float32, q.device)
+        _core.attention_forward_tensors(plan.core_template, q, k, v, out, lse)
+        return out, lse
     if plan.varlen:  # rows outside every sequence keep -inf (no visible key)
         lse = torch.full((plan.heads_q, q.shape[0]), float("-inf"), device=q.device)
     else:
@@ -86,8 +90,17 @@ class _Attention(torch.autograd.Function):
 
 
 def _attention(q, k, v, bias, plan: Plan, return_lse: bool):
-    out, lse = _Attention.apply(q, k, v, bias, plan)
+    if _needs_grad(q, k, v, bias):
+        out, lse = _Attention.apply(q, k, v, bias, plan)
+    else:  # nothing to differentiate: skip the autograd node
+        out, lse = _run_forward(plan, prepare(q, plan), prepare(k, plan), prepare(v, plan))
+        out = _unpad(out, plan)
     return (out, lse) if return_lse else out
+
+
+def _needs_grad(q, k, v, bias) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (bias is not None and bias.requires_grad))
 
 
 def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scale=None,
@@ -98,10 +111,14 @@ def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scal
     Returns ``out`` (B, Sq, Hq, D), or ``(out, lse)`` with ``lse`` (B, Hq, Sq)
     float32 when ``return_lse``. Differentiable in q, k, v and bias.
     """
-    plan = make_plan(q, k, v, varlen=False, causal=causal, window_size=window_size,
-                     softmax_scale=softmax_scale, softcap=softcap, bias=bias, mask=mask,
-                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                     deterministic=deterministic)
+    plan = None
+    if bias is None and mask is None and alibi_slopes is None and dropout_p == 0:
+        plan = cached_plan(q, k, v, causal, window_size, softmax_scale, softcap, deterministic)
+    if plan is None:
+        plan = make_plan(q, k, v, varlen=False, causal=causal, window_size=window_size,
+                         softmax_scale=softmax_scale, softcap=softcap, bias=bias, mask=mask,
+                         alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                         deterministic=deterministic)
     return _attention(q, k, v, bias, plan, return_lse)
 
 

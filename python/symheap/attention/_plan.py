@@ -87,6 +87,7 @@ class Plan:
     offset: int
     deterministic: bool
     on_cuda: bool
+    core_template: object = None  # fixed-length plans: the core's arguments without addresses
 
 
 def _check_qkv(q, k, v, varlen: bool):
@@ -243,6 +244,65 @@ def make_plan(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
     return Plan(B, Hq, Hkv, D, d_run, Sq, Sk, varlen, cu_seqlens_q, cu_seqlens_k, scale, softcap,
                 (left, right), bias_spec, mask_spec, alibi, dropout_p, seed_value, offset,
                 bool(deterministic), on_cuda)
+
+
+class _DeviceCache:
+    """Plans of one device, shared by every thread that calls on it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.plans = {}
+
+
+_MAX_PLANS_PER_DEVICE = 256
+_device_caches: dict = {}
+_device_caches_lock = threading.Lock()
+
+
+def cached_plan(q, k, v, causal, window_size, softmax_scale, softcap, deterministic):
+    """The plan of a fixed-length call without bias, mask, alibi or dropout,
+    made once per (shapes, dtypes, options, device) and kept in that device's
+    cache. Returns None when the arguments cannot key a cache (make_plan then
+    checks them and says what is wrong)."""
+    try:
+        device = q.device
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, device, k.device,
+               v.device, bool(causal), tuple(window_size), softmax_scale, softcap,
+               bool(deterministic))
+        hash(key)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    cache = _device_caches.get(device)
+    if cache is None:
+        with _device_caches_lock:
+            cache = _device_caches.setdefault(device, _DeviceCache())
+    with cache.lock:
+        plan = cache.plans.get(key)
+    if plan is not None:
+        return plan
+    plan = make_plan(q, k, v, varlen=False, causal=causal, window_size=window_size,
+                     softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic)
+    plan.core_template = core_template(plan, q.dtype)
+    with cache.lock:
+        if len(cache.plans) >= _MAX_PLANS_PER_DEVICE:
+            cache.plans.clear()
+        return cache.plans.setdefault(key, plan)
+
+
+def core_template(plan: Plan, dtype) -> "_core.AttentionArgs":
+    """A fixed-length plan's core arguments: shapes, options and dtypes; the
+    core's attention_forward_tensors adds each call's addresses and strides."""
+    a = _core.AttentionArgs()
+    a.batch, a.heads_q, a.heads_kv = plan.batch, plan.heads_q, plan.heads_kv
+    a.head_dim = plan.head_dim_run
+    a.seqlen_q, a.seqlen_k = plan.seqlen_q, plan.seqlen_k
+    a.scale, a.softcap = plan.scale, plan.softcap
+    a.window_left, a.window_right = plan.window
+    a.deterministic = plan.deterministic
+    name = _DTYPE_NAMES[dtype]
+    for t in ("q", "k", "v", "out"):
+        a.set_tensor(t, 0, name, 0, 0, 0)
+    return a
 
 
 def prepare(t: torch.Tensor, plan: Plan) -> torch.Tensor:
