@@ -64,17 +64,8 @@ def stream_handle(stream) -> int:
 def check_device_errors() -> None:
     """Raises what a kernel of this PE recorded through the device API (a wait
     or barrier that timed out, a peer without a load/store path) and clears it."""
-    if _core.backend_name() != "cuda":
-        return
-    code, message = _core.take_device_error()
-    if not code:
-        return
-    from ._errors import SymheapError, UnsupportedError
-    if code in (1, 2):
-        raise TimeoutError(message)
-    if code == 3:
-        raise UnsupportedError(message)
-    raise SymheapError(message)
+    if _core.backend_name() == "cuda":
+        _core.check_device_errors()
 
 
 def device_context() -> bytes:

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "bindings/registry.hpp"
+#include "bindings/torch_tensor.hpp"
 #include "ops/attention/attention.hpp"
 #include "ops/attention/call_plan.hpp"
 #ifdef SYMHEAP_WITH_CUDNN
@@ -69,6 +70,48 @@ ArgSpec arg_spec(const py::object& o) {
 }
 
 py::tuple dims(const BroadcastPlan& b) { return py::make_tuple(b.dims[0], b.dims[1], b.dims[2], b.dims[3]); }
+
+// The address and (batch, row, head) element strides of a fixed-length
+// (B, S, H, D) tensor; its shape and dtype were checked when its plan was made.
+void fill_tensor(Tensor& t, const bindings::TensorRef& r) {
+  t.data = as_ptr<void>(r.ptr);
+  t.batch_stride = r.strides[0];
+  t.row_stride = r.strides[1];
+  t.head_stride = r.strides[2];
+}
+
+// Forward of a fixed-length call from its plan's arguments (shapes, options,
+// dtypes) and the call's tensors: one entry, the GIL released while it runs.
+// On CUDA it runs on `stream`, default torch's current stream of q's device.
+void forward_tensors(const Args& plan, py::handle q, py::handle k, py::handle v, py::handle out,
+                     py::handle lse, py::handle stream) {
+  Args a = plan;
+  const auto tq = bindings::read_address(q), tk = bindings::read_address(k),
+             tv = bindings::read_address(v), to = bindings::read_address(out),
+             tl = bindings::read_address(lse);
+  fill_tensor(a.q, tq);
+  fill_tensor(a.k, tk);
+  fill_tensor(a.v, tv);
+  fill_tensor(a.out, to);
+  a.lse = as_ptr<float>(tl.ptr);  // (B, Hq, Sq) float32
+  a.lse_batch_stride = tl.strides[0];
+  a.lse_head_stride = tl.strides[1];
+  const int device = tq.device;
+  if (device < 0) {
+    py::gil_scoped_release nogil;
+    forward_cpu(a, 0);
+    return;
+  }
+#ifdef SYMHEAP_WITH_CUDA
+  const uintptr_t h =
+      stream.is_none() ? bindings::torch_current_stream(device) : stream.cast<uintptr_t>();
+  py::gil_scoped_release nogil;
+  forward_cuda(a, device, as_ptr<void>(h));
+#else
+  (void)stream;
+  throw InvalidArgument("attention: q is on a CUDA device but symheap was built without CUDA");
+#endif
+}
 
 }  // namespace
 
@@ -193,6 +236,9 @@ SYMHEAP_BINDINGS(attention) {
       py::arg("max_seqlen_k") = 0, py::arg("causal") = false, py::arg("window_left") = -1,
       py::arg("window_right") = -1, py::arg("softmax_scale") = py::none(),
       py::arg("softcap") = 0.0, py::arg("dropout_p") = 0.0);
+
+  m.def("attention_forward_tensors", &forward_tensors, py::arg("plan_args"), py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("stream") = py::none());
   m.def("attention_dropout_bits", &dropout_bits, py::arg("seed"), py::arg("offset"),
         py::arg("bh"), py::arg("i"), py::arg("j"));
   m.def("attention_dropout_threshold", &dropout_threshold);

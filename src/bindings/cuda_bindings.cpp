@@ -172,14 +172,22 @@ SYMHEAP_BINDINGS(device) {
       throw InvalidArgument("via must be 'load_store' or 'copy_engine' here, got '" + via + "'");
     }
   });
-  m.def("take_device_error", [] {
-    auto s = cuda_pe("take_device_error");
+  // Raises what a kernel of the calling PE recorded, as the exception its code
+  // maps to, and clears it.
+  m.def("check_device_errors", [] {
+    auto s = cuda_pe("check_device_errors");
     cuda::DeviceError e;
     {
       py::gil_scoped_release nogil;
       e = cuda::take_device_error(*s);
     }
-    return py::make_tuple(e.code, e.message);
+    switch (e.code) {
+      case kDeviceOk: return;
+      case kDeviceWaitTimeout:
+      case kDeviceBarrierTimeout: throw TimeoutError(e.message);
+      case kDeviceNoPath: throw Unsupported(e.message);
+      default: throw StateError(e.message);
+    }
   });
   m.def("cuda_channel_count", [](int device) { return cuda::channel_count(device); });
   m.def("cuda_kernel_cache_entries",

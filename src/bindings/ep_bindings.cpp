@@ -120,6 +120,8 @@ Check value_error(std::string m) { return Problem{false, std::move(m)}; }
 
 // One op of one PE as the Python front end holds it.
 class EpOp {
+  static constexpr size_t kPooled = 4;  // recycled outputs of each kind
+
  public:
   EpOp(const py::dict& cfg, size_t ws_offset, size_t ws_bytes, py::object handle_type)
       : handle_type_(std::move(handle_type)) {
@@ -140,6 +142,8 @@ class EpOp {
     x_dtype_ = torch_dtype(cfg_.dtype);
     scale_dtype_ = torch_dtype(cfg_.scale_dtype);
     combine_dtype_ = torch_dtype(geo_.combine_dtype);
+    storage_pool_ = bindings::TensorPool(TorchDType::I32, torch_device_, kPooled);
+    out_pool_ = bindings::TensorPool(combine_dtype_, torch_device_, kPooled);
   }
 
   int64_t id() const { return id_; }
@@ -165,8 +169,7 @@ class EpOp {
     DispatchInputs in{bindings::read_tensor(x), bindings::read_tensor(topk_idx),
                       bindings::read_tensor(topk_weights), bindings::read_tensor(scales)};
     const uintptr_t h = stream_of(stream);
-    if (!storage_kwargs_) storage_kwargs_ = bindings::empty_kwargs(TorchDType::I32, torch_device_);
-    py::object storage = bindings::torch_empty({hl_.words}, *storage_kwargs_);
+    py::object storage = storage_pool_.take({hl_.words}, h);
     const uintptr_t base = bindings::tensor_data_ptr(storage);
     int64_t n = 0, num_tokens = 0;
     {
@@ -210,8 +213,7 @@ class EpOp {
     const uintptr_t h = stream_of(stream);
     py::object result = py::reinterpret_borrow<py::object>(out);
     if (out.is_none() && in.num_tokens >= 0) {
-      if (!out_kwargs_) out_kwargs_ = bindings::empty_kwargs(combine_dtype_, torch_device_);
-      result = bindings::torch_empty({in.num_tokens, cfg_.hidden}, *out_kwargs_);
+      result = out_pool_.take({in.num_tokens, cfg_.hidden}, h);
       in.out = bindings::read_tensor(result, false);
     }
     {
@@ -460,7 +462,8 @@ class EpOp {
   TorchDType x_dtype_ = TorchDType::Other, scale_dtype_ = TorchDType::Other,
              combine_dtype_ = TorchDType::Other;
   py::object handle_type_;
-  std::optional<py::dict> storage_kwargs_, out_kwargs_;
+  // Handle storage and combine outputs, recycled once the caller let go of them.
+  bindings::TensorPool storage_pool_{TorchDType::I32, -1, 0}, out_pool_{TorchDType::I32, -1, 0};
 };
 
 }  // namespace

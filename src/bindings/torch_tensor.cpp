@@ -28,6 +28,9 @@ struct Torch {
   PyObject* s_is_contiguous = nullptr;
   PyObject* s_contiguous = nullptr;
   PyObject* s_stride = nullptr;
+  PyObject* s_untyped_storage = nullptr;
+  PyObject* s_cdata = nullptr;
+  PyObject* storage_use_count = nullptr;  // torch._C._storage_Use_Count, if present
 };
 
 const Torch& torch_api() {
@@ -52,6 +55,9 @@ const Torch& torch_api() {
   made->s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
   made->s_contiguous = PyUnicode_InternFromString("contiguous");
   made->s_stride = PyUnicode_InternFromString("stride");
+  made->s_untyped_storage = PyUnicode_InternFromString("untyped_storage");
+  made->s_cdata = PyUnicode_InternFromString("_cdata");
+  if (py::hasattr(C, "_storage_Use_Count")) made->storage_use_count = owned(C.attr("_storage_Use_Count"));
   t = made;
   return *t;
 }
@@ -90,6 +96,15 @@ void read_fields(const Torch& T, py::handle obj, TensorRef& r) {
   r.ptr = PyLong_AsUnsignedLongLong(call_method(obj, T.s_data_ptr).ptr());
   r.device = static_cast<int>(PyLong_AsLong(call_method(obj, T.s_get_device).ptr()));
   r.contiguous = call_method(obj, T.s_is_contiguous).ptr() == Py_True;
+}
+
+// References to a tensor's storage (its own and its views'), or -1 when
+// torch cannot tell.
+int64_t storage_uses(const Torch& T, py::handle tensor) {
+  if (!T.storage_use_count) return -1;
+  py::object storage = call_method(tensor, T.s_untyped_storage);
+  py::object n = py::handle(T.storage_use_count)(get_attr(storage, T.s_cdata));
+  return n.cast<int64_t>();
 }
 
 }  // namespace
@@ -138,6 +153,16 @@ TensorRef read_tensor(py::handle obj, bool make_contiguous, bool want_strides) {
   return r;
 }
 
+TensorRef read_address(py::handle tensor) {
+  const Torch& T = torch_api();
+  TensorRef r;
+  r.present = r.is_tensor = true;
+  r.ptr = PyLong_AsUnsignedLongLong(call_method(tensor, T.s_data_ptr).ptr());
+  r.device = static_cast<int>(PyLong_AsLong(call_method(tensor, T.s_get_device).ptr()));
+  r.strides = int_tuple(call_method(tensor, T.s_stride));
+  return r;
+}
+
 uintptr_t tensor_data_ptr(py::handle tensor) {
   return PyLong_AsUnsignedLongLong(call_method(tensor, torch_api().s_data_ptr).ptr());
 }
@@ -172,6 +197,22 @@ py::dict empty_kwargs(TorchDType dtype, int device) {
   else
     kw["device"] = py::handle(T.device_type)("cuda", device);
   return kw;
+}
+
+py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream) {
+  const Torch& T = torch_api();
+  for (Entry& e : entries_) {
+    if (e.stream != stream || e.shape != shape || Py_REFCNT(e.tensor.ptr()) != 1) continue;
+    if (e.idle_uses < 0 || storage_uses(T, e.tensor) != e.idle_uses) continue;
+    return e.tensor;
+  }
+  if (!kwargs_) kwargs_ = empty_kwargs(dtype_, device_);
+  py::object t = torch_empty(shape, kwargs_);
+  if (entries_.size() < capacity_) {
+    const int64_t uses = storage_uses(T, t);
+    if (uses > 0) entries_.push_back(Entry{t, shape, stream, uses});
+  }
+  return t;
 }
 
 }  // namespace symheap::bindings

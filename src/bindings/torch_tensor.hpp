@@ -45,6 +45,10 @@ struct TensorRef {
 // non-contiguous tensor is replaced by its contiguous copy (kept in `keep`).
 TensorRef read_tensor(py::handle obj, bool make_contiguous = true, bool want_strides = false);
 
+// Only the address, device and strides of a tensor known to be one (its
+// shape and dtype checked before): the cheapest read.
+TensorRef read_address(py::handle tensor);
+
 // The address of a tensor known to be one (a tensor this call allocated).
 uintptr_t tensor_data_ptr(py::handle tensor);
 
@@ -59,5 +63,31 @@ uintptr_t torch_current_stream(int device);
 // once; `kwargs` comes from empty_kwargs() and is kept by the caller.
 py::object torch_empty(const std::vector<int64_t>& shape, const py::dict& kwargs);
 py::dict empty_kwargs(TorchDType dtype, int device);
+
+// Outputs a call hands out fresh, without an allocation per call: a tensor
+// returns to the pool once nothing else refers to it (no Python reference, no
+// view of its storage) and is handed out again for the same shape on the same
+// stream (the rule of torch's caching allocator, which also reuses a block
+// only on the stream it was allocated for). torch.empty is skipped, and with
+// it a GIL release and re-acquire inside torch on every call. GIL held.
+class TensorPool {
+ public:
+  TensorPool(TorchDType dtype, int device, size_t capacity)
+      : dtype_(dtype), device_(device), capacity_(capacity) {}
+  py::object take(const std::vector<int64_t>& shape, uintptr_t stream);
+
+ private:
+  struct Entry {
+    py::object tensor;
+    std::vector<int64_t> shape;
+    uintptr_t stream = 0;
+    int64_t idle_uses = 0;  // storage references when only the pool holds it
+  };
+  TorchDType dtype_;
+  int device_;
+  size_t capacity_;
+  std::vector<Entry> entries_;
+  py::object kwargs_;
+};
 
 }  // namespace symheap::bindings

@@ -19,13 +19,20 @@ def _run_forward(plan: Plan, q, k, v):
         lse = torch.full((plan.heads_q, q.shape[0]), float("-inf"), device=q.device)
     else:
         lse = new_output((plan.batch, plan.heads_q, plan.seqlen_q), torch.float32, q.device)
-    tensors = dict(q=q, k=k, v=v, out=out, lse=lse)
+    if plan.on_cuda and plan.backend != "own":
+        tensors = dict(q=q, k=k, v=v, out=out, lse=lse)
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        if _run_cudnn(plan, tensors, stream, backward=False):
+            return out, lse
+    if plan.core_template is not None:  # a cached fixed-length plan: one core call
+        _core.attention_forward_tensors(plan.core_template, q, k, v, out, lse)
+        return out, lse
+    args = core_args(plan, q=q, k=k, v=v, out=out, lse=lse)
     if plan.on_cuda:
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        if not _run_cudnn(plan, tensors, stream, backward=False):
-            _core.attention_forward_cuda(core_args(plan, **tensors), q.device.index, stream)
+        _core.attention_forward_cuda(args, q.device.index, stream)
     else:
-        _core.attention_forward_cpu(core_args(plan, **tensors))
+        _core.attention_forward_cpu(args)
     return out, lse
 
 
@@ -127,8 +134,17 @@ class _Attention(torch.autograd.Function):
 
 
 def _attention(q, k, v, bias, plan: Plan, return_lse: bool):
-    out, lse = _Attention.apply(q, k, v, bias, plan)
+    if _needs_grad(q, k, v, bias):
+        out, lse = _Attention.apply(q, k, v, bias, plan)
+    else:  # nothing to differentiate: skip the autograd node
+        out, lse = _run_forward(plan, prepare(q, plan), prepare(k, plan), prepare(v, plan))
+        out = _unpad(out, plan)
     return (out, lse) if return_lse else out
+
+
+def _needs_grad(q, k, v, bias) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (bias is not None and bias.requires_grad))
 
 
 def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scale=None,

@@ -89,6 +89,7 @@ class Plan:
     # cuDNN argument blocks of earlier calls with this plan, by direction and
     # strides (see _function._run_cudnn); only plans from cached_plan are reused.
     cudnn_calls: dict = field(default_factory=dict, compare=False, repr=False)
+    core_template: object = None  # fixed-length plans: the core's arguments without addresses
 
 
 def _dtype_name(dtype) -> str:
@@ -235,35 +236,70 @@ def make_plan(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
                 dropout_p, seed_value, offset, bool(deterministic), on_cuda, backend)
 
 
-# Plans of fixed-length calls that hold no tensor (no bias, mask, ALiBi or
-# dropout), keyed by every input make_plan reads: a repeat call skips the checks.
-_cached_plans: dict = {}
-_MAX_CACHED_PLANS = 1024
+class _DeviceCache:
+    """Plans of one device, shared by every thread that calls on it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.plans = {}
+
+
+_MAX_PLANS_PER_DEVICE = 256
+_device_caches: dict = {}
+_device_caches_lock = threading.Lock()
 
 
 def cached_plan(q, k, v, **options) -> Plan:
-    """make_plan(q, k, v, varlen=False, **options), remembered for repeat calls."""
+    """make_plan(q, k, v, varlen=False, **options). Plans of calls that hold no
+    tensor option (no bias, mask, ALiBi or dropout) are kept in their device's
+    cache, shared by every thread calling on it and keyed by every input
+    make_plan reads: a repeat call skips the checks and the argument block."""
     key = None
     if (options["bias"] is None and options["mask"] is None and options["alibi_slopes"] is None
             and not options["dropout_p"] and isinstance(q, torch.Tensor)
             and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         backend = options["backend"]
-        key = (q.device, k.device, v.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape,
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, k.device, v.device,
                options["causal"], options["window_size"], options["softmax_scale"],
                options["softcap"], options["deterministic"],
                os.environ.get(BACKEND_ENV, "") if backend is None else backend)
         try:
-            plan = _cached_plans.get(key)
+            hash(key)
         except TypeError:  # an unhashable option (a list window): no caching
-            key, plan = None, None
-        if plan is not None:
-            return plan
+            key = None
+    if key is None:
+        return make_plan(q, k, v, varlen=False, **options)
+    device = q.device
+    cache = _device_caches.get(device)
+    if cache is None:
+        with _device_caches_lock:
+            cache = _device_caches.setdefault(device, _DeviceCache())
+    with cache.lock:
+        plan = cache.plans.get(key)
+    if plan is not None:
+        return plan
     plan = make_plan(q, k, v, varlen=False, **options)
-    if key is not None:
-        if len(_cached_plans) >= _MAX_CACHED_PLANS:
-            _cached_plans.clear()
-        _cached_plans[key] = plan
-    return plan
+    plan.core_template = core_template(plan, q.dtype)
+    with cache.lock:
+        if len(cache.plans) >= _MAX_PLANS_PER_DEVICE:
+            cache.plans.clear()
+        return cache.plans.setdefault(key, plan)
+
+
+def core_template(plan: Plan, dtype) -> "_core.AttentionArgs":
+    """A fixed-length plan's core arguments: shapes, options and dtypes; the
+    core's attention_forward_tensors adds each call's addresses and strides."""
+    a = _core.AttentionArgs()
+    a.batch, a.heads_q, a.heads_kv = plan.batch, plan.heads_q, plan.heads_kv
+    a.head_dim = plan.head_dim_run
+    a.seqlen_q, a.seqlen_k = plan.seqlen_q, plan.seqlen_k
+    a.scale, a.softcap = plan.scale, plan.softcap
+    a.window_left, a.window_right = plan.window
+    a.deterministic = plan.deterministic
+    name = _DTYPE_NAMES[dtype]
+    for t in ("q", "k", "v", "out"):
+        a.set_tensor(t, 0, name, 0, 0, 0)
+    return a
 
 
 def prepare(t: torch.Tensor, plan: Plan) -> torch.Tensor:
