@@ -19,10 +19,12 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #include "backends/cuda_kernel_cache.cuh"
 #include "backends/cuda_util.cuh"
 #include "ops/attention/common.hpp"
+#include "ops/attention/cuda_common.cuh"
 #include "ops/attention/decode.hpp"
 #include "symheap/errors.hpp"
 #include "symheap/runtime.hpp"
@@ -185,36 +187,55 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const Params p) {
 
 // ---------------------------------------------------------------- attention
 
-template <int DB, int M>
+// Keys are staged through shared memory in tiles of kTileKeys rows by
+// cp.async, Tile::kStages deep, so the loads of the next tiles are in flight
+// while one is computed. Each warp takes 16 keys of a tile: S = Q K^T and
+// O += P V on the tensor cores (mma.sync m16n8k16, fp32 accumulation), the 16
+// rows of Q being the CTA's query vectors, with an online softmax per row.
+constexpr int kTileKeys = 64;
+constexpr int kVectors = 16;  // query vectors (row, head) per CTA
+
+template <int DB>
 struct Tile {
-  static constexpr int kLanes = DB / 8;          // lanes per key row
-  static constexpr int kRowsPerWarp = 32 / kLanes;
-  static constexpr int kStep = kWarps * kRowsPerWarp;
-  static constexpr int kUnroll = M <= 2 ? 8 : M <= 4 ? 4 : 2;
-  static constexpr size_t kSmem = sizeof(float) * kWarps * M * (DB + 2);
+  static constexpr int kLd = DB + 8;  // padded rows: conflict-free fragment loads
+  static constexpr int kStages = DB <= 128 ? 3 : 2;
+  static constexpr int kStageElems = 2 * kTileKeys * kLd;  // K then V
+  static constexpr int kChunksPerThread = kTileKeys * DB / 8 / kThreads;
+  static constexpr size_t kPipeBytes = sizeof(uint16_t) * (kStages * kStageElems + kVectors * kLd);
+  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kVectors * (DB + 2);
+  static constexpr size_t kSmem = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
 };
 
-// Merges online-softmax state (m2, l2, acc2) into (m, l, acc).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fill) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(fill ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
-__device__ __forceinline__ void merge(float& m, float& l, float* acc, float m2, float l2,
-                                      const float* acc2) {
-  const float mm = fmaxf(m, m2);
-  const float a = m == -INFINITY ? 0.0f : __expf(m - mm);
-  const float c = m2 == -INFINITY ? 0.0f : __expf(m2 - mm);
-  l = l * a + l2 * c;
-#pragma unroll
-  for (int e = 0; e < N; ++e) acc[e] = acc[e] * a + acc2[e] * c;
-  m = mm;
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-template <class T, int DB, int M>
+// Four 8x8 b16 matrices, transposed: the B fragments (keys x dims, "col") of
+// two 8-column blocks of a row-major V tile.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+template <class T, int DB>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
-  using C = Tile<DB, M>;
-  constexpr int L = C::kLanes, U = C::kUnroll;
-  extern __shared__ __align__(16) float smem[];
+  using C = Tile<DB>;
+  constexpr int TN = kTileKeys, LD = C::kLd, R = C::kChunksPerThread;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* stages = reinterpret_cast<T*>(smem_raw);
+  T* sQ = stages + C::kStages * C::kStageElems;
   const int split = blockIdx.x, b = blockIdx.z;
-  const int hk = blockIdx.y / p.mtiles, v0 = (blockIdx.y % p.mtiles) * M;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, col = (lane % L) * 8, slot = lane / L;
+  const int hk = blockIdx.y / p.mtiles, v0 = (blockIdx.y % p.mtiles) * kVectors;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const QSeq qs = query_seq(p, b);
   const int n_vec = qs.sq * p.group;
   if (v0 >= n_vec) return;  // the combine reads no vector of this tile
@@ -224,162 +245,205 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   if (bad && split == 0 && blockIdx.y == 0 && threadIdx.x == 0)
     record_error(p, len < 0 ? kBadLength : kNoRoom, b, len);
 
-  // The tile's query vectors: vector v is row v / group of head hk * group + v % group.
-  float qf[M][8];
-  int lo[M], hi[M], diag[M];
-  float slope[M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const int vec = v0 + m, i = vec / p.group, hq = hk * p.group + vec % p.group;
-    const bool valid = vec < n_vec && !bad;
+  // Query vector v of the tile is row v / group of head hk * group + v % group.
+  for (int idx = threadIdx.x; idx < kVectors * (DB / 8); idx += kThreads) {
+    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8, vec = v0 + r;
     uint4 raw = make_uint4(0, 0, 0, 0);
-    if (valid && col < p.d) raw = load16(p.q, b * p.q_sb + (qs.q0 + i) * p.q_sr + hq * p.q_sh + col);
-    to_float8<T>(raw, qf[m]);
+    if (vec < n_vec && c < p.d && !bad)
+      raw = load16(p.q, b * p.q_sb + (qs.q0 + vec / p.group) * p.q_sr +
+                            (hk * p.group + vec % p.group) * p.q_sh + c);
+    *reinterpret_cast<uint4*>(sQ + r * LD + c) = raw;
+  }
+  // This thread's two rows (g, g + 8): visible keys and ALiBi.
+  int lo[2], hi[2], diag[2];
+  float slope[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int vec = v0 + g + 8 * h, i = vec / p.group;
+    const bool valid = vec < n_vec && !bad;
     const detail::KeyRange vis = detail::visible_keys(i, qs.sq, sk, p.win_left, p.win_right);
-    lo[m] = valid ? vis.lo : 0;
-    hi[m] = valid ? vis.hi : 0;
-    diag[m] = i + sk - qs.sq;
-    slope[m] = p.alibi && valid ? p.alibi[b * p.alibi_sb + hq] : 0.0f;
+    lo[h] = valid ? vis.lo : 0;
+    hi[h] = valid ? vis.hi : 0;
+    diag[h] = i + sk - qs.sq;
+    slope[h] = p.alibi && valid ? p.alibi[b * p.alibi_sb + hk * p.group + vec % p.group] : 0.0f;
   }
-  // Keys any vector of the tile sees, cut into `splits` equal ranges.
-  int span_lo = lo[0], span_hi = hi[0];
-#pragma unroll
-  for (int m = 1; m < M; ++m)
-    if (hi[m] > lo[m]) {
-      span_lo = span_hi > span_lo ? min(span_lo, lo[m]) : lo[m];
-      span_hi = max(span_hi, hi[m]);
+  // Keys any vector of the CTA sees (visible ranges grow with the row), cut
+  // into `splits` ranges of whole tiles.
+  int span_lo = 0, span_hi = 0;
+  {
+    const int last = min(n_vec, v0 + kVectors) - 1;
+    if (!bad) {
+      span_lo = detail::visible_keys(v0 / p.group, qs.sq, sk, p.win_left, p.win_right).lo;
+      span_hi = detail::visible_keys(last / p.group, qs.sq, sk, p.win_left, p.win_right).hi;
     }
-  if (span_hi < span_lo) span_hi = span_lo;
-  const int per_split = (span_hi - span_lo + p.splits - 1) / p.splits;
-  const int k_lo = span_lo + split * per_split;
-  const int k_hi = min(span_hi, k_lo + per_split);
-
-  float run_max[M], run_sum[M], acc[M][8];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    run_max[m] = -INFINITY;
-    run_sum[m] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[m][e] = 0.0f;
+    if (span_hi < span_lo) span_hi = span_lo;
   }
-  const uint16_t* kc = static_cast<const uint16_t*>(p.k) + hk * p.k_sh + col;
-  const uint16_t* vc = static_cast<const uint16_t*>(p.v) + hk * p.v_sh + col;
+  const int aligned_lo = span_lo / TN * TN;
+  const int per_split = ((span_hi - aligned_lo + p.splits - 1) / p.splits + TN - 1) / TN * TN;
+  const int k_lo = max(span_lo, aligned_lo + split * per_split);
+  const int k_hi = min(span_hi, aligned_lo + (split + 1) * per_split);
+  const int t_begin = k_lo / TN * TN;
+  const int n_tiles = k_hi > k_lo ? (k_hi - t_begin + TN - 1) / TN : 0;
 
-  for (int base = k_lo; base < k_hi; base += C::kStep * U) {
-    uint4 kr[U], vr[U];
-    int jj[U];
+  // This thread's 16-byte chunks of a tile: rows chunk_row0 + r * kRowStride.
+  const int chunk_row0 = threadIdx.x / (DB / 8), chunk_col = (threadIdx.x % (DB / 8)) * 8;
+  constexpr int kRowStride = kThreads / (DB / 8);
+  const T* kbase = static_cast<const T*>(p.k) + hk * p.k_sh + chunk_col;
+  const T* vbase = static_cast<const T*>(p.v) + hk * p.v_sh + chunk_col;
+  int ids[R];  // block ids of this thread's rows of the next tile to issue (-1: none)
+  auto lookup = [&](int tile) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = base + u * C::kStep + warp * C::kRowsPerWarp + slot;
-      jj[u] = j;
-      kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
-      if (j < k_hi) {
-        int block, row;
-        if (locate(p, b, j, &block, &row)) {
-          if (col < p.d) {
-            kr[u] = __ldg(reinterpret_cast<const uint4*>(kc + block * p.k_sb + row * p.k_sr));
-            vr[u] = __ldg(reinterpret_cast<const uint4*>(vc + block * p.v_sb + row * p.v_sr));
-          }
-        } else {
-          if (!bad) record_error(p, kBadBlock, b, block);
+    for (int r = 0; r < R; ++r) {
+      const int j = t_begin + tile * TN + chunk_row0 + r * kRowStride;
+      ids[r] = -1;
+      if (tile < n_tiles && j >= k_lo && j < k_hi)
+        ids[r] = p.table ? __ldg(p.table + b * p.table_stride + j / p.block_size) : b;
+    }
+  };
+  auto issue = [&](int tile) {
+    if (tile < n_tiles) {
+      T* sk_ = stages + (tile % C::kStages) * C::kStageElems;
+      T* sv_ = sk_ + TN * LD;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int row = chunk_row0 + r * kRowStride, j = t_begin + tile * TN + row;
+        const bool wanted = j >= k_lo && j < k_hi;
+        const int id = ids[r];
+        if (wanted && (id < 0 || id >= p.num_blocks) && p.table) {
+          if (!bad) record_error(p, kBadBlock, b, id);
           bad = true;
         }
+        const bool fill = wanted && id >= 0 && (id < p.num_blocks || !p.table) && chunk_col < p.d;
+        const int in_block = p.table ? j % p.block_size : j;
+        const int64_t ko = fill ? id * p.k_sb + in_block * p.k_sr : 0;
+        const int64_t vo = fill ? id * p.v_sb + in_block * p.v_sr : 0;
+        cp_async16(sk_ + row * LD + chunk_col, kbase + ko, fill);
+        cp_async16(sv_ + row * LD + chunk_col, vbase + vo, fill);
       }
     }
-    float s[U][M];
+    cp_async_commit();
+  };
+
+  float acc[DB / 8][4];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[8];
-      to_float8<T>(kr[u], kf);
+  for (int dt = 0; dt < DB / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        float x = 0.0f;
+  for (int s = 0; s < C::kStages - 1; ++s) {
+    lookup(s);
+    issue(s);
+  }
+  lookup(C::kStages - 1);
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    cp_async_wait<C::kStages - 2>();
+    __syncthreads();  // this tile (and sQ) landed for every thread; the previous one is consumed
+    issue(tile + C::kStages - 1);
+    lookup(tile + C::kStages);  // in flight while this tile is computed
+    const T* sK = stages + (tile % C::kStages) * C::kStageElems + warp * 16 * LD;
+    const T* sV = sK + TN * LD;
+    const int j0 = t_begin + tile * TN + warp * 16;  // this warp's 16 keys
+
+    float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) x = fmaf(qf[m][e], kf[e], x);
+    for (int kk = 0; kk < DB / 16; ++kk) {
+      uint32_t a[4];
+      attention::cuda::load_a(a, sQ, LD, 0, kk * 16, lane);
 #pragma unroll
-        for (int off = L / 2; off >= 1; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
-        const int j = jj[u];
-        if (j >= k_hi || j < lo[m] || j >= hi[m]) {
-          s[u][m] = -INFINITY;
-        } else {
-          x *= p.scale;
-          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-          if (slope[m] != 0.0f) x -= slope[m] * fabsf(static_cast<float>(diag[m] - j));
-          s[u][m] = x;
-        }
+      for (int nb = 0; nb < 2; ++nb) {
+        uint32_t bf[2];
+        attention::cuda::load_b(bf, sK, LD, nb * 8, kk * 16, lane);
+        attention::cuda::mma<T>(s[nb], a, bf);
       }
     }
+    // Logits (row g + 8 * (e >> 1), key j0 + nb * 8 + 2t + (e & 1)), running max.
+    float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float tile_max = s[0][m];
+    for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-      for (int u = 1; u < U; ++u) tile_max = fmaxf(tile_max, s[u][m]);
-      const float m_new = fmaxf(run_max[m], tile_max);
-      if (m_new == -INFINITY) continue;
-      const float rescale = __expf(run_max[m] - m_new);
-      run_sum[m] *= rescale;
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, j = j0 + nb * 8 + 2 * t + (e & 1);
+        float x = s[nb][e] * p.scale;
+        if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+        if (slope[h] != 0.0f) x -= slope[h] * fabsf(static_cast<float>(diag[h] - j));
+        if (j < k_lo || j >= k_hi || j < lo[h] || j >= hi[h]) x = -INFINITY;
+        s[nb][e] = x;
+        tile_max[h] = fmaxf(tile_max[h], x);
+      }
+    float rescale[2], base[2];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[m][e] *= rescale;
-      run_max[m] = m_new;
-#pragma unroll
-      for (int u = 0; u < U; ++u) s[u][m] = __expf(s[u][m] - m_new);
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(row_max[h], attention::cuda::quad_max(tile_max[h]));
+      rescale[h] = row_max[h] == -INFINITY ? 0.0f : __expf(row_max[h] - m_new);
+      base[h] = m_new == -INFINITY ? 0.0f : m_new;
+      row_max[h] = m_new;
+      row_sum[h] *= rescale[h];
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float vf[8];
-      to_float8<T>(vr[u], vf);
+    for (int dt = 0; dt < DB / 8; ++dt) {
+      acc[dt][0] *= rescale[0];
+      acc[dt][1] *= rescale[0];
+      acc[dt][2] *= rescale[1];
+      acc[dt][3] *= rescale[1];
+    }
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        if (run_max[m] == -INFINITY) continue;
-        run_sum[m] += s[u][m];
+    for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[m][e] = fmaf(s[u][m], vf[e], acc[m][e]);
+      for (int e = 0; e < 4; ++e) {
+        const float pr = __expf(s[nb][e] - base[e >> 1]);
+        row_sum[e >> 1] += pr;
+        s[nb][e] = pr;
       }
+    // acc += P V: P from the score registers, V fragments by ldmatrix.trans.
+    uint32_t a[4];
+    attention::cuda::c_to_a<T>(a, s[0], s[1]);
+    const int mat = lane >> 3, mrow = lane & 7;
+    const T* vrow = sV + ((mat & 1) * 8 + mrow) * LD + (mat >> 1) * 8;
+#pragma unroll
+    for (int dt = 0; dt < DB / 8; dt += 2) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, vrow + dt * 8);
+      attention::cuda::mma<T>(acc[dt], a, bf);
+      attention::cuda::mma<T>(acc[dt + 1], a, bf + 2);
     }
   }
+  cp_async_wait<0>();
+  bad = __syncthreads_or(bad);  // also: the stages are free, the merge reuses the memory
 
-  // Merge the key slots of a warp (lanes col apart by L), then the warps.
+  // Merge the warps (each saw different keys of every row) through shared memory.
+  float* s_acc = reinterpret_cast<float*>(smem_raw);  // [warp][row][DB]
+  float* s_max = s_acc + kWarps * kVectors * DB;       // [warp][row]
+  float* s_sum = s_max + kWarps * kVectors;
 #pragma unroll
-  for (int off = L; off < 32; off *= 2)
+  for (int h = 0; h < 2; ++h) {
+    const float sum = attention::cuda::quad_sum(row_sum[h]);
+    const int r = g + 8 * h;
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float other[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) other[e] = __shfl_xor_sync(0xffffffffu, acc[m][e], off);
-      const float m2 = __shfl_xor_sync(0xffffffffu, run_max[m], off);
-      const float l2 = __shfl_xor_sync(0xffffffffu, run_sum[m], off);
-      merge<8>(run_max[m], run_sum[m], acc[m], m2, l2, other);
+    for (int dt = 0; dt < DB / 8; ++dt) {
+      s_acc[(warp * kVectors + r) * DB + dt * 8 + 2 * t] = acc[dt][2 * h];
+      s_acc[(warp * kVectors + r) * DB + dt * 8 + 2 * t + 1] = acc[dt][2 * h + 1];
     }
-  bad = __syncthreads_or(bad);
-  float* s_acc = smem;                        // [warp][m][DB]
-  float* s_max = smem + kWarps * M * DB;      // [warp][m]
-  float* s_sum = s_max + kWarps * M;
-  if (slot == 0) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s_acc[(warp * M + m) * DB + col + e] = acc[m][e];
-      if (lane == 0) {
-        s_max[warp * M + m] = run_max[m];
-        s_sum[warp * M + m] = run_sum[m];
-      }
+    if (t == 0) {
+      s_max[warp * kVectors + r] = row_max[h];
+      s_sum[warp * kVectors + r] = sum;
     }
   }
   __syncthreads();
   const float nan = __int_as_float(0x7fffffff);
-  for (int idx = threadIdx.x; idx < M * DB; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < kVectors * DB; idx += kThreads) {
     const int m = idx / DB, c = idx % DB, vec = v0 + m;
     if (vec >= n_vec || c >= p.d) continue;
     float gmax = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) gmax = fmaxf(gmax, s_max[w * M + m]);
+    for (int w = 0; w < kWarps; ++w) gmax = fmaxf(gmax, s_max[w * kVectors + m]);
     float sum = 0.0f, o = 0.0f;
     if (gmax != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
-        const float f = s_max[w * M + m] == -INFINITY ? 0.0f : __expf(s_max[w * M + m] - gmax);
-        sum += s_sum[w * M + m] * f;
-        o += s_acc[(w * M + m) * DB + c] * f;
+        const float mw = s_max[w * kVectors + m];
+        const float f = mw == -INFINITY ? 0.0f : __expf(mw - gmax);
+        sum += s_sum[w * kVectors + m] * f;
+        o += s_acc[(w * kVectors + m) * DB + c] * f;
       }
     }
     const float out = bad ? nan : sum > 0.0f ? o / sum : 0.0f;
@@ -456,7 +520,7 @@ struct ErrorWord {
 
 std::shared_ptr<ErrorWord> error_word(int device) {
   return Runtime::instance().device_caches(device).get<ErrorWord>("attention.kvcache.error", [&] {
-    cuda::ScopedDevice on(device);
+    ::symheap::cuda::ScopedDevice on(device);
     auto w = std::make_shared<ErrorWord>();
     SYMHEAP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&w->host), sizeof(unsigned long long),
                                      cudaHostAllocMapped | cudaHostAllocPortable));
@@ -490,22 +554,22 @@ void raise_recorded(ErrorWord& w, int device) {
 int head_dim_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
 struct Plan {
-  int db, m, mtiles, splits;
+  int device, db, mtiles, splits;
   int64_t vectors;
   size_t bytes;
 };
 
 int sm_count(int device) {
-  auto info = cuda::kernel_info(device, "attention.kvcache.combine", combine_kernel<__half>, kThreads);
+  auto info = ::symheap::cuda::kernel_info(device, "attention.kvcache.combine", combine_kernel<__half>, kThreads);
   return info->sm_count;
 }
 
 Plan make_plan(const CacheArgs& a, int device) {
   Plan pl{};
+  pl.device = device;
   pl.db = head_dim_bucket(a.head_dim);
   const int64_t n_vec = static_cast<int64_t>(a.seqlen_q) * a.group();
-  pl.m = n_vec <= 1 ? 1 : n_vec <= 2 ? 2 : n_vec <= 4 ? 4 : 8;
-  pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + pl.m - 1) / pl.m));
+  pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + kVectors - 1) / kVectors));
   const int64_t base = static_cast<int64_t>(a.batch) * a.heads_kv * pl.mtiles;
   const int64_t useful = std::max<int64_t>(1, (a.capacity + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
   int64_t splits;
@@ -589,21 +653,22 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
   return p;
 }
 
-template <class T, int DB, int M>
-void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
-  attention_kernel<T, DB, M><<<dim3(pl.splits, p.heads_kv * pl.mtiles, p.batch), kThreads,
-                               Tile<DB, M>::kSmem, stream>>>(p);
-  SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
-}
+struct SmemReady {};
 
 template <class T, int DB>
-void dispatch_m(const Params& p, const Plan& pl, cudaStream_t stream) {
-  switch (pl.m) {
-    case 1: return launch_attention<T, DB, 1>(p, pl, stream);
-    case 2: return launch_attention<T, DB, 2>(p, pl, stream);
-    case 4: return launch_attention<T, DB, 4>(p, pl, stream);
-    default: return launch_attention<T, DB, 8>(p, pl, stream);
-  }
+void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
+  // Above the default 48 KiB of dynamic shared memory: raised once per device.
+  const std::string key = std::string("attention.kvcache.smem.") +
+                          (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
+  Runtime::instance().device_caches(pl.device).get<SmemReady>(key, [&] {
+    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<T, DB>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(Tile<DB>::kSmem)));
+    return std::make_shared<SmemReady>();
+  });
+  attention_kernel<T, DB><<<dim3(pl.splits, p.heads_kv * pl.mtiles, p.batch), kThreads,
+                            Tile<DB>::kSmem, stream>>>(p);
+  SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
 }
 
 template <class T>
@@ -614,10 +679,10 @@ void run(const CacheArgs& a, const Plan& pl, const Params& p, cudaStream_t strea
   }
   if (a.seqlen_q == 0 || (a.varlen() && a.total_q == 0)) return;
   switch (pl.db) {
-    case 32: dispatch_m<T, 32>(p, pl, stream); break;
-    case 64: dispatch_m<T, 64>(p, pl, stream); break;
-    case 128: dispatch_m<T, 128>(p, pl, stream); break;
-    default: dispatch_m<T, 256>(p, pl, stream); break;
+    case 32: launch_attention<T, 32>(p, pl, stream); break;
+    case 64: launch_attention<T, 64>(p, pl, stream); break;
+    case 128: launch_attention<T, 128>(p, pl, stream); break;
+    default: launch_attention<T, 256>(p, pl, stream); break;
   }
   if (pl.splits > 1) {
     const int64_t warps = static_cast<int64_t>(a.seqlen_q) * a.heads_q;
@@ -650,7 +715,7 @@ void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* wo
   kvcache::require(static_cast<int64_t>(a.heads_kv) * pl.mtiles <= 65535,
                    "too many query rows for one call (kv heads x query tiles must be <= 65535); "
                    "split the queries");
-  cuda::ScopedDevice on(device);
+  ::symheap::cuda::ScopedDevice on(device);
   const kvcache::Params p = kvcache::params(a, pl, workspace, error->dev);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a.q.dtype == DType::F16) kvcache::run<__half>(a, pl, p, s);
@@ -660,7 +725,7 @@ void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* wo
 void cache_check_cuda(int device, void* stream, bool sync) {
   auto error = kvcache::error_word(device);
   if (sync) {
-    cuda::ScopedDevice on(device);
+    ::symheap::cuda::ScopedDevice on(device);
     SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
   }
   kvcache::raise_recorded(*error, device);
