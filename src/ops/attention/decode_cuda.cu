@@ -59,7 +59,7 @@ struct Params {
   int cumulative;
   const int32_t* table;
   int64_t table_stride;
-  int block_size, num_blocks, capacity;
+  int block_size, block_shift, num_blocks, capacity;  // block_shift: log2(block_size) or -1
   int batch, heads_q, heads_kv, group, d;
   float scale, softcap;
   int win_left, win_right;
@@ -290,14 +290,28 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   constexpr int kRowStride = kThreads / (DB / 8);
   const T* kbase = static_cast<const T*>(p.k) + hk * p.k_sh + chunk_col;
   const T* vbase = static_cast<const T*>(p.v) + hk * p.v_sh + chunk_col;
-  int ids[R];  // block ids of this thread's rows of the next tile to issue (-1: none)
+  // Where each row of a tile lives, found once per row by the first TN
+  // threads (two slots: the tile being issued and the next one).
+  __shared__ int2 row_at[2][TN];  // {block, row in block}; block -1: no row (zero fill)
   auto lookup = [&](int tile) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int j = t_begin + tile * TN + chunk_row0 + r * kRowStride;
-      ids[r] = -1;
-      if (tile < n_tiles && j >= k_lo && j < k_hi)
-        ids[r] = p.table ? __ldg(p.table + b * p.table_stride + j / p.block_size) : b;
+    if (threadIdx.x < TN) {
+      const int j = t_begin + tile * TN + threadIdx.x;
+      int2 at = make_int2(-1, 0);
+      if (tile < n_tiles && j >= k_lo && j < k_hi) {
+        if (p.table) {
+          const int col = p.block_shift >= 0 ? j >> p.block_shift : j / p.block_size;
+          const int id = __ldg(p.table + b * p.table_stride + col);
+          if (id >= 0 && id < p.num_blocks) {
+            at = make_int2(id, p.block_shift >= 0 ? j & (p.block_size - 1) : j % p.block_size);
+          } else {
+            if (!bad) record_error(p, kBadBlock, b, id);
+            bad = true;
+          }
+        } else {
+          at = make_int2(b, j);
+        }
+      }
+      row_at[tile & 1][threadIdx.x] = at;
     }
   };
   auto issue = [&](int tile) {
@@ -306,17 +320,11 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       T* sv_ = sk_ + TN * LD;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int row = chunk_row0 + r * kRowStride, j = t_begin + tile * TN + row;
-        const bool wanted = j >= k_lo && j < k_hi;
-        const int id = ids[r];
-        if (wanted && (id < 0 || id >= p.num_blocks) && p.table) {
-          if (!bad) record_error(p, kBadBlock, b, id);
-          bad = true;
-        }
-        const bool fill = wanted && id >= 0 && (id < p.num_blocks || !p.table) && chunk_col < p.d;
-        const int in_block = p.table ? j % p.block_size : j;
-        const int64_t ko = fill ? id * p.k_sb + in_block * p.k_sr : 0;
-        const int64_t vo = fill ? id * p.v_sb + in_block * p.v_sr : 0;
+        const int row = chunk_row0 + r * kRowStride;
+        const int2 at = row_at[tile & 1][row];
+        const bool fill = at.x >= 0 && chunk_col < p.d;
+        const int64_t ko = fill ? at.x * p.k_sb + at.y * p.k_sr : 0;
+        const int64_t vo = fill ? at.x * p.v_sb + at.y * p.v_sr : 0;
         cp_async16(sk_ + row * LD + chunk_col, kbase + ko, fill);
         cp_async16(sv_ + row * LD + chunk_col, vbase + vo, fill);
       }
@@ -332,14 +340,18 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {
     lookup(s);
+    __syncthreads();
     issue(s);
+    __syncthreads();  // row_at[s & 1] is read before tile s + 2 is looked up
   }
   lookup(C::kStages - 1);
   for (int tile = 0; tile < n_tiles; ++tile) {
     cp_async_wait<C::kStages - 2>();
-    __syncthreads();  // this tile (and sQ) landed for every thread; the previous one is consumed
+    // This tile (and sQ) landed for every thread, the previous tile is
+    // consumed, and row_at of the tile to issue is written.
+    __syncthreads();
     issue(tile + C::kStages - 1);
-    lookup(tile + C::kStages);  // in flight while this tile is computed
+    lookup(tile + C::kStages);  // the other slot of row_at: read after the next barrier
     const T* sK = stages + (tile % C::kStages) * C::kStageElems + warp * 16 * LD;
     const T* sV = sK + TN * LD;
     const int j0 = t_begin + tile * TN + warp * 16;  // this warp's 16 keys
@@ -559,9 +571,34 @@ struct Plan {
   size_t bytes;
 };
 
-int sm_count(int device) {
-  auto info = ::symheap::cuda::kernel_info(device, "attention.kvcache.combine", combine_kernel<__half>, kThreads);
-  return info->sm_count;
+struct SmemReady {};
+
+// CTAs of the attention kernel resident on the whole device (one wave). Also
+// raises the kernel's dynamic shared-memory limit, once per device.
+template <class T, int DB>
+int full_grid(int device) {
+  const std::string name = std::string("attention.kvcache.") +
+                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
+  Runtime::instance().device_caches(device).get<SmemReady>(name + ".smem", [&] {
+    ::symheap::cuda::ScopedDevice on(device);
+    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<T, DB>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(Tile<DB>::kSmem)));
+    return std::make_shared<SmemReady>();
+  });
+  return ::symheap::cuda::kernel_info(device, name.c_str(), attention_kernel<T, DB>, kThreads,
+                                      Tile<DB>::kSmem)
+      ->full_grid();
+}
+
+template <class T>
+int full_grid(int device, int db) {
+  switch (db) {
+    case 32: return full_grid<T, 32>(device);
+    case 64: return full_grid<T, 64>(device);
+    case 128: return full_grid<T, 128>(device);
+    default: return full_grid<T, 256>(device);
+  }
 }
 
 Plan make_plan(const CacheArgs& a, int device) {
@@ -572,12 +609,14 @@ Plan make_plan(const CacheArgs& a, int device) {
   pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + kVectors - 1) / kVectors));
   const int64_t base = static_cast<int64_t>(a.batch) * a.heads_kv * pl.mtiles;
   const int64_t useful = std::max<int64_t>(1, (a.capacity + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
+  // About one wave of resident CTAs (this also readies the kernel's shared memory).
+  const int64_t target = a.q.dtype == DType::F16 ? full_grid<__half>(device, pl.db)
+                                                  : full_grid<__nv_bfloat16>(device, pl.db);
   int64_t splits;
   if (a.num_splits > 0) {
     splits = a.num_splits;
   } else {
-    const int64_t target = 4LL * sm_count(device);  // about one wave of resident CTAs
-    splits = std::min(useful, (target + base - 1) / base);
+    splits = std::min(useful, std::max<int64_t>(1, target / base));  // whole waves
   }
   pl.splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
@@ -634,6 +673,9 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
   p.table = a.block_table;
   p.table_stride = a.block_table_stride;
   p.block_size = a.paged() ? a.block_size : 1;
+  p.block_shift = -1;
+  for (int sh = 0; sh < 31; ++sh)
+    if ((1 << sh) == p.block_size) p.block_shift = sh;
   p.num_blocks = a.num_blocks;
   p.capacity = a.capacity;
   p.batch = a.batch, p.heads_q = a.heads_q, p.heads_kv = a.heads_kv, p.group = a.group();
@@ -653,19 +695,8 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
   return p;
 }
 
-struct SmemReady {};
-
 template <class T, int DB>
 void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
-  // Above the default 48 KiB of dynamic shared memory: raised once per device.
-  const std::string key = std::string("attention.kvcache.smem.") +
-                          (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
-  Runtime::instance().device_caches(pl.device).get<SmemReady>(key, [&] {
-    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<T, DB>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(Tile<DB>::kSmem)));
-    return std::make_shared<SmemReady>();
-  });
   attention_kernel<T, DB><<<dim3(pl.splits, p.heads_kv * pl.mtiles, p.batch), kThreads,
                             Tile<DB>::kSmem, stream>>>(p);
   SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
