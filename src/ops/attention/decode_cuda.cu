@@ -474,45 +474,60 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 
 // ---------------------------------------------------------------- combine
 
-// One warp per (query row, head): out = sum_s w_s o_s / sum_s w_s with
-// w_s = exp(lse_s - max lse); any NaN split makes the result NaN.
+// One CTA per (query row x head, sequence): out = sum_s w_s o_s / sum_s w_s
+// with w_s = exp(lse_s - max lse); any NaN split makes the result NaN. The
+// weights go through shared memory so the column loads are independent.
 template <class T>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
-  const int b = blockIdx.y;
-  const int vec = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ float weight[kMaxSplits];
+  __shared__ float total;
+  __shared__ float lse_max;
+  __shared__ int any_nan;
+  const int b = blockIdx.y, vec = blockIdx.x;
   const QSeq qs = query_seq(p, b);
   const int i = vec / p.heads_q, hq = vec % p.heads_q;
   if (i >= qs.sq) return;
   const int64_t v = (qs.flat0 + i) * p.heads_q + hq;
-  float gmax = -INFINITY;
-  bool nan = false;
-  for (int s = lane; s < p.splits; s += 32) {
-    const float x = p.part_lse[s * p.vectors + v];
-    nan |= x != x;
-    gmax = fmaxf(gmax, x);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float gmax = -INFINITY;
+    bool nan = false;
+    for (int s = lane; s < p.splits; s += 32) {
+      const float x = p.part_lse[s * p.vectors + v];
+      nan |= x != x;
+      gmax = fmaxf(gmax, x);
+    }
+    nan = __any_sync(0xffffffffu, nan);
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, off));
+    float sum = 0.0f;
+    for (int s = lane; s < p.splits; s += 32) {
+      const float x = p.part_lse[s * p.vectors + v];
+      const float w = gmax == -INFINITY || x == -INFINITY ? 0.0f : __expf(x - gmax);
+      weight[s] = w;
+      sum += w;
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+      total = sum;
+      lse_max = gmax;
+      any_nan = nan;
+    }
   }
-  nan = __any_sync(0xffffffffu, nan);
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, off));
-  float sum = 0.0f;
-  if (gmax != -INFINITY)
-    for (int s = lane; s < p.splits; s += 32) sum += __expf(p.part_lse[s * p.vectors + v] - gmax);
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  __syncthreads();
   const float qnan = __int_as_float(0x7fffffff);
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
   T* out = static_cast<T*>(p.out) + b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh;
-  for (int c = lane; c < p.d; c += 32) {
+  for (int c = threadIdx.x; c < p.d; c += kThreads) {
     float o = 0.0f;
-    if (sum > 0.0f)
-      for (int s = 0; s < p.splits; ++s) {
-        const float x = p.part_lse[s * p.vectors + v];
-        if (x != -INFINITY) o += p.part_out[(s * p.vectors + v) * p.d + c] * __expf(x - gmax);
-      }
-    out[c] = from_float<T>(nan ? qnan : sum > 0.0f ? o / sum : 0.0f);
+#pragma unroll 8
+    for (int s = 0; s < p.splits; ++s) o += weight[s] * p.part_out[(s * p.vectors + v) * p.d + c];
+    out[c] = from_float<T>(any_nan ? qnan : o * inv);
   }
-  if (lane == 0)
+  if (threadIdx.x == 0)
     p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] =
-        nan ? qnan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
+        any_nan ? qnan : total > 0.0f ? lse_max + __logf(total) : -INFINITY;
 }
 
 // ---------------------------------------------------------------- host side
@@ -716,9 +731,8 @@ void run(const CacheArgs& a, const Plan& pl, const Params& p, cudaStream_t strea
     default: launch_attention<T, 256>(p, pl, stream); break;
   }
   if (pl.splits > 1) {
-    const int64_t warps = static_cast<int64_t>(a.seqlen_q) * a.heads_q;
-    combine_kernel<T><<<dim3(static_cast<unsigned>((warps + kWarps - 1) / kWarps), p.batch), kThreads,
-                        0, stream>>>(p);
+    const int64_t vectors = static_cast<int64_t>(a.seqlen_q) * a.heads_q;
+    combine_kernel<T><<<dim3(static_cast<unsigned>(vectors), p.batch), kThreads, 0, stream>>>(p);
     SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.combine_kernel");
   }
 }
