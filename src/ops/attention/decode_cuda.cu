@@ -19,10 +19,12 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #include "backends/cuda_kernel_cache.cuh"
 #include "backends/cuda_util.cuh"
 #include "ops/attention/common.hpp"
+#include "ops/attention/cuda_common.cuh"
 #include "ops/attention/decode.hpp"
 #include "symheap/errors.hpp"
 #include "symheap/runtime.hpp"
@@ -57,7 +59,7 @@ struct Params {
   int cumulative;
   const int32_t* table;
   int64_t table_stride;
-  int block_size, num_blocks, capacity;
+  int block_size, block_shift, num_blocks, capacity;  // block_shift: log2(block_size) or -1
   int batch, heads_q, heads_kv, group, d;
   float scale, softcap;
   int win_left, win_right;
@@ -185,36 +187,55 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const Params p) {
 
 // ---------------------------------------------------------------- attention
 
-template <int DB, int M>
+// Keys are staged through shared memory in tiles of kTileKeys rows by
+// cp.async, Tile::kStages deep, so the loads of the next tiles are in flight
+// while one is computed. Each warp takes 16 keys of a tile: S = Q K^T and
+// O += P V on the tensor cores (mma.sync m16n8k16, fp32 accumulation), the 16
+// rows of Q being the CTA's query vectors, with an online softmax per row.
+constexpr int kTileKeys = 64;
+constexpr int kVectors = 16;  // query vectors (row, head) per CTA
+
+template <int DB>
 struct Tile {
-  static constexpr int kLanes = DB / 8;          // lanes per key row
-  static constexpr int kRowsPerWarp = 32 / kLanes;
-  static constexpr int kStep = kWarps * kRowsPerWarp;
-  static constexpr int kUnroll = M <= 2 ? 8 : M <= 4 ? 4 : 2;
-  static constexpr size_t kSmem = sizeof(float) * kWarps * M * (DB + 2);
+  static constexpr int kLd = DB + 8;  // padded rows: conflict-free fragment loads
+  static constexpr int kStages = DB <= 128 ? 3 : 2;
+  static constexpr int kStageElems = 2 * kTileKeys * kLd;  // K then V
+  static constexpr int kChunksPerThread = kTileKeys * DB / 8 / kThreads;
+  static constexpr size_t kPipeBytes = sizeof(uint16_t) * (kStages * kStageElems + kVectors * kLd);
+  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kVectors * (DB + 2);
+  static constexpr size_t kSmem = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
 };
 
-// Merges online-softmax state (m2, l2, acc2) into (m, l, acc).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fill) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(fill ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
-__device__ __forceinline__ void merge(float& m, float& l, float* acc, float m2, float l2,
-                                      const float* acc2) {
-  const float mm = fmaxf(m, m2);
-  const float a = m == -INFINITY ? 0.0f : __expf(m - mm);
-  const float c = m2 == -INFINITY ? 0.0f : __expf(m2 - mm);
-  l = l * a + l2 * c;
-#pragma unroll
-  for (int e = 0; e < N; ++e) acc[e] = acc[e] * a + acc2[e] * c;
-  m = mm;
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-template <class T, int DB, int M>
+// Four 8x8 b16 matrices, transposed: the B fragments (keys x dims, "col") of
+// two 8-column blocks of a row-major V tile.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+template <class T, int DB>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
-  using C = Tile<DB, M>;
-  constexpr int L = C::kLanes, U = C::kUnroll;
-  extern __shared__ __align__(16) float smem[];
+  using C = Tile<DB>;
+  constexpr int TN = kTileKeys, LD = C::kLd, R = C::kChunksPerThread;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* stages = reinterpret_cast<T*>(smem_raw);
+  T* sQ = stages + C::kStages * C::kStageElems;
   const int split = blockIdx.x, b = blockIdx.z;
-  const int hk = blockIdx.y / p.mtiles, v0 = (blockIdx.y % p.mtiles) * M;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, col = (lane % L) * 8, slot = lane / L;
+  const int hk = blockIdx.y / p.mtiles, v0 = (blockIdx.y % p.mtiles) * kVectors;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const QSeq qs = query_seq(p, b);
   const int n_vec = qs.sq * p.group;
   if (v0 >= n_vec) return;  // the combine reads no vector of this tile
@@ -224,162 +245,217 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   if (bad && split == 0 && blockIdx.y == 0 && threadIdx.x == 0)
     record_error(p, len < 0 ? kBadLength : kNoRoom, b, len);
 
-  // The tile's query vectors: vector v is row v / group of head hk * group + v % group.
-  float qf[M][8];
-  int lo[M], hi[M], diag[M];
-  float slope[M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const int vec = v0 + m, i = vec / p.group, hq = hk * p.group + vec % p.group;
-    const bool valid = vec < n_vec && !bad;
+  // Query vector v of the tile is row v / group of head hk * group + v % group.
+  for (int idx = threadIdx.x; idx < kVectors * (DB / 8); idx += kThreads) {
+    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8, vec = v0 + r;
     uint4 raw = make_uint4(0, 0, 0, 0);
-    if (valid && col < p.d) raw = load16(p.q, b * p.q_sb + (qs.q0 + i) * p.q_sr + hq * p.q_sh + col);
-    to_float8<T>(raw, qf[m]);
+    if (vec < n_vec && c < p.d && !bad)
+      raw = load16(p.q, b * p.q_sb + (qs.q0 + vec / p.group) * p.q_sr +
+                            (hk * p.group + vec % p.group) * p.q_sh + c);
+    *reinterpret_cast<uint4*>(sQ + r * LD + c) = raw;
+  }
+  // This thread's two rows (g, g + 8): visible keys and ALiBi.
+  int lo[2], hi[2], diag[2];
+  float slope[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int vec = v0 + g + 8 * h, i = vec / p.group;
+    const bool valid = vec < n_vec && !bad;
     const detail::KeyRange vis = detail::visible_keys(i, qs.sq, sk, p.win_left, p.win_right);
-    lo[m] = valid ? vis.lo : 0;
-    hi[m] = valid ? vis.hi : 0;
-    diag[m] = i + sk - qs.sq;
-    slope[m] = p.alibi && valid ? p.alibi[b * p.alibi_sb + hq] : 0.0f;
+    lo[h] = valid ? vis.lo : 0;
+    hi[h] = valid ? vis.hi : 0;
+    diag[h] = i + sk - qs.sq;
+    slope[h] = p.alibi && valid ? p.alibi[b * p.alibi_sb + hk * p.group + vec % p.group] : 0.0f;
   }
-  // Keys any vector of the tile sees, cut into `splits` equal ranges.
-  int span_lo = lo[0], span_hi = hi[0];
-#pragma unroll
-  for (int m = 1; m < M; ++m)
-    if (hi[m] > lo[m]) {
-      span_lo = span_hi > span_lo ? min(span_lo, lo[m]) : lo[m];
-      span_hi = max(span_hi, hi[m]);
+  // Keys any vector of the CTA sees (visible ranges grow with the row), cut
+  // into `splits` ranges of whole tiles.
+  int span_lo = 0, span_hi = 0;
+  {
+    const int last = min(n_vec, v0 + kVectors) - 1;
+    if (!bad) {
+      span_lo = detail::visible_keys(v0 / p.group, qs.sq, sk, p.win_left, p.win_right).lo;
+      span_hi = detail::visible_keys(last / p.group, qs.sq, sk, p.win_left, p.win_right).hi;
     }
-  if (span_hi < span_lo) span_hi = span_lo;
-  const int per_split = (span_hi - span_lo + p.splits - 1) / p.splits;
-  const int k_lo = span_lo + split * per_split;
-  const int k_hi = min(span_hi, k_lo + per_split);
-
-  float run_max[M], run_sum[M], acc[M][8];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    run_max[m] = -INFINITY;
-    run_sum[m] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[m][e] = 0.0f;
+    if (span_hi < span_lo) span_hi = span_lo;
   }
-  const uint16_t* kc = static_cast<const uint16_t*>(p.k) + hk * p.k_sh + col;
-  const uint16_t* vc = static_cast<const uint16_t*>(p.v) + hk * p.v_sh + col;
+  const int aligned_lo = span_lo / TN * TN;
+  const int per_split = ((span_hi - aligned_lo + p.splits - 1) / p.splits + TN - 1) / TN * TN;
+  const int k_lo = max(span_lo, aligned_lo + split * per_split);
+  const int k_hi = min(span_hi, aligned_lo + (split + 1) * per_split);
+  const int t_begin = k_lo / TN * TN;
+  const int n_tiles = k_hi > k_lo ? (k_hi - t_begin + TN - 1) / TN : 0;
 
-  for (int base = k_lo; base < k_hi; base += C::kStep * U) {
-    uint4 kr[U], vr[U];
-    int jj[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = base + u * C::kStep + warp * C::kRowsPerWarp + slot;
-      jj[u] = j;
-      kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
-      if (j < k_hi) {
-        int block, row;
-        if (locate(p, b, j, &block, &row)) {
-          if (col < p.d) {
-            kr[u] = __ldg(reinterpret_cast<const uint4*>(kc + block * p.k_sb + row * p.k_sr));
-            vr[u] = __ldg(reinterpret_cast<const uint4*>(vc + block * p.v_sb + row * p.v_sr));
+  // This thread's 16-byte chunks of a tile: rows chunk_row0 + r * kRowStride.
+  const int chunk_row0 = threadIdx.x / (DB / 8), chunk_col = (threadIdx.x % (DB / 8)) * 8;
+  constexpr int kRowStride = kThreads / (DB / 8);
+  const T* kbase = static_cast<const T*>(p.k) + hk * p.k_sh + chunk_col;
+  const T* vbase = static_cast<const T*>(p.v) + hk * p.v_sh + chunk_col;
+  // Where each row of a tile lives, found once per row by the first TN
+  // threads (two slots: the tile being issued and the next one).
+  __shared__ int2 row_at[2][TN];  // {block, row in block}; block -1: no row (zero fill)
+  auto lookup = [&](int tile) {
+    if (threadIdx.x < TN) {
+      const int j = t_begin + tile * TN + threadIdx.x;
+      int2 at = make_int2(-1, 0);
+      if (tile < n_tiles && j >= k_lo && j < k_hi) {
+        if (p.table) {
+          const int col = p.block_shift >= 0 ? j >> p.block_shift : j / p.block_size;
+          const int id = __ldg(p.table + b * p.table_stride + col);
+          if (id >= 0 && id < p.num_blocks) {
+            at = make_int2(id, p.block_shift >= 0 ? j & (p.block_size - 1) : j % p.block_size);
+          } else {
+            if (!bad) record_error(p, kBadBlock, b, id);
+            bad = true;
           }
         } else {
-          if (!bad) record_error(p, kBadBlock, b, block);
-          bad = true;
+          at = make_int2(b, j);
         }
       }
+      row_at[tile & 1][threadIdx.x] = at;
     }
-    float s[U][M];
+  };
+  auto issue = [&](int tile) {
+    if (tile < n_tiles) {
+      T* sk_ = stages + (tile % C::kStages) * C::kStageElems;
+      T* sv_ = sk_ + TN * LD;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[8];
-      to_float8<T>(kr[u], kf);
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        float x = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) x = fmaf(qf[m][e], kf[e], x);
-#pragma unroll
-        for (int off = L / 2; off >= 1; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
-        const int j = jj[u];
-        if (j >= k_hi || j < lo[m] || j >= hi[m]) {
-          s[u][m] = -INFINITY;
-        } else {
-          x *= p.scale;
-          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-          if (slope[m] != 0.0f) x -= slope[m] * fabsf(static_cast<float>(diag[m] - j));
-          s[u][m] = x;
-        }
+      for (int r = 0; r < R; ++r) {
+        const int row = chunk_row0 + r * kRowStride;
+        const int2 at = row_at[tile & 1][row];
+        const bool fill = at.x >= 0 && chunk_col < p.d;
+        const int64_t ko = fill ? at.x * p.k_sb + at.y * p.k_sr : 0;
+        const int64_t vo = fill ? at.x * p.v_sb + at.y * p.v_sr : 0;
+        cp_async16(sk_ + row * LD + chunk_col, kbase + ko, fill);
+        cp_async16(sv_ + row * LD + chunk_col, vbase + vo, fill);
       }
     }
+    cp_async_commit();
+  };
+
+  float acc[DB / 8][4];
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float tile_max = s[0][m];
+  for (int dt = 0; dt < DB / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
 #pragma unroll
-      for (int u = 1; u < U; ++u) tile_max = fmaxf(tile_max, s[u][m]);
-      const float m_new = fmaxf(run_max[m], tile_max);
-      if (m_new == -INFINITY) continue;
-      const float rescale = __expf(run_max[m] - m_new);
-      run_sum[m] *= rescale;
+  for (int s = 0; s < C::kStages - 1; ++s) {
+    lookup(s);
+    __syncthreads();
+    issue(s);
+    __syncthreads();  // row_at[s & 1] is read before tile s + 2 is looked up
+  }
+  lookup(C::kStages - 1);
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    cp_async_wait<C::kStages - 2>();
+    // This tile (and sQ) landed for every thread, the previous tile is
+    // consumed, and row_at of the tile to issue is written.
+    __syncthreads();
+    issue(tile + C::kStages - 1);
+    lookup(tile + C::kStages);  // the other slot of row_at: read after the next barrier
+    const T* sK = stages + (tile % C::kStages) * C::kStageElems + warp * 16 * LD;
+    const T* sV = sK + TN * LD;
+    const int j0 = t_begin + tile * TN + warp * 16;  // this warp's 16 keys
+
+    float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[m][e] *= rescale;
-      run_max[m] = m_new;
+    for (int kk = 0; kk < DB / 16; ++kk) {
+      uint32_t a[4];
+      attention::cuda::load_a(a, sQ, LD, 0, kk * 16, lane);
 #pragma unroll
-      for (int u = 0; u < U; ++u) s[u][m] = __expf(s[u][m] - m_new);
+      for (int nb = 0; nb < 2; ++nb) {
+        uint32_t bf[2];
+        attention::cuda::load_b(bf, sK, LD, nb * 8, kk * 16, lane);
+        attention::cuda::mma<T>(s[nb], a, bf);
+      }
+    }
+    // Logits (row g + 8 * (e >> 1), key j0 + nb * 8 + 2t + (e & 1)), running max.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, j = j0 + nb * 8 + 2 * t + (e & 1);
+        float x = s[nb][e] * p.scale;
+        if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+        if (slope[h] != 0.0f) x -= slope[h] * fabsf(static_cast<float>(diag[h] - j));
+        if (j < k_lo || j >= k_hi || j < lo[h] || j >= hi[h]) x = -INFINITY;
+        s[nb][e] = x;
+        tile_max[h] = fmaxf(tile_max[h], x);
+      }
+    float rescale[2], base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(row_max[h], attention::cuda::quad_max(tile_max[h]));
+      rescale[h] = row_max[h] == -INFINITY ? 0.0f : __expf(row_max[h] - m_new);
+      base[h] = m_new == -INFINITY ? 0.0f : m_new;
+      row_max[h] = m_new;
+      row_sum[h] *= rescale[h];
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float vf[8];
-      to_float8<T>(vr[u], vf);
+    for (int dt = 0; dt < DB / 8; ++dt) {
+      acc[dt][0] *= rescale[0];
+      acc[dt][1] *= rescale[0];
+      acc[dt][2] *= rescale[1];
+      acc[dt][3] *= rescale[1];
+    }
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        if (run_max[m] == -INFINITY) continue;
-        run_sum[m] += s[u][m];
+    for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[m][e] = fmaf(s[u][m], vf[e], acc[m][e]);
+      for (int e = 0; e < 4; ++e) {
+        const float pr = __expf(s[nb][e] - base[e >> 1]);
+        row_sum[e >> 1] += pr;
+        s[nb][e] = pr;
       }
+    // acc += P V: P from the score registers, V fragments by ldmatrix.trans.
+    uint32_t a[4];
+    attention::cuda::c_to_a<T>(a, s[0], s[1]);
+    const int mat = lane >> 3, mrow = lane & 7;
+    const T* vrow = sV + ((mat & 1) * 8 + mrow) * LD + (mat >> 1) * 8;
+#pragma unroll
+    for (int dt = 0; dt < DB / 8; dt += 2) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, vrow + dt * 8);
+      attention::cuda::mma<T>(acc[dt], a, bf);
+      attention::cuda::mma<T>(acc[dt + 1], a, bf + 2);
     }
   }
+  cp_async_wait<0>();
+  bad = __syncthreads_or(bad);  // also: the stages are free, the merge reuses the memory
 
-  // Merge the key slots of a warp (lanes col apart by L), then the warps.
+  // Merge the warps (each saw different keys of every row) through shared memory.
+  float* s_acc = reinterpret_cast<float*>(smem_raw);  // [warp][row][DB]
+  float* s_max = s_acc + kWarps * kVectors * DB;       // [warp][row]
+  float* s_sum = s_max + kWarps * kVectors;
 #pragma unroll
-  for (int off = L; off < 32; off *= 2)
+  for (int h = 0; h < 2; ++h) {
+    const float sum = attention::cuda::quad_sum(row_sum[h]);
+    const int r = g + 8 * h;
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float other[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) other[e] = __shfl_xor_sync(0xffffffffu, acc[m][e], off);
-      const float m2 = __shfl_xor_sync(0xffffffffu, run_max[m], off);
-      const float l2 = __shfl_xor_sync(0xffffffffu, run_sum[m], off);
-      merge<8>(run_max[m], run_sum[m], acc[m], m2, l2, other);
+    for (int dt = 0; dt < DB / 8; ++dt) {
+      s_acc[(warp * kVectors + r) * DB + dt * 8 + 2 * t] = acc[dt][2 * h];
+      s_acc[(warp * kVectors + r) * DB + dt * 8 + 2 * t + 1] = acc[dt][2 * h + 1];
     }
-  bad = __syncthreads_or(bad);
-  float* s_acc = smem;                        // [warp][m][DB]
-  float* s_max = smem + kWarps * M * DB;      // [warp][m]
-  float* s_sum = s_max + kWarps * M;
-  if (slot == 0) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s_acc[(warp * M + m) * DB + col + e] = acc[m][e];
-      if (lane == 0) {
-        s_max[warp * M + m] = run_max[m];
-        s_sum[warp * M + m] = run_sum[m];
-      }
+    if (t == 0) {
+      s_max[warp * kVectors + r] = row_max[h];
+      s_sum[warp * kVectors + r] = sum;
     }
   }
   __syncthreads();
   const float nan = __int_as_float(0x7fffffff);
-  for (int idx = threadIdx.x; idx < M * DB; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < kVectors * DB; idx += kThreads) {
     const int m = idx / DB, c = idx % DB, vec = v0 + m;
     if (vec >= n_vec || c >= p.d) continue;
     float gmax = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) gmax = fmaxf(gmax, s_max[w * M + m]);
+    for (int w = 0; w < kWarps; ++w) gmax = fmaxf(gmax, s_max[w * kVectors + m]);
     float sum = 0.0f, o = 0.0f;
     if (gmax != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
-        const float f = s_max[w * M + m] == -INFINITY ? 0.0f : __expf(s_max[w * M + m] - gmax);
-        sum += s_sum[w * M + m] * f;
-        o += s_acc[(w * M + m) * DB + c] * f;
+        const float mw = s_max[w * kVectors + m];
+        const float f = mw == -INFINITY ? 0.0f : __expf(mw - gmax);
+        sum += s_sum[w * kVectors + m] * f;
+        o += s_acc[(w * kVectors + m) * DB + c] * f;
       }
     }
     const float out = bad ? nan : sum > 0.0f ? o / sum : 0.0f;
@@ -398,45 +474,60 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 
 // ---------------------------------------------------------------- combine
 
-// One warp per (query row, head): out = sum_s w_s o_s / sum_s w_s with
-// w_s = exp(lse_s - max lse); any NaN split makes the result NaN.
+// One CTA per (query row x head, sequence): out = sum_s w_s o_s / sum_s w_s
+// with w_s = exp(lse_s - max lse); any NaN split makes the result NaN. The
+// weights go through shared memory so the column loads are independent.
 template <class T>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
-  const int b = blockIdx.y;
-  const int vec = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ float weight[kMaxSplits];
+  __shared__ float total;
+  __shared__ float lse_max;
+  __shared__ int any_nan;
+  const int b = blockIdx.y, vec = blockIdx.x;
   const QSeq qs = query_seq(p, b);
   const int i = vec / p.heads_q, hq = vec % p.heads_q;
   if (i >= qs.sq) return;
   const int64_t v = (qs.flat0 + i) * p.heads_q + hq;
-  float gmax = -INFINITY;
-  bool nan = false;
-  for (int s = lane; s < p.splits; s += 32) {
-    const float x = p.part_lse[s * p.vectors + v];
-    nan |= x != x;
-    gmax = fmaxf(gmax, x);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float gmax = -INFINITY;
+    bool nan = false;
+    for (int s = lane; s < p.splits; s += 32) {
+      const float x = p.part_lse[s * p.vectors + v];
+      nan |= x != x;
+      gmax = fmaxf(gmax, x);
+    }
+    nan = __any_sync(0xffffffffu, nan);
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, off));
+    float sum = 0.0f;
+    for (int s = lane; s < p.splits; s += 32) {
+      const float x = p.part_lse[s * p.vectors + v];
+      const float w = gmax == -INFINITY || x == -INFINITY ? 0.0f : __expf(x - gmax);
+      weight[s] = w;
+      sum += w;
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+      total = sum;
+      lse_max = gmax;
+      any_nan = nan;
+    }
   }
-  nan = __any_sync(0xffffffffu, nan);
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, off));
-  float sum = 0.0f;
-  if (gmax != -INFINITY)
-    for (int s = lane; s < p.splits; s += 32) sum += __expf(p.part_lse[s * p.vectors + v] - gmax);
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  __syncthreads();
   const float qnan = __int_as_float(0x7fffffff);
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
   T* out = static_cast<T*>(p.out) + b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh;
-  for (int c = lane; c < p.d; c += 32) {
+  for (int c = threadIdx.x; c < p.d; c += kThreads) {
     float o = 0.0f;
-    if (sum > 0.0f)
-      for (int s = 0; s < p.splits; ++s) {
-        const float x = p.part_lse[s * p.vectors + v];
-        if (x != -INFINITY) o += p.part_out[(s * p.vectors + v) * p.d + c] * __expf(x - gmax);
-      }
-    out[c] = from_float<T>(nan ? qnan : sum > 0.0f ? o / sum : 0.0f);
+#pragma unroll 8
+    for (int s = 0; s < p.splits; ++s) o += weight[s] * p.part_out[(s * p.vectors + v) * p.d + c];
+    out[c] = from_float<T>(any_nan ? qnan : o * inv);
   }
-  if (lane == 0)
+  if (threadIdx.x == 0)
     p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] =
-        nan ? qnan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
+        any_nan ? qnan : total > 0.0f ? lse_max + __logf(total) : -INFINITY;
 }
 
 // ---------------------------------------------------------------- host side
@@ -456,7 +547,7 @@ struct ErrorWord {
 
 std::shared_ptr<ErrorWord> error_word(int device) {
   return Runtime::instance().device_caches(device).get<ErrorWord>("attention.kvcache.error", [&] {
-    cuda::ScopedDevice on(device);
+    ::symheap::cuda::ScopedDevice on(device);
     auto w = std::make_shared<ErrorWord>();
     SYMHEAP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&w->host), sizeof(unsigned long long),
                                      cudaHostAllocMapped | cudaHostAllocPortable));
@@ -490,30 +581,57 @@ void raise_recorded(ErrorWord& w, int device) {
 int head_dim_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
 struct Plan {
-  int db, m, mtiles, splits;
+  int device, db, mtiles, splits;
   int64_t vectors;
   size_t bytes;
 };
 
-int sm_count(int device) {
-  auto info = cuda::kernel_info(device, "attention.kvcache.combine", combine_kernel<__half>, kThreads);
-  return info->sm_count;
+struct SmemReady {};
+
+// CTAs of the attention kernel resident on the whole device (one wave). Also
+// raises the kernel's dynamic shared-memory limit, once per device.
+template <class T, int DB>
+int full_grid(int device) {
+  const std::string name = std::string("attention.kvcache.") +
+                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
+  Runtime::instance().device_caches(device).get<SmemReady>(name + ".smem", [&] {
+    ::symheap::cuda::ScopedDevice on(device);
+    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<T, DB>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(Tile<DB>::kSmem)));
+    return std::make_shared<SmemReady>();
+  });
+  return ::symheap::cuda::kernel_info(device, name.c_str(), attention_kernel<T, DB>, kThreads,
+                                      Tile<DB>::kSmem)
+      ->full_grid();
+}
+
+template <class T>
+int full_grid(int device, int db) {
+  switch (db) {
+    case 32: return full_grid<T, 32>(device);
+    case 64: return full_grid<T, 64>(device);
+    case 128: return full_grid<T, 128>(device);
+    default: return full_grid<T, 256>(device);
+  }
 }
 
 Plan make_plan(const CacheArgs& a, int device) {
   Plan pl{};
+  pl.device = device;
   pl.db = head_dim_bucket(a.head_dim);
   const int64_t n_vec = static_cast<int64_t>(a.seqlen_q) * a.group();
-  pl.m = n_vec <= 1 ? 1 : n_vec <= 2 ? 2 : n_vec <= 4 ? 4 : 8;
-  pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + pl.m - 1) / pl.m));
+  pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + kVectors - 1) / kVectors));
   const int64_t base = static_cast<int64_t>(a.batch) * a.heads_kv * pl.mtiles;
   const int64_t useful = std::max<int64_t>(1, (a.capacity + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
+  // About one wave of resident CTAs (this also readies the kernel's shared memory).
+  const int64_t target = a.q.dtype == DType::F16 ? full_grid<__half>(device, pl.db)
+                                                  : full_grid<__nv_bfloat16>(device, pl.db);
   int64_t splits;
   if (a.num_splits > 0) {
     splits = a.num_splits;
   } else {
-    const int64_t target = 4LL * sm_count(device);  // about one wave of resident CTAs
-    splits = std::min(useful, (target + base - 1) / base);
+    splits = std::min(useful, std::max<int64_t>(1, target / base));  // whole waves
   }
   pl.splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
@@ -570,6 +688,9 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
   p.table = a.block_table;
   p.table_stride = a.block_table_stride;
   p.block_size = a.paged() ? a.block_size : 1;
+  p.block_shift = -1;
+  for (int sh = 0; sh < 31; ++sh)
+    if ((1 << sh) == p.block_size) p.block_shift = sh;
   p.num_blocks = a.num_blocks;
   p.capacity = a.capacity;
   p.batch = a.batch, p.heads_q = a.heads_q, p.heads_kv = a.heads_kv, p.group = a.group();
@@ -589,21 +710,11 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
   return p;
 }
 
-template <class T, int DB, int M>
-void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
-  attention_kernel<T, DB, M><<<dim3(pl.splits, p.heads_kv * pl.mtiles, p.batch), kThreads,
-                               Tile<DB, M>::kSmem, stream>>>(p);
-  SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
-}
-
 template <class T, int DB>
-void dispatch_m(const Params& p, const Plan& pl, cudaStream_t stream) {
-  switch (pl.m) {
-    case 1: return launch_attention<T, DB, 1>(p, pl, stream);
-    case 2: return launch_attention<T, DB, 2>(p, pl, stream);
-    case 4: return launch_attention<T, DB, 4>(p, pl, stream);
-    default: return launch_attention<T, DB, 8>(p, pl, stream);
-  }
+void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
+  attention_kernel<T, DB><<<dim3(pl.splits, p.heads_kv * pl.mtiles, p.batch), kThreads,
+                            Tile<DB>::kSmem, stream>>>(p);
+  SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
 }
 
 template <class T>
@@ -614,15 +725,14 @@ void run(const CacheArgs& a, const Plan& pl, const Params& p, cudaStream_t strea
   }
   if (a.seqlen_q == 0 || (a.varlen() && a.total_q == 0)) return;
   switch (pl.db) {
-    case 32: dispatch_m<T, 32>(p, pl, stream); break;
-    case 64: dispatch_m<T, 64>(p, pl, stream); break;
-    case 128: dispatch_m<T, 128>(p, pl, stream); break;
-    default: dispatch_m<T, 256>(p, pl, stream); break;
+    case 32: launch_attention<T, 32>(p, pl, stream); break;
+    case 64: launch_attention<T, 64>(p, pl, stream); break;
+    case 128: launch_attention<T, 128>(p, pl, stream); break;
+    default: launch_attention<T, 256>(p, pl, stream); break;
   }
   if (pl.splits > 1) {
-    const int64_t warps = static_cast<int64_t>(a.seqlen_q) * a.heads_q;
-    combine_kernel<T><<<dim3(static_cast<unsigned>((warps + kWarps - 1) / kWarps), p.batch), kThreads,
-                        0, stream>>>(p);
+    const int64_t vectors = static_cast<int64_t>(a.seqlen_q) * a.heads_q;
+    combine_kernel<T><<<dim3(static_cast<unsigned>(vectors), p.batch), kThreads, 0, stream>>>(p);
     SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.combine_kernel");
   }
 }
@@ -650,7 +760,7 @@ void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* wo
   kvcache::require(static_cast<int64_t>(a.heads_kv) * pl.mtiles <= 65535,
                    "too many query rows for one call (kv heads x query tiles must be <= 65535); "
                    "split the queries");
-  cuda::ScopedDevice on(device);
+  ::symheap::cuda::ScopedDevice on(device);
   const kvcache::Params p = kvcache::params(a, pl, workspace, error->dev);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a.q.dtype == DType::F16) kvcache::run<__half>(a, pl, p, s);
@@ -660,7 +770,7 @@ void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* wo
 void cache_check_cuda(int device, void* stream, bool sync) {
   auto error = kvcache::error_word(device);
   if (sync) {
-    cuda::ScopedDevice on(device);
+    ::symheap::cuda::ScopedDevice on(device);
     SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
   }
   kvcache::raise_recorded(*error, device);
