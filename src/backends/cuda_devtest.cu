@@ -124,7 +124,7 @@ __global__ void barrier_kernel(DeviceContext ctx, u64* slots, int rounds, int sc
     }
     if (leader)
       for (int q = 0; q < ctx.n_pes; ++q)
-        if (dev::detail::load_acquire(slots + q) != static_cast<u64>(r + 1)) atomicAdd(bad, 1ull);
+        if (dev::load_acquire(slots + q) != static_cast<u64>(r + 1)) atomicAdd(bad, 1ull);
     // A second barrier: nobody overwrites a slot before everyone checked it.
     if (scope == kThread) {
       if (leader) dev::barrier_all(ctx);

@@ -26,6 +26,12 @@ void cuda_check(cudaError_t err, const char* what, int line) {
 
 cudaStream_t as_stream(StreamHandle h) { return reinterpret_cast<cudaStream_t>(h); }
 
+// Copy engine: after the copies of one channel, tells the peer they landed.
+__global__ void signal_kernel(uint64_t* flag, uint64_t add) {
+  dev::fence_acq_rel();
+  dev::add_release(flag, add);
+}
+
 class CudaRt {
  public:
   int32_t* host = nullptr;      // host-mapped mirror
@@ -109,7 +115,7 @@ class CudaRt {
     EP_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, channel(pe)));
   }
   void signal(int pe, uint64_t* flag) {
-    kernels::signal_kernel<<<1, 1, 0, channel(pe)>>>(flag, 1);
+    signal_kernel<<<1, 1, 0, channel(pe)>>>(flag, 1);
     EP_CUDA(cudaGetLastError());
   }
   void stream_after_channels(StreamHandle stream) {
