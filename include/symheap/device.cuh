@@ -196,13 +196,23 @@ __device__ __forceinline__ unsigned thread_in_block() {
 
 __device__ __forceinline__ unsigned block_threads() { return blockDim.x * blockDim.y * blockDim.z; }
 
+// PE `pe`'s heap base, or null (recorded) when it has no load/store path.
+// One load of the peer table.
+__device__ __forceinline__ char* peer_base_or_report(const DeviceContext& ctx, int pe) {
+  char* base = pe >= 0 && pe < ctx.n_pes ? ctx.peer_bases[pe] : nullptr;
+  if (base == nullptr) report(ctx, kDeviceNoPath, static_cast<u64>(pe), 0, 0);
+  return base;
+}
+
+// PE `pe`'s copy of symmetric `local` from its heap base.
+__device__ __forceinline__ char* at_peer(const DeviceContext& ctx, char* base, const void* local) {
+  return base + (static_cast<const char*>(local) - ctx.my_base);
+}
+
 __device__ __forceinline__ char* peer_or_report(const DeviceContext& ctx, const void* local,
                                                 int pe) {
-  if (!can_reach(ctx, pe)) {
-    report(ctx, kDeviceNoPath, static_cast<u64>(pe), 0, 0);
-    return nullptr;
-  }
-  return peer_ptr(ctx, static_cast<const char*>(local), pe);
+  char* base = peer_base_or_report(ctx, pe);
+  return base ? at_peer(ctx, base, local) : nullptr;
 }
 
 template <class W>
@@ -211,11 +221,11 @@ __device__ __forceinline__ u64* word_ptr(W* w) {
   return reinterpret_cast<u64*>(w);
 }
 
-// The fence makes every store this thread has seen (its own and, after a
-// __syncthreads/__syncwarp, its block's or warp's) visible before the signal.
+// A release at system scope: the signal becomes visible after every store
+// this thread has seen (its own and, after a __syncthreads/__syncwarp, its
+// block's or warp's; release is cumulative), with no separate fence.
 __device__ __forceinline__ void signal_store(u64* remote, u64 value, int op) {
-  __threadfence_system();
-  if (op == kSignalAdd) atomicAdd_system(remote, value);
+  if (op == kSignalAdd) add_release(remote, value);
   else store_release(remote, value);
 }
 
@@ -303,8 +313,11 @@ __device__ __forceinline__ void signal_op(const DeviceContext& ctx, W* sig, u64 
 template <class W>
 __device__ __forceinline__ void put_signal(const DeviceContext& ctx, void* dst, const void* src,
                                            u64 nbytes, W* sig, u64 value, int op, int pe) {
-  put(ctx, dst, src, nbytes, pe);
-  signal_op(ctx, sig, value, op, pe);
+  char* base = detail::peer_base_or_report(ctx, pe);  // one table load for data and signal
+  if (base == nullptr) return;
+  detail::copy_bytes(detail::at_peer(ctx, base, dst), static_cast<const char*>(src), nbytes, 0, 1);
+  detail::signal_store(reinterpret_cast<u64*>(detail::at_peer(ctx, base, detail::word_ptr(sig))),
+                       value, op);
 }
 template <class W>
 __device__ __forceinline__ void put_signal_warp(const DeviceContext& ctx, void* dst,

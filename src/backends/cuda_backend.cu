@@ -62,7 +62,10 @@ ScopedDevice::~ScopedDevice() {
 
 namespace {
 
+// A signal after the stream's earlier work (kernels, copy-engine copies):
+// the fence orders what this thread has seen of it before the release.
 __global__ void signal_kernel(unsigned long long* word, unsigned long long value, int op) {
+  device::fence_acq_rel();
   device::detail::signal_store(word, value, op);
 }
 
