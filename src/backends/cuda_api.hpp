@@ -30,6 +30,17 @@ void put_load_store(PeState& s, void* dst, const void* src, size_t nbytes, int p
 void put_copy_engine(PeState& s, void* dst, const void* src, size_t nbytes, int pe,
                      StreamHandle stream, uint64_t* signal, uint64_t value, SignalOp op);
 
+// A batch of copy-engine transfers whose addresses the caller computed (an
+// op's rows into its peers' workspaces), on the same channels as
+// put_copy_engine: begin orders the channels to `pes` after `stream`'s work
+// so far; copy and signal queue on the channel to `pe` (`remote_*`: the
+// peer's memory as this device addresses it); end makes `stream` wait for
+// those channels.
+void copy_engine_begin(PeState& s, const std::vector<int>& pes, StreamHandle stream);
+void copy_engine_copy(PeState& s, int pe, void* remote_dst, const void* src, size_t nbytes);
+void copy_engine_signal(PeState& s, int pe, uint64_t* remote_word, uint64_t value, SignalOp op);
+void copy_engine_end(PeState& s, const std::vector<int>& pes, StreamHandle stream);
+
 // Waits for every copy-engine channel that starts on `device`.
 void sync_channels(int device);
 // Number of channels created so far from `device` (for tests).

@@ -17,7 +17,7 @@
 //   intranode     only without max_recv_tokens, to return exactly the rows received;
 //   copy_engine   after packing, to learn the copy plan, in dispatch and in combine;
 //                 and, with other PEs in this process, until they queued their copies
-//                 (ep_issue_board.hpp says why).
+//                 (transports/copy_engine_issue_board.hpp says why).
 #pragma once
 #include <algorithm>
 #include <string>
@@ -142,7 +142,7 @@ class DeviceDriver final : public DeviceImpl {
     rt_.stream_after_channels(a.stream);
     rt_.launch(kernels::finish_kernel, 1, kernels::kThreads, 0, a.stream, p, abort);
     if (op.board)
-      op.board->publish_and_wait(IssueBoard::kDispatch, op.my_pe, ++op.queued_dispatches,
+      op.board->publish_and_wait(0, "ep dispatch", op.my_pe, ++op.queued_dispatches,
                                  op.same_process_peers, op.timeout_s);
     raise_own(op, status, detail, "dispatch");
     raise_recorded(s, op, a.stream);
@@ -214,7 +214,7 @@ class DeviceDriver final : public DeviceImpl {
                  a.stream, p);
     }
     if (ce && op.board)
-      op.board->publish_and_wait(IssueBoard::kCombine, op.my_pe, ++op.queued_combines,
+      op.board->publish_and_wait(1, "ep combine", op.my_pe, ++op.queued_combines,
                                  op.same_process_peers, op.timeout_s);
     raise_own(op, status, 0, "combine");
     raise_recorded(s, op, a.stream);
