@@ -64,4 +64,6 @@ void put_load_store(PeState& s, void* dst, const void* src, size_t nbytes, int p
   SYMHEAP_CUDA_CHECK_LAUNCH("sm_put_kernel");
 }
 
+int kernel_cache_entries(int device) { return kernel_cache_stats(device)->made.load(); }
+
 }  // namespace symheap::cuda
