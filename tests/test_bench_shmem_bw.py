@@ -31,16 +31,19 @@ randint, device = torch.randint, torch.device
 torch.randint = lambda *a, device=None, **kw: randint(*a, **kw)
 torch.device = lambda kind, index=None: device("cpu")
 
-def ping_pong(data, sig, peer, initiator, iters, stream):
+def ping_pong(ctx, device, data, sig, peer, initiator, iters, stream):
     ctypes.c_uint64.from_address(data).value = iters
     ctypes.c_uint64.from_address(sig).value = iters
 
 mock = types.SimpleNamespace(**{k: getattr(_core, k) for k in dir(_core) if not k.startswith("__")})
 mock.bench_sm_put = lambda d, s, n, pe, blocks, h: _core.put(d, s, n, pe, h)
 mock.cuda_put = lambda d, s, n, pe, h, via, sig, value, op: _core.put(d, s, n, pe, h)
-mock.bench_memcpy_peer = lambda d, dd, s, sd, n, h: ctypes.memmove(d, s, n)
-mock.bench_plain_copy = lambda d, s, n, blocks, dev, h: ctypes.memmove(d, s, n)
-mock.devtest_ping_pong = ping_pong
+devtest = types.SimpleNamespace(
+    memcpy_peer=lambda d, dd, s, sd, n, h: ctypes.memmove(d, s, n),
+    plain_copy=lambda d, s, n, blocks, dev, h: ctypes.memmove(d, s, n),
+    ping_pong=ping_pong)
+sys.modules["symheap._devtest"] = devtest  # built with CUDA only
+symheap._devtest = devtest
 
 import shmem_bw
 shmem_bw._core = mock

@@ -45,29 +45,88 @@ __device__ __forceinline__ T* peer_ptr(const DeviceContext& ctx, const T* local,
   return reinterpret_cast<T*>(base + (reinterpret_cast<const char*>(local) - ctx.my_base));
 }
 
+// Byte `offset` of PE `pe`'s heap, from a peer table (DeviceContext::peer_bases).
+// No reachability check: for kernels that checked every PE once (can_reach)
+// and address by heap offset.
+template <class T = char>
+__device__ __forceinline__ T* peer_heap_ptr(char* const* peer_bases, int pe, u64 offset) {
+  return reinterpret_cast<T*>(peer_bases[pe] + offset);
+}
+
 __device__ __forceinline__ bool can_reach(const DeviceContext& ctx, int pe) {
   return pe >= 0 && pe < ctx.n_pes && ctx.peer_bases[pe] != nullptr;
 }
 
-// ------------------------------------------------------------ internals
-
 namespace detail {
+// Makes a parameter take its type from the others (no deduction from it).
+template <class T>
+struct same_type {
+  typedef T type;
+};
+}  // namespace detail
 
+// ------------------------------------------------------------ memory model
+// Building blocks for kernels that run their own protocol on heap words (the
+// functions below use them; so do symheap's op kernels). Words are 64-bit
+// words of global memory (the heap or device memory); every operation is
+// system scope: coherent with the other GPUs and the host.
+
+// Acquire load: once it has seen a value stored by a release (or after a
+// fence), this thread's later loads see what the writer stored before it.
+template <class W>
+__device__ __forceinline__ W load_acquire(const W* p) {
+  static_assert(sizeof(W) == 8, "a 64-bit word");
+  W v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+// Relaxed load (volatile): read from memory every time, ordered with nothing.
+// For polls whose result is followed by a fence or an acquire load.
+template <class W>
+__device__ __forceinline__ W load_relaxed(const W* p) {
+  static_assert(sizeof(W) == 8, "a 64-bit word");
+  return *reinterpret_cast<const volatile W*>(p);
+}
+// Relaxed store: ordered after earlier stores only by a fence before it.
+template <class W>
+__device__ __forceinline__ void store_relaxed(W* p, typename detail::same_type<W>::type v) {
+  static_assert(sizeof(W) == 8, "a 64-bit word");
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// Release store: visible only after this thread's earlier loads and stores.
+template <class W>
+__device__ __forceinline__ void store_release(W* p, typename detail::same_type<W>::type v) {
+  static_assert(sizeof(W) == 8, "a 64-bit word");
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// Adds without returning the old value (a reduction: nothing to wait for).
+template <class W>
+__device__ __forceinline__ void add_relaxed(W* p, typename detail::same_type<W>::type v) {
+  static_assert(sizeof(W) == 8, "a 64-bit word");
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// As add_relaxed, with release semantics (after this thread's earlier stores).
+template <class W>
+__device__ __forceinline__ void add_release(W* p, typename detail::same_type<W>::type v) {
+  static_assert(sizeof(W) == 8, "a 64-bit word");
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// Orders this thread's earlier loads and stores (and, after a
+// __syncthreads/__syncwarp, its block's or warp's) before its later ones,
+// for every PE: followed by a relaxed store or add, a release; preceded by a
+// relaxed load, an acquire. Lighter than __threadfence_system(), which also
+// keeps one order of every such fence (sequential consistency).
+__device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// The GPU's global nanosecond timer (the same on every SM of a device).
 __device__ __forceinline__ u64 global_timer_ns() {
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
 
-__device__ __forceinline__ u64 load_acquire(const u64* p) {
-  u64 v;
-  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
+// ------------------------------------------------------------ internals
 
-__device__ __forceinline__ void store_release(u64* p, u64 v) {
-  asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+namespace detail {
 
 __device__ __forceinline__ bool compare_holds(u64 lhs, int cmp, u64 rhs) {
   switch (cmp) {
@@ -137,19 +196,24 @@ __device__ __forceinline__ unsigned thread_in_block() {
 
 __device__ __forceinline__ unsigned block_threads() { return blockDim.x * blockDim.y * blockDim.z; }
 
-__device__ __forceinline__ char* peer_or_report(const DeviceContext& ctx, const void* local,
-                                                int pe) {
-  if (!can_reach(ctx, pe)) {
-    report(ctx, kDeviceNoPath, static_cast<u64>(pe), 0, 0);
-    return nullptr;
-  }
-  return peer_ptr(ctx, static_cast<const char*>(local), pe);
+// PE `pe`'s heap base, or null (recorded) when it has no load/store path.
+// One load of the peer table.
+__device__ __forceinline__ char* peer_base_or_report(const DeviceContext& ctx, int pe) {
+  char* base = pe >= 0 && pe < ctx.n_pes ? ctx.peer_bases[pe] : nullptr;
+  if (base == nullptr) report(ctx, kDeviceNoPath, static_cast<u64>(pe), 0, 0);
+  return base;
 }
 
-template <class T>
-struct same_type {
-  typedef T type;
-};
+// PE `pe`'s copy of symmetric `local` from its heap base.
+__device__ __forceinline__ char* at_peer(const DeviceContext& ctx, char* base, const void* local) {
+  return base + (static_cast<const char*>(local) - ctx.my_base);
+}
+
+__device__ __forceinline__ char* peer_or_report(const DeviceContext& ctx, const void* local,
+                                                int pe) {
+  char* base = peer_base_or_report(ctx, pe);
+  return base ? at_peer(ctx, base, local) : nullptr;
+}
 
 template <class W>
 __device__ __forceinline__ u64* word_ptr(W* w) {
@@ -157,11 +221,11 @@ __device__ __forceinline__ u64* word_ptr(W* w) {
   return reinterpret_cast<u64*>(w);
 }
 
-// The fence makes every store this thread has seen (its own and, after a
-// __syncthreads/__syncwarp, its block's or warp's) visible before the signal.
+// A release at system scope: the signal becomes visible after every store
+// this thread has seen (its own and, after a __syncthreads/__syncwarp, its
+// block's or warp's; release is cumulative), with no separate fence.
 __device__ __forceinline__ void signal_store(u64* remote, u64 value, int op) {
-  __threadfence_system();
-  if (op == kSignalAdd) atomicAdd_system(remote, value);
+  if (op == kSignalAdd) add_release(remote, value);
   else store_release(remote, value);
 }
 
@@ -249,8 +313,11 @@ __device__ __forceinline__ void signal_op(const DeviceContext& ctx, W* sig, u64 
 template <class W>
 __device__ __forceinline__ void put_signal(const DeviceContext& ctx, void* dst, const void* src,
                                            u64 nbytes, W* sig, u64 value, int op, int pe) {
-  put(ctx, dst, src, nbytes, pe);
-  signal_op(ctx, sig, value, op, pe);
+  char* base = detail::peer_base_or_report(ctx, pe);  // one table load for data and signal
+  if (base == nullptr) return;
+  detail::copy_bytes(detail::at_peer(ctx, base, dst), static_cast<const char*>(src), nbytes, 0, 1);
+  detail::signal_store(reinterpret_cast<u64*>(detail::at_peer(ctx, base, detail::word_ptr(sig))),
+                       value, op);
 }
 template <class W>
 __device__ __forceinline__ void put_signal_warp(const DeviceContext& ctx, void* dst,
@@ -275,13 +342,13 @@ template <class W>
 __device__ __forceinline__ u64 signal_wait_until(const DeviceContext& ctx, W* sig, int cmp,
                                                  u64 value) {
   const u64* w = detail::word_ptr(sig);
-  u64 seen = detail::load_acquire(w);
+  u64 seen = load_acquire(w);
   if (detail::compare_holds(seen, cmp, value)) return seen;
-  u64 start = detail::global_timer_ns();
+  u64 start = global_timer_ns();
   for (unsigned i = 1;; ++i) {
-    seen = detail::load_acquire(w);
+    seen = load_acquire(w);
     if (detail::compare_holds(seen, cmp, value)) return seen;
-    if ((i & 255) == 0 && detail::global_timer_ns() - start > ctx.timeout_ns) {
+    if ((i & 255) == 0 && global_timer_ns() - start > ctx.timeout_ns) {
       detail::report(ctx, kDeviceWaitTimeout,
                      static_cast<u64>(reinterpret_cast<const char*>(w) - ctx.my_base), seen,
                      value);
@@ -352,12 +419,12 @@ inline __device__ __noinline__ void barrier_all(const DeviceContext& ctx) {
     u64 old = atomicAdd_system(reinterpret_cast<u64*>(base + offset), 1ull);
     if (p == ctx.my_pe) epoch = old + 1;
   }
-  u64 start = detail::global_timer_ns();
+  u64 start = global_timer_ns();
   for (int q = 0; q < ctx.n_pes; ++q) {
     for (unsigned i = 1;; ++i) {
-      u64 seen = detail::load_acquire(ctx.device_barrier + q);
+      u64 seen = load_acquire(ctx.device_barrier + q);
       if (seen >= epoch) break;
-      if ((i & 255) == 0 && detail::global_timer_ns() - start > ctx.timeout_ns) {
+      if ((i & 255) == 0 && global_timer_ns() - start > ctx.timeout_ns) {
         detail::report(ctx, kDeviceBarrierTimeout, static_cast<u64>(q), seen, epoch);
         return;
       }

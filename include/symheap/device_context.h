@@ -11,7 +11,6 @@ struct DeviceContext {
   char* const* peer_bases;  // [n_pes] heap base of each PE as seen from this
                             // device, null when a PE has no load/store path
   char* my_base;            // this PE's heap base
-  unsigned long long* barrier_flags;  // host barrier counters (host_ops.cpp)
   int my_pe;
   int n_pes;
   unsigned long long heap_size;

@@ -62,7 +62,10 @@ ScopedDevice::~ScopedDevice() {
 
 namespace {
 
+// A signal after the stream's earlier work (kernels, copy-engine copies):
+// the fence orders what this thread has seen of it before the release.
 __global__ void signal_kernel(unsigned long long* word, unsigned long long value, int op) {
+  device::fence_acq_rel();
   device::detail::signal_store(word, value, op);
 }
 
@@ -163,8 +166,7 @@ DeviceResources& resources(int device) {
     cudaFuncAttributes attrs;
     SYMHEAP_CUDA_CHECK(cudaFuncGetAttributes(&attrs, signal_kernel));
     SYMHEAP_CUDA_CHECK(cudaFuncGetAttributes(&attrs, atomic_kernel));
-    if (!write_value64()) r->memops_why = "the driver does not export cuStreamWriteValue64";
-    r->memops_ok = r->memops_why.empty();
+    r->memops_ok = write_value64() != nullptr;
     entry = r;
   }
   return *entry;
@@ -351,10 +353,7 @@ class CudaBackend final : public Backend {
                                    reinterpret_cast<CUdeviceptr>(word), value, 0);
       if (r == CUDA_SUCCESS) return;
       cudaGetLastError();
-      std::lock_guard<std::mutex> lock(res.mu);
-      res.memops_ok = false;
-      res.memops_why = "cuStreamWriteValue64 returned CUresult " + std::to_string(r) +
-                       "; signals use a one-thread kernel instead";
+      res.memops_ok = false;  // signals use the one-thread kernel from now on
     }
     signal_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<unsigned long long*>(word), value,
@@ -442,12 +441,6 @@ class CudaBackend final : public Backend {
 std::string describe(const uint64_t* rec, const std::string& pe);
 
 bool backend_active() { return std::strcmp(Runtime::instance().backend().name(), "cuda") == 0; }
-
-std::string stream_memops_status(int device) {
-  DeviceResources& res = resources(device);
-  std::lock_guard<std::mutex> lock(res.mu);
-  return res.memops_ok ? "" : res.memops_why;
-}
 
 DeviceError take_device_error(PeState& s) {
   uint64_t rec[4] = {0, 0, 0, 0};

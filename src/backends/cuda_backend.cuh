@@ -16,9 +16,8 @@ struct DeviceResources {
   // user work on the legacy default stream.
   cudaStream_t ops = nullptr;
   uint64_t* pinned = nullptr;  // mapped pinned words for results of `ops`
-  std::mutex mu;               // guards `pinned` and memops_why
-  std::atomic<bool> memops_ok{true};
-  std::string memops_why;  // why stream memory operations are not used
+  std::mutex mu;               // guards `pinned`
+  std::atomic<bool> memops_ok{true};  // signals may use cuStreamWriteValue64
   ~DeviceResources();
 };
 

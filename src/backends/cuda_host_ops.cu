@@ -70,4 +70,6 @@ void synchronize_device(int device) {
   cudaGetLastError();
 }
 
+int kernel_cache_entries(int device) { return kernel_cache_stats(device)->made.load(); }
+
 }  // namespace symheap::cuda

@@ -1,6 +1,6 @@
 // Python bindings of the device context, DLPack views of heap memory and the
 // CUDA-only operations (SM and copy-engine puts, device-side error reports,
-// the test and benchmark kernels). Everything that needs CUDA is registered
+// the benchmark's SM put). Everything that needs CUDA is registered
 // only in builds with CUDA; the rest works on every backend.
 #include <pybind11/pybind11.h>
 
@@ -190,77 +190,15 @@ SYMHEAP_BINDINGS(device) {
     }
   });
   m.def("cuda_channel_count", [](int device) { return cuda::channel_count(device); });
-  m.def("cuda_kernel_cache_entries",
-        [](int device) { return cuda::devtest::kernel_cache_entries(device); });
-  m.def("cuda_memops_status", [](int device) { return cuda::stream_memops_status(device); });
+  m.def("cuda_kernel_cache_entries", [](int device) { return cuda::kernel_cache_entries(device); });
 
-  // Test and benchmark kernels: addresses are raw pointers, checked against
-  // the calling PE's heap where they must be symmetric.
-  m.def("devtest_put", [](uintptr_t dst, uintptr_t src, size_t n, int pe, int scope, int units,
-                          uintptr_t sig, bool nbi, uintptr_t stream) {
-    auto s = cuda_pe("devtest_put");
-    py::gil_scoped_release nogil;
-    cuda::devtest::put(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, scope, units,
-                       sig ? as_ptr<uint64_t>(sig) : nullptr, nbi, stream);
-  });
-  m.def("devtest_get", [](uintptr_t dst, uintptr_t src, size_t n, int pe, int scope, int units,
-                          uintptr_t stream) {
-    auto s = cuda_pe("devtest_get");
-    py::gil_scoped_release nogil;
-    cuda::devtest::get(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, scope, units,
-                       stream);
-  });
-  m.def("devtest_atomics", [](uintptr_t counter, uintptr_t cas_word, uintptr_t swap_word,
-                              int64_t cond, int64_t value, int pe, int threads, uintptr_t out,
-                              uintptr_t stream) {
-    auto s = cuda_pe("devtest_atomics");
-    py::gil_scoped_release nogil;
-    cuda::devtest::atomics(*s, as_ptr<int64_t>(counter), as_ptr<int64_t>(cas_word),
-                           as_ptr<int64_t>(swap_word), cond, value, pe, threads,
-                           as_ptr<int64_t>(out), stream);
-  });
-  m.def("devtest_wait_until", [](uintptr_t sig, int cmp, uint64_t value, uintptr_t out,
-                                 uintptr_t stream) {
-    auto s = cuda_pe("devtest_wait_until");
-    py::gil_scoped_release nogil;
-    cuda::devtest::wait_until(*s, as_ptr<uint64_t>(sig), cmp, value, as_ptr<uint64_t>(out),
-                              stream);
-  });
-  m.def("devtest_barrier", [](uintptr_t slots, int rounds, int scope, uintptr_t bad,
-                              uintptr_t stream) {
-    auto s = cuda_pe("devtest_barrier");
-    py::gil_scoped_release nogil;
-    cuda::devtest::barrier_rounds(*s, as_ptr<uint64_t>(slots), rounds, scope,
-                                  as_ptr<uint64_t>(bad), stream);
-  });
-  m.def("devtest_ping_pong", [](uintptr_t data, uintptr_t sig, int peer, bool initiator,
-                                int iters, uintptr_t stream) {
-    auto s = cuda_pe("devtest_ping_pong");
-    py::gil_scoped_release nogil;
-    cuda::devtest::ping_pong(*s, as_ptr<uint64_t>(data), as_ptr<uint64_t>(sig), peer, initiator,
-                             iters, stream);
-  });
-  m.def("bench_plain_copy", [](uintptr_t dst, uintptr_t src, size_t n, int blocks, int device,
-                               uintptr_t stream) {
-    py::gil_scoped_release nogil;
-    cuda::devtest::plain_copy_kernel(as_ptr<void>(dst), as_ptr<const void>(src), n, blocks,
-                                     device, stream);
-  });
-  m.def("bench_memcpy_peer", [](uintptr_t dst, int dst_device, uintptr_t src, int src_device,
-                                size_t n, uintptr_t stream) {
-    py::gil_scoped_release nogil;
-    cuda::devtest::memcpy_peer(as_ptr<void>(dst), dst_device, as_ptr<const void>(src),
-                               src_device, n, stream);
-  });
+  // The benchmark's SM put with a chosen grid (bench/shmem_bw.py); the test
+  // and benchmark kernels live in symheap._devtest.
   m.def("bench_sm_put", [](uintptr_t dst, uintptr_t src, size_t n, int pe, int blocks,
                            uintptr_t stream) {
     auto s = cuda_pe("bench_sm_put");
     py::gil_scoped_release nogil;
     cuda::put_load_store(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream, blocks);
-  });
-  m.def("devtest_fill", [](uintptr_t dst, size_t n, uint32_t seed, uintptr_t stream) {
-    py::gil_scoped_release nogil;
-    cuda::devtest::fill_pattern(as_ptr<uint32_t>(dst), n, seed, stream);
   });
 #endif
 }

@@ -234,7 +234,6 @@ DeviceContext device_context(const PeState& s) {
   DeviceContext ctx{};
   ctx.peer_bases = s.peer_table();
   ctx.my_base = s.base();
-  ctx.barrier_flags = reinterpret_cast<unsigned long long*>(s.barrier_flags());
   ctx.my_pe = s.my_pe;
   ctx.n_pes = s.n_pes;
   ctx.heap_size = s.heap_size;

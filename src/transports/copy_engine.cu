@@ -24,10 +24,12 @@ struct Channel {
   int src_device = -1;
   std::string dst_key;
   cudaStream_t stream = nullptr;
-  cudaEvent_t caller_done = nullptr;  // marks the point of the caller's stream
-  std::mutex mu;                      // one issuer at a time keeps the event reusable
+  cudaEvent_t caller_done = nullptr;   // marks the point of the caller's stream
+  cudaEvent_t channel_done = nullptr;  // marks the point of this channel's stream
+  std::mutex mu;                       // one issuer at a time keeps the events reusable
   ~Channel() {
     if (caller_done) cudaEventDestroy(caller_done);
+    if (channel_done) cudaEventDestroy(channel_done);
     if (stream) cudaStreamDestroy(stream);
   }
 };
@@ -52,6 +54,7 @@ std::shared_ptr<Channel> channel(int src_device, const std::string& dst_key) {
         ch->dst_key = dst_key;
         SYMHEAP_CUDA_CHECK(cudaStreamCreateWithFlags(&ch->stream, cudaStreamNonBlocking));
         SYMHEAP_CUDA_CHECK(cudaEventCreateWithFlags(&ch->caller_done, cudaEventDisableTiming));
+        SYMHEAP_CUDA_CHECK(cudaEventCreateWithFlags(&ch->channel_done, cudaEventDisableTiming));
         std::lock_guard<std::mutex> lock(set->mu);
         set->all.push_back(ch);
         return ch;
@@ -69,7 +72,45 @@ std::string destination_key(const PeState& s, int pe) {
   return handle.substr(colon + 1);
 }
 
+std::shared_ptr<Channel> channel_to(const PeState& s, int pe) {
+  return channel(s.device, destination_key(s, pe));
+}
+
+cudaStream_t as_stream(StreamHandle h) { return reinterpret_cast<cudaStream_t>(h); }
+
 }  // namespace
+
+void copy_engine_begin(PeState& s, const std::vector<int>& pes, StreamHandle stream) {
+  ScopedDevice on(s.device);
+  for (int pe : pes) {
+    auto ch = channel_to(s, pe);
+    std::lock_guard<std::mutex> lock(ch->mu);
+    SYMHEAP_CUDA_CHECK(cudaEventRecord(ch->caller_done, as_stream(stream)));
+    SYMHEAP_CUDA_CHECK(cudaStreamWaitEvent(ch->stream, ch->caller_done, 0));
+  }
+}
+
+void copy_engine_copy(PeState& s, int pe, void* remote_dst, const void* src, size_t nbytes) {
+  auto ch = channel_to(s, pe);
+  ScopedDevice on(s.device);
+  SYMHEAP_CUDA_CHECK(cudaMemcpyAsync(remote_dst, src, nbytes, cudaMemcpyDefault, ch->stream));
+}
+
+void copy_engine_signal(PeState& s, int pe, uint64_t* remote_word, uint64_t value, SignalOp op) {
+  auto ch = channel_to(s, pe);
+  Runtime::instance().backend().signal(s.device, remote_word, value, op,
+                                       reinterpret_cast<StreamHandle>(ch->stream));
+}
+
+void copy_engine_end(PeState& s, const std::vector<int>& pes, StreamHandle stream) {
+  ScopedDevice on(s.device);
+  for (int pe : pes) {
+    auto ch = channel_to(s, pe);
+    std::lock_guard<std::mutex> lock(ch->mu);
+    SYMHEAP_CUDA_CHECK(cudaEventRecord(ch->channel_done, ch->stream));
+    SYMHEAP_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), ch->channel_done, 0));
+  }
+}
 
 void put_copy_engine(PeState& s, void* dst, const void* src, size_t nbytes, int pe,
                      StreamHandle stream, uint64_t* signal, uint64_t value, SignalOp op) {
@@ -82,11 +123,11 @@ void put_copy_engine(PeState& s, void* dst, const void* src, size_t nbytes, int 
     remote_signal = reinterpret_cast<uint64_t*>(s.peer_address(pe, soff, "signal"));
   }
   check_stream(s.device, stream);
-  auto ch = channel(s.device, destination_key(s, pe));
+  auto ch = channel_to(s, pe);
   ScopedDevice on(s.device);
   std::lock_guard<std::mutex> lock(ch->mu);
   // Ordered after everything already queued on the caller's stream.
-  SYMHEAP_CUDA_CHECK(cudaEventRecord(ch->caller_done, reinterpret_cast<cudaStream_t>(stream)));
+  SYMHEAP_CUDA_CHECK(cudaEventRecord(ch->caller_done, as_stream(stream)));
   SYMHEAP_CUDA_CHECK(cudaStreamWaitEvent(ch->stream, ch->caller_done, 0));
   if (nbytes)
     SYMHEAP_CUDA_CHECK(cudaMemcpyAsync(remote, src, nbytes, cudaMemcpyDefault, ch->stream));

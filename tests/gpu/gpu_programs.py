@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import symheap
-from symheap import _core
+from symheap import _core, _devtest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
@@ -31,6 +31,12 @@ def _rand(seed, shape, dtype=np.float32):
     if np.issubdtype(dtype, np.integer):
         return rng.integers(0, np.iinfo(dtype).max, size=shape, dtype=dtype)
     return rng.standard_normal(shape).astype(dtype)
+
+
+def _pe():
+    """The calling PE's DeviceContext bytes and device: the first arguments of
+    every symheap._devtest kernel call."""
+    return symheap.device_context(), symheap.current_device()
 
 
 def _stream():
@@ -217,11 +223,12 @@ def device_api(nbytes: int = 300_013):
             sig.zero_()
             _sync()
             symheap.barrier_all()
-            _core.devtest_put(dst.data_ptr(), src.data_ptr(), nbytes, right, scope, units,
-                              sig.data_ptr() if mode == "signal" else 0, mode == "nbi", stream)
+            _devtest.put(*_pe(), dst.data_ptr(), src.data_ptr(), nbytes, right, scope, units,
+                         sig.data_ptr() if mode == "signal" else 0, mode == "nbi", stream)
             if mode == "signal":
                 # The receiver learns of the data from the signal alone.
-                _core.devtest_wait_until(sig.data_ptr(), CMP["ge"], units, seen.data_ptr(), stream)
+                _devtest.wait_until(*_pe(), sig.data_ptr(), CMP["ge"], units, seen.data_ptr(),
+                                    stream)
                 _sync()
                 ok_signal = int(seen.item()) == units
             else:
@@ -232,7 +239,7 @@ def device_api(nbytes: int = 300_013):
             out["put"][(scope, mode)] = (bool(np.array_equal(got, mine_expected)), ok_signal)
             symheap.barrier_all()
         local = torch.full((nbytes,), 0xCD, dtype=torch.uint8, device=dev)
-        _core.devtest_get(local.data_ptr(), src.data_ptr(), nbytes, right, scope, units, stream)
+        _devtest.get(*_pe(), local.data_ptr(), src.data_ptr(), nbytes, right, scope, units, stream)
         symheap.quiet()
         out["get"][scope] = bool(np.array_equal(local.cpu().numpy(),
                                                 _rand(5000 + right, nbytes, np.uint8)))
@@ -245,7 +252,7 @@ def device_api(nbytes: int = 300_013):
     _sync()
     symheap.barrier_all()
     w = words.data_ptr()
-    _core.devtest_atomics(w, w + 8, w + 16, 0, me + 1, 0, threads, olds.data_ptr(), stream)
+    _devtest.atomics(*_pe(), w, w + 8, w + 16, 0, me + 1, 0, threads, olds.data_ptr(), stream)
     symheap.quiet()
     symheap.barrier_all()
     out["atomic_olds"] = olds.cpu().numpy()
@@ -262,7 +269,7 @@ def device_api(nbytes: int = 300_013):
     sig.zero_()
     _sync()
     symheap.barrier_all()
-    _core.devtest_wait_until(sig.data_ptr(), CMP["eq"], 41 + me, seen.data_ptr(), stream)
+    _devtest.wait_until(*_pe(), sig.data_ptr(), CMP["eq"], 41 + me, seen.data_ptr(), stream)
     symheap.signal_op(sig, 41 + right, right, stream=side)
     symheap.quiet(stream=side)
     symheap.quiet()
@@ -276,7 +283,7 @@ def device_api(nbytes: int = 300_013):
         bad.zero_()
         _sync()
         symheap.barrier_all()
-        _core.devtest_barrier(slots.data_ptr(), 25, scope, bad.data_ptr(), stream)
+        _devtest.barrier(*_pe(), slots.data_ptr(), 25, scope, bad.data_ptr(), stream)
         symheap.quiet()
         out["barrier_bad"][scope] = int(bad.item())
         out.setdefault("barrier_slots", {})[scope] = slots.cpu().numpy().tolist()
@@ -335,7 +342,7 @@ def copy_engine(nbytes: int = 48 << 20, rounds: int = 3):
         symheap.barrier_all()
         symheap.put_signal(dst, src, sig[0:1], r + 1, right, via="copy_engine")
         symheap.put_signal(dst[:16], src[:16], sig[1:2], 1, right, op="add", via="copy_engine")
-        _core.devtest_wait_until(sig.data_ptr(), CMP["eq"], r + 1, seen.data_ptr(), stream)
+        _devtest.wait_until(*_pe(), sig.data_ptr(), CMP["eq"], r + 1, seen.data_ptr(), stream)
         symheap.signal_wait_until(sig[1:2], "eq", 1)
         got = dst.cpu().numpy()
         results.append(bool(np.array_equal(got, _rand(6000 + 10 * left + r, words, np.int32)))
@@ -373,7 +380,7 @@ def concurrent_launches(workers: int = 4, words: int = 1 << 18):
             s = torch.cuda.Stream(device)
             start.wait(30)
             seed = 7919 * (me + 1) + 31 * w + round_
-            _core.devtest_fill(staging[w].data_ptr(), words, seed, s.cuda_stream)
+            _devtest.fill(staging[w].data_ptr(), words, seed, device, s.cuda_stream)
             symheap.put(work[w], staging[w], right, stream=s, via="load_store")
             symheap.quiet(stream=s)
         except BaseException as e:  # reported to the caller
@@ -434,7 +441,7 @@ def failures():
     # A kernel waits for a signal nobody sends: the wait gives up after the
     # PE's timeout (init(timeout=...)), and quiet() raises it.
     seen = torch.zeros(1, dtype=torch.int64, device=dev)
-    _core.devtest_wait_until(sig.data_ptr(), CMP["eq"], 99, seen.data_ptr(), _stream())
+    _devtest.wait_until(*_pe(), sig.data_ptr(), CMP["eq"], 99, seen.data_ptr(), _stream())
     out["device_timeout"] = raised(symheap.quiet)
     out["after_timeout"] = raised(symheap.quiet)  # the record was cleared
     # the PE still works afterwards

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "backends/cuda_util.cuh"
 #include "ops/attention/attention.hpp"
 #include "ops/attention/cuda_launch.cuh"
 #include "symheap/errors.hpp"
@@ -14,12 +15,6 @@
 
 namespace symheap::attention {
 namespace cuda {
-
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("attention: ") + what + " failed: " + cudaGetErrorName(err) +
-                             " (" + cudaGetErrorString(err) + ")");
-}
 
 namespace {
 // Device properties, read for one device and kept in its slot's caches.
@@ -32,11 +27,10 @@ std::shared_ptr<DeviceProps> device_props(int device) {
   return Runtime::instance().device_caches(device).get<DeviceProps>(
       "attention.cuda.props", [device] {
         auto props = std::make_shared<DeviceProps>();
-        check_cuda(cudaDeviceGetAttribute(&props->sm_count, cudaDevAttrMultiProcessorCount, device),
-                   "cudaDeviceGetAttribute(multiprocessor count)");
-        check_cuda(cudaDeviceGetAttribute(&props->smem_optin,
-                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                   "cudaDeviceGetAttribute(shared memory per block)");
+        SYMHEAP_CUDA_CHECK(
+            cudaDeviceGetAttribute(&props->sm_count, cudaDevAttrMultiProcessorCount, device));
+        SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&props->smem_optin,
+                                                  cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
         return props;
       });
 }
@@ -51,9 +45,8 @@ void ensure_smem(int device, const void* kernel, size_t smem, const std::string&
                       " bytes of shared memory per block; device " + std::to_string(device) +
                       " allows " + std::to_string(props->smem_optin));
   Runtime::instance().device_caches(device).get<KernelReady>("attention.cuda.kernel." + key, [&] {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(smem)),
-               ("cudaFuncSetAttribute for " + key).c_str());
+    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
     return std::make_shared<KernelReady>();
   });
 }
@@ -61,7 +54,6 @@ void ensure_smem(int device, const void* kernel, size_t smem, const std::string&
 }  // namespace cuda
 
 namespace {
-using cuda::check_cuda;
 
 void require(bool ok, const std::string& message) {
   if (!ok) throw InvalidArgument("attention (CUDA): " + message);
@@ -89,9 +81,9 @@ void validate_cuda(const Args& a, bool backward) {
 class DeviceScope {
  public:
   explicit DeviceScope(int device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    SYMHEAP_CUDA_CHECK(cudaGetDevice(&previous_));
     if (previous_ != device) {
-      check_cuda(cudaSetDevice(device), "cudaSetDevice");
+      SYMHEAP_CUDA_CHECK(cudaSetDevice(device));
       changed_ = true;
     }
   }
@@ -110,8 +102,8 @@ void check_stream_device(void* stream, int device) {
 #if CUDART_VERSION >= 12080
   if (stream) {
     int stream_device = -1;
-    check_cuda(cudaStreamGetDevice(static_cast<cudaStream_t>(stream), &stream_device),
-               "cudaStreamGetDevice");
+    SYMHEAP_CUDA_CHECK(
+        cudaStreamGetDevice(static_cast<cudaStream_t>(stream), &stream_device));
     require(stream_device == device, "the stream belongs to device " + std::to_string(stream_device) +
                                          " but the tensors are on device " + std::to_string(device));
   }

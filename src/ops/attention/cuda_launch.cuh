@@ -5,13 +5,13 @@
 
 #include <string>
 
+#include "backends/cuda_util.cuh"
 #include "ops/attention/cuda_backward.cuh"
 #include "ops/attention/cuda_forward.cuh"
 
 namespace symheap::attention::cuda {
 
 // Host-side services the launchers need, defined in attention_cuda.cu.
-void check_cuda(cudaError_t err, const char* what);
 // Raises the kernel's dynamic shared-memory limit once per (device, kernel).
 void ensure_smem(int device, const void* kernel, size_t smem, const std::string& key);
 
@@ -33,7 +33,7 @@ void launch(const Launch& l, Kernel kernel, dim3 grid, int threads, size_t smem,
   ensure_smem(l.device, reinterpret_cast<const void*>(kernel), smem,
               key + "." + l.type_name);
   kernel<<<grid, threads, smem, l.stream>>>(p);
-  check_cuda(cudaGetLastError(), ("launch of attention kernel " + key).c_str());
+  SYMHEAP_CUDA_CHECK_LAUNCH(("attention kernel " + key).c_str());
 }
 
 template <class T, int DB>

@@ -1,7 +1,6 @@
 // The CUDA runtime of the device driver (ep_device_driver.hpp): launches on
 // the caller's stream, a host-mapped mirror for errors and copy plans, and
-// copy-engine channels (one stream per destination PE, ordered after the
-// caller's stream with events).
+// the copy-engine transport's channels (src/transports/copy_engine.cu).
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -10,19 +9,13 @@
 #include <utility>
 #include <vector>
 
+#include "backends/cuda_api.hpp"
+#include "backends/cuda_util.cuh"
 #include "ops/ep/ep_device_driver.hpp"
 
 namespace symheap::ep {
 namespace cuda_impl {
 namespace {
-
-void cuda_check(cudaError_t err, const char* what, int line) {
-  if (err == cudaSuccess) return;
-  cudaGetLastError();  // clear non-sticky errors
-  throw StateError(std::string("ep (ep_cuda.cu:") + std::to_string(line) + "): " + what +
-                   " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
-}
-#define EP_CUDA(call) cuda_check((call), #call, __LINE__)
 
 cudaStream_t as_stream(StreamHandle h) { return reinterpret_cast<cudaStream_t>(h); }
 
@@ -31,26 +24,27 @@ class CudaRt {
   int32_t* host = nullptr;      // host-mapped mirror
   int32_t* host_dev = nullptr;  // its device address
 
-  CudaRt(PeState& s, Op& op) : device_(s.device), channels_(op.n_pes), done_(op.n_pes) {
+  CudaRt(PeState& s, Op& op) : pe_(&s), device_(s.device), peers_(op.n_pes) {
+    for (int q = 0; q < op.n_pes; ++q) peers_[q] = q;
     int major = 0;
-    EP_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
+    SYMHEAP_CUDA_CHECK(
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
     const char* pdl = std::getenv("SYMHEAP_EP_PDL");
     early_ = major >= 9 && !(pdl && std::strcmp(pdl, "0") == 0);
     const size_t words =
         kernels::kHostSegment0 + 4 * static_cast<size_t>(std::max(op.n_pes, op.cfg.num_experts));
-    EP_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host), words * 4,
-                          cudaHostAllocMapped | cudaHostAllocPortable));
+    SYMHEAP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host), words * 4,
+                                     cudaHostAllocMapped | cudaHostAllocPortable));
     std::fill(host, host + words, 0);
-    EP_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));
-    EP_CUDA(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+    SYMHEAP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));
     // Zero the sync words on a private stream that waits for nothing else
     // (not even kernels of other ops still running), and wait for exactly that.
     cudaStream_t setup = nullptr;
-    EP_CUDA(cudaStreamCreateWithFlags(&setup, cudaStreamNonBlocking));
+    SYMHEAP_CUDA_CHECK(cudaStreamCreateWithFlags(&setup, cudaStreamNonBlocking));
     cudaError_t err = cudaMemsetAsync(s.base() + op.ws_offset, 0, op.geo.sync_bytes, setup);
     if (err == cudaSuccess) err = cudaStreamSynchronize(setup);
     cudaStreamDestroy(setup);
-    EP_CUDA(err);
+    SYMHEAP_CUDA_CHECK(err);
   }
   CudaRt(const CudaRt&) = delete;
   CudaRt& operator=(const CudaRt&) = delete;
@@ -59,11 +53,6 @@ class CudaRt {
     int previous = -1;
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
-    for (auto s : channels_)
-      if (s) cudaStreamDestroy(s);
-    for (auto e : done_)
-      if (e) cudaEventDestroy(e);
-    if (ready_) cudaEventDestroy(ready_);
     if (host) cudaFreeHost(host);
     if (previous >= 0) cudaSetDevice(previous);
   }
@@ -73,7 +62,7 @@ class CudaRt {
               A&&... args) {
     allow_shared(kernel, shared);
     kernel<<<grid, block, shared, as_stream(stream)>>>(std::forward<A>(args)...);
-    EP_CUDA(cudaGetLastError());
+    SYMHEAP_CUDA_CHECK(cudaGetLastError());
   }
   // As launch, but the kernel's blocks may start while the previous kernel
   // on the stream ends (programmatic dependent launch, sm_90+; its
@@ -94,50 +83,37 @@ class CudaRt {
     config.stream = as_stream(stream);
     config.attrs = &early;
     config.numAttrs = 1;
-    EP_CUDA(cudaLaunchKernelEx(&config, kernel, std::forward<A>(args)...));
+    SYMHEAP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<A>(args)...));
   }
-  void sync(StreamHandle stream) { EP_CUDA(cudaStreamSynchronize(as_stream(stream))); }
+  void sync(StreamHandle stream) {
+    SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+  }
   void zero_async(void* p, size_t bytes, StreamHandle stream) {
-    EP_CUDA(cudaMemsetAsync(p, 0, bytes, as_stream(stream)));
+    SYMHEAP_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, as_stream(stream)));
   }
-  void channels_after(StreamHandle stream) {
-    EP_CUDA(cudaEventRecord(ready_, as_stream(stream)));
-    for (size_t pe = 0; pe < channels_.size(); ++pe)
-      EP_CUDA(cudaStreamWaitEvent(channel(static_cast<int>(pe)), ready_, 0));
-  }
+  // Copy engine: the transport's channels to every PE.
+  void channels_after(StreamHandle stream) { cuda::copy_engine_begin(*pe_, peers_, stream); }
   void copy(int pe, void* dst, const void* src, size_t bytes) {
-    EP_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, channel(pe)));
+    cuda::copy_engine_copy(*pe_, pe, dst, src, bytes);
   }
   void signal(int pe, uint64_t* flag) {
-    kernels::signal_kernel<<<1, 1, 0, channel(pe)>>>(flag, 1);
-    EP_CUDA(cudaGetLastError());
+    cuda::copy_engine_signal(*pe_, pe, flag, 1, SignalOp::Add);
   }
   void stream_after_channels(StreamHandle stream) {
-    for (size_t pe = 0; pe < channels_.size(); ++pe) {
-      EP_CUDA(cudaEventRecord(done_[pe], channel(static_cast<int>(pe))));
-      EP_CUDA(cudaStreamWaitEvent(as_stream(stream), done_[pe], 0));
-    }
+    cuda::copy_engine_end(*pe_, peers_, stream);
   }
 
  private:
+  PeState* pe_;
   int device_;
+  std::vector<int> peers_;  // every PE: the copy engine's destinations
   bool early_ = false;  // launch_early uses programmatic dependent launch
-  std::vector<cudaStream_t> channels_;  // copy engine: one per destination PE
-  std::vector<cudaEvent_t> done_;
-  cudaEvent_t ready_ = nullptr;
 
   template <class K>
   static void allow_shared(K kernel, size_t shared) {
     if (shared > 48 * 1024)  // many experts: opt in to more shared memory (else a clear error)
-      EP_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   static_cast<int>(shared)));
-  }
-  cudaStream_t channel(int pe) {
-    if (!channels_[pe]) {
-      EP_CUDA(cudaStreamCreateWithFlags(&channels_[pe], cudaStreamNonBlocking));
-      EP_CUDA(cudaEventCreateWithFlags(&done_[pe], cudaEventDisableTiming));
-    }
-    return channels_[pe];
+      SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   }
 };
 

@@ -16,6 +16,13 @@
 #include <cuda_runtime.h>
 #define EP_DEVICE_NS cuda_impl
 #define EP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+
+#include "symheap/device.cuh"
+
+// The kernels' memory-model operations and peer addressing: the device API's.
+namespace symheap::ep::cuda_impl {
+namespace dev = ::symheap::device;
+}
 #else
 #define EP_DEVICE_NS host_emulation
 
@@ -171,5 +178,39 @@ inline int __float_as_int(float f) {
 }
 
 }  // namespace symheap::ep::host_emulation::kernels
+
+// The device API's memory-model operations and peer addressing
+// (symheap/device.cuh) that the kernels use, as host atomics.
+namespace symheap::ep::host_emulation::dev {
+
+template <class T>
+struct same_type {
+  typedef T type;
+};
+
+template <class T = char>
+inline T* peer_heap_ptr(char* const* peer_bases, int pe, uint64_t offset) {
+  return reinterpret_cast<T*>(peer_bases[pe] + offset);
+}
+template <class W>
+inline W load_acquire(const W* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+template <class W>
+inline W load_relaxed(const W* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+template <class W>
+inline void store_relaxed(W* p, typename same_type<W>::type v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+template <class W>
+inline void store_release(W* p, typename same_type<W>::type v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+template <class W>
+inline void add_relaxed(W* p, typename same_type<W>::type v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+template <class W>
+inline void add_release(W* p, typename same_type<W>::type v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
+inline void fence_acq_rel() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline uint64_t global_timer_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+}  // namespace symheap::ep::host_emulation::dev
 
 #endif  // __CUDACC__

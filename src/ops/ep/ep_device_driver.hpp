@@ -17,7 +17,7 @@
 //   intranode     only without max_recv_tokens, to return exactly the rows received;
 //   copy_engine   after packing, to learn the copy plan, in dispatch and in combine;
 //                 and, with other PEs in this process, until they queued their copies
-//                 (ep_issue_board.hpp says why).
+//                 (transports/copy_engine_issue_board.hpp says why).
 #pragma once
 #include <algorithm>
 #include <string>
@@ -43,28 +43,29 @@ class DeviceDriver final : public DeviceImpl {
       detail = static_cast<int32_t>(std::min<int64_t>(a.num_tokens, INT32_MAX));
     }
     kernels::Params p = base_params(s, op);
-    p.T = status == kOk ? a.num_tokens : 0;
-    p.host_status = status;
-    p.host_detail = detail;
-    p.x = static_cast<const char*>(a.x);
-    p.scales = static_cast<const char*>(a.scales);
-    p.idx = a.topk_idx;
-    p.idx64 = a.idx_int64;
-    p.w = a.topk_weights;
+    p.num_tokens = status == kOk ? a.num_tokens : 0;
+    p.arg_status = status;
+    p.arg_detail = detail;
+    p.tokens = static_cast<const char*>(a.x);
+    p.token_scales = static_cast<const char*>(a.scales);
+    p.topk_idx = a.topk_idx;
+    p.topk_idx_is_int64 = a.idx_int64;
+    p.topk_weights = a.topk_weights;
     p.num_recv = a.num_recv;
     p.expert_counts = a.expert_counts;
     p.send_rows = a.send_rows;
     p.recv_meta = a.recv_meta;
-    p.summary = a.recv_summary;
-    p.saved_w = a.saved_weights;
+    p.recv_summary = a.recv_summary;
+    p.saved_weights = a.saved_weights;
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
     const int blocks = dispatch_blocks(op);
     p.flag_per_epoch = ce ? 1 : blocks;
-    p.pieces = row_pieces(g.combine_rows, g.row_bytes);
-    p.tokens_per_block = std::max<int64_t>(1, (p.T + blocks - 1) / blocks);
+    p.row_pieces = row_pieces(g.combine_rows, g.row_bytes);
+    p.tokens_per_block = std::max<int64_t>(1, (p.num_tokens + blocks - 1) / blocks);
     // Ticket 0 totals the call's counts before its own rows: when the other
     // blocks can take its tokens at no more per block, it takes none.
-    p.spare_ticket0 = blocks > 1 && (p.T + blocks - 2) / (blocks - 1) <= p.tokens_per_block;
+    p.spare_ticket0 =
+        blocks > 1 && (p.num_tokens + blocks - 2) / (blocks - 1) <= p.tokens_per_block;
     // base, prefix, rank offsets and used columns per column, counts per
     // expert and destination, scratch (routing; the count words' cache)
     const int cols = op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
@@ -141,7 +142,7 @@ class DeviceDriver final : public DeviceImpl {
     rt_.stream_after_channels(a.stream);
     rt_.launch(kernels::finish_kernel, 1, kernels::kThreads, 0, a.stream, p, abort);
     if (op.board)
-      op.board->publish_and_wait(IssueBoard::kDispatch, op.my_pe, ++op.queued_dispatches,
+      op.board->publish_and_wait(0, "ep dispatch", op.my_pe, ++op.queued_dispatches,
                                  op.same_process_peers, op.timeout_s);
     raise_own(op, status, detail, "dispatch");
     raise_recorded(s, op, a.stream);
@@ -154,15 +155,15 @@ class DeviceDriver final : public DeviceImpl {
     if (status == kOk && (a.num_tokens < 0 || a.num_tokens > op.cfg.max_tokens))
       status = kBadArgument;
     kernels::Params p = base_params(s, op);
-    p.T = status == kOk ? a.num_tokens : 0;
-    p.host_status = status;
-    p.expert_out = static_cast<const char*>(a.expert_out);
-    p.h_send_rows = a.send_rows;
-    p.h_meta = a.recv_meta;
-    p.h_summary = a.recv_summary;
-    p.cw = a.weights;
-    p.out = static_cast<char*>(a.out);
-    p.pieces = row_pieces(g.combine_rows, g.combine_row_bytes);
+    p.num_tokens = status == kOk ? a.num_tokens : 0;
+    p.arg_status = status;
+    p.expert_output = static_cast<const char*>(a.expert_out);
+    p.handle_send_rows = a.send_rows;
+    p.handle_recv_meta = a.recv_meta;
+    p.handle_summary = a.recv_summary;
+    p.combine_weights = a.weights;
+    p.combined_out = static_cast<char*>(a.out);
+    p.row_pieces = row_pieces(g.combine_rows, g.combine_row_bytes);
     // expert-major: first valid row per expert; token-major: per source
     const size_t combine_shared =
         2 * static_cast<size_t>(std::max(g.local_experts, op.n_pes)) * sizeof(int64_t);
@@ -174,18 +175,18 @@ class DeviceDriver final : public DeviceImpl {
       // summed after that delays this PE's next call, and so the peer's).
       // Few rows: the reducers (split finer) wait until every PE has sent.
       static_assert(kMaxPieces >= 2, "a row's flags cover two pieces");
-      p.row_flags = g.combine_rows >= kernels::kRowFlagRows;
-      if (p.row_flags) p.pieces = std::max(p.pieces, 2);
-      p.senders = sender_blocks(op, p.row_flags);
-      const int reducers = reducer_blocks(op, p.row_flags);
-      p.reduce_pieces = p.row_flags ? kernels::kReduceSplit * p.pieces
+      p.per_row_flags = g.combine_rows >= kernels::kRowFlagRows;
+      if (p.per_row_flags) p.row_pieces = std::max(p.row_pieces, 2);
+      p.sender_blocks = sender_blocks(op, p.per_row_flags);
+      const int reducers = reducer_blocks(op, p.per_row_flags);
+      p.reduce_pieces = p.per_row_flags ? kernels::kReduceSplit * p.row_pieces
                                     : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
-      p.flag_per_epoch = p.senders;
+      p.flag_per_epoch = p.sender_blocks;
       const size_t places = g.send_cols <= kernels::kMaxCachedCols
                                 ? static_cast<size_t>(kernels::kWarpsPerBlock) * g.send_cols *
                                       sizeof(int64_t)
                                 : 0;  // the reducers' look-ups (reduce_landed)
-      rt_.launch_early(kernels::combine_kernel, p.senders + reducers, kernels::kThreads,
+      rt_.launch_early(kernels::combine_kernel, p.sender_blocks + reducers, kernels::kThreads,
                        std::max(combine_shared, places), a.stream, p);
     } else {
       // Copy engine: the host reads the plan, the channels move the rows,
@@ -213,7 +214,7 @@ class DeviceDriver final : public DeviceImpl {
                  a.stream, p);
     }
     if (ce && op.board)
-      op.board->publish_and_wait(IssueBoard::kCombine, op.my_pe, ++op.queued_combines,
+      op.board->publish_and_wait(1, "ep combine", op.my_pe, ++op.queued_combines,
                                  op.same_process_peers, op.timeout_s);
     raise_own(op, status, 0, "combine");
     raise_recorded(s, op, a.stream);
@@ -282,16 +283,16 @@ class DeviceDriver final : public DeviceImpl {
 
   kernels::Params base_params(PeState& s, Op& op) {
     kernels::Params p{};
-    p.c = op.cfg;
-    p.g = op.geo;
-    p.peers = s.peer_table();
-    p.ws = op.ws_offset;
-    p.self = s.base() + op.ws_offset;
-    p.me = op.my_pe;
-    p.n = op.n_pes;
+    p.cfg = op.cfg;
+    p.geo = op.geo;
+    p.peer_bases = s.peer_table();
+    p.workspace_offset = op.ws_offset;
+    p.my_workspace = s.base() + op.ws_offset;
+    p.my_pe = op.my_pe;
+    p.n_pes = op.n_pes;
     p.timeout_ns = static_cast<uint64_t>(op.timeout_s * 1e9);
-    p.host = rt_.host_dev;
-    p.pack = op.cfg.kernel == Kernel::CopyEngine;
+    p.host_mirror = rt_.host_dev;
+    p.pack_for_copy_engine = op.cfg.kernel == Kernel::CopyEngine;
     return p;
   }
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "ops/ep/ep_config.hpp"
-#include "ops/ep/ep_issue_board.hpp"
+#include "transports/copy_engine_issue_board.hpp"
 #include "symheap/runtime.hpp"
 
 namespace symheap::ep {
@@ -84,7 +84,8 @@ struct Op {
   uint64_t dispatch_epoch = 0;  // host-side epochs (cpu; the cuda kernels keep theirs on device)
   uint64_t combine_epoch = 0;
   std::shared_ptr<class DeviceImpl> impl;  // CUDA (or its emulation); null: cpu implementation
-  // copy_engine on cuda with other PEs in this process (see ep_issue_board.hpp).
+  // copy_engine on cuda with other PEs in this process (see
+  // transports/copy_engine_issue_board.hpp): series 0 counts dispatches, 1 combines.
   std::shared_ptr<IssueBoard> board;
   std::vector<int> same_process_peers;
   uint64_t queued_dispatches = 0, queued_combines = 0;

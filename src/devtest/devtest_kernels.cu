@@ -1,20 +1,24 @@
 // Kernels that drive the device API (include/symheap/device.cuh) for the GPU
 // tests and the bandwidth/latency benchmark, plus the benchmark's reference
-// transfers (a plain SM copy kernel and cudaMemcpyPeerAsync).
+// transfers (a plain SM copy kernel and cudaMemcpyPeerAsync). This module has
+// its own copy of the core library, whose runtime state it never uses: every
+// call gets the PE's DeviceContext (by value) and its device explicitly.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <string>
 
 #include "backends/cuda_api.hpp"
-#include "backends/cuda_kernel_cache.cuh"
 #include "backends/cuda_util.cuh"
+#include "devtest/devtest.hpp"
 #include "symheap/device.cuh"
 #include "symheap/errors.hpp"
-#include "symheap/runtime.hpp"
 
-namespace symheap::cuda::devtest {
+namespace symheap::devtest {
 namespace {
+
+using cuda::check_stream;
+using cuda::ScopedDevice;
 
 namespace dev = symheap::device;
 using u64 = unsigned long long;
@@ -124,7 +128,7 @@ __global__ void barrier_kernel(DeviceContext ctx, u64* slots, int rounds, int sc
     }
     if (leader)
       for (int q = 0; q < ctx.n_pes; ++q)
-        if (dev::detail::load_acquire(slots + q) != static_cast<u64>(r + 1)) atomicAdd(bad, 1ull);
+        if (dev::load_acquire(slots + q) != static_cast<u64>(r + 1)) atomicAdd(bad, 1ull);
     // A second barrier: nobody overwrites a slot before everyone checked it.
     if (scope == kThread) {
       if (leader) dev::barrier_all(ctx);
@@ -195,87 +199,97 @@ Grid grid_for(int scope, int units, size_t nbytes) {
   return g;
 }
 
-void check_symmetric(PeState& s, const void* p, size_t n, const char* what) {
-  s.checked_offset(p, n, what);
+// [p, p + n) lies in this PE's heap (ctx.my_base, ctx.heap_size).
+void check_symmetric(const DeviceContext& ctx, const void* p, size_t n, const char* what) {
+  const char* c = static_cast<const char*>(p);
+  if (c < ctx.my_base || n > ctx.heap_size ||
+      static_cast<size_t>(c - ctx.my_base) > ctx.heap_size - n)
+    throw InvalidArgument(std::string(what) + " must lie in this PE's symmetric heap");
+}
+
+void check_pe(const DeviceContext& ctx, int pe) {
+  if (pe < 0 || pe >= ctx.n_pes)
+    throw InvalidArgument("pe must be in [0, " + std::to_string(ctx.n_pes) + "), got " +
+                          std::to_string(pe));
 }
 
 }  // namespace
 
-void put(PeState& s, void* dst, const void* src, size_t nbytes, int pe, int scope, int units,
+void put(const DeviceContext& ctx, int device, void* dst, const void* src, size_t nbytes, int pe, int scope, int units,
          uint64_t* signal, bool nbi, StreamHandle stream) {
-  check_symmetric(s, dst, nbytes, "device put destination");
-  if (signal) check_symmetric(s, signal, 8, "device put signal");
-  s.check_pe(pe);
-  check_stream(s.device, stream);
+  check_symmetric(ctx, dst, nbytes, "device put destination");
+  if (signal) check_symmetric(ctx, signal, 8, "device put signal");
+  check_pe(ctx, pe);
+  check_stream(device, stream);
   Grid g = grid_for(scope, units, nbytes);
-  ScopedDevice on(s.device);
+  ScopedDevice on(device);
   put_kernel<<<g.blocks, g.threads, 0, as_stream(stream)>>>(
-      device_context(s), static_cast<char*>(dst), static_cast<const char*>(src), nbytes, pe,
+      ctx, static_cast<char*>(dst), static_cast<const char*>(src), nbytes, pe,
       scope, static_cast<u64>(units), g.chunk, reinterpret_cast<u64*>(signal), nbi ? 1 : 0);
   SYMHEAP_CUDA_CHECK_LAUNCH("put_kernel");
 }
 
-void get(PeState& s, void* dst, const void* src, size_t nbytes, int pe, int scope, int units,
+void get(const DeviceContext& ctx, int device, void* dst, const void* src, size_t nbytes, int pe, int scope, int units,
          StreamHandle stream) {
-  check_symmetric(s, src, nbytes, "device get source");
-  s.check_pe(pe);
-  check_stream(s.device, stream);
+  check_symmetric(ctx, src, nbytes, "device get source");
+  check_pe(ctx, pe);
+  check_stream(device, stream);
   Grid g = grid_for(scope, units, nbytes);
-  ScopedDevice on(s.device);
+  ScopedDevice on(device);
   get_kernel<<<g.blocks, g.threads, 0, as_stream(stream)>>>(
-      device_context(s), static_cast<char*>(dst), static_cast<const char*>(src), nbytes, pe,
+      ctx, static_cast<char*>(dst), static_cast<const char*>(src), nbytes, pe,
       scope, static_cast<u64>(units), g.chunk);
   SYMHEAP_CUDA_CHECK_LAUNCH("get_kernel");
 }
 
-void atomics(PeState& s, int64_t* counter, int64_t* cas_word, int64_t* swap_word, int64_t cond,
+void atomics(const DeviceContext& ctx, int device, int64_t* counter, int64_t* cas_word, int64_t* swap_word, int64_t cond,
              int64_t value, int pe, int threads, int64_t* out, StreamHandle stream) {
   for (const void* w : {static_cast<const void*>(counter), static_cast<const void*>(cas_word),
                         static_cast<const void*>(swap_word)})
-    check_symmetric(s, w, 8, "device atomic word");
-  s.check_pe(pe);
+    check_symmetric(ctx, w, 8, "device atomic word");
+  check_pe(ctx, pe);
   if (threads < 1) throw InvalidArgument("threads must be >= 1");
-  check_stream(s.device, stream);
-  ScopedDevice on(s.device);
+  check_stream(device, stream);
+  ScopedDevice on(device);
   atomics_kernel<<<(threads + 127) / 128, 128, 0, as_stream(stream)>>>(
-      device_context(s), reinterpret_cast<long long*>(counter),
+      ctx, reinterpret_cast<long long*>(counter),
       reinterpret_cast<long long*>(cas_word), reinterpret_cast<long long*>(swap_word), cond,
       value, pe, threads, reinterpret_cast<long long*>(out));
   SYMHEAP_CUDA_CHECK_LAUNCH("atomics_kernel");
 }
 
-void wait_until(PeState& s, uint64_t* signal, int cmp, uint64_t value, uint64_t* out,
+void wait_until(const DeviceContext& ctx, int device, uint64_t* signal, int cmp, uint64_t value, uint64_t* out,
                 StreamHandle stream) {
-  check_symmetric(s, signal, 8, "device wait signal");
+  check_symmetric(ctx, signal, 8, "device wait signal");
   if (cmp < 0 || cmp > 5) throw InvalidArgument("cmp must be in [0, 5]");
-  check_stream(s.device, stream);
-  ScopedDevice on(s.device);
-  wait_kernel<<<1, 1, 0, as_stream(stream)>>>(device_context(s), reinterpret_cast<u64*>(signal),
+  check_stream(device, stream);
+  ScopedDevice on(device);
+  wait_kernel<<<1, 1, 0, as_stream(stream)>>>(ctx, reinterpret_cast<u64*>(signal),
                                               cmp, value, reinterpret_cast<u64*>(out));
   SYMHEAP_CUDA_CHECK_LAUNCH("wait_kernel");
 }
 
-void barrier_rounds(PeState& s, uint64_t* slots, int rounds, int scope, uint64_t* bad,
+void barrier_rounds(const DeviceContext& ctx, int device, uint64_t* slots, int rounds, int scope, uint64_t* bad,
                     StreamHandle stream) {
-  check_symmetric(s, slots, 8 * static_cast<size_t>(s.n_pes), "device barrier slots");
+  check_symmetric(ctx, slots, 8 * static_cast<size_t>(ctx.n_pes), "device barrier slots");
   if (scope < kThread || scope > kBlock) throw InvalidArgument("scope must be 0, 1 or 2");
-  check_stream(s.device, stream);
-  ScopedDevice on(s.device);
+  check_stream(device, stream);
+  ScopedDevice on(device);
   unsigned threads = scope == kThread ? 1 : scope == kWarp ? 32 : 256;
   barrier_kernel<<<1, threads, 0, as_stream(stream)>>>(
-      device_context(s), reinterpret_cast<u64*>(slots), rounds, scope,
+      ctx, reinterpret_cast<u64*>(slots), rounds, scope,
       reinterpret_cast<u64*>(bad));
   SYMHEAP_CUDA_CHECK_LAUNCH("barrier_kernel");
 }
 
-void ping_pong(PeState& s, uint64_t* data, uint64_t* signal, int peer, bool initiator, int iters,
+void ping_pong(const DeviceContext& ctx, int device, uint64_t* data, uint64_t* signal, int peer, bool initiator, int iters,
                StreamHandle stream) {
-  check_symmetric(s, data, 8, "ping-pong data");
-  check_symmetric(s, signal, 8, "ping-pong signal");
-  s.check_pe(peer);
-  check_stream(s.device, stream);
-  ScopedDevice on(s.device);
-  ping_pong_kernel<<<1, 1, 0, as_stream(stream)>>>(device_context(s),
+  check_symmetric(ctx, data, 8, "ping-pong data");
+  check_symmetric(ctx, signal, 8, "ping-pong signal");
+  check_pe(ctx, peer);
+  check_stream(device, stream);
+  ScopedDevice on(device);
+  ping_pong_kernel<<<1, 1, 0, as_stream(stream)>>>(ctx,
                                                    reinterpret_cast<u64*>(data),
                                                    reinterpret_cast<u64*>(signal), peer,
                                                    initiator ? 1 : 0, iters);
@@ -301,17 +315,12 @@ void memcpy_peer(void* dst, int dst_device, const void* src, int src_device, siz
       cudaMemcpyPeerAsync(dst, dst_device, src, src_device, nbytes, as_stream(stream)));
 }
 
-void fill_pattern(uint32_t* dst, size_t n, uint32_t seed, StreamHandle stream) {
-  int device = 0;
-  SYMHEAP_CUDA_CHECK(cudaGetDevice(&device));
+void fill_pattern(uint32_t* dst, size_t n, uint32_t seed, int device, StreamHandle stream) {
   check_stream(device, stream);
-  auto info = kernel_info(device, "fill_pattern", fill_kernel, 256);
-  unsigned blocks = static_cast<unsigned>(
-      std::max<size_t>(1, std::min<size_t>(info->full_grid(), (n + 255) / 256)));
+  ScopedDevice on(device);
+  unsigned blocks = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(1024, (n + 255) / 256)));
   fill_kernel<<<blocks, 256, 0, as_stream(stream)>>>(dst, n, seed);
   SYMHEAP_CUDA_CHECK_LAUNCH("fill_kernel");
 }
 
-int kernel_cache_entries(int device) { return kernel_cache_stats(device)->made.load(); }
-
-}  // namespace symheap::cuda::devtest
+}  // namespace symheap::devtest

@@ -16,28 +16,31 @@
 #include <mutex>
 #include <vector>
 
-namespace symheap::ep {
+namespace symheap {
 
 class IssueBoard {
  public:
-  enum Call : int { kDispatch = 0, kCombine = 1 };
+  // Independent series of calls counted on one board (an op's kinds of call).
+  static constexpr int kSeries = 2;
 
   // The board shared by every op of this process on the same symmetric
   // workspace (job, heap offset): the same op on each same-process PE.
   static std::shared_ptr<IssueBoard> for_workspace(uint64_t job, size_t ws_offset, int n_pes);
 
   // Records that `pe` queued its transfers of call number `seq` (1, 2, ...)
-  // of kind `call`, then waits until every PE of `peers` has too. Throws
-  // TimeoutError naming the first late PE after `timeout_s`.
-  void publish_and_wait(Call call, int pe, uint64_t seq, const std::vector<int>& peers,
-                        double timeout_s);
+  // of series `series` (in [0, kSeries)), then waits until every PE of
+  // `peers` has too. Throws TimeoutError naming `what` (the call) and the
+  // first late PE after `timeout_s`.
+  void publish_and_wait(int series, const char* what, int pe, uint64_t seq,
+                        const std::vector<int>& peers, double timeout_s);
 
-  explicit IssueBoard(int n_pes) : queued_{std::vector<uint64_t>(n_pes), std::vector<uint64_t>(n_pes)} {}
+  explicit IssueBoard(int n_pes)
+      : queued_{std::vector<uint64_t>(n_pes), std::vector<uint64_t>(n_pes)} {}
 
  private:
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<uint64_t> queued_[2];  // per call kind: the last call number each PE queued
+  std::vector<uint64_t> queued_[kSeries];  // per series: the last call number each PE queued
 };
 
-}  // namespace symheap::ep
+}  // namespace symheap

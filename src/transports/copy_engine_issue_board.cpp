@@ -1,4 +1,4 @@
-#include "ops/ep/ep_issue_board.hpp"
+#include "transports/copy_engine_issue_board.hpp"
 
 #include <chrono>
 #include <map>
@@ -7,7 +7,7 @@
 
 #include "symheap/errors.hpp"
 
-namespace symheap::ep {
+namespace symheap {
 
 std::shared_ptr<IssueBoard> IssueBoard::for_workspace(uint64_t job, size_t ws_offset, int n_pes) {
   // Ops on one workspace are created after the previous ones were destroyed on
@@ -27,10 +27,10 @@ std::shared_ptr<IssueBoard> IssueBoard::for_workspace(uint64_t job, size_t ws_of
   return board;
 }
 
-void IssueBoard::publish_and_wait(Call call, int pe, uint64_t seq, const std::vector<int>& peers,
-                                  double timeout_s) {
+void IssueBoard::publish_and_wait(int series, const char* what, int pe, uint64_t seq,
+                                  const std::vector<int>& peers, double timeout_s) {
   std::unique_lock<std::mutex> lock(mu_);
-  std::vector<uint64_t>& queued = queued_[call];
+  std::vector<uint64_t>& queued = queued_[series];
   queued.at(pe) = seq;
   cv_.notify_all();
   const auto deadline = std::chrono::steady_clock::now() +
@@ -38,12 +38,11 @@ void IssueBoard::publish_and_wait(Call call, int pe, uint64_t seq, const std::ve
                             std::chrono::duration<double>(timeout_s));
   for (int q : peers) {
     if (cv_.wait_until(lock, deadline, [&] { return queued.at(q) >= seq; })) continue;
-    throw TimeoutError(std::string("ep ") + (call == kDispatch ? "dispatch" : "combine") +
-                       " on PE " + std::to_string(pe) + ": timed out after " +
+    throw TimeoutError(std::string(what) + " on PE " + std::to_string(pe) + ": timed out after " +
                        std::to_string(timeout_s) + " s waiting for PE " + std::to_string(q) +
                        " (same process) to queue its copy-engine transfers (did every PE "
                        "make the same call?); the op is unusable now");
   }
 }
 
-}  // namespace symheap::ep
+}  // namespace symheap
