@@ -104,6 +104,22 @@ def make_case(seed, *, B=2, Sq=24, Sk=40, Hq=4, Hkv=2, D=32, dtype=jnp.float32, 
     return case
 
 
+# Each case combines a few features; together they cover every option.
+FEATURE_CASES = [
+    ("plain", {}, {}),
+    ("causal_alibi", {"alibi_shape": (4,)}, {"causal": True}),
+    ("window_softcap_scale_bias_kv_rowless", {"bias_shape": (2, 2, 1, 40)},
+     {"window_size": (5, 3), "softcap": 2.5, "softmax_scale": 0.3}),
+    ("window_left_causal_alibi_per_batch_mask", {"alibi_shape": (2, 4), "mask_shape": (2, 1, 24, 40)},
+     {"window_size": (7, -1), "causal": True}),
+    ("bias_full_mask_kv_heads", {"bias_shape": (2, 4, 24, 40), "mask_shape": (1, 2, 24, 40)}, {}),
+    ("bias_2d_dropout", {"bias_shape": (24, 40)}, {"dropout_p": 0.2, "seed": 11}),
+    ("bias_1d_head_dim_20_causal", {"bias_shape": (40,), "D": 20}, {"causal": True}),
+    ("bias_3d_softcap_dropout_offset", {"bias_shape": (4, 24, 40)},
+     {"softcap": 4.0, "dropout_p": 0.3, "seed": (5, 9)}),
+    ("mqa_head_dim_1_bias", {"Hkv": 1, "D": 1, "bias_shape": (1, 1, 24, 40)}, {}),
+]
+
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 
 
@@ -119,6 +135,15 @@ def grads(fn, args, dout):
     """Gradients of sum(fn(*args) * dout) with respect to every arg."""
     return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * dout),
                     argnums=tuple(range(len(args))))(*args)
+
+
+def with_grads(fn, dout):
+    """One jitted program: (out, lse) = fn(*args) and the gradients of
+    sum(out * dout) with respect to every arg (one compile per case)."""
+    def run(*args):
+        (out, lse), pullback = jax.vjp(fn, *args)
+        return out, lse, pullback((dout.astype(out.dtype), jnp.zeros_like(lse)))
+    return jax.jit(run)
 
 
 def compare(case, dtype, **options):
@@ -138,8 +163,14 @@ def compare(case, dtype, **options):
                                    **options)
 
     args = (q, k, v) + ((bias,) if bias is not None else ())
-    out, lse = jax.jit(ours)(*args)
-    ref, ref_lse = jax.jit(lambda q, k, v, b: reference(q, k, v, bias=b, **ref_kw))(*args[:3], bias)
+    # dout in the input dtype, so the reference sees the same rounded values.
+    dout = randn(jax.random.PRNGKey(99), q.shape[:3] + (v.shape[-1],), dtype).astype(jnp.float32)
+    out, lse, got = with_grads(ours, dout)(*args)
+
+    def ref_fn(q, k, v, *b):
+        return reference(q, k, v, bias=b[0] if b else None, **ref_kw)
+
+    ref, ref_lse, want = with_grads(ref_fn, dout)(*[a.astype(jnp.float32) for a in args])
     tol = TOL[dtype]
     assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
     assert not bool(jnp.isnan(out).any())
@@ -148,12 +179,6 @@ def compare(case, dtype, **options):
     assert bool(jnp.array_equal(jnp.isfinite(lse), fin))
     assert bool((lse[~fin] == -jnp.inf).all())
     assert float(jnp.max(jnp.abs(jnp.where(fin, lse - ref_lse, 0.0)))) < 1e-3
-
-    dout = randn(jax.random.PRNGKey(99), out.shape, jnp.float32)
-    got = jax.jit(lambda *a: grads(lambda *x: ours(*x)[0], a, dout))(*args)
-    want = jax.jit(lambda *a: grads(lambda *x: reference(
-        x[0], x[1], x[2], bias=x[3] if len(x) > 3 else None, **ref_kw)[0], a, dout))(
-        *[a.astype(jnp.float32) for a in args])
     for name, g, r, a in zip(("dq", "dk", "dv", "dbias"), got, want, args):
         assert g.shape == a.shape and g.dtype == a.dtype, name
         assert not bool(jnp.isnan(g).any()), name
@@ -207,9 +232,8 @@ def check_varlen(dtype, options, D=24):
         return shj.flash_attn_varlen_func(q, k, v, cu_qj, cu_kj, mq, mk, return_lse=True,
                                           bias=b[0] if b else None, **rest, **options)
 
-    out, lse = jax.jit(ours)(*args)
-    dout = randn(jax.random.PRNGKey(5), out.shape, jnp.float32)
-    got = jax.jit(lambda *a: grads(lambda *x: ours(*x)[0], a, dout))(*args)
+    dout = randn(jax.random.PRNGKey(5), q.shape, dtype).astype(jnp.float32)
+    out, lse, got = with_grads(ours, dout)(*args)
 
     ref_kw = dict(rest, **options)
     ref_kw.pop("seed", None)
@@ -221,11 +245,11 @@ def check_varlen(dtype, options, D=24):
         return reference(to_padded(q, cu_q, mq), to_padded(k, cu_k, mk), to_padded(v, cu_k, mk),
                          bias=b[0] if b else None, lengths=lengths, **ref_kw)
 
-    fargs = [a.astype(jnp.float32) for a in args]
-    ref, ref_lse = jax.jit(ref_fn)(*fargs)
-    want = jax.jit(lambda *a: jax.grad(
-        lambda *x: jnp.sum(ref_fn(*x)[0] * to_padded(dout, cu_q, mq)),
-        argnums=tuple(range(len(a))))(*a))(*fargs)
+    def ref_run(*args):
+        (ref, ref_lse), pullback = jax.vjp(ref_fn, *args)
+        return ref, ref_lse, pullback((to_padded(dout, cu_q, mq), jnp.zeros_like(ref_lse)))
+
+    ref, ref_lse, want = jax.jit(ref_run)(*[a.astype(jnp.float32) for a in args])
     tol = TOL[dtype]
     valid = (jnp.arange(mq)[None, :] < lengths[0][:, None])  # (B, mq)
     out_p = to_padded(out, cu_q, mq)

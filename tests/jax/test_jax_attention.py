@@ -20,13 +20,12 @@ if not hasattr(_core, "xla_attention_targets"):
     pytest.skip("symheap built without the XLA FFI handlers", allow_module_level=True)
 
 import symheap.jax as shj  # noqa: E402
-from jax_attention_common import (TOL, check_varlen, compare, err, grads, make_case,  # noqa: E402
-                                  randn, scale_of, varlen_case)
+from jax_attention_common import (FEATURE_CASES, check_varlen, compare, err,  # noqa: E402
+                                  make_case, randn, scale_of, varlen_case, with_grads)
 
 # ------------------------------------------------------------ against jax.nn.dot_product_attention
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("causal,gqa", [(False, True), (True, False)])
 def test_matches_jax_dot_product_attention(causal, gqa):
     """fp32 output and gradients (dq, dk, dv, dbias) equal jax's xla attention."""
     B, S, Hq, D = 2, 32, 4, 32
@@ -46,37 +45,28 @@ def test_matches_jax_dot_product_attention(causal, gqa):
                                             implementation="xla")
 
     args = (q, k, v, bias)
-    out = jax.jit(ours)(*args)
-    ref = theirs(*args)
+    dout = randn(jax.random.PRNGKey(7), q.shape, jnp.float32)
+
+    def both(fn):
+        return with_grads(lambda *a: (fn(*a), jnp.zeros(())), dout)
+
+    out, _, got = both(ours)(*args)
+    ref, _, want = both(theirs)(*args)
     assert err(out, ref) < 2e-5
-    dout = randn(jax.random.PRNGKey(7), out.shape, jnp.float32)
-    got = jax.jit(lambda *a: grads(ours, a, dout))(*args)
-    want = grads(theirs, args, dout)
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), got, want):
         assert err(g, r) < 5e-5 * scale_of(r), (name, err(g, r))
 
 
 # ------------------------------------------------------------ every feature against the fp32 reference
 
-# Each case combines a few features; together they cover every option.
-FEATURE_CASES = [
-    ("plain", {}, {}),
-    ("causal_alibi", {"alibi_shape": (4,)}, {"causal": True}),
-    ("window_softcap_scale_bias_kv_rowless", {"bias_shape": (2, 2, 1, 40)},
-     {"window_size": (5, 3), "softcap": 2.5, "softmax_scale": 0.3}),
-    ("window_left_causal_alibi_per_batch_mask", {"alibi_shape": (2, 4), "mask_shape": (2, 1, 24, 40)},
-     {"window_size": (7, -1), "causal": True}),
-    ("bias_full_mask_kv_heads", {"bias_shape": (2, 4, 24, 40), "mask_shape": (1, 2, 24, 40)}, {}),
-    ("bias_2d_dropout", {"bias_shape": (24, 40)}, {"dropout_p": 0.2, "seed": 11}),
-    ("bias_1d_head_dim_20_causal", {"bias_shape": (40,), "D": 20}, {"causal": True}),
-    ("bias_3d_softcap_dropout_offset", {"bias_shape": (4, 24, 40)},
-     {"softcap": 4.0, "dropout_p": 0.3, "seed": (5, 9)}),
-    ("mqa_head_dim_1_bias", {"Hkv": 1, "D": 1, "bias_shape": (1, 1, 24, 40)}, {}),
-]
+# Every case in fp32; the ones that change the kernels' arithmetic in bf16 too.
+BF16_CASES = ("plain", "window_softcap_scale_bias_kv_rowless", "bias_full_mask_kv_heads",
+              "bias_3d_softcap_dropout_offset", "bias_1d_head_dim_20_causal")
+FEATURE_GRID = [pytest.param(jnp.float32, *c, id=f"float32-{c[0]}") for c in FEATURE_CASES] + [
+    pytest.param(jnp.bfloat16, *c, id=f"bfloat16-{c[0]}") for c in FEATURE_CASES if c[0] in BF16_CASES]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("name,case_kw,options", FEATURE_CASES, ids=[c[0] for c in FEATURE_CASES])
+@pytest.mark.parametrize("dtype,name,case_kw,options", FEATURE_GRID)
 def test_features(dtype, name, case_kw, options):
     case = make_case(hash(name) % 1000, dtype=dtype, **case_kw)
     compare(case, dtype, **options)
@@ -108,13 +98,17 @@ def test_wrappers_are_memoized():
 
 # ------------------------------------------------------------ varlen
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("options", [
-    {"causal": True},
-    {"window_size": (4, 2), "softcap": 3.0},
-    {"bias": "per_row", "alibi": True},
-    {"bias": "rowless", "mask": True, "dropout_p": 0.25, "seed": 3},
-])
+VARLEN_OPTIONS = [
+    ("causal", {"causal": True}),
+    ("window_softcap", {"window_size": (4, 2), "softcap": 3.0}),
+    ("bias_alibi", {"bias": "per_row", "alibi": True}),
+    ("rowless_bias_mask_dropout", {"bias": "rowless", "mask": True, "dropout_p": 0.25, "seed": 3}),
+]
+VARLEN_GRID = [pytest.param(jnp.float32, o, id=f"float32-{n}") for n, o in VARLEN_OPTIONS] + [
+    pytest.param(jnp.bfloat16, o, id=f"bfloat16-{n}") for n, o in VARLEN_OPTIONS[2:]]
+
+
+@pytest.mark.parametrize("dtype,options", VARLEN_GRID)
 def test_varlen(dtype, options):
     check_varlen(dtype, options)
 
@@ -125,7 +119,7 @@ SHARD_MAP_PROGRAM = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
     import symheap.jax as shj
-    from jax_attention_common import reference, randn
+    from jax_attention_common import reference, randn, with_grads
     assert len(jax.devices()) == 2, jax.devices()
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:
@@ -141,21 +135,20 @@ SHARD_MAP_PROGRAM = textwrap.dedent("""
     def local(q, k, v, bias):
         return shj.flash_attn_func(q, k, v, bias=bias, causal=True)
 
-    f = jax.jit(shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec))
-    out = f(q, k, v, bias)
-    ref, _ = reference(q, k, v, bias=bias, causal=True)
+    f = shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
+    dout = randn(keys[0], q.shape, jnp.float32)
+    ref_fn = lambda *a: reference(*a[:3], bias=a[3], causal=True)
+    out, _, g = with_grads(lambda *a: (f(*a), jnp.zeros(())), dout)(q, k, v, bias)
+    ref, _, r = with_grads(ref_fn, dout)(q, k, v, bias)
     assert float(jnp.max(jnp.abs(out - ref))) < 2e-5
-    loss = lambda *a: jnp.sum(f(*a) ** 2)
-    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
-    r = jax.grad(lambda *a: jnp.sum(reference(*a[:3], bias=a[3], causal=True)[0] ** 2),
-                 argnums=(0, 1, 2, 3))(q, k, v, bias)
     for x, y in zip(g, r):
         assert float(jnp.max(jnp.abs(x - y))) < 1e-4 * max(1.0, float(jnp.max(jnp.abs(y))))
     # A bias shared by every shard: its gradient is the sum over the shards.
     shared = 0.5 * randn(keys[3], (1, 4, 16, 24), jnp.float32)
-    f2 = jax.jit(shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (P(),), out_specs=spec))
-    g2 = jax.jit(jax.grad(lambda b: jnp.sum(f2(q, k, v, b) ** 2)))(shared)
-    r2 = jax.grad(lambda b: jnp.sum(reference(q, k, v, bias=b, causal=True)[0] ** 2))(shared)
+    f2 = shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (P(),), out_specs=spec)
+    _, _, g2 = with_grads(lambda *a: (f2(*a), jnp.zeros(())), dout)(q, k, v, shared)
+    _, _, r2 = with_grads(ref_fn, dout)(q, k, v, shared)
+    g2, r2 = g2[3], r2[3]
     assert g2.shape == shared.shape
     assert float(jnp.max(jnp.abs(g2 - r2))) < 1e-4 * max(1.0, float(jnp.max(jnp.abs(r2))))
     print("SHARD_MAP_OK")
