@@ -171,6 +171,16 @@ void redispatch(PeState& s, Op& op, const RedispatchArgs& a) {
 void check(PeState& s, Op& op, StreamHandle stream, bool sync) {
   std::lock_guard<std::mutex> lock(op.mu);
   if (!op.impl) return;
+  if (!op.failure.empty()) {
+    // The failure was raised already; still wait for the stream (close()
+    // frees the buffers next), but report nothing new.
+    try {
+      DeviceGuard guard(s.device);
+      op.impl->check(s, op, stream, sync);
+    } catch (const std::exception&) {
+    }
+    return;
+  }
   guarded(s, op, "check", [&] {
     DeviceGuard guard(s.device);
     op.impl->check(s, op, stream, sync);
