@@ -215,8 +215,9 @@ void set_masking(Attributes& attr, const Args& a) {
     if (a.seqlen_q == a.seqlen_k) attr.set_causal_mask(true);
     else attr.set_causal_mask_bottom_right(true);
     // cuDNN keeps key j for query i when j > i' - left_bound (i' the aligned
-    // row); the op keeps j >= i' - window_left.
-    if (a.window_left >= 0) attr.set_diagonal_band_left_bound(a.window_left + 1);
+    // row); the op keeps j >= i' - window_left. A window reaching past the
+    // first key changes nothing and is left out.
+    if (a.window_left >= 0 && a.window_left < a.seqlen_k) attr.set_diagonal_band_left_bound(a.window_left + 1);
   }
 }
 
