@@ -15,6 +15,7 @@
 #include <climits>
 #include <optional>
 
+#include "bindings/gil_handoff.hpp"
 #include "bindings/registry.hpp"
 #include "bindings/torch_tensor.hpp"
 #include "ops/ep/ep_op.hpp"
@@ -173,7 +174,7 @@ class EpOp {
     const uintptr_t base = bindings::tensor_data_ptr(storage);
     int64_t n = 0, num_tokens = 0;
     {
-      py::gil_scoped_release nogil;
+      bindings::PeCallGil nogil;
       const Check problem = check_dispatch(in);
       num_tokens = problem ? 0 : in.x.shape[0];
       ep::DispatchArgs a;
@@ -217,7 +218,7 @@ class EpOp {
       in.out = bindings::read_tensor(result, false);
     }
     {
-      py::gil_scoped_release nogil;
+      bindings::PeCallGil nogil;
       const Check problem = check_combine(in);
       const bool ok = !problem;
       ep::CombineArgs a;

@@ -1,0 +1,62 @@
+// The GIL around a blocking collective call of a PE thread (EP dispatch and
+// combine). PE threads of one process run such calls in lockstep: they leave
+// a call's wait together and all want the GIL back at once; the losers then
+// sleep in CPython's condition variable, and each wake-up costs more than the
+// whole Python part of a call (measured on the cpu backend: see
+// bench/RESULTS.md). So the threads leaving a call take turns: one claims the
+// turn and takes the GIL, the others spin (GIL released) until it enters its
+// next call, then the next claims it. The spin is bounded: a thread doing
+// other Python work in between is waited for the usual way.
+#pragma once
+#include <Python.h>
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+namespace symheap::bindings {
+
+class PeCallGil {
+ public:
+  // Releases the GIL (held on entry).
+  PeCallGil() {
+    between_calls_since().store(0, std::memory_order_release);
+    state_ = PyEval_SaveThread();
+  }
+  // Takes the GIL back.
+  ~PeCallGil() {
+    std::atomic<int64_t>& since = between_calls_since();
+    const int64_t start = now_ns();
+    for (unsigned i = 0;; ++i) {
+      int64_t t = since.load(std::memory_order_acquire);
+      const int64_t now = now_ns();
+      // Free: claim the turn, so the threads leaving a call together take the
+      // GIL one after the other instead of all queueing on it.
+      if (t == 0 && since.compare_exchange_weak(t, now, std::memory_order_acq_rel)) break;
+      if (t != 0 && (now - t > kSpinNs || now - start > kSpinNs)) break;
+      if (i > 64) sched_yield();
+    }
+    PyEval_RestoreThread(state_);
+    since.store(now_ns(), std::memory_order_release);
+  }
+  PeCallGil(const PeCallGil&) = delete;
+  PeCallGil& operator=(const PeCallGil&) = delete;
+
+ private:
+  static constexpr int64_t kSpinNs = 200000;
+  // When a PE thread claimed the GIL back from a call (ns), 0 once it
+  // entered the next one.
+  static std::atomic<int64_t>& between_calls_since() {
+    static std::atomic<int64_t> t{0};
+    return t;
+  }
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  PyThreadState* state_;
+};
+
+}  // namespace symheap::bindings
