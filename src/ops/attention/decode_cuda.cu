@@ -2,12 +2,11 @@
 // cache at each sequence's length), a split-K attention kernel, and a combine
 // kernel that merges the splits by their log-sum-exp.
 //
-// The attention kernel runs one CTA per (key split, kv head x query tile,
-// sequence). The CTA's query vectors are up to M (query row, head) pairs of
-// one kv-head group, so each K/V row is read once for all of them. A key row
-// is spread over DB/8 lanes (16-byte loads, 8 elements each); the dot
-// products are reduced with shuffles, and each lane keeps an online softmax
-// and the fp32 output columns it owns. Lengths and block ids are read on the
+// The attention kernel runs one CTA per (key split, kv head x 16 query
+// vectors, sequence). The query vectors are (query row, head) pairs of one
+// kv-head group, so each K/V row is read once for all of them; K/V tiles
+// stream through shared memory by cp.async and the products run on the
+// tensor cores (see attention_kernel). Lengths and block ids are read on the
 // device only: a bad one is recorded in a host-mapped word (raised by the next
 // call or by cache_check_cuda) and the sequence gets NaN outputs, with no
 // access out of bounds and no write to the cache.
@@ -110,29 +109,6 @@ __device__ __forceinline__ bool locate(const Params& p, int b, int j, int* block
   *block = id;
   *row = j % p.block_size;
   return id >= 0 && id < p.num_blocks;
-}
-
-template <class T>
-__device__ __forceinline__ void to_float8(const uint4& u, float f[8]);
-template <>
-__device__ __forceinline__ void to_float8<__nv_bfloat16>(const uint4& u, float f[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __bfloat1622float2(h[i]);
-    f[2 * i] = x.x;
-    f[2 * i + 1] = x.y;
-  }
-}
-template <>
-__device__ __forceinline__ void to_float8<__half>(const uint4& u, float f[8]) {
-  const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __half22float2(h[i]);
-    f[2 * i] = x.x;
-    f[2 * i + 1] = x.y;
-  }
 }
 
 template <class T>
