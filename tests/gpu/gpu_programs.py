@@ -48,7 +48,7 @@ def _sync():
 
 
 def fill_pattern_host(n: int, seed: int) -> np.ndarray:
-    """numpy twin of the devtest fill kernel (cuda_devtest.cu)."""
+    """numpy twin of the devtest fill kernel (src/devtest/devtest_kernels.cu)."""
     i = np.arange(n, dtype=np.uint64)
     x = ((i * np.uint64(2654435761)) & np.uint64(0xFFFFFFFF)) ^ np.uint64(seed)
     x ^= x >> np.uint64(15)

@@ -185,6 +185,17 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(Params p) {
   __threadfence_system();
 }
 
+// Shared memory of combine_pack_kernel and combine_kernel: the first valid
+// row per expert (expert-major) or per source (token-major).
+inline size_t combine_shared_bytes(const Params& p) {
+  return 2 * static_cast<size_t>(std::max(p.geo.local_experts, p.n_pes)) * sizeof(int64_t);
+}
+
+template <class Rt>
+void launch_combine_pack(Rt& rt, const Params& p, int blocks, StreamHandle stream) {
+  rt.launch(combine_pack_kernel, blocks, kThreads, combine_shared_bytes(p), stream, p);
+}
+
 // Thread 0 (others: 0): issues the atomic that gives this combine block its
 // place in the order in which the blocks of its grid start (its ticket: the
 // result modulo gridDim.x). Issued before wait_prior_kernel, as it does not
@@ -506,6 +517,11 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(Params p) {
     finish_combine(p, epoch, wait_all(p, p.geo.off_combine_flag, epoch * p.flag_per_epoch, epoch));
 }
 
+template <class Rt>
+void launch_combine_reduce(Rt& rt, const Params& p, int blocks, StreamHandle stream) {
+  rt.launch(combine_reduce_kernel, blocks, kThreads, 0, stream, p);
+}
+
 // Lane 0 of a reducing warp: waits until `flag` (a piece of a row) reaches
 // `epoch`. Gives up when a sender PE reported a failure, when another wait
 // timed out, or after the timeout, naming a PE whose senders are not done.
@@ -670,6 +686,20 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(Params p) {
   reduce_landed(p, sender ? -1 : ticket - p.sender_blocks,
                 static_cast<int>(gridDim.x) - p.sender_blocks,
                 epoch, first_ticket + static_cast<uint32_t>(p.sender_blocks));
+}
+
+// Launches combine_kernel: p.sender_blocks senders and `reducers` reducers.
+// Shared memory: combine_shared_bytes, or the reducers' look-ups of where
+// each row of a token lies (reduce_landed), whichever is larger.
+template <class Rt>
+void launch_combine(Rt& rt, const Params& p, int reducers, StreamHandle stream) {
+  const Geometry& g = p.geo;
+  const size_t places =
+      g.send_cols <= kMaxCachedCols
+          ? static_cast<size_t>(kWarpsPerBlock) * g.send_cols * sizeof(int64_t)
+          : 0;
+  rt.launch_early(combine_kernel, p.sender_blocks + reducers, kThreads,
+                  std::max(combine_shared_bytes(p), places), stream, p);
 }
 
 }  // namespace symheap::ep::EP_DEVICE_NS::kernels

@@ -1,4 +1,5 @@
-// Host side of the device implementation: what each call launches, and on
+// Host side of the device implementation: what each call launches (each
+// kernel's launcher, with its shared memory, sits under the kernel), and on
 // which stream, over a small runtime `Rt` (CUDA in ep_cuda.cu, the host
 // emulation in ep_emulated.cpp). Rt provides:
 //   int32_t* host / host_dev      the host-mapped mirror (kernels::HostWord)
@@ -66,43 +67,10 @@ class DeviceDriver final : public DeviceImpl {
     // blocks can take its tokens at no more per block, it takes none.
     p.spare_ticket0 =
         blocks > 1 && (p.num_tokens + blocks - 2) / (blocks - 1) <= p.tokens_per_block;
-    // base, prefix, rank offsets and used columns per column, counts per
-    // expert and destination, scratch (routing; the count words' cache)
-    const int cols = op.cfg.layout == Layout::TokenMajor ? op.n_pes : op.cfg.num_experts;
-    const size_t n = static_cast<size_t>(op.n_pes);
-    const size_t scratch = std::max({static_cast<size_t>(kernels::kWarpsPerBlock) * n +
-                                         4 * static_cast<size_t>(kernels::kThreads),
-                                     static_cast<size_t>(kernels::kThreads),
-                                     2 * static_cast<size_t>(cols), n * n,
-                                     n * (kCountDest + n)});
-    const size_t shared =
-        (4 * static_cast<size_t>(cols) + op.cfg.num_experts + op.n_pes + scratch) * sizeof(int32_t);
-    auto launch = [&](auto kernel) {
-      rt_.launch_early(kernel, blocks, kernels::kThreads, shared, a.stream, p);
-    };
-    if (op.cfg.token_slots) {
-      // counts per expert and destination, base and prefix (make_plan), slot
-      // bits, the block's sent bits, scratch (ids as int16; the count words' cache)
-      const size_t sent_words =
-          (static_cast<size_t>(p.tokens_per_block) * g.send_cols + 31) / 32;
-      const size_t slots_shared =
-          (static_cast<size_t>(op.cfg.num_experts) + 3 * n + n * g.slot_words + sent_words +
-           std::max(4 * static_cast<size_t>(kernels::kThreads), n * (kCountDest + n))) *
-          sizeof(int32_t);
-      rt_.launch_early(kernels::dispatch_slots_kernel, blocks, kernels::kThreads, slots_shared,
-                       a.stream, p);
-    } else {
-      switch (kernels::dispatch_path(p)) {
-        case kernels::kSmallTokenMajor:
-          launch(kernels::dispatch_kernel<kernels::kSmallTokenMajor>);
-          break;
-        case kernels::kLargeTokenMajor:
-          launch(kernels::dispatch_kernel<kernels::kLargeTokenMajor>);
-          break;
-        default:
-          launch(kernels::dispatch_kernel<kernels::kAnyDispatch>);
-      }
-    }
+    if (op.cfg.token_slots)
+      kernels::launch_dispatch_slots(rt_, p, blocks, a.stream);
+    else
+      kernels::launch_dispatch(rt_, p, blocks, a.stream);
     if (!ce) {
       if (g.padded_output) {
         raise_own(op, status, detail, "dispatch");
@@ -140,7 +108,7 @@ class DeviceDriver final : public DeviceImpl {
     }
     signal_all(s, op, g.off_data_flag);
     rt_.stream_after_channels(a.stream);
-    rt_.launch(kernels::finish_kernel, 1, kernels::kThreads, 0, a.stream, p, abort);
+    kernels::launch_finish_dispatch(rt_, p, abort, a.stream);
     if (op.board)
       op.board->publish_and_wait(0, "ep dispatch", op.my_pe, ++op.queued_dispatches,
                                  op.same_process_peers, op.timeout_s);
@@ -164,9 +132,6 @@ class DeviceDriver final : public DeviceImpl {
     p.combine_weights = a.weights;
     p.combined_out = static_cast<char*>(a.out);
     p.row_pieces = row_pieces(g.combine_rows, g.combine_row_bytes);
-    // expert-major: first valid row per expert; token-major: per source
-    const size_t combine_shared =
-        2 * static_cast<size_t>(std::max(g.local_experts, op.n_pes)) * sizeof(int64_t);
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
     if (!ce) {
       // Senders and reducers resident together. Many rows: each token is
@@ -180,20 +145,14 @@ class DeviceDriver final : public DeviceImpl {
       p.sender_blocks = sender_blocks(op, p.per_row_flags);
       const int reducers = reducer_blocks(op, p.per_row_flags);
       p.reduce_pieces = p.per_row_flags ? kernels::kReduceSplit * p.row_pieces
-                                    : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
+                                        : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
       p.flag_per_epoch = p.sender_blocks;
-      const size_t places = g.send_cols <= kernels::kMaxCachedCols
-                                ? static_cast<size_t>(kernels::kWarpsPerBlock) * g.send_cols *
-                                      sizeof(int64_t)
-                                : 0;  // the reducers' look-ups (reduce_landed)
-      rt_.launch_early(kernels::combine_kernel, p.sender_blocks + reducers, kernels::kThreads,
-                       std::max(combine_shared, places), a.stream, p);
+      kernels::launch_combine(rt_, p, reducers, a.stream);
     } else {
       // Copy engine: the host reads the plan, the channels move the rows,
       // then the sums.
       p.flag_per_epoch = 1;
-      rt_.launch(kernels::combine_pack_kernel, send_blocks(op), kernels::kThreads,
-                 combine_shared, a.stream, p);
+      kernels::launch_combine_pack(rt_, p, send_blocks(op), a.stream);
       rt_.sync(a.stream);
       volatile int32_t* h = mirror();
       const size_t crb = g.combine_row_bytes;
@@ -210,8 +169,7 @@ class DeviceDriver final : public DeviceImpl {
       signal_all(s, op, g.off_combine_flag);
       rt_.stream_after_channels(a.stream);
       p.reduce_pieces = row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
-      rt_.launch(kernels::combine_reduce_kernel, reduce_blocks(op), kernels::kThreads, 0,
-                 a.stream, p);
+      kernels::launch_combine_reduce(rt_, p, reduce_blocks(op), a.stream);
     }
     if (ce && op.board)
       op.board->publish_and_wait(1, "ep combine", op.my_pe, ++op.queued_combines,

@@ -477,6 +477,32 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
   finish_dispatch(p, epoch, order, abort);
 }
 
+// Launches the dispatch_kernel instance for the call's path on `blocks`
+// blocks (Rt: ep_device_driver.hpp's runtime). Shared memory: base, prefix,
+// rank offsets and used columns per column, counts per expert and
+// destination, scratch (routing; the count words' cache).
+template <class Rt>
+void launch_dispatch(Rt& rt, const Params& p, int blocks, StreamHandle stream) {
+  const int cols = p.cfg.layout == Layout::TokenMajor ? p.n_pes : p.cfg.num_experts;
+  const size_t n = static_cast<size_t>(p.n_pes);
+  const size_t scratch = std::max({static_cast<size_t>(kWarpsPerBlock) * n +
+                                       4 * static_cast<size_t>(kThreads),
+                                   static_cast<size_t>(kThreads), 2 * static_cast<size_t>(cols),
+                                   n * n, n * (kCountDest + n)});
+  const size_t shared =
+      (4 * static_cast<size_t>(cols) + p.cfg.num_experts + p.n_pes + scratch) * sizeof(int32_t);
+  switch (dispatch_path(p)) {
+    case kSmallTokenMajor:
+      rt.launch_early(dispatch_kernel<kSmallTokenMajor>, blocks, kThreads, shared, stream, p);
+      break;
+    case kLargeTokenMajor:
+      rt.launch_early(dispatch_kernel<kLargeTokenMajor>, blocks, kThreads, shared, stream, p);
+      break;
+    default:
+      rt.launch_early(dispatch_kernel<kAnyDispatch>, blocks, kThreads, shared, stream, p);
+  }
+}
+
 // Copy engine: once the host queued the copies and their signals, waits for
 // every peer's rows and copies the handle's metadata (expert-major;
 // dispatch_kernel in pack mode already wrote the counts).
@@ -489,6 +515,11 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(Params p, int32_t abor
   if (ok && !abort && p.cfg.layout == Layout::ExpertMajor) copy_meta(p, p.geo.recv_rows, 0, 1);
   __syncthreads();
   if (threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
+}
+
+template <class Rt>
+void launch_finish_dispatch(Rt& rt, const Params& p, int32_t abort, StreamHandle stream) {
+  rt.launch(finish_kernel, 1, kThreads, 0, stream, p, abort);
 }
 
 }  // namespace symheap::ep::EP_DEVICE_NS::kernels

@@ -291,4 +291,19 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_slots_kernel(Params p) {
   if (threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
 }
 
+// Launches dispatch_slots_kernel on `blocks` blocks. Shared memory: counts
+// per expert and destination, base and prefix (make_plan), slot bits, the
+// block's sent bits, scratch (ids as int16; the count words' cache).
+template <class Rt>
+void launch_dispatch_slots(Rt& rt, const Params& p, int blocks, StreamHandle stream) {
+  const Geometry& g = p.geo;
+  const size_t n = static_cast<size_t>(p.n_pes);
+  const size_t sent_words = (static_cast<size_t>(p.tokens_per_block) * g.send_cols + 31) / 32;
+  const size_t shared =
+      (static_cast<size_t>(p.cfg.num_experts) + 3 * n + n * g.slot_words + sent_words +
+       std::max(4 * static_cast<size_t>(kThreads), n * (kCountDest + n))) *
+      sizeof(int32_t);
+  rt.launch_early(dispatch_slots_kernel, blocks, kThreads, shared, stream, p);
+}
+
 }  // namespace symheap::ep::EP_DEVICE_NS::kernels

@@ -1,10 +1,12 @@
 // What every EP kernel receives: the launch-wide constants and the call's
 // arguments (Params, passed by value), and the host-mapped mirror's layout.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "ops/ep/ep_config.hpp"
 #include "ops/ep/ep_device_compat.hpp"
+#include "symheap/backend.hpp"  // StreamHandle (the host launchers)
 
 namespace symheap::ep::EP_DEVICE_NS::kernels {
 
