@@ -25,7 +25,10 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+try:  # the installed package; else the source tree (with its built extension)
+    import symheap  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 CUDA_CASES = [  # (name, tokens, hidden, experts, topk, dtype, kernel, max_recv given)
     ("low_latency 128", 128, 7168, 256, 8, "bfloat16", "low_latency", False),

@@ -498,6 +498,26 @@ SYMHEAP_BINDINGS(ep) {
     ep::Config c = config_from(cfg);
     return geometry_dict(c, ep::make_geometry(c, n_pes));
   });
+  // Ops by (job, rank, id), the way the XLA FFI front end (symheap.jax) holds them:
+  // its handlers take every buffer from XLA, so it needs no EpOp.
+  m.def("ep_create", [](const py::dict& cfg, size_t ws_offset, size_t ws_bytes) {
+    auto s = Runtime::instance().current();
+    ep::Config c = config_from(cfg);
+    py::gil_scoped_release nogil;
+    return ep::create(*s, c, ws_offset, ws_bytes);
+  });
+  m.def("ep_destroy", [](uint64_t job, int rank, int64_t id) {
+    auto s = Runtime::instance().slot_of_rank(job, rank);
+    if (!s) return;
+    py::gil_scoped_release nogil;
+    ep::destroy(*s, id);
+  });
+  m.def("ep_check", [](uint64_t job, int rank, int64_t id, uintptr_t stream, bool sync) {
+    std::shared_ptr<PeState> s;
+    auto op = ep::find(job, rank, id, &s);
+    py::gil_scoped_release nogil;
+    ep::check(*s, *op, stream, sync);
+  });
   py::class_<EpOp>(m, "EpOp")
       .def(py::init<const py::dict&, size_t, size_t, py::object>(), py::arg("config"),
            py::arg("ws_offset"), py::arg("ws_bytes"), py::arg("handle_type"))
