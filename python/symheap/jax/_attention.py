@@ -26,6 +26,13 @@ _register_lock = threading.Lock()
 _registered = False
 
 
+def _has_backend(platform: str) -> bool:
+    try:
+        return bool(jax.devices("gpu" if platform == "CUDA" else platform))
+    except RuntimeError:
+        return False
+
+
 def _register_targets():
     """Registers the handlers with XLA once per process, after the backends
     exist (registering before jax.devices() is lost on cpu)."""
@@ -40,6 +47,8 @@ def _register_targets():
                                "at build time); reinstall symheap with jax installed")
         jax.devices()
         for platform, targets in _core.xla_attention_targets().items():
+            if targets and not _has_backend(platform):
+                continue  # e.g. a CUDA build of symheap under a cpu-only jax
             for name, capsule in targets.items():
                 jax.ffi.register_ffi_target(name, capsule, platform=platform)
         _registered = True
