@@ -406,3 +406,40 @@ def test_example_runs():
                           text=True, timeout=180, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "first sequence matches" in proc.stdout
+
+
+def test_plan_cache_shared_by_threads():
+    """Fixed-length calls from several threads share one plan per shape in the
+    device's cache; the cached path (with and without autograd) matches the
+    fp32 reference, and a new shape gets its own plan."""
+    from symheap.attention import attention_reference
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 33, 2, 16, generator=g) for _ in range(3))
+    ref, ref_lse = attention_reference(q, k, v, causal=True)
+    _plan._device_caches.clear()
+    results, errors = [None] * 4, []
+
+    def body(i):
+        try:
+            if i % 2:
+                qq = q.clone().requires_grad_(True)
+                results[i] = flash_attn_func(qq, k, v, causal=True, return_lse=True)
+            else:
+                results[i] = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for out, lse in results:
+        assert out.shape == ref.shape and lse.shape == ref_lse.shape
+        assert max_err(out, ref) < 1e-5 and max_err(lse, ref_lse) < 1e-5
+    assert results[1][0].requires_grad and not results[0][0].requires_grad
+    plans = _plan._device_caches[q.device].plans
+    assert len(plans) == 1
+    flash_attn_func(q[:, :20], k, v, causal=True)
+    assert len(plans) == 2

@@ -524,17 +524,17 @@ def graph_replay(cfg_kwargs: dict, replays: int = 10):
     return replays
 
 
-def from_other_thread(cfg_kwargs: dict, rounds: int = 2):
+def from_other_thread(cfg_kwargs: dict, helper_devices=(0, 7)):
     """PE 1's dispatch and combine run on a helper thread whose current device
-    is another one (PE 0's, then one with no PE): the op runs on PE 1 and the
-    helper's current device is left as it was. Returns, per round, the
-    helper's current device before and after, or the error it raised."""
+    is another one (by default PE 0's, then one with no PE): the op runs on
+    PE 1 and the helper's current device is left as it was. Returns, per
+    round, the helper's current device before and after."""
     import threading
     cfg = EpConfig(**cfg_kwargs)
     me, n = symheap.my_pe(), symheap.n_pes()
     seen = []
     with EpDispatchCombine(cfg) as ep:
-        for r in range(rounds):
+        for r, helper_device in enumerate(helper_devices):
             if me != 1:
                 run_once(cfg, ep, seed=20 + r)
                 continue
@@ -542,7 +542,7 @@ def from_other_thread(cfg_kwargs: dict, rounds: int = 2):
 
             def helper():
                 try:
-                    symheap.set_device(0 if r == 0 else 7)  # PE 0's device; one with no PE
+                    symheap.set_device(helper_device)
                     before = symheap.current_device()
                     run_once(cfg, ep, seed=20 + r, me=1, device=device, n_pes=n)
                     box["devices"] = (before, symheap.current_device())

@@ -62,6 +62,7 @@ ep::Config config_from(const py::dict& d) {
   c.layout = ep::parse_layout(c.token_slots ? "token_major" : layout);
   c.max_recv_tokens = int32_field(d, "max_recv_tokens", true);
   c.expert_capacity = int32_field(d, "expert_capacity", true);
+  if (d.contains("grid_blocks")) c.grid_blocks = int32_field(d, "grid_blocks");
   return c;
 }
 
@@ -494,6 +495,10 @@ SYMHEAP_BINDINGS(ep) {
                             "'expert_major'), got '" + layout + "'");
     ep::validate_config(config_from(cfg));
   });
+  m.def("ep_local_grid_blocks", [] {
+    auto s = Runtime::instance().current();
+    return ep::local_grid_blocks(*s);
+  }, "Most blocks one grid of the EP kernels uses on the calling thread's PE.");
   m.def("ep_geometry", [](const py::dict& cfg, int n_pes) {
     ep::Config c = config_from(cfg);
     return geometry_dict(c, ep::make_geometry(c, n_pes));

@@ -166,3 +166,14 @@ def test_tampered_handle_raises_instead_of_writing_out_of_bounds(layout):
     from test_hardening import _tampered_ep_handle
     assert run_threads(_tampered_ep_handle, 2, args=(layout,)) == [
         ["ValueError", "ValueError", "ok", "ok"], ["SymheapError", "SymheapError", "ok", "ok"]]
+
+
+@two_gpus
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_call_from_a_thread_that_is_not_the_pes(kernel):
+    """PE 1's dispatch and combine from a helper thread whose current device is
+    GPU 0: they run on GPU 1 (torch's current stream there) and GPU 0 stays
+    the helper's current device."""
+    results = run_threads(progs.from_other_thread, 2,
+                          args=(cfg(kernel=kernel), (0,)), devices=[0, 1])
+    assert results == [[], [(0, 0)]]

@@ -141,6 +141,10 @@ class EpDispatchCombine:
         self.config = config
         core_cfg = config.core_dict()
         collective_check(pe, "ep.create", core_cfg)
+        # Grids and workspace regions follow the smallest GPU's SM count: every PE
+        # must size them alike.
+        core_cfg["grid_blocks"] = min(pe.bootstrap.allgather_json(
+            _core.ep_local_grid_blocks(), "ep.grid_blocks"))
         self._geo = _core.ep_geometry(core_cfg, pe.world)
         self._pe = pe
         self._op = None

@@ -86,6 +86,7 @@ void validate_config(const Config& c) {
                                           " must divide hidden=" + str(c.hidden));
     need(c.scale_dtype != DType::FP8_E4M3, "scale_dtype must be float32, float16 or bfloat16");
   }
+  need(c.grid_blocks >= 1, "grid_blocks must be positive, got " + str(c.grid_blocks));
   need(c.max_recv_tokens >= 0, "max_recv_tokens must be positive");
   need(c.expert_capacity >= 0, "expert_capacity must be positive");
   if (c.token_slots) {
@@ -114,6 +115,7 @@ Geometry make_geometry(const Config& c, int n_pes) {
                           "): every PE hosts num_experts / n_pes experts");
   Geometry g;
   g.n_pes = n_pes;
+  g.grid_blocks = c.grid_blocks;
   g.local_experts = c.num_experts / n_pes;
   g.scales_per_row = c.scale_dim > 0 ? c.hidden / c.scale_dim : 0;
   g.slot_words = c.token_slots ? (c.max_tokens + 31) / 32 : 0;
@@ -188,8 +190,8 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.off_dest_sums = take(token_major ? 2 * n * (n + 1) * 8 : 0);
   g.sync_bytes = at;
   const size_t route_cols = token_major ? n : static_cast<size_t>(c.num_experts);
-  g.off_route_counts = take(kMaxGridBlocks * route_cols * 8);
-  g.off_route_done = take(kMaxGridBlocks * 8);
+  g.off_route_counts = take(static_cast<size_t>(g.grid_blocks) * route_cols * 8);
+  g.off_route_done = take(static_cast<size_t>(g.grid_blocks) * 8);
   g.off_scratch_pos = take(static_cast<size_t>(c.max_tokens) * g.send_cols * 4);
   const size_t rows = static_cast<size_t>(g.recv_rows);
   g.off_recv_x = take(rows * g.row_bytes);

@@ -22,6 +22,8 @@ const char* kernel_name(Kernel k);
 Layout parse_layout(const std::string& name);
 const char* layout_name(Layout l);
 
+constexpr int kDefaultGridBlocks = 132;  // an H100 / H200's SMs
+
 struct Config {
   int32_t hidden = 0;
   int32_t max_tokens = 0;  // per rank
@@ -38,6 +40,10 @@ struct Config {
   // t of PE s lies at row s * max_tokens + t of each destination, so no PE
   // waits for another's counts before its rows leave.
   bool token_slots = false;
+  // Most blocks in one grid of the device kernels: the SM count of the
+  // smallest GPU of the job (the same on every PE: grids and workspace
+  // regions depend on it), kDefaultGridBlocks without GPUs.
+  int32_t grid_blocks = kDefaultGridBlocks;
 };
 
 // Error codes a PE publishes with its routing counts, so that every PE
@@ -68,6 +74,7 @@ struct Geometry {
   // SM-driven combine skip waiting for its sources to consume the previous
   // call's rows (cuda); the cpu backend and the copy engine use set 0.
   int32_t combine_sets = 1;
+  int32_t grid_blocks = 0;     // Config::grid_blocks
   bool padded_output = false;  // outputs keep recv_rows rows (no host-known count)
   DType combine_dtype = DType::BF16;
   size_t row_bytes = 0, scale_row_bytes = 0, combine_row_bytes = 0;
@@ -139,8 +146,6 @@ enum LocalWord : int {
 constexpr int kMetaHelpers = 6;
 static_assert(kMetaHelp + kMetaHelpers <= kSendNext, "local words");
 
-// Most blocks in one grid of the cuda kernels.
-constexpr int kMaxGridBlocks = 132;  // an H100 / H200's SMs
 
 // Most warps that share one row in a call of few rows (cuda kernels).
 constexpr int kMaxPieces = 8;

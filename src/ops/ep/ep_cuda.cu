@@ -124,4 +124,11 @@ std::shared_ptr<DeviceImpl> make_cuda_device(PeState& s, Op& op) {
   return std::make_shared<cuda_impl::DeviceDriver<cuda_impl::CudaRt>>(s, op);
 }
 
+int cuda_sm_count(int device) {
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n < 1)
+    throw StateError("ep: cannot read the SM count of CUDA device " + std::to_string(device));
+  return n;
+}
+
 }  // namespace symheap::ep

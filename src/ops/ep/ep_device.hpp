@@ -18,6 +18,8 @@ class DeviceImpl {
 
 #ifdef SYMHEAP_WITH_CUDA
 std::shared_ptr<DeviceImpl> make_cuda_device(PeState& s, Op& op);
+// The SM count of a CUDA device: the most blocks one grid of the kernels uses.
+int cuda_sm_count(int device);
 #endif
 // The kernels compiled for the host and run in an emulation on the cpu
 // backend (SYMHEAP_EP_EMULATE_DEVICE=1): one PE per process.

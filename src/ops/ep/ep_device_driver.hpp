@@ -61,7 +61,7 @@ class DeviceDriver final : public DeviceImpl {
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
     const int blocks = dispatch_blocks(op);
     p.flag_per_epoch = ce ? 1 : blocks;
-    p.row_pieces = row_pieces(g.combine_rows, g.row_bytes);
+    p.row_pieces = row_pieces(op, g.combine_rows, g.row_bytes);
     p.tokens_per_block = std::max<int64_t>(1, (p.num_tokens + blocks - 1) / blocks);
     // Ticket 0 totals the call's counts before its own rows: when the other
     // blocks can take its tokens at no more per block, it takes none.
@@ -131,7 +131,7 @@ class DeviceDriver final : public DeviceImpl {
     p.handle_summary = a.recv_summary;
     p.combine_weights = a.weights;
     p.combined_out = static_cast<char*>(a.out);
-    p.row_pieces = row_pieces(g.combine_rows, g.combine_row_bytes);
+    p.row_pieces = row_pieces(op, g.combine_rows, g.combine_row_bytes);
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
     if (!ce) {
       // Senders and reducers resident together. Many rows: each token is
@@ -145,7 +145,7 @@ class DeviceDriver final : public DeviceImpl {
       p.sender_blocks = sender_blocks(op, p.per_row_flags);
       const int reducers = reducer_blocks(op, p.per_row_flags);
       p.reduce_pieces = p.per_row_flags ? kernels::kReduceSplit * p.row_pieces
-                                        : row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
+                                        : row_pieces(op, op.cfg.max_tokens, g.combine_row_bytes);
       p.flag_per_epoch = p.sender_blocks;
       kernels::launch_combine(rt_, p, reducers, a.stream);
     } else {
@@ -168,7 +168,7 @@ class DeviceDriver final : public DeviceImpl {
       }
       signal_all(s, op, g.off_combine_flag);
       rt_.stream_after_channels(a.stream);
-      p.reduce_pieces = row_pieces(op.cfg.max_tokens, g.combine_row_bytes);
+      p.reduce_pieces = row_pieces(op, op.cfg.max_tokens, g.combine_row_bytes);
       kernels::launch_combine_reduce(rt_, p, reduce_blocks(op), a.stream);
     }
     if (ce && op.board)
@@ -188,15 +188,15 @@ class DeviceDriver final : public DeviceImpl {
 
   volatile int32_t* mirror() { return rt_.host; }
 
-  static int blocks_for(int64_t items, int per_block) {
+  static int blocks_for(const Op& op, int64_t items, int per_block) {
     int64_t b = (items + per_block - 1) / per_block;
-    return static_cast<int>(std::clamp<int64_t>(b, 1, kernels::kMaxBlocks));
+    return static_cast<int>(std::clamp<int64_t>(b, 1, op.geo.grid_blocks));
   }
   // Grids and pieces depend on the config only, so every PE adds the same to a
   // flag. A row is split between warps when the rows a call expects are
   // fewer than the warps of a full grid (small batches: latency).
-  static int row_pieces(int64_t rows, size_t row_bytes) {
-    const int64_t warps = static_cast<int64_t>(kernels::kMaxBlocks) * kernels::kWarpsPerBlock;
+  static int row_pieces(const Op& op, int64_t rows, size_t row_bytes) {
+    const int64_t warps = static_cast<int64_t>(op.geo.grid_blocks) * kernels::kWarpsPerBlock;
     const int64_t by_rows = warps / std::max<int64_t>(rows, 1);
     const int64_t vectors = static_cast<int64_t>(row_bytes / 16);
     return static_cast<int>(std::clamp<int64_t>(std::min(by_rows, vectors), 1, kMaxPieces));
@@ -206,36 +206,36 @@ class DeviceDriver final : public DeviceImpl {
   // (spare_ticket0), so that work never delays a row.
   static int dispatch_blocks(const Op& op) {
     const int64_t pairs = static_cast<int64_t>(op.cfg.max_tokens) * op.geo.send_cols;
-    const int blocks = blocks_for(pairs * row_pieces(op.geo.combine_rows, op.geo.row_bytes),
+    const int blocks = blocks_for(op, pairs * row_pieces(op, op.geo.combine_rows, op.geo.row_bytes),
                                   kernels::kWarpsPerBlock);
-    return blocks < kernels::kMaxBlocks ? blocks + 1 : blocks;
+    return blocks < op.geo.grid_blocks ? blocks + 1 : blocks;
   }
   // Combine: some blocks reduce while the others send (as rows land, a sum
   // moves three rows' worth of memory per token, a send one), all of them
   // resident at once on a large GPU. Half and half for few rows; with row
   // flags (many rows) 5/8 reduce, and the senders join them once done.
-  static int reduce_share(bool row_flags) {
-    return row_flags ? kernels::kMaxBlocks * 5 / 8 : kernels::kMaxBlocks / 2;
+  static int reduce_share(const Op& op, bool row_flags) {
+    return row_flags ? op.geo.grid_blocks * 5 / 8 : op.geo.grid_blocks / 2;
   }
   static int reducer_blocks(const Op& op, bool row_flags) {
-    const int most = std::max(1, reduce_share(row_flags));
+    const int most = std::max(1, reduce_share(op, row_flags));
     if (!row_flags) return std::min(most, reduce_blocks(op));
-    return std::min(most, blocks_for(op.cfg.max_tokens * row_pieces(op.geo.combine_rows,
+    return std::min(most, blocks_for(op, op.cfg.max_tokens * row_pieces(op, op.geo.combine_rows,
                                                                      op.geo.combine_row_bytes),
                                      kernels::kWarpsPerBlock));
   }
   static int sender_blocks(const Op& op, bool row_flags) {
-    const int most = std::max(1, kernels::kMaxBlocks - reduce_share(row_flags));
+    const int most = std::max(1, op.geo.grid_blocks - reduce_share(op, row_flags));
     return std::min(most, send_blocks(op));
   }
   static int send_blocks(const Op& op) {  // enough to move every combine row at once
-    return blocks_for(op.geo.combine_rows *
-                          row_pieces(op.geo.combine_rows, op.geo.combine_row_bytes),
+    return blocks_for(op, op.geo.combine_rows *
+                          row_pieces(op, op.geo.combine_rows, op.geo.combine_row_bytes),
                       kernels::kWarpsPerBlock);
   }
   static int reduce_blocks(const Op& op) {
-    return blocks_for(op.cfg.max_tokens *
-                          row_pieces(op.cfg.max_tokens, op.geo.combine_row_bytes),
+    return blocks_for(op, op.cfg.max_tokens *
+                          row_pieces(op, op.cfg.max_tokens, op.geo.combine_row_bytes),
                       kernels::kWarpsPerBlock);
   }
 

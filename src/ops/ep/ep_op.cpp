@@ -32,6 +32,14 @@ bool emulate_device() {
 
 }  // namespace
 
+int local_grid_blocks(PeState& s) {
+#ifdef SYMHEAP_WITH_CUDA
+  if (on_cuda()) return cuda_sm_count(s.device);
+#endif
+  (void)s;
+  return kDefaultGridBlocks;
+}
+
 int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes) {
   Geometry geo = make_geometry(cfg, s.n_pes);
   if (ws_bytes < geo.total)

@@ -99,6 +99,11 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
 void destroy(PeState& s, int64_t id);
 std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeState>* state);
 
+// Most blocks in one grid of the op's kernels on the calling thread's PE:
+// its GPU's SM count on cuda, kDefaultGridBlocks otherwise. A job takes the
+// smallest over its PEs (Config::grid_blocks).
+int local_grid_blocks(PeState& s);
+
 // Returns the rows received when the host knows it (cpu, copy_engine, and
 // intranode without max_recv_tokens); -1 when only the device knows.
 int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a);

@@ -26,7 +26,6 @@ constexpr int kReduceSplit = 2;
 // Combine's reducers keep where each row of a token lies in shared memory
 // ([warps][send_cols] pointers) when a token has at most this many columns.
 constexpr int kMaxCachedCols = 128;
-constexpr int kMaxBlocks = kMaxGridBlocks;
 // kRouteGraceNs: how long dispatch's ticket 0 waits for the other blocks'
 // counts before it counts every token itself (they are late only when the
 // grid is not resident at once; the emulation runs one block at a time).
