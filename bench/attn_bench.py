@@ -4,7 +4,7 @@ backends measured in the same run.
 bf16, B*S = 16k tokens, H*D = 2048. FLOPs: forward 4*B*H*S*S*D (halved when
 causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
 
-    python bench/attn_bench.py [--backend auto|cudnn|own] [--grid issue|full]
+    python bench/attn_bench.py [--backend auto|cudnn|own] [--grid reference|full]
                                [--json out.json] [--quick]
     python bench/attn_bench.py --decode [--json out.json] [--quick]   (KV-cache decode)
 
@@ -139,8 +139,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, skip S=16384")
     parser.add_argument("--backend", default="auto", choices=["auto", "cudnn", "own"],
                         help="symheap's path (flash_attn_func's backend=)")
-    parser.add_argument("--grid", default="issue", choices=["issue", "full"],
-                        help="issue: the rows of the issue; full: hdim 64/128/256 x S 512..16k x causal")
+    parser.add_argument("--grid", default="reference", choices=["reference", "full"],
+                        help="reference: the rows of the reference table (hdim 64 and 128, S 1024 and 4096); full: hdim 64/128/256 x S 512..16k x causal")
     parser.add_argument("--decode", action="store_true",
                         help="decode over a paged KV cache instead (bench/attn_decode_bench.py)")
     parser.add_argument("--inner", type=int, default=1,
