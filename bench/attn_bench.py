@@ -140,7 +140,7 @@ def main():
     parser.add_argument("--backend", default="auto", choices=["auto", "cudnn", "own"],
                         help="symheap's path (flash_attn_func's backend=)")
     parser.add_argument("--grid", default="reference", choices=["reference", "full"],
-                        help="reference: the rows of the reference table (hdim 64 and 128, S 1024 and 4096); full: hdim 64/128/256 x S 512..16k x causal")
+                        help="reference: the rows of the reference table (SHAPES: hdim 64 and 128, S 1024 to 16k); full: hdim 64/128/256 x S 512..16k x causal")
     parser.add_argument("--decode", action="store_true",
                         help="decode over a paged KV cache instead (bench/attn_decode_bench.py)")
     parser.add_argument("--inner", type=int, default=1,
