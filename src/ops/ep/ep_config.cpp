@@ -32,7 +32,7 @@ const char* dtype_name(DType t) {
 }
 
 DType parse_dtype(const std::string& name) {
-  if (name == "float32" || name == "fp32") return DType::F32;
+  if (name == "float32" || name == "fp32" || name == "float") return DType::F32;
   if (name == "float16" || name == "fp16" || name == "half") return DType::F16;
   if (name == "bfloat16" || name == "bf16") return DType::BF16;
   if (name == "float8_e4m3fn" || name == "fp8" || name == "fp8_e4m3" || name == "e4m3")
