@@ -35,7 +35,7 @@ def test_stream_handles():
 def _context_fields():
     ctx = symheap.device_context()
     assert len(ctx) == _core.device_context_size == symheap.device_context_dtype().itemsize
-    peer_bases, my_base, flags, my_pe, n_pes, heap_size = struct.unpack_from("<QQQiiQ", ctx)
+    peer_bases, my_base, my_pe, n_pes, heap_size = struct.unpack_from("<QQiiQ", ctx)
     buf = symheap.malloc(64)
     ok = my_base <= buf.ptr < my_base + heap_size
     symheap.free(buf)
