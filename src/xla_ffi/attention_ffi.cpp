@@ -404,23 +404,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(symheap_attention_bwd_cpu, sax::backward_cpu_impl,
 
 #ifdef SYMHEAP_WITH_CUDA
 // Pure device work on XLA's stream (kernels and memsets, no host reads or
-// synchronisation): safe to record in a command buffer.
+// synchronisation). Command-buffer compatibility is not claimed until a GPU
+// run has shown the calls record and replay correctly (first calls set kernel
+// attributes on the host).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(symheap_attention_fwd_cuda, sax::forward_cuda_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attrs(),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Attrs());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(symheap_attention_bwd_cuda, sax::backward_cuda_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attrs(),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Attrs());
 #endif
 
 namespace {
