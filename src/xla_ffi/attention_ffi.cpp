@@ -24,6 +24,7 @@
 #include "symheap/errors.hpp"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/attention_ffi.hpp"
+#include "xla_ffi/ffi_common.hpp"
 
 namespace ffi = xla::ffi;
 namespace py = pybind11;
@@ -330,64 +331,40 @@ void clear_unwritten_cpu(const Call& c, bool backward) {
   }
 }
 
-ffi::Error to_error(const std::exception& e, bool invalid) {
-  return invalid ? ffi::Error::InvalidArgument(e.what()) : ffi::Error::Internal(e.what());
-}
-
 ffi::Error forward_cpu_impl(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  try {
+  return symheap::xla_ffi::guarded([&] {
     Call c = prepare(args, rets, attrs, false, false);
     clear_unwritten_cpu(c, false);
     forward_cpu(c.args, 0);
-    return ffi::Error::Success();
-  } catch (const InvalidArgument& e) {
-    return to_error(e, true);
-  } catch (const std::exception& e) {
-    return to_error(e, false);
-  }
+  });
 }
 
 ffi::Error backward_cpu_impl(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  try {
+  return symheap::xla_ffi::guarded([&] {
     Call c = prepare(args, rets, attrs, true, false);
     clear_unwritten_cpu(c, true);
     if (c.args.dbias.data)
       std::memset(c.args.dbias.data, 0, c.layout.bytes[ScratchLayout::DBIAS]);
     backward_cpu(c.args, 0);
     if (c.dbias_out) reduce_dbias_cpu(c);
-    return ffi::Error::Success();
-  } catch (const InvalidArgument& e) {
-    return to_error(e, true);
-  } catch (const std::exception& e) {
-    return to_error(e, false);
-  }
+  });
 }
 
 #ifdef SYMHEAP_WITH_CUDA
 ffi::Error forward_cuda_impl(void* stream, int32_t device, ffi::RemainingArgs args,
                              ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  try {
+  return symheap::xla_ffi::guarded([&] {
     Call c = prepare(args, rets, attrs, false, true);
     run_forward_cuda(c, device, stream);
-    return ffi::Error::Success();
-  } catch (const InvalidArgument& e) {
-    return to_error(e, true);
-  } catch (const std::exception& e) {
-    return to_error(e, false);
-  }
+  });
 }
 
 ffi::Error backward_cuda_impl(void* stream, int32_t device, ffi::RemainingArgs args,
                               ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  try {
+  return symheap::xla_ffi::guarded([&] {
     Call c = prepare(args, rets, attrs, true, true);
     run_backward_cuda(c, device, stream);
-    return ffi::Error::Success();
-  } catch (const InvalidArgument& e) {
-    return to_error(e, true);
-  } catch (const std::exception& e) {
-    return to_error(e, false);
-  }
+  });
 }
 #endif
 
@@ -423,21 +400,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(symheap_attention_bwd_cuda, sax::backward_cuda_imp
                                   .Attrs());
 #endif
 
-namespace {
-template <class Fn>
-py::capsule capsule(Fn* fn) {
-  return py::capsule(reinterpret_cast<void*>(fn));
-}
-}  // namespace
-
 SYMHEAP_BINDINGS(xla_attention) {
   m.def("xla_attention_targets", []() {
     py::dict cpu, cuda;
-    cpu["symheap_attention_fwd"] = capsule(symheap_attention_fwd_cpu);
-    cpu["symheap_attention_bwd"] = capsule(symheap_attention_bwd_cpu);
+    cpu["symheap_attention_fwd"] = symheap::xla_ffi::capsule(symheap_attention_fwd_cpu);
+    cpu["symheap_attention_bwd"] = symheap::xla_ffi::capsule(symheap_attention_bwd_cpu);
 #ifdef SYMHEAP_WITH_CUDA
-    cuda["symheap_attention_fwd"] = capsule(symheap_attention_fwd_cuda);
-    cuda["symheap_attention_bwd"] = capsule(symheap_attention_bwd_cuda);
+    cuda["symheap_attention_fwd"] = symheap::xla_ffi::capsule(symheap_attention_fwd_cuda);
+    cuda["symheap_attention_bwd"] = symheap::xla_ffi::capsule(symheap_attention_bwd_cuda);
 #endif
     py::dict out;
     out["cpu"] = cpu;
