@@ -91,6 +91,21 @@ void copy_out(const PeState& s, void* stream, ffi::AnyBuffer* dst, const void* s
 constexpr const char* kI32 = "int32";
 constexpr const char* kF32 = "float32";
 
+// Runs one PE's share of a collective call whose arguments this PE may have
+// refused (`problem`): the core still takes part, so the other PEs abort the
+// call with it instead of waiting, and this PE raises its own message.
+template <class Call>
+void run_collective(const char* name, const std::string& problem, Call&& call) {
+  try {
+    call();
+  } catch (const InvalidArgument&) {
+    if (!problem.empty())
+      throw InvalidArgument(problem + " (" + name + " aborted on every PE)");
+    throw;
+  }
+  if (!problem.empty()) throw InvalidArgument(problem);
+}
+
 // Operands: x, scales, topk_idx, topk_weights. Results: recv_x, recv_scales,
 // recv_idx, recv_w, recv_meta, num_recv, expert_counts, send_rows, summary,
 // saved_weights.
@@ -159,13 +174,7 @@ void dispatch(void* stream, int32_t ordinal, uint64_t job, int64_t id,
     a.saved_weights = em ? static_cast<float*>(out[9]->untyped_data()) : nullptr;
   }
   a.stream = reinterpret_cast<StreamHandle>(stream);
-  try {
-    ep::dispatch(s, op, a);
-  } catch (const InvalidArgument&) {
-    if (!problem.empty()) throw InvalidArgument(problem + " (dispatch aborted on every PE)");
-    throw;
-  }
-  if (!problem.empty()) throw InvalidArgument(problem);
+  run_collective("dispatch", problem, [&] { ep::dispatch(s, op, a); });
   const int me = op.my_pe;
   copy_out(s, stream, out[0], ep::ws_addr(s, op, me, g.off_recv_x));
   if (S) copy_out(s, stream, out[1], ep::ws_addr(s, op, me, g.off_recv_scales));
@@ -226,13 +235,7 @@ void combine(void* stream, int32_t ordinal, uint64_t job, int64_t id,
     a.out = out->untyped_data();
   }
   a.stream = reinterpret_cast<StreamHandle>(stream);
-  try {
-    ep::combine(s, op, a);
-  } catch (const InvalidArgument&) {
-    if (!problem.empty()) throw InvalidArgument(problem + " (combine aborted on every PE)");
-    throw;
-  }
-  if (!problem.empty()) throw InvalidArgument(problem);
+  run_collective("combine", problem, [&] { ep::combine(s, op, a); });
 }
 
 // Operands: rows [num_tokens, hidden], send_rows, recv_meta, summary, then one that
@@ -281,13 +284,7 @@ void redispatch(void* stream, int32_t ordinal, uint64_t job, int64_t id,
     a.out = out->untyped_data();
   }
   a.stream = reinterpret_cast<StreamHandle>(stream);
-  try {
-    ep::redispatch(s, op, a);
-  } catch (const InvalidArgument&) {
-    if (!problem.empty()) throw InvalidArgument(problem + " (redispatch aborted on every PE)");
-    throw;
-  }
-  if (!problem.empty()) throw InvalidArgument(problem);
+  run_collective("redispatch", problem, [&] { ep::redispatch(s, op, a); });
 }
 
 using Body = void (*)(void*, int32_t, uint64_t, int64_t, const ffi::RemainingArgs&,
