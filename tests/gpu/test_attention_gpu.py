@@ -36,13 +36,11 @@ PATHS = ["own", "cudnn", "auto"]
 
 
 def require_cudnn():
-    """Skips when this build has no cuDNN path (configured without its headers);
-    fails when it was built in but cannot run here."""
+    """Fails when the cuDNN path cannot run: left out of this build (the default,
+    SYMHEAP_CUDNN=OFF, until its crash is fixed; see docs/attention.md) or unusable."""
     ok, why = _core.attention_cudnn_status()
     if not ok:
-        if "not built" in why:
-            pytest.skip(why)
-        pytest.fail(f"the cuDNN path is built in but unusable: {why}")
+        pytest.fail(f"the cuDNN path cannot run here: {why}")
 
 
 def cudnn_expected(case, opts) -> bool:

@@ -30,8 +30,10 @@ pytestmark = pytest.mark.skipif(not _jax_gpus(), reason="jax has no CUDA backend
 
 from symheap import _core  # noqa: E402
 
-if not hasattr(_core, "xla_attention_targets"):
-    pytest.skip("symheap built without the XLA FFI handlers", allow_module_level=True)
+if not getattr(_core, "built_with_xla_ffi", False):
+    raise RuntimeError("symheap was built without the XLA FFI handlers (jaxlib's FFI headers "
+                       "were not found at build time), so symheap.jax cannot run: rebuild "
+                       "with jax installed")
 
 import symheap.jax as shj  # noqa: E402
 from jax_attention_common import FEATURE_CASES, check_varlen, compare, make_case  # noqa: E402

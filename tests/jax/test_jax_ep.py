@@ -13,8 +13,10 @@ pytest.importorskip("jax")
 
 from symheap import _core  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not getattr(_core, "built_with_xla_ffi", False),
-                                reason="symheap was built without the XLA FFI handlers")
+if not getattr(_core, "built_with_xla_ffi", False):
+    raise RuntimeError("symheap was built without the XLA FFI handlers (jaxlib's FFI headers "
+                       "were not found at build time), so symheap.jax cannot run: rebuild "
+                       "with jax installed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAM = os.path.join(HERE, "jax_programs.py")
