@@ -36,8 +36,8 @@ PATHS = ["own", "cudnn", "auto"]
 
 
 def require_cudnn():
-    """Fails when the cuDNN path cannot run: left out of this build (the default,
-    SYMHEAP_CUDNN=OFF, until its crash is fixed; see docs/attention.md) or unusable."""
+    """Fails when the cuDNN path cannot run: left out of this build (no cuDNN
+    headers at build time, or SYMHEAP_CUDNN=OFF; see docs/attention.md) or unusable."""
     ok, why = _core.attention_cudnn_status()
     if not ok:
         pytest.fail(f"the cuDNN path cannot run here: {why}")
