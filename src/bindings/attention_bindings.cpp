@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -13,6 +14,7 @@
 #include "bindings/torch_tensor.hpp"
 #include "ops/attention/attention.hpp"
 #include "ops/attention/call_plan.hpp"
+#include "ops/attention/path_choice.hpp"
 #ifdef SYMHEAP_WITH_CUDNN
 #include "ops/attention/cudnn_attention.hpp"
 #elif !defined(SYMHEAP_CUDNN_MISSING)
@@ -274,6 +276,19 @@ SYMHEAP_BINDINGS(attention) {
 #else
   m.attr("attention_has_cuda") = false;
 #endif
+
+  // The path of a call (docs/attention.md): "auto", "cudnn" or "own".
+  m.def("attention_choose_path", [](py::object backend, bool on_cuda) {
+    std::optional<std::string> requested;
+    if (!backend.is_none()) {
+      if (!py::isinstance<py::str>(backend))
+        throw InvalidArgument("attention: backend must be one of " + path_names() + ", got " +
+                              py::repr(backend).cast<std::string>());
+      requested = backend.cast<std::string>();
+    }
+    return std::string(path_name(choose_path(requested, on_cuda)));
+  }, py::arg("backend"), py::arg("on_cuda"));
+  m.attr("attention_path_env") = kPathEnv;
 
   // The cuDNN path: (usable, version or the reason it is not).
 #ifdef SYMHEAP_WITH_CUDNN

@@ -21,7 +21,11 @@
 #include "ops/attention/attention.hpp"
 #include "ops/attention/call_plan.hpp"
 #include "ops/attention/common.hpp"
+#include "ops/attention/path_choice.hpp"
 #include "symheap/errors.hpp"
+#ifdef SYMHEAP_WITH_CUDNN
+#include "ops/attention/cudnn_attention.hpp"
+#endif
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/attention_ffi.hpp"
 #include "xla_ffi/ffi_common.hpp"
@@ -140,6 +144,15 @@ Tensor tensor(void* data, const CallPlan& p, bool keys, int d) {
   t.row_stride = static_cast<int64_t>(heads) * d;
   t.batch_stride = p.varlen ? 0 : t.row_stride * seq;
   return t;
+}
+
+// The path a call asked for: the "backend" attribute ("" = $SYMHEAP_ATTN_BACKEND).
+Path requested_path(const ffi::Dictionary& attrs, bool on_cuda) {
+  auto name = attrs.get<std::string_view>("backend");
+  if (!name.has_value()) throw InvalidArgument("attention: the call has no attribute 'backend'");
+  std::optional<std::string> requested;
+  if (!name->empty()) requested = std::string(*name);
+  return choose_path(requested, on_cuda);
 }
 
 Broadcast broadcast(const BroadcastPlan& b, void* data, DType dtype) {
@@ -333,6 +346,7 @@ void clear_unwritten_cpu(const Call& c, bool backward) {
 
 ffi::Error forward_cpu_impl(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   return symheap::xla_ffi::guarded([&] {
+    requested_path(attrs, false);  // rejects backend='cudnn' on cpu
     Call c = prepare(args, rets, attrs, false, false);
     clear_unwritten_cpu(c, false);
     forward_cpu(c.args, 0);
@@ -341,6 +355,7 @@ ffi::Error forward_cpu_impl(ffi::RemainingArgs args, ffi::RemainingRets rets, ff
 
 ffi::Error backward_cpu_impl(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   return symheap::xla_ffi::guarded([&] {
+    requested_path(attrs, false);
     Call c = prepare(args, rets, attrs, true, false);
     clear_unwritten_cpu(c, true);
     if (c.args.dbias.data)
@@ -351,19 +366,58 @@ ffi::Error backward_cpu_impl(ffi::RemainingArgs args, ffi::RemainingRets rets, f
 }
 
 #ifdef SYMHEAP_WITH_CUDA
-ffi::Error forward_cuda_impl(void* stream, int32_t device, ffi::RemainingArgs args,
-                             ffi::RemainingRets rets, ffi::Dictionary attrs) {
+// Runs the call through cuDNN when its path allows it and cuDNN takes it (the
+// rule of the torch front end); false: the own kernels run it. The graph is
+// built at the first call of its key (host work: no command-buffer claim);
+// the workspace comes from XLA's scratch allocator.
+bool run_cudnn(const Call& c, Path path, bool backward, int device, void* stream,
+               ffi::ScratchAllocator& scratch) {
+  if (path == Path::Own) return false;
+#ifdef SYMHEAP_WITH_CUDNN
+  std::string why;
+  if (c.padded) why = "cuDNN takes head dims that are multiples of 8 up to 256";
+  else if (backward && c.args.dbias.data) why = "a bias gradient runs on the own kernels";
+  cudnn::Prepared prepared;
+  if (why.empty()) {
+    prepared = cudnn::prepare(c.args, backward, device);
+    if (!prepared.ok) why = prepared.reason;
+  }
+  if (!why.empty()) {
+    if (path == Path::Cudnn) throw Unsupported("attention: backend='cudnn' cannot run this call: " + why);
+    return false;
+  }
+  void* workspace = nullptr;
+  if (prepared.workspace_bytes > 0) {
+    auto block = scratch.Allocate(prepared.workspace_bytes, 256);
+    if (!block.has_value())
+      throw std::runtime_error("attention (cuDNN): XLA could not allocate a workspace of " +
+                               std::to_string(prepared.workspace_bytes) + " bytes");
+    workspace = *block;
+  }
+  if (backward) cudnn::backward(c.args, device, stream, workspace, prepared.workspace_bytes);
+  else cudnn::forward(c.args, device, stream, workspace, prepared.workspace_bytes);
+  return true;
+#else
+  (void)c, (void)backward, (void)device, (void)stream, (void)scratch;
+  return false;  // choose_path already refused a forced "cudnn"
+#endif
+}
+
+ffi::Error forward_cuda_impl(void* stream, int32_t device, ffi::ScratchAllocator scratch,
+                             ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   return symheap::xla_ffi::guarded([&] {
+    const Path path = requested_path(attrs, true);
     Call c = prepare(args, rets, attrs, false, true);
-    run_forward_cuda(c, device, stream);
+    if (!run_cudnn(c, path, false, device, stream, scratch)) run_forward_cuda(c, device, stream);
   });
 }
 
-ffi::Error backward_cuda_impl(void* stream, int32_t device, ffi::RemainingArgs args,
-                              ffi::RemainingRets rets, ffi::Dictionary attrs) {
+ffi::Error backward_cuda_impl(void* stream, int32_t device, ffi::ScratchAllocator scratch,
+                              ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   return symheap::xla_ffi::guarded([&] {
+    const Path path = requested_path(attrs, true);
     Call c = prepare(args, rets, attrs, true, true);
-    run_backward_cuda(c, device, stream);
+    if (!run_cudnn(c, path, true, device, stream, scratch)) run_backward_cuda(c, device, stream);
   });
 }
 #endif
@@ -388,6 +442,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(symheap_attention_fwd_cuda, sax::forward_cuda_impl
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ScratchAllocator>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attrs());
@@ -395,6 +450,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(symheap_attention_bwd_cuda, sax::backward_cuda_imp
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ScratchAllocator>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attrs());

@@ -217,6 +217,31 @@ def test_bad_arguments_raise():
     assert str(jax_err.value) == str(torch_err.value)
 
 
+@pytest.mark.parametrize("bad", ["cuDNN", "", 3])
+def test_bad_backend_raises(bad):
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'cudnn', 'own'"):
+        shj.flash_attn_func(q, q, q, backend=bad)
+
+
+def test_cudnn_backend_on_cpu_platform_raises():
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="backend='cudnn' needs CUDA"):
+        shj.flash_attn_func(q, q, q, backend="cudnn")
+
+
+@pytest.mark.parametrize("env", ["cudnn", "own"])
+def test_backend_env_is_ignored_on_cpu(monkeypatch, env):
+    """$SYMHEAP_ATTN_BACKEND steers CUDA calls only: cpu results match the reference."""
+    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", env)
+    q, k, v = (randn(jax.random.PRNGKey(i), (1, 16, 2, 16), jnp.float32) for i in range(3))
+    out = jax.jit(lambda q, k, v: shj.flash_attn_func(q, k, v, causal=True, backend="own"))(q, k, v)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    assert err(out, ref) < 2e-5
+    out = jax.jit(lambda q, k, v: shj.flash_attn_func(q, k, v, causal=True))(q, k, v)
+    assert err(out, ref) < 2e-5
+
+
 def test_varlen_lengths_over_max_raise_at_run():
     """cu_seqlens live in device memory: the cpu handler checks them when it runs."""
     q, k, v, cu_q, cu_k, mq, mk = varlen_case(jnp.float32)

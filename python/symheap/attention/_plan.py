@@ -132,8 +132,7 @@ def _broadcast(x, kv_heads: bool, per_row: bool) -> Optional[BroadcastSpec]:
     return BroadcastSpec(view, tuple(x.shape), kv_heads=kv_heads, per_row=per_row)
 
 
-BACKENDS = ("auto", "cudnn", "own")
-BACKEND_ENV = "SYMHEAP_ATTN_BACKEND"
+BACKEND_ENV = _core.attention_path_env  # read by the core when backend is None
 
 
 def cudnn_status():
@@ -144,23 +143,8 @@ def cudnn_status():
 def resolve_backend(backend, on_cuda: bool) -> str:
     """The path a CUDA call may take: ``backend`` if given, else $SYMHEAP_ATTN_BACKEND,
     else "auto" (cuDNN for every call it supports, the own kernels for the rest).
-    cpu calls always run the cpu path: the variable is ignored for them, and an
-    explicit backend="cudnn" on cpu tensors is an error."""
-    source = "backend"
-    if backend is None:
-        backend, source = os.environ.get(BACKEND_ENV, "") or "auto", BACKEND_ENV
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        _fail(f"{source} must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
-    if not on_cuda:
-        if backend == "cudnn" and source == "backend":
-            _fail("backend='cudnn' needs CUDA tensors (q is on the cpu); use backend='auto' or 'own'")
-        return "own"
-    if backend == "cudnn":
-        ok, why = cudnn_status()
-        if not ok:
-            raise _core.UnsupportedError(f"attention: backend='cudnn' ({source}) but the cuDNN path is "
-                                         f"unavailable: {why}")
-    return backend
+    cpu calls always run the cpu path ("own"); the rule and its errors are the core's."""
+    return _core.attention_choose_path(backend, on_cuda)
 
 
 _offset_lock = threading.Lock()

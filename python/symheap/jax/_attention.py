@@ -109,6 +109,7 @@ class _Options(NamedTuple):
     seed: int
     offset: int
     deterministic: bool
+    backend: str        # "auto", "cudnn", "own"; "" = $SYMHEAP_ATTN_BACKEND when the call runs
     has_bias: bool
     has_mask: bool
     has_alibi: bool
@@ -122,7 +123,8 @@ def _attrs(o: _Options) -> dict:
         has_scale=o.softmax_scale is not None,
         softmax_scale=np.float32(0.0 if o.softmax_scale is None else o.softmax_scale),
         softcap=np.float32(o.softcap), dropout_p=np.float32(o.dropout_p),
-        seed=np.uint64(o.seed), offset=np.uint64(o.offset), deterministic=o.deterministic)
+        seed=np.uint64(o.seed), offset=np.uint64(o.offset), deterministic=o.deterministic,
+        backend=o.backend)
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,9 +238,13 @@ def _differentiable(o: _Options):
 
 def _call(q, k, v, *, varlen, cu_q=None, cu_k=None, max_seqlen_q=0, max_seqlen_k=0, causal,
           window_size, softmax_scale, softcap, bias, mask, alibi_slopes, dropout_p, seed,
-          return_lse, deterministic):
+          return_lse, deterministic, backend):
     for name, x in (("q", q), ("k", k), ("v", v)):
         _spec(x, name)
+    # The core's rule, checked now for the default platform (a bad name, or a
+    # forced "cudnn" where it cannot run, is an error at trace time); the
+    # handler applies it again for the platform the call runs on.
+    _core.attention_choose_path(backend, jax.default_backend() == "gpu")
     try:
         window = (int(window_size[0]), int(window_size[1]))
     except (TypeError, ValueError, IndexError):
@@ -251,7 +257,7 @@ def _call(q, k, v, *, varlen, cu_q=None, cu_k=None, max_seqlen_q=0, max_seqlen_k
         alibi_slopes = jnp.asarray(alibi_slopes, jnp.float32)
     o = _Options(varlen, _as_int(max_seqlen_q, "max_seqlen_q"), _as_int(max_seqlen_k, "max_seqlen_k"),
                  bool(causal), window, scale, float(softcap), dropout_p, s, off, bool(deterministic),
-                 bias is not None, mask is not None, alibi_slopes is not None)
+                 "" if backend is None else backend, bias is not None, mask is not None, alibi_slopes is not None)
     _plan(o, q, k, v, bias, mask, alibi_slopes, cu_q, cu_k)  # errors at trace time
     _register_targets()
     # Under shard_map every operand varies over the same mesh axes; marking an
@@ -266,24 +272,27 @@ def _call(q, k, v, *, varlen, cu_q=None, cu_k=None, max_seqlen_q=0, max_seqlen_k
 
 def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0,
                     bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=None,
-                    return_lse=False, deterministic=False):
+                    return_lse=False, deterministic=False, backend=None):
     """Attention over (B, S, H, D) arrays, as ``symheap.attention.flash_attn_func``.
 
     Returns ``out`` (B, Sq, Hq, D), or ``(out, lse)`` with ``lse`` (B, Hq, Sq)
     float32 (not differentiated) when ``return_lse``. Differentiable in q, k,
     v and bias (dbias has the bias's own shape and dtype). ``seed`` is a Python
-    int or (seed, offset) pair and is required when ``dropout_p > 0``.
+    int or (seed, offset) pair and is required when ``dropout_p > 0``. ``backend``
+    picks the CUDA path as in the torch function ("auto": cuDNN's fused attention
+    for the calls it takes; "cudnn"; "own"; None: $SYMHEAP_ATTN_BACKEND, read when
+    the call runs); the cpu platform always runs the cpu kernels.
     """
     return _call(q, k, v, varlen=False, causal=causal, window_size=window_size,
                  softmax_scale=softmax_scale, softcap=softcap, bias=bias, mask=mask,
                  alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, return_lse=return_lse,
-                 deterministic=deterministic)
+                 deterministic=deterministic, backend=backend)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0,
                            bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=None,
-                           return_lse=False, deterministic=False):
+                           return_lse=False, deterministic=False, backend=None):
     """Attention over packed sequences: q (total_q, Hq, D), k and v (total_k,
     Hkv, D), sequence b at rows cu_seqlens[b]:cu_seqlens[b+1] (int32 arrays);
     ``max_seqlen_q``/``max_seqlen_k`` are static Python ints. Rows outside
@@ -296,4 +305,4 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                  window_size=window_size, softmax_scale=softmax_scale, softcap=softcap, bias=bias,
                  mask=mask, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                 return_lse=return_lse, deterministic=deterministic)
+                 return_lse=return_lse, deterministic=deterministic, backend=backend)

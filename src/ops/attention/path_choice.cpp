@@ -1,0 +1,62 @@
+#include "ops/attention/path_choice.hpp"
+
+#include <cstdlib>
+
+#include "symheap/errors.hpp"
+
+#ifdef SYMHEAP_WITH_CUDNN
+#include "ops/attention/cudnn_attention.hpp"
+#endif
+
+namespace symheap::attention {
+
+const char* path_name(Path p) {
+  switch (p) {
+    case Path::Auto: return "auto";
+    case Path::Cudnn: return "cudnn";
+    case Path::Own: return "own";
+  }
+  return "?";
+}
+
+std::string path_names() { return "'auto', 'cudnn', 'own'"; }
+
+std::string cudnn_unavailable_reason() {
+#ifdef SYMHEAP_WITH_CUDNN
+  return cudnn::unavailable_reason();
+#elif defined(SYMHEAP_CUDNN_MISSING)
+  return std::string("the cuDNN path was not built: ") + SYMHEAP_CUDNN_MISSING;
+#else
+  return "the cuDNN path was not built";
+#endif
+}
+
+Path choose_path(const std::optional<std::string>& requested, bool on_cuda) {
+  std::string name, source = "backend";
+  if (requested) {
+    name = *requested;
+  } else {
+    const char* env = std::getenv(kPathEnv);
+    name = env && *env ? env : "auto";
+    source = kPathEnv;
+  }
+  Path p;
+  if (name == "auto") p = Path::Auto;
+  else if (name == "cudnn") p = Path::Cudnn;
+  else if (name == "own") p = Path::Own;
+  else
+    throw InvalidArgument("attention: " + source + " must be one of " + path_names() + ", got '" + name + "'");
+  if (!on_cuda) {
+    if (p == Path::Cudnn && requested)
+      throw InvalidArgument("attention: backend='cudnn' needs CUDA tensors (q is on the cpu); use backend='auto' or 'own'");
+    return Path::Own;
+  }
+  if (p == Path::Cudnn) {
+    const std::string why = cudnn_unavailable_reason();
+    if (!why.empty())
+      throw Unsupported("attention: backend='cudnn' (" + source + ") but the cuDNN path is unavailable: " + why);
+  }
+  return p;
+}
+
+}  // namespace symheap::attention
