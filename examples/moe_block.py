@@ -4,6 +4,7 @@
     python examples/moe_block.py --launch threads,processes,mixed,torchrun,mpirun --plot split.png
     python examples/moe_block.py --backend cuda --size large --launch threads
     python examples/moe_block.py --backend cuda --size large --launch processes --baseline
+    python examples/moe_block.py --launch jax --jax-mode threads,shard_map   # moe_block_jax.py
 
 The block: x + attention(norm(x)) (causal, grouped-query, symheap.attention), then
 h + MoE(norm(h)): a softmax router picks the top-k experts of every token,
