@@ -225,6 +225,14 @@ def heap_size(c) -> str:
     return f"{need >> 20}M"
 
 
+def ep_config(c):
+    """The EP op of the block: expert-major rows, ``capacity`` per expert."""
+    from symheap.ep import EpConfig
+    return EpConfig(hidden=c["hidden"], max_tokens_per_rank=c["batch"] * c["seq"],
+                    num_experts=c["experts"], topk=c["topk"], dtype=c["dtype"],
+                    layout="expert_major", expert_capacity=c["capacity"], kernel="intranode")
+
+
 def pe_main(c: dict) -> dict:
     """Runs the training steps on this PE, checks them against the one-device
     reference; returns (on every PE) the run's summary."""
@@ -240,15 +248,11 @@ def pe_main(c: dict) -> dict:
     exp = {k: v.requires_grad_(True) for k, v in expert_params(c, me * L, L, dev).items()}
     params = [*rep.values(), *exp.values()]
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
-    cfg = ep.EpConfig(hidden=c["hidden"], max_tokens_per_rank=c["batch"] * c["seq"],
-                      num_experts=c["experts"], topk=c["topk"], dtype=c["dtype"],
-                      layout="expert_major", expert_capacity=c["capacity"],
-                      kernel="intranode")
     timer = Timer(dev)
     gather = HeapGather(sum(t.numel() for t in rep.values()), n)
     tokens = c["batch"] * c["seq"]
     wall = 0.0
-    with ep.EpDispatchCombine(cfg) as op:
+    with ep.EpDispatchCombine(ep_config(c)) as op:
         for step in range(c["steps"]):
             symheap.barrier_all()
             t0 = time.perf_counter()

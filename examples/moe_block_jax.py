@@ -27,15 +27,18 @@ import threading
 import time
 
 import numpy as np
+import torch
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import symheap.jax as shj
-from symheap.ep import EpConfig
 
-from moe_block import JAX_MODES, LR, MOMENTUM, TOLERANCE, heap_size, progress
+import moe_block as mb
+from moe_block import JAX_MODES, LR, MOMENTUM, TOLERANCE, ep_config, heap_size, progress
+
+CPU = torch.device("cpu")
 
 REPLICATED = ("ln1", "ln2", "wq", "wk", "wv", "wo", "wr")
 EXPERT = ("w1", "w3", "w2")
@@ -44,38 +47,19 @@ NOT_SPLIT = ("attention, dispatch, experts, combine and backward run in one XLA 
 
 
 # ----------------------------------------------------------------- parameters and data
-
-def _randn(shape, seed, scale):
-    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * scale
-
+# moe_block.py's initialisers and data (torch generators on the cpu), as numpy: the
+# same numbers as its torch launches on the cpu backend.
 
 def replicated_params(c) -> dict:
-    """Attention, norms and router (numpy, float32): the same on every PE."""
-    h, hd = c["hidden"], c["hidden"] // c["heads"]
-    kv, s = c["kv_heads"] * hd, c["seed"]
-    return {"ln1": np.ones(h, np.float32), "ln2": np.ones(h, np.float32),
-            "wq": _randn((h, h), s + 1, h ** -0.5), "wk": _randn((h, kv), s + 2, h ** -0.5),
-            "wv": _randn((h, kv), s + 3, h ** -0.5), "wo": _randn((h, h), s + 4, h ** -0.5),
-            "wr": _randn((h, c["experts"]), s + 5, h ** -0.5)}
+    return {k: v.numpy() for k, v in mb.replicated_params(c, CPU).items()}
 
 
 def expert_params(c, first, count) -> dict:
-    """Experts first .. first + count - 1, each from its own seed: SwiGLU w1, w3
-    [E, hidden, ffn] and w2 [E, ffn, hidden]."""
-    h, f, s = c["hidden"], c["ffn"], c["seed"] + 1000
-    out = {}
-    for name, shape, scale, k in (("w1", (h, f), h ** -0.5, 0), ("w3", (h, f), h ** -0.5, 1),
-                                  ("w2", (f, h), f ** -0.5, 2)):
-        out[name] = np.stack([_randn(shape, s + 3 * e + k, scale)
-                              for e in range(first, first + count)])
-    return out
+    return {k: v.numpy() for k, v in mb.expert_params(c, first, count, CPU).items()}
 
 
 def batch(c, step, pe):
-    """PE ``pe``'s inputs and regression targets at ``step`` (numpy)."""
-    shape = (c["batch"], c["seq"], c["hidden"])
-    s = c["seed"] + 10_000 + 2 * (step * c["n_pes"] + pe)
-    return _randn(shape, s, 1.0), _randn(shape, s + 1, 1.0)
+    return tuple(t.numpy() for t in mb.batch(c, step, pe, CPU))
 
 
 # ----------------------------------------------------------------- the block
@@ -182,17 +166,13 @@ def run(c, mode) -> dict:
     devices = jax_devices(c)
     shj.init(devices, heap_size=heap_size(c))
     try:
-        n = c["n_pes"]
-        cfg = EpConfig(hidden=c["hidden"], max_tokens_per_rank=c["batch"] * c["seq"],
-                       num_experts=c["experts"], topk=c["topk"], dtype=c["dtype"],
-                       layout="expert_major", expert_capacity=c["capacity"], kernel="intranode")
-        with shj.EpDispatchCombine(cfg) as op:
+        with shj.EpDispatchCombine(ep_config(c)) as op:
             train = train_threads if mode == "threads" else train_shard_map
             got, split, step_s = train(c, op, devices)
     finally:
         shj.finalize()
     errors = check_against_reference(c, devices[0], *got)
-    tokens = n * c["batch"] * c["seq"]
+    tokens = c["n_pes"] * c["batch"] * c["seq"]
     return {"errors": errors, "tolerance": TOLERANCE[c["dtype"]], "split_s": split,
             "step_s": step_s, "tokens_per_s": tokens / step_s, "note": NOT_SPLIT}
 
@@ -326,7 +306,7 @@ def train_shard_map(c, op, devices):
 
     got = ([out[i * B:(i + 1) * B] for i in range(n)], [mine(host[0], i) for i in range(n)],
            [mine(host[1], i) for i in range(n)])
-    return got, {"step: forward + backward + psum + optimizer (one jit)": step_s}, step_s
+    return got, {"forward + backward + psum + optimizer (one jit)": step_s}, step_s
 
 
 # ----------------------------------------------------------------- the check
