@@ -4,6 +4,7 @@
     python examples/moe_block.py --launch threads,processes,mixed,torchrun,mpirun --plot split.png
     python examples/moe_block.py --backend cuda --size large --launch threads
     python examples/moe_block.py --backend cuda --size large --launch processes --baseline
+    python examples/moe_block.py --launch jax --jax-mode threads,shard_map   # moe_block_jax.py
 
 The block: x + attention(norm(x)) (causal, grouped-query, symheap.attention), then
 h + MoE(norm(h)): a softmax router picks the top-k experts of every token,
@@ -22,6 +23,7 @@ the token exchange, torch SDPA for attention) under torchrun, for comparison.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -46,6 +48,7 @@ PHASES = ("attention", "dispatch", "experts", "combine", "backward", "other")
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 LR, MOMENTUM = 0.05, 0.9
 LAUNCHES = ("threads", "processes", "mixed", "torchrun", "mpirun", "jax")
+JAX_MODES = ("threads", "shard_map")
 
 
 # ----------------------------------------------------------------- the model
@@ -222,6 +225,14 @@ def heap_size(c) -> str:
     return f"{need >> 20}M"
 
 
+def ep_config(c):
+    """The EP op of the block: expert-major rows, ``capacity`` per expert."""
+    from symheap.ep import EpConfig
+    return EpConfig(hidden=c["hidden"], max_tokens_per_rank=c["batch"] * c["seq"],
+                    num_experts=c["experts"], topk=c["topk"], dtype=c["dtype"],
+                    layout="expert_major", expert_capacity=c["capacity"], kernel="intranode")
+
+
 def pe_main(c: dict) -> dict:
     """Runs the training steps on this PE, checks them against the one-device
     reference; returns (on every PE) the run's summary."""
@@ -237,15 +248,11 @@ def pe_main(c: dict) -> dict:
     exp = {k: v.requires_grad_(True) for k, v in expert_params(c, me * L, L, dev).items()}
     params = [*rep.values(), *exp.values()]
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
-    cfg = ep.EpConfig(hidden=c["hidden"], max_tokens_per_rank=c["batch"] * c["seq"],
-                      num_experts=c["experts"], topk=c["topk"], dtype=c["dtype"],
-                      layout="expert_major", expert_capacity=c["capacity"],
-                      kernel="intranode")
     timer = Timer(dev)
     gather = HeapGather(sum(t.numel() for t in rep.values()), n)
     tokens = c["batch"] * c["seq"]
     wall = 0.0
-    with ep.EpDispatchCombine(cfg) as op:
+    with ep.EpDispatchCombine(ep_config(c)) as op:
         for step in range(c["steps"]):
             symheap.barrier_all()
             t0 = time.perf_counter()
@@ -427,15 +434,26 @@ def launch_mpirun(c):
                      "mpirun")
 
 
-def launch_jax(c):
-    """One thread per device with JAX driving each PE (symheap.jax)."""
+def launch_jax(c, mode):
+    """The block in JAX over symheap.jax (moe_block_jax.py): one thread per device
+    (mode "threads") or one jit with shard_map (mode "shard_map")."""
+    if c["backend"] == "cpu":  # before jax is imported: n cpu devices
+        import re
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                       os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
+                                   f"{c['n_pes']}").strip()
+    else:  # the symmetric heap needs GPU memory that XLA would otherwise preallocate
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
     try:
-        import symheap.jax  # noqa: F401
+        import moe_block_jax
     except ImportError as e:
         raise SystemExit(f"--launch jax is not available in this build: symheap.jax cannot be "
                          f"imported ({e}); see docs/jax.md") from None
-    raise SystemExit("--launch jax: this example's block is written in torch; the JAX version "
-                     "of the block is not part of it yet (see docs/jax.md for symheap.jax)")
+    return moe_block_jax.run(c, mode)
 
 
 def launch_baseline(c):
@@ -444,7 +462,7 @@ def launch_baseline(c):
 
 
 LAUNCHERS = {"threads": launch_threads, "processes": launch_processes, "mixed": launch_mixed,
-             "torchrun": launch_torchrun, "mpirun": launch_mpirun, "jax": launch_jax}
+             "torchrun": launch_torchrun, "mpirun": launch_mpirun}
 
 
 def worker(mode, c, report):
@@ -494,11 +512,12 @@ def print_result(name, r) -> bool:
     ok = all(v <= r["tolerance"] for v in r["errors"].values())
     split = r["split_s"]
     total = sum(split.values()) or 1.0
-    parts = "  ".join(f"{p} {1e3 * split[p]:.1f} ms ({100 * split[p] / total:.0f}%)"
-                      for p in PHASES)
+    parts = "  ".join(f"{p} {1e3 * t:.1f} ms ({100 * t / total:.0f}%)" for p, t in split.items())
     e = r["errors"]
     print(f"{name}: {r['tokens_per_s']:,.0f} tokens/s, {1e3 * r['step_s']:.1f} ms per step")
     print(f"  time split per step: {parts}")
+    if r.get("note"):
+        print(f"  ({r['note']})")
     verdict = "match" if ok else "DO NOT match"
     print(f"  check: outputs, gradients and parameters {verdict} the one-device reference "
           f"(relative errors {e['outputs']:.1e}, {e['gradients']:.1e}, {e['parameters']:.1e}; "
@@ -518,8 +537,10 @@ def plot(results, path, title):
     names = list(results)
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4))
     bottom = [0.0] * len(names)
-    for phase in PHASES:
-        vals = [1e3 * results[k]["split_s"][phase] for k in names]
+    phases = list(PHASES)  # then the phases of launches that split their steps otherwise
+    phases += [p for k in names for p in results[k]["split_s"] if p not in phases]
+    for phase in phases:
+        vals = [1e3 * results[k]["split_s"].get(phase, 0.0) for k in names]
         ax.bar(names, vals, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, vals)]
     for i, k in enumerate(names):
@@ -540,6 +561,9 @@ def parse_args(argv=None):
     p.add_argument("--launch", default="threads",
                    help=f"comma-separated launch models among {', '.join(LAUNCHES)}")
     p.add_argument("--backend", choices=("cpu", "cuda"), default="cuda" if has_gpu else "cpu")
+    p.add_argument("--jax-mode", default="shard_map",
+                   help="for --launch jax, comma-separated among threads (one thread per "
+                        "device, each jitting its step) and shard_map (one jit over the mesh)")
     p.add_argument("--size", choices=tuple(PRESETS), default="tiny")
     p.add_argument("--pes", type=int, default=None,
                    help="number of PEs (default: 4 on cpu, every GPU on cuda)")
@@ -577,10 +601,21 @@ def main(argv=None) -> int:
     bad = [s for s in launches if s not in LAUNCHES]
     if bad:
         raise SystemExit(f"--launch: unknown {', '.join(bad)}; choose among {', '.join(LAUNCHES)}")
+    jax_modes = [s.strip() for s in args.jax_mode.split(",") if s.strip()]
+    bad = [s for s in jax_modes if s not in JAX_MODES]
+    if bad or not jax_modes:
+        raise SystemExit(f"--jax-mode: unknown {', '.join(bad) or '(none)'}; choose among "
+                         f"{', '.join(JAX_MODES)}")
     c = model_config(args)
-    print_config(c, launches + (["baseline (torch.distributed)"] if args.baseline else []))
+    runs = []
+    for name in launches:
+        if name == "jax":
+            runs += [(f"jax/{m}", functools.partial(launch_jax, mode=m)) for m in jax_modes]
+        else:
+            runs.append((name, LAUNCHERS[name]))
+    print_config(c, [r[0] for r in runs] +
+                 (["baseline (torch.distributed)"] if args.baseline else []))
     results, ok = {}, True
-    runs = [(name, LAUNCHERS[name]) for name in launches]
     if args.baseline:
         runs.append(("baseline", launch_baseline))
     for name, launch in runs:

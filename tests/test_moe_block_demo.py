@@ -1,6 +1,7 @@
 """examples/moe_block.py at the tiny size on the cpu backend, in every launch model: the
 run must check itself against its one-device reference and say so."""
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -45,15 +46,22 @@ def test_demo_baseline_and_plot(tmp_path):
         assert "matplotlib is not installed" in out, out[-3000:]
 
 
-def test_demo_jax_launch_reports_clearly():
-    rc, out = run_demo("--launch", "jax", "--pes", "2", timeout=120)
-    try:
-        import symheap.jax  # noqa: F401
-        has_jax = True
-    except ImportError:
-        has_jax = False
-    assert rc != 0
-    assert ("--launch jax is not available in this build" in out) == (not has_jax), out[-2000:]
+def test_demo_jax_launch():
+    """The JAX block (symheap.jax) in both program shapes, checked against its one-device
+    reference; a build without symheap.jax fails here, saying so."""
+    seed = random.randrange(1 << 20)  # fresh parameters and data each run
+    rc, out = run_demo("--launch", "jax", "--jax-mode", "threads,shard_map", "--pes", "2",
+                       "--seed", str(seed), timeout=300)
+    out = f"(--seed {seed})\n{out}"
+    assert rc == 0, out[-3000:]
+    assert "2 PEs on the cpu backend" in out and "launch: jax/threads, jax/shard_map" in out, \
+        out[-3000:]
+    for mode in ("threads", "shard_map"):
+        assert f"jax/{mode}: " in out and "tokens/s" in out, out[-3000:]
+    assert out.count("outputs, gradients and parameters match the one-device reference") == 2, \
+        out[-3000:]
+    assert out.count("time split per step: ") == 2 and "not timed apart" in out, out[-3000:]
+    assert "all checks passed" in out, out[-3000:]
 
 
 def test_demo_bad_arguments():
@@ -61,3 +69,5 @@ def test_demo_bad_arguments():
     assert rc != 0 and "--pes 3 must divide the 8 experts" in out, out[-2000:]
     rc, out = run_demo("--launch", "carrier-pigeon", timeout=120)
     assert rc != 0 and "unknown carrier-pigeon" in out, out[-2000:]
+    rc, out = run_demo("--launch", "jax", "--jax-mode", "pmap", timeout=120)
+    assert rc != 0 and "--jax-mode: unknown pmap" in out, out[-2000:]
