@@ -106,9 +106,10 @@ void run_collective(const char* name, const std::string& problem, Call&& call) {
   if (!problem.empty()) throw InvalidArgument(problem);
 }
 
-// Operands: x, scales, topk_idx, topk_weights. Results: recv_x, recv_scales,
-// recv_idx, recv_w, recv_meta, num_recv, expert_counts, send_rows, summary,
-// saved_weights.
+// Operands: x, scales, topk_idx, topk_weights, then any that only order the call
+// (unread; combine's gradient dispatches after the forward combine). Results:
+// recv_x, recv_scales, recv_idx, recv_w, recv_meta, num_recv, expert_counts,
+// send_rows, summary, saved_weights.
 void dispatch(void* stream, int32_t ordinal, uint64_t job, int64_t id,
               const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
   Bound b = bind_op(ordinal, job, id, "ep dispatch");

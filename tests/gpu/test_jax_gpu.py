@@ -33,17 +33,18 @@ pytestmark = pytest.mark.two_gpus
 
 
 def test_threads_two_gpus_every_layout():
-    # the gradient of combine needs redispatch, a cpu-only core entry: forward here,
-    # gradients in test_gradients_on_device
-    run("threads", n=2, layouts=LAYOUTS, grad=False, iters=3)
+    # forward, and d/d(x, topk_weights) through both custom_vjps (fp8: forward only)
+    run("threads", n=2, layouts=LAYOUTS, iters=3)
 
 
 def test_shard_map_two_gpus():
-    run("shard_map_ep", n=2, layouts=LAYOUTS[:-1], grad=False)  # fp8: threads only
+    run("shard_map_ep", n=2, layouts=LAYOUTS[:-1])  # fp8: threads only
 
 
 def test_gradients_on_device():
-    run("device_gradients", n=2)
+    # dispatch's gradient alone, and combine's (by a dispatch of the output gradient:
+    # the program asserts CUDA picks it) row by row and end to end, every layout
+    run("gradients", n=2, layouts=LAYOUTS[:-1], methods=[""])
 
 
 def test_command_buffers_on():

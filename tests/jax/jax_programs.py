@@ -101,6 +101,13 @@ def pe_inputs(cfg, n_pes, seed):
 def check_pe(cfg, n_pes, me, inputs, xs, rs, d, out, gx):
     xs_cast = [ref.to_f32(x) for x in xs]
     ref.check_dispatch(cfg, n_pes, me, inputs, {k: np.asarray(v) for k, v in d.items()}, xs_cast)
+    check_combine(cfg, n_pes, me, inputs, xs, rs, out, gx)
+
+
+def check_combine(cfg, n_pes, me, inputs, xs, rs, out, gx):
+    """PE me's combine output, and (unless gx is None) d(sum(out * r))/d(x, topk_weights),
+    against the single-PE fp32 reference."""
+    xs_cast = [ref.to_f32(x) for x in xs]
     want, factor = ref.combine_reference(cfg, n_pes, inputs[me], xs_cast[me])
     tol = 2e-2 if cfg.combine_dtype != "float32" else 1e-5
     np.testing.assert_allclose(ref.to_f32(out), want, rtol=tol, atol=tol)
@@ -218,6 +225,185 @@ def shard_map_ep(n, layouts, seed, grad=True):
 
 PROGRAMS = {"threads": threads, "shard_map_ep": shard_map_ep}
 
+
+
+# ------------------------------------------------------------ gradients
+
+def placements(cfg, n_pes, me, inputs):
+    """Reference placement of PE ``me``'s received rows: {row index: (src PE, token,
+    slot)}, the row index a tuple into the padded outputs (token-major: slot None)."""
+    rows = ref.rows_of(cfg, n_pes, me, inputs)
+    if cfg.layout == "expert_major":
+        return {(l, i): st for l, run in rows.items() for i, st in enumerate(run)}
+    M = cfg.max_tokens_per_rank
+    if cfg.layout == "token_slots":
+        return {(s * M + t,): (s, t, None) for s, t in rows}
+    return {(i,): (s, t, None) for i, (s, t) in enumerate(rows)}
+
+
+def dispatch_grad_step(op, cfg):
+    """d/d(x, topk_weights) of sum(rows * r) + sum(row weights * q) over dispatch alone
+    (its custom_vjp: combines of the row gradients), stale rows masked out."""
+    em = cfg.layout == "expert_major"
+
+    def loss(x, idx, w, r, q):
+        d = op.dispatch(x, idx, w)
+        if em:
+            valid = jnp.arange(d.x.shape[1])[None, :] < d.expert_counts[:, None]
+            vw = valid
+        elif cfg.layout == "token_slots":
+            valid = vw = d.src_info[:, 0] >= 0
+        else:
+            valid = vw = jnp.arange(d.x.shape[0]) < d.num_recv_tokens
+        if not em:
+            vw = vw[:, None] & (d.topk_idx >= 0)
+        rows = jnp.where(valid[..., None], d.x.astype(jnp.float32) * r, 0.0)
+        return jnp.sum(rows) + jnp.sum(jnp.where(vw, d.topk_weights * q, 0.0))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 2)))
+
+
+def check_dispatch_grads(cfg, n, inputs, places, rs, qs, got):
+    """PE s's gradients: every row its token became brings back that row's r, and every
+    (token, local slot) its weight's q."""
+    L, em = cfg.num_experts // n, cfg.layout == "expert_major"
+    tol = 2e-2 if cfg.dtype != "float32" else 1e-5
+    for s in range(n):
+        _, idx, w = inputs[s]
+        want_x, want_w = np.zeros((idx.shape[0], cfg.hidden), np.float32), np.zeros_like(w)
+        for dst in range(n):
+            for row, (src, t, k) in places[dst].items():
+                if src != s:
+                    continue
+                want_x[t] += rs[dst][row]
+                if em:
+                    want_w[t, k] += qs[dst][row]
+                else:
+                    local = (idx[t] >= 0) & (idx[t] // L == dst)
+                    want_w[t] += np.where(local, qs[dst][row], 0.0)
+        gx, gw = got[s]
+        np.testing.assert_allclose(ref.to_f32(gx), want_x, rtol=tol, atol=tol)
+        np.testing.assert_allclose(np.asarray(gw), want_w, rtol=tol, atol=tol)
+
+
+def combine_grad_step(op, cfg, n_pes):
+    """make_step's loss, plus the gradient of expert_out (through a zero added to it)."""
+    em = cfg.layout == "expert_major"
+    rows = (op.num_local_experts, op.recv_capacity) if em else (op.recv_capacity,)
+
+    def step(x, idx, w, r):
+        def loss(x, w, delta):
+            d = op.dispatch(x, idx, w)
+            out = op.combine(expert(cfg, n_pes, d) + delta, d.handle)
+            return jnp.sum(out.astype(jnp.float32) * r), out
+        delta = jnp.zeros(rows + (cfg.hidden,), jnp.dtype(cfg.combine_dtype))
+        (_, out), (gx, gw, geo) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+            x, w, delta)
+        return out, gx, gw, geo
+    return jax.jit(step)
+
+
+def check_expert_out_grad(cfg, inputs, places_me, rs, geo):
+    """d loss / d expert_out row by row: the source token's output weight r (expert-major:
+    times the slot's top-k weight, which combine applies); zero on rows no token filled."""
+    tol = 2e-2 if cfg.combine_dtype != "float32" else 1e-5
+    geo = ref.to_f32(geo)
+    want = np.zeros_like(geo)
+    for row, (s, t, k) in places_me.items():
+        want[row] = rs[s][t] * (inputs[s][2][t, k] if k is not None else 1.0)
+    np.testing.assert_allclose(geo, want, rtol=tol, atol=tol)
+
+
+def poison_receive_buffers(op, cfg, n, devs):
+    """A dispatch that fills the op's receive rows with large values (every token goes to
+    topk PEs in turn), so rows a later dispatch leaves unfilled hold stale data, as they
+    do on a GPU: gradients must not read them."""
+    M, L, E = cfg.max_tokens_per_rank, cfg.num_experts // n, cfg.num_experts
+    idx = np.array([[((t + j) % n) * L + (t + j // n) % L for j in range(cfg.topk)]
+                    for t in range(M)], np.int32) % E
+    x = jnp.full((M, cfg.hidden), 64.0, jnp.dtype(cfg.dtype))
+    w = np.full((M, cfg.topk), 8.0, np.float32)
+    f = jax.jit(lambda x, idx, w: op.dispatch(x, idx, w).x)
+    on_threads(lambda i: jax.block_until_ready(
+        f(*[jax.device_put(a, devs[i]) for a in (x, idx, w)])), n)
+
+
+def gradients(n, layouts, seed, methods):
+    """The gradients of dispatch and combine on one thread per device, every layout:
+    dispatch's alone against a reference built from the routing; combine's by each
+    method in ``methods`` (values of symheap.jax._ep.COMBINE_GRAD; "" is the backend's
+    choice) against the single-PE fp32 reference, row by row for expert_out and through
+    both custom_vjps for (x, topk_weights), and the methods against each other. The
+    receive rows hold stale data before each step."""
+    from symheap.jax import _ep as ep_impl
+    devs = jax.devices()[:n]
+    shj.init(devs, heap_size=HEAP, timeout=20)
+    on_cuda = devs[0].platform == "gpu"
+    try:
+        for name in layouts:
+            cfg = config(n, name, dtype="float32" if name == "intranode" else "bfloat16")
+            op = shj.EpDispatchCombine(cfg)
+            inputs, xs, rs = pe_inputs(cfg, n, seed)
+            places = [placements(cfg, n, i, inputs) for i in range(n)]
+            put = lambda i, a: jax.device_put(a, devs[i])  # noqa: E731
+            rng = np.random.default_rng([seed, 5])
+            shape = ((op.num_local_experts, op.recv_capacity) if cfg.layout == "expert_major"
+                     else (op.recv_capacity,))
+            r_rows = [rng.standard_normal(shape + (cfg.hidden,), dtype=np.float32)
+                      for _ in range(n)]
+            q_rows = [rng.standard_normal(shape + (() if cfg.layout == "expert_major"
+                                                   else (cfg.topk,)), dtype=np.float32)
+                      for _ in range(n)]
+            dgrad = dispatch_grad_step(op, cfg)
+            got = on_threads(lambda i: dgrad(put(i, xs[i]), put(i, inputs[i][1]),
+                                             put(i, inputs[i][2]), put(i, r_rows[i]),
+                                             put(i, q_rows[i])), n)
+            check_dispatch_grads(cfg, n, inputs, places, r_rows, q_rows, got)
+            by_method = {}
+            for method in methods:
+                ep_impl.COMBINE_GRAD = method  # read when the step is traced
+                resolved = op._combine_grad_method()
+                if not method:  # the backend's choice: CUDA has no redispatch
+                    assert resolved == ("dispatch" if on_cuda else "redispatch"), resolved
+                step = combine_grad_step(op, cfg, n)
+                poison_receive_buffers(op, cfg, n, devs)
+                res = on_threads(lambda i: step(put(i, xs[i]), put(i, inputs[i][1]),
+                                                put(i, inputs[i][2]), put(i, rs[i])), n)
+                res = [jax.tree_util.tree_map(np.asarray, r) for r in res]
+                for i, (out, gx, gw, geo) in enumerate(res):
+                    check_combine(cfg, n, i, inputs, xs, rs, out, (gx, gw))
+                    check_expert_out_grad(cfg, inputs, places[i], rs, geo)
+                by_method[resolved] = res
+                print("OK", name, "combine gradient by", resolved, flush=True)
+            if len(by_method) == 2:
+                a, b = by_method.values()
+                for ra, rb in zip(a, b):
+                    for x, y in zip(ra, rb):
+                        np.testing.assert_allclose(ref.to_f32(x), ref.to_f32(y), rtol=1e-6,
+                                                   atol=1e-6)
+            op.close()
+        # the dispatch method needs rows it can dispatch: fp8 ones raise at trace time
+        ep_impl.COMBINE_GRAD = "dispatch"
+        cfg = config(n, "fp8")
+        fp8 = shj.EpDispatchCombine(cfg)
+        inputs, xs, _ = pe_inputs(cfg, n, seed)
+
+        def fp8_combine_grad(x, idx, w, scales):
+            d = fp8.dispatch(x, idx, w, scales)
+            combined = lambda eo: jnp.sum(fp8.combine(eo, d.handle).astype(jnp.float32))  # noqa: E731
+            return jax.grad(combined)(d.x.astype(jnp.dtype(cfg.combine_dtype)))
+
+        try:
+            jax.make_jaxpr(fp8_combine_grad)(xs[0], inputs[0][1], inputs[0][2],
+                                             ref.scales_of(cfg, 0))
+        except ValueError as e:
+            assert "dtype == combine_dtype" in str(e), e
+        else:
+            raise AssertionError("the dispatch method took an fp8 config")
+        fp8.close()
+    finally:
+        shj.finalize()
+    print("OK gradients", n, layouts, methods)
 
 
 def distributed(process_id, n_processes, port, seed, bad_config=False):
@@ -417,60 +603,7 @@ def _combine_bad_body(op, i, x, idx, w):
     return op._combine_call(d.x, h)
 
 
-def device_gradients(n, seed):
-    """CUDA: the gradient of dispatch (a combine of the row gradients) against the
-    single-PE reference; the gradient of combine needs redispatch, which the device
-    kernels lack: it must fail with a clean error."""
-    devs = jax.devices()[:n]
-    shj.init(devs, heap_size=HEAP, timeout=20)
-    try:
-        cfg = config(n, "token_slots")
-        op = shj.EpDispatchCombine(cfg)
-        inputs, xs, rs = pe_inputs(cfg, n, seed)
-        rows_r = [np.random.default_rng([seed, 7, s]).standard_normal(
-            (op.recv_capacity, cfg.hidden), dtype=np.float32) for s in range(n)]
-
-        def loss(x, idx, w, r):
-            d = op.dispatch(x, idx, w)
-            keep = (d.src_info[:, 0] >= 0)[:, None]
-            return jnp.sum(jnp.where(keep, d.x.astype(jnp.float32) * r, 0.0))
-
-        g = jax.jit(jax.grad(loss))
-
-        def run(i):
-            put = lambda a: jax.device_put(a, devs[i])  # noqa: E731
-            return np.asarray(g(put(xs[i]), put(inputs[i][1]), put(inputs[i][2]),
-                                put(rows_r[i])).astype(jnp.float32))
-
-        got = on_threads(run, n)
-        M = cfg.max_tokens_per_rank
-        for s in range(n):
-            want = np.zeros((M, cfg.hidden), np.float32)
-            L = cfg.num_experts // n
-            for t in range(M):
-                for dst in {int(e) // L for e in inputs[s][1][t] if e >= 0}:
-                    want[t] += rows_r[dst][s * M + t]
-            np.testing.assert_allclose(got[s], want, rtol=2e-2, atol=2e-2)
-        step = jax.jit(make_step(op, cfg, n, grad=True))
-        errors = []
-
-        def run_combine_grad(i):
-            put = lambda a: jax.device_put(a, devs[i])  # noqa: E731
-            try:
-                jax.block_until_ready(step(put(xs[i]), put(inputs[i][1]), put(inputs[i][2]),
-                                           put(rs[i])))
-            except Exception as e:
-                errors.append(str(e))
-
-        on_threads(run_combine_grad, n)
-        assert len(errors) == n and all("cpu backend only" in e for e in errors), errors
-        op.close()
-    finally:
-        shj.finalize()
-    print("OK device gradients", n)
-
-
-PROGRAMS.update(distributed=distributed, failures=failures, device_gradients=device_gradients)
+PROGRAMS.update(distributed=distributed, failures=failures, gradients=gradients)
 
 
 if __name__ == "__main__":

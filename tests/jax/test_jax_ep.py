@@ -60,6 +60,14 @@ def test_one_thread_per_device(n, layouts):
     finish(launch("threads", 8, n=n, layouts=layouts, seed=seed(), iters=2 if n == 2 else 1))
 
 
+@pytest.mark.parametrize("n,layouts", [(2, ALL_LAYOUTS), (4, ["expert_major"])])
+def test_gradients_by_redispatch_and_by_dispatch(n, layouts):
+    """Combine's gradient both ways (the cpu's redispatch, and the dispatch that CUDA
+    runs), each against the single-PE reference and against the other; dispatch's too."""
+    finish(launch("gradients", 8, n=n, layouts=layouts, seed=seed(),
+                  methods=["redispatch", "dispatch"]))
+
+
 def test_shard_map_eight_devices_and_permuted_mesh():
     finish(launch("shard_map_ep", 8, n=8, layouts=["token_slots", "expert_major"], seed=seed()))
 

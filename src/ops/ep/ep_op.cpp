@@ -168,9 +168,11 @@ void combine(PeState& s, Op& op, const CombineArgs& a) {
   });
 }
 
+bool has_redispatch(const Op& op) { return !op.impl; }
+
 void redispatch(PeState& s, Op& op, const RedispatchArgs& a) {
   std::lock_guard<std::mutex> lock(op.mu);
-  if (op.impl)
+  if (!has_redispatch(op))
     throw Unsupported("ep redispatch (the gradient of combine through a dispatch's handle) is "
                       "implemented on the cpu backend only; the device kernels lack it");
   redispatch_cpu(s, op, a);

@@ -111,6 +111,8 @@ void combine(PeState& s, Op& op, const CombineArgs& a);
 // Collective like combine, and shares its buffers and epochs. The cpu
 // implementation only (the device kernels raise Unsupported).
 void redispatch(PeState& s, Op& op, const RedispatchArgs& a);
+// Whether redispatch serves this op (front ends pick combine's gradient by it).
+bool has_redispatch(const Op& op);
 // Raises the first error a device-side call recorded (cuda); nothing on cpu.
 // With sync, waits for the stream first.
 void check(PeState& s, Op& op, StreamHandle stream, bool sync);
