@@ -91,6 +91,10 @@ struct PeState {
   size_t checked_offset(const void* addr, size_t nbytes, const char* what);
   // Load/store address of `offset` in peer `pe`'s heap; throws for remote peers.
   char* peer_address(int pe, size_t offset, const char* what);
+  // Why `what` cannot reach peer `pe` (a remote peer, or one whose mapping
+  // is gone): names the peer, its node and the missing transport. Every
+  // refusal of a peer without a path uses this text.
+  std::string no_path_message(int pe, const char* what) const;
   void check_pe(int64_t pe) const;  // InvalidArgument naming [0, n_pes)
   // Heap header layout (same on every PE): [barrier flags: n_pes words]
   // [scratch words: n_pes] [peer table: n_pes load/store base addresses]

@@ -175,8 +175,7 @@ SYMHEAP_BINDINGS(core) {
     const Peer& p = s->peers[pe];
     if (p.kind == PeerKind::Self) return HeapRef{s->heap};
     if (!p.base)
-      throw Unsupported("PE " + std::to_string(pe) + " is " + peer_kind_name(p.kind) +
-                        ": no load/store path, so no tensor can alias its memory");
+      throw Unsupported(s->no_path_message(static_cast<int>(pe), "a view of a peer's memory"));
     return HeapRef{p.mapping};
   });
   m.def("peer_kind", [](int64_t pe) {
