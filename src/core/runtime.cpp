@@ -9,6 +9,7 @@
 #include <string>
 
 #include "symheap/errors.hpp"
+#include "transports/transport.hpp"
 
 namespace symheap {
 
@@ -231,6 +232,7 @@ void Runtime::connect_peers(PeState& s, const std::vector<PeInfo>& infos) {
     }
   }
   s.peers = std::move(peers);
+  s.transports = std::make_shared<const Transports>(s);
   std::vector<char*> table(s.n_pes);
   for (int r = 0; r < s.n_pes; ++r) table[r] = static_cast<char*>(s.peers[r].base);
   be.copy(s.device, const_cast<char**>(s.peer_table()), table.data(),
