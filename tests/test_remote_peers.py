@@ -56,6 +56,10 @@ def two_nodes():
             with pytest.raises(symheap.UnsupportedError) as err:
                 call()
             messages[(p, name)] = str(err.value)
+    from symheap.ep import EpConfig, EpDispatchCombine
+    with pytest.raises(symheap.SymheapError) as err:  # every PE reports, none waits
+        EpDispatchCombine(EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=8, topk=2))
+    messages[(None, "ep")] = str(err.value)
     symheap.barrier_all(timeout=30)  # through the bootstrap: some peers are remote
     untouched = bool(x.isnan().all()) and int(sig[0]) == 0 and int(word[0]) == 0
     symheap.barrier_all(timeout=30)
@@ -94,6 +98,12 @@ def check_two_nodes(results):
         assert kinds == expected
         assert transports == ["remote" if k == "remote" else "load_store" for k in kinds]
         remote = [p for p in range(n) if _node(p) != _node(me)]
+        ep = messages.pop((None, "ep"))
+        # the first remote PE each PE meets, as every PE reports it
+        for q in range(n):
+            first = next(p for p in range(n) if _node(p) != _node(q))
+            assert f"PE {q}: UnsupportedError: EpDispatchCombine (it needs every PE): PE " \
+                f"{first} is remote (node '{_node(first)}'" in ep, ep
         assert sorted({p for p, _ in messages}) == remote
         assert len(messages) == len(remote) * 12
         for (p, name), text in messages.items():
