@@ -113,8 +113,7 @@ def _measure(dst, sizes, peer: int, quiet: bool = False):
                 continue
             issue = {
                 "sm_put": lambda: _core.bench_sm_put(dst.data_ptr(), src_ptr, n, peer, 0, h),
-                "ce_put": lambda: _core.cuda_put(dst.data_ptr(), src_ptr, n, peer, h,
-                                                 "copy_engine", 0, 0, "set"),
+                "ce_put": lambda: _core.put(dst.data_ptr(), src_ptr, n, peer, h, "copy_engine"),
                 "memcpy_peer": lambda: _devtest.memcpy_peer(peer_ptr, peer_dev, src_ptr,
                                                             dev.index, n, h),
                 "sm_copy": lambda: _devtest.plain_copy(peer_ptr, src_ptr, n,

@@ -37,7 +37,6 @@ def ping_pong(ctx, device, data, sig, peer, initiator, iters, stream):
 
 mock = types.SimpleNamespace(**{k: getattr(_core, k) for k in dir(_core) if not k.startswith("__")})
 mock.bench_sm_put = lambda d, s, n, pe, blocks, h: _core.put(d, s, n, pe, h)
-mock.cuda_put = lambda d, s, n, pe, h, via, sig, value, op: _core.put(d, s, n, pe, h)
 devtest = types.SimpleNamespace(
     memcpy_peer=lambda d, dd, s, sd, n, h: ctypes.memmove(d, s, n),
     plain_copy=lambda d, s, n, blocks, dev, h: ctypes.memmove(d, s, n),

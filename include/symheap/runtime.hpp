@@ -26,6 +26,11 @@ constexpr double kMaxTimeoutS = 1e6;
 // inf, zero, negative and values above kMaxTimeoutS are refused alike).
 double checked_timeout(double t, const char* what = "timeout");
 
+// The transport layer (src/transports/transport.hpp): a PE's transports and
+// the caller's choice of path for a put.
+class Transports;
+enum class Via : int;
+
 enum class PeerKind { Self = 0, SameProcess = 1, SameNode = 2, Remote = 3 };
 const char* peer_kind_name(PeerKind kind);
 
@@ -80,6 +85,9 @@ struct PeState {
   double timeout_s = kDefaultTimeoutS;
   std::shared_ptr<Region> heap;
   std::vector<Peer> peers;
+  // The transport each peer's kind selects, with each transport's resources;
+  // set by Runtime::connect_peers.
+  std::shared_ptr<const Transports> transports;
 
   std::mutex mu;  // guards allocator, barrier epoch and caches
   Allocator allocator;
@@ -91,6 +99,10 @@ struct PeState {
   size_t checked_offset(const void* addr, size_t nbytes, const char* what);
   // Load/store address of `offset` in peer `pe`'s heap; throws for remote peers.
   char* peer_address(int pe, size_t offset, const char* what);
+  // Why `what` cannot reach peer `pe` (a remote peer, or one whose mapping
+  // is gone): names the peer, its node and the missing transport. Every
+  // refusal of a peer without a path uses this text.
+  std::string no_path_message(int pe, const char* what) const;
   void check_pe(int64_t pe) const;  // InvalidArgument naming [0, n_pes)
   // Heap header layout (same on every PE): [barrier flags: n_pes words]
   // [scratch words: n_pes] [peer table: n_pes load/store base addresses]
@@ -212,10 +224,14 @@ class DeviceGuard {
 
 // Host-side SHMEM operations on the calling PE's state.
 namespace host {
-void put(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream);
+// Each operation validates its local arguments, then goes through the
+// transport of `pe` (PeState::transports); `via` picks another path to a
+// mapped peer (puts only).
+void put(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream,
+         Via via);
 void get(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream);
 void put_signal(PeState& s, void* dst, const void* src, size_t nbytes, uint64_t* signal,
-                uint64_t value, SignalOp op, int pe, StreamHandle stream);
+                uint64_t value, SignalOp op, int pe, StreamHandle stream, Via via);
 void signal_op(PeState& s, uint64_t* signal, uint64_t value, SignalOp op, int pe,
                StreamHandle stream);
 uint64_t signal_wait_until(PeState& s, uint64_t* signal, Compare cmp, uint64_t value,

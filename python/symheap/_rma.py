@@ -6,7 +6,6 @@ from ._backend_views import check_device_errors, stream_handle
 from ._memory import resolve
 from ._runtime import UINT64, _as_int, current_pe, resolve_timeout
 
-_VIAS = ("auto", "load_store", "copy_engine")
 _COMPARES = ("eq", "ne", "gt", "ge", "lt", "le", "==", "!=", ">", ">=", "<", "<=")
 
 
@@ -44,19 +43,6 @@ def _size_check(n: int, have: int, what: str) -> None:
         raise ValueError(f"{what} holds {have} bytes, fewer than the {n} bytes to transfer")
 
 
-def _check_via(via: str) -> str:
-    if via not in _VIAS:
-        raise ValueError(f"via must be 'auto', 'load_store' or 'copy_engine', got {via!r}")
-    return via
-
-
-def _explicit_transport(via: str) -> bool:
-    # On cuda, "auto" is cudaMemcpyAsync on the stream (the driver picks the
-    # copy engines for peer memory); the other two choose SM stores or a
-    # copy-engine channel. The cpu backend has one way to move bytes.
-    return via != "auto" and _core.backend_name() == "cuda"
-
-
 def put(dst, src, pe: int, *, nbytes: int | None = None, stream=None, via: str = "auto") -> None:
     """Copies local ``src`` into PE ``pe``'s copy of symmetric ``dst``.
 
@@ -67,17 +53,12 @@ def put(dst, src, pe: int, *, nbytes: int | None = None, stream=None, via: str =
     backend copies on the calling thread whatever ``via`` says.
     """
     current_pe()
-    _check_via(via)
     _same_dtype(dst, src, "put")
     d_addr, d_n = resolve(dst)
     s_addr, s_n = resolve(src, writable=False)
     n = _nbytes(nbytes, s_n, "source")
     _size_check(n, d_n, "destination")
-    pe, h = _as_int(pe, "pe"), stream_handle(stream)
-    if _explicit_transport(via):
-        _core.cuda_put(d_addr, s_addr, n, pe, h, via, 0, 0, "set")
-    else:
-        _core.put(d_addr, s_addr, n, pe, h)
+    _core.put(d_addr, s_addr, n, _as_int(pe, "pe"), stream_handle(stream), str(via))
 
 
 def get(dst, src, pe: int, *, nbytes: int | None = None, stream=None) -> None:
@@ -114,7 +95,6 @@ def put_signal(dst, src, signal, value: int, pe: int, op: str = "set", *,
     of completion without the sender synchronising.
     """
     current_pe()
-    _check_via(via)
     _same_dtype(dst, src, "put_signal")
     d_addr, d_n = resolve(dst)
     s_addr, s_n = resolve(src, writable=False)
@@ -123,11 +103,7 @@ def put_signal(dst, src, signal, value: int, pe: int, op: str = "set", *,
     if op not in ("set", "add"):
         raise ValueError(f"signal op must be 'set' or 'add', got {op!r}")
     sig, value, pe = _signal_addr(signal), _as_int(value, "value", *UINT64), _as_int(pe, "pe")
-    h = stream_handle(stream)
-    if _explicit_transport(via):
-        _core.cuda_put(d_addr, s_addr, n, pe, h, via, sig, value, op)
-    else:
-        _core.put_signal(d_addr, s_addr, n, sig, value, op, pe, h)
+    _core.put_signal(d_addr, s_addr, n, sig, value, op, pe, stream_handle(stream), str(via))
 
 
 def signal_op(signal, value: int, pe: int, op: str = "set", *, stream=None) -> None:

@@ -18,17 +18,18 @@ bool backend_active();
 // Throws InvalidArgument unless `stream` (0 = legacy default) belongs to `device`.
 void check_stream(int device, StreamHandle stream);
 
-// put with SM stores: a copy kernel on `stream` writes into the peer's heap.
+// put with SM stores: a copy kernel on `stream` writes `nbytes` from `src`
+// to `remote_dst` (the peer's memory as this device addresses it).
 // `blocks` <= 0 picks a grid from the device's cached occupancy.
-void put_load_store(PeState& s, void* dst, const void* src, size_t nbytes, int pe,
+void put_load_store(PeState& s, char* remote_dst, const void* src, size_t nbytes,
                     StreamHandle stream, int blocks);
 
-// put through the copy-engine channel (my device -> the peer's device),
-// ordered after `stream`; then, when `signal` is not null, sets/adds
-// `value` on the peer's signal word from the same channel (no SM used for
-// set). Completion: quiet() on this PE, or the signal on the receiver.
-void put_copy_engine(PeState& s, void* dst, const void* src, size_t nbytes, int pe,
-                     StreamHandle stream, uint64_t* signal, uint64_t value, SignalOp op);
+// put through the copy-engine channel (my device -> `pe`'s device), ordered
+// after `stream`; then, when `remote_signal` is not null, sets/adds `value`
+// on it from the same channel (no SM used for set). Completion: quiet() on
+// this PE, or the signal on the receiver.
+void put_copy_engine(PeState& s, int pe, char* remote_dst, const void* src, size_t nbytes,
+                     StreamHandle stream, uint64_t* remote_signal, uint64_t value, SignalOp op);
 
 // Waits for every kernel and copy on `device`, whatever stream (finalize:
 // nothing may still touch a peer's memory when its mapping closes).

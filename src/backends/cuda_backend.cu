@@ -461,6 +461,9 @@ DeviceError take_device_error(PeState& s) {
   DeviceError out;
   out.code = static_cast<int>(rec[0]);
   out.message = describe(rec, pe);
+  if (out.code == kDeviceNoPath && rec[1] < static_cast<uint64_t>(s.n_pes))
+    out.message = s.no_path_message(static_cast<int>(rec[1]), ("a kernel on " + pe).c_str()) +
+                  " (the device API has no remote transport; the operation was skipped)";
   return out;
 }
 

@@ -43,10 +43,8 @@ const void* kernel_readable(const void* src, int device, const char* what) {
 
 }  // namespace
 
-void put_load_store(PeState& s, void* dst, const void* src, size_t nbytes, int pe,
+void put_load_store(PeState& s, char* remote, const void* src, size_t nbytes,
                     StreamHandle stream, int blocks) {
-  size_t off = s.checked_offset(dst, nbytes, "put destination");
-  char* remote = s.peer_address(pe, off, "put");
   check_stream(s.device, stream);
   if (nbytes == 0) return;
   ScopedDevice on(s.device);

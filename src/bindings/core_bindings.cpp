@@ -9,6 +9,7 @@
 #include "symheap/errors.hpp"
 #include "symheap/runtime.hpp"
 #include "symheap/wait.hpp"
+#include "transports/transport.hpp"
 
 namespace py = pybind11;
 using namespace symheap;
@@ -175,8 +176,7 @@ SYMHEAP_BINDINGS(core) {
     const Peer& p = s->peers[pe];
     if (p.kind == PeerKind::Self) return HeapRef{s->heap};
     if (!p.base)
-      throw Unsupported("PE " + std::to_string(pe) + " is " + peer_kind_name(p.kind) +
-                        ": no load/store path, so no tensor can alias its memory");
+      throw Unsupported(s->no_path_message(static_cast<int>(pe), "a view of a peer's memory"));
     return HeapRef{p.mapping};
   });
   m.def("peer_kind", [](int64_t pe) {
@@ -211,12 +211,17 @@ SYMHEAP_BINDINGS(core) {
   });
 
   // RMA, signals, atomics, ordering.
-  m.def("put", [](uintptr_t dst, uintptr_t src, size_t n, int64_t pe_in, uintptr_t stream) {
+  // `via` picks the path to a mapped peer: "auto", "load_store" or
+  // "copy_engine" (transports/transport.hpp); the transport is chosen here.
+  m.def("put", [](uintptr_t dst, uintptr_t src, size_t n, int64_t pe_in, uintptr_t stream,
+                  const std::string& via) {
     auto s = rt().current();
     int pe = pe_arg(*s, pe_in);
+    Via path = parse_via(via);
     py::gil_scoped_release nogil;
-    host::put(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream);
-  });
+    host::put(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream, path);
+  }, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("pe"), py::arg("stream"),
+     py::arg("via") = "auto");
   m.def("get", [](uintptr_t dst, uintptr_t src, size_t n, int64_t pe_in, uintptr_t stream) {
     auto s = rt().current();
     int pe = pe_arg(*s, pe_in);
@@ -224,13 +229,21 @@ SYMHEAP_BINDINGS(core) {
     host::get(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream);
   });
   m.def("put_signal", [](uintptr_t dst, uintptr_t src, size_t n, uintptr_t sig, uint64_t value,
-                         const std::string& op, int64_t pe_in, uintptr_t stream) {
+                         const std::string& op, int64_t pe_in, uintptr_t stream,
+                         const std::string& via) {
     auto s = rt().current();
     int pe = pe_arg(*s, pe_in);
+    Via path = parse_via(via);
     SignalOp sop = parse_signal_op(op);
     py::gil_scoped_release nogil;
     host::put_signal(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, as_ptr<uint64_t>(sig),
-                     value, sop, pe, stream);
+                     value, sop, pe, stream, path);
+  }, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("signal"), py::arg("value"),
+     py::arg("op"), py::arg("pe"), py::arg("stream"), py::arg("via") = "auto");
+  m.def("transport_of", [](int64_t pe) {
+    auto s = rt().current();
+    int p = pe_arg(*s, pe);
+    return std::string(s->transports->name_of(p));
   });
   m.def("signal_op", [](uintptr_t sig, uint64_t value, const std::string& op, int64_t pe_in,
                         uintptr_t stream) {

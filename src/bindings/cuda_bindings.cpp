@@ -110,12 +110,6 @@ std::shared_ptr<PeState> cuda_pe(const char* what) {
                      rt().backend_name() + ")");
   return rt().current();
 }
-
-SignalOp parse_op(const std::string& op) {
-  if (op == "set") return SignalOp::Set;
-  if (op == "add") return SignalOp::Add;
-  throw InvalidArgument("signal op must be 'set' or 'add', got '" + op + "'");
-}
 #endif
 
 }  // namespace
@@ -152,26 +146,6 @@ SYMHEAP_BINDINGS(device) {
         py::arg("device_type"), py::arg("device"), py::arg("owner"));
 
 #ifdef SYMHEAP_WITH_CUDA
-  m.def("cuda_put", [](uintptr_t dst, uintptr_t src, size_t n, int64_t pe_in, uintptr_t stream,
-                       const std::string& via, uintptr_t sig, uint64_t value,
-                       const std::string& op) {
-    auto s = cuda_pe("put");
-    SignalOp sop = parse_op(op);
-    s->check_pe(pe_in);
-    int pe = static_cast<int>(pe_in);
-    py::gil_scoped_release nogil;
-    PeUse use(*s);  // finalize waits for this call (see release_peer_mappings)
-    if (via == "copy_engine") {
-      cuda::put_copy_engine(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream,
-                            sig ? as_ptr<uint64_t>(sig) : nullptr, value, sop);
-    } else if (via == "load_store") {
-      if (sig) s->checked_offset(as_ptr<void>(sig), sizeof(uint64_t), "signal");
-      cuda::put_load_store(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream, 0);
-      if (sig) host::signal_op(*s, as_ptr<uint64_t>(sig), value, sop, pe, stream);
-    } else {
-      throw InvalidArgument("via must be 'load_store' or 'copy_engine' here, got '" + via + "'");
-    }
-  });
   // Raises what a kernel of the calling PE recorded, as the exception its code
   // maps to, and clears it.
   m.def("check_device_errors", [] {
@@ -198,7 +172,10 @@ SYMHEAP_BINDINGS(device) {
                            uintptr_t stream) {
     auto s = cuda_pe("bench_sm_put");
     py::gil_scoped_release nogil;
-    cuda::put_load_store(*s, as_ptr<void>(dst), as_ptr<const void>(src), n, pe, stream, blocks);
+    PeUse use(*s);
+    char* remote = s->peer_address(pe, s->checked_offset(as_ptr<void>(dst), n, "put destination"),
+                                   "put");
+    cuda::put_load_store(*s, remote, as_ptr<const void>(src), n, stream, blocks);
   });
 #endif
 }

@@ -6,6 +6,7 @@
 #include "symheap/errors.hpp"
 #include "symheap/runtime.hpp"
 #include "symheap/wait.hpp"
+#include "transports/transport.hpp"
 
 namespace symheap {
 namespace host {
@@ -21,52 +22,56 @@ std::string fmt_seconds(double s) {
 
 }  // namespace
 
-void put(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream) {
+namespace {
+// The transport of `pe` (range-checked), once the PE is connected.
+Transport& transport(PeState& s, int pe, Via via = Via::Auto) {
+  s.check_pe(pe);
+  if (!s.transports) throw StateError("PE " + std::to_string(s.my_pe) + " is not connected yet");
+  return s.transports->select(pe, via);
+}
+
+// Heap offset of a local signal word, validated before anything moves.
+size_t signal_offset(PeState& s, uint64_t* signal) {
+  size_t off = s.checked_offset(signal, sizeof(uint64_t), "signal");
+  if (off % sizeof(uint64_t))
+    throw InvalidArgument("signal word must be 8-byte aligned");
+  return off;
+}
+}  // namespace
+
+void put(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream,
+         Via via) {
   PeUse use(s);
   size_t off = s.checked_offset(dst, nbytes, "put destination");
-  char* remote = s.peer_address(pe, off, "put");
-  be().copy(s.device, remote, src, nbytes, stream);
+  transport(s, pe, via).put(s, pe, off, src, nbytes, stream);
 }
 
 void get(PeState& s, void* dst, const void* src, size_t nbytes, int pe, StreamHandle stream) {
   PeUse use(s);
   size_t off = s.checked_offset(src, nbytes, "get source");
-  char* remote = s.peer_address(pe, off, "get");
-  be().copy(s.device, dst, remote, nbytes, stream);
+  transport(s, pe).get(s, pe, dst, off, nbytes, stream);
 }
-
-namespace {
-// The peer's copy of a signal word, validated before anything moves.
-uint64_t* signal_target(PeState& s, uint64_t* signal, int pe) {
-  size_t off = s.checked_offset(signal, sizeof(uint64_t), "signal");
-  if (off % sizeof(uint64_t))
-    throw InvalidArgument("signal word must be 8-byte aligned");
-  return reinterpret_cast<uint64_t*>(s.peer_address(pe, off, "signal"));
-}
-}  // namespace
 
 void signal_op(PeState& s, uint64_t* signal, uint64_t value, SignalOp op, int pe,
                StreamHandle stream) {
   PeUse use(s);
-  be().signal(s.device, signal_target(s, signal, pe), value, op, stream);
+  size_t off = signal_offset(s, signal);
+  transport(s, pe).signal(s, pe, off, value, op, stream);
 }
 
 void put_signal(PeState& s, void* dst, const void* src, size_t nbytes, uint64_t* signal,
-                uint64_t value, SignalOp op, int pe, StreamHandle stream) {
+                uint64_t value, SignalOp op, int pe, StreamHandle stream, Via via) {
   PeUse use(s);
   // Validate everything before moving a byte.
-  uint64_t* word = signal_target(s, signal, pe);
-  put(s, dst, src, nbytes, pe, stream);
-  be().fence(s.device, stream);  // data before signal
-  be().signal(s.device, word, value, op, stream);
+  size_t sig_off = signal_offset(s, signal);
+  size_t off = s.checked_offset(dst, nbytes, "put destination");
+  transport(s, pe, via).put_signal(s, pe, off, src, nbytes, sig_off, value, op, stream);
 }
 
 uint64_t signal_wait_until(PeState& s, uint64_t* signal, Compare cmp, uint64_t value,
                            double timeout_s) {
   PeUse use(s);
-  size_t off = s.checked_offset(signal, sizeof(uint64_t), "signal");
-  if (off % sizeof(uint64_t))
-    throw InvalidArgument("signal word must be 8-byte aligned");
+  size_t off = signal_offset(s, signal);
   Waiter waiter(&s, timeout_s);
   for (;;) {
     uint64_t now = be().load_word(s.device, signal);
@@ -81,31 +86,34 @@ uint64_t signal_wait_until(PeState& s, uint64_t* signal, Compare cmp, uint64_t v
 }
 
 namespace {
-int64_t* atomic_target(PeState& s, int64_t* dst, int pe, const char* what) {
+size_t atomic_offset(PeState& s, int64_t* dst, const char* what) {
   size_t off = s.checked_offset(dst, sizeof(int64_t), what);
   if (off % sizeof(int64_t))
     throw InvalidArgument(std::string(what) + ": the int64 word must be 8-byte aligned");
-  return reinterpret_cast<int64_t*>(s.peer_address(pe, off, what));
+  return off;
 }
 }  // namespace
 
 int64_t atomic_fetch_add(PeState& s, int64_t* dst, int64_t value, int pe) {
   PeUse use(s);
-  return be().fetch_add(s.device, atomic_target(s, dst, pe, "atomic_fetch_add"), value);
+  size_t off = atomic_offset(s, dst, "atomic_fetch_add");
+  return transport(s, pe).fetch_add(s, pe, off, value);
 }
 int64_t atomic_compare_swap(PeState& s, int64_t* dst, int64_t cond, int64_t value, int pe) {
   PeUse use(s);
-  return be().compare_swap(s.device, atomic_target(s, dst, pe, "atomic_compare_swap"), cond,
-                           value);
+  size_t off = atomic_offset(s, dst, "atomic_compare_swap");
+  return transport(s, pe).compare_swap(s, pe, off, cond, value);
 }
 int64_t atomic_swap(PeState& s, int64_t* dst, int64_t value, int pe) {
   PeUse use(s);
-  return be().swap(s.device, atomic_target(s, dst, pe, "atomic_swap"), value);
+  size_t off = atomic_offset(s, dst, "atomic_swap");
+  return transport(s, pe).swap(s, pe, off, value);
 }
 
 void quiet(PeState& s, StreamHandle stream) {
   PeUse use(s);
-  be().quiet(s.device, stream);
+  if (s.transports) s.transports->quiet(s, stream);
+  else be().quiet(s.device, stream);
 }
 void fence(PeState& s, StreamHandle stream) {
   PeUse use(s);

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "symheap/errors.hpp"
+#include "transports/transport.hpp"
 
 namespace symheap {
 
@@ -45,13 +46,21 @@ size_t PeState::checked_offset(const void* addr, size_t nbytes, const char* what
 char* PeState::peer_address(int pe, size_t offset, const char* what) {
   check_pe(pe);
   const Peer& peer = peers[pe];
-  if (!peer.base)
-    throw Unsupported(std::string(what) + ": PE " + std::to_string(pe) + " is " +
-                      peer_kind_name(peer.kind) + " (node " + peer.info.node_id +
-                      ") and has no load/store path from PE " + std::to_string(my_pe) +
-                      "; no network transport is available on the " +
-                      Runtime::instance().backend_name() + " backend");
+  if (!peer.base) throw Unsupported(no_path_message(pe, what));
   return static_cast<char*>(peer.base) + offset;
+}
+
+std::string PeState::no_path_message(int pe, const char* what) const {
+  const Peer& peer = peers.at(pe);
+  const std::string mine = peers.at(my_pe).info.node_id;
+  std::string text = std::string(what) + ": PE " + std::to_string(pe) + " is " +
+                     peer_kind_name(peer.kind) + " (node '" + peer.info.node_id +
+                     "'; PE " + std::to_string(my_pe) + " is on node '" + mine + "')";
+  if (peer.kind != PeerKind::Remote)
+    return text + " and its mapping is closed (the PE is being finalized)";
+  return text + ": no load/store path reaches it, and the remote transport (a network "
+                "engine between nodes) is not implemented on the " +
+         Runtime::instance().backend_name() + " backend; see docs/transports.md";
 }
 
 // ---------------------------------------------------------------- Runtime
@@ -223,6 +232,7 @@ void Runtime::connect_peers(PeState& s, const std::vector<PeInfo>& infos) {
     }
   }
   s.peers = std::move(peers);
+  s.transports = std::make_shared<const Transports>(s);
   std::vector<char*> table(s.n_pes);
   for (int r = 0; r < s.n_pes; ++r) table[r] = static_cast<char*>(s.peers[r].base);
   be.copy(s.device, const_cast<char**>(s.peer_table()), table.data(),

@@ -112,16 +112,8 @@ void copy_engine_end(PeState& s, const std::vector<int>& pes, StreamHandle strea
   }
 }
 
-void put_copy_engine(PeState& s, void* dst, const void* src, size_t nbytes, int pe,
-                     StreamHandle stream, uint64_t* signal, uint64_t value, SignalOp op) {
-  size_t off = s.checked_offset(dst, nbytes, "put destination");
-  char* remote = s.peer_address(pe, off, "put");
-  uint64_t* remote_signal = nullptr;
-  if (signal) {
-    size_t soff = s.checked_offset(signal, sizeof(uint64_t), "signal");
-    if (soff % sizeof(uint64_t)) throw InvalidArgument("signal word must be 8-byte aligned");
-    remote_signal = reinterpret_cast<uint64_t*>(s.peer_address(pe, soff, "signal"));
-  }
+void put_copy_engine(PeState& s, int pe, char* remote, const void* src, size_t nbytes,
+                     StreamHandle stream, uint64_t* remote_signal, uint64_t value, SignalOp op) {
   check_stream(s.device, stream);
   auto ch = channel_to(s, pe);
   ScopedDevice on(s.device);

@@ -47,9 +47,7 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
                           std::to_string(geo.total) + " the config needs");
   for (int p = 0; p < s.n_pes; ++p)
     if (!s.peers[p].base)
-      throw Unsupported("EpDispatchCombine needs load/store access to every PE; PE " +
-                        std::to_string(p) + " is " + peer_kind_name(s.peers[p].kind) +
-                        " from PE " + std::to_string(s.my_pe));
+      throw Unsupported(s.no_path_message(p, "EpDispatchCombine (it needs every PE)"));
   s.checked_offset(s.base() + ws_offset, geo.total, "ep workspace");
   auto op = std::make_shared<Op>();
   op->cfg = cfg;
