@@ -216,9 +216,14 @@ py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream)
   }
   if (!kwargs_) kwargs_ = empty_kwargs(dtype_, device_);
   py::object t = torch_empty(shape, kwargs_);
+  if (capacity_ == 0) return t;
+  const int64_t uses = storage_uses(T, t);
+  if (uses <= 0) return t;
   if (entries_.size() < capacity_) {
-    const int64_t uses = storage_uses(T, t);
-    if (uses > 0) entries_.push_back(Entry{t, shape, stream, uses});
+    entries_.push_back(Entry{t, shape, stream, uses});
+  } else {  // full of outputs callers keep: forget one in turn (its holders keep it alive)
+    entries_[replace_next_] = Entry{t, shape, stream, uses};
+    replace_next_ = (replace_next_ + 1) % capacity_;
   }
   return t;
 }
