@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -328,4 +329,15 @@ SYMHEAP_BINDINGS(attention_eager) {
            py::arg("pooled"), py::arg("poison") = false)
       .def("backward", &EagerAttention::backward, py::arg("q"), py::arg("k"), py::arg("v"),
            py::arg("out"), py::arg("lse"), py::arg("dout"), py::arg("poison") = false);
+  // os.environ.get(name, "") at a tenth of its cost (os.environ writes reach
+  // the C environment): the plan cache reads the backend variable every call.
+  m.def(
+      "attention_env",
+      [](py::handle name) -> py::object {
+        const char* key = PyUnicode_AsUTF8(name.ptr());
+        if (!key) throw py::error_already_set();
+        const char* value = std::getenv(key);
+        return py::reinterpret_steal<py::object>(PyUnicode_FromString(value ? value : ""));
+      },
+      py::arg("name"));
 }

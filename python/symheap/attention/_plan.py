@@ -263,7 +263,7 @@ def cached_plan(q, k, v, causal, window_size, softmax_scale, softcap, determinis
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, k.device, v.device, causal,
                window_size, softmax_scale, softcap, deterministic,
-               os.environ.get(BACKEND_ENV, "") if backend is None else backend)
+               _core.attention_env(BACKEND_ENV) if backend is None else backend)
         cache = _device_caches.get(q.device)
         plan = cache.plans.get(key) if cache is not None else None  # dict reads are atomic
     except (AttributeError, TypeError):  # not tensors, or an unhashable option: no caching
