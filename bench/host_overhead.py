@@ -122,8 +122,9 @@ def attention_host_times(device_index, iters, barrier=None):
 
     from symheap.attention import flash_attn_func
 
-    if device_index is None:
+    if device_index is None:  # one intra-op thread: SDPA is not charged for waking workers
         dev, seq, dtype = torch.device("cpu"), 4, torch.float32
+        torch.set_num_threads(1)
     else:
         dev, seq, dtype = torch.device("cuda", device_index), 128, torch.bfloat16
         torch.cuda.set_device(dev)
