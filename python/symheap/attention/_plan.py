@@ -258,8 +258,9 @@ def cached_plan(q, k, v, causal, window_size, softmax_scale, softcap, determinis
     option (no bias, mask, ALiBi or dropout). Plans are kept in their device's
     cache, shared by every thread calling on it and keyed by every input
     make_plan reads: a repeat call skips the checks and the argument block.
-    The key is built from few, cheap values (shapes, dtypes and devices are
-    torch's own cached objects); a lookup costs about a microsecond."""
+    The key is built from few, cheap values (torch's shape, dtype and device
+    objects, the backend variable read from the C environment): a hit costs
+    1-2 us on the cpu backend."""
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, k.device, v.device, causal,
                window_size, softmax_scale, softcap, deterministic,
