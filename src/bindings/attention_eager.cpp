@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <deque>
+#include <initializer_list>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -123,7 +125,7 @@ class EagerAttention {
       py::gil_scoped_release nogil;
       forward_cpu(a, 0);
     } else {
-      launch(a, false, in.device, stream, pools, {in.q.strides, in.k.strides, in.v.strides});
+      launch(a, false, in.device, stream, pools, {&in.q, &in.k, &in.v});
     }
     return py::make_tuple(std::move(out), std::move(lse));
   }
@@ -164,8 +166,7 @@ class EagerAttention {
       py::gil_scoped_release nogil;
       backward_cpu(a, 0);
     } else {
-      launch(a, true, in.device, stream, pools,
-             {in.q.strides, in.k.strides, in.v.strides, to.strides, tl.strides, td.strides});
+      launch(a, true, in.device, stream, pools, {&in.q, &in.k, &in.v, &to, &tl, &td});
     }
     return py::make_tuple(std::move(dq), std::move(dk), std::move(dv));
   }
@@ -183,7 +184,7 @@ class EagerAttention {
   // dtypes and options are the plan's): its workspace bytes, or why not.
   struct CudnnCall {
     bool backward;
-    std::vector<std::vector<int64_t>> strides;
+    std::vector<int64_t> strides;  // of the inputs, one after another
     bool ok;
     size_t bytes;
     std::string reason;
@@ -238,27 +239,27 @@ class EagerAttention {
   // A CUDA call: through cuDNN when the plan allows it and cuDNN takes the
   // call (its outcome kept per signature), else the own kernels.
   void launch(Args& a, bool backward, int device, uintptr_t stream, Pools& pools,
-              std::vector<std::vector<int64_t>> strides) {
+              std::initializer_list<const TensorRef*> inputs) {
 #ifdef SYMHEAP_WITH_CUDA
     void* s = reinterpret_cast<void*>(stream);
 #ifdef SYMHEAP_WITH_CUDNN
     if (backend_ != Backend::Own) {
-      const CudnnCall call = cudnn_outcome(a, backward, device, std::move(strides));
-      if (call.ok) {
-        py::object ws = workspace(pools, call.bytes, device, stream);
+      const std::shared_ptr<const CudnnCall> call = cudnn_outcome(a, backward, device, inputs);
+      if (call->ok) {
+        py::object ws = workspace(pools, call->bytes, device, stream);
         void* w = reinterpret_cast<void*>(bindings::tensor_data_ptr(ws));
         py::gil_scoped_release nogil;
         if (backward)
-          cudnn::backward(a, device, s, w, call.bytes);
+          cudnn::backward(a, device, s, w, call->bytes);
         else
-          cudnn::forward(a, device, s, w, call.bytes);
+          cudnn::forward(a, device, s, w, call->bytes);
         return;
       }
       if (backend_ == Backend::Cudnn)
-        throw Unsupported("attention: backend='cudnn' cannot run this call: " + call.reason);
+        throw Unsupported("attention: backend='cudnn' cannot run this call: " + call->reason);
     }
 #else
-    (void)strides;
+    (void)inputs;
 #endif
     if (!backward) {
       py::gil_scoped_release nogil;
@@ -271,7 +272,7 @@ class EagerAttention {
     py::gil_scoped_release nogil;
     backward_cuda(a, device, s, w, bytes);
 #else
-    (void)a, (void)backward, (void)device, (void)stream, (void)pools, (void)strides;
+    (void)a, (void)backward, (void)device, (void)stream, (void)pools, (void)inputs;
     throw InvalidArgument("attention: q is on a CUDA device but symheap was built without CUDA");
 #endif
   }
@@ -286,19 +287,23 @@ class EagerAttention {
   }
 
 #ifdef SYMHEAP_WITH_CUDNN
-  CudnnCall cudnn_outcome(const Args& a, bool backward, int device,
-                          std::vector<std::vector<int64_t>> strides) {
+  std::shared_ptr<const CudnnCall> cudnn_outcome(const Args& a, bool backward, int device,
+                                                 std::initializer_list<const TensorRef*> inputs) {
+    std::vector<int64_t> strides;
+    strides.reserve(inputs.size() * 4);
+    for (const TensorRef* r : inputs) strides.insert(strides.end(), r->strides.begin(), r->strides.end());
     {
       std::lock_guard<std::mutex> lock(cudnn_mutex_);
-      for (const CudnnCall& c : cudnn_calls_)
-        if (c.backward == backward && c.strides == strides) return c;
+      for (const auto& c : cudnn_calls_)
+        if (c->backward == backward && c->strides == strides) return c;
     }
     cudnn::Prepared p;
     {
       py::gil_scoped_release nogil;
       p = cudnn::prepare(a, backward, device);
     }
-    CudnnCall c{backward, std::move(strides), p.ok, p.workspace_bytes, p.reason};
+    auto c = std::make_shared<const CudnnCall>(
+        CudnnCall{backward, std::move(strides), p.ok, p.workspace_bytes, p.reason});
     std::lock_guard<std::mutex> lock(cudnn_mutex_);
     if (cudnn_calls_.size() >= kMaxCudnnCalls) cudnn_calls_.clear();
     cudnn_calls_.push_back(c);
@@ -306,7 +311,7 @@ class EagerAttention {
   }
   static constexpr size_t kMaxCudnnCalls = 32;
   std::mutex cudnn_mutex_;
-  std::vector<CudnnCall> cudnn_calls_;
+  std::vector<std::shared_ptr<const CudnnCall>> cudnn_calls_;
 #endif
 
   const Args plan_;
