@@ -480,3 +480,9 @@ def test_pooled_outputs_are_not_reused_while_held():
     for _ in range(4):
         released.append(storage(call()[0]))
     assert len(set(released)) < len(released)
+    # Outputs made in inference mode are never handed out outside it.
+    with torch.inference_mode():
+        for _ in range(3):
+            assert call()[0].is_inference()
+    for _ in range(3):
+        assert not call()[0].is_inference()

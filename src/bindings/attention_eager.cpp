@@ -101,11 +101,14 @@ class EagerAttention {
   // (out, lse) of q, k, v, or None when an input needs a copy first. With
   // `pooled`, out and lse may be tensors an earlier call returned and its
   // caller released; without (autograd saves and returns them), fresh ones.
-  py::object forward(py::handle q, py::handle k, py::handle v, bool pooled, bool poison) {
+  // `inference`: torch's inference mode is on; its tensors are pooled apart
+  // (an inference tensor cannot be saved for a backward outside that mode).
+  py::object forward(py::handle q, py::handle k, py::handle v, bool pooled, bool poison,
+                     bool inference) {
     Inputs in;
     if (!read_inputs(q, k, v, in)) return py::none();
     const uintptr_t stream = stream_of(in.device);
-    Pools& pools = pools_of(in.device);
+    Pools& pools = pools_of(in.device, inference);
     py::object out = output(pools.out, pooled && pool_outputs_, out_shape_, dtype_, in.device, stream);
     py::object lse = output(pools.lse, pooled && pool_outputs_, lse_shape_, TorchDType::F32,
                             in.device, stream);
@@ -141,7 +144,7 @@ class EagerAttention {
                     td = bindings::read_address(dout);
     if (!usable(td, in.device) || !usable(to, in.device)) return py::none();
     const uintptr_t stream = stream_of(in.device);
-    Pools& pools = pools_of(in.device);
+    Pools& pools = pools_of(in.device, false);
     py::object dq = output(pools.out, false, out_shape_, dtype_, in.device, stream);
     const std::vector<int64_t> kv_shape{plan_.batch, plan_.seqlen_k, plan_.heads_kv, plan_.head_dim};
     py::object dk = output(pools.out, false, kv_shape, dtype_, in.device, stream);
@@ -178,6 +181,7 @@ class EagerAttention {
   };
   struct Pools {
     int device;
+    bool inference;
     TensorPool out, lse, workspace;
   };
   // What cuDNN said about one call signature (direction and strides; shapes,
@@ -214,10 +218,10 @@ class EagerAttention {
   }
 
   // GIL held (the plan's pools are only touched under it).
-  Pools& pools_of(int device) {
+  Pools& pools_of(int device, bool inference) {
     for (Pools& p : pools_)
-      if (p.device == device) return p;
-    pools_.push_back(Pools{device, TensorPool(dtype_, device, kPooled),
+      if (p.device == device && p.inference == inference) return p;
+    pools_.push_back(Pools{device, inference, TensorPool(dtype_, device, kPooled),
                            TensorPool(TorchDType::F32, device, kPooled),
                            TensorPool(TorchDType::I64, device, kPooled)});
     return pools_.back();
@@ -331,7 +335,7 @@ SYMHEAP_BINDINGS(attention_eager) {
   py::class_<EagerAttention>(m, "AttentionEager")
       .def(py::init<const Args&, const std::string&>(), py::arg("plan_args"), py::arg("backend"))
       .def("forward", &EagerAttention::forward, py::arg("q"), py::arg("k"), py::arg("v"),
-           py::arg("pooled"), py::arg("poison") = false)
+           py::arg("pooled"), py::arg("poison") = false, py::arg("inference") = false)
       .def("backward", &EagerAttention::backward, py::arg("q"), py::arg("k"), py::arg("v"),
            py::arg("out"), py::arg("lse"), py::arg("dout"), py::arg("poison") = false);
   // os.environ.get(name, "") at a tenth of its cost (os.environ writes reach

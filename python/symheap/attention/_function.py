@@ -153,7 +153,8 @@ def _attention(q, k, v, bias, plan: Plan, return_lse: bool):
     else:  # nothing to differentiate: skip the autograd node
         # Pooled outputs: the eager entry hands out again only tensors their
         # callers released (see docs/attention.md).
-        r = None if plan.eager is None else plan.eager.forward(q, k, v, True, _plan.poison_outputs)
+        r = None if plan.eager is None else plan.eager.forward(
+            q, k, v, True, _plan.poison_outputs, torch.is_inference_mode_enabled())
         if r is None:
             out, lse = _run_forward(plan, prepare(q, plan), prepare(k, plan), prepare(v, plan))
             out = _unpad(out, plan)
