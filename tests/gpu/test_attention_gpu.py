@@ -390,7 +390,7 @@ def test_pooled_outputs_are_not_reused_while_held(path, monkeypatch):
         q, k, v = (torch.randn(1, 128, 8, 64, generator=g).to(torch.bfloat16) for _ in range(3))
         ref, ref_lse = attention_reference(q.float(), k.float(), v.float(), causal=True)
         q, k, v = (t.to("cuda") for t in (q, k, v))
-        stream = stream or torch.cuda.current_stream()
+        stream = torch.cuda.current_stream() if stream is None else stream
         stream.wait_stream(torch.cuda.current_stream())  # q, k, v were copied on this one
         with torch.cuda.stream(stream):
             out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
