@@ -15,7 +15,9 @@ Cases. cuda: EP low_latency 128 tokens and intranode 4096 tokens with
 max_recv_tokens given (7168 bf16, top-8 of 256), and attention forward
 (B=1, S=128, H=8, D=64 bf16, causal) against torch SDPA in the same run, in one
 thread and in one thread per GPU at once. cpu: a dispatch + combine pair of 8
-tokens x 16 float32 (top-2 of 8 experts), i.e. the per-call overhead.
+tokens x 16 float32 (top-2 of 8 experts), i.e. the per-call overhead, and
+attention forward (B=1, S=4, H=8, D=64 float32, causal) against SDPA, in one
+thread and in 2 threads at once.
 
     python bench/host_overhead.py [--iters 200] [--pes 2] [--skip-8] [--backend cpu]
 """
@@ -113,23 +115,29 @@ def ep_program(case, iters):
 
 
 def attention_host_times(device_index, iters, barrier=None):
-    """Host time of symheap's and SDPA's eager forward on one GPU (us)."""
+    """Host time of symheap's and SDPA's eager forward on one GPU (us); on the
+    cpu (device_index None) with S=4 float32, so the kernel is negligible."""
     import torch
     import torch.nn.functional as F
 
     from symheap.attention import flash_attn_func
 
-    dev = torch.device("cuda", device_index)
-    torch.cuda.set_device(dev)
-    q, k, v = (torch.randn(1, 128, 8, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    if device_index is None:  # one intra-op thread: SDPA is not charged for waking workers
+        dev, seq, dtype = torch.device("cpu"), 4, torch.float32
+        torch.set_num_threads(1)
+    else:
+        dev, seq, dtype = torch.device("cuda", device_index), 128, torch.bfloat16
+        torch.cuda.set_device(dev)
+    q, k, v = (torch.randn(1, seq, 8, 64, device=dev, dtype=dtype) for _ in range(3))
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     fns = {"symheap": lambda: flash_attn_func(q, k, v, causal=True),
            "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)}
     res = {}
     for name, fn in fns.items():
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
         for _ in range(20):
             fn()
-        torch.cuda.synchronize(dev)
+        sync(dev)
         if barrier is not None:
             barrier.wait(60)
         clock, total = time.perf_counter, 0.0
@@ -138,8 +146,8 @@ def attention_host_times(device_index, iters, barrier=None):
             fn()
             total += clock() - t0
             if _ % 50 == 49:
-                torch.cuda.synchronize(dev)  # keep the launch queue from filling
-        torch.cuda.synchronize(dev)
+                sync(dev)  # keep the launch queue from filling
+        sync(dev)
         res[name] = total / iters * 1e6
     return res
 
@@ -198,16 +206,18 @@ def main():
             if p and t:
                 print(f"  {n} PEs: threads / processes per pair = {t['pair'] / p['pair']:.2f}x "
                       f"(best blocks: {t['best'] / p['best']:.2f}x)")
-    if on_cuda and not args.no_attention:
-        print("\n## attention forward B=1 S=128 H=8 D=64 bf16 causal: host us per call")
-        r = attention_host_times(0, args.iters)
+    if not args.no_attention:
+        shape = "S=128 H=8 D=64 bf16" if on_cuda else "S=4 H=8 D=64 float32 (cpu)"
+        print(f"\n## attention forward B=1 {shape} causal: host us per call")
+        first = 0 if on_cuda else None
+        r = attention_host_times(first, args.iters)
         print(f"  1 thread     symheap {r['symheap']:7.1f}  sdpa {r['sdpa']:7.1f}")
-        n = min(2, ndev)
+        n = min(2, ndev) if on_cuda else 2
         if n > 1:
             barrier, out = threading.Barrier(n), [None] * n
 
             def body(i):
-                out[i] = attention_host_times(i, args.iters, barrier)
+                out[i] = attention_host_times(i if on_cuda else None, args.iters, barrier)
 
             threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
             for t in threads:
@@ -215,7 +225,7 @@ def main():
             for t in threads:
                 t.join(600)
             for i, r in enumerate(out):
-                print(f"  {n} threads, GPU {i}: symheap {r['symheap']:7.1f}  "
+                print(f"  {n} threads, {'GPU' if on_cuda else 'thread'} {i}: symheap {r['symheap']:7.1f}  "
                       f"sdpa {r['sdpa']:7.1f}")
 
 

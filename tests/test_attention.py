@@ -443,3 +443,46 @@ def test_plan_cache_shared_by_threads():
     assert len(plans) == 1
     flash_attn_func(q[:, :20], k, v, causal=True)
     assert len(plans) == 2
+
+
+def test_pooled_outputs_are_not_reused_while_held():
+    """Repeat no-grad calls recycle outputs their callers released, never one
+    still held (directly or through a view), and never one its last holder
+    turned into an autograd leaf: every result stays its own inputs' answer."""
+    from symheap.attention import attention_reference
+    g = torch.Generator().manual_seed(17)
+
+    def call():
+        q, k, v = (torch.randn(1, 6, 4, 16, generator=g) for _ in range(3))
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        ref, ref_lse = attention_reference(q, k, v, causal=True)
+        assert max_err(out, ref) < 1e-5 and max_err(lse, ref_lse) < 1e-5
+        return out, lse, ref, ref_lse
+
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
+    held = [call() for _ in range(6)]  # more calls than a pool keeps outputs
+    views = [(out[:, 2:], ref[:, 2:]) for out, _, ref, _ in held[:2]]
+    leaf = call()[0].requires_grad_(True)
+    del held[:2], leaf  # only views of the first two outputs remain
+    taken = {storage(t) for t, _ in views} | {storage(t) for r in held for t in r[:2]}
+    later = [call() for _ in range(8)]
+    for out, lse, _, _ in later:  # nothing held is handed out again
+        assert storage(out) not in taken and storage(lse) not in taken
+        assert not out.requires_grad and out.grad_fn is None
+    for out, lse, ref, ref_lse in held:  # nor overwritten
+        assert max_err(out, ref) < 1e-5 and max_err(lse, ref_lse) < 1e-5
+    for view, ref in views:
+        assert max_err(view, ref) < 1e-5
+    # Released outputs do come back (NaN-poisoned first, so every element is rewritten).
+    released = []
+    for _ in range(4):
+        released.append(storage(call()[0]))
+    assert len(set(released)) < len(released)
+    # Outputs made in inference mode are never handed out outside it.
+    with torch.inference_mode():
+        for _ in range(3):
+            assert call()[0].is_inference()
+    for _ in range(3):
+        assert not call()[0].is_inference()

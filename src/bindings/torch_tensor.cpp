@@ -30,6 +30,7 @@ struct Torch {
   PyObject* s_stride = nullptr;
   PyObject* s_untyped_storage = nullptr;
   PyObject* s_cdata = nullptr;
+  PyObject* s_requires_grad = nullptr;
   PyObject* storage_use_count = nullptr;  // torch._C._storage_Use_Count, if present
 };
 
@@ -57,6 +58,7 @@ const Torch& torch_api() {
   made->s_stride = PyUnicode_InternFromString("stride");
   made->s_untyped_storage = PyUnicode_InternFromString("untyped_storage");
   made->s_cdata = PyUnicode_InternFromString("_cdata");
+  made->s_requires_grad = PyUnicode_InternFromString("requires_grad");
   if (py::hasattr(C, "_storage_Use_Count")) made->storage_use_count = owned(C.attr("_storage_Use_Count"));
   t = made;
   return *t;
@@ -201,16 +203,27 @@ py::dict empty_kwargs(TorchDType dtype, int device) {
 
 py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream) {
   const Torch& T = torch_api();
-  for (Entry& e : entries_) {
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    Entry& e = entries_[i];
     if (e.stream != stream || e.shape != shape || Py_REFCNT(e.tensor.ptr()) != 1) continue;
     if (e.idle_uses < 0 || storage_uses(T, e.tensor) != e.idle_uses) continue;
+    if (get_attr(e.tensor, T.s_requires_grad).ptr() == Py_True) {
+      // Its last holder made it an autograd leaf: not a fresh output any more.
+      entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(i--));
+      continue;
+    }
     return e.tensor;
   }
   if (!kwargs_) kwargs_ = empty_kwargs(dtype_, device_);
   py::object t = torch_empty(shape, kwargs_);
+  if (capacity_ == 0) return t;
+  const int64_t uses = storage_uses(T, t);
+  if (uses <= 0) return t;
   if (entries_.size() < capacity_) {
-    const int64_t uses = storage_uses(T, t);
-    if (uses > 0) entries_.push_back(Entry{t, shape, stream, uses});
+    entries_.push_back(Entry{t, shape, stream, uses});
+  } else {  // full of outputs callers keep: forget one in turn (its holders keep it alive)
+    entries_[replace_next_] = Entry{t, shape, stream, uses};
+    replace_next_ = (replace_next_ + 1) % capacity_;
   }
   return t;
 }

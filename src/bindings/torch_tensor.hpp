@@ -69,7 +69,10 @@ py::dict empty_kwargs(TorchDType dtype, int device);
 // view of its storage) and is handed out again for the same shape on the same
 // stream (the rule of torch's caching allocator, which also reuses a block
 // only on the stream it was allocated for). torch.empty is skipped, and with
-// it a GIL release and re-acquire inside torch on every call. GIL held.
+// it a GIL release and re-acquire inside torch on every call. A tensor whose
+// last holder made it require grad is dropped, not handed out; when every
+// entry is kept by its callers, a new tensor takes an entry's place in turn
+// (the pool only forgets the old one). GIL held.
 class TensorPool {
  public:
   TensorPool(TorchDType dtype, int device, size_t capacity)
@@ -86,6 +89,7 @@ class TensorPool {
   TorchDType dtype_;
   int device_;
   size_t capacity_;
+  size_t replace_next_ = 0;
   std::vector<Entry> entries_;
   py::object kwargs_;
 };

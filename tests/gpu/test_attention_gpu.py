@@ -375,3 +375,37 @@ def diagnose():
 
 if __name__ == "__main__":
     diagnose()
+
+
+@pytest.mark.parametrize("path", ["own", "auto"])
+def test_pooled_outputs_are_not_reused_while_held(path, monkeypatch):
+    """No-grad calls recycle released outputs on the stream they ran on, and
+    never hand out one still held: every result keeps its own answer."""
+    from symheap.attention import attention_reference
+    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", path)
+    g = torch.Generator().manual_seed(23)
+    side = torch.cuda.Stream()
+
+    def call(stream=None):
+        q, k, v = (torch.randn(1, 128, 8, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+        ref, ref_lse = attention_reference(q.float(), k.float(), v.float(), causal=True)
+        q, k, v = (t.to("cuda") for t in (q, k, v))
+        stream = torch.cuda.current_stream() if stream is None else stream
+        stream.wait_stream(torch.cuda.current_stream())  # q, k, v were copied on this one
+        with torch.cuda.stream(stream):
+            out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        return out, lse, ref, ref_lse
+
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
+    held = [call() for _ in range(6)] + [call(side) for _ in range(3)]
+    taken = {storage(t) for r in held for t in r[:2]}
+    later = [call(s) for s in (None, side) * 3]
+    torch.cuda.synchronize()
+    for out, lse, _, _ in later:
+        assert storage(out) not in taken and storage(lse) not in taken
+    for out, lse, ref, ref_lse in held + later:
+        assert max_err(out.cpu(), ref) < 2e-2 and max_err(lse.cpu(), ref_lse) < 1e-2
+    released = [storage(call()[0]) for _ in range(4)]
+    assert len(set(released)) < len(released)

@@ -5,6 +5,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _core
+from . import _plan
 from ._kvcache import paged_varlen
 from ._plan import Plan, cached_plan, core_args, cudnn_status, make_plan, new_output, prepare
 
@@ -116,8 +117,14 @@ def _unpad(t: torch.Tensor, plan: Plan) -> torch.Tensor:
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, plan: Plan):
-        qp, kp, vp = prepare(q, plan), prepare(k, plan), prepare(v, plan)
-        out, lse = _run_forward(plan, qp, kp, vp)
+        # Fresh outputs (autograd saves them): None from the eager entry means
+        # an input needs prepare() first.
+        r = None if plan.eager is None else plan.eager.forward(q, k, v, False, _plan.poison_outputs)
+        if r is None:
+            qp, kp, vp = prepare(q, plan), prepare(k, plan), prepare(v, plan)
+            out, lse = _run_forward(plan, qp, kp, vp)
+        else:
+            (qp, kp, vp), (out, lse) = (q, k, v), r
         ctx.plan = plan
         ctx.save_for_backward(qp, kp, vp, out, lse)
         ctx.mark_non_differentiable(lse)
@@ -129,6 +136,13 @@ class _Attention(torch.autograd.Function):
         plan: Plan = ctx.plan
         qp, kp, vp, out, lse = ctx.saved_tensors
         want_dbias = plan.bias is not None and ctx.needs_input_grad[3]
+        if plan.eager is not None and not want_dbias:  # cached plans hold no bias
+            r = plan.eager.backward(qp, kp, vp, out, lse, dout, _plan.poison_outputs)
+            if r is None:
+                r = plan.eager.backward(qp, kp, vp, out, lse, prepare(dout, plan),
+                                        _plan.poison_outputs)
+            if r is not None:
+                return r[0], r[1], r[2], None, None
         dq, dk, dv, dbias = _run_backward(plan, qp, kp, vp, out, lse, prepare(dout, plan), want_dbias)
         return _unpad(dq, plan), _unpad(dk, plan), _unpad(dv, plan), dbias, None
 
@@ -137,8 +151,15 @@ def _attention(q, k, v, bias, plan: Plan, return_lse: bool):
     if _needs_grad(q, k, v, bias):
         out, lse = _Attention.apply(q, k, v, bias, plan)
     else:  # nothing to differentiate: skip the autograd node
-        out, lse = _run_forward(plan, prepare(q, plan), prepare(k, plan), prepare(v, plan))
-        out = _unpad(out, plan)
+        # Pooled outputs: the eager entry hands out again only tensors their
+        # callers released (see docs/attention.md).
+        r = None if plan.eager is None else plan.eager.forward(
+            q, k, v, True, _plan.poison_outputs, torch.is_inference_mode_enabled())
+        if r is None:
+            out, lse = _run_forward(plan, prepare(q, plan), prepare(k, plan), prepare(v, plan))
+            out = _unpad(out, plan)
+        else:
+            out, lse = r
     return (out, lse) if return_lse else out
 
 
@@ -159,10 +180,14 @@ def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scal
     Returns ``out`` (B, Sq, Hq, D), or ``(out, lse)`` with ``lse`` (B, Hq, Sq)
     float32 when ``return_lse``. Differentiable in q, k, v and bias.
     """
-    plan = cached_plan(q, k, v, causal=causal, window_size=window_size,
-                       softmax_scale=softmax_scale, softcap=softcap, bias=bias, mask=mask,
-                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                       deterministic=deterministic, backend=backend)
+    if bias is None and mask is None and alibi_slopes is None and not dropout_p:
+        plan = cached_plan(q, k, v, causal, window_size, softmax_scale, softcap, deterministic,
+                           backend)
+    else:  # tensor options: planned per call
+        plan = make_plan(q, k, v, varlen=False, causal=causal, window_size=window_size,
+                         softmax_scale=softmax_scale, softcap=softcap, bias=bias, mask=mask,
+                         alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                         deterministic=deterministic, backend=backend)
     return _attention(q, k, v, bias, plan, return_lse)
 
 

@@ -90,6 +90,9 @@ class Plan:
     # strides (see _function._run_cudnn); only plans from cached_plan are reused.
     cudnn_calls: dict = field(default_factory=dict, compare=False, repr=False)
     core_template: object = None  # fixed-length plans: the core's arguments without addresses
+    # Fixed-length plans without head-dim padding: the core's one-call eager
+    # entry (_core.AttentionEager: pooled outputs, stream, cuDNN or own kernels).
+    eager: object = None
 
 
 def _dtype_name(dtype) -> str:
@@ -233,41 +236,42 @@ _device_caches: dict = {}
 _device_caches_lock = threading.Lock()
 
 
-def cached_plan(q, k, v, **options) -> Plan:
-    """make_plan(q, k, v, varlen=False, **options). Plans of calls that hold no
-    tensor option (no bias, mask, ALiBi or dropout) are kept in their device's
+def cached_plan(q, k, v, causal, window_size, softmax_scale, softcap, deterministic,
+                backend) -> Plan:
+    """make_plan(q, k, v, varlen=False, ...) of a call that holds no tensor
+    option (no bias, mask, ALiBi or dropout). Plans are kept in their device's
     cache, shared by every thread calling on it and keyed by every input
-    make_plan reads: a repeat call skips the checks and the argument block."""
-    key = None
-    if (options["bias"] is None and options["mask"] is None and options["alibi_slopes"] is None
-            and not options["dropout_p"] and isinstance(q, torch.Tensor)
-            and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-        backend = options["backend"]
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, k.device, v.device,
-               options["causal"], options["window_size"], options["softmax_scale"],
-               options["softcap"], options["deterministic"],
-               os.environ.get(BACKEND_ENV, "") if backend is None else backend)
-        try:
-            hash(key)
-        except TypeError:  # an unhashable option (a list window): no caching
-            key = None
-    if key is None:
-        return make_plan(q, k, v, varlen=False, **options)
-    device = q.device
-    cache = _device_caches.get(device)
-    if cache is None:
-        with _device_caches_lock:
-            cache = _device_caches.setdefault(device, _DeviceCache())
-    with cache.lock:
-        plan = cache.plans.get(key)
+    make_plan reads: a repeat call skips the checks and the argument block.
+    The key is built from few, cheap values (torch's shape, dtype and device
+    objects, the backend variable read from the C environment): a hit costs
+    1-2 us on the cpu backend."""
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, k.device, v.device, causal,
+               window_size, softmax_scale, softcap, deterministic,
+               _core.attention_env(BACKEND_ENV) if backend is None else backend)
+        cache = _device_caches.get(q.device)
+        plan = cache.plans.get(key) if cache is not None else None  # dict reads are atomic
+    except (AttributeError, TypeError):  # not tensors, or an unhashable option: no caching
+        key = plan = None
     if plan is not None:
         return plan
-    plan = make_plan(q, k, v, varlen=False, **options)
+    plan = make_plan(q, k, v, varlen=False, causal=causal, window_size=window_size,
+                     softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic,
+                     backend=backend)
     plan.core_template = core_template(plan, q.dtype)
+    if plan.head_dim_run == plan.head_dim:  # else prepare() pads every call
+        plan.eager = _core.AttentionEager(plan.core_template, plan.backend)
+    if key is None:
+        return plan
+    with _device_caches_lock:
+        cache = _device_caches.setdefault(q.device, _DeviceCache())
     with cache.lock:
         if len(cache.plans) >= _MAX_PLANS_PER_DEVICE:
             cache.plans.clear()
-        return cache.plans.setdefault(key, plan)
+        try:
+            return cache.plans.setdefault(key, plan)
+        except TypeError:  # an unhashable option (a list window): no caching
+            return plan
 
 
 def core_template(plan: Plan, dtype) -> "_core.AttentionArgs":

@@ -260,6 +260,10 @@ void parallel_for(int64_t items, int threads, Fn fn) {
   if (error) std::rethrow_exception(error);
 }
 
+// Rows of a tile buffer: a block, or the whole sequence when shorter (a short
+// call then zero-fills kilobytes, not a full block's).
+int tile_size(int length, int block) { return std::max(1, std::min(block, length)); }
+
 // ------------------------------------------------------------ forward
 
 void forward_item(const Args& a, int b, int hq) {
@@ -267,8 +271,9 @@ void forward_item(const Args& a, int b, int hq) {
   const int d = a.head_dim, hk = hq / a.group();
   const LogitRule logits(a, b, hq, seq);
   const DropoutRule dropout(a, b, hq);
-  std::vector<float> q(kBlockM * d), k(kBlockN * d), v(kBlockN * d), acc(kBlockM * d);
-  std::vector<float> m(kBlockM), l(kBlockM), s(kBlockN), keep(kBlockN);
+  const int bm = tile_size(seq.sq, kBlockM), bn = tile_size(seq.sk, kBlockN);
+  std::vector<float> q(bm * d), k(bn * d), v(bn * d), acc(bm * d);
+  std::vector<float> m(bm), l(bm), s(bn), keep(bn);
 
   for (int m0 = 0; m0 < seq.sq; m0 += kBlockM) {
     const int rows = std::min(kBlockM, seq.sq - m0);
@@ -324,10 +329,11 @@ void forward_item(const Args& a, int b, int hq) {
 void backward_item(const Args& a, int b, int hk) {
   const Seq seq = sequence(a, b);
   const int d = a.head_dim, group = a.group();
-  std::vector<float> q(kBlockM * d), dout(kBlockM * d), o(kBlockM * d), dq(kBlockM * d);
-  std::vector<float> k(kBlockN * d), v(kBlockN * d);
+  const int bm = tile_size(seq.sq, kBlockM), bn = tile_size(seq.sk, kBlockN);
+  std::vector<float> q(bm * d), dout(bm * d), o(bm * d), dq(bm * d);
+  std::vector<float> k(bn * d), v(bn * d);
   std::vector<float> dk(static_cast<size_t>(seq.sk) * d, 0.0f), dv(static_cast<size_t>(seq.sk) * d, 0.0f);
-  std::vector<float> lse(kBlockM), delta(kBlockM), s(kBlockN), dcap(kBlockN), keep(kBlockN);
+  std::vector<float> lse(bm), delta(bm), s(bn), dcap(bn), keep(bn);
   float* dbias = static_cast<float*>(a.dbias.data);
 
   for (int hq = hk * group; hq < (hk + 1) * group; ++hq) {
@@ -388,11 +394,22 @@ void check_host_lengths(const Args& a) {
   check_cu_seqlens(a.cu_seqlens_k, a.batch, a.total_k, a.seqlen_k, "cu_seqlens_k");
 }
 
+// Worker threads start per call (tens of microseconds each): with the default
+// thread count, a call below this many multiply-adds runs on the calling thread.
+constexpr int64_t kInlineWork = int64_t{1} << 16;
+
+int threads_for(const Args& a, int threads) {
+  if (threads > 0) return threads;
+  const int64_t work = static_cast<int64_t>(a.batch) * a.heads_q * a.seqlen_q * a.seqlen_k * a.head_dim;
+  return work < kInlineWork ? 1 : threads;
+}
+
 }  // namespace
 
 void forward_cpu(const Args& a, int threads) {
   validate(a, false);
   check_host_lengths(a);
+  threads = threads_for(a, threads);
   parallel_for(static_cast<int64_t>(a.batch) * a.heads_q, threads, [&](int64_t it) {
     forward_item(a, static_cast<int>(it / a.heads_q), static_cast<int>(it % a.heads_q));
   });
@@ -402,6 +419,7 @@ void forward_cpu(const Args& a, int threads) {
 void backward_cpu(const Args& a, int threads) {
   validate(a, true);
   check_host_lengths(a);
+  threads = threads_for(a, threads);
   parallel_for(static_cast<int64_t>(a.batch) * a.heads_kv, threads, [&](int64_t it) {
     backward_item(a, static_cast<int>(it / a.heads_kv), static_cast<int>(it % a.heads_kv));
   });

@@ -55,8 +55,13 @@ void ensure_smem(int device, const void* kernel, size_t smem, const std::string&
 
 namespace {
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw InvalidArgument("attention (CUDA): " + message);
+// Messages are built only on failure: the checks run on every call.
+void require(bool ok, const char* message) {
+  if (!ok) throw InvalidArgument(std::string("attention (CUDA): ") + message);
+}
+template <class MakeMessage>
+void require(bool ok, MakeMessage make_message) {
+  if (!ok) throw InvalidArgument("attention (CUDA): " + make_message());
 }
 
 bool aligned(const Tensor& t) {
@@ -66,14 +71,16 @@ bool aligned(const Tensor& t) {
 
 void validate_cuda(const Args& a, bool backward) {
   require(a.q.dtype == DType::F16 || a.q.dtype == DType::BF16,
-          std::string("takes float16 or bfloat16 tensors, got ") + dtype_name(a.q.dtype));
+          [&] { return std::string("takes float16 or bfloat16 tensors, got ") + dtype_name(a.q.dtype); });
   require(a.head_dim % 8 == 0, "head_dim must be a multiple of 8 (pad it; the Python API does)");
   const char* names[] = {"q", "k", "v", "out", "dout", "dq", "dk", "dv"};
   const Tensor* tensors[] = {&a.q, &a.k, &a.v, &a.out, &a.dout, &a.dq, &a.dk, &a.dv};
   for (int n = 0; n < (backward ? 8 : 4); ++n)
-    require(aligned(*tensors[n]), std::string(names[n]) +
-                                      " needs 16-byte aligned rows (address and strides multiples "
-                                      "of 8 elements): make it contiguous");
+    require(aligned(*tensors[n]), [&] {
+      return std::string(names[n]) +
+             " needs 16-byte aligned rows (address and strides multiples of 8 elements): make it "
+             "contiguous";
+    });
   require(a.heads_q <= 65535 && a.batch <= 65535, "batch and head counts must be <= 65535");
 }
 
@@ -104,8 +111,10 @@ void check_stream_device(void* stream, int device) {
     int stream_device = -1;
     SYMHEAP_CUDA_CHECK(
         cudaStreamGetDevice(static_cast<cudaStream_t>(stream), &stream_device));
-    require(stream_device == device, "the stream belongs to device " + std::to_string(stream_device) +
-                                         " but the tensors are on device " + std::to_string(device));
+    require(stream_device == device, [&] {
+      return "the stream belongs to device " + std::to_string(stream_device) +
+             " but the tensors are on device " + std::to_string(device);
+    });
   }
 #else
   (void)stream;
@@ -211,9 +220,10 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
   validate(a, true);
   validate_cuda(a, true);
   const size_t need = backward_cuda_workspace_bytes(a);
-  require(bytes >= need && (need == 0 || workspace != nullptr),
-          "the backward workspace has " + std::to_string(bytes) + " bytes; it needs " +
-              std::to_string(need) + " (backward_cuda_workspace_bytes)");
+  require(bytes >= need && (need == 0 || workspace != nullptr), [&] {
+    return "the backward workspace has " + std::to_string(bytes) + " bytes; it needs " +
+           std::to_string(need) + " (backward_cuda_workspace_bytes)";
+  });
   require(reinterpret_cast<uintptr_t>(workspace) % 16 == 0, "the workspace must be 16-byte aligned");
   if (a.seqlen_q == 0 && a.seqlen_k == 0) return;
   DeviceScope scope(device);

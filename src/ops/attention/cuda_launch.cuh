@@ -3,6 +3,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
 #include <string>
 
 #include "backends/cuda_util.cuh"
@@ -27,43 +29,61 @@ inline int head_dim_bucket(int d) {
 
 inline unsigned blocks(int n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
 
+// "fwd.64", "delta": a kernel's name in the per-device caches and in errors.
+inline std::string kernel_key(const char* name, int db) {
+  return db ? std::string(name) + "." + std::to_string(db) : std::string(name);
+}
+
+// Devices (one bit each, ordinals below 64) where one kernel's shared-memory
+// limit is already raised: after the first launch on a device, a launch costs
+// no lookup, lock or string. Higher ordinals take ensure_smem's cache.
+using ReadyDevices = std::atomic<uint64_t>;
+
 template <class Kernel>
 void launch(const Launch& l, Kernel kernel, dim3 grid, int threads, size_t smem, const KArgs& p,
-            const std::string& key) {
-  ensure_smem(l.device, reinterpret_cast<const void*>(kernel), smem,
-              key + "." + l.type_name);
+            const char* name, int db, ReadyDevices& ready) {
+  const uint64_t bit = l.device >= 0 && l.device < 64 ? uint64_t{1} << l.device : 0;
+  if (!(ready.load(std::memory_order_acquire) & bit)) {
+    ensure_smem(l.device, reinterpret_cast<const void*>(kernel), smem,
+                kernel_key(name, db) + "." + l.type_name);
+    ready.fetch_or(bit, std::memory_order_acq_rel);
+  }
   kernel<<<grid, threads, smem, l.stream>>>(p);
-  SYMHEAP_CUDA_CHECK_LAUNCH(("attention kernel " + key).c_str());
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    ::symheap::cuda::check(err, ("attention kernel " + kernel_key(name, db)).c_str(), __FILE__, __LINE__);
 }
 
 template <class T, int DB>
 void forward_bucket(const Launch& l, const KArgs& p) {
   using C = FwdConfig<DB>;
+  static ReadyDevices ready{0};
   launch(l, attention_fwd_kernel<T, DB>, dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch),
-         C::kThreads, C::kSmem, p, "fwd." + std::to_string(DB));
+         C::kThreads, C::kSmem, p, "fwd", DB, ready);
 }
 
 template <class T, int DB>
 void backward_bucket(const Launch& l, const KArgs& p) {
+  static ReadyDevices ready_delta{0}, ready_dq{0}, ready_dv{0}, ready_dk{0}, ready_dkdv{0};
   if (p.seqlen_q > 0) {
     launch(l, attention_bwd_delta_kernel<T>,
            dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
-           p, "delta");
+           p, "delta", 0, ready_delta);
     using Q = DqConfig<DB>;
     launch(l, attention_bwd_dq_kernel<T, DB>, dim3(blocks(p.seqlen_q, Q::kBlockM), p.heads_q, p.batch),
-           Q::kThreads, Q::kSmem, p, "dq." + std::to_string(DB));
+           Q::kThreads, Q::kSmem, p, "dq", DB, ready_dq);
   }
   if (p.seqlen_k > 0) {
     using K = DkvConfig<DB>;
     const dim3 grid(blocks(p.seqlen_k, K::kBlockN), p.heads_kv, p.batch);
     if constexpr (K::kSplit) {
       launch(l, attention_bwd_dkdv_kernel<T, DB, true, false>, grid, K::kThreads, K::kSmem, p,
-             "dv." + std::to_string(DB));
+             "dv", DB, ready_dv);
       launch(l, attention_bwd_dkdv_kernel<T, DB, false, true>, grid, K::kThreads, K::kSmem, p,
-             "dk." + std::to_string(DB));
+             "dk", DB, ready_dk);
     } else {
       launch(l, attention_bwd_dkdv_kernel<T, DB, true, true>, grid, K::kThreads, K::kSmem, p,
-             "dkdv." + std::to_string(DB));
+             "dkdv", DB, ready_dkdv);
     }
   }
 }

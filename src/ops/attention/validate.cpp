@@ -21,8 +21,13 @@ const char* dtype_name(DType t) {
 size_t dtype_size(DType t) { return t == DType::F32 ? 4 : 2; }
 
 namespace {
-void require(bool ok, const std::string& message) {
-  if (!ok) throw InvalidArgument("attention: " + message);
+// Messages are built only on failure: validate() runs on every call.
+void require(bool ok, const char* message) {
+  if (!ok) throw InvalidArgument(std::string("attention: ") + message);
+}
+template <class MakeMessage>
+void require(bool ok, MakeMessage make_message) {
+  if (!ok) throw InvalidArgument("attention: " + make_message());
 }
 
 bool valid_dtype(DType t) {
@@ -30,21 +35,24 @@ bool valid_dtype(DType t) {
 }
 
 void check_tensor(const Tensor& t, const char* name, DType want, bool empty) {
-  require(t.data != nullptr || empty, std::string(name) + " is missing");
-  require(t.dtype == want, std::string(name) + " is " + dtype_name(t.dtype) + " but q is " +
-                               dtype_name(want) + ": give q, k, v (and gradients) one dtype");
+  require(t.data != nullptr || empty, [&] { return std::string(name) + " is missing"; });
+  require(t.dtype == want, [&] {
+    return std::string(name) + " is " + dtype_name(t.dtype) + " but q is " + dtype_name(want) +
+           ": give q, k, v (and gradients) one dtype";
+  });
 }
 }  // namespace
 
 void validate(const Args& a, bool backward) {
-  require(a.batch >= 1, "batch must be >= 1, got " + std::to_string(a.batch));
+  require(a.batch >= 1, [&] { return "batch must be >= 1, got " + std::to_string(a.batch); });
   require(a.heads_q >= 1 && a.heads_kv >= 1, "head counts must be >= 1");
-  require(a.heads_q % a.heads_kv == 0,
-          "the number of query heads (" + std::to_string(a.heads_q) +
-              ") must be a multiple of the number of key/value heads (" +
-              std::to_string(a.heads_kv) + ")");
+  require(a.heads_q % a.heads_kv == 0, [&] {
+    return "the number of query heads (" + std::to_string(a.heads_q) +
+           ") must be a multiple of the number of key/value heads (" +
+           std::to_string(a.heads_kv) + ")";
+  });
   require(a.head_dim >= 1 && a.head_dim <= 256,
-          "head_dim must be in [1, 256], got " + std::to_string(a.head_dim));
+          [&] { return "head_dim must be in [1, 256], got " + std::to_string(a.head_dim); });
   require(a.seqlen_q >= 0 && a.seqlen_k >= 0, "sequence lengths must be >= 0");
   require((a.cu_seqlens_q == nullptr) == (a.cu_seqlens_k == nullptr),
           "give both cu_seqlens_q and cu_seqlens_k, or neither");
@@ -52,7 +60,7 @@ void validate(const Args& a, bool backward) {
   require(std::isfinite(a.scale), "softmax_scale must be finite");
   require(std::isfinite(a.softcap) && a.softcap >= 0, "softcap must be >= 0 (0 disables it)");
   require(a.dropout_p >= 0 && a.dropout_p < 1,
-          "dropout_p must be in [0, 1), got " + std::to_string(a.dropout_p));
+          [&] { return "dropout_p must be in [0, 1), got " + std::to_string(a.dropout_p); });
   require(a.offset < (uint64_t{1} << 32), "the dropout offset must be below 2^32");
   require(valid_dtype(a.q.dtype), "unsupported dtype");
   // Empty tensors may come with a null address.
