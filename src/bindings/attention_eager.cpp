@@ -22,6 +22,7 @@
 #include "bindings/registry.hpp"
 #include "bindings/torch_tensor.hpp"
 #include "ops/attention/attention.hpp"
+#include "ops/attention/path_choice.hpp"
 #ifdef SYMHEAP_WITH_CUDNN
 #include "ops/attention/cudnn_attention.hpp"
 #endif
@@ -71,13 +72,11 @@ void fill(Tensor& t, uintptr_t ptr, const std::vector<int64_t>& strides) {
   t.head_stride = strides[2];
 }
 
-enum class Backend { Auto, Cudnn, Own };
-
-Backend parse_backend(const std::string& name) {
-  if (name == "auto") return Backend::Auto;
-  if (name == "cudnn") return Backend::Cudnn;
-  if (name == "own") return Backend::Own;
-  throw InvalidArgument("attention: backend must be 'auto', 'cudnn' or 'own', got '" + name + "'");
+// The plan's path, already resolved by the core's rule (choose_path).
+Path parse_path(const std::string& name) {
+  for (Path p : {Path::Auto, Path::Cudnn, Path::Own})
+    if (name == path_name(p)) return p;
+  throw InvalidArgument("attention: backend must be one of " + path_names() + ", got '" + name + "'");
 }
 
 // One fixed-length plan's eager calls. Shared by the threads calling on its
@@ -87,7 +86,7 @@ class EagerAttention {
  public:
   EagerAttention(const Args& plan, const std::string& backend)
       : plan_(plan),
-        backend_(parse_backend(backend)),
+        backend_(parse_path(backend)),
         dtype_(torch_dtype(plan.q.dtype)) {
     out_shape_ = {plan.batch, plan.seqlen_q, plan.heads_q, plan.head_dim};
     lse_shape_ = {plan.batch, plan.heads_q, plan.seqlen_q};
@@ -247,7 +246,7 @@ class EagerAttention {
 #ifdef SYMHEAP_WITH_CUDA
     void* s = reinterpret_cast<void*>(stream);
 #ifdef SYMHEAP_WITH_CUDNN
-    if (backend_ != Backend::Own) {
+    if (backend_ != Path::Own) {
       const std::shared_ptr<const CudnnCall> call = cudnn_outcome(a, backward, device, inputs);
       if (call->ok) {
         py::object ws = workspace(pools, call->bytes, device, stream);
@@ -259,7 +258,7 @@ class EagerAttention {
           cudnn::forward(a, device, s, w, call->bytes);
         return;
       }
-      if (backend_ == Backend::Cudnn)
+      if (backend_ == Path::Cudnn)
         throw Unsupported("attention: backend='cudnn' cannot run this call: " + call->reason);
     }
 #else
@@ -319,7 +318,7 @@ class EagerAttention {
 #endif
 
   const Args plan_;
-  const Backend backend_;
+  const Path backend_;
   const TorchDType dtype_;
   std::vector<int64_t> out_shape_, lse_shape_, out_strides_, lse_strides_;
   bool pool_outputs_ = true;
