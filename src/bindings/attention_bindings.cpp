@@ -229,6 +229,8 @@ SYMHEAP_BINDINGS(attention) {
         r["mask_kv_heads"] = p.mask.kv_heads;
         r["scratch_forward"] = scratch_layout(p, false, false).total;
         r["scratch_backward"] = scratch_layout(p, true, p.bias.present).total;
+        r["cudnn_reserve_forward"] = cudnn_workspace_reserve(p, false);
+        r["cudnn_reserve_backward"] = cudnn_workspace_reserve(p, true);
         return r;
       },
       py::arg("varlen"), py::arg("on_cuda"), py::arg("q"), py::arg("k"), py::arg("v"),

@@ -194,6 +194,7 @@ Call prepare(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary a
     throw InvalidArgument("attention: the scratch result has " + std::to_string(scratch.size_bytes()) +
                           " bytes, the call needs " + std::to_string(c.layout.total));
   c.scratch = static_cast<char*>(scratch.untyped_data());
+  c.scratch_bytes = scratch.size_bytes();
   auto piece = [&](ScratchLayout::Piece k) { return c.scratch + c.layout.offset[k]; };
 
   const std::vector<int64_t>& qshape = arg_spec(in.fixed[0]).shape;
@@ -369,9 +370,8 @@ ffi::Error backward_cpu_impl(ffi::RemainingArgs args, ffi::RemainingRets rets, f
 // Runs the call through cuDNN when its path allows it and cuDNN takes it (the
 // rule of the torch front end); false: the own kernels run it. The graph is
 // built at the first call of its key (host work: no command-buffer claim);
-// the workspace comes from XLA's scratch allocator.
-bool run_cudnn(const Call& c, Path path, bool backward, int device, void* stream,
-               ffi::ScratchAllocator& scratch) {
+// the workspace is the scratch result's tail (cudnn_workspace_reserve).
+bool run_cudnn(const Call& c, Path path, bool backward, int device, void* stream) {
   if (path == Path::Own) return false;
 #ifdef SYMHEAP_WITH_CUDNN
   std::string why;
@@ -382,42 +382,41 @@ bool run_cudnn(const Call& c, Path path, bool backward, int device, void* stream
     prepared = cudnn::prepare(c.args, backward, device);
     if (!prepared.ok) why = prepared.reason;
   }
+  // The workspace: the scratch result past the call's own pieces, 256-byte aligned.
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(c.scratch);
+  const uintptr_t end = begin + c.scratch_bytes;
+  const uintptr_t workspace_at = (begin + c.layout.total + 255) / 256 * 256;
+  const size_t available = workspace_at < end ? end - workspace_at : 0;
+  if (why.empty() && prepared.workspace_bytes > available)
+    why = "its graph needs a workspace of " + std::to_string(prepared.workspace_bytes) +
+          " bytes, more than the " + std::to_string(available) + " set aside at trace time";
   if (!why.empty()) {
     if (path == Path::Cudnn) throw Unsupported("attention: backend='cudnn' cannot run this call: " + why);
     return false;
   }
-  void* workspace = nullptr;
-  if (prepared.workspace_bytes > 0) {
-    auto block = scratch.Allocate(prepared.workspace_bytes, 256);
-    if (!block.has_value())
-      throw std::runtime_error("attention (cuDNN): XLA could not allocate a workspace of " +
-                               std::to_string(prepared.workspace_bytes) + " bytes");
-    workspace = *block;
-  }
+  void* workspace = prepared.workspace_bytes > 0 ? reinterpret_cast<void*>(workspace_at) : nullptr;
   if (backward) cudnn::backward(c.args, device, stream, workspace, prepared.workspace_bytes);
   else cudnn::forward(c.args, device, stream, workspace, prepared.workspace_bytes);
   return true;
 #else
-  (void)c, (void)backward, (void)device, (void)stream, (void)scratch;
+  (void)c, (void)backward, (void)device, (void)stream;
   return false;  // choose_path already refused a forced "cudnn"
 #endif
 }
 
-ffi::Error forward_cuda_impl(void* stream, int32_t device, ffi::ScratchAllocator scratch,
-                             ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+ffi::Error forward_cuda_impl(void* stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   return symheap::xla_ffi::guarded([&] {
     const Path path = requested_path(attrs, true);
     Call c = prepare(args, rets, attrs, false, true);
-    if (!run_cudnn(c, path, false, device, stream, scratch)) run_forward_cuda(c, device, stream);
+    if (!run_cudnn(c, path, false, device, stream)) run_forward_cuda(c, device, stream);
   });
 }
 
-ffi::Error backward_cuda_impl(void* stream, int32_t device, ffi::ScratchAllocator scratch,
-                              ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+ffi::Error backward_cuda_impl(void* stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   return symheap::xla_ffi::guarded([&] {
     const Path path = requested_path(attrs, true);
     Call c = prepare(args, rets, attrs, true, true);
-    if (!run_cudnn(c, path, true, device, stream, scratch)) run_backward_cuda(c, device, stream);
+    if (!run_cudnn(c, path, true, device, stream)) run_backward_cuda(c, device, stream);
   });
 }
 #endif
@@ -442,7 +441,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(symheap_attention_fwd_cuda, sax::forward_cuda_impl
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attrs());
@@ -450,7 +448,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(symheap_attention_bwd_cuda, sax::backward_cuda_imp
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attrs());

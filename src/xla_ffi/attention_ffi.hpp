@@ -15,6 +15,7 @@ struct Call {
   Args args;                 // what the core reads and writes (padded copies when `padded`)
   bool padded = false;       // CUDA: head dim padded to a multiple of 8 in scratch copies
   char* scratch = nullptr;
+  size_t scratch_bytes = 0;  // the whole scratch result; past layout.total: cuDNN's workspace
   // The caller's buffers at the caller's head dim.
   Tensor user_q, user_k, user_v, user_out, user_dout, user_dq, user_dk, user_dv;
   void* dbias_out = nullptr;  // the bias's shape and dtype; args.dbias is the fp32 accumulator

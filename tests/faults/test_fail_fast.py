@@ -140,9 +140,9 @@ import sys, threading, time
 import symheap
 uid, what = symheap.get_unique_id(), sys.argv[1]
 if what == "init":
-    print("waiting", flush=True)
     t0 = time.monotonic()
-    try:
+    try:  # from "waiting" on, a Ctrl-C must land in this handler
+        print("waiting", flush=True)
         symheap.init(0, 2, uid, device=0, heap_size="1M", timeout=30)  # PE 1 never comes
     except KeyboardInterrupt:
         print("interrupted", time.monotonic() - t0, flush=True)
@@ -156,9 +156,9 @@ other = threading.Thread(target=idle_pe, daemon=True)
 other.start()
 symheap.init(0, 2, uid, device=0, heap_size="1M", timeout=30)
 word = symheap.empty((1,), "uint64", like="numpy")
-print("waiting", flush=True)
 t0 = time.monotonic()
 try:
+    print("waiting", flush=True)
     if what == "signal_wait":
         symheap.signal_wait_until(word, "eq", 1, timeout=30)
     else:

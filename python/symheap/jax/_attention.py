@@ -113,6 +113,7 @@ class _Options(NamedTuple):
     has_bias: bool
     has_mask: bool
     has_alibi: bool
+    cudnn_scratch: bool  # the scratch result sets aside cuDNN's workspace (CUDA path may be cuDNN)
 
 
 def _attrs(o: _Options) -> dict:
@@ -188,8 +189,9 @@ def _forward(o: _Options, q, k, v, bias, mask, alibi, cu_q, cu_k):
     plan = _plan(o, q, k, v, bias, mask, alibi, cu_q, cu_k)
     hq = plan["heads_q"]
     lse_shape = (hq, q.shape[0]) if o.varlen else (plan["batch"], hq, plan["seqlen_q"])
+    scratch = plan["scratch_forward"] + (plan["cudnn_reserve_forward"] if o.cudnn_scratch else 0)
     results = ((tuple(q.shape), np.dtype(q.dtype).name), (lse_shape, "float32"),
-               ((max(plan["scratch_forward"], 1),), "uint8"))
+               ((max(scratch, 1),), "uint8"))
     operands = [q, k, v, *_operands(o, bias, mask, alibi, cu_q, cu_k)]
     axes = _union_axes(operands)
     out, lse, _ = _ffi(_FWD, results)(*_vary(operands, axes), **_attrs(o))
@@ -203,7 +205,8 @@ def _backward(o: _Options, q, k, v, bias, mask, alibi, cu_q, cu_k, out, lse, dou
                (tuple(v.shape), np.dtype(v.dtype).name)]
     if o.has_bias:
         results.append((tuple(bias.shape), np.dtype(bias.dtype).name))
-    results.append(((max(plan["scratch_backward"], 1),), "uint8"))
+    scratch = plan["scratch_backward"] + (plan["cudnn_reserve_backward"] if o.cudnn_scratch else 0)
+    results.append(((max(scratch, 1),), "uint8"))
     operands = [q, k, v, out, lse, dout.astype(q.dtype),
                 *_operands(o, bias, mask, alibi, cu_q, cu_k)]
     axes = _union_axes(operands)
@@ -244,7 +247,8 @@ def _call(q, k, v, *, varlen, cu_q=None, cu_k=None, max_seqlen_q=0, max_seqlen_k
     # The core's rule, checked now for the default platform (a bad name, or a
     # forced "cudnn" where it cannot run, is an error at trace time); the
     # handler applies it again for the platform the call runs on.
-    _core.attention_choose_path(backend, jax.default_backend() == "gpu")
+    on_gpu = jax.default_backend() == "gpu"
+    path = _core.attention_choose_path(backend, on_gpu)
     try:
         window = (int(window_size[0]), int(window_size[1]))
     except (TypeError, ValueError, IndexError):
@@ -257,7 +261,8 @@ def _call(q, k, v, *, varlen, cu_q=None, cu_k=None, max_seqlen_q=0, max_seqlen_k
         alibi_slopes = jnp.asarray(alibi_slopes, jnp.float32)
     o = _Options(varlen, _as_int(max_seqlen_q, "max_seqlen_q"), _as_int(max_seqlen_k, "max_seqlen_k"),
                  bool(causal), window, scale, float(softcap), dropout_p, s, off, bool(deterministic),
-                 "" if backend is None else backend, bias is not None, mask is not None, alibi_slopes is not None)
+                 "" if backend is None else backend, bias is not None, mask is not None, alibi_slopes is not None,
+                 on_gpu and path != "own")
     _plan(o, q, k, v, bias, mask, alibi_slopes, cu_q, cu_k)  # errors at trace time
     _register_targets()
     # Under shard_map every operand varies over the same mesh axes; marking an

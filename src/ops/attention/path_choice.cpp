@@ -59,4 +59,12 @@ Path choose_path(const std::optional<std::string>& requested, bool on_cuda) {
   return p;
 }
 
+size_t cudnn_workspace_reserve(const CallPlan& p, bool backward) {
+  if (p.varlen || p.dtype == DType::F32 || p.head_dim_run != p.head_dim) return 0;
+  constexpr size_t kSlack = size_t{1} << 20;
+  if (!backward) return kSlack;
+  const size_t rows = static_cast<size_t>(p.batch) * p.heads_q * p.seqlen_q;
+  return rows * p.head_dim * sizeof(float) + 2 * rows * sizeof(float) + kSlack;
+}
+
 }  // namespace symheap::attention

@@ -1,8 +1,11 @@
 // Which CUDA path an attention call takes: cuDNN's fused attention or the
 // op's own kernels. One rule for every front end (torch, XLA FFI).
 #pragma once
+#include <cstddef>
 #include <optional>
 #include <string>
+
+#include "ops/attention/call_plan.hpp"
 
 namespace symheap::attention {
 
@@ -25,5 +28,12 @@ std::string cudnn_unavailable_reason();
 // "cudnn" is InvalidArgument. A forced "cudnn" without a usable cuDNN path is
 // Unsupported, naming why; an unknown name is InvalidArgument.
 Path choose_path(const std::optional<std::string>& requested, bool on_cuda);
+
+// Bytes the XLA handlers add to a call's scratch result for cuDNN's workspace
+// (result shapes are fixed at trace time, before any graph exists): 1 MiB
+// forward; backward an fp32 dQ, two fp32 statistics per query row and 1 MiB.
+// 0 where cuDNN never runs (varlen, float32, padded head dims). A graph that
+// needs more than this runs on the own kernels (or raises when forced).
+size_t cudnn_workspace_reserve(const CallPlan& p, bool backward);
 
 }  // namespace symheap::attention
