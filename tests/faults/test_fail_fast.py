@@ -136,7 +136,10 @@ def test_ep_call_after_a_timeout_raises_at_once_with_the_cause():
 # ------------------------------------------------------------------ Ctrl-C
 
 _INTERRUPTIBLE = """
-import sys, threading, time
+import signal, sys, threading, time
+# A shell starting the test run in the background makes its children ignore
+# SIGINT; a terminal's Python has this handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import symheap
 uid, what = symheap.get_unique_id(), sys.argv[1]
 if what == "init":
