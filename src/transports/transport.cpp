@@ -38,9 +38,11 @@ Transport& Transports::select(int pe, Via via) const {
 }
 
 void Transports::quiet(PeState& s, StreamHandle stream) const {
-  // SM stores run on the caller's stream, which load/store's quiet completes.
-  for (const auto* t : {&load_store_, &copy_engine_, &remote_})
-    if (*t) (*t)->quiet(s, stream);
+  // The backend's quiet (load/store's) completes the caller's stream, where
+  // SM stores run, and on cuda every copy-engine channel of the device too:
+  // the barrier relies on that, so the copy-engine transport adds nothing.
+  load_store_->quiet(s, stream);
+  remote_->quiet(s, stream);
 }
 
 }  // namespace symheap

@@ -377,27 +377,18 @@ bool run_cudnn(const Call& c, Path path, bool backward, int device, void* stream
   std::string why;
   if (c.padded) why = "cuDNN takes head dims that are multiples of 8 up to 256";
   else if (backward && c.args.dbias.data) why = "a bias gradient runs on the own kernels";
-  cudnn::Prepared prepared;
   if (why.empty()) {
-    prepared = cudnn::prepare(c.args, backward, device);
-    if (!prepared.ok) why = prepared.reason;
+    // The workspace: the scratch result past the call's own pieces, 256-byte aligned.
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(c.scratch);
+    const uintptr_t end = begin + c.scratch_bytes;
+    const uintptr_t workspace_at = (begin + c.layout.total + 255) / 256 * 256;
+    const size_t available = workspace_at < end ? end - workspace_at : 0;
+    why = cudnn::try_run(c.args, backward, device, stream,
+                         available ? reinterpret_cast<void*>(workspace_at) : nullptr, available);
+    if (why.empty()) return true;
   }
-  // The workspace: the scratch result past the call's own pieces, 256-byte aligned.
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(c.scratch);
-  const uintptr_t end = begin + c.scratch_bytes;
-  const uintptr_t workspace_at = (begin + c.layout.total + 255) / 256 * 256;
-  const size_t available = workspace_at < end ? end - workspace_at : 0;
-  if (why.empty() && prepared.workspace_bytes > available)
-    why = "its graph needs a workspace of " + std::to_string(prepared.workspace_bytes) +
-          " bytes, more than the " + std::to_string(available) + " set aside at trace time";
-  if (!why.empty()) {
-    if (path == Path::Cudnn) throw Unsupported("attention: backend='cudnn' cannot run this call: " + why);
-    return false;
-  }
-  void* workspace = prepared.workspace_bytes > 0 ? reinterpret_cast<void*>(workspace_at) : nullptr;
-  if (backward) cudnn::backward(c.args, device, stream, workspace, prepared.workspace_bytes);
-  else cudnn::forward(c.args, device, stream, workspace, prepared.workspace_bytes);
-  return true;
+  if (path == Path::Cudnn) throw Unsupported("attention: backend='cudnn' cannot run this call: " + why);
+  return false;
 #else
   (void)c, (void)backward, (void)device, (void)stream;
   return false;  // choose_path already refused a forced "cudnn"

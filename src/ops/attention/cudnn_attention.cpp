@@ -312,15 +312,23 @@ bool aligned(const Tensor& t) {
          t.head_stride % 8 == 0;
 }
 
-void execute(const Args& a, bool backward, int device, void* stream, void* workspace, size_t bytes) {
+// Runs the call's graph; returns false (running nothing) when there is none,
+// with the reason in `why`, or when `bytes` fall short of its workspace, with
+// the shortfall in `short_of`.
+bool run(const Args& a, bool backward, int device, void* stream, void* workspace, size_t bytes,
+         std::string& why, std::string& short_of) {
   validate(a, backward);
   DeviceScope scope(device);
   Lookup l = lookup(a, backward, device);
-  if (!l.entry || !l.entry->graph)
-    throw Unsupported("attention (cuDNN): this call cannot run through cuDNN: " + l.reason);
-  if (bytes < static_cast<size_t>(l.entry->workspace) || (l.entry->workspace > 0 && workspace == nullptr))
-    throw InvalidArgument("attention (cuDNN): the workspace has " + std::to_string(bytes) + " bytes; it needs " +
-                          std::to_string(l.entry->workspace) + " (from prepare)");
+  if (!l.entry || !l.entry->graph) {
+    why = l.reason;
+    return false;
+  }
+  if (bytes < static_cast<size_t>(l.entry->workspace) || (l.entry->workspace > 0 && workspace == nullptr)) {
+    short_of = "the workspace has " + std::to_string(bytes) + " bytes; it needs " +
+               std::to_string(l.entry->workspace);
+    return false;
+  }
   if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
     throw InvalidArgument("attention (cuDNN): the workspace must be 256-byte aligned");
 #if CUDART_VERSION >= 12080
@@ -346,6 +354,14 @@ void execute(const Args& a, bool backward, int device, void* stream, void* works
   if (status.is_bad())
     throw std::runtime_error("attention (cuDNN): executing the " + std::string(backward ? "backward" : "forward") +
                              " graph failed: " + status.get_message());
+  return true;
+}
+
+void execute(const Args& a, bool backward, int device, void* stream, void* workspace, size_t bytes) {
+  std::string why, short_of;
+  if (run(a, backward, device, stream, workspace, bytes, why, short_of)) return;
+  if (!why.empty()) throw Unsupported("attention (cuDNN): this call cannot run through cuDNN: " + why);
+  throw InvalidArgument("attention (cuDNN): " + short_of + " (from prepare)");
 }
 
 }  // namespace
@@ -407,6 +423,12 @@ void forward(const Args& a, int device, void* stream, void* workspace, size_t by
 
 void backward(const Args& a, int device, void* stream, void* workspace, size_t bytes) {
   execute(a, true, device, stream, workspace, bytes);
+}
+
+std::string try_run(const Args& a, bool backward, int device, void* stream, void* workspace, size_t bytes) {
+  std::string why, short_of;
+  if (run(a, backward, device, stream, workspace, bytes, why, short_of)) return "";
+  return why.empty() ? short_of : why;
 }
 
 }  // namespace symheap::attention::cudnn

@@ -44,4 +44,10 @@ Prepared prepare(const Args& a, bool backward, int device);
 void forward(const Args& a, int device, void* stream, void* workspace, size_t bytes);
 void backward(const Args& a, int device, void* stream, void* workspace, size_t bytes);
 
+// One lookup instead of prepare() then forward()/backward(), for callers that
+// hold their workspace before knowing the graph's size: runs the call when
+// cuDNN takes it and `bytes` cover the graph's workspace and returns ""; else
+// runs nothing and returns why not.
+std::string try_run(const Args& a, bool backward, int device, void* stream, void* workspace, size_t bytes);
+
 }  // namespace symheap::attention::cudnn
