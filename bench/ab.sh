@@ -11,18 +11,22 @@
 # in parallel, JOBS compile jobs each); then each round runs
 # `python3 SCRIPT ARGS` once per variant, in the order given (head last), with
 # PYTHONPATH=/tmp/ab-NAME, and prints its "summary" lines prefixed by the name.
-# Build logs go to $OUT (default ./ab-logs).
+# Build logs go to $OUT (default ./ab-logs). With -s, each variant runs its own copy
+# of SCRIPT (for variants whose bench script or API differ); lines matching
+# $AB_GREP (default "summary") are reported. AB_REUSE=1 keeps builds already in /tmp/ab-*.
 #
 # Example: bash bench/ab.sh -r 2 "bench/ep_bench.py --cases 1 --iters 200" diag/main.patch
 set -uo pipefail
 cd "$(dirname "$0")/.."
 rounds=1
 jobs=6
-while getopts "r:j:" opt; do
+own_script=0
+while getopts "r:j:s" opt; do
   case $opt in
     r) rounds=$OPTARG ;;
     j) jobs=$OPTARG ;;
-    *) echo "usage: bash bench/ab.sh [-r ROUNDS] [-j JOBS] \"SCRIPT ARGS\" [PATCH ...]" >&2; exit 2 ;;
+    s) own_script=1 ;;
+    *) echo "usage: bash bench/ab.sh [-s] [-r ROUNDS] [-j JOBS] \"SCRIPT ARGS\" [PATCH ...]" >&2; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
@@ -55,6 +59,9 @@ done
 names+=(head)
 
 build() {  # name, source
+  if [ -n "${AB_REUSE:-}" ] && [ -d "/tmp/ab-$1/symheap" ]; then
+    echo "[ab] reusing the build of $1 (AB_REUSE)"; return 0
+  fi
   rm -rf "/tmp/ab-$1" "$2/build"
   if (cd "$2" && SYMHEAP_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$jobs python3 -m pip install -q \
         --no-build-isolation --no-deps --target "/tmp/ab-$1" .) > "$OUT/build-$1.log" 2>&1; then
@@ -80,10 +87,12 @@ echo "[ab] builds done in $(( $(date +%s) - start )) s"
 for ((r = 1; r <= rounds; r++)); do
   for name in "${names[@]}"; do
     log="$OUT/run-$name-$r.log"
+    dir=$tree
+    [ $own_script = 1 ] && [ "$name" != head ] && dir=/tmp/ab-src-$name
     # shellcheck disable=SC2086  # the script and its arguments, split on purpose
-    PYTHONPATH=/tmp/ab-$name timeout "${AB_TIMEOUT:-300}" python3 $bench > "$log" 2>&1
+    (cd "$dir" && PYTHONPATH=/tmp/ab-$name timeout "${AB_TIMEOUT:-300}" python3 $bench) > "$log" 2>&1
     rc=$?
-    lines=$(grep "summary" "$log")
+    lines=$(grep -E "${AB_GREP:-summary}" "$log")
     if [ -n "$lines" ]; then
       echo "$lines" | sed "s/^/$name (round $r): /"
     else

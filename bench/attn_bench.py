@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -137,8 +138,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, skip S=16384")
-    parser.add_argument("--backend", default="auto", choices=["auto", "cudnn", "own"],
-                        help="symheap's path (flash_attn_func's backend=)")
+    parser.add_argument("--backend", default=None, choices=["auto", "cudnn", "own"],
+                        help="symheap's path (flash_attn_func's backend=; default: "
+                             "$SYMHEAP_ATTN_BACKEND, else auto)")
     parser.add_argument("--grid", default="reference", choices=["reference", "full"],
                         help="reference: the rows of the reference table (SHAPES: hdim 64 and 128, S 1024 to 16k); full: hdim 64/128/256 x S 512..16k x causal")
     parser.add_argument("--decode", action="store_true",
@@ -153,7 +155,8 @@ def main():
     INNER = max(1, args.inner)
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"symheap backend {args.backend}, paths {backends()}")
+          f"symheap backend {args.backend or os.environ.get('SYMHEAP_ATTN_BACKEND') or 'auto'}, "
+          f"paths {backends()}")
     overhead = host_overhead_us(args.backend)
     print("host us per forward call (tiny shape): " +
           ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in overhead.items()),

@@ -459,7 +459,10 @@ def _make_combine_vjp(op: EpDispatchCombine):
                                    cfg.hidden, rows.dtype)
             gw = op._combine_call(packed, back, jnp.ones_like(handle.weights), rows)
             gw = gw[:, :cfg.topk].astype(jnp.float32)
-            cotangent.weights = jnp.zeros_like(handle.weights).at[:handle.num_tokens].set(gw)
+            # jnp.pad, not .at[:T].set: XLA GPU's Shardy export (jax 0.11) crashes on
+            # that update inside shard_map (tests/gpu/test_jax_gpu.py::test_shard_map_two_gpus).
+            cotangent.weights = jnp.pad(gw, ((0, handle.weights.shape[0] - handle.num_tokens),
+                                             (0, 0)))
             rows = (rows.astype(jnp.float32) * w[..., None]).astype(rows.dtype)
         return rows, cotangent
 
