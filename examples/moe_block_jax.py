@@ -23,6 +23,7 @@ forward and backward run in one XLA program and are not timed apart.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -47,8 +48,9 @@ NOT_SPLIT = ("attention, dispatch, experts, combine and backward run in one XLA 
 
 
 # ----------------------------------------------------------------- parameters and data
-# moe_block.py's initialisers and data (torch generators on the cpu), as numpy: the
-# same numbers as its torch launches on the cpu backend.
+# Parameters: moe_block.py's initialisers (torch generators on the cpu), as numpy, the
+# same numbers as its torch launches. Batches: drawn on the device that uses them
+# (jax.random, seeded per step and PE), so that no step waits for host work.
 
 def replicated_params(c) -> dict:
     return {k: v.numpy() for k, v in mb.replicated_params(c, CPU).items()}
@@ -58,8 +60,24 @@ def expert_params(c, first, count) -> dict:
     return {k: v.numpy() for k, v in mb.expert_params(c, first, count, CPU).items()}
 
 
-def batch(c, step, pe):
-    return tuple(t.numpy() for t in mb.batch(c, step, pe, CPU))
+def batch(c, step, pe, device):
+    """PE ``pe``'s inputs and regression targets at ``step``, on ``device``."""
+    shape = (c["batch"], c["seq"], c["hidden"])
+    key = jax.random.fold_in(jax.random.key(c["seed"] + 10_000), step * c["n_pes"] + pe)
+    with jax.default_device(device):
+        return _normal_pair(key, shape)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _normal_pair(key, shape):
+    kx, kt = jax.random.split(key)
+    return jax.random.normal(kx, shape), jax.random.normal(kt, shape)
+
+
+def batches(c, step, device):
+    """Every PE's batch at ``step`` on one device, concatenated along the batch axis."""
+    data = [batch(c, step, pe, device) for pe in range(c["n_pes"])]
+    return tuple(jnp.concatenate([d[j] for d in data]) for j in (0, 1))
 
 
 # ----------------------------------------------------------------- the block
@@ -186,9 +204,9 @@ def train_threads(c, op, devices):
     """One thread per device, each jitting its own gradient step and update."""
     n, L = c["n_pes"], c["experts"] // c["n_pes"]
     rep0 = replicated_params(c)
-    slots = [None] * n                      # each PE's replicated gradients (host)
+    slots = [None] * n                      # each PE's replicated gradients (its device)
     meet = threading.Barrier(n, timeout=600)
-    phases = ("forward + backward (jit)", "gradient sum (host)", "optimizer (jit)")
+    phases = ("forward + backward (jit)", "gradient sum (device to device)", "optimizer (jit)")
     times = [dict.fromkeys(phases, 0.0) for _ in range(n)]
     walls = [0.0] * n
 
@@ -203,15 +221,17 @@ def train_threads(c, op, devices):
         for step in range(c["steps"]):
             meet.wait()
             t0 = time.perf_counter()
-            x, target = put(batch(c, step, i))
+            x, target = batch(c, step, i, dev)
             (_, out), (g_rep, g_exp) = grad_step(*params, x, target)
-            jax.block_until_ready(g_exp)
+            jax.block_until_ready((g_rep, g_exp))
             t1 = time.perf_counter()
-            slots[i] = jax.tree_util.tree_map(np.asarray, g_rep)
-            meet.wait()                     # every PE's gradients are on the host
-            total = {k: sum(slots[s][k] for s in range(n)) for k in REPLICATED}
+            slots[i] = g_rep
+            meet.wait()                     # every PE's gradients are ready
+            # Each PE copies the others' gradients to its device (peer to peer) and adds
+            # them in PE order, so every PE gets the same sums.
+            total = jax.block_until_ready(_sum_trees([put(slots[s]) for s in range(n)]))
             meet.wait()                     # every PE read them: the slots may be refilled
-            grads = (put(total), g_exp)
+            grads = (total, g_exp)
             t2 = time.perf_counter()
             params, momentum = jax.block_until_ready(update(params, grads, momentum))
             t3 = time.perf_counter()
@@ -231,6 +251,12 @@ def train_threads(c, op, devices):
     grads = [r[1] for r in results]
     params = [r[2] for r in results]
     return (outs, grads, params), split, max(walls) / timed
+
+
+@jax.jit
+def _sum_trees(trees):
+    """The element-wise sum of same-shaped pytrees, added in list order."""
+    return jax.tree_util.tree_map(lambda *leaves: functools.reduce(jnp.add, leaves), *trees)
 
 
 def on_threads(fn, n, meet):
@@ -285,9 +311,10 @@ def train_shard_map(c, op, devices):
     wall = 0.0
     for step in range(c["steps"]):
         t0 = time.perf_counter()
-        data = [batch(c, step, pe) for pe in range(n)]
-        x = jax.device_put(np.concatenate([d[0] for d in data]), rows)
-        target = jax.device_put(np.concatenate([d[1] for d in data]), rows)
+        data = [batch(c, step, pe, devices[pe]) for pe in range(n)]
+        shape = (n * B,) + data[0][0].shape[1:]
+        x, target = (jax.make_array_from_single_device_arrays(shape, rows, [d[j] for d in data])
+                     for j in (0, 1))
         params, momentum, out, grads = jax.block_until_ready(
             step_fn(params, momentum, x, target))
         dt = time.perf_counter() - t0
@@ -327,9 +354,7 @@ def reference_run(c, device):
         return params, momentum, out, grads
 
     for step in range(c["steps"]):
-        data = [batch(c, step, pe) for pe in range(n)]
-        x = jax.device_put(np.concatenate([d[0] for d in data]), device)
-        target = jax.device_put(np.concatenate([d[1] for d in data]), device)
+        x, target = batches(c, step, device)
         params, momentum, out, grads = step_fn(params, momentum, x, target)
     out = np.asarray(out)
     host = jax.tree_util.tree_map(np.asarray, (grads, params))
