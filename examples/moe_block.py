@@ -436,7 +436,15 @@ def launch_mpirun(c):
 
 def launch_jax(c, mode):
     """The block in JAX over symheap.jax (moe_block_jax.py): one thread per device
-    (mode "threads") or one jit with shard_map (mode "shard_map")."""
+    (mode "threads") or one jit with shard_map (mode "shard_map"), in a child process,
+    so that JAX's and XLA's state (and any failure of theirs) stays out of this one."""
+    if c["backend"] == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # leave the GPUs' memory to the child
+    return _relaunch(c, [sys.executable], f"jax-{mode}")
+
+
+def _run_jax(c, mode):
+    """launch_jax's child: sets JAX up for the backend, then runs moe_block_jax."""
     if c["backend"] == "cpu":  # before jax is imported: n cpu devices
         import re
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -446,8 +454,6 @@ def launch_jax(c, mode):
                                    f"{c['n_pes']}").strip()
     else:  # the symmetric heap needs GPU memory that XLA would otherwise preallocate
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
     try:
         import moe_block_jax
     except ImportError as e:
@@ -466,7 +472,12 @@ LAUNCHERS = {"threads": launch_threads, "processes": launch_processes, "mixed": 
 
 
 def worker(mode, c, report):
-    """The body of one process under torchrun / mpirun."""
+    """The body of one process under torchrun / mpirun, or of a JAX run's process."""
+    if mode.startswith("jax-"):
+        result = _run_jax(c, mode[len("jax-"):])
+        with open(report, "w") as f:
+            json.dump(result, f)
+        return
     import symheap
     heap = heap_size(c)
     if mode == "mpirun":
@@ -575,7 +586,8 @@ def parse_args(argv=None):
     p.add_argument("--plot", metavar="FILE", help="write a PNG of the time split per launch")
     p.add_argument("--baseline", action="store_true",
                    help="also run the block with plain torch.distributed (torchrun)")
-    p.add_argument("--worker", choices=("torchrun", "mpirun", "baseline"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("torchrun", "mpirun", "baseline",
+                                        *(f"jax-{m}" for m in JAX_MODES)), help=argparse.SUPPRESS)
     p.add_argument("--config-json", help=argparse.SUPPRESS)
     p.add_argument("--report-json", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

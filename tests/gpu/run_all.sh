@@ -56,18 +56,13 @@ for b in "${benches[@]}"; do
   note "$b: $status ($(elapsed $t)); $(grep -E '^summary|latency' "$OUT/$name.log" | tr '\n' ' ' | cut -c1-400)"
 done
 
-# The demo at the large preset: every launch model and the torch.distributed baseline.
+# The demo at the large preset: every launch model (JAX's two included) and the
+# torch.distributed baseline, in one run.
 t=$(date +%s)
-if timeout "${SYMHEAP_DEMO_TIMEOUT:-1200}" $PY examples/moe_block.py --backend cuda --size large \
-    --steps 6 --launch threads,processes,mixed,torchrun,mpirun --baseline \
-    --plot "$OUT/moe_block_large.png" > "$OUT/moe_block_large.log" 2>&1; then status=ok; else status="FAILED rc $?"; fi
-note "examples/moe_block.py --size large: $status ($(elapsed $t)); $(grep -E 'tokens/s,|checks' "$OUT/moe_block_large.log" | tr '\n' ' ' | cut -c1-600)"
-
-# The same block in JAX (symheap.jax), both program shapes, at the large preset.
-t=$(date +%s)
-if timeout "${SYMHEAP_DEMO_TIMEOUT:-1200}" $PY examples/moe_block.py --backend cuda --size large \
-    --steps 6 --launch jax --jax-mode threads,shard_map > "$OUT/moe_block_jax_large.log" 2>&1; then status=ok; else status="FAILED rc $?"; fi
-note "examples/moe_block.py --launch jax --size large: $status ($(elapsed $t)); $(grep -E 'tokens/s,|checks|FAILED' "$OUT/moe_block_jax_large.log" | tr '\n' ' ' | cut -c1-600)"
+if timeout "${SYMHEAP_DEMO_TIMEOUT:-1500}" $PY examples/moe_block.py --backend cuda --size large \
+    --steps 6 --launch threads,processes,mixed,torchrun,mpirun,jax --jax-mode threads,shard_map \
+    --baseline --plot "$OUT/moe_block_large.png" > "$OUT/moe_block_large.log" 2>&1; then status=ok; else status="FAILED rc $?"; fi
+note "examples/moe_block.py --size large: $status ($(elapsed $t)); $(grep -E 'tokens/s,|checks|FAILED' "$OUT/moe_block_large.log" | tr '\n' ' ' | cut -c1-900)"
 
 echo "================ summary"
 printf '%s\n' "${summary[@]}"
