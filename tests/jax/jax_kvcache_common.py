@@ -112,7 +112,8 @@ def check_rows(out, lse, ref, ref_lse, tol, what):
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), f"{what}: lse finiteness differs"
     if finite.any():
-        assert (lse[finite] - ref_lse[finite]).abs().max().item() <= max(1e-4, tol / 10), what
+        lse_tol = 1e-4 if tol < 1e-3 else 2e-3  # fp32, else float16/bfloat16 inputs
+        assert (lse[finite] - ref_lse[finite]).abs().max().item() <= lse_tol, f"{what}: lse"
 
 
 class PagedVarlenCase:
