@@ -76,6 +76,22 @@ def _forward_only(fn):
     return f
 
 
+def _gpu_of(q):
+    """The CUDA ordinal the call will run on: q's device when q is a concrete
+    array, else (under jit) the first local GPU when GPUs are JAX's default
+    backend; None for the cpu."""
+    if isinstance(q, jax.Array) and not isinstance(q, jax.core.Tracer):
+        try:
+            device = next(iter(q.devices()))
+        except Exception:  # noqa: BLE001 - a deleted or otherwise unplaced array
+            device = None
+        if device is not None:
+            return device.local_hardware_id if device.platform == "gpu" else None
+    if jax.default_backend() == "gpu":
+        return jax.local_devices(backend="gpu")[0].local_hardware_id
+    return None
+
+
 def _run(operands: dict, *, varlen: bool, appends: bool, max_seqlen_q: int, options: dict,
          num_splits: int):
     """Checks the call at trace time, sizes its scratch and runs the handler.
@@ -98,12 +114,12 @@ def _run(operands: dict, *, varlen: bool, appends: bool, max_seqlen_q: int, opti
     _core.xla_attention_kvcache_validate(call)  # ValueError at trace time, torch's message
 
     scratch = 1
-    if jax.default_backend() == "gpu":
+    device = _gpu_of(q)
+    if device is not None:
         if not hasattr(_core, "xla_attention_kvcache_cuda_plan"):
-            _fail("JAX runs on a GPU but symheap was built without CUDA")
-        # The split count is chosen here for the first GPU and pinned, so the
-        # scratch (the split partials) has the right size on every device.
-        device = jax.local_devices(backend="gpu")[0].local_hardware_id
+            _fail("q is on a GPU but symheap was built without CUDA")
+        # The split count is chosen here and pinned, so the scratch (the split
+        # partials) has the right size on every device the program runs on.
         num_splits, nbytes = _core.xla_attention_kvcache_cuda_plan(call, device)
         scratch = max(int(nbytes), 1)
 
