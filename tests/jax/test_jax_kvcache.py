@@ -1,9 +1,15 @@
 """symheap.jax attention over KV caches on the cpu platform: the decode call
 (flash_attn_with_kvcache: dense and paged caches, with and without appended
 rows, every feature) and the paged varlen call, against a dense fp32 reference
-gathered from the cache; the append in place under jit with donated caches;
-bad input raising the torch front end's messages; no gradient."""
+gathered from the cache; the append in place under jit with donated caches,
+also under shard_map over 2 devices; bad input raising the torch front end's
+messages; no gradient."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +139,40 @@ def test_decode_loop():
             ref, _ = reference(q[b:b + 1], cache, b, lengths[b], dict(causal=True), Hq)
             assert (to_torch32(out[b:b + 1]) - ref).abs().max().item() <= TOL
     assert same_values(k_cache, cache.k) and same_values(v_cache, cache.v)
+
+
+SHARD_MAP_PROGRAM = textwrap.dedent("""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import symheap.jax as shj
+    from jax_kvcache_common import DecodeCase
+    assert len(jax.devices()) == 2, jax.devices()
+    mesh = jax.make_mesh((2,), ("x",))
+    case = DecodeCase(layout=None, feature="gqa", s_new=1, B=2, seed=3, lengths=[4, 9])
+    a = case.args()
+
+    def local(q, k_cache, v_cache, k, v, seqlens):
+        return shj.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                           return_lse=True)
+
+    # Dense caches: each device holds its sequences' rows and appends to them in place.
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=(P("x"),) * 4),
+                donate_argnums=(1, 2))
+    sh = NamedSharding(mesh, P("x"))
+    args = [jax.device_put(a[n], sh) for n in ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens")]
+    case.check(*f(*args), 2e-5)
+    print("SHARD_MAP_OK")
+""")
+
+
+def test_shard_map_two_cpu_devices():
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here)] + sys.path))
+    r = subprocess.run([sys.executable, "-c", SHARD_MAP_PROGRAM], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0 and "SHARD_MAP_OK" in r.stdout, r.stdout + r.stderr
 
 
 # ---------------------------------------------------------------- paged varlen
