@@ -36,19 +36,7 @@ namespace py = pybind11;
 namespace symheap::attention::xla {
 namespace {
 
-std::string dtype_name(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F64: return "float64";
-    case ffi::DataType::PRED: return "bool";
-    case ffi::DataType::S32: return "int32";
-    case ffi::DataType::S64: return "int64";
-    case ffi::DataType::U8: return "uint8";
-    default: return "xla dtype " + std::to_string(static_cast<int>(t));
-  }
-}
+using symheap::xla_ffi::dtype_name;
 
 ArgSpec arg_spec(const ffi::AnyBuffer& b) {
   ArgSpec s;
@@ -59,13 +47,7 @@ ArgSpec arg_spec(const ffi::AnyBuffer& b) {
   return s;
 }
 
-template <class T>
-T attr(const ffi::Dictionary& attrs, const char* name) {
-  auto v = attrs.get<T>(name);
-  if (!v.has_value())
-    throw InvalidArgument(std::string("attention: the call has no attribute '") + name + "'");
-  return *v;
-}
+using symheap::xla_ffi::attr;
 
 // The inputs of one call: q, k, v (then out, lse, dout for the backward) and
 // the optional trailing ones the flags announce.

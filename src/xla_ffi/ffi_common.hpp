@@ -52,6 +52,30 @@ ffi::Error guarded(Body&& body) {
   }
 }
 
+// XLA's dtype by the name the op cores use ("float32", "bfloat16", "int32", ...).
+inline std::string dtype_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    default: return "xla dtype " + std::to_string(static_cast<int>(t));
+  }
+}
+
+// A call's attribute; a missing one is an InvalidArgument naming it.
+template <class T>
+T attr(const ffi::Dictionary& attrs, const char* name) {
+  auto v = attrs.get<T>(name);
+  if (!v.has_value())
+    throw InvalidArgument(std::string("the XLA call has no attribute '") + name + "'");
+  return *v;
+}
+
 // The PE that serves XLA device `ordinal`; throws StateError when none does
 // (never initialised, or finalized since the executable was compiled).
 inline std::shared_ptr<PeState> pe_of_xla_device(int32_t ordinal, const char* what) {

@@ -16,8 +16,9 @@ from ._runtime import (check_mesh, finalize, init, is_initialized, make_mesh, nu
                        shard_map)
 
 from ._attention import flash_attn_func, flash_attn_varlen_func
+from ._kvcache import flash_attn_with_kvcache, kvcache_check
 
 __all__ = ["init", "finalize", "is_initialized", "make_mesh", "num_pes", "rank_of", "check_mesh",
            "shard_map", "barrier",
            "EpDispatchCombine", "DispatchOutput", "EpHandle",
-           "flash_attn_func", "flash_attn_varlen_func"]
+           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "kvcache_check"]

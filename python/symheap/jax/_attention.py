@@ -297,13 +297,21 @@ def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scal
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0,
                            bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=None,
-                           return_lse=False, deterministic=False, backend=None):
+                           return_lse=False, deterministic=False, backend=None, block_table=None):
     """Attention over packed sequences: q (total_q, Hq, D), k and v (total_k,
     Hkv, D), sequence b at rows cu_seqlens[b]:cu_seqlens[b+1] (int32 arrays);
     ``max_seqlen_q``/``max_seqlen_k`` are static Python ints. Rows outside
     every sequence get zeros (lse -inf). Returns ``out`` or ``(out, lse)``
-    with ``lse`` (Hq, total_q).
+    with ``lse`` (Hq, total_q). With ``block_table`` (B, max_blocks) int32, k
+    and v are paged caches (num_blocks, block_size, Hkv, D) instead (forward
+    only; see _kvcache.py).
     """
+    if block_table is not None:
+        from ._kvcache import paged_varlen
+        return paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                            bias=bias, mask=mask, dropout_p=dropout_p, causal=causal,
+                            window_size=window_size, softmax_scale=softmax_scale, softcap=softcap,
+                            alibi_slopes=alibi_slopes, return_lse=return_lse)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _spec(cu, name)
     return _call(q, k, v, varlen=True, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,

@@ -122,6 +122,12 @@ void cache_attention_cpu(const CacheArgs& a, int threads);
 // the same device) to cache_attention_cuda.
 size_t cache_attention_cuda_workspace_bytes(const CacheArgs& a, int device);
 
+// The key-length splits a call would use on `device` (a.num_splits when set).
+// With num_splits fixed to this value the workspace size depends on the
+// shapes alone, so a front end that sizes its scratch ahead of the call (XLA)
+// can pin the choice.
+int cache_attention_cuda_splits(const CacheArgs& a, int device);
+
 // CUDA path: F16/BF16, head_dim a multiple of 8 (<= 256), 16-byte aligned
 // rows. No host synchronisation and no allocation, so it can be captured in a
 // CUDA graph. Lengths and block ids live on the device and are checked there:

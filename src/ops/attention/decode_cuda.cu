@@ -721,6 +721,12 @@ size_t cache_attention_cuda_workspace_bytes(const CacheArgs& a, int device) {
   return kvcache::make_plan(a, device).bytes;
 }
 
+int cache_attention_cuda_splits(const CacheArgs& a, int device) {
+  validate_cache(a);
+  kvcache::validate_cuda(a);
+  return kvcache::make_plan(a, device).splits;
+}
+
 void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* workspace,
                           size_t bytes) {
   validate_cache(a);
