@@ -1,6 +1,9 @@
-// CUDA path of attention over a KV cache: an append kernel (new rows into the
-// cache at each sequence's length), a split-K attention kernel, and a combine
-// kernel that merges the splits by their log-sum-exp.
+// CUDA path of attention over a KV cache. Two ways to run a call (see
+// DecodeKernel): "fused", one launch whose CTAs also write the appended rows
+// and whose last CTA per (sequence, head group) merges the key-length splits;
+// "split", an append kernel (new rows into the cache at each sequence's
+// length), the split-K attention kernel and a combine kernel that merges the
+// splits by their log-sum-exp.
 //
 // The attention kernel runs one CTA per (key split, kv head x 16 query
 // vectors, sequence). The query vectors are (query row, head) pairs of one
@@ -16,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -68,6 +72,7 @@ struct Params {
   int64_t vectors;  // flat query rows x heads_q: the workspace's stride between splits
   float* part_out;  // [split][vector][d]
   float* part_lse;  // [split][vector]
+  unsigned* tickets;  // fused, splits > 1: [sequence][gridDim.y], zero before the launch
   unsigned long long* error;  // host-mapped
 };
 
@@ -161,6 +166,42 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const Params p) {
   }
 }
 
+// The fused kernel's append: whether every block the appended rows of
+// sequence b land in is in range (len already checked), each thread looking at
+// every kThreads-th of those blocks; `record`: report the first bad id.
+__device__ __forceinline__ bool new_blocks_ok(const Params& p, int b, int len, bool record) {
+  if (!p.table || p.s_new == 0) return true;
+  const int first = len / p.block_size, last = (len + p.s_new - 1) / p.block_size;
+  bool ok = true;
+  for (int c = first + static_cast<int>(threadIdx.x); c <= last; c += kThreads) {
+    const int id = __ldg(p.table + b * p.table_stride + c);
+    if (id < 0 || id >= p.num_blocks) {
+      if (record && ok) record_error(p, kBadBlock, b, id);
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+// The fused kernel's append: rows t = split, split + splits, ... of kv head hk
+// of sequence b (the CTAs of the head's first query tile share the rows out).
+// No CTA of the call reads these cache rows: they take the rows from k/v.
+__device__ __forceinline__ void append_rows(const Params& p, int b, int hk, int len, int split) {
+  const int chunks = p.d / 8;
+  const int mine = (p.s_new - split + p.splits - 1) / p.splits;
+  for (int idx = threadIdx.x; idx < mine * chunks; idx += kThreads) {
+    const int t = split + (idx / chunks) * p.splits, c = (idx % chunks) * 8;
+    int block, row;
+    locate(p, b, len + t, &block, &row);
+    const uint4 kx = load16(p.k_new, b * p.kn_sb + t * p.kn_sr + hk * p.kn_sh + c);
+    const uint4 vx = load16(p.v_new, b * p.vn_sb + t * p.vn_sr + hk * p.vn_sh + c);
+    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(const_cast<void*>(p.k)) + block * p.k_sb +
+                              row * p.k_sr + hk * p.k_sh + c) = kx;
+    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(const_cast<void*>(p.v)) + block * p.v_sb +
+                              row * p.v_sr + hk * p.v_sh + c) = vx;
+  }
+}
+
 // ---------------------------------------------------------------- attention
 
 // Keys are staged through shared memory in tiles of kTileKeys rows by
@@ -202,9 +243,85 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* sme
                : "r"(a));
 }
 
-template <class T, int DB>
+// The fused kernel's combine, run by the last CTA of a (sequence, kv head x
+// query tile) to finish: out = sum_s w_s o_s / sum_s w_s with
+// w_s = exp(lse_s - max lse) for the CTA's query vectors; any NaN split makes
+// the result NaN. The partials are read through L2 (ld.global.cg): other CTAs
+// wrote them during this kernel. `sm` holds kVectors * (splits + 2) floats.
+template <class T>
+__device__ void combine_splits(const Params& p, int b, const QSeq& qs, int hk, int v0, int n_vec,
+                               float* sm) {
+  const int S = p.splits, nv = min(kVectors, n_vec - v0);
+  float* weight = sm;                    // [vector][split]: lse, then the weight
+  float* factor = weight + kVectors * S;  // [vector]: 1 / sum of the weights (NaN: a split was)
+  float* lse_of = factor + kVectors;      // [vector]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float qnan = __int_as_float(0x7fffffff);
+  for (int m = warp; m < nv; m += kWarps) {
+    const int vec = v0 + m;
+    const int64_t v = (qs.flat0 + vec / p.group) * p.heads_q + hk * p.group + vec % p.group;
+    float gmax = -INFINITY;
+    bool nan = false;
+    for (int s = lane; s < S; s += 32) {
+      const float x = __ldcg(p.part_lse + s * p.vectors + v);
+      weight[m * S + s] = x;
+      nan |= x != x;
+      gmax = fmaxf(gmax, x);
+    }
+    nan = __any_sync(0xffffffffu, nan);
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, off));
+    float sum = 0.0f;
+    for (int s = lane; s < S; s += 32) {  // the entries this lane wrote
+      const float x = weight[m * S + s];
+      const float w = gmax == -INFINITY || x == -INFINITY ? 0.0f : __expf(x - gmax);
+      weight[m * S + s] = w;
+      sum += w;
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+      factor[m] = nan ? qnan : sum > 0.0f ? 1.0f / sum : 0.0f;
+      lse_of[m] = nan ? qnan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
+    }
+  }
+  __syncthreads();
+  // Four columns per item (d is a multiple of 8, the partial rows 16-byte aligned).
+  const int quads = p.d / 4;
+  const int64_t split_step = p.vectors * p.d;
+  for (int idx = threadIdx.x; idx < nv * quads; idx += kThreads) {
+    const int m = idx / quads, c = (idx % quads) * 4, vec = v0 + m;
+    const int i = vec / p.group, hq = hk * p.group + vec % p.group;
+    const float* src = p.part_out + ((qs.flat0 + i) * p.heads_q + hq) * p.d + c;
+    const float* w = weight + m * S;
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+    for (int s = 0; s < S; ++s) {
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(src + s * split_step));
+      o.x += w[s] * x.x;
+      o.y += w[s] * x.y;
+      o.z += w[s] * x.z;
+      o.w += w[s] * x.w;
+    }
+    const float f = factor[m];
+    T* out = static_cast<T*>(p.out) + b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c;
+    out[0] = from_float<T>(o.x * f);
+    out[1] = from_float<T>(o.y * f);
+    out[2] = from_float<T>(o.z * f);
+    out[3] = from_float<T>(o.w * f);
+    if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = lse_of[m];
+  }
+}
+
+// kFused: the CTAs also append the new rows (append_rows; every CTA takes the
+// rows at [len, len + s_new) from k/v, so no CTA reads a cache row being
+// written) and, with splits > 1, the last CTA of a (sequence, kv head x query
+// tile) to finish merges the splits (combine_splits). Otherwise the append and
+// combine kernels run before and after.
+template <class T, int DB, bool kFused>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   using C = Tile<DB>;
+  static_assert(C::kSmem >= sizeof(float) * kVectors * (kMaxSplits + 2), "combine_splits' memory");
   constexpr int TN = kTileKeys, LD = C::kLd, R = C::kChunksPerThread;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* stages = reinterpret_cast<T*>(smem_raw);
@@ -214,12 +331,21 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const QSeq qs = query_seq(p, b);
   const int n_vec = qs.sq * p.group;
-  if (v0 >= n_vec) return;  // the combine reads no vector of this tile
   const int len = length_before(p, b);
   const int sk = len + p.s_new;
   bool bad = len < 0 || len > p.capacity - p.s_new;
   if (bad && split == 0 && blockIdx.y == 0 && threadIdx.x == 0)
     record_error(p, len < 0 ? kBadLength : kNoRoom, b, len);
+  // Fused: the CTAs of each kv head's first query tile append the new rows
+  // (after the attention, below); a block of those rows out of range leaves
+  // the cache alone and the sequence's outputs NaN in every CTA.
+  const bool writer = kFused && p.s_new > 0 && blockIdx.y % p.mtiles == 0;
+  bool new_bad = false;
+  if (kFused && !bad) new_bad = !new_blocks_ok(p, b, len, split == 0 && blockIdx.y == 0);
+  if (v0 >= n_vec) {  // no query vector here (the combine reads none of this tile)
+    if (writer && !__syncthreads_or(bad || new_bad)) append_rows(p, b, hk, len, split);
+    return;
+  }
 
   // Query vector v of the tile is row v / group of head hk * group + v % group.
   for (int idx = threadIdx.x; idx < kVectors * (DB / 8); idx += kThreads) {
@@ -266,15 +392,25 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   constexpr int kRowStride = kThreads / (DB / 8);
   const T* kbase = static_cast<const T*>(p.k) + hk * p.k_sh + chunk_col;
   const T* vbase = static_cast<const T*>(p.v) + hk * p.v_sh + chunk_col;
+  // Fused: the appended rows come from k/v (row j - len of sequence b).
+  const T* knbase = kFused && p.s_new > 0
+                        ? static_cast<const T*>(p.k_new) + b * p.kn_sb + hk * p.kn_sh + chunk_col
+                        : kbase;
+  const T* vnbase = kFused && p.s_new > 0
+                        ? static_cast<const T*>(p.v_new) + b * p.vn_sb + hk * p.vn_sh + chunk_col
+                        : vbase;
   // Where each row of a tile lives, found once per row by the first TN
   // threads (two slots: the tile being issued and the next one).
-  __shared__ int2 row_at[2][TN];  // {block, row in block}; block -1: no row (zero fill)
+  __shared__ int2 row_at[2][TN];  // {block, row in block}; block -1: no row (zero fill),
+                                  // -2: appended row {-2, j - len} (fused)
   auto lookup = [&](int tile) {
     if (threadIdx.x < TN) {
       const int j = t_begin + tile * TN + threadIdx.x;
       int2 at = make_int2(-1, 0);
       if (tile < n_tiles && j >= k_lo && j < k_hi) {
-        if (p.table) {
+        if (kFused && j >= len) {
+          at = make_int2(-2, j - len);
+        } else if (p.table) {
           const int col = p.block_shift >= 0 ? j >> p.block_shift : j / p.block_size;
           const int id = __ldg(p.table + b * p.table_stride + col);
           if (id >= 0 && id < p.num_blocks) {
@@ -298,11 +434,19 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       for (int r = 0; r < R; ++r) {
         const int row = chunk_row0 + r * kRowStride;
         const int2 at = row_at[tile & 1][row];
-        const bool fill = at.x >= 0 && chunk_col < p.d;
-        const int64_t ko = fill ? at.x * p.k_sb + at.y * p.k_sr : 0;
-        const int64_t vo = fill ? at.x * p.v_sb + at.y * p.v_sr : 0;
-        cp_async16(sk_ + row * LD + chunk_col, kbase + ko, fill);
-        cp_async16(sv_ + row * LD + chunk_col, vbase + vo, fill);
+        const bool fresh = kFused && at.x == -2;
+        const bool fill = (at.x >= 0 || fresh) && chunk_col < p.d;
+        const T* ksrc = kbase;
+        const T* vsrc = vbase;
+        if (fresh) {
+          ksrc = knbase + (fill ? at.y * p.kn_sr : 0);
+          vsrc = vnbase + (fill ? at.y * p.vn_sr : 0);
+        } else if (fill) {
+          ksrc = kbase + (at.x * p.k_sb + at.y * p.k_sr);
+          vsrc = vbase + (at.x * p.v_sb + at.y * p.v_sr);
+        }
+        cp_async16(sk_ + row * LD + chunk_col, ksrc, fill);
+        cp_async16(sv_ + row * LD + chunk_col, vsrc, fill);
       }
     }
     cp_async_commit();
@@ -396,7 +540,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
   }
   cp_async_wait<0>();
-  bad = __syncthreads_or(bad);  // also: the stages are free, the merge reuses the memory
+  bad = __syncthreads_or(bad || new_bad);  // also: the stages are free, the merge reuses the memory
 
   // Merge the warps (each saw different keys of every row) through shared memory.
   float* s_acc = reinterpret_cast<float*>(smem_raw);  // [warp][row][DB]
@@ -444,6 +588,31 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       const int64_t v = split * p.vectors + (qs.flat0 + i) * p.heads_q + hq;
       p.part_out[v * p.d + c] = out;
       if (c == 0) p.part_lse[v] = lse;
+    }
+  }
+  if constexpr (kFused) {
+    if (writer && !bad) append_rows(p, b, hk, len, split);
+    if (p.splits > 1) {
+      // The last of the group's `splits` CTAs to get here merges the partials:
+      // each thread's partials are made visible device-wide (release) before
+      // the CTA takes its ticket, and the last CTA fences after reading the
+      // ticket (acquire) before it reads the others' partials. It also puts
+      // the ticket back to zero.
+      __shared__ int last;
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        unsigned* ticket = p.tickets + (static_cast<int64_t>(b) * gridDim.y + blockIdx.y);
+        const unsigned before = atomicAdd(ticket, 1u);
+        last = before == static_cast<unsigned>(p.splits - 1);
+        if (last) atomicExch(ticket, 0u);
+        __threadfence();
+      }
+      __syncthreads();  // also: every thread is done with the merge's shared memory
+      if (last) {
+        __threadfence();
+        combine_splits<T>(p, b, qs, hk, v0, n_vec, reinterpret_cast<float*>(smem_raw));
+      }
     }
   }
 }
@@ -556,53 +725,90 @@ void raise_recorded(ErrorWord& w, int device) {
 
 int head_dim_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
+// Which kernels run a call: "fused" (attention_kernel<..., true>, one launch)
+// or "split" (append, attention and combine kernels). From
+// SYMHEAP_DECODE_KERNEL, read once; set_cache_decode_kernel changes it.
+enum class DecodeKernel : int { Fused = 0, Split = 1 };
+constexpr DecodeKernel kDefaultKernel = DecodeKernel::Split;
+
+DecodeKernel parse_kernel(const std::string& name, const std::string& what) {
+  if (name == "fused") return DecodeKernel::Fused;
+  if (name == "split") return DecodeKernel::Split;
+  throw InvalidArgument("attention (kv cache, CUDA): " + what + " is '" + name +
+                        "'; use 'fused' (one launch) or 'split' (append, attention and combine "
+                        "kernels)");
+}
+
+std::atomic<int>& kernel_choice() {
+  static std::atomic<int> choice{[] {
+    const char* env = std::getenv("SYMHEAP_DECODE_KERNEL");
+    return static_cast<int>(env && *env ? parse_kernel(env, "SYMHEAP_DECODE_KERNEL")
+                                        : kDefaultKernel);
+  }()};
+  return choice;
+}
+
 struct Plan {
   int device, db, mtiles, splits;
+  bool fused;
   int64_t vectors;
+  size_t tickets_offset;  // fused with splits > 1: bytes into the workspace
+  int64_t tickets;        // one per (sequence, kv head x query tile)
   size_t bytes;
 };
 
 struct SmemReady {};
 
-// CTAs of the attention kernel resident on the whole device (one wave). Also
-// raises the kernel's dynamic shared-memory limit, once per device.
-template <class T, int DB>
+// CTAs of the attention kernel resident on the whole device (one wave: SM
+// count x resident CTAs per SM, found once per device). Also raises the
+// kernel's dynamic shared-memory limit, once per device.
+template <class T, int DB, bool kFused>
 int full_grid(int device) {
   const std::string name = std::string("attention.kvcache.") +
-                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
+                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB) +
+                           (kFused ? ".fused" : "");
   Runtime::instance().device_caches(device).get<SmemReady>(name + ".smem", [&] {
     ::symheap::cuda::ScopedDevice on(device);
-    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<T, DB>,
+    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<T, DB, kFused>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(Tile<DB>::kSmem)));
     return std::make_shared<SmemReady>();
   });
-  return ::symheap::cuda::kernel_info(device, name.c_str(), attention_kernel<T, DB>, kThreads,
+  return ::symheap::cuda::kernel_info(device, name.c_str(), attention_kernel<T, DB, kFused>, kThreads,
                                       Tile<DB>::kSmem)
       ->full_grid();
 }
 
-template <class T>
+template <class T, bool kFused>
 int full_grid(int device, int db) {
   switch (db) {
-    case 32: return full_grid<T, 32>(device);
-    case 64: return full_grid<T, 64>(device);
-    case 128: return full_grid<T, 128>(device);
-    default: return full_grid<T, 256>(device);
+    case 32: return full_grid<T, 32, kFused>(device);
+    case 64: return full_grid<T, 64, kFused>(device);
+    case 128: return full_grid<T, 128, kFused>(device);
+    default: return full_grid<T, 256, kFused>(device);
   }
 }
 
+template <class T>
+int full_grid(int device, int db, bool fused) {
+  return fused ? full_grid<T, true>(device, db) : full_grid<T, false>(device, db);
+}
+
+// The launch shape and the workspace, from the shapes alone (the lengths live
+// on the device): the one place the workspace size is worked out.
 Plan make_plan(const CacheArgs& a, int device) {
   Plan pl{};
   pl.device = device;
+  pl.fused = static_cast<DecodeKernel>(kernel_choice().load()) == DecodeKernel::Fused;
   pl.db = head_dim_bucket(a.head_dim);
   const int64_t n_vec = static_cast<int64_t>(a.seqlen_q) * a.group();
   pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + kVectors - 1) / kVectors));
   const int64_t base = static_cast<int64_t>(a.batch) * a.heads_kv * pl.mtiles;
+  // Splits of fewer than kMinKeysPerSplit keys cost more to merge than they save.
   const int64_t useful = std::max<int64_t>(1, (a.capacity + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
   // About one wave of resident CTAs (this also readies the kernel's shared memory).
-  const int64_t target = a.q.dtype == DType::F16 ? full_grid<__half>(device, pl.db)
-                                                  : full_grid<__nv_bfloat16>(device, pl.db);
+  const int64_t target = a.q.dtype == DType::F16 ? full_grid<__half>(device, pl.db, pl.fused)
+                                                  : full_grid<__nv_bfloat16>(device, pl.db, pl.fused);
   int64_t splits;
   if (a.num_splits > 0) {
     splits = a.num_splits;
@@ -612,10 +818,15 @@ Plan make_plan(const CacheArgs& a, int device) {
   pl.splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
   pl.vectors = rows * a.heads_q;
-  pl.bytes = pl.splits > 1
-                 ? static_cast<size_t>(pl.splits) * pl.vectors * (a.head_dim + 1) * sizeof(float)
-                 : 0;
-  pl.bytes = (pl.bytes + 255) / 256 * 256;
+  size_t bytes = pl.splits > 1
+                     ? static_cast<size_t>(pl.splits) * pl.vectors * (a.head_dim + 1) * sizeof(float)
+                     : 0;
+  if (pl.fused && pl.splits > 1) {
+    pl.tickets_offset = (bytes + 15) / 16 * 16;
+    pl.tickets = base;
+    bytes = pl.tickets_offset + static_cast<size_t>(pl.tickets) * sizeof(unsigned);
+  }
+  pl.bytes = (bytes + 255) / 256 * 256;
   return pl;
 }
 
@@ -682,30 +893,48 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
     p.part_out = static_cast<float*>(workspace);
     p.part_lse = p.part_out + static_cast<size_t>(pl.splits) * pl.vectors * a.head_dim;
   }
+  if (pl.tickets > 0)
+    p.tickets = reinterpret_cast<unsigned*>(static_cast<char*>(workspace) + pl.tickets_offset);
   p.error = error;
   return p;
 }
 
-template <class T, int DB>
+template <class T, int DB, bool kFused>
 void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
-  attention_kernel<T, DB><<<dim3(pl.splits, p.heads_kv * pl.mtiles, p.batch), kThreads,
-                            Tile<DB>::kSmem, stream>>>(p);
-  SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
+  attention_kernel<T, DB, kFused><<<dim3(pl.splits, p.heads_kv * pl.mtiles, p.batch), kThreads,
+                                    Tile<DB>::kSmem, stream>>>(p);
+  SYMHEAP_CUDA_CHECK_LAUNCH(kFused ? "attention.kvcache.attention_kernel (fused)"
+                                   : "attention.kvcache.attention_kernel");
+}
+
+template <class T, bool kFused>
+void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
+  switch (pl.db) {
+    case 32: launch_attention<T, 32, kFused>(p, pl, stream); break;
+    case 64: launch_attention<T, 64, kFused>(p, pl, stream); break;
+    case 128: launch_attention<T, 128, kFused>(p, pl, stream); break;
+    default: launch_attention<T, 256, kFused>(p, pl, stream); break;
+  }
 }
 
 template <class T>
 void run(const CacheArgs& a, const Plan& pl, const Params& p, cudaStream_t stream) {
+  const bool queries = !(a.seqlen_q == 0 || (a.varlen() && a.total_q == 0));
+  if (pl.fused) {
+    if (!queries && p.s_new == 0) return;
+    // The tickets start at zero in every call: the workspace is fresh memory,
+    // not the previous call's (the last CTA also puts its ticket back to zero).
+    if (queries && pl.splits > 1)
+      SYMHEAP_CUDA_CHECK(cudaMemsetAsync(p.tickets, 0, pl.tickets * sizeof(unsigned), stream));
+    launch_attention<T, true>(p, pl, stream);
+    return;
+  }
   if (p.s_new > 0) {
     append_kernel<<<dim3(p.s_new, p.batch), kThreads, 0, stream>>>(p);
     SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.append_kernel");
   }
-  if (a.seqlen_q == 0 || (a.varlen() && a.total_q == 0)) return;
-  switch (pl.db) {
-    case 32: launch_attention<T, 32>(p, pl, stream); break;
-    case 64: launch_attention<T, 64>(p, pl, stream); break;
-    case 128: launch_attention<T, 128>(p, pl, stream); break;
-    default: launch_attention<T, 256>(p, pl, stream); break;
-  }
+  if (!queries) return;
+  launch_attention<T, false>(p, pl, stream);
   if (pl.splits > 1) {
     const int64_t vectors = static_cast<int64_t>(a.seqlen_q) * a.heads_q;
     combine_kernel<T><<<dim3(static_cast<unsigned>(vectors), p.batch), kThreads, 0, stream>>>(p);
@@ -741,6 +970,17 @@ void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* wo
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a.q.dtype == DType::F16) kvcache::run<__half>(a, pl, p, s);
   else kvcache::run<__nv_bfloat16>(a, pl, p, s);
+}
+
+std::string cache_decode_kernel() {
+  return static_cast<kvcache::DecodeKernel>(kvcache::kernel_choice().load()) ==
+                 kvcache::DecodeKernel::Fused
+             ? "fused"
+             : "split";
+}
+
+void set_cache_decode_kernel(const std::string& name) {
+  kvcache::kernel_choice().store(static_cast<int>(kvcache::parse_kernel(name, "the decode kernel")));
 }
 
 void cache_check_cuda(int device, void* stream, bool sync) {
