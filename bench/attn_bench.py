@@ -6,8 +6,8 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
 
     python bench/attn_bench.py [--backend auto|cudnn|own] [--grid reference|full]
                                [--json out.json] [--quick]
-    python bench/attn_bench.py --decode [--decode-kernels fused,split] [--json out.json] [--quick]
-                                                                     (KV-cache decode)
+    python bench/attn_bench.py --decode [--decode-kernels fused,fused-tickets,split]
+                                        [--json out.json] [--quick]   (KV-cache decode)
 
 --backend picks symheap's path (as flash_attn_func's backend=); --grid full
 runs head dims 64, 128, 256 x S 512 .. 16k x causal or not.
@@ -146,7 +146,7 @@ def main():
                         help="decode over a paged KV cache instead (bench/attn_decode_bench.py)")
     parser.add_argument("--decode-kernels", default=None,
                         help="with --decode: comma-separated CUDA decode kernels to time side by "
-                             "side (fused, split); default: the current one (SYMHEAP_DECODE_KERNEL)")
+                             "side (fused, fused-tickets, split); default: the current one (SYMHEAP_DECODE_KERNEL)")
     parser.add_argument("--inner", type=int, default=1,
                         help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()

@@ -6,11 +6,13 @@ bf16, Hq 32 over Hkv 8, D 128, one query row per sequence, every sequence
 holding `cache` rows, paged in 256-row blocks in a shuffled order. Times are
 medians of CUDA-event timed CUDA-graph replays (launch overhead excluded for
 both sides). Copy bandwidth counts the bytes read plus the bytes written.
-With several CUDA decode kernels ("fused": one launch; "split": append,
-attention and combine kernels), each is timed on the same data and the table
-gets a column group per kernel.
+With several CUDA decode kernels ("fused": one launch, splits merged in a
+cluster; "fused-tickets": one launch, splits merged through workspace tickets;
+"split": append, attention and combine kernels), each is timed on the same
+data and the table gets a column group per kernel.
 
-    python bench/attn_bench.py --decode [--decode-kernels fused,split] [--json out.json] [--quick]
+    python bench/attn_bench.py --decode [--decode-kernels fused,fused-tickets,split]
+                                        [--json out.json] [--quick]
 """
 from __future__ import annotations
 
@@ -150,7 +152,8 @@ def main(json_path=None, quick=False, kernels=None):
                 diffs.append(f"{k['max_abs_diff_vs_sdpa']:.2e}")
             if r["cache"] * r["batch"] >= 65536:  # large enough to be bandwidth-bound
                 w = worst.get(name)
-                worst[name] = r if w is None or k["fraction_of_copy_bw"] < w["kernels"][name]["fraction_of_copy_bw"] else w
+                if w is None or k["fraction_of_copy_bw"] < w["kernels"][name]["fraction_of_copy_bw"]:
+                    worst[name] = r
         sd = f"{r['sdpa_us']:8.1f}" if "sdpa_us" in r else "     n/a"
         print(f"{r['batch']:>5} {r['cache']:>7} | {' | '.join(cells)} | {sd} | {'/'.join(diffs) or 'n/a'}")
     for name, w in worst.items():

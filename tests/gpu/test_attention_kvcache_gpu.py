@@ -2,7 +2,9 @@
 (dense and paged caches, appended rows, every feature), forced key-length
 splits (the log-sum-exp combine), long caches up to 128k rows, device-recorded
 errors, and a decode step captured in a CUDA graph; each through both kernel
-sets ("fused": one launch; "split": append, attention and combine kernels)."""
+sets ("fused": one launch, splits merged in a thread-block cluster up to 8 of them and
+through workspace tickets beyond; "fused-tickets": always through tickets; "split":
+append, attention and combine kernels)."""
 import os
 import sys
 
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = {torch.bfloat16: 2.5e-2, torch.float16: 4e-3}
-KERNELS = ["fused", "split"]
+KERNELS = ["fused", "fused-tickets", "split"]
 
 
 @pytest.fixture(params=KERNELS)
@@ -124,7 +126,7 @@ def test_batch_one_128k_cache(kernel):
 
 
 @pytest.mark.parametrize("layout", [None, 16])
-@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("num_splits", [2, 5, 11])
 @pytest.mark.parametrize("feature", ["causal", "all"])
 def test_append_across_blocks_and_splits(kernel, layout, num_splits, feature):
     """Five appended rows that cross a block boundary and, for some sequences, the
@@ -143,10 +145,10 @@ def test_append_across_blocks_and_splits(kernel, layout, num_splits, feature):
 
 
 @pytest.mark.parametrize("layout", [None, 16, 256])
-@pytest.mark.parametrize("num_splits", [0, 1, 4, 13])
+@pytest.mark.parametrize("num_splits", [0, 1, 4, 8, 13])
 @pytest.mark.parametrize("s_new", [0, 2])
 def test_fused_matches_split(layout, num_splits, s_new):
-    """The two kernel sets agree on the same input (same partials, same merge): outputs
+    """The kernel sets agree on the same input (same partials, same merge): outputs
     within one rounding, log-sum-exps within float32 rounding, caches bit for bit."""
     setup = setup_decode(layout=layout, feature="gqa", s_new=s_new, Sq=1, dtype=torch.bfloat16,
                          capacity=1000, seed=40 + num_splits)
@@ -168,11 +170,13 @@ def test_fused_matches_split(layout, num_splits, s_new):
             results[name] = (out, lse, bits(cache.k).clone(), bits(cache.v).clone())
     finally:
         _core.attention_decode_kernel(previous)
-    (fo, fl, fk, fv), (so, sl, sk_, sv) = results["fused"], results["split"]
-    assert torch.equal(fk, sk_) and torch.equal(fv, sv), "the kernels appended differently"
-    assert not torch.isnan(fo).any()
-    assert torch.allclose(fo.float(), so.float(), rtol=2 ** -7, atol=1e-6)
-    assert torch.allclose(fl, sl, rtol=1e-6, atol=1e-6)
+    so, sl, sk_, sv = results["split"]
+    assert not torch.isnan(so).any()
+    for name in ("fused", "fused-tickets"):
+        fo, fl, fk, fv = results[name]
+        assert torch.equal(fk, sk_) and torch.equal(fv, sv), f"{name} appended differently"
+        assert torch.allclose(fo.float(), so.float(), rtol=2 ** -7, atol=1e-6), name
+        assert torch.allclose(fl, sl, rtol=1e-6, atol=1e-6), name
 
 
 def test_fused_workspace_garbage(kernel):
@@ -187,13 +191,40 @@ def test_fused_workspace_garbage(kernel):
         run_and_check(cache, lengths, q, new, Hq, opts, tol=TOL[torch.bfloat16], num_splits=6)
 
 
+@pytest.mark.parametrize("layout", [None, 16])
+def test_append_without_queries(kernel, layout):
+    """k and v appended with no query rows (Sq 0): the cache is written, nothing else."""
+    gen = torch.Generator().manual_seed(60)
+    dtype = torch.bfloat16
+    lengths = [3, 40, 0]
+    cache = Cache(B=3, capacity=64, Hkv=2, D=64, dtype=dtype, device="cuda", gen=gen,
+                  lengths=lengths, block_size=layout)
+    q = torch.empty((3, 0, 4, 64), dtype=dtype, device="cuda")
+    new = tuple(torch.randn((3, 4, 2, 64), generator=gen).to(device="cuda", dtype=dtype)
+                for _ in range(2))
+    before = cache.snapshot()
+    out = flash_attn_with_kvcache(q, cache.k, cache.v, *new,
+                                  cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+                                  block_table=cache.block_table, num_splits=3)
+    kvcache_check()
+    assert out.shape == q.shape
+    want = Cache.__new__(Cache)
+    want.__dict__.update(cache.__dict__)
+    want.k, want.v = before
+    for b, n in enumerate(lengths):
+        want.write(b, n, new[0][b], new[1][b])
+    assert torch.equal(bits(cache.k), bits(want.k))
+    assert torch.equal(bits(cache.v), bits(want.v))
+
+
 def test_decode_kernel_choice():
     previous = _core.attention_decode_kernel()
     try:
-        assert _core.attention_decode_kernel("split") == "split"
+        for name in KERNELS:
+            assert _core.attention_decode_kernel(name) == name
         assert _core.attention_decode_kernel("fused") == "fused"
         assert _core.attention_decode_kernel() == "fused"
-        with pytest.raises(ValueError, match="use 'fused'.*or 'split'"):
+        with pytest.raises(ValueError, match="use 'fused'.*'fused-tickets'.*or 'split'"):
             _core.attention_decode_kernel("fast")
         assert _core.attention_decode_kernel() == "fused"
     finally:
@@ -233,7 +264,8 @@ def test_paged_varlen(kernel, dtype, block_size, feature):
 # ---------------------------------------------------------------- device-side errors
 
 @pytest.mark.parametrize("problem", ["block_id", "no_room", "negative"])
-def test_device_errors_are_recorded(kernel, problem):
+@pytest.mark.parametrize("num_splits", [2, 12])
+def test_device_errors_are_recorded(kernel, problem, num_splits):
     setup = setup_decode(layout=16, feature="gqa", s_new=2, dtype=torch.bfloat16, seed=8)
     cache, lengths, q, new, Hq, opts = setup
     kvcache_check()  # nothing pending
@@ -248,7 +280,7 @@ def test_device_errors_are_recorded(kernel, problem):
     before = cache.snapshot()
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     out = flash_attn_with_kvcache(q, cache.k, cache.v, *new, cache_seqlens=seqlens, block_table=table,
-                                  num_splits=2)
+                                  num_splits=num_splits)
     with pytest.raises(ValueError, match=r"an earlier call on CUDA device \d+ found that sequence 1"):
         kvcache_check()
     kvcache_check()  # raised once, then cleared

@@ -13,6 +13,7 @@
 // device only: a bad one is recorded in a host-mapped word (raised by the next
 // call or by cache_check_cuda) and the sequence gets NaN outputs, with no
 // access out of bounds and no write to the cache.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -39,6 +40,10 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMinKeysPerSplit = 128;
 constexpr int kMaxSplits = 256;
+// Fused kernel: up to this many splits merge through distributed shared
+// memory, the splits of a head group forming one thread-block cluster (the
+// portable cluster size); more take tickets in the workspace.
+constexpr int kMaxClusterSplits = 8;
 
 // Codes of the recorded error word: code << 56 | sequence << 32 | value.
 enum : unsigned { kBadLength = 1, kNoRoom = 2, kBadBlock = 3 };
@@ -73,6 +78,7 @@ struct Params {
   float* part_out;  // [split][vector][d]
   float* part_lse;  // [split][vector]
   unsigned* tickets;  // fused, splits > 1: [sequence][gridDim.y], zero before the launch
+  int cluster;        // fused: the launch groups the `splits` CTAs of a head group in a cluster
   unsigned long long* error;  // host-mapped
 };
 
@@ -313,6 +319,54 @@ __device__ void combine_splits(const Params& p, int b, const QSeq& qs, int hk, i
   }
 }
 
+// The fused kernel's combine when the `splits` CTAs of a (sequence, kv head x
+// query tile) form one cluster: each CTA leaves its partials (normalized
+// output part[vector][DB] and plse[vector]) in its shared memory; after a
+// cluster barrier (release/acquire) CTA r merges vectors r, r + splits, ...
+// reading every CTA's partials, in the same order and with the same
+// arithmetic as combine_kernel; a second barrier keeps each CTA's shared
+// memory alive until the others have read it.
+template <class T, int DB>
+__device__ void cluster_combine(const Params& p, int b, const QSeq& qs, int hk, int v0, int n_vec,
+                                float* part, float* plse) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int S = p.splits, rank = static_cast<int>(cluster.block_rank());
+  const int nv = min(kVectors, n_vec - v0);
+  const int mine = (nv - rank + S - 1) / S;
+  const float qnan = __int_as_float(0x7fffffff);
+  for (int idx = threadIdx.x; idx < mine * p.d; idx += kThreads) {
+    const int m = rank + (idx / p.d) * S, c = idx % p.d, vec = v0 + m;
+    float l[kMaxClusterSplits];
+    float gmax = -INFINITY;
+    bool nan = false;
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplits; ++s) {
+      l[s] = s < S ? *cluster.map_shared_rank(plse + m, s) : -INFINITY;
+      nan |= l[s] != l[s];
+      gmax = fmaxf(gmax, l[s]);
+    }
+    float sum = 0.0f, o = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplits; ++s) {
+      if (s < S) {
+        const float w = gmax == -INFINITY || l[s] == -INFINITY ? 0.0f : __expf(l[s] - gmax);
+        sum += w;
+        o += w * *cluster.map_shared_rank(part + m * DB + c, s);
+      }
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const int i = vec / p.group, hq = hk * p.group + vec % p.group;
+    static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] =
+        from_float<T>(nan ? qnan : o * inv);
+    if (c == 0)
+      p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] =
+          nan ? qnan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
+  }
+  cluster.sync();
+}
+
 // kFused: the CTAs also append the new rows (append_rows; every CTA takes the
 // rows at [len, len + s_new) from k/v, so no CTA reads a cache row being
 // written) and, with splits > 1, the last CTA of a (sequence, kv head x query
@@ -322,6 +376,8 @@ template <class T, int DB, bool kFused>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   using C = Tile<DB>;
   static_assert(C::kSmem >= sizeof(float) * kVectors * (kMaxSplits + 2), "combine_splits' memory");
+  static_assert(C::kSmem >= sizeof(float) * (kWarps * kVectors * (DB + 2) + kVectors * (DB + 1)),
+                "the merge and cluster_combine's partials");
   constexpr int TN = kTileKeys, LD = C::kLd, R = C::kChunksPerThread;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* stages = reinterpret_cast<T*>(smem_raw);
@@ -546,6 +602,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   float* s_acc = reinterpret_cast<float*>(smem_raw);  // [warp][row][DB]
   float* s_max = s_acc + kWarps * kVectors * DB;       // [warp][row]
   float* s_sum = s_max + kWarps * kVectors;
+  float* s_part = s_sum + kWarps * kVectors;  // cluster merge: [row][DB] normalized outputs
+  float* s_plse = s_part + kVectors * DB;     // [row]
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float sum = attention::cuda::quad_sum(row_sum[h]);
@@ -584,6 +642,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     if (p.splits == 1) {
       static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] = from_float<T>(out);
       if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = lse;
+    } else if (kFused && p.cluster) {
+      s_part[m * DB + c] = out;
+      if (c == 0) s_plse[m] = lse;
     } else {
       const int64_t v = split * p.vectors + (qs.flat0 + i) * p.heads_q + hq;
       p.part_out[v * p.d + c] = out;
@@ -592,7 +653,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   }
   if constexpr (kFused) {
     if (writer && !bad) append_rows(p, b, hk, len, split);
-    if (p.splits > 1) {
+    if (p.splits > 1 && p.cluster) {
+      cluster_combine<T, DB>(p, b, qs, hk, v0, n_vec, s_part, s_plse);
+    } else if (p.splits > 1) {
       // The last of the group's `splits` CTAs to get here merges the partials:
       // each thread's partials are made visible device-wide (release) before
       // the CTA takes its ticket, and the last CTA fences after reading the
@@ -725,17 +788,21 @@ void raise_recorded(ErrorWord& w, int device) {
 
 int head_dim_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
-// Which kernels run a call: "fused" (attention_kernel<..., true>, one launch)
-// or "split" (append, attention and combine kernels). From
-// SYMHEAP_DECODE_KERNEL, read once; set_cache_decode_kernel changes it.
-enum class DecodeKernel : int { Fused = 0, Split = 1 };
+// Which kernels run a call: "fused" (attention_kernel<..., true>, one launch;
+// up to kMaxClusterSplits splits merge in a cluster, more by tickets),
+// "fused-tickets" (the same, always by tickets) or "split" (append, attention
+// and combine kernels). From SYMHEAP_DECODE_KERNEL, read once;
+// set_cache_decode_kernel changes it.
+enum class DecodeKernel : int { Fused = 0, FusedTickets = 1, Split = 2 };
 constexpr DecodeKernel kDefaultKernel = DecodeKernel::Split;
+const char* const kKernelNames[] = {"fused", "fused-tickets", "split"};
 
 DecodeKernel parse_kernel(const std::string& name, const std::string& what) {
-  if (name == "fused") return DecodeKernel::Fused;
-  if (name == "split") return DecodeKernel::Split;
+  for (int k = 0; k < 3; ++k)
+    if (name == kKernelNames[k]) return static_cast<DecodeKernel>(k);
   throw InvalidArgument("attention (kv cache, CUDA): " + what + " is '" + name +
-                        "'; use 'fused' (one launch) or 'split' (append, attention and combine "
+                        "'; use 'fused' (one launch), 'fused-tickets' (one launch, splits merged "
+                        "through the workspace only) or 'split' (append, attention and combine "
                         "kernels)");
 }
 
@@ -751,6 +818,7 @@ std::atomic<int>& kernel_choice() {
 struct Plan {
   int device, db, mtiles, splits;
   bool fused;
+  bool cluster;           // fused: the splits merge in a cluster (no workspace)
   int64_t vectors;
   size_t tickets_offset;  // fused with splits > 1: bytes into the workspace
   int64_t tickets;        // one per (sequence, kv head x query tile)
@@ -794,12 +862,58 @@ int full_grid(int device, int db, bool fused) {
   return fused ? full_grid<T, true>(device, db) : full_grid<T, false>(device, db);
 }
 
+struct ClusterFit {
+  bool fits = false;
+};
+
+// Whether clusters of `splits` fused CTAs can be resident on the device (once
+// per device, dtype, head-dim bucket and size; the kernel's shared-memory
+// limit is raised first, by full_grid).
+template <class T, int DB>
+bool cluster_fits(int device, int splits) {
+  const std::string name = std::string("attention.kvcache.cluster.") +
+                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB) +
+                           "." + std::to_string(splits);
+  return Runtime::instance().device_caches(device).get<ClusterFit>(name, [&] {
+    ::symheap::cuda::ScopedDevice on(device);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(splits, 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = Tile<DB>::kSmem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = splits;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    auto fit = std::make_shared<ClusterFit>();
+    if (cudaOccupancyMaxActiveClusters(&clusters, attention_kernel<T, DB, true>, &cfg) == cudaSuccess)
+      fit->fits = clusters > 0;
+    else
+      (void)cudaGetLastError();  // not fatal: the tickets merge instead
+    return fit;
+  })->fits;
+}
+
+template <class T>
+bool cluster_fits(int device, int db, int splits) {
+  switch (db) {
+    case 32: return cluster_fits<T, 32>(device, splits);
+    case 64: return cluster_fits<T, 64>(device, splits);
+    case 128: return cluster_fits<T, 128>(device, splits);
+    default: return cluster_fits<T, 256>(device, splits);
+  }
+}
+
 // The launch shape and the workspace, from the shapes alone (the lengths live
 // on the device): the one place the workspace size is worked out.
 Plan make_plan(const CacheArgs& a, int device) {
   Plan pl{};
   pl.device = device;
-  pl.fused = static_cast<DecodeKernel>(kernel_choice().load()) == DecodeKernel::Fused;
+  const auto choice = static_cast<DecodeKernel>(kernel_choice().load());
+  pl.fused = choice != DecodeKernel::Split;
   pl.db = head_dim_bucket(a.head_dim);
   const int64_t n_vec = static_cast<int64_t>(a.seqlen_q) * a.group();
   pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + kVectors - 1) / kVectors));
@@ -816,12 +930,15 @@ Plan make_plan(const CacheArgs& a, int device) {
     splits = std::min(useful, std::max<int64_t>(1, target / base));  // whole waves
   }
   pl.splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
+  pl.cluster = choice == DecodeKernel::Fused && pl.splits > 1 && pl.splits <= kMaxClusterSplits &&
+               (a.q.dtype == DType::F16 ? cluster_fits<__half>(device, pl.db, pl.splits)
+                                        : cluster_fits<__nv_bfloat16>(device, pl.db, pl.splits));
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
   pl.vectors = rows * a.heads_q;
-  size_t bytes = pl.splits > 1
+  size_t bytes = pl.splits > 1 && !pl.cluster
                      ? static_cast<size_t>(pl.splits) * pl.vectors * (a.head_dim + 1) * sizeof(float)
                      : 0;
-  if (pl.fused && pl.splits > 1) {
+  if (pl.fused && pl.splits > 1 && !pl.cluster) {
     pl.tickets_offset = (bytes + 15) / 16 * 16;
     pl.tickets = base;
     bytes = pl.tickets_offset + static_cast<size_t>(pl.tickets) * sizeof(unsigned);
@@ -889,7 +1006,8 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
   p.splits = pl.splits;
   p.mtiles = pl.mtiles;
   p.vectors = pl.vectors;
-  if (pl.splits > 1) {
+  p.cluster = pl.cluster;
+  if (pl.splits > 1 && !pl.cluster) {
     p.part_out = static_cast<float*>(workspace);
     p.part_lse = p.part_out + static_cast<size_t>(pl.splits) * pl.vectors * a.head_dim;
   }
@@ -901,8 +1019,24 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
 
 template <class T, int DB, bool kFused>
 void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
-  attention_kernel<T, DB, kFused><<<dim3(pl.splits, p.heads_kv * pl.mtiles, p.batch), kThreads,
-                                    Tile<DB>::kSmem, stream>>>(p);
+  const dim3 grid(pl.splits, p.heads_kv * pl.mtiles, p.batch);
+  if (kFused && pl.cluster) {  // the splits of each head group in one cluster
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = Tile<DB>::kSmem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = pl.splits;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    SYMHEAP_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention_kernel<T, DB, true>, p));
+    return;
+  }
+  attention_kernel<T, DB, kFused><<<grid, kThreads, Tile<DB>::kSmem, stream>>>(p);
   SYMHEAP_CUDA_CHECK_LAUNCH(kFused ? "attention.kvcache.attention_kernel (fused)"
                                    : "attention.kvcache.attention_kernel");
 }
@@ -924,7 +1058,7 @@ void run(const CacheArgs& a, const Plan& pl, const Params& p, cudaStream_t strea
     if (!queries && p.s_new == 0) return;
     // The tickets start at zero in every call: the workspace is fresh memory,
     // not the previous call's (the last CTA also puts its ticket back to zero).
-    if (queries && pl.splits > 1)
+    if (queries && pl.tickets > 0)
       SYMHEAP_CUDA_CHECK(cudaMemsetAsync(p.tickets, 0, pl.tickets * sizeof(unsigned), stream));
     launch_attention<T, true>(p, pl, stream);
     return;
@@ -972,12 +1106,7 @@ void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* wo
   else kvcache::run<__nv_bfloat16>(a, pl, p, s);
 }
 
-std::string cache_decode_kernel() {
-  return static_cast<kvcache::DecodeKernel>(kvcache::kernel_choice().load()) ==
-                 kvcache::DecodeKernel::Fused
-             ? "fused"
-             : "split";
-}
+std::string cache_decode_kernel() { return kvcache::kKernelNames[kvcache::kernel_choice().load()]; }
 
 void set_cache_decode_kernel(const std::string& name) {
   kvcache::kernel_choice().store(static_cast<int>(kvcache::parse_kernel(name, "the decode kernel")));
