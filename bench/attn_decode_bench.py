@@ -6,8 +6,8 @@ bf16, Hq 32 over Hkv 8, D 128, one query row per sequence, every sequence
 holding `cache` rows, paged in 256-row blocks in a shuffled order. Times are
 medians of CUDA-event timed CUDA-graph replays (launch overhead excluded for
 both sides). Copy bandwidth counts the bytes read plus the bytes written.
-With several CUDA decode kernels ("fused": one launch, splits merged in a
-cluster; "fused-tickets": one launch, splits merged through workspace tickets;
+With several CUDA decode kernels ("fused": one launch, at most 16 splits merged
+in a cluster; "fused-tickets": one launch, splits merged through workspace tickets;
 "split": append, attention and combine kernels), each is timed on the same
 data and the table gets a column group per kernel.
 

@@ -2,9 +2,9 @@
 (dense and paged caches, appended rows, every feature), forced key-length
 splits (the log-sum-exp combine), long caches up to 128k rows, device-recorded
 errors, and a decode step captured in a CUDA graph; each through both kernel
-sets ("fused": one launch, splits merged in a thread-block cluster up to 8 of them and
-through workspace tickets beyond; "fused-tickets": always through tickets; "split":
-append, attention and combine kernels)."""
+sets ("fused": one launch, splits merged in a thread-block cluster up to 16 of them
+and through workspace tickets beyond; "fused-tickets": always through tickets;
+"split": append, attention and combine kernels)."""
 import os
 import sys
 
@@ -99,7 +99,7 @@ def test_decode(kernel, dtype, layout, feature, s_new):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [32, 64, 96, 256])
-@pytest.mark.parametrize("num_splits", [1, 3, 7])
+@pytest.mark.parametrize("num_splits", [1, 3, 7, 16, 24])
 def test_decode_head_dims_and_splits(kernel, dtype, D, num_splits):
     setup = setup_decode(layout=16, feature="all", s_new=2, Sq=4, dtype=dtype, D=D, seed=D)
     run_and_check(*setup, tol=TOL[dtype], num_splits=num_splits)
@@ -126,7 +126,7 @@ def test_batch_one_128k_cache(kernel):
 
 
 @pytest.mark.parametrize("layout", [None, 16])
-@pytest.mark.parametrize("num_splits", [2, 5, 11])
+@pytest.mark.parametrize("num_splits", [2, 5, 11, 20])
 @pytest.mark.parametrize("feature", ["causal", "all"])
 def test_append_across_blocks_and_splits(kernel, layout, num_splits, feature):
     """Five appended rows that cross a block boundary and, for some sequences, the
@@ -145,7 +145,7 @@ def test_append_across_blocks_and_splits(kernel, layout, num_splits, feature):
 
 
 @pytest.mark.parametrize("layout", [None, 16, 256])
-@pytest.mark.parametrize("num_splits", [0, 1, 4, 8, 13])
+@pytest.mark.parametrize("num_splits", [0, 1, 4, 8, 13, 20])
 @pytest.mark.parametrize("s_new", [0, 2])
 def test_fused_matches_split(layout, num_splits, s_new):
     """The kernel sets agree on the same input (same partials, same merge): outputs
@@ -264,7 +264,7 @@ def test_paged_varlen(kernel, dtype, block_size, feature):
 # ---------------------------------------------------------------- device-side errors
 
 @pytest.mark.parametrize("problem", ["block_id", "no_room", "negative"])
-@pytest.mark.parametrize("num_splits", [2, 12])
+@pytest.mark.parametrize("num_splits", [2, 12, 20])
 def test_device_errors_are_recorded(kernel, problem, num_splits):
     setup = setup_decode(layout=16, feature="gqa", s_new=2, dtype=torch.bfloat16, seed=8)
     cache, lengths, q, new, Hq, opts = setup

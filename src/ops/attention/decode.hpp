@@ -134,9 +134,8 @@ void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* wo
                           size_t bytes);
 
 // The kernels a CUDA call runs: "fused" (one launch: the attention CTAs also
-// append the new rows, and several key-length splits merge in a thread-block
-// cluster, or beyond 8 splits in the last CTA of each head group through
-// workspace tickets), "fused-tickets" (the same, always through tickets) or
+// append the new rows, and up to 16 key-length splits merge in a thread-block
+// cluster, more in the last CTA of each head group through workspace tickets), "fused-tickets" (the same, always through tickets) or
 // "split" (append, attention and combine kernels). Starts from the
 // SYMHEAP_DECODE_KERNEL environment variable (read once; default "split"); a
 // call takes the value current when it is made (a CUDA graph keeps the one of

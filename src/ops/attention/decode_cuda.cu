@@ -41,9 +41,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMinKeysPerSplit = 128;
 constexpr int kMaxSplits = 256;
 // Fused kernel: up to this many splits merge through distributed shared
-// memory, the splits of a head group forming one thread-block cluster (the
-// portable cluster size); more take tickets in the workspace.
-constexpr int kMaxClusterSplits = 8;
+// memory, the splits of a head group forming one thread-block cluster (above
+// 8, the portable size, where the device takes it); more take tickets in the
+// workspace.
+constexpr int kMaxClusterSplits = 16;
 
 // Codes of the recorded error word: code << 56 | sequence << 32 | value.
 enum : unsigned { kBadLength = 1, kNoRoom = 2, kBadBlock = 3 };
@@ -840,6 +841,10 @@ int full_grid(int device) {
     SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<T, DB, kFused>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(Tile<DB>::kSmem)));
+    // Clusters of up to kMaxClusterSplits CTAs; where refused, cluster_fits says no.
+    if (kFused && cudaFuncSetAttribute(attention_kernel<T, DB, kFused>,
+                                       cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+      (void)cudaGetLastError();
     return std::make_shared<SmemReady>();
   });
   return ::symheap::cuda::kernel_info(device, name.c_str(), attention_kernel<T, DB, kFused>, kThreads,
@@ -929,10 +934,18 @@ Plan make_plan(const CacheArgs& a, int device) {
   } else {
     splits = std::min(useful, std::max<int64_t>(1, target / base));  // whole waves
   }
+  auto fits = [&](int64_t n) {
+    return a.q.dtype == DType::F16 ? cluster_fits<__half>(device, pl.db, static_cast<int>(n))
+                                   : cluster_fits<__nv_bfloat16>(device, pl.db, static_cast<int>(n));
+  };
+  // "fused": a chosen split count above the largest cluster comes down to it
+  // (one merge in shared memory instead of a memset and the tickets).
+  if (choice == DecodeKernel::Fused && a.num_splits <= 0 && splits > kMaxClusterSplits &&
+      fits(kMaxClusterSplits))
+    splits = kMaxClusterSplits;
   pl.splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   pl.cluster = choice == DecodeKernel::Fused && pl.splits > 1 && pl.splits <= kMaxClusterSplits &&
-               (a.q.dtype == DType::F16 ? cluster_fits<__half>(device, pl.db, pl.splits)
-                                        : cluster_fits<__nv_bfloat16>(device, pl.db, pl.splits));
+               fits(pl.splits);
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
   pl.vectors = rows * a.heads_q;
   size_t bytes = pl.splits > 1 && !pl.cluster
