@@ -1,9 +1,10 @@
-// CUDA path of attention over a KV cache. Two ways to run a call (see
+// CUDA path of attention over a KV cache. Ways to run a call (see
 // DecodeKernel): "fused", one launch whose CTAs also write the appended rows
-// and whose last CTA per (sequence, head group) merges the key-length splits;
-// "split", an append kernel (new rows into the cache at each sequence's
-// length), the split-K attention kernel and a combine kernel that merges the
-// splits by their log-sum-exp.
+// and merge the key-length splits, within a thread-block cluster
+// (cluster_combine) or in the last CTA per (sequence, head group) to finish
+// (combine_splits); "split", an append kernel (new rows into the cache at each
+// sequence's length), the split-K attention kernel and a combine kernel that
+// merges the splits by their log-sum-exp.
 //
 // The attention kernel runs one CTA per (key split, kv head x 16 query
 // vectors, sequence). The query vectors are (query row, head) pairs of one
@@ -324,9 +325,9 @@ __device__ void combine_splits(const Params& p, int b, const QSeq& qs, int hk, i
 // query tile) form one cluster: each CTA leaves its partials (normalized
 // output part[vector][DB] and plse[vector]) in its shared memory; after a
 // cluster barrier (release/acquire) CTA r merges vectors r, r + splits, ...
-// reading every CTA's partials, in the same order and with the same
-// arithmetic as combine_kernel; a second barrier keeps each CTA's shared
-// memory alive until the others have read it.
+// reading every CTA's partials, with combine_kernel's arithmetic (the weights
+// summed in split order); a second barrier keeps each CTA's shared memory
+// alive until the others have read it.
 template <class T, int DB>
 __device__ void cluster_combine(const Params& p, int b, const QSeq& qs, int hk, int v0, int n_vec,
                                 float* part, float* plse) {
@@ -370,8 +371,9 @@ __device__ void cluster_combine(const Params& p, int b, const QSeq& qs, int hk, 
 
 // kFused: the CTAs also append the new rows (append_rows; every CTA takes the
 // rows at [len, len + s_new) from k/v, so no CTA reads a cache row being
-// written) and, with splits > 1, the last CTA of a (sequence, kv head x query
-// tile) to finish merges the splits (combine_splits). Otherwise the append and
+// written) and, with splits > 1, merge the splits: the CTAs of a cluster
+// together (p.cluster, cluster_combine) or the last CTA of a (sequence, kv
+// head x query tile) to finish (combine_splits). Otherwise the append and
 // combine kernels run before and after.
 template <class T, int DB, bool kFused>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
