@@ -91,6 +91,7 @@ def run_and_check(cache, lengths, q, new, Hq, opts, *, tol, **extra):
 @pytest.mark.parametrize("layout", [None, 16, 256, 512])
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("s_new", [0, 1, 3])
+@pytest.mark.parametrize("kernel", ["fused", "split"], indirect=True)  # the merges: tests below
 def test_decode(kernel, dtype, layout, feature, s_new):
     setup = setup_decode(layout=layout, feature=feature, s_new=s_new, dtype=dtype,
                          seed=hash((layout, feature, s_new)) % 1000)
