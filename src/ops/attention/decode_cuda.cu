@@ -870,38 +870,41 @@ int full_grid(int device, int db, bool fused) {
 }
 
 struct ClusterFit {
-  bool fits = false;
+  bool fits[kMaxClusterSplits + 1] = {};  // by cluster size
 };
 
-// Whether clusters of `splits` fused CTAs can be resident on the device (once
-// per device, dtype, head-dim bucket and size; the kernel's shared-memory
-// limit is raised first, by full_grid).
+// Whether clusters of `splits` fused CTAs can be resident on the device (every
+// size found at the first call per device, dtype and head-dim bucket, so a
+// warm-up call before a CUDA graph capture covers them all; the kernel's
+// shared-memory limit is raised first, by full_grid).
 template <class T, int DB>
 bool cluster_fits(int device, int splits) {
   const std::string name = std::string("attention.kvcache.cluster.") +
-                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB) +
-                           "." + std::to_string(splits);
-  return Runtime::instance().device_caches(device).get<ClusterFit>(name, [&] {
+                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
+  const auto fit = Runtime::instance().device_caches(device).get<ClusterFit>(name, [&] {
     ::symheap::cuda::ScopedDevice on(device);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(splits, 1, 1);
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = Tile<DB>::kSmem;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = splits;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    auto fit = std::make_shared<ClusterFit>();
-    if (cudaOccupancyMaxActiveClusters(&clusters, attention_kernel<T, DB, true>, &cfg) == cudaSuccess)
-      fit->fits = clusters > 0;
-    else
-      (void)cudaGetLastError();  // not fatal: the tickets merge instead
-    return fit;
-  })->fits;
+    auto f = std::make_shared<ClusterFit>();
+    for (int n = 2; n <= kMaxClusterSplits; ++n) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(n, 1, 1);
+      cfg.blockDim = dim3(kThreads, 1, 1);
+      cfg.dynamicSmemBytes = Tile<DB>::kSmem;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = n;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, attention_kernel<T, DB, true>, &cfg) == cudaSuccess)
+        f->fits[n] = clusters > 0;
+      else
+        (void)cudaGetLastError();  // not fatal: the tickets merge instead
+    }
+    return f;
+  });
+  return splits >= 2 && splits <= kMaxClusterSplits && fit->fits[splits];
 }
 
 template <class T>
