@@ -6,8 +6,7 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
 
     python bench/attn_bench.py [--backend auto|cudnn|own] [--grid reference|full]
                                [--json out.json] [--quick]
-    python bench/attn_bench.py --decode [--decode-kernels fused,fused-tickets,split]
-                                        [--json out.json] [--quick]   (KV-cache decode)
+    python bench/attn_bench.py --decode [--json out.json] [--quick]   (KV-cache decode)
 
 --backend picks symheap's path (as flash_attn_func's backend=); --grid full
 runs head dims 64, 128, 256 x S 512 .. 16k x causal or not.
@@ -146,16 +145,12 @@ def main():
                         help="reference: the rows of the reference table (SHAPES: hdim 64 and 128, S 1024 to 16k); full: hdim 64/128/256 x S 512..16k x causal")
     parser.add_argument("--decode", action="store_true",
                         help="decode over a paged KV cache instead (bench/attn_decode_bench.py)")
-    parser.add_argument("--decode-kernels", default=None,
-                        help="with --decode: comma-separated CUDA decode kernels to time side by "
-                             "side (fused, fused-tickets, split); default: the current one (SYMHEAP_DECODE_KERNEL)")
     parser.add_argument("--inner", type=int, default=1,
                         help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()
     if args.decode:
         import attn_decode_bench
-        kernels = args.decode_kernels.split(",") if args.decode_kernels else None
-        return attn_decode_bench.main(args.json, args.quick, kernels)
+        return attn_decode_bench.main(args.json, args.quick)
     global INNER
     INNER = max(1, args.inner)
     torch.backends.cuda.matmul.allow_tf32 = False

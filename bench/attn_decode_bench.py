@@ -6,13 +6,8 @@ bf16, Hq 32 over Hkv 8, D 128, one query row per sequence, every sequence
 holding `cache` rows, paged in 256-row blocks in a shuffled order. Times are
 medians of CUDA-event timed CUDA-graph replays (launch overhead excluded for
 both sides). Copy bandwidth counts the bytes read plus the bytes written.
-With several CUDA decode kernels ("fused": one launch, at most 16 splits merged
-in a cluster; "fused-tickets": one launch, splits merged through workspace tickets;
-"split": append, attention and combine kernels), each is timed on the same
-data and the table gets a column group per kernel.
 
-    python bench/attn_bench.py --decode [--decode-kernels fused,fused-tickets,split]
-                                        [--json out.json] [--quick]
+    python bench/attn_bench.py --decode [--json out.json] [--quick]
 """
 from __future__ import annotations
 
@@ -22,7 +17,6 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from symheap import _core
 from symheap.attention import flash_attn_with_kvcache, kvcache_check
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 256
@@ -62,7 +56,7 @@ def copy_bandwidth(nbytes=2 << 30):
     return 2 * nbytes / (us * 1e-6)  # read + write
 
 
-def bench_case(B, L, copy_bw, reps, kernels):
+def bench_case(B, L, copy_bw, reps):
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_per_seq = L // BLOCK
     num_blocks = B * blocks_per_seq
@@ -76,19 +70,13 @@ def bench_case(B, L, copy_bw, reps, kernels):
         return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
 
     kv_bytes = 2 * B * L * HKV * D * 2
-    row = {"batch": B, "cache": L, "kv_bytes": kv_bytes, "kernels": {}}
-    outs = {}
-    for name in kernels:
-        _core.attention_decode_kernel(name)  # a graph keeps the kernels of its capture
-        t = graph_time_us(ours, reps=reps)
-        kvcache_check()
-        row["kernels"][name] = {"us": t, "GBps": kv_bytes / (t * 1e-6) / 1e9,
-                                "fraction_of_copy_bw": kv_bytes / (t * 1e-6) / copy_bw}
-        outs[name] = ours()
-    first = row["kernels"][kernels[0]]
-    # The first kernel's numbers also under the keys of earlier runs' JSON.
-    row.update(symheap_us=first["us"], symheap_GBps=first["GBps"],
-               fraction_of_copy_bw=first["fraction_of_copy_bw"])
+    row = {"batch": B, "cache": L, "kv_bytes": kv_bytes}
+    t = graph_time_us(ours, reps=reps)
+    kvcache_check()
+    row["symheap_us"] = t
+    row["symheap_GBps"] = kv_bytes / (t * 1e-6) / 1e9
+    row["fraction_of_copy_bw"] = kv_bytes / (t * 1e-6) / copy_bw
+    out = ours()
     # SDPA over the same cache gathered dense: (B, Hkv, L, D), GQA inside SDPA.
     kd = k_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
     vd = v_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
@@ -100,70 +88,45 @@ def bench_case(B, L, copy_bw, reps, kernels):
 
     try:
         row["sdpa_us"] = graph_time_us(sdpa, reps=reps)
-        ref = sdpa().transpose(1, 2).float()
-        for name in kernels:
-            k = row["kernels"][name]
-            k["speedup_vs_sdpa"] = row["sdpa_us"] / k["us"]
-            k["max_abs_diff_vs_sdpa"] = (outs[name].float() - ref).abs().max().item()
-        row["speedup_vs_sdpa"] = first["speedup_vs_sdpa"]
-        row["max_abs_diff_vs_sdpa"] = first["max_abs_diff_vs_sdpa"]
+        row["speedup_vs_sdpa"] = row["sdpa_us"] / t
+        row["max_abs_diff_vs_sdpa"] = (out.float() - sdpa().transpose(1, 2).float()).abs().max().item()
     except Exception as e:  # a backend may be unavailable for a shape
         row["sdpa_error"] = f"{type(e).__name__}: {e}"[:200]
     return row
 
 
-def main(json_path=None, quick=False, kernels=None):
+def main(json_path=None, quick=False):
     torch.backends.cuda.matmul.allow_tf32 = False
-    initial = _core.attention_decode_kernel()
-    kernels = kernels or [initial]
-    for name in kernels:
-        _core.attention_decode_kernel(name)  # raises ValueError for an unknown name
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"decode kernels {', '.join(kernels)}")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     copy_bw = copy_bandwidth()
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
     rows = []
-    try:
-        for B in BATCHES:
-            for L in CACHES:
-                if quick and (B not in (1, 16, 128) or L not in (1024, 16384, 131072)):
-                    continue
-                kv_bytes = 2 * B * L * HKV * D * 2
-                if kv_bytes > MAX_CACHE_BYTES:
-                    rows.append({"batch": B, "cache": L, "skipped": f"K+V {kv_bytes >> 30} GiB"})
-                    continue
-                rows.append(bench_case(B, L, copy_bw, 3 if quick else 7, kernels))
-                torch.cuda.empty_cache()
-    finally:
-        _core.attention_decode_kernel(initial)
-    head = " | ".join(f"{name + ' us':>10} {'GB/s':>6} {'of copy':>7} {'vs SDPA':>7}" for name in kernels)
-    print(f"{'batch':>5} {'cache':>7} | {head} | {'SDPA us':>8} | max|diff|")
-    worst = {}
+    for B in BATCHES:
+        for L in CACHES:
+            if quick and (B not in (1, 16, 128) or L not in (1024, 16384, 131072)):
+                continue
+            kv_bytes = 2 * B * L * HKV * D * 2
+            if kv_bytes > MAX_CACHE_BYTES:
+                rows.append({"batch": B, "cache": L, "skipped": f"K+V {kv_bytes >> 30} GiB"})
+                continue
+            rows.append(bench_case(B, L, copy_bw, reps=3 if quick else 7))
+            torch.cuda.empty_cache()
+    print(f"{'batch':>5} {'cache':>7} | {'symheap us':>10} {'GB/s':>6} {'of copy':>7} | "
+          f"{'SDPA us':>8} {'speedup':>7} | max|diff|")
+    worst = None
     for r in rows:
         if "skipped" in r:
             print(f"{r['batch']:>5} {r['cache']:>7} | skipped ({r['skipped']} > the limit)")
             continue
-        cells, diffs = [], []
-        for name in kernels:
-            k = r["kernels"][name]
-            sp = f"{k['speedup_vs_sdpa']:6.2f}x" if "speedup_vs_sdpa" in k else "    n/a"
-            cells.append(f"{k['us']:10.1f} {k['GBps']:6.0f} {100 * k['fraction_of_copy_bw']:6.1f}% {sp}")
-            if "max_abs_diff_vs_sdpa" in k:
-                diffs.append(f"{k['max_abs_diff_vs_sdpa']:.2e}")
-            if r["cache"] * r["batch"] >= 65536:  # large enough to be bandwidth-bound
-                w = worst.get(name)
-                if w is None or k["fraction_of_copy_bw"] < w["kernels"][name]["fraction_of_copy_bw"]:
-                    worst[name] = r
-        sd = f"{r['sdpa_us']:8.1f}" if "sdpa_us" in r else "     n/a"
-        print(f"{r['batch']:>5} {r['cache']:>7} | {' | '.join(cells)} | {sd} | {'/'.join(diffs) or 'n/a'}")
-    for name, w in worst.items():
-        print(f"summary ({name}): decode min {100 * w['kernels'][name]['fraction_of_copy_bw']:.1f}% of copy "
-              f"bandwidth over cases with >= 64k cached rows in all (batch {w['batch']}, cache {w['cache']})")
-    for name in kernels:
-        sp = [r["kernels"][name]["speedup_vs_sdpa"] for r in rows
-              if "kernels" in r and "speedup_vs_sdpa" in r["kernels"][name]]
-        if sp:
-            print(f"summary ({name}): speedup vs SDPA min {min(sp):.2f}x, median {statistics.median(sp):.2f}x")
+        sd = f"{r['sdpa_us']:8.1f} {r['speedup_vs_sdpa']:6.2f}x" if "sdpa_us" in r else "     n/a        "
+        diff = f"{r['max_abs_diff_vs_sdpa']:.2e}" if "max_abs_diff_vs_sdpa" in r else "n/a"
+        print(f"{r['batch']:>5} {r['cache']:>7} | {r['symheap_us']:10.1f} {r['symheap_GBps']:6.0f} "
+              f"{100 * r['fraction_of_copy_bw']:6.1f}% | {sd} | {diff}")
+        if r["cache"] * r["batch"] >= 65536:  # large enough to be bandwidth-bound
+            worst = r if worst is None or r["fraction_of_copy_bw"] < worst["fraction_of_copy_bw"] else worst
+    if worst:
+        print(f"summary: decode min {100 * worst['fraction_of_copy_bw']:.1f}% of copy bandwidth "
+              f"over cases with >= 64k cached rows in all (batch {worst['batch']}, cache {worst['cache']})")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"copy_bw": copy_bw, "kernels": kernels, "rows": rows}, f, indent=1)
+            json.dump({"copy_bw": copy_bw, "rows": rows}, f, indent=1)

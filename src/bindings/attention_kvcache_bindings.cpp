@@ -6,7 +6,6 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -80,15 +79,6 @@ SYMHEAP_BINDINGS(attention_kvcache) {
     cache_attention_cuda(a, device, reinterpret_cast<void*>(stream),
                          reinterpret_cast<void*>(workspace), bytes);
   });
-  m.def(
-      "attention_decode_kernel",
-      [](const std::optional<std::string>& name) {
-        if (name) set_cache_decode_kernel(*name);
-        return cache_decode_kernel();
-      },
-      py::arg("name") = py::none(),
-      "The CUDA KV-cache kernels ('fused' or 'split'); sets them when a name is given. Starts "
-      "from SYMHEAP_DECODE_KERNEL.");
   m.def("attention_cache_check_cuda", [](int device, uintptr_t stream, bool sync) {
     py::gil_scoped_release nogil;
     cache_check_cuda(device, reinterpret_cast<void*>(stream), sync);

@@ -1,10 +1,7 @@
 """Attention over KV caches on CUDA, float16 and bfloat16: the cpu test grid
 (dense and paged caches, appended rows, every feature), forced key-length
-splits (the log-sum-exp combine), long caches up to 128k rows, device-recorded
-errors, and a decode step captured in a CUDA graph; each through both kernel
-sets ("fused": one launch, splits merged in a thread-block cluster up to 16 of them
-and through workspace tickets beyond; "fused-tickets": always through tickets;
-"split": append, attention and combine kernels)."""
+splits (the log-sum-exp combine), a long cache, device-recorded errors, and a
+decode step captured in a CUDA graph."""
 import os
 import sys
 
@@ -25,16 +22,6 @@ pytestmark = pytest.mark.skipif(
 
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = {torch.bfloat16: 2.5e-2, torch.float16: 4e-3}
-KERNELS = ["fused", "fused-tickets", "split"]
-
-
-@pytest.fixture(params=KERNELS)
-def kernel(request):
-    """Runs the test with the CUDA decode kernels set to the parameter."""
-    before = _core.attention_decode_kernel()
-    _core.attention_decode_kernel(request.param)
-    yield request.param
-    _core.attention_decode_kernel(before)
 
 
 def max_err(x, ref):
@@ -91,8 +78,7 @@ def run_and_check(cache, lengths, q, new, Hq, opts, *, tol, **extra):
 @pytest.mark.parametrize("layout", [None, 16, 256, 512])
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("s_new", [0, 1, 3])
-@pytest.mark.parametrize("kernel", ["fused", "split"], indirect=True)  # the merges: tests below
-def test_decode(kernel, dtype, layout, feature, s_new):
+def test_decode(dtype, layout, feature, s_new):
     setup = setup_decode(layout=layout, feature=feature, s_new=s_new, dtype=dtype,
                          seed=hash((layout, feature, s_new)) % 1000)
     run_and_check(*setup, tol=TOL[dtype])
@@ -100,142 +86,23 @@ def test_decode(kernel, dtype, layout, feature, s_new):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [32, 64, 96, 256])
-@pytest.mark.parametrize("num_splits", [1, 3, 7, 16, 24])
-def test_decode_head_dims_and_splits(kernel, dtype, D, num_splits):
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_decode_head_dims_and_splits(dtype, D, num_splits):
     setup = setup_decode(layout=16, feature="all", s_new=2, Sq=4, dtype=dtype, D=D, seed=D)
     run_and_check(*setup, tol=TOL[dtype], num_splits=num_splits)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_long_cache_batch_one(kernel, dtype):
+def test_long_cache_batch_one(dtype):
     """Batch 1 over a 32k-row paged cache: the automatic split count fills the GPU."""
     setup = setup_decode(layout=256, feature="gqa", s_new=1, B=1, capacity=32768, dtype=dtype, seed=4)
     run_and_check(*setup, tol=TOL[dtype])
 
 
-def test_batch_one_128k_cache(kernel):
-    """The benchmark's shape (Hq 32 over Hkv 8, D 128, bf16, 256-row blocks) at batch 1
-    with a 128k-row cache and one appended row: many splits, merged by the log-sum-exp."""
-    gen = torch.Generator().manual_seed(5)
-    dtype, L = torch.bfloat16, 131072
-    cache = Cache(B=1, capacity=L, Hkv=8, D=128, dtype=dtype, device="cuda", gen=gen,
-                  lengths=[L - 1], block_size=256, extra_blocks=0)
-    q = torch.randn((1, 1, 32, 128), generator=gen).to(device="cuda", dtype=dtype)
-    new = tuple(torch.randn((1, 1, 8, 128), generator=gen).to(device="cuda", dtype=dtype)
-                for _ in range(2))
-    run_and_check(cache, [L - 1], q, new, 32, {}, tol=TOL[dtype])
-
-
-@pytest.mark.parametrize("layout", [None, 16])
-@pytest.mark.parametrize("num_splits", [2, 5, 11, 20])
-@pytest.mark.parametrize("feature", ["causal", "all"])
-def test_append_across_blocks_and_splits(kernel, layout, num_splits, feature):
-    """Five appended rows that cross a block boundary and, for some sequences, the
-    boundary between two splits (the fused kernel reads them from k/v in every split
-    and writes them from the head's first query tile)."""
-    gen = torch.Generator().manual_seed(30 + num_splits)
-    dtype = torch.bfloat16
-    Hq, Hkv, opts = FEATURES[feature]
-    lengths = [14, 126, 250]
-    cache = Cache(B=3, capacity=300, Hkv=Hkv, D=128, dtype=dtype, device="cuda", gen=gen,
-                  lengths=lengths, block_size=layout)
-    q = torch.randn((3, 5, Hq, 128), generator=gen).to(device="cuda", dtype=dtype)
-    new = tuple(torch.randn((3, 5, Hkv, 128), generator=gen).to(device="cuda", dtype=dtype)
-                for _ in range(2))
-    run_and_check(cache, lengths, q, new, Hq, opts, tol=TOL[dtype], num_splits=num_splits)
-
-
-@pytest.mark.parametrize("layout", [None, 16, 256])
-@pytest.mark.parametrize("num_splits", [0, 1, 4, 8, 13, 20])
-@pytest.mark.parametrize("s_new", [0, 2])
-def test_fused_matches_split(layout, num_splits, s_new):
-    """The kernel sets agree on the same input (same partials, same merge): outputs
-    within one rounding, log-sum-exps within float32 rounding, caches bit for bit."""
-    setup = setup_decode(layout=layout, feature="gqa", s_new=s_new, Sq=1, dtype=torch.bfloat16,
-                         capacity=1000, seed=40 + num_splits)
-    cache, lengths, q, new, Hq, opts = setup
-    k, v = new if new is not None else (None, None)
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    before = cache.snapshot()
-    results = {}
-    previous = _core.attention_decode_kernel()
-    try:
-        for name in KERNELS:
-            _core.attention_decode_kernel(name)
-            cache.k.copy_(before[0])
-            cache.v.copy_(before[1])
-            out, lse = flash_attn_with_kvcache(q, cache.k, cache.v, k, v, cache_seqlens=seqlens,
-                                               block_table=cache.block_table, num_splits=num_splits,
-                                               return_lse=True)
-            kvcache_check()
-            results[name] = (out, lse, bits(cache.k).clone(), bits(cache.v).clone())
-    finally:
-        _core.attention_decode_kernel(previous)
-    so, sl, sk_, sv = results["split"]
-    assert not torch.isnan(so).any()
-    for name in ("fused", "fused-tickets"):
-        fo, fl, fk, fv = results[name]
-        assert torch.equal(fk, sk_) and torch.equal(fv, sv), f"{name} appended differently"
-        assert torch.allclose(fo.float(), so.float(), rtol=2 ** -7, atol=1e-6), name
-        assert torch.allclose(fl, sl, rtol=1e-5, atol=1e-5), name
-
-
-def test_fused_workspace_garbage(kernel):
-    """Calls whose workspace is memory just filled with 0xFF by another tensor: the
-    merge's tickets must start from zero in every call."""
-    setup = setup_decode(layout=16, feature="gqa", s_new=1, dtype=torch.bfloat16, capacity=2000,
-                         seed=50)
-    cache, lengths, q, new, Hq, opts = setup
-    for size in (1 << 16, 1 << 17, 1 << 20, 1 << 17):
-        junk = torch.full((size,), 255, dtype=torch.uint8, device="cuda")
-        del junk  # freed: the call's workspace may reuse this memory
-        run_and_check(cache, lengths, q, new, Hq, opts, tol=TOL[torch.bfloat16], num_splits=20)
-
-
-@pytest.mark.parametrize("layout", [None, 16])
-def test_append_without_queries(kernel, layout):
-    """k and v appended with no query rows (Sq 0): the cache is written, nothing else."""
-    gen = torch.Generator().manual_seed(60)
-    dtype = torch.bfloat16
-    lengths = [3, 40, 0]
-    cache = Cache(B=3, capacity=64, Hkv=2, D=64, dtype=dtype, device="cuda", gen=gen,
-                  lengths=lengths, block_size=layout)
-    q = torch.empty((3, 0, 4, 64), dtype=dtype, device="cuda")
-    new = tuple(torch.randn((3, 4, 2, 64), generator=gen).to(device="cuda", dtype=dtype)
-                for _ in range(2))
-    before = cache.snapshot()
-    out = flash_attn_with_kvcache(q, cache.k, cache.v, *new,
-                                  cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device="cuda"),
-                                  block_table=cache.block_table, num_splits=3)
-    kvcache_check()
-    assert out.shape == q.shape
-    want = Cache.__new__(Cache)
-    want.__dict__.update(cache.__dict__)
-    want.k, want.v = before
-    for b, n in enumerate(lengths):
-        want.write(b, n, new[0][b], new[1][b])
-    assert torch.equal(bits(cache.k), bits(want.k))
-    assert torch.equal(bits(cache.v), bits(want.v))
-
-
-def test_decode_kernel_choice():
-    previous = _core.attention_decode_kernel()
-    try:
-        for name in KERNELS:
-            assert _core.attention_decode_kernel(name) == name
-        assert _core.attention_decode_kernel("fused") == "fused"
-        assert _core.attention_decode_kernel() == "fused"
-        with pytest.raises(ValueError, match="use 'fused'.*'fused-tickets'.*or 'split'"):
-            _core.attention_decode_kernel("fast")
-        assert _core.attention_decode_kernel() == "fused"
-    finally:
-        _core.attention_decode_kernel(previous)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_paged_varlen(kernel, dtype, block_size, feature):
+def test_paged_varlen(dtype, block_size, feature):
     gen = torch.Generator().manual_seed(hash((block_size, feature)) % 1000)
     Hq, Hkv, opts = FEATURES[feature]
     q_lens, k_lens = [1, 37, 0, 20], [290, 130, 9, 0]
@@ -265,8 +132,7 @@ def test_paged_varlen(kernel, dtype, block_size, feature):
 # ---------------------------------------------------------------- device-side errors
 
 @pytest.mark.parametrize("problem", ["block_id", "no_room", "negative"])
-@pytest.mark.parametrize("num_splits", [2, 12, 20])
-def test_device_errors_are_recorded(kernel, problem, num_splits):
+def test_device_errors_are_recorded(problem):
     setup = setup_decode(layout=16, feature="gqa", s_new=2, dtype=torch.bfloat16, seed=8)
     cache, lengths, q, new, Hq, opts = setup
     kvcache_check()  # nothing pending
@@ -281,7 +147,7 @@ def test_device_errors_are_recorded(kernel, problem, num_splits):
     before = cache.snapshot()
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     out = flash_attn_with_kvcache(q, cache.k, cache.v, *new, cache_seqlens=seqlens, block_table=table,
-                                  num_splits=num_splits)
+                                  num_splits=2)
     with pytest.raises(ValueError, match=r"an earlier call on CUDA device \d+ found that sequence 1"):
         kvcache_check()
     kvcache_check()  # raised once, then cleared
@@ -322,10 +188,9 @@ def test_host_side_shape_errors():
 # ---------------------------------------------------------------- CUDA graphs
 
 @pytest.mark.parametrize("layout", [None, 16])
-def test_decode_step_in_a_cuda_graph(kernel, layout):
-    """A decode step (append one row, attend) captured once and replayed three times
-    with new lengths and new rows written into the static inputs (several splits:
-    the fused merge's tickets must be zero again for every replay)."""
+def test_decode_step_in_a_cuda_graph(layout):
+    """A decode step (append one row, attend) captured once and replayed with new
+    lengths and new rows written into the static inputs."""
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(21)
     B, Hq, Hkv, D, capacity = 4, 8, 2, 128, 4096
@@ -355,8 +220,6 @@ def test_decode_step_in_a_cuda_graph(kernel, layout):
         kn, vn = (torch.randn(k_new.shape, generator=gen).to(dtype) for _ in range(2))
         k_new.copy_(kn)
         v_new.copy_(vn)
-        out.fill_(float("nan"))  # poison: each replay must write every output
-        lse.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         kvcache_check()

@@ -117,9 +117,8 @@ void validate_cache(const CacheArgs& a);
 void cache_attention_cpu(const CacheArgs& a, int threads);
 
 #ifdef SYMHEAP_WITH_CUDA
-// Bytes of device workspace (the partial results of the key-length splits,
-// and with the fused kernel one ticket per head group), from the shapes alone;
-// 0 when one split suffices. Pass the same args (and
+// Bytes of device workspace (the partial results of the key-length splits),
+// from the shapes alone; 0 when one split suffices. Pass the same args (and
 // the same device) to cache_attention_cuda.
 size_t cache_attention_cuda_workspace_bytes(const CacheArgs& a, int device);
 
@@ -138,16 +137,6 @@ int cache_attention_cuda_splits(const CacheArgs& a, int device);
 // that device or by cache_check_cuda.
 void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* workspace,
                           size_t bytes);
-
-// The kernels a CUDA call runs: "fused" (one launch: the attention CTAs also
-// append the new rows, and up to 16 key-length splits merge in a thread-block
-// cluster, more in the last CTA of each head group through workspace tickets), "fused-tickets" (the same, always through tickets) or
-// "split" (append, attention and combine kernels). Starts from the
-// SYMHEAP_DECODE_KERNEL environment variable (read once; default "split"); a
-// call takes the value current when it is made (a CUDA graph keeps the one of
-// its capture). Raises InvalidArgument for any other name.
-std::string cache_decode_kernel();
-void set_cache_decode_kernel(const std::string& name);
 
 // Raises the error a cache call recorded on `device` (and clears it); with
 // `sync` it first waits for `stream`.

@@ -1,10 +1,6 @@
-// CUDA path of attention over a KV cache. Ways to run a call (see
-// DecodeKernel): "fused", one launch whose CTAs also write the appended rows
-// and merge the key-length splits, within a thread-block cluster
-// (cluster_combine) or in the last CTA per (sequence, head group) to finish
-// (combine_splits); "split", an append kernel (new rows into the cache at each
-// sequence's length), the split-K attention kernel and a combine kernel that
-// merges the splits by their log-sum-exp.
+// CUDA path of attention over a KV cache: an append kernel (new rows into the
+// cache at each sequence's length), a split-K attention kernel, and a combine
+// kernel that merges the splits by their log-sum-exp.
 //
 // The attention kernel runs one CTA per (key split, kv head x 16 query
 // vectors, sequence). The query vectors are (query row, head) pairs of one
@@ -14,14 +10,12 @@
 // device only: a bad one is recorded in a host-mapped word (raised by the next
 // call or by cache_check_cuda) and the sequence gets NaN outputs, with no
 // access out of bounds and no write to the cache.
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -41,11 +35,6 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMinKeysPerSplit = 128;
 constexpr int kMaxSplits = 256;
-// Fused kernel: up to this many splits merge through distributed shared
-// memory, the splits of a head group forming one thread-block cluster (above
-// 8, the portable size, where the device takes it); more take tickets in the
-// workspace.
-constexpr int kMaxClusterSplits = 16;
 
 // Codes of the recorded error word: code << 56 | sequence << 32 | value.
 enum : unsigned { kBadLength = 1, kNoRoom = 2, kBadBlock = 3 };
@@ -79,8 +68,6 @@ struct Params {
   int64_t vectors;  // flat query rows x heads_q: the workspace's stride between splits
   float* part_out;  // [split][vector][d]
   float* part_lse;  // [split][vector]
-  unsigned* tickets;  // fused, splits > 1: [sequence][gridDim.y], zero before the launch
-  int cluster;        // fused: the launch groups the `splits` CTAs of a head group in a cluster
   unsigned long long* error;  // host-mapped
 };
 
@@ -174,42 +161,6 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const Params p) {
   }
 }
 
-// The fused kernel's append: whether every block the appended rows of
-// sequence b land in is in range (len already checked), each thread looking at
-// every kThreads-th of those blocks; `record`: report the first bad id.
-__device__ __forceinline__ bool new_blocks_ok(const Params& p, int b, int len, bool record) {
-  if (!p.table || p.s_new == 0) return true;
-  const int first = len / p.block_size, last = (len + p.s_new - 1) / p.block_size;
-  bool ok = true;
-  for (int c = first + static_cast<int>(threadIdx.x); c <= last; c += kThreads) {
-    const int id = __ldg(p.table + b * p.table_stride + c);
-    if (id < 0 || id >= p.num_blocks) {
-      if (record && ok) record_error(p, kBadBlock, b, id);
-      ok = false;
-    }
-  }
-  return ok;
-}
-
-// The fused kernel's append: rows t = split, split + splits, ... of kv head hk
-// of sequence b (the CTAs of the head's first query tile share the rows out).
-// No CTA of the call reads these cache rows: they take the rows from k/v.
-__device__ __forceinline__ void append_rows(const Params& p, int b, int hk, int len, int split) {
-  const int chunks = p.d / 8;
-  const int mine = (p.s_new - split + p.splits - 1) / p.splits;
-  for (int idx = threadIdx.x; idx < mine * chunks; idx += kThreads) {
-    const int t = split + (idx / chunks) * p.splits, c = (idx % chunks) * 8;
-    int block, row;
-    locate(p, b, len + t, &block, &row);
-    const uint4 kx = load16(p.k_new, b * p.kn_sb + t * p.kn_sr + hk * p.kn_sh + c);
-    const uint4 vx = load16(p.v_new, b * p.vn_sb + t * p.vn_sr + hk * p.vn_sh + c);
-    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(const_cast<void*>(p.k)) + block * p.k_sb +
-                              row * p.k_sr + hk * p.k_sh + c) = kx;
-    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(const_cast<void*>(p.v)) + block * p.v_sb +
-                              row * p.v_sr + hk * p.v_sh + c) = vx;
-  }
-}
-
 // ---------------------------------------------------------------- attention
 
 // Keys are staged through shared memory in tiles of kTileKeys rows by
@@ -251,136 +202,9 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* sme
                : "r"(a));
 }
 
-// The fused kernel's combine, run by the last CTA of a (sequence, kv head x
-// query tile) to finish: out = sum_s w_s o_s / sum_s w_s with
-// w_s = exp(lse_s - max lse) for the CTA's query vectors; any NaN split makes
-// the result NaN. The partials are read through L2 (ld.global.cg): other CTAs
-// wrote them during this kernel. `sm` holds kVectors * (splits + 2) floats.
-template <class T>
-__device__ void combine_splits(const Params& p, int b, const QSeq& qs, int hk, int v0, int n_vec,
-                               float* sm) {
-  const int S = p.splits, nv = min(kVectors, n_vec - v0);
-  float* weight = sm;                    // [vector][split]: lse, then the weight
-  float* factor = weight + kVectors * S;  // [vector]: 1 / sum of the weights (NaN: a split was)
-  float* lse_of = factor + kVectors;      // [vector]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const float qnan = __int_as_float(0x7fffffff);
-  for (int m = warp; m < nv; m += kWarps) {
-    const int vec = v0 + m;
-    const int64_t v = (qs.flat0 + vec / p.group) * p.heads_q + hk * p.group + vec % p.group;
-    float gmax = -INFINITY;
-    bool nan = false;
-    for (int s = lane; s < S; s += 32) {
-      const float x = __ldcg(p.part_lse + s * p.vectors + v);
-      weight[m * S + s] = x;
-      nan |= x != x;
-      gmax = fmaxf(gmax, x);
-    }
-    nan = __any_sync(0xffffffffu, nan);
-#pragma unroll
-    for (int off = 16; off >= 1; off /= 2) gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, off));
-    float sum = 0.0f;
-    for (int s = lane; s < S; s += 32) {  // the entries this lane wrote
-      const float x = weight[m * S + s];
-      const float w = gmax == -INFINITY || x == -INFINITY ? 0.0f : __expf(x - gmax);
-      weight[m * S + s] = w;
-      sum += w;
-    }
-#pragma unroll
-    for (int off = 16; off >= 1; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) {
-      factor[m] = nan ? qnan : sum > 0.0f ? 1.0f / sum : 0.0f;
-      lse_of[m] = nan ? qnan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
-    }
-  }
-  __syncthreads();
-  // Four columns per item (d is a multiple of 8, the partial rows 16-byte aligned).
-  const int quads = p.d / 4;
-  const int64_t split_step = p.vectors * p.d;
-  for (int idx = threadIdx.x; idx < nv * quads; idx += kThreads) {
-    const int m = idx / quads, c = (idx % quads) * 4, vec = v0 + m;
-    const int i = vec / p.group, hq = hk * p.group + vec % p.group;
-    const float* src = p.part_out + ((qs.flat0 + i) * p.heads_q + hq) * p.d + c;
-    const float* w = weight + m * S;
-    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-    for (int s = 0; s < S; ++s) {
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(src + s * split_step));
-      o.x += w[s] * x.x;
-      o.y += w[s] * x.y;
-      o.z += w[s] * x.z;
-      o.w += w[s] * x.w;
-    }
-    const float f = factor[m];
-    T* out = static_cast<T*>(p.out) + b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c;
-    out[0] = from_float<T>(o.x * f);
-    out[1] = from_float<T>(o.y * f);
-    out[2] = from_float<T>(o.z * f);
-    out[3] = from_float<T>(o.w * f);
-    if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = lse_of[m];
-  }
-}
-
-// The fused kernel's combine when the `splits` CTAs of a (sequence, kv head x
-// query tile) form one cluster: each CTA leaves its partials (normalized
-// output part[vector][DB] and plse[vector]) in its shared memory; after a
-// cluster barrier (release/acquire) CTA r merges vectors r, r + splits, ...
-// reading every CTA's partials, with combine_kernel's arithmetic (the weights
-// summed in split order); a second barrier keeps each CTA's shared memory
-// alive until the others have read it.
 template <class T, int DB>
-__device__ void cluster_combine(const Params& p, int b, const QSeq& qs, int hk, int v0, int n_vec,
-                                float* part, float* plse) {
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const int S = p.splits, rank = static_cast<int>(cluster.block_rank());
-  const int nv = min(kVectors, n_vec - v0);
-  const int mine = (nv - rank + S - 1) / S;
-  const float qnan = __int_as_float(0x7fffffff);
-  for (int idx = threadIdx.x; idx < mine * p.d; idx += kThreads) {
-    const int m = rank + (idx / p.d) * S, c = idx % p.d, vec = v0 + m;
-    float l[kMaxClusterSplits];
-    float gmax = -INFINITY;
-    bool nan = false;
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {
-      l[s] = s < S ? *cluster.map_shared_rank(plse + m, s) : -INFINITY;
-      nan |= l[s] != l[s];
-      gmax = fmaxf(gmax, l[s]);
-    }
-    float sum = 0.0f, o = 0.0f;
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {
-      if (s < S) {
-        const float w = gmax == -INFINITY || l[s] == -INFINITY ? 0.0f : __expf(l[s] - gmax);
-        sum += w;
-        o += w * *cluster.map_shared_rank(part + m * DB + c, s);
-      }
-    }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const int i = vec / p.group, hq = hk * p.group + vec % p.group;
-    static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] =
-        from_float<T>(nan ? qnan : o * inv);
-    if (c == 0)
-      p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] =
-          nan ? qnan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
-  }
-  cluster.sync();
-}
-
-// kFused: the CTAs also append the new rows (append_rows; every CTA takes the
-// rows at [len, len + s_new) from k/v, so no CTA reads a cache row being
-// written) and, with splits > 1, merge the splits: the CTAs of a cluster
-// together (p.cluster, cluster_combine) or the last CTA of a (sequence, kv
-// head x query tile) to finish (combine_splits). Otherwise the append and
-// combine kernels run before and after.
-template <class T, int DB, bool kFused>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   using C = Tile<DB>;
-  static_assert(C::kSmem >= sizeof(float) * kVectors * (kMaxSplits + 2), "combine_splits' memory");
-  static_assert(C::kSmem >= sizeof(float) * (kWarps * kVectors * (DB + 2) + kVectors * (DB + 1)),
-                "the merge and cluster_combine's partials");
   constexpr int TN = kTileKeys, LD = C::kLd, R = C::kChunksPerThread;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* stages = reinterpret_cast<T*>(smem_raw);
@@ -390,21 +214,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const QSeq qs = query_seq(p, b);
   const int n_vec = qs.sq * p.group;
+  if (v0 >= n_vec) return;  // the combine reads no vector of this tile
   const int len = length_before(p, b);
   const int sk = len + p.s_new;
   bool bad = len < 0 || len > p.capacity - p.s_new;
   if (bad && split == 0 && blockIdx.y == 0 && threadIdx.x == 0)
     record_error(p, len < 0 ? kBadLength : kNoRoom, b, len);
-  // Fused: the CTAs of each kv head's first query tile append the new rows
-  // (after the attention, below); a block of those rows out of range leaves
-  // the cache alone and the sequence's outputs NaN in every CTA.
-  const bool writer = kFused && p.s_new > 0 && blockIdx.y % p.mtiles == 0;
-  bool new_bad = false;
-  if (kFused && !bad) new_bad = !new_blocks_ok(p, b, len, split == 0 && blockIdx.y == 0);
-  if (v0 >= n_vec) {  // no query vector here (the combine reads none of this tile)
-    if (writer && !__syncthreads_or(bad || new_bad)) append_rows(p, b, hk, len, split);
-    return;
-  }
 
   // Query vector v of the tile is row v / group of head hk * group + v % group.
   for (int idx = threadIdx.x; idx < kVectors * (DB / 8); idx += kThreads) {
@@ -451,25 +266,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   constexpr int kRowStride = kThreads / (DB / 8);
   const T* kbase = static_cast<const T*>(p.k) + hk * p.k_sh + chunk_col;
   const T* vbase = static_cast<const T*>(p.v) + hk * p.v_sh + chunk_col;
-  // Fused: the appended rows come from k/v (row j - len of sequence b).
-  const T* knbase = kFused && p.s_new > 0
-                        ? static_cast<const T*>(p.k_new) + b * p.kn_sb + hk * p.kn_sh + chunk_col
-                        : kbase;
-  const T* vnbase = kFused && p.s_new > 0
-                        ? static_cast<const T*>(p.v_new) + b * p.vn_sb + hk * p.vn_sh + chunk_col
-                        : vbase;
   // Where each row of a tile lives, found once per row by the first TN
   // threads (two slots: the tile being issued and the next one).
-  __shared__ int2 row_at[2][TN];  // {block, row in block}; block -1: no row (zero fill),
-                                  // -2: appended row {-2, j - len} (fused)
+  __shared__ int2 row_at[2][TN];  // {block, row in block}; block -1: no row (zero fill)
   auto lookup = [&](int tile) {
     if (threadIdx.x < TN) {
       const int j = t_begin + tile * TN + threadIdx.x;
       int2 at = make_int2(-1, 0);
       if (tile < n_tiles && j >= k_lo && j < k_hi) {
-        if (kFused && j >= len) {
-          at = make_int2(-2, j - len);
-        } else if (p.table) {
+        if (p.table) {
           const int col = p.block_shift >= 0 ? j >> p.block_shift : j / p.block_size;
           const int id = __ldg(p.table + b * p.table_stride + col);
           if (id >= 0 && id < p.num_blocks) {
@@ -493,19 +298,11 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       for (int r = 0; r < R; ++r) {
         const int row = chunk_row0 + r * kRowStride;
         const int2 at = row_at[tile & 1][row];
-        const bool fresh = kFused && at.x == -2;
-        const bool fill = (at.x >= 0 || fresh) && chunk_col < p.d;
-        const T* ksrc = kbase;
-        const T* vsrc = vbase;
-        if (fresh) {
-          ksrc = knbase + (fill ? at.y * p.kn_sr : 0);
-          vsrc = vnbase + (fill ? at.y * p.vn_sr : 0);
-        } else if (fill) {
-          ksrc = kbase + (at.x * p.k_sb + at.y * p.k_sr);
-          vsrc = vbase + (at.x * p.v_sb + at.y * p.v_sr);
-        }
-        cp_async16(sk_ + row * LD + chunk_col, ksrc, fill);
-        cp_async16(sv_ + row * LD + chunk_col, vsrc, fill);
+        const bool fill = at.x >= 0 && chunk_col < p.d;
+        const int64_t ko = fill ? at.x * p.k_sb + at.y * p.k_sr : 0;
+        const int64_t vo = fill ? at.x * p.v_sb + at.y * p.v_sr : 0;
+        cp_async16(sk_ + row * LD + chunk_col, kbase + ko, fill);
+        cp_async16(sv_ + row * LD + chunk_col, vbase + vo, fill);
       }
     }
     cp_async_commit();
@@ -599,14 +396,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
   }
   cp_async_wait<0>();
-  bad = __syncthreads_or(bad || new_bad);  // also: the stages are free, the merge reuses the memory
+  bad = __syncthreads_or(bad);  // also: the stages are free, the merge reuses the memory
 
   // Merge the warps (each saw different keys of every row) through shared memory.
   float* s_acc = reinterpret_cast<float*>(smem_raw);  // [warp][row][DB]
   float* s_max = s_acc + kWarps * kVectors * DB;       // [warp][row]
   float* s_sum = s_max + kWarps * kVectors;
-  float* s_part = s_sum + kWarps * kVectors;  // cluster merge: [row][DB] normalized outputs
-  float* s_plse = s_part + kVectors * DB;     // [row]
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float sum = attention::cuda::quad_sum(row_sum[h]);
@@ -645,40 +440,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     if (p.splits == 1) {
       static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] = from_float<T>(out);
       if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = lse;
-    } else if (kFused && p.cluster) {
-      s_part[m * DB + c] = out;
-      if (c == 0) s_plse[m] = lse;
     } else {
       const int64_t v = split * p.vectors + (qs.flat0 + i) * p.heads_q + hq;
       p.part_out[v * p.d + c] = out;
       if (c == 0) p.part_lse[v] = lse;
-    }
-  }
-  if constexpr (kFused) {
-    if (writer && !bad) append_rows(p, b, hk, len, split);
-    if (p.splits > 1 && p.cluster) {
-      cluster_combine<T, DB>(p, b, qs, hk, v0, n_vec, s_part, s_plse);
-    } else if (p.splits > 1) {
-      // The last of the group's `splits` CTAs to get here merges the partials:
-      // each thread's partials are made visible device-wide (release) before
-      // the CTA takes its ticket, and the last CTA fences after reading the
-      // ticket (acquire) before it reads the others' partials. It also puts
-      // the ticket back to zero.
-      __shared__ int last;
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        unsigned* ticket = p.tickets + (static_cast<int64_t>(b) * gridDim.y + blockIdx.y);
-        const unsigned before = atomicAdd(ticket, 1u);
-        last = before == static_cast<unsigned>(p.splits - 1);
-        if (last) atomicExch(ticket, 0u);
-        __threadfence();
-      }
-      __syncthreads();  // also: every thread is done with the merge's shared memory
-      if (last) {
-        __threadfence();
-        combine_splits<T>(p, b, qs, hk, v0, n_vec, reinterpret_cast<float*>(smem_raw));
-      }
     }
   }
 }
@@ -791,177 +556,66 @@ void raise_recorded(ErrorWord& w, int device) {
 
 int head_dim_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
-// Which kernels run a call: "fused" (attention_kernel<..., true>, one launch;
-// up to kMaxClusterSplits splits merge in a cluster, more by tickets),
-// "fused-tickets" (the same, always by tickets) or "split" (append, attention
-// and combine kernels). From SYMHEAP_DECODE_KERNEL, read once;
-// set_cache_decode_kernel changes it.
-enum class DecodeKernel : int { Fused = 0, FusedTickets = 1, Split = 2 };
-constexpr DecodeKernel kDefaultKernel = DecodeKernel::Split;
-const char* const kKernelNames[] = {"fused", "fused-tickets", "split"};
-
-DecodeKernel parse_kernel(const std::string& name, const std::string& what) {
-  for (int k = 0; k < 3; ++k)
-    if (name == kKernelNames[k]) return static_cast<DecodeKernel>(k);
-  throw InvalidArgument("attention (kv cache, CUDA): " + what + " is '" + name +
-                        "'; use 'fused' (one launch), 'fused-tickets' (one launch, splits merged "
-                        "through the workspace only) or 'split' (append, attention and combine "
-                        "kernels)");
-}
-
-std::atomic<int>& kernel_choice() {
-  static std::atomic<int> choice{[] {
-    const char* env = std::getenv("SYMHEAP_DECODE_KERNEL");
-    return static_cast<int>(env && *env ? parse_kernel(env, "SYMHEAP_DECODE_KERNEL")
-                                        : kDefaultKernel);
-  }()};
-  return choice;
-}
-
 struct Plan {
   int device, db, mtiles, splits;
-  bool fused;
-  bool cluster;           // fused: the splits merge in a cluster (no workspace)
   int64_t vectors;
-  size_t tickets_offset;  // fused with splits > 1: bytes into the workspace
-  int64_t tickets;        // one per (sequence, kv head x query tile)
   size_t bytes;
 };
 
 struct SmemReady {};
 
-// CTAs of the attention kernel resident on the whole device (one wave: SM
-// count x resident CTAs per SM, found once per device). Also raises the
-// kernel's dynamic shared-memory limit, once per device.
-template <class T, int DB, bool kFused>
+// CTAs of the attention kernel resident on the whole device (one wave). Also
+// raises the kernel's dynamic shared-memory limit, once per device.
+template <class T, int DB>
 int full_grid(int device) {
   const std::string name = std::string("attention.kvcache.") +
-                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB) +
-                           (kFused ? ".fused" : "");
+                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
   Runtime::instance().device_caches(device).get<SmemReady>(name + ".smem", [&] {
     ::symheap::cuda::ScopedDevice on(device);
-    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<T, DB, kFused>,
+    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<T, DB>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(Tile<DB>::kSmem)));
-    // Clusters of up to kMaxClusterSplits CTAs; where refused, cluster_fits says no.
-    if (kFused && cudaFuncSetAttribute(attention_kernel<T, DB, kFused>,
-                                       cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
-      (void)cudaGetLastError();
     return std::make_shared<SmemReady>();
   });
-  return ::symheap::cuda::kernel_info(device, name.c_str(), attention_kernel<T, DB, kFused>, kThreads,
+  return ::symheap::cuda::kernel_info(device, name.c_str(), attention_kernel<T, DB>, kThreads,
                                       Tile<DB>::kSmem)
       ->full_grid();
 }
 
-template <class T, bool kFused>
+template <class T>
 int full_grid(int device, int db) {
   switch (db) {
-    case 32: return full_grid<T, 32, kFused>(device);
-    case 64: return full_grid<T, 64, kFused>(device);
-    case 128: return full_grid<T, 128, kFused>(device);
-    default: return full_grid<T, 256, kFused>(device);
+    case 32: return full_grid<T, 32>(device);
+    case 64: return full_grid<T, 64>(device);
+    case 128: return full_grid<T, 128>(device);
+    default: return full_grid<T, 256>(device);
   }
 }
 
-template <class T>
-int full_grid(int device, int db, bool fused) {
-  return fused ? full_grid<T, true>(device, db) : full_grid<T, false>(device, db);
-}
-
-struct ClusterFit {
-  bool fits[kMaxClusterSplits + 1] = {};  // by cluster size
-};
-
-// Whether clusters of `splits` fused CTAs can be resident on the device (every
-// size found at the first call per device, dtype and head-dim bucket, so a
-// warm-up call before a CUDA graph capture covers them all; the kernel's
-// shared-memory limit is raised first, by full_grid).
-template <class T, int DB>
-bool cluster_fits(int device, int splits) {
-  const std::string name = std::string("attention.kvcache.cluster.") +
-                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
-  const auto fit = Runtime::instance().device_caches(device).get<ClusterFit>(name, [&] {
-    ::symheap::cuda::ScopedDevice on(device);
-    auto f = std::make_shared<ClusterFit>();
-    for (int n = 2; n <= kMaxClusterSplits; ++n) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(n, 1, 1);
-      cfg.blockDim = dim3(kThreads, 1, 1);
-      cfg.dynamicSmemBytes = Tile<DB>::kSmem;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = n;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      int clusters = 0;
-      if (cudaOccupancyMaxActiveClusters(&clusters, attention_kernel<T, DB, true>, &cfg) == cudaSuccess)
-        f->fits[n] = clusters > 0;
-      else
-        (void)cudaGetLastError();  // not fatal: the tickets merge instead
-    }
-    return f;
-  });
-  return splits >= 2 && splits <= kMaxClusterSplits && fit->fits[splits];
-}
-
-template <class T>
-bool cluster_fits(int device, int db, int splits) {
-  switch (db) {
-    case 32: return cluster_fits<T, 32>(device, splits);
-    case 64: return cluster_fits<T, 64>(device, splits);
-    case 128: return cluster_fits<T, 128>(device, splits);
-    default: return cluster_fits<T, 256>(device, splits);
-  }
-}
-
-// The launch shape and the workspace, from the shapes alone (the lengths live
-// on the device): the one place the workspace size is worked out.
 Plan make_plan(const CacheArgs& a, int device) {
   Plan pl{};
   pl.device = device;
-  const auto choice = static_cast<DecodeKernel>(kernel_choice().load());
-  pl.fused = choice != DecodeKernel::Split;
   pl.db = head_dim_bucket(a.head_dim);
   const int64_t n_vec = static_cast<int64_t>(a.seqlen_q) * a.group();
   pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + kVectors - 1) / kVectors));
   const int64_t base = static_cast<int64_t>(a.batch) * a.heads_kv * pl.mtiles;
-  // Splits of fewer than kMinKeysPerSplit keys cost more to merge than they save.
   const int64_t useful = std::max<int64_t>(1, (a.capacity + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
   // About one wave of resident CTAs (this also readies the kernel's shared memory).
-  const int64_t target = a.q.dtype == DType::F16 ? full_grid<__half>(device, pl.db, pl.fused)
-                                                  : full_grid<__nv_bfloat16>(device, pl.db, pl.fused);
+  const int64_t target = a.q.dtype == DType::F16 ? full_grid<__half>(device, pl.db)
+                                                  : full_grid<__nv_bfloat16>(device, pl.db);
   int64_t splits;
   if (a.num_splits > 0) {
     splits = a.num_splits;
   } else {
     splits = std::min(useful, std::max<int64_t>(1, target / base));  // whole waves
   }
-  auto fits = [&](int64_t n) {
-    return a.q.dtype == DType::F16 ? cluster_fits<__half>(device, pl.db, static_cast<int>(n))
-                                   : cluster_fits<__nv_bfloat16>(device, pl.db, static_cast<int>(n));
-  };
-  // "fused": a chosen split count above the largest cluster comes down to it
-  // (one merge in shared memory instead of a memset and the tickets).
-  if (choice == DecodeKernel::Fused && a.num_splits <= 0 && splits > kMaxClusterSplits &&
-      fits(kMaxClusterSplits))
-    splits = kMaxClusterSplits;
   pl.splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
-  pl.cluster = choice == DecodeKernel::Fused && pl.splits > 1 && pl.splits <= kMaxClusterSplits &&
-               fits(pl.splits);
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
   pl.vectors = rows * a.heads_q;
-  size_t bytes = pl.splits > 1 && !pl.cluster
-                     ? static_cast<size_t>(pl.splits) * pl.vectors * (a.head_dim + 1) * sizeof(float)
-                     : 0;
-  if (pl.fused && pl.splits > 1 && !pl.cluster) {
-    pl.tickets_offset = (bytes + 15) / 16 * 16;
-    pl.tickets = base;
-    bytes = pl.tickets_offset + static_cast<size_t>(pl.tickets) * sizeof(unsigned);
-  }
-  pl.bytes = (bytes + 255) / 256 * 256;
+  pl.bytes = pl.splits > 1
+                 ? static_cast<size_t>(pl.splits) * pl.vectors * (a.head_dim + 1) * sizeof(float)
+                 : 0;
+  pl.bytes = (pl.bytes + 255) / 256 * 256;
   return pl;
 }
 
@@ -1024,69 +678,34 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
   p.splits = pl.splits;
   p.mtiles = pl.mtiles;
   p.vectors = pl.vectors;
-  p.cluster = pl.cluster;
-  if (pl.splits > 1 && !pl.cluster) {
+  if (pl.splits > 1) {
     p.part_out = static_cast<float*>(workspace);
     p.part_lse = p.part_out + static_cast<size_t>(pl.splits) * pl.vectors * a.head_dim;
   }
-  if (pl.tickets > 0)
-    p.tickets = reinterpret_cast<unsigned*>(static_cast<char*>(workspace) + pl.tickets_offset);
   p.error = error;
   return p;
 }
 
-template <class T, int DB, bool kFused>
+template <class T, int DB>
 void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
-  const dim3 grid(pl.splits, p.heads_kv * pl.mtiles, p.batch);
-  if (kFused && pl.cluster) {  // the splits of each head group in one cluster
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = Tile<DB>::kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = pl.splits;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    SYMHEAP_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention_kernel<T, DB, true>, p));
-    return;
-  }
-  attention_kernel<T, DB, kFused><<<grid, kThreads, Tile<DB>::kSmem, stream>>>(p);
-  SYMHEAP_CUDA_CHECK_LAUNCH(kFused ? "attention.kvcache.attention_kernel (fused)"
-                                   : "attention.kvcache.attention_kernel");
-}
-
-template <class T, bool kFused>
-void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
-  switch (pl.db) {
-    case 32: launch_attention<T, 32, kFused>(p, pl, stream); break;
-    case 64: launch_attention<T, 64, kFused>(p, pl, stream); break;
-    case 128: launch_attention<T, 128, kFused>(p, pl, stream); break;
-    default: launch_attention<T, 256, kFused>(p, pl, stream); break;
-  }
+  attention_kernel<T, DB><<<dim3(pl.splits, p.heads_kv * pl.mtiles, p.batch), kThreads,
+                            Tile<DB>::kSmem, stream>>>(p);
+  SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
 }
 
 template <class T>
 void run(const CacheArgs& a, const Plan& pl, const Params& p, cudaStream_t stream) {
-  const bool queries = !(a.seqlen_q == 0 || (a.varlen() && a.total_q == 0));
-  if (pl.fused) {
-    if (!queries && p.s_new == 0) return;
-    // The tickets start at zero in every call: the workspace is fresh memory,
-    // not the previous call's (the last CTA also puts its ticket back to zero).
-    if (queries && pl.tickets > 0)
-      SYMHEAP_CUDA_CHECK(cudaMemsetAsync(p.tickets, 0, pl.tickets * sizeof(unsigned), stream));
-    launch_attention<T, true>(p, pl, stream);
-    return;
-  }
   if (p.s_new > 0) {
     append_kernel<<<dim3(p.s_new, p.batch), kThreads, 0, stream>>>(p);
     SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.append_kernel");
   }
-  if (!queries) return;
-  launch_attention<T, false>(p, pl, stream);
+  if (a.seqlen_q == 0 || (a.varlen() && a.total_q == 0)) return;
+  switch (pl.db) {
+    case 32: launch_attention<T, 32>(p, pl, stream); break;
+    case 64: launch_attention<T, 64>(p, pl, stream); break;
+    case 128: launch_attention<T, 128>(p, pl, stream); break;
+    default: launch_attention<T, 256>(p, pl, stream); break;
+  }
   if (pl.splits > 1) {
     const int64_t vectors = static_cast<int64_t>(a.seqlen_q) * a.heads_q;
     combine_kernel<T><<<dim3(static_cast<unsigned>(vectors), p.batch), kThreads, 0, stream>>>(p);
@@ -1128,12 +747,6 @@ void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* wo
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a.q.dtype == DType::F16) kvcache::run<__half>(a, pl, p, s);
   else kvcache::run<__nv_bfloat16>(a, pl, p, s);
-}
-
-std::string cache_decode_kernel() { return kvcache::kKernelNames[kvcache::kernel_choice().load()]; }
-
-void set_cache_decode_kernel(const std::string& name) {
-  kvcache::kernel_choice().store(static_cast<int>(kvcache::parse_kernel(name, "the decode kernel")));
 }
 
 void cache_check_cuda(int device, void* stream, bool sync) {
