@@ -86,6 +86,12 @@ def test_redispatch_matches_the_cpu_implementation(n):
     assert by_kernels == by_cpu
 
 
+@pytest.mark.parametrize("layout", ["token_slots", "expert_major"])
+def test_tampered_handle_aborts_a_redispatch_on_every_pe(layout):
+    assert emulated(progs.tampered_redispatch, 2, (layout,)) == [
+        ["ValueError"] * 3 + ["ok"] * 2, ["SymheapError"] * 3 + ["ok"] * 2]
+
+
 def test_four_pes():
     configs = [cfg(num_experts=16, kernel="intranode"),
                cfg(num_experts=16, kernel="copy_engine", layout="expert_major", dtype="float32"),

@@ -384,6 +384,45 @@ def redispatch_configs(configs: list, plan=DEFAULT_PLAN):
     return many_configs(configs, plan, redispatch=True)
 
 
+def tampered_redispatch(layout: str):
+    """PE 0 edits its handle before two redispatches (a received row's place past the
+    combine buffer, then a send-table row past it), then passes rows of the wrong
+    shape. Every PE raises (the culprit ValueError, its peer SymheapError) and later
+    redispatches and combines are right."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    dev = pe_device()
+    cfg = EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=2 * n, topk=2,
+                   dtype="float32", layout=layout)
+    g = torch.Generator().manual_seed(me)
+    x = torch.randn(4, 32, generator=g).to(dev)
+    idx = torch.tensor([[0, 2], [1, 3], [0, 3], [2, 1]], dtype=torch.int64).to(dev)
+    w = torch.rand(4, 2, generator=g).to(dev)
+    grads = [redispatch_rows(cfg, n, r, 3, 4) for r in range(n)]
+    outcome = []
+    with EpDispatchCombine(cfg) as ep:
+        for edit in ("receive", "send", "shape", None, None):
+            d = ep.dispatch(x, idx, w)
+            h = d.handle
+            if me == 0 and edit == "send":
+                h.send_rows[1, 0] = 10 ** 8
+            elif me == 0 and edit == "receive" and layout == "expert_major":
+                h.recv_meta[0, 3] = 10 ** 8  # expert 0 holds rows from every PE
+            elif me == 0 and edit == "receive":
+                h.summary[4 * 1] = 10 ** 8  # PE 1's rows come from past its buffer
+            rows = grads[me][:, :16] if me == 0 and edit == "shape" else grads[me]
+            try:
+                back = ep.redispatch(rows.to(dev), h)
+                ep.check()  # cuda: a kernel found it; raised at the next call or here
+            except (ValueError, symheap.SymheapError) as e:
+                outcome.append(type(e).__name__)
+                continue
+            check_redispatch(cfg, back, d, grads, me)
+            y = identity_experts(cfg, d, dev)
+            check_combine(cfg, ep.combine(y, d.handle), x.cpu(), idx.cpu(), w.cpu(), None, me)
+            outcome.append("ok")
+    return outcome
+
+
 def bad_input_then_recover(cfg_kwargs: dict, culprit: int, fault: str):
     """PE ``culprit`` passes bad input; every PE must raise (the culprit a
     ValueError), and the op must work afterwards. Returns (type name, message)."""

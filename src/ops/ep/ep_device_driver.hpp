@@ -179,7 +179,7 @@ class DeviceDriver final : public DeviceImpl {
   }
 
   // Shares combine's epochs and flags: adds to each peer's combine flag what
-  // one combine call of this op adds there (its sender blocks).
+  // one combine call of this op adds there (a store block per combine sender block).
   void redispatch(PeState& s, Op& op, const RedispatchArgs& a) override {
     const Geometry& g = op.geo;
     if (op.cfg.kernel == Kernel::CopyEngine)
@@ -200,10 +200,9 @@ class DeviceDriver final : public DeviceImpl {
     kernels::Params pull = store;
     store.row_pieces = row_pieces(op, g.combine_rows, g.combine_row_bytes);
     pull.row_pieces = row_pieces(op, g.recv_rows, g.combine_row_bytes);
-    const int64_t pairs = static_cast<int64_t>(op.cfg.max_tokens) * g.send_cols;
     kernels::launch_redispatch(
-        rt_, store, pull, blocks_for(op, pairs * store.row_pieces, kernels::kWarpsPerBlock),
-        blocks_for(op, g.recv_rows * pull.row_pieces, kernels::kWarpsPerBlock), a.stream);
+        rt_, store, pull, blocks_for(op, g.recv_rows * pull.row_pieces, kernels::kWarpsPerBlock),
+        a.stream);
     raise_own(op, status, 0, "redispatch");
     raise_recorded(s, op, a.stream);
   }

@@ -4,7 +4,8 @@
 //   redispatch_store  every PE stores each token's row into its own combine
 //                     buffer, at every row its dispatch chose for the token
 //                     (send_rows), checks the handle's receive side too, and
-//                     publishes its status and combine flag on every PE;
+//                     publishes its status and combine flag on every PE (a
+//                     block each, as combine's senders do);
 //   redispatch_pull   every PE waits for every PE's flag, then loads each row
 //                     it received at dispatch from its source's combine
 //                     buffer (the row combine would send back there) and
@@ -51,9 +52,10 @@ __device__ inline int redispatch_source(const Params& p, const int64_t* src_firs
 }
 
 // Stores this PE's token rows into its own combine buffer (a piece of a
-// (token, column) pair per unit of work), then the last block publishes the
-// call's status and adds flag_per_epoch (what a combine's senders add) to
-// this PE's combine flag on every PE.
+// (token, column) pair per unit of work). The grid has as many blocks as a
+// combine of this op has senders (flag_per_epoch), and each block, as a
+// sender does, publishes its status (if not ok) and adds 1 to this PE's
+// combine flag on every PE once its own stores are done.
 __global__ void __launch_bounds__(kThreads) redispatch_store_kernel(Params p) {
   start_kernel();
   const Geometry& g = p.geo;
@@ -67,9 +69,15 @@ __global__ void __launch_bounds__(kThreads) redispatch_store_kernel(Params p) {
     // ended it before it sent its previous call's flags, which this PE's
     // previous call waited for.
     ok = g.combine_sets == 2 || wait_all(p, g.off_freed_flag, epoch - 1, epoch);
-    if (blockIdx.x == 0) {  // the next combine's work counters (this call uses none)
+    if (blockIdx.x == 0) {
+      // The next combine's work counters (this call uses none), and with two
+      // sets the next call's statuses here (read by this PE's previous call),
+      // cleared before this block's flags: peers wait for every flag of this
+      // call before their next call writes them.
       *local_word(p, kSendNext + static_cast<int>(~epoch & 1)) = 0;
       *local_word(p, kReduceNext + static_cast<int>(~epoch & 1)) = 0;
+      if (g.combine_sets == 2)
+        for (int q = 0; q < n; ++q) combine_status(p, p.my_pe, epoch + 1)[q] = kOk;
     }
   }
   __syncthreads();
@@ -94,8 +102,9 @@ __global__ void __launch_bounds__(kThreads) redispatch_store_kernel(Params p) {
             bad = true;
         }
     } else {
-      const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-      for (int64_t r = thread; r < g.recv_rows; r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+      for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+           r < g.recv_rows; r += threads) {
         int src;
         int64_t crow;
         if (redispatch_source(p, nullptr, nullptr, r, &src, &crow) < 0) bad = true;
@@ -114,22 +123,18 @@ __global__ void __launch_bounds__(kThreads) redispatch_store_kernel(Params p) {
                       static_cast<int>(u % P), P, lane);
     }
   }
-  if (bad) *local_word(p, kHandleBad) = 1;
-  if (!last_block(p, kSendDone, gridDim.x)) return;
+  __shared__ bool block_bad;
+  if (threadIdx.x == 0) block_bad = false;
+  __syncthreads();
+  if (bad) block_bad = true;
+  __syncthreads();
   if (threadIdx.x == 0) {
-    const bool handle_ok = dev::load_relaxed(local_word(p, kHandleBad)) == 0;
-    *local_word(p, kHandleBad) = 0;
-    if (send && !handle_ok) record_error(p, kBadHandle, 0, p.my_pe, epoch);
-    // Two sets: the next call's statuses here (read by this PE's previous
-    // call) are cleared before this call's flags, which peers wait for
-    // before their next call writes them.
-    if (g.combine_sets == 2)
-      for (int q = 0; q < n; ++q) combine_status(p, p.my_pe, epoch + 1)[q] = kOk;
-    const int32_t status = !ok ? kPeerTimeout : !handle_ok ? kBadHandle : p.arg_status;
-    if (status != kOk)
+    const int32_t status = !ok ? kPeerTimeout : block_bad ? kBadHandle : p.arg_status;
+    if (send && block_bad) record_error(p, kBadHandle, 0, p.my_pe, epoch);
+    if (status != kOk)  // cleared once read (two sets: by this PE's next call)
       for (int q = 0; q < n; ++q) combine_status(p, q, epoch)[p.my_pe] = status;
   }
-  publish(p, g.off_combine_flag, static_cast<uint64_t>(p.flag_per_epoch), true);
+  publish(p, g.off_combine_flag, 1, true);
 }
 
 // Copies piece `piece` of `pieces` of a row from a peer's combine buffer
@@ -201,11 +206,12 @@ inline size_t redispatch_pull_shared_bytes(const Params& p) {
   return 2 * static_cast<size_t>(p.n_pes) * sizeof(int64_t);
 }
 
-// Launches both kernels: `store_blocks` and `pull_blocks` blocks (fixed by the config).
+// Launches both kernels: flag_per_epoch store blocks (what a combine adds to
+// each combine flag) and `pull_blocks` pull blocks (fixed by the config).
 template <class Rt>
-void launch_redispatch(Rt& rt, const Params& store, const Params& pull, int store_blocks,
-                       int pull_blocks, StreamHandle stream) {
-  rt.launch_early(redispatch_store_kernel, store_blocks, kThreads, 0, stream, store);
+void launch_redispatch(Rt& rt, const Params& store, const Params& pull, int pull_blocks,
+                       StreamHandle stream) {
+  rt.launch_early(redispatch_store_kernel, store.flag_per_epoch, kThreads, 0, stream, store);
   rt.launch_early(redispatch_pull_kernel, pull_blocks, kThreads,
                   redispatch_pull_shared_bytes(pull), stream, pull);
 }
