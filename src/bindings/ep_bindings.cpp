@@ -581,10 +581,6 @@ SYMHEAP_BINDINGS(ep) {
     py::gil_scoped_release nogil;
     ep::check(*s, *op, stream, sync);
   });
-  m.def("ep_has_redispatch", [](uint64_t job, int rank, int64_t id) {
-    std::shared_ptr<PeState> s;
-    return ep::has_redispatch(*ep::find(job, rank, id, &s));
-  }, "Whether the op's backend implements redispatch (combine's gradient by the handle).");
   py::class_<EpOp>(m, "EpOp")
       .def(py::init<const py::dict&, size_t, size_t, py::object>(), py::arg("config"),
            py::arg("ws_offset"), py::arg("ws_bytes"), py::arg("handle_type"))

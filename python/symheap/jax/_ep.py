@@ -46,8 +46,8 @@ def _pytree(cls):
 class EpHandle:
     """What combine needs from one dispatch (a pytree of arrays).
 
-    ``send_rows`` [max_tokens, n_pes | topk] int32, ``summary`` int32,
-    ``topk_idx`` (dispatch's); expert-major also ``recv_meta`` [recv_rows, 4] int32 (source PE, token,
+    ``send_rows`` [max_tokens, n_pes | topk] int32, ``summary`` int32;
+    expert-major also ``recv_meta`` [recv_rows, 4] int32 (source PE, token,
     slot, combine row), ``weights`` [max_tokens, topk] float32 (dispatch's
     weights) and ``row_weights`` [local_experts, capacity] float32 (each
     received row's weight, for combine's gradient).
@@ -58,7 +58,6 @@ class EpHandle:
     recv_meta: object = None
     weights: object = None
     row_weights: object = None
-    topk_idx: object = None
     op_key: tuple = ()      # (job, op id)
     num_tokens: int = 0
     _static = ("op_key", "num_tokens")
@@ -248,7 +247,7 @@ class EpDispatchCombine:
             fn = self.__dict__["_combine_fn"] = _make_combine_vjp(self)
         return fn
 
-    def _dispatch_call(self, x, scales, topk_idx, topk_weights, after=None) -> DispatchOutput:
+    def _dispatch_call(self, x, scales, topk_idx, topk_weights) -> DispatchOutput:
         cfg, g, em = self.config, self._geo, self._em()
         rows, t = self._rows(), x.shape[0]
         m, k, h, L = cfg.max_tokens_per_rank, cfg.topk, cfg.hidden, g["local_experts"]
@@ -264,17 +263,14 @@ class EpDispatchCombine:
             ((g["summary_words"],), _I32),
             ((m, k) if em else (0,), _F32),
         )
-        extra = () if after is None else (after,)
         (rx, rs, ridx, rw, meta, n, counts, send_rows, summary, saved) = ffi_call(
-            "symheap_ep_dispatch", shapes)(x, scales, topk_idx, topk_weights, *extra,
-                                           **self._attrs())
+            "symheap_ep_dispatch", shapes)(x, scales, topk_idx, topk_weights, **self._attrs())
         if em:
-            handle = EpHandle(send_rows, summary, meta, saved, rw, topk_idx, self._key, t)
+            handle = EpHandle(send_rows, summary, meta, saved, rw, self._key, t)
             src_info = meta.reshape(L, g["expert_cap"], 4)[..., :3]
             ridx = None
         else:
-            handle = EpHandle(send_rows, summary, topk_idx=topk_idx, op_key=self._key,
-                              num_tokens=t)
+            handle = EpHandle(send_rows, summary, op_key=self._key, num_tokens=t)
             src_info = meta[:, :2]
         return DispatchOutput(rx, ridx, rw, rs if cfg.scale_dim else None, n, src_info, counts,
                               handle)
