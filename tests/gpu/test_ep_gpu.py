@@ -114,10 +114,11 @@ def test_redispatch_threads_and_processes():
     the same with a thread and with a process per GPU."""
     heap = {"heap_size": "2G"}
     by_threads = run_threads(progs.redispatch_configs, 2, args=(REDISPATCH_CONFIGS,),
-                             init_kwargs=heap)
+                             init_kwargs=heap, join_timeout=900)
     from launch import run_process_per_device
     by_processes = run_process_per_device(progs.redispatch_configs, [0, 1],
-                                          args=(REDISPATCH_CONFIGS,), init_kwargs=heap)
+                                          args=(REDISPATCH_CONFIGS,), init_kwargs=heap,
+                                          timeout=900)
     assert by_threads == by_processes
 
 
