@@ -96,6 +96,21 @@ def test_threads_four_pes(layout):
     run_threads(progs.many_configs, 4, args=([cfg(4, layout=layout)],))
 
 
+def test_redispatch_every_layout():
+    """Rows back to where dispatch placed each token, before and after combines."""
+    plan = progs.DEFAULT_PLAN[:4]
+    layouts = [dict(layout="token_major"), dict(layout="token_slots"),
+               dict(layout="expert_major", dtype="float32"), dict(kernel="copy_engine")]
+    run_threads(progs.redispatch_configs, 2, args=([cfg(2, **kw) for kw in layouts], plan))
+    run_threads(progs.redispatch_configs, 4, args=([cfg(4, **kw) for kw in layouts[:3]], plan))
+
+
+@pytest.mark.parametrize("layout", ["token_major", "token_slots", "expert_major"])
+def test_redispatch_misuse_aborts_on_every_pe(layout):
+    assert run_threads(progs.tampered_redispatch, 2, args=(layout,)) == [
+        ["ValueError"] * 3 + ["ok"] * 2, ["SymheapError"] * 3 + ["ok"] * 2]
+
+
 @pytest.mark.parametrize("kernel", ["intranode", "low_latency", "copy_engine"])
 def test_kernels_and_padded_outputs(kernel):
     """Every kernel name runs on cpu; low_latency and intranode with

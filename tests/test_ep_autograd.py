@@ -99,3 +99,11 @@ def test_device_kernels_emulated_with_padded_outputs(layout):
     env = {"SYMHEAP_EP_EMULATE_DEVICE": "1", "SYMHEAP_TIMEOUT": "20"}
     run_and_check(run_processes, 2, cfg(2, kernel="low_latency", layout=layout), [5, 3],
                   seed=8, layers=1, env=env, timeout=240)
+
+
+def test_copy_engine_emulated_backward_dispatches():
+    """copy_engine has no redispatch: combine's backward dispatches the output gradient
+    with the forward's routing instead (the same rows), in the host emulation."""
+    env = {"SYMHEAP_EP_EMULATE_DEVICE": "1", "SYMHEAP_TIMEOUT": "20"}
+    run_and_check(run_processes, 2, cfg(2, kernel="copy_engine", layout="expert_major"),
+                  [5, 3], seed=9, layers=1, env=env, timeout=240)

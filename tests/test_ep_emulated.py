@@ -54,12 +54,42 @@ def test_every_kernel_and_layout_matches_the_cpu_implementation():
 
 def test_one_combine_set_when_the_buffer_is_large():
     # A combine buffer over 128 MiB (600 rows of 224 KiB) comes in one set:
-    # senders wait for the previous call's "consumed" flags.
+    # senders (and redispatch) wait for the previous call's "consumed" flags.
     configs = [cfg(max_tokens_per_rank=300, hidden=57344, dtype="float32")]
     heap = {"SYMHEAP_HEAP_SIZE": "1G"}
-    by_kernels = emulated(progs.many_configs, 2, (configs,), env=heap)
-    by_cpu = run_processes(progs.many_configs, 2, args=(configs,), env=heap)
+    by_kernels = emulated(progs.redispatch_configs, 2, (configs,), env=heap)
+    by_cpu = run_processes(progs.redispatch_configs, 2, args=(configs,), env=heap)
     assert by_kernels == by_cpu
+
+
+# Redispatch (combine's reverse through a handle) on every layout with fixed
+# shapes: received rows traced to their source, bit for bit the cpu
+# implementation's, before and after combines (they share epochs); 40 tokens
+# give the combine per-row flags (a larger flag step per call).
+def redispatch_configs(n):
+    bound = dict(max_recv_tokens=6 * n)  # intranode token_major with fixed shapes
+    if n == 2:
+        return [cfg(layout="token_slots"), cfg(layout="expert_major"),
+                cfg(dtype="float16", **bound), cfg(kernel="low_latency", dtype="float32"),
+                cfg(kernel="low_latency", layout="expert_major"),
+                cfg(max_tokens_per_rank=40, hidden=256, layout="token_slots")]
+    return [cfg(num_experts=16, kernel="low_latency", layout="token_slots"),
+            cfg(num_experts=16, max_tokens_per_rank=40, layout="expert_major"),
+            cfg(num_experts=16, kernel="low_latency", **bound)]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_redispatch_matches_the_cpu_implementation(n):
+    configs, plan = redispatch_configs(n), progs.DEFAULT_PLAN[:4 if n == 2 else 2]
+    by_kernels = emulated(progs.redispatch_configs, n, (configs, plan))
+    by_cpu = run_processes(progs.redispatch_configs, n, args=(configs, plan))
+    assert by_kernels == by_cpu
+
+
+@pytest.mark.parametrize("layout", ["token_slots", "expert_major"])
+def test_tampered_handle_aborts_a_redispatch_on_every_pe(layout):
+    assert emulated(progs.tampered_redispatch, 2, (layout,)) == [
+        ["ValueError"] * 3 + ["ok"] * 2, ["SymheapError"] * 3 + ["ok"] * 2]
 
 
 def test_four_pes():

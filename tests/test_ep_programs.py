@@ -284,6 +284,34 @@ def check_combine(cfg, got, x, idx, w, scales, me, weight_scale=1.0, n_pes=None)
                              f"(value {want.view(-1)[i]:.6g}, tolerance {bound.view(-1)[i]:.3g})")
 
 
+def redispatch_rows(cfg, n_pes: int, rank: int, seed: int, num_tokens: int):
+    """Fresh rows of PE ``rank`` for a redispatch (an output gradient), of the combine dtype."""
+    gen = torch.Generator().manual_seed(seed * 7919 + rank)
+    return torch.randn(num_tokens, cfg.hidden, generator=gen).to(getattr(torch, cfg.combine_dtype))
+
+
+def check_redispatch(cfg, got, out, grads, me):
+    """Every row the dispatch ``out`` received holds its token's row of ``grads``
+    (every PE's redispatch rows) bit for bit; every other row is zero."""
+    shape = tuple(out.x.shape)
+    if tuple(got.shape) != shape or got.dtype != getattr(torch, cfg.combine_dtype):
+        raise AssertionError(f"PE {me}: redispatch returned {tuple(got.shape)} {got.dtype}, "
+                             f"want {shape} {cfg.combine_dtype}")
+    want = torch.zeros(shape, dtype=got.dtype)
+    if cfg.layout == "expert_major":
+        counts = out.expert_counts.cpu()
+        info = out.src_info.cpu()
+        for l in range(shape[0]):
+            for i in range(int(counts[l])):
+                want[l, i] = grads[int(info[l, i, 0])][int(info[l, i, 1])]
+    else:
+        filled = filled_rows(cfg, out).cpu()
+        info = out.src_info.cpu()
+        for r in torch.nonzero(filled).view(-1).tolist():
+            want[r] = grads[int(info[r, 0])][int(info[r, 1])]
+    assert_same_bits(got, want, f"PE {me} redispatch")
+
+
 # ------------------------------------------------------------------ programs
 
 DEFAULT_PLAN = [("random", "full"), ("all_to_one", "full"), ("round_robin", "random"),
@@ -291,10 +319,12 @@ DEFAULT_PLAN = [("random", "full"), ("all_to_one", "full"), ("round_robin", "ran
 
 
 def run_iterations(cfg: EpConfig, plan=DEFAULT_PLAN, seed: int = 1, device=None,
-                   combine_weight_override: bool = False):
+                   combine_weight_override: bool = False, redispatch: bool = False):
     """Runs ``plan`` [(pattern, tokens)] through one op, checking every output.
-    Returns a digest of everything received and combined (equal across
-    launch models)."""
+    With ``redispatch``, each iteration also redispatches fresh rows through the
+    dispatch's handle (before combine in odd iterations, after it in even ones:
+    both share combine's epochs). Returns a digest of everything received,
+    combined and redispatched (equal across launch models)."""
     me, n = symheap.my_pe(), symheap.n_pes()
     device = device or pe_device()
     digest = hashlib.sha256()
@@ -310,6 +340,14 @@ def run_iterations(cfg: EpConfig, plan=DEFAULT_PLAN, seed: int = 1, device=None,
             out = ep.dispatch(x, idx, w, sc)
             check_dispatch(cfg, ep, out, inputs, me, n)
             y = identity_experts(cfg, out, device)
+            if redispatch:
+                assert ep.has_redispatch
+                grads = [redispatch_rows(cfg, n, r, seed * 100 + it,
+                                         inputs[r][0].shape[0]) for r in range(n)]
+                back = None
+                if it % 2:
+                    back = ep.redispatch(grads[me].to(device), out.handle)
+                    check_redispatch(cfg, back, out, grads, me)
             poisoned = torch.full((x.shape[0], cfg.hidden), float("nan"),
                                   dtype=getattr(torch, cfg.combine_dtype), device=device)
             scale = 1.0
@@ -319,6 +357,11 @@ def run_iterations(cfg: EpConfig, plan=DEFAULT_PLAN, seed: int = 1, device=None,
             else:
                 res = ep.combine(y, out.handle, out=poisoned)
             check_combine(cfg, res, *inputs[me], me, weight_scale=scale)
+            if redispatch:
+                if back is None:
+                    back = ep.redispatch(grads[me].to(device), out.handle)
+                    check_redispatch(cfg, back, out, grads, me)
+                digest.update(bits(back.cpu()).numpy().tobytes())
             nrecv = int(out.num_recv_tokens)
             if cfg.layout != "expert_major":
                 digest.update(bits(out.x[filled_rows(cfg, out)][:nrecv].cpu()).numpy().tobytes())
@@ -330,10 +373,54 @@ def run_iterations(cfg: EpConfig, plan=DEFAULT_PLAN, seed: int = 1, device=None,
     return digest.hexdigest()
 
 
-def many_configs(configs: list, plan=DEFAULT_PLAN, device=None):
+def many_configs(configs: list, plan=DEFAULT_PLAN, device=None, redispatch: bool = False):
     """run_iterations for each config (dicts of EpConfig arguments)."""
-    return [run_iterations(EpConfig(**c), plan, seed=i + 1, device=device)
+    return [run_iterations(EpConfig(**c), plan, seed=i + 1, device=device, redispatch=redispatch)
             for i, c in enumerate(configs)]
+
+
+def redispatch_configs(configs: list, plan=DEFAULT_PLAN):
+    """many_configs with a redispatch in every iteration."""
+    return many_configs(configs, plan, redispatch=True)
+
+
+def tampered_redispatch(layout: str):
+    """PE 0 edits its handle before two redispatches (a received row's place past the
+    combine buffer, then a send-table row past it), then passes rows of the wrong
+    shape. Every PE raises (the culprit ValueError, its peer SymheapError) and later
+    redispatches and combines are right."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    dev = pe_device()
+    cfg = EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=2 * n, topk=2,
+                   dtype="float32", layout=layout)
+    g = torch.Generator().manual_seed(me)
+    x = torch.randn(4, 32, generator=g).to(dev)
+    idx = torch.tensor([[0, 2], [1, 3], [0, 3], [2, 1]], dtype=torch.int64).to(dev)
+    w = torch.rand(4, 2, generator=g).to(dev)
+    grads = [redispatch_rows(cfg, n, r, 3, 4) for r in range(n)]
+    outcome = []
+    with EpDispatchCombine(cfg) as ep:
+        for edit in ("receive", "send", "shape", None, None):
+            d = ep.dispatch(x, idx, w)
+            h = d.handle
+            if me == 0 and edit == "send":
+                h.send_rows[1, 0] = 10 ** 8
+            elif me == 0 and edit == "receive" and layout == "expert_major":
+                h.recv_meta[0, 3] = 10 ** 8  # expert 0 holds rows from every PE
+            elif me == 0 and edit == "receive":
+                h.summary[4 * 1] = 10 ** 8  # PE 1's rows come from past its buffer
+            rows = grads[me][:, :16] if me == 0 and edit == "shape" else grads[me]
+            try:
+                back = ep.redispatch(rows.to(dev), h)
+                ep.check()  # cuda: a kernel found it; raised at the next call or here
+            except (ValueError, symheap.SymheapError) as e:
+                outcome.append(type(e).__name__)
+                continue
+            check_redispatch(cfg, back, d, grads, me)
+            y = identity_experts(cfg, d, dev)
+            check_combine(cfg, ep.combine(y, d.handle), x.cpu(), idx.cpu(), w.cpu(), None, me)
+            outcome.append("ok")
+    return outcome
 
 
 def bad_input_then_recover(cfg_kwargs: dict, culprit: int, fault: str):

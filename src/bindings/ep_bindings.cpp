@@ -250,6 +250,51 @@ class EpOp {
     return result;
   }
 
+  // Returns the rows of every received row of the handle's dispatch (the
+  // receive buffer's shape: recv_rows rows, of which the handle's rows_shape
+  // are the caller's; rows nothing landed in are zeros).
+  py::object redispatch(py::handle rows, py::handle handle, py::handle stream) {
+    CombineInputs in;
+    in.expert_out = bindings::read_tensor(rows);  // this call's input rows
+    read_handle(handle, in);
+    const uintptr_t h = stream_of(stream);
+    py::object result = out_pool_.take({geo_.recv_rows, cfg_.hidden}, h);
+    const uintptr_t out = bindings::tensor_data_ptr(result);
+    {
+      bindings::PeCallGil nogil;
+      Check problem = check_handle(in, false);
+      if (!problem)
+        problem = check_tensor("rows", in.expert_out, {combine_dtype_},
+                               {in.num_tokens, cfg_.hidden});
+      ep::RedispatchArgs a;
+      if (!problem) {
+        a.rows = ptr<const void>(in.expert_out.ptr);
+        a.num_tokens = in.num_tokens;
+        a.send_rows = ptr<const int32_t>(in.part(kSendRows));
+        a.recv_meta = expert_major() ? ptr<const int32_t>(in.part(kRecvMeta)) : nullptr;
+        a.recv_summary = ptr<const int32_t>(in.part(kSummary));
+        a.out = ptr<void>(out);
+      }
+      a.status = problem ? ep::kBadArgument : ep::kOk;
+      a.stream = h;
+      std::shared_ptr<PeState> s;
+      auto op = find(&s);
+      try {
+        ep::redispatch(*s, *op, a);
+      } catch (const InvalidArgument&) {
+        if (problem) problem->raise(" (redispatch aborted on every PE)");
+        throw;
+      }
+      if (problem) problem->raise();
+    }
+    return result;
+  }
+
+  bool has_redispatch() const {
+    std::shared_ptr<PeState> s;
+    return ep::has_redispatch(*find(&s));
+  }
+
  private:
   struct DispatchInputs {
     TensorRef x, idx, w, scales;
@@ -354,10 +399,16 @@ class EpOp {
     in.expert_out = bindings::read_tensor(expert_out);
     in.w = bindings::read_tensor(topk_weights);
     in.out = bindings::read_tensor(out, false);
+    read_handle(handle, in);
+    return in;
+  }
+
+  // Reads a dispatch's handle into `in` (GIL held).
+  void read_handle(py::handle handle, CombineInputs& in) {
     in.is_handle = PyObject_IsInstance(handle.ptr(), handle_type_.ptr()) == 1;
     if (!in.is_handle) {
       in.handle_type = py::str(py::type::handle_of(handle).attr("__name__"));
-      return in;
+      return;
     }
     py::dict d = handle.attr("__dict__");
     auto field = [&](const char* name) -> py::handle {
@@ -367,7 +418,7 @@ class EpOp {
     py::handle op_id = field("op_id");
     in.foreign = !op_id || !PyLong_CheckExact(op_id.ptr()) ||
                  PyLong_AsLongLong(op_id.ptr()) != id_;
-    if (in.foreign) return in;
+    if (in.foreign) return;
     py::handle layout = field("layout"), count = field("num_tokens"), rows = field("rows_shape");
     in.modified = !layout || !PyUnicode_Check(layout.ptr()) ||
                   layout.cast<std::string>() != layout_name_ || !count ||
@@ -379,7 +430,7 @@ class EpOp {
       for (py::handle r : py::reinterpret_borrow<py::tuple>(rows))
         in.rows_shape.push_back(PyLong_AsLongLong(r.ptr()));
     }
-    if (in.modified) return in;
+    if (in.modified) return;
     static const char* const names[4] = {"send_rows", "recv_meta", "summary", "weights"};
     for (int p = 0; p < 4; ++p)
       if (py::handle v = field(names[p])) {
@@ -393,10 +444,35 @@ class EpOp {
         if (offs[p] >= 0) in.part_ptr[p] = in.storage.ptr + static_cast<uintptr_t>(offs[p]) * 4;
     }
     PyErr_Clear();
-    return in;
+    return;
   }
 
   Check check_combine(const CombineInputs& in) const {
+    if (auto p = check_handle(in, !in.w.present)) return p;
+    const bool em = expert_major();
+    if (auto p = check_tensor("expert_out", in.expert_out, {combine_dtype_}, in.rows_shape))
+      return p;
+    if (!em && in.w.present)
+      return value_error(
+          "token_major combine sums rows the expert side already weighted: topk_weights "
+          "applies to layout='expert_major' only");
+    if (em && in.w.present)
+      if (auto p = check_tensor("topk_weights", in.w, {TorchDType::F32},
+                                {in.num_tokens, cfg_.topk}))
+        return p;
+    const TensorRef& o = in.out;
+    const std::vector<int64_t> shape{in.num_tokens, cfg_.hidden};
+    if (!o.is_tensor || o.dtype != combine_dtype_ || o.shape != shape || !o.contiguous ||
+        o.device != torch_device_)
+      return value_error(std::string("out must be a contiguous ") +
+                         bindings::torch_dtype_name(combine_dtype_) + " tensor of shape " +
+                         bindings::shape_repr(shape) + " on " + device_str());
+    return std::nullopt;
+  }
+
+  // The handle's parts (expert-major weights only with `weights`: combine
+  // without topk_weights reads the handle's).
+  Check check_handle(const CombineInputs& in, bool weights) const {
     if (!in.is_handle)
       return Problem{true, "handle must be the EpHandle of a dispatch, got " + in.handle_type};
     if (in.foreign) return value_error("handle comes from another EpDispatchCombine");
@@ -405,8 +481,7 @@ class EpOp {
     const bool em = expert_major();
     // The parts that come from the handle's storage need it intact.
     bool from_storage = !in.replaced[kSendRows] || !in.replaced[kSummary] ||
-                        (em && (!in.replaced[kRecvMeta] ||
-                                (!in.w.present && !in.replaced[kWeights])));
+                        (em && (!in.replaced[kRecvMeta] || (weights && !in.replaced[kWeights])));
     if (from_storage) {
       const TensorRef& st = in.storage;
       if (!st.is_tensor || st.dtype != TorchDType::I32 || st.shape.size() != 1 ||
@@ -427,27 +502,10 @@ class EpOp {
                                 {ep::summary_words(geo_.n_pes, geo_.local_experts,
                                                    geo_.slot_words)}))
         return p;
-    if (em && !in.w.present && in.replaced[kWeights])
+    if (em && weights && in.replaced[kWeights])
       if (auto p = check_tensor("handle.weights", in.parts[kWeights], {TorchDType::F32},
                                 {M, cfg_.topk}))
         return p;
-    if (auto p = check_tensor("expert_out", in.expert_out, {combine_dtype_}, in.rows_shape))
-      return p;
-    if (!em && in.w.present)
-      return value_error(
-          "token_major combine sums rows the expert side already weighted: topk_weights "
-          "applies to layout='expert_major' only");
-    if (em && in.w.present)
-      if (auto p = check_tensor("topk_weights", in.w, {TorchDType::F32},
-                                {in.num_tokens, cfg_.topk}))
-        return p;
-    const TensorRef& o = in.out;
-    const std::vector<int64_t> shape{in.num_tokens, cfg_.hidden};
-    if (!o.is_tensor || o.dtype != combine_dtype_ || o.shape != shape || !o.contiguous ||
-        o.device != torch_device_)
-      return value_error(std::string("out must be a contiguous ") +
-                         bindings::torch_dtype_name(combine_dtype_) + " tensor of shape " +
-                         bindings::shape_repr(shape) + " on " + device_str());
     return std::nullopt;
   }
 
@@ -523,10 +581,6 @@ SYMHEAP_BINDINGS(ep) {
     py::gil_scoped_release nogil;
     ep::check(*s, *op, stream, sync);
   });
-  m.def("ep_has_redispatch", [](uint64_t job, int rank, int64_t id) {
-    std::shared_ptr<PeState> s;
-    return ep::has_redispatch(*ep::find(job, rank, id, &s));
-  }, "Whether the op's backend implements redispatch (combine's gradient by the handle).");
   py::class_<EpOp>(m, "EpOp")
       .def(py::init<const py::dict&, size_t, size_t, py::object>(), py::arg("config"),
            py::arg("ws_offset"), py::arg("ws_bytes"), py::arg("handle_type"))
@@ -536,5 +590,8 @@ SYMHEAP_BINDINGS(ep) {
       .def("dispatch", &EpOp::dispatch, py::arg("x"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("scales"), py::arg("stream"))
       .def("combine", &EpOp::combine, py::arg("expert_out"), py::arg("handle"),
-           py::arg("topk_weights"), py::arg("out"), py::arg("stream"));
+           py::arg("topk_weights"), py::arg("out"), py::arg("stream"))
+      .def("redispatch", &EpOp::redispatch, py::arg("rows"), py::arg("handle"),
+           py::arg("stream"))
+      .def_property_readonly("has_redispatch", &EpOp::has_redispatch);
 }

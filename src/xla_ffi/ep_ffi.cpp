@@ -107,7 +107,7 @@ void run_collective(const char* name, const std::string& problem, Call&& call) {
 }
 
 // Operands: x, scales, topk_idx, topk_weights, then any that only order the call
-// (unread; combine's gradient dispatches after the forward combine). Results:
+// (unread). Results:
 // recv_x, recv_scales, recv_idx, recv_w, recv_meta, num_recv, expert_counts,
 // send_rows, summary, saved_weights.
 void dispatch(void* stream, int32_t ordinal, uint64_t job, int64_t id,

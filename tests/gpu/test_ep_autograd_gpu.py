@@ -1,7 +1,8 @@
 """symheap.ep.dispatch / combine under torch autograd on CUDA GPUs: every kernel and
-layout against the single-PE reference of the cpu tests (tests/ep_autograd_programs.py),
-threads and one process per GPU, and low_latency forward + backward captured in a CUDA
-graph and replayed with new data and routing."""
+layout against the single-PE fp32 reference of the cpu tests
+(tests/ep_autograd_programs.py), threads and one process per GPU (combine's gradient:
+the redispatch kernels, a dispatch on copy_engine), and low_latency forward + backward
+captured in a CUDA graph and replayed with new data and routing."""
 import os
 import sys
 
@@ -46,6 +47,23 @@ def test_intranode_with_max_recv_tokens():
     c, tokens = cfg(max_recv_tokens=70), [30, 40]
     progs.check_against_reference(run_threads(progs.layer_grads, 2, args=(c, 12, tokens)),
                                   c, 12, tokens)
+
+
+# The layouts with fixed shapes (symheap.jax's): combine's gradient is a redispatch
+# through the forward's handle; 1100 tokens give combine per-row flags.
+FIXED_SHAPES = [dict(layout="token_slots"), dict(layout="expert_major"),
+                dict(kernel="low_latency"), dict(max_recv_tokens=2200)]
+
+
+@two_gpus
+@pytest.mark.parametrize("launch", ["threads", "processes"])
+@pytest.mark.parametrize("kw", FIXED_SHAPES, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_combine_gradient_by_redispatch(kw, launch):
+    c, tokens = cfg(max_tokens_per_rank=1100, **kw), [1100, 700]
+    args = (c, 14, tokens)
+    by_pe = run_threads(progs.layer_grads, 2, args=args) if launch == "threads" else \
+        per_device(progs.layer_grads, args)
+    progs.check_against_reference(by_pe, c, 14, tokens)
 
 
 @two_gpus

@@ -92,6 +92,36 @@ def test_two_processes_match_two_threads():
     assert by_threads == by_processes
 
 
+# Redispatch (combine's reverse through a handle: combine's gradient) on every
+# layout with fixed shapes, before and after combines (they share epochs); 1200
+# tokens give combine per-row flags (a larger flag step per call), and 28672-wide
+# rows a single combine set (redispatch then waits for "consumed" flags).
+_MANY = dict(max_tokens_per_rank=1200, num_experts=32, topk=8)
+REDISPATCH_CONFIGS = [
+    cfg(layout="token_slots"), cfg(layout="expert_major"),
+    cfg(max_recv_tokens=96, dtype="float16"), cfg(kernel="low_latency"),
+    cfg(kernel="low_latency", layout="expert_major", dtype="float32", hidden=64),
+    cfg(kernel="low_latency", layout="token_slots", hidden=7168, max_tokens_per_rank=16,
+        num_experts=32, topk=8),
+    cfg(**_MANY, layout="token_slots"), cfg(**_MANY, layout="expert_major"),
+    cfg(**_MANY, kernel="low_latency"),
+    cfg(**_MANY, hidden=28672, max_recv_tokens=2400)]
+
+
+@two_gpus
+def test_redispatch_threads_and_processes():
+    """Every received row holds its source token's row bit for bit (zeros elsewhere),
+    the same with a thread and with a process per GPU."""
+    heap = {"heap_size": "2G"}
+    by_threads = run_threads(progs.redispatch_configs, 2, args=(REDISPATCH_CONFIGS,),
+                             init_kwargs=heap, join_timeout=900)
+    from launch import run_process_per_device
+    by_processes = run_process_per_device(progs.redispatch_configs, [0, 1],
+                                          args=(REDISPATCH_CONFIGS,), init_kwargs=heap,
+                                          timeout=900)
+    assert by_threads == by_processes
+
+
 @two_gpus
 def test_plain_launches_match_early_launches(monkeypatch):
     """SYMHEAP_EP_PDL=0 (no programmatic dependent launch) gives the same

@@ -7,10 +7,14 @@
 
 The backward of dispatch is a combine of the received rows' gradients through the
 same handle (each token's gradient is the sum over the rows it became); the backward
-of combine dispatches the output gradient with the same routing, which puts every
-token's gradient on exactly the rows its outputs came from (rows are placed by source
-PE, then token, then slot: a function of the routing alone). Every backward call is a
-collective, as the forward ones are: every PE must run backward through the same ops.
+of combine is a redispatch of the output gradient through the same handle (no new
+routing: every token's gradient goes to exactly the rows its outputs came from).
+Where the op has no redispatch (kernel='copy_engine'), and for expert-major combines
+given weights other than dispatch's (whose row weights only a dispatch carries), it
+dispatches the output gradient with the same routing instead, which places the rows
+alike (by source PE, then token, then slot: a function of the routing alone). Every
+backward call is a collective, as the forward ones are: every PE must run backward
+through the same ops.
 """
 from __future__ import annotations
 
@@ -30,6 +34,11 @@ class RoutedHandle:
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
     num_tokens: int
+    # The received rows: which hold a row (shaped to broadcast against d.x), and
+    # expert-major their slot and weight (what combine's gradient needs).
+    valid: torch.Tensor = None
+    slot: torch.Tensor = None
+    row_weights: torch.Tensor = None
 
 
 # ----------------------------------------------------------------- helpers
@@ -98,9 +107,11 @@ class _Dispatch(torch.autograd.Function):
         # and autograd may still hold these rows.
         rx = torch.where(valid, d.x, 0)
         rw = torch.where(valid[..., 0] if _expert_major(op) else valid, d.topk_weights, 0.0)
-        handle = RoutedHandle(d.handle, topk_idx, topk_weights, x.shape[0])
+        handle = RoutedHandle(d.handle, topk_idx, topk_weights, x.shape[0], valid)
         if _expert_major(op):
             idx, src_info = None, d.src_info
+            handle.slot = torch.where(valid[..., 0], src_info[..., 2], -1)
+            handle.row_weights = rw.detach()
         else:
             idx = torch.where(valid, d.topk_idx, -1)
             src_info = d.src_info.clone()
@@ -126,12 +137,29 @@ class _Dispatch(torch.autograd.Function):
         return None, g_x, g_w_src, None, None
 
 
+def _grad_rows(op, g_out, handle: RoutedHandle, weights, dispatch_weights: bool):
+    """Combine's output gradient on the rows its outputs came from: (rows, which rows
+    hold one, and expert-major each row's slot and weight). A redispatch through the
+    forward's handle, unless the op has none or an expert-major combine was given other
+    weights than dispatch's (a dispatch with the same routing carries those)."""
+    if op.has_redispatch and (dispatch_weights or not _expert_major(op)):
+        rows = op.redispatch(g_out, handle.handle)  # zeros where no row landed
+        return rows, handle.valid, handle.slot, handle.row_weights
+    send_w = (weights if _expert_major(op) else handle.topk_weights).detach()
+    d = op.dispatch(g_out, handle.topk_idx, send_w)
+    valid = _valid_rows(op, d)
+    rows = torch.where(valid, d.x, 0)  # a copy: later calls rewrite the buffer
+    if not _expert_major(op):
+        return rows, valid, None, None
+    return rows, valid, d.src_info[..., 2], torch.where(valid[..., 0], d.topk_weights, 0.0)
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, expert_out, weights, handle):
+    def forward(ctx, op, expert_out, weights, handle, dispatch_weights):
         out = op.combine(expert_out.detach().contiguous(), handle.handle,
                          weights.detach() if weights is not None else None)
-        ctx.op, ctx.handle = op, handle
+        ctx.op, ctx.handle, ctx.dispatch_weights = op, handle, dispatch_weights
         ctx.eo_dtype = expert_out.dtype
         # expert_out is needed only for the weights' gradient
         ctx.save_for_backward(expert_out if ctx.needs_input_grad[2] else None, weights)
@@ -141,25 +169,20 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, g_out):
         op, handle = ctx.op, ctx.handle
         expert_out, weights = ctx.saved_tensors
-        em = _expert_major(op)
-        send_w = (weights if em else handle.topk_weights).detach()
-        # The same routing places every token's gradient on the rows its outputs came from.
-        d = op.dispatch(g_out.to(ctx.eo_dtype).contiguous(), handle.topk_idx, send_w)
-        valid = _valid_rows(op, d)
-        g_rows = torch.where(valid, d.x, 0)  # a copy: later calls rewrite the buffer
+        g_rows, valid, slot, row_w = _grad_rows(op, g_out.to(ctx.eo_dtype).contiguous(), handle,
+                                                weights, ctx.dispatch_weights)
         g_eo = g_w = None
         if ctx.needs_input_grad[2]:
             # row dot products as batched matmuls: fp32 accumulation, no fp32 copy of the rows
             dots = torch.einsum("...h,...h->...", g_rows, expert_out.detach()).float()
             dots = dots * valid[..., 0]
-            g_w = _send_back_per_slot(op, handle, dots, d.src_info[..., 2])
+            g_w = _send_back_per_slot(op, handle, dots, slot)
         if ctx.needs_input_grad[1]:
-            if em:
-                row_w = torch.where(valid[..., 0], d.topk_weights, 0.0)
+            if _expert_major(op):
                 g_eo = (g_rows.float() * row_w[..., None]).to(ctx.eo_dtype)
             else:
                 g_eo = g_rows
-        return None, g_eo, g_w, None
+        return None, g_eo, g_w, None, None
 
 
 # ----------------------------------------------------------------- public API
@@ -202,4 +225,4 @@ def combine(op: EpDispatchCombine, expert_out, handle: RoutedHandle, topk_weight
             raise ValueError("symheap.ep.combine: topk_weights applies to layout='expert_major' "
                              "only (token-major rows arrive already weighted)")
         weights = None
-    return _Combine.apply(op, expert_out, weights, handle)
+    return _Combine.apply(op, expert_out, weights, handle, topk_weights is None)

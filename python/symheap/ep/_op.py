@@ -233,6 +233,35 @@ class EpDispatchCombine:
         return op.combine(expert_out, handle, topk_weights, out,
                           None if stream is None else stream_handle(stream))
 
+    @property
+    def has_redispatch(self) -> bool:
+        """Whether ``redispatch`` runs here: the cpu backend, and the intranode and
+        low_latency kernels (copy_engine has none)."""
+        op = self._op
+        if op is None:
+            raise SymheapError("this EpDispatchCombine is closed")
+        return op.has_redispatch
+
+    def redispatch(self, rows, handle: EpHandle, *, stream=None):
+        """Sends each token's row to every row its dispatch (``handle``'s) placed
+        for it: the reverse of combine, with no new routing (collective).
+
+        rows [num_tokens, hidden] of config.combine_dtype, in dispatch's token
+        order. Returns a tensor shaped like dispatch's ``x`` (in combine_dtype)
+        where every received row holds its token's row, unweighted, and rows
+        nothing landed in are zeros. It is combine's gradient: the rows of
+        ``d(out)/d(expert_out)`` for an output gradient ``rows`` (token-major;
+        expert-major rows still need their token's weight).
+        """
+        op = self._op
+        if op is None:
+            raise SymheapError("this EpDispatchCombine is closed")
+        out = op.redispatch(rows, handle, None if stream is None else stream_handle(stream))
+        shape = tuple(handle.rows_shape)
+        if len(shape) == 3:
+            return out.view(shape)
+        return out if shape[0] == out.shape[0] else out[:shape[0]]
+
     def check(self, stream=None) -> None:
         """Waits for ``stream`` and raises any error a device-side check recorded
         (cuda); returns at once on the cpu backend."""

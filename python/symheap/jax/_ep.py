@@ -7,7 +7,6 @@ them on. Only layouts with fixed output shapes are served.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,18 +21,6 @@ from . import _runtime as _rt
 from ._ffi import ffi_call
 
 _I32, _F32 = "int32", "float32"
-
-# How combine's gradient reaches the received rows (docs/jax.md, "Gradients"):
-#   "redispatch"  the core's reverse of combine through the forward's handle (only the
-#                 cpu implementation has it);
-#   "dispatch"    a fresh dispatch of the output gradient with the forward's routing
-#                 (every backend; what CUDA runs);
-#   ""            redispatch where the op's backend has it, else dispatch.
-# Read once from SYMHEAP_JAX_COMBINE_GRAD; tests set it to run CUDA's method on cpu.
-# Applies at trace time.
-COMBINE_GRAD = os.environ.get("SYMHEAP_JAX_COMBINE_GRAD", "")
-_COMBINE_GRAD_METHODS = ("", "redispatch", "dispatch")
-
 
 def _tree_util():
     import jax
@@ -59,8 +46,7 @@ def _pytree(cls):
 class EpHandle:
     """What combine needs from one dispatch (a pytree of arrays).
 
-    ``send_rows`` [max_tokens, n_pes | topk] int32, ``summary`` int32,
-    ``topk_idx`` (dispatch's, for combine's gradient where it dispatches);
+    ``send_rows`` [max_tokens, n_pes | topk] int32, ``summary`` int32;
     expert-major also ``recv_meta`` [recv_rows, 4] int32 (source PE, token,
     slot, combine row), ``weights`` [max_tokens, topk] float32 (dispatch's
     weights) and ``row_weights`` [local_experts, capacity] float32 (each
@@ -72,7 +58,6 @@ class EpHandle:
     recv_meta: object = None
     weights: object = None
     row_weights: object = None
-    topk_idx: object = None
     op_key: tuple = ()      # (job, op id)
     num_tokens: int = 0
     _static = ("op_key", "num_tokens")
@@ -133,10 +118,9 @@ class EpDispatchCombine:
         self._job = job
         self._closed = False
         per_pe = _rt.on_every_pe(lambda pe: _create_on_pe(core_cfg, geo), job.timeout)
-        self._bufs = [b for b, _, _, _ in per_pe]
+        self._bufs = [b for b, _, _ in per_pe]
         self._id = per_pe[0][1]
         self._key = (per_pe[0][2], self._id)
-        self._has_redispatch = all(r for _, _, _, r in per_pe)
         job.ops.add(self)
 
     @property
@@ -162,9 +146,9 @@ class EpDispatchCombine:
     def combine(self, expert_out, handle: EpHandle):
         """Returns [num_tokens, hidden] of config.combine_dtype: each token's rows
         summed (expert-major: weighted by dispatch's topk_weights). Gradients:
-        to ``expert_out`` (the output gradient sent to the rows the handle's
-        dispatch placed: by redispatch on cpu, by a dispatch with the same routing
-        on CUDA) and, expert-major, to the weights."""
+        to ``expert_out`` (the output gradient redispatched through the handle: to
+        the rows its dispatch placed, with no new routing) and, expert-major, to the
+        weights."""
         self._check_open()
         expert_out = self._check_combine(expert_out, handle)
         return self._combine_vjp(expert_out, handle)
@@ -263,7 +247,7 @@ class EpDispatchCombine:
             fn = self.__dict__["_combine_fn"] = _make_combine_vjp(self)
         return fn
 
-    def _dispatch_call(self, x, scales, topk_idx, topk_weights, after=None) -> DispatchOutput:
+    def _dispatch_call(self, x, scales, topk_idx, topk_weights) -> DispatchOutput:
         cfg, g, em = self.config, self._geo, self._em()
         rows, t = self._rows(), x.shape[0]
         m, k, h, L = cfg.max_tokens_per_rank, cfg.topk, cfg.hidden, g["local_experts"]
@@ -279,35 +263,17 @@ class EpDispatchCombine:
             ((g["summary_words"],), _I32),
             ((m, k) if em else (0,), _F32),
         )
-        extra = () if after is None else (after,)
         (rx, rs, ridx, rw, meta, n, counts, send_rows, summary, saved) = ffi_call(
-            "symheap_ep_dispatch", shapes)(x, scales, topk_idx, topk_weights, *extra,
-                                           **self._attrs())
+            "symheap_ep_dispatch", shapes)(x, scales, topk_idx, topk_weights, **self._attrs())
         if em:
-            handle = EpHandle(send_rows, summary, meta, saved, rw, topk_idx, self._key, t)
+            handle = EpHandle(send_rows, summary, meta, saved, rw, self._key, t)
             src_info = meta.reshape(L, g["expert_cap"], 4)[..., :3]
             ridx = None
         else:
-            handle = EpHandle(send_rows, summary, topk_idx=topk_idx, op_key=self._key,
-                              num_tokens=t)
+            handle = EpHandle(send_rows, summary, op_key=self._key, num_tokens=t)
             src_info = meta[:, :2]
         return DispatchOutput(rx, ridx, rw, rs if cfg.scale_dim else None, n, src_info, counts,
                               handle)
-
-    def _dispatch_after(self, x, topk_idx, topk_weights, after) -> DispatchOutput:
-        """A dispatch (no scales) ordered after the call that produced ``after``
-        (unread by the handler)."""
-        import jax.numpy as jnp
-        scales = jnp.zeros((x.shape[0], 0), jnp.dtype(self.config.scale_dtype))
-        return self._dispatch_call(x, scales, topk_idx, topk_weights, after)
-
-    def _combine_grad_method(self) -> str:
-        if COMBINE_GRAD not in _COMBINE_GRAD_METHODS:
-            raise ValueError(f"SYMHEAP_JAX_COMBINE_GRAD must be one of 'redispatch', "
-                             f"'dispatch' or empty (the backend's choice), got {COMBINE_GRAD!r}")
-        if COMBINE_GRAD:
-            return COMBINE_GRAD
-        return "redispatch" if self._has_redispatch else "dispatch"
 
     def _combine_call(self, expert_out, handle: EpHandle, weights=None, after=None):
         """``weights`` replaces the handle's (expert-major); ``after`` (unread by the
@@ -358,7 +324,7 @@ def _create_on_pe(core_cfg, geo):
         free(buf)
         raise SymheapError("EpDispatchCombine failed: " + "; ".join(errors))
     barrier_all()  # every PE zeroed its sync words before anyone writes them
-    return buf, op_id, pe.job, _core.ep_has_redispatch(pe.job, pe.rank, op_id)
+    return buf, op_id, pe.job
 
 
 def _expect(name, a, dtypes, shape):
@@ -444,20 +410,24 @@ def _make_combine_vjp(op: EpDispatchCombine):
         cotangent = jax.tree_util.tree_map(
             lambda a: np.zeros(a.shape, jax.dtypes.float0)
             if not jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros_like(a), handle)
-        if op._combine_grad_method() == "redispatch":
-            rows, w, slot, back = _grad_rows_by_redispatch(op, g, handle, out)
-        else:
-            rows, w, slot, back = _grad_rows_by_dispatch(op, g, handle, out)
+        # The output gradient on every row the handle's dispatch placed (zeros elsewhere).
+        rows = op._redispatch_call(g.astype(op.config.combine_dtype), handle, out)
         if op._em():
             # Row (token, slot) was weighted by weights[token, slot]: its gradient is
             # that weight times the token's; the weight's is <row, token's gradient>,
             # carried back to the token in the column of its slot.
-            cfg = op.config
+            cfg, geo = op.config, op._geo
             _check_weight_columns(op)
+            # Rows past an expert's count hold stale metadata and weights.
+            L, cap = geo["local_experts"], geo["expert_cap"]
+            counts = handle.summary[4 * geo["n_pes"]:4 * geo["n_pes"] + L]
+            valid = jnp.arange(cap)[None, :] < counts[:, None]
+            slot = jnp.where(valid, handle.recv_meta[:, 2].reshape(L, cap), -1)
+            w = jnp.where(valid, handle.row_weights, 0.0)
             dots = jnp.sum(rows.astype(jnp.float32) * expert_out.astype(jnp.float32), axis=-1)
-            packed = _pack_columns(jnp.where(slot >= 0, dots, 0.0)[..., None], slot[..., None],
+            packed = _pack_columns(jnp.where(valid, dots, 0.0)[..., None], slot[..., None],
                                    cfg.hidden, rows.dtype)
-            gw = op._combine_call(packed, back, jnp.ones_like(handle.weights), rows)
+            gw = op._combine_call(packed, handle, jnp.ones_like(handle.weights), rows)
             gw = gw[:, :cfg.topk].astype(jnp.float32)
             # jnp.pad, not .at[:T].set: XLA GPU's Shardy export (jax 0.11) crashes on
             # that update inside shard_map (tests/gpu/test_jax_gpu.py::test_shard_map_two_gpus).
@@ -468,49 +438,3 @@ def _make_combine_vjp(op: EpDispatchCombine):
 
     combine.defvjp(fwd, bwd)
     return combine
-
-
-def _grad_rows_by_redispatch(op, g, handle, out):
-    """Combine's gradient rows by the core's redispatch through the forward's handle.
-    Returns (rows, each row's weight, its slot (-1: no row), the handle that sends
-    per-row values back); weight and slot are for expert-major only (else None)."""
-    import jax.numpy as jnp
-    rows = op._redispatch_call(g.astype(op.config.combine_dtype), handle, out)
-    if not op._em():
-        return rows, None, None, handle
-    geo = op._geo
-    slot = handle.recv_meta[:, 2].reshape(geo["local_experts"], geo["expert_cap"])
-    return rows, jnp.where(slot >= 0, handle.row_weights, 0.0), slot, handle
-
-
-def _grad_rows_by_dispatch(op, g, handle, out):
-    """Combine's gradient rows by a fresh dispatch of the output gradient with the
-    forward's routing, which is deterministic: every token's gradient lands on the rows
-    its outputs came from. Rows that dispatch did not fill are zeroed. Returns what
-    _grad_rows_by_redispatch does (the handle is the new dispatch's)."""
-    import jax.numpy as jnp
-    cfg, geo = op.config, op._geo
-    if cfg.dtype != cfg.combine_dtype or cfg.scale_dim:
-        raise ValueError(f"the gradient of combine dispatches the output gradient on this "
-                         f"backend, which needs dtype == combine_dtype and scale_dim=0 (got "
-                         f"dtype={cfg.dtype!r}, combine_dtype={cfg.combine_dtype!r}, "
-                         f"scale_dim={cfg.scale_dim}); only the cpu backend's redispatch "
-                         f"serves such configs")
-    if handle.topk_idx is None:
-        raise ValueError("the handle lacks the dispatch's topk_idx, which the gradient of "
-                         "combine needs: pass the EpHandle of op.dispatch unchanged")
-    T, K = handle.num_tokens, cfg.topk
-    # Only expert-major rows carry the weights combine applies; token-major ones get zeros.
-    weights = handle.weights[:T] if op._em() else jnp.zeros((T, K), jnp.float32)
-    d = op._dispatch_after(g.astype(cfg.dtype), handle.topk_idx, weights, out)
-    if op._em():
-        cap = geo["expert_cap"]
-        valid = jnp.arange(cap)[None, :] < d.expert_counts[:, None]
-        slot = jnp.where(valid, d.src_info[..., 2], -1)
-        rows = jnp.where(valid[..., None], d.x, 0).astype(cfg.combine_dtype)
-        return rows, jnp.where(valid, d.topk_weights, 0.0), slot, d.handle
-    if cfg.layout == "token_slots":
-        valid = d.src_info[:, 0] >= 0
-    else:
-        valid = jnp.arange(d.x.shape[0]) < d.num_recv_tokens
-    return jnp.where(valid[:, None], d.x, 0).astype(cfg.combine_dtype), None, None, d.handle

@@ -12,6 +12,8 @@ class DeviceImpl {
   virtual ~DeviceImpl() = default;
   virtual int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a) = 0;
   virtual void combine(PeState& s, Op& op, const CombineArgs& a) = 0;
+  // Intranode and low_latency kernels only (see has_redispatch).
+  virtual void redispatch(PeState& s, Op& op, const RedispatchArgs& a) = 0;
   // Raises the first failure a kernel recorded; with sync, waits for the stream first.
   virtual void check(PeState& s, Op& op, StreamHandle stream, bool sync) = 0;
 };

@@ -140,7 +140,7 @@ class DeviceDriver final : public DeviceImpl {
       // summed after that delays this PE's next call, and so the peer's).
       // Few rows: the reducers (split finer) wait until every PE has sent.
       static_assert(kMaxPieces >= 2, "a row's flags cover two pieces");
-      p.per_row_flags = g.combine_rows >= kernels::kRowFlagRows;
+      p.per_row_flags = per_row_flags(op);
       if (p.per_row_flags) p.row_pieces = std::max(p.row_pieces, 2);
       p.sender_blocks = sender_blocks(op, p.per_row_flags);
       const int reducers = reducer_blocks(op, p.per_row_flags);
@@ -178,6 +178,35 @@ class DeviceDriver final : public DeviceImpl {
     raise_recorded(s, op, a.stream);
   }
 
+  // Shares combine's epochs and flags: adds to each peer's combine flag what
+  // one combine call of this op adds there (a store block per combine sender block).
+  void redispatch(PeState& s, Op& op, const RedispatchArgs& a) override {
+    const Geometry& g = op.geo;
+    if (op.cfg.kernel == Kernel::CopyEngine)
+      throw Unsupported("ep redispatch runs on the SM kernels (intranode, low_latency); "
+                        "kernel='copy_engine' has none");
+    int32_t status = a.status;
+    if (status == kOk && (a.num_tokens < 0 || a.num_tokens > op.cfg.max_tokens))
+      status = kBadArgument;
+    kernels::Params store = base_params(s, op);
+    store.num_tokens = status == kOk ? a.num_tokens : 0;
+    store.arg_status = status;
+    store.token_rows = static_cast<const char*>(a.rows);
+    store.redispatched_out = static_cast<char*>(a.out);
+    store.handle_send_rows = a.send_rows;
+    store.handle_recv_meta = a.recv_meta;
+    store.handle_summary = a.recv_summary;
+    store.flag_per_epoch = sender_blocks(op, per_row_flags(op));
+    kernels::Params pull = store;
+    store.row_pieces = row_pieces(op, g.combine_rows, g.combine_row_bytes);
+    pull.row_pieces = row_pieces(op, g.recv_rows, g.combine_row_bytes);
+    kernels::launch_redispatch(
+        rt_, store, pull, blocks_for(op, g.recv_rows * pull.row_pieces, kernels::kWarpsPerBlock),
+        a.stream);
+    raise_own(op, status, 0, "redispatch");
+    raise_recorded(s, op, a.stream);
+  }
+
   void check(PeState& s, Op& op, StreamHandle stream, bool sync) override {
     if (sync) rt_.sync(stream);
     raise_recorded(s, op, stream);
@@ -210,6 +239,8 @@ class DeviceDriver final : public DeviceImpl {
                                   kernels::kWarpsPerBlock);
     return blocks < op.geo.grid_blocks ? blocks + 1 : blocks;
   }
+  // Combine's reducers wait per row (not for whole PEs) from kRowFlagRows rows on.
+  static bool per_row_flags(const Op& op) { return op.geo.combine_rows >= kernels::kRowFlagRows; }
   // Combine: some blocks reduce while the others send (as rows land, a sum
   // moves three rows' worth of memory per token, a send one), all of them
   // resident at once on a large GPU. Half and half for few rows; with row

@@ -36,7 +36,10 @@
 //                  to finish marks this PE's buffer consumed on every peer
 //                  (with two buffers, the last to start ends the call);
 //   combine_pack / combine_reduce   the copy engine's combine: stage and plan,
-//                  then (after the host's copies) sum.
+//                  then (after the host's copies) sum;
+//   redispatch_store / redispatch_pull   combine's reverse through a handle
+//                  (intranode, low_latency): each PE stores its rows into its
+//                  own combine buffer, then each pulls the rows it received.
 // Small batches split each row between several warps, so a call of a few
 // hundred rows still uses the whole GPU.
 // Epochs live on the device, so the launches can be captured in a CUDA graph
@@ -49,3 +52,4 @@
 #include "ops/ep/ep_combine.cuh"
 #include "ops/ep/ep_dispatch.cuh"
 #include "ops/ep/ep_dispatch_slots.cuh"
+#include "ops/ep/ep_redispatch.cuh"

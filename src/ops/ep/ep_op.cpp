@@ -166,14 +166,19 @@ void combine(PeState& s, Op& op, const CombineArgs& a) {
   });
 }
 
-bool has_redispatch(const Op& op) { return !op.impl; }
+bool has_redispatch(const Op& op) { return !op.impl || op.cfg.kernel != Kernel::CopyEngine; }
 
 void redispatch(PeState& s, Op& op, const RedispatchArgs& a) {
   std::lock_guard<std::mutex> lock(op.mu);
   if (!has_redispatch(op))
-    throw Unsupported("ep redispatch (the gradient of combine through a dispatch's handle) is "
-                      "implemented on the cpu backend only; the device kernels lack it");
-  redispatch_cpu(s, op, a);
+    throw Unsupported("ep redispatch (the gradient of combine through a dispatch's handle) "
+                      "runs on the cpu backend and on the intranode and low_latency kernels; "
+                      "kernel='copy_engine' has none");
+  guarded(s, op, "redispatch", [&] {
+    DeviceGuard guard(s.device);
+    if (op.impl) return op.impl->redispatch(s, op, a);
+    redispatch_cpu(s, op, a);
+  });
 }
 
 void check(PeState& s, Op& op, StreamHandle stream, bool sync) {

@@ -109,7 +109,8 @@ int local_grid_blocks(PeState& s);
 int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a);
 void combine(PeState& s, Op& op, const CombineArgs& a);
 // Collective like combine, and shares its buffers and epochs. The cpu
-// implementation only (the device kernels raise Unsupported).
+// implementation and the intranode / low_latency kernels (copy_engine raises
+// Unsupported).
 void redispatch(PeState& s, Op& op, const RedispatchArgs& a);
 // Whether redispatch serves this op (front ends pick combine's gradient by it).
 bool has_redispatch(const Op& op);

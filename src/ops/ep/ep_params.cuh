@@ -101,6 +101,10 @@ struct Params {
   const int32_t* handle_summary;
   const float* combine_weights;
   char* combined_out;
+  // Redispatch (with the handle fields above): this PE's token rows, and the
+  // received rows' output [recv_rows][hidden].
+  const char* token_rows;
+  char* redispatched_out;
 };
 
 }  // namespace symheap::ep::EP_DEVICE_NS::kernels
