@@ -1,7 +1,7 @@
 // Unit tests of the core's small C++ pieces: the heap allocator, size
 // parsing, the EP workspace geometry and the EP host routing. Built by CMake
 // when SYMHEAP_BUILD_TESTS is on (target symheap_unit_tests) and run by
-// tests/test_cpp_units.py. Every check prints what failed with its values;
+// tests/cpp/test_cpp_units.py. Every check prints what failed with its values;
 // the exit status is the number of failed checks (0: all passed).
 #include <algorithm>
 #include <cstdint>

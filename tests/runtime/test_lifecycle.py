@@ -14,7 +14,7 @@ from symheap.testing import PeFailure, run_processes, run_threads
 
 import pe_programs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _check_cycles(results, cycles):
@@ -80,7 +80,7 @@ def test_stale_segment_of_dead_process_is_reaped():
 
 
 def _run_script(cmd, timeout=150):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests") + os.pathsep +
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests", "runtime") + os.pathsep +
                os.environ.get("PYTHONPATH", ""), SYMHEAP_BACKEND="cpu",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")
