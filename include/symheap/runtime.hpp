@@ -157,6 +157,20 @@ class PeUse {
 
 DeviceContext device_context(const PeState& s);
 
+// The out-of-band exchange that init and finalize run over (the Python
+// package's TCP bootstrap today, symheap/_bootstrap.py). Each method may throw
+// what its implementation raises (a timeout naming the late PE, Ctrl-C);
+// init and finalize clean up and let it through unchanged.
+class Bootstrap {
+ public:
+  virtual ~Bootstrap() = default;
+  virtual void connect() = 0;  // joins the job; rank 0 also starts the root
+  // Every PE's `mine` in rank order, for the collective named `tag`.
+  virtual std::vector<std::string> allgather(const std::string& mine, const std::string& tag) = 0;
+  virtual std::string failure() = 0;  // why the job failed (a PE died), or empty
+  virtual void close(double grace_s) = 0;  // after connect only
+};
+
 class Runtime {
  public:
   static Runtime& instance();
@@ -181,6 +195,22 @@ class Runtime {
   // Maps every peer from the all-gathered infos and fixes its kind.
   void connect_peers(PeState& state, const std::vector<PeInfo>& infos);
   void destroy_pe(int device);
+  // Collective init of one PE, in this order: the heap (on cpu, after
+  // unlinking heaps that owners killed inside init left behind), the
+  // bootstrap, the exchange of PeInfo, the peer mappings (a failure on any PE
+  // fails every PE alike), then the heap's export name is dropped. With
+  // `xla_ordinal` >= 0 the PE also serves that XLA device. On any failure the
+  // slot is destroyed and the bootstrap closed without goodbyes.
+  void init_pe(uint64_t job, int device, int rank, int world, size_t heap_size,
+               double timeout_s, Bootstrap& boot, int xla_ordinal = -1);
+  // Collective finalize: a barrier (skipped once the job failed), on backends
+  // whose importers must unmap before an owner frees (CUDA IPC) the unmapping
+  // and a second barrier, then the slot is destroyed and the bootstrap closed,
+  // whether or not the barriers succeeded.
+  void finalize_pe(int device, Bootstrap& boot);
+  // Closes the calls in flight on `s` and unmaps the heaps of other
+  // processes while their owners still hold them (finalize).
+  void release_peer_mappings(PeState& s);
 
   std::shared_ptr<PeState> slot(int device);          // null when absent
   std::shared_ptr<PeState> current();                 // throws before init
@@ -193,9 +223,8 @@ class Runtime {
 
   // Devices as XLA numbers them (its DeviceOrdinal: the local GPU ordinal on
   // CUDA, the JAX device id on cpu, global across processes) -> local device
-  // slot. Set by the JAX front end at init; an entry goes with its PE.
+  // slot. Set by init_pe for the JAX front end; an entry goes with its PE.
   void map_xla_device(int ordinal, int device);
-  void unmap_xla_device(int ordinal);
   int device_of_xla(int ordinal);  // -1 when no PE of this process serves it
 
  private:

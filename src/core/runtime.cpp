@@ -177,7 +177,7 @@ std::shared_ptr<PeState> Runtime::create_pe(uint64_t job, int device, int rank, 
   state->timeout_s = timeout_s;
   try {
     DeviceGuard guard(device);
-    char hint[96];
+    char hint[96];  // the owner's pid first: the cpu backend's stale-heap reaper reads it
     std::snprintf(hint, sizeof hint, "%ld.%016llx.%d.%llu", static_cast<long>(getpid()),
                   static_cast<unsigned long long>(job), rank,
                   static_cast<unsigned long long>(state->generation));
@@ -322,11 +322,6 @@ void Runtime::map_xla_device(int ordinal, int device) {
     throw StateError("XLA device " + std::to_string(ordinal) + ": device slot " +
                      std::to_string(device) + " hosts no PE");
   xla_devices_[ordinal] = device;
-}
-
-void Runtime::unmap_xla_device(int ordinal) {
-  std::lock_guard<std::mutex> lock(mu_);
-  xla_devices_.erase(ordinal);
 }
 
 int Runtime::device_of_xla(int ordinal) {
