@@ -104,6 +104,16 @@ struct PeState {
   // refusal of a peer without a path uses this text.
   std::string no_path_message(int pe, const char* what) const;
   void check_pe(int64_t pe) const;  // InvalidArgument naming [0, n_pes)
+  // The heap allocator, under `mu`. Every PE makes the same calls in the same
+  // order (the front end checks that first), so a block lands at the same
+  // offset on every PE. `align` must be a power of two; blocks are aligned to
+  // at least 8 bytes. heap_release throws unless `offset` starts a live block.
+  size_t heap_allocate(size_t nbytes, size_t align);
+  void heap_release(size_t offset);
+  struct HeapUsage {
+    size_t bytes_in_use, capacity, live_blocks;
+  };
+  HeapUsage heap_usage();
   // Heap header layout (same on every PE): [barrier flags: n_pes words]
   // [scratch words: n_pes] [peer table: n_pes load/store base addresses]
   // [device barrier counters: n_pes] [device error record: 4 words].

@@ -195,22 +195,13 @@ SYMHEAP_BINDINGS(core) {
 
   // Memory.
   m.def("malloc", [](size_t nbytes, size_t align) {
-    auto s = rt().current();
-    if (align == 0 || (align & (align - 1)))
-      throw InvalidArgument("align must be a power of two, got " + std::to_string(align));
-    std::lock_guard<std::mutex> lock(s->mu);
-    return s->allocator.allocate(nbytes, std::max<size_t>(align, 8), s->heap_size);
+    return rt().current()->heap_allocate(nbytes, align);
   });
-  m.def("free", [](size_t offset) {
-    auto s = rt().current();
-    std::lock_guard<std::mutex> lock(s->mu);
-    s->allocator.release(offset);
-  });
+  m.def("free", [](size_t offset) { rt().current()->heap_release(offset); });
   m.def("heap_usage", [] {
     auto s = rt().current();
-    std::lock_guard<std::mutex> lock(s->mu);
-    return py::make_tuple(s->allocator.bytes_in_use(), s->allocator.capacity(),
-                          s->allocator.live_blocks(), s->heap_size);
+    auto use = s->heap_usage();
+    return py::make_tuple(use.bytes_in_use, use.capacity, use.live_blocks, s->heap_size);
   });
 
   // RMA, signals, atomics, ordering.
