@@ -218,9 +218,6 @@ class Runtime {
   // and a second barrier, then the slot is destroyed and the bootstrap closed,
   // whether or not the barriers succeeded.
   void finalize_pe(int device, Bootstrap& boot);
-  // Closes the calls in flight on `s` and unmaps the heaps of other
-  // processes while their owners still hold them (finalize).
-  void release_peer_mappings(PeState& s);
 
   std::shared_ptr<PeState> slot(int device);          // null when absent
   std::shared_ptr<PeState> current();                 // throws before init
@@ -239,6 +236,9 @@ class Runtime {
 
  private:
   Runtime() = default;
+  // Closes the calls in flight on `s` and unmaps the heaps of other
+  // processes while their owners still hold them (finalize).
+  void release_peer_mappings(PeState& s);
   std::mutex mu_;
   std::unique_ptr<Backend> backend_;
   std::unordered_map<int, std::shared_ptr<PeState>> slots_;
