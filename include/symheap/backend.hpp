@@ -47,6 +47,11 @@ class Backend {
                                                  size_t bytes) = 0;
   // Drop the export name once every peer has mapped the heap.
   virtual void unexport(const std::string& handle) = 0;
+  // Whether importers must unmap a peer's heap before its owner frees it
+  // (CUDA IPC): finalize then waits for every PE in between.
+  virtual bool unmap_before_owner_frees() const { return false; }
+  // Waits until the work `device` has in flight (kernels, copy channels) ended.
+  virtual void drain(int) {}
   // Make a same-process peer's memory addressable from `device`.
   virtual void enable_peer_access(int device, int peer_device) = 0;
 

@@ -104,6 +104,16 @@ struct PeState {
   // refusal of a peer without a path uses this text.
   std::string no_path_message(int pe, const char* what) const;
   void check_pe(int64_t pe) const;  // InvalidArgument naming [0, n_pes)
+  // The heap allocator, under `mu`. Every PE makes the same calls in the same
+  // order (the front end checks that first), so a block lands at the same
+  // offset on every PE. `align` must be a power of two; blocks are aligned to
+  // at least 8 bytes. heap_release throws unless `offset` starts a live block.
+  size_t heap_allocate(size_t nbytes, size_t align);
+  void heap_release(size_t offset);
+  struct HeapUsage {
+    size_t bytes_in_use, capacity, live_blocks;
+  };
+  HeapUsage heap_usage();
   // Heap header layout (same on every PE): [barrier flags: n_pes words]
   // [scratch words: n_pes] [peer table: n_pes load/store base addresses]
   // [device barrier counters: n_pes] [device error record: 4 words].
@@ -157,6 +167,20 @@ class PeUse {
 
 DeviceContext device_context(const PeState& s);
 
+// The out-of-band exchange that init and finalize run over (the Python
+// package's TCP bootstrap today, symheap/_bootstrap.py). Each method may throw
+// what its implementation raises (a timeout naming the late PE, Ctrl-C);
+// init and finalize clean up and let it through unchanged.
+class Bootstrap {
+ public:
+  virtual ~Bootstrap() = default;
+  virtual void connect() = 0;  // joins the job; rank 0 also starts the root
+  // Every PE's `mine` in rank order, for the collective named `tag`.
+  virtual std::vector<std::string> allgather(const std::string& mine, const std::string& tag) = 0;
+  virtual std::string failure() = 0;  // why the job failed (a PE died), or empty
+  virtual void close(double grace_s) = 0;  // after connect only
+};
+
 class Runtime {
  public:
   static Runtime& instance();
@@ -181,6 +205,19 @@ class Runtime {
   // Maps every peer from the all-gathered infos and fixes its kind.
   void connect_peers(PeState& state, const std::vector<PeInfo>& infos);
   void destroy_pe(int device);
+  // Collective init of one PE, in this order: the heap (on cpu, after
+  // unlinking heaps that owners killed inside init left behind), the
+  // bootstrap, the exchange of PeInfo, the peer mappings (a failure on any PE
+  // fails every PE alike), then the heap's export name is dropped. With
+  // `xla_ordinal` >= 0 the PE also serves that XLA device. On any failure the
+  // slot is destroyed and the bootstrap closed without goodbyes.
+  void init_pe(uint64_t job, int device, int rank, int world, size_t heap_size,
+               double timeout_s, Bootstrap& boot, int xla_ordinal = -1);
+  // Collective finalize: a barrier (skipped once the job failed), on backends
+  // whose importers must unmap before an owner frees (CUDA IPC) the unmapping
+  // and a second barrier, then the slot is destroyed and the bootstrap closed,
+  // whether or not the barriers succeeded.
+  void finalize_pe(int device, Bootstrap& boot);
 
   std::shared_ptr<PeState> slot(int device);          // null when absent
   std::shared_ptr<PeState> current();                 // throws before init
@@ -193,13 +230,15 @@ class Runtime {
 
   // Devices as XLA numbers them (its DeviceOrdinal: the local GPU ordinal on
   // CUDA, the JAX device id on cpu, global across processes) -> local device
-  // slot. Set by the JAX front end at init; an entry goes with its PE.
+  // slot. Set by init_pe for the JAX front end; an entry goes with its PE.
   void map_xla_device(int ordinal, int device);
-  void unmap_xla_device(int ordinal);
   int device_of_xla(int ordinal);  // -1 when no PE of this process serves it
 
  private:
   Runtime() = default;
+  // Closes the calls in flight on `s` and unmaps the heaps of other
+  // processes while their owners still hold them (finalize).
+  void release_peer_mappings(PeState& s);
   std::mutex mu_;
   std::unique_ptr<Backend> backend_;
   std::unordered_map<int, std::shared_ptr<PeState>> slots_;

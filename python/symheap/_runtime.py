@@ -1,7 +1,6 @@
 """Init, finalize and the per-device PE registry of the Python layer."""
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import threading
@@ -115,62 +114,6 @@ def resolve_heap_size(heap_size) -> int:
     return heap_size
 
 
-def _segment_is_stale(path: str) -> bool:
-    """True when no process holds the segment's liveness lock.
-
-    The owner takes a shared flock on its heap segment for as long as it
-    lives (src/backends/cpu_backend.cpp). A lock is seen from every PID
-    namespace that shares /dev/shm, unlike a pid; a pid alive in this
-    namespace (the name's second field) also counts as alive. Empty segments
-    are left alone: their owner may be about to take the lock.
-    """
-    pid = os.path.basename(path).split(".")[1]
-    if pid.isdigit():
-        try:
-            os.kill(int(pid), 0)
-            return False
-        except ProcessLookupError:
-            pass
-        except OSError:
-            return False
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.getuid() or st.st_size == 0:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # held: the owner lives
-        return True
-    finally:
-        os.close(fd)
-
-
-def _reap_stale_segments() -> None:
-    """Unlinks heap segments of this user whose owner died during init.
-
-    A heap's shared-memory name is dropped as soon as every peer has mapped
-    it; only a process killed inside init can leave one behind.
-    """
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return
-    for name in names:
-        if not name.startswith("symheap."):
-            continue
-        path = os.path.join("/dev/shm", name)
-        if _segment_is_stale(path):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-
-
 def current_pe() -> PE:
     """The PE of the calling thread's current device; raises before init."""
     device = _core.acting_device()
@@ -198,6 +141,14 @@ def init(rank: int, world_size: int, unique_id: bytes, *, device: int | None = N
     ``timeout`` seconds (default SYMHEAP_TIMEOUT, else 120) and name the PEs
     that never arrived.
     """
+    join(rank, world_size, unique_id, device=device, heap_size=heap_size, timeout=timeout)
+
+
+def join(rank: int, world_size: int, unique_id: bytes, *, device: int | None = None,
+         heap_size=None, timeout: float | None = None, xla_ordinal: int = -1) -> None:
+    """``init``, for front ends: with ``xla_ordinal`` >= 0 the PE also serves
+    that XLA device (symheap.jax). Every step and its order are the core's
+    (Runtime::init_pe); this layer checks the arguments and records the PE."""
     rank = _as_int(rank, "rank", *INT32)
     world_size = _as_int(world_size, "world_size", *INT32)
     uid = UniqueId.parse(unique_id)
@@ -210,37 +161,17 @@ def init(rank: int, world_size: int, unique_id: bytes, *, device: int | None = N
     if device is None:
         device = _core.current_device()
     device = _as_int(device, "device", *INT32)
-    _core.set_device(device)  # create_pe below refuses a device slot already in use
-    if _core.backend_name() == "cpu":
-        _reap_stale_segments()
-    info = _core.create_pe(uid.job, device, rank, world_size, heap_bytes, timeout)
-    boot = None
-    try:
-        boot = TcpBootstrap(uid, rank, world_size, timeout,
+    _core.set_device(device)  # the core refuses a device slot already in use
+
+    def connect():
+        return TcpBootstrap(uid, rank, world_size, timeout,
                             on_failure=lambda why: _core.mark_failed(device, why))
-        infos = boot.allgather_json(info, "init")
-        sizes = {i["heap_size"] for i in infos}
-        if len(sizes) > 1:
-            detail = ", ".join(f"PE {i['rank']}: {i['heap_size']}" for i in infos)
-            raise ValueError(f"heap sizes differ across PEs ({detail} bytes); set the same "
-                             f"heap_size / SYMHEAP_HEAP_SIZE on every PE")
-        error = ""
-        try:
-            _core.connect_peers(device, infos)
-        except Exception as e:  # report to every PE, not just this one
-            error = f"PE {rank}: {type(e).__name__}: {e}"
-        errors = [e for e in boot.allgather_json(error, "init-connect") if e]
-        if errors:
-            raise SymheapError("init failed while mapping peer heaps: " + "; ".join(errors))
-        _core.unexport(device)  # every peer has mapped it: drop the shared-memory name
-        _, _, generation, job, _ = _core.slot_identity(device)
-        with _pes_lock:
-            _pes[device] = PE(rank, world_size, device, job, generation, boot, timeout)
-    except BaseException:
-        _core.destroy_pe(device)
-        if boot is not None:
-            boot.close(grace_s=0)  # init failed: the other PEs fail too, no goodbyes
-        raise
+
+    boot = _core.init_pe(uid.job, device, rank, world_size, heap_bytes, timeout, connect,
+                         xla_ordinal=xla_ordinal)
+    _, _, generation, job, _ = _core.slot_identity(device)
+    with _pes_lock:
+        _pes[device] = PE(rank, world_size, device, job, generation, boot, timeout)
 
 
 def finalize() -> None:
@@ -251,20 +182,12 @@ def finalize() -> None:
     """
     pe = current_pe()
     try:
-        if pe.bootstrap.failure:
-            return  # the job failed (a PE died): no collective can complete; clean up here
-        pe.bootstrap.barrier("finalize")
-        if backend() == "cuda":
-            # CUDA IPC: every importer unmaps before any owner frees its heap.
-            _core.release_peer_mappings(pe.device)
-            pe.bootstrap.barrier("finalize-unmapped")
+        _core.finalize_pe(pe.device, pe.bootstrap)  # every step and its order: C++
     finally:
         with _pes_lock:
             _pes.pop(pe.device, None)
         for buf in list(pe.buffers.values()):
             buf._invalidate()
-        _core.destroy_pe(pe.device)
-        pe.bootstrap.close()
 
 
 def my_pe() -> int:

@@ -2,7 +2,9 @@
 // shared memory so that processes of one node can map each other's heap;
 // threads of one process use direct pointers. A "kernel" runs on the calling
 // thread, so every operation is complete when it returns.
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -10,7 +12,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -23,6 +27,48 @@ namespace symheap {
 namespace {
 
 thread_local int t_current_device = 0;
+
+// Heap segments are named "/symheap.<hint>", and the runtime's hint starts
+// with the owner's pid (Runtime::create_pe).
+constexpr const char kSegmentPrefix[] = "symheap.";
+
+// True when no process holds the segment's liveness lock. The owner takes a
+// shared flock on its segment for as long as it lives (create_heap); a lock
+// is seen from every PID namespace that shares /dev/shm, unlike a pid; a pid
+// alive in this namespace (the name's first field) also counts as alive.
+// Empty segments are left alone: their owner may be about to take the lock.
+bool segment_is_stale(const std::string& name) {
+  const char* pid_text = name.c_str() + sizeof kSegmentPrefix - 1;
+  char* end = nullptr;
+  errno = 0;
+  long pid = std::strtol(pid_text, &end, 10);
+  if (end != pid_text && *end == '.' && errno == 0 && pid > 0 && pid <= INT_MAX &&
+      std::isdigit(static_cast<unsigned char>(*pid_text))) {
+    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) return false;
+  }
+  std::string path = "/dev/shm/" + name;
+  int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st;
+  bool stale = fstat(fd, &st) == 0 && st.st_uid == getuid() && st.st_size != 0 &&
+               flock(fd, LOCK_EX | LOCK_NB) == 0;  // held: the owner lives
+  close(fd);
+  return stale;
+}
+
+// Unlinks heap segments of this user whose owner died during init. A heap's
+// shared-memory name is dropped as soon as every peer has mapped it; only a
+// process killed inside init can leave one behind.
+void reap_stale_segments() {
+  DIR* dir = opendir("/dev/shm");
+  if (!dir) return;
+  while (dirent* entry = readdir(dir)) {
+    std::string name = entry->d_name;
+    if (name.compare(0, sizeof kSegmentPrefix - 1, kSegmentPrefix) != 0) continue;
+    if (segment_is_stale(name)) unlink(("/dev/shm/" + name).c_str());
+  }
+  closedir(dir);
+}
 
 int env_device_count() {
   const char* text = std::getenv("SYMHEAP_CPU_DEVICES");
@@ -84,12 +130,13 @@ class CpuBackend final : public Backend {
   }
 
   std::shared_ptr<Region> create_heap(int, size_t bytes, const std::string& hint) override {
-    std::string name = "/symheap." + hint;
+    reap_stale_segments();
+    std::string name = "/" + std::string(kSegmentPrefix) + hint;
     int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);  // owner-only
     if (fd < 0)
       throw std::runtime_error("shm_open(" + name + ") failed: " + std::strerror(errno));
     // A shared lock held for the heap's life tells the stale-segment reaper
-    // (symheap._runtime) that the owner lives, whatever PID namespace it is
+    // (reap_stale_segments) that the owner lives, whatever PID namespace it is
     // in; the reaper leaves empty segments alone, so taking it after the
     // open is race-free.
     flock(fd, LOCK_SH);

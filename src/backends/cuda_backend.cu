@@ -207,6 +207,11 @@ class CudaBackend final : public Backend {
   }
   const char* name() const override { return "cuda"; }
   int device_count() override { return count_; }
+  bool unmap_before_owner_frees() const override { return true; }  // CUDA IPC
+  void drain(int device) override {
+    cuda::sync_channels(device);  // the copy engines' work, then the kernels'
+    cuda::synchronize_device(device);
+  }
 
   int current_device() override {
     int d = 0;

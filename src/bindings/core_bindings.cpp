@@ -3,7 +3,6 @@
 // so that PEs driven by other threads of the process make progress.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <unistd.h>
 
 #include "bindings/registry.hpp"
 #include "symheap/errors.hpp"
@@ -37,27 +36,42 @@ Compare parse_compare(const std::string& cmp) {
   throw InvalidArgument("comparison must be one of eq, ne, gt, ge, lt, le, got '" + cmp + "'");
 }
 
-py::dict info_to_dict(const PeInfo& info) {
-  py::dict d;
-  d["rank"] = info.rank;
-  d["device"] = info.device;
-  d["pid"] = info.pid;
-  d["node_id"] = info.node_id;
-  d["heap_handle"] = info.heap_handle;
-  d["heap_size"] = info.heap_size;
-  return d;
-}
+// The Python package's bootstrap (symheap/_bootstrap.py) as the core's init
+// and finalize drive it: `connect` is a callable that joins the job and
+// returns the connection, whose allgather(bytes, tag), failure and
+// close(grace_s=) the core then calls. Each call takes the GIL; what Python
+// raises (a timeout, Ctrl-C) goes through the core unchanged.
+class PyBootstrap final : public Bootstrap {
+ public:
+  static PyBootstrap joining(py::object connect) { return PyBootstrap(std::move(connect), {}); }
+  static PyBootstrap joined(py::object link) { return PyBootstrap({}, std::move(link)); }
 
-PeInfo dict_to_info(const py::dict& d) {
-  PeInfo info;
-  info.rank = d["rank"].cast<int>();
-  info.device = d["device"].cast<int>();
-  info.pid = d["pid"].cast<int64_t>();
-  info.node_id = d["node_id"].cast<std::string>();
-  info.heap_handle = d["heap_handle"].cast<std::string>();
-  info.heap_size = d["heap_size"].cast<size_t>();
-  return info;
-}
+  void connect() override {
+    py::gil_scoped_acquire gil;
+    link_ = connect_();
+  }
+  std::vector<std::string> allgather(const std::string& mine, const std::string& tag) override {
+    py::gil_scoped_acquire gil;
+    std::vector<std::string> out;
+    for (auto item : link_.attr("allgather")(py::bytes(mine), tag))
+      out.push_back(item.cast<std::string>());
+    return out;
+  }
+  std::string failure() override {
+    py::gil_scoped_acquire gil;
+    return py::str(link_.attr("failure"));
+  }
+  void close(double grace_s) override {
+    py::gil_scoped_acquire gil;
+    link_.attr("close")(py::arg("grace_s") = grace_s);
+  }
+  const py::object& link() const { return link_; }
+
+ private:
+  PyBootstrap(py::object connect, py::object link)
+      : connect_(std::move(connect)), link_(std::move(link)) {}
+  py::object connect_, link_;
+};
 
 // Lets Ctrl-C through long waits: on the main thread, runs Python's signal
 // handlers (with the GIL briefly taken) and raises what they raise.
@@ -122,36 +136,25 @@ SYMHEAP_BINDINGS(core) {
   m.def("node_id", &this_node_id);
   m.def("active_devices", [] { return rt().active_devices(); });
 
-  m.def("create_pe", [](uint64_t job, int device, int rank, int world, size_t heap_size,
-                        double timeout_s) {
-    std::shared_ptr<PeState> s;
+  // Collective init of the PE on `device` (Runtime::init_pe); returns what
+  // `connect` returned, the job's bootstrap connection.
+  m.def("init_pe", [](uint64_t job, int device, int rank, int world, size_t heap_size,
+                      double timeout_s, py::object connect, int xla_ordinal) {
+    PyBootstrap boot = PyBootstrap::joining(std::move(connect));
     {
       py::gil_scoped_release nogil;
-      s = rt().create_pe(job, device, rank, world, heap_size, timeout_s);
+      rt().init_pe(job, device, rank, world, heap_size, timeout_s, boot, xla_ordinal);
     }
-    PeInfo info;
-    info.rank = rank;
-    info.device = device;
-    info.pid = static_cast<int64_t>(getpid());
-    info.node_id = this_node_id();
-    info.heap_handle = s->heap->export_handle;
-    info.heap_size = heap_size;
-    return info_to_dict(info);
-  });
-  m.def("connect_peers", [](int device, const py::list& infos) {
-    auto s = rt().slot(device);
-    if (!s) throw StateError("no PE on device " + std::to_string(device));
-    std::vector<PeInfo> v;
-    for (auto item : infos) v.push_back(dict_to_info(item.cast<py::dict>()));
+    return boot.link();
+  }, py::arg("job"), py::arg("device"), py::arg("rank"), py::arg("world"),
+     py::arg("heap_size"), py::arg("timeout_s"), py::arg("connect"),
+     py::arg("xla_ordinal") = -1);
+  // Collective finalize of the PE on `device` over its bootstrap connection
+  // (Runtime::finalize_pe); the PE is gone afterwards even when it raises.
+  m.def("finalize_pe", [](int device, py::object link) {
+    PyBootstrap boot = PyBootstrap::joined(std::move(link));
     py::gil_scoped_release nogil;
-    rt().connect_peers(*s, v);
-  });
-  m.def("unexport", [](int device) {
-    auto s = rt().slot(device);
-    if (s && s->heap) {
-      rt().backend().unexport(s->heap->export_handle);
-      s->heap->export_handle.clear();
-    }
+    rt().finalize_pe(device, boot);
   });
   m.def("destroy_pe", [](int device) {
     py::gil_scoped_release nogil;
@@ -192,22 +195,13 @@ SYMHEAP_BINDINGS(core) {
 
   // Memory.
   m.def("malloc", [](size_t nbytes, size_t align) {
-    auto s = rt().current();
-    if (align == 0 || (align & (align - 1)))
-      throw InvalidArgument("align must be a power of two, got " + std::to_string(align));
-    std::lock_guard<std::mutex> lock(s->mu);
-    return s->allocator.allocate(nbytes, std::max<size_t>(align, 8), s->heap_size);
+    return rt().current()->heap_allocate(nbytes, align);
   });
-  m.def("free", [](size_t offset) {
-    auto s = rt().current();
-    std::lock_guard<std::mutex> lock(s->mu);
-    s->allocator.release(offset);
-  });
+  m.def("free", [](size_t offset) { rt().current()->heap_release(offset); });
   m.def("heap_usage", [] {
     auto s = rt().current();
-    std::lock_guard<std::mutex> lock(s->mu);
-    return py::make_tuple(s->allocator.bytes_in_use(), s->allocator.capacity(),
-                          s->allocator.live_blocks(), s->heap_size);
+    auto use = s->heap_usage();
+    return py::make_tuple(use.bytes_in_use, use.capacity, use.live_blocks, s->heap_size);
   });
 
   // RMA, signals, atomics, ordering.

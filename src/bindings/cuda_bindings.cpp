@@ -124,24 +124,6 @@ SYMHEAP_BINDINGS(device) {
       },
       "Bytes of the calling PE's symheap::DeviceContext (pass by value to kernels).");
   m.attr("device_context_size") = sizeof(DeviceContext);
-  // Finalize step 1 of 2: unmap the heaps of other processes while they are
-  // still allocated (CUDA IPC requires importers to close before the owner
-  // frees); step 2, destroy_pe, frees this PE's own heap.
-  m.def("release_peer_mappings", [](int device) {
-    auto s = rt().slot(device);
-    if (!s) return;
-    py::gil_scoped_release nogil;
-    s->close_calls();  // host calls of other threads first, then their kernels
-#ifdef SYMHEAP_WITH_CUDA
-    cuda::sync_channels(device);
-    cuda::synchronize_device(device);
-#endif
-    for (auto& peer : s->peers) {
-      if (peer.kind != PeerKind::SameNode) continue;
-      peer.base = nullptr;
-      peer.mapping.reset();
-    }
-  });
   m.def("byte_capsule", &byte_capsule, py::arg("ptr"), py::arg("nbytes"),
         py::arg("device_type"), py::arg("device"), py::arg("owner"));
 

@@ -3,6 +3,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
@@ -41,6 +42,23 @@ size_t PeState::checked_offset(const void* addr, size_t nbytes, const char* what
                           " bytes at heap offset " + std::to_string(offset) +
                           " run outside the symmetric allocation (or it was freed)");
   return offset;
+}
+
+size_t PeState::heap_allocate(size_t nbytes, size_t align) {
+  if (align == 0 || (align & (align - 1)))
+    throw InvalidArgument("align must be a power of two, got " + std::to_string(align));
+  std::lock_guard<std::mutex> lock(mu);
+  return allocator.allocate(nbytes, std::max<size_t>(align, 8), heap_size);
+}
+
+void PeState::heap_release(size_t offset) {
+  std::lock_guard<std::mutex> lock(mu);
+  allocator.release(offset);
+}
+
+PeState::HeapUsage PeState::heap_usage() {
+  std::lock_guard<std::mutex> lock(mu);
+  return {allocator.bytes_in_use(), allocator.capacity(), allocator.live_blocks()};
 }
 
 char* PeState::peer_address(int pe, size_t offset, const char* what) {
@@ -177,7 +195,7 @@ std::shared_ptr<PeState> Runtime::create_pe(uint64_t job, int device, int rank, 
   state->timeout_s = timeout_s;
   try {
     DeviceGuard guard(device);
-    char hint[96];
+    char hint[96];  // the owner's pid first: the cpu backend's stale-heap reaper reads it
     std::snprintf(hint, sizeof hint, "%ld.%016llx.%d.%llu", static_cast<long>(getpid()),
                   static_cast<unsigned long long>(job), rank,
                   static_cast<unsigned long long>(state->generation));
@@ -322,11 +340,6 @@ void Runtime::map_xla_device(int ordinal, int device) {
     throw StateError("XLA device " + std::to_string(ordinal) + ": device slot " +
                      std::to_string(device) + " hosts no PE");
   xla_devices_[ordinal] = device;
-}
-
-void Runtime::unmap_xla_device(int ordinal) {
-  std::lock_guard<std::mutex> lock(mu_);
-  xla_devices_.erase(ordinal);
 }
 
 int Runtime::device_of_xla(int ordinal) {

@@ -1,7 +1,8 @@
 // Unit tests of the core's small C++ pieces: the heap allocator, size
-// parsing, the EP workspace geometry and the EP host routing. Built by CMake
+// parsing, the EP workspace geometry, the EP host routing and the order of
+// init and finalize's steps (over a fake bootstrap). Built by CMake
 // when SYMHEAP_BUILD_TESTS is on (target symheap_unit_tests) and run by
-// tests/test_cpp_units.py. Every check prints what failed with its values;
+// tests/cpp/test_cpp_units.py. Every check prints what failed with its values;
 // the exit status is the number of failed checks (0: all passed).
 #include <algorithm>
 #include <cstdint>
@@ -252,13 +253,63 @@ void ep_host_routing() {
   CHECK(r.send_rows.empty());
 }
 
+// A one-PE job's bootstrap: the exchange echoes (or returns `reply` for the
+// init record), and every call is logged in order.
+struct EchoBootstrap : symheap::Bootstrap {
+  std::vector<std::string> log;
+  std::string reply_to_init;  // non-empty: returned instead of the PE's own record
+  void connect() override { log.push_back("connect"); }
+  std::vector<std::string> allgather(const std::string& mine, const std::string& tag) override {
+    log.push_back(tag);
+    if (tag == "init" && !reply_to_init.empty()) return {reply_to_init};
+    return {mine};
+  }
+  std::string failure() override { return ""; }
+  void close(double grace_s) override { log.push_back("close " + std::to_string(grace_s)); }
+};
+
+void lifecycle() {
+  using symheap::Runtime;
+  Runtime& rt = Runtime::instance();
+  rt.select_backend("cpu");
+  rt.set_device(3);
+  // Init and finalize take their steps in this order; the PE is gone after.
+  EchoBootstrap boot;
+  rt.init_pe(77, 3, 0, 1, 1 << 20, 5.0, boot, /*xla_ordinal=*/11);
+  CHECK(rt.slot(3) != nullptr);
+  CHECK_EQ(rt.device_of_xla(11), 3);
+  CHECK(rt.slot(3)->heap->export_handle.empty());  // the shared-memory name is dropped
+  rt.finalize_pe(3, boot);
+  const std::vector<std::string> steps = {"connect", "init", "init-connect", "finalize",
+                                          "close 5.000000"};
+  CHECK(boot.log == steps);
+  CHECK(rt.slot(3) == nullptr);
+  CHECK_EQ(rt.device_of_xla(11), -1);
+  // A malformed record fails init cleanly: slot freed, bootstrap closed at once.
+  for (const std::string& junk : {std::string("x"), std::string("99:short"),
+                                  std::string("1:0"), std::string("1:01:01:a1:11:n1:h")}) {
+    EchoBootstrap bad;
+    bad.reply_to_init = junk;
+    bool refused = false;
+    try {
+      rt.init_pe(78, 3, 0, 1, 1 << 20, 5.0, bad);
+    } catch (const symheap::StateError& e) {
+      refused = std::string(e.what()).find("malformed PE record from PE 0") != std::string::npos;
+    }
+    CHECK(refused);
+    CHECK(rt.slot(3) == nullptr);
+    CHECK(!bad.log.empty() && bad.log.back() == "close 0.000000");
+  }
+}
+
 }  // namespace
 
 int main() {
   const std::pair<const char*, void (*)()> tests[] = {{"allocator", allocator},
                                                       {"size_parsing", size_parsing},
                                                       {"ep_geometry", ep_geometry},
-                                                      {"ep_host_routing", ep_host_routing}};
+                                                      {"ep_host_routing", ep_host_routing},
+                                                      {"lifecycle", lifecycle}};
   for (auto [name, fn] : tests) {
     g_test = name;
     const int before = g_failed;

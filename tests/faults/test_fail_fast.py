@@ -14,7 +14,7 @@ import symheap
 from faultproc import finish, run_py, start
 from symheap.testing import PeFailure, run_threads
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ep"))
 
 # PE processes; the test kills one once all are ready. Survivors wait (a heap
 # barrier, a signal wait, an EP dispatch) with a 60 s timeout and report when

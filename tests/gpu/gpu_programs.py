@@ -16,7 +16,7 @@ import torch
 import symheap
 from symheap import _core, _devtest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ep"))
 
 THREAD, WARP, BLOCK = 0, 1, 2
 CMP = {"eq": 0, "ne": 1, "gt": 2, "ge": 3, "lt": 4, "le": 5}
@@ -468,7 +468,7 @@ def heap_roundtrip(nbytes: int):
 
 def ep_and_attention():
     """Expert-parallel dispatch/combine with every kernel (each received row,
-    count and combined sum checked against references; tests/test_ep_programs.py),
+    count and combined sum checked against references; tests/ep/test_ep_programs.py),
     then attention forward and backward against an fp32 reference, on this
     PE's GPU. Returns the EP digests (equal across launch models) and the
     attention error."""

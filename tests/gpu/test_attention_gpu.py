@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "attention"))
 
 from symheap import _core  # noqa: E402
 from symheap.attention import _plan, flash_attn_func, flash_attn_varlen_func  # noqa: E402

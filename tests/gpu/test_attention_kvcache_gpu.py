@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "attention"))
 
 from symheap import _core  # noqa: E402
 from symheap.attention import (flash_attn_varlen_func, flash_attn_with_kvcache,  # noqa: E402

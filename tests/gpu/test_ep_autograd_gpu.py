@@ -1,6 +1,6 @@
 """symheap.ep.dispatch / combine under torch autograd on CUDA GPUs: every kernel and
 layout against the single-PE fp32 reference of the cpu tests
-(tests/ep_autograd_programs.py), threads and one process per GPU (combine's gradient:
+(tests/ep/ep_autograd_programs.py), threads and one process per GPU (combine's gradient:
 the redispatch kernels, a dispatch on copy_engine), and low_latency forward + backward
 captured in a CUDA graph and replayed with new data and routing."""
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ep"))
 
 from symheap.testing import run_threads  # noqa: E402
 

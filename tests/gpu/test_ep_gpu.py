@@ -1,13 +1,14 @@
 """Expert-parallel dispatch/combine on CUDA GPUs: every kernel and layout,
 threads and processes, CUDA-graph replay, errors. The PE programs and their
-references are the cpu tests' (tests/test_ep_programs.py)."""
+references are the cpu tests' (tests/ep/test_ep_programs.py)."""
 import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", d)
+                for d in ("ep", "runtime")]
 
 import symheap  # noqa: E402
 from symheap.testing import run_threads  # noqa: E402

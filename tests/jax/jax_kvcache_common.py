@@ -1,5 +1,5 @@
 """Shared by the JAX KV-cache tests (cpu in tests/jax, CUDA in tests/gpu): cases
-built with the torch helpers of tests/attention_kvcache_common.py (caches
+built with the torch helpers of tests/attention/attention_kvcache_common.py (caches
 poisoned with NaN beyond the valid rows, a dense fp32 reference gathered from
 the cache), run through symheap.jax, and the checks. No tests here."""
 from __future__ import annotations

@@ -27,6 +27,9 @@ if not getattr(_core, "built_with_xla_ffi", False):
 
 import symheap.attention as sha  # noqa: E402
 import symheap.jax as shj  # noqa: E402
+
+ATTENTION_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "attention")
+sys.path.insert(0, ATTENTION_TESTS)  # the torch KV-cache tests' helpers
 from attention_kvcache_common import FEATURES, Cache, reference  # noqa: E402
 from jax_kvcache_common import (DecodeCase, PagedVarlenCase, same_values, to_jax,  # noqa: E402
                                 to_torch32)
@@ -169,7 +172,7 @@ def test_shard_map_two_cpu_devices():
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here)] + sys.path))
+               PYTHONPATH=os.pathsep.join([here, ATTENTION_TESTS] + sys.path))
     r = subprocess.run([sys.executable, "-c", SHARD_MAP_PROGRAM], env=env, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0 and "SHARD_MAP_OK" in r.stdout, r.stdout + r.stderr

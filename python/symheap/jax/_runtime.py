@@ -165,10 +165,9 @@ def init(devices=None, *, heap_size=None, timeout: float | None = None) -> None:
         new = Job(platform, world, local, [by_id[i] for i in all_ids], timeout)
         _job = new
         try:
-            on_every_pe(lambda pe: _rt.init(pe.rank, world, uid, device=pe.slot,
-                                            heap_size=heap_size, timeout=timeout), timeout)
-            for pe in local:
-                _core.map_xla_device(pe.ordinal, pe.slot)
+            on_every_pe(lambda pe: _rt.join(pe.rank, world, uid, device=pe.slot,
+                                            heap_size=heap_size, timeout=timeout,
+                                            xla_ordinal=pe.ordinal), timeout)
         except BaseException:
             for pe in local:  # PEs whose init succeeded, without a collective
                 _rt.release_local(pe.slot)
@@ -189,8 +188,7 @@ def finalize() -> None:
             try:
                 on_every_pe(lambda pe: _rt.finalize(), current.timeout)
             finally:
-                for pe in current.local:
-                    _core.unmap_xla_device(pe.ordinal)
+                for pe in current.local:  # the PEs a failed finalize left (the map goes with each)
                     _rt.release_local(pe.slot)
                 _job = None
 

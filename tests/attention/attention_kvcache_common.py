@@ -1,4 +1,4 @@
-"""Shared pieces of the KV-cache attention tests (cpu in tests/, CUDA in
+"""Shared pieces of the KV-cache attention tests (cpu in tests/attention/, CUDA in
 tests/gpu/); no tests here. Caches are poisoned with NaN beyond the valid rows,
 and the reference gathers each sequence's keys into a dense fp32 tensor."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared pieces of the attention tests (cpu in tests/, CUDA in tests/gpu/): no tests here;
+"""Shared pieces of the attention tests (cpu in tests/attention/, CUDA in tests/gpu/): no tests here;
 random inputs and FlashAttention's accuracy rule against an fp32 reference."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The CUDA kernels of symheap.ep, compiled for the host and run in an
 emulation on the cpu backend (SYMHEAP_EP_EMULATE_DEVICE=1, one PE per
-process): the same PE programs and references as tests/test_ep.py, so the
+process): the same PE programs and references as tests/ep/test_ep.py, so the
 kernels' logic (routing, placement, protocol, aborts, timeouts, copy plans)
 is checked on machines without a GPU. CUDA-specific behaviour (memory
 ordering, graph capture, speed) is tests/gpu's business."""

@@ -1,14 +1,14 @@
 """The C++ unit tests (tests/cpp/unit_tests.cpp: allocator, size parsing, EP
-geometry, EP host routing). The executable comes from the CMake build of this
-tree (SYMHEAP_BUILD_TESTS, on by default): the newest build/*/symheap_unit_tests,
-rebuilt first by its build directory (cheap: it only relinks against the core
-already built there)."""
+geometry, EP host routing, the order of init and finalize). The executable comes
+from the CMake build of this tree (SYMHEAP_BUILD_TESTS, on by default): the newest
+build/*/symheap_unit_tests, rebuilt first by its build directory (cheap: it only
+relinks against the core already built there)."""
 import glob
 import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _unit_test_binary():

@@ -14,7 +14,7 @@ from symheap.testing import PeFailure, run_processes, run_threads
 
 import pe_programs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _check_cycles(results, cycles):
@@ -35,18 +35,34 @@ def test_reinit_processes_mixed():
                   2)
 
 
+class _EchoBootstrap:
+    """The bootstrap of a one-PE job (the exchange is an echo) that records the
+    modes of this process's heap segments while init exchanges its record."""
+    failure = ""
+
+    def __init__(self):
+        self.modes, self.closed = None, None
+
+    def allgather(self, data, tag):
+        if tag == "init":
+            self.modes = [stat.S_IMODE(os.stat("/dev/shm/" + name).st_mode)
+                          for name in pe_programs.heap_segments_of_this_process()]
+        return [data]
+
+    def close(self, grace_s):
+        self.closed = grace_s
+
+
 def test_heap_segment_is_owner_only_and_unlinked():
-    uid = symheap.get_unique_id()
+    boot = _EchoBootstrap()
     symheap.set_device(5)
-    info = _core.create_pe(12345, 5, 0, 1, 1 << 20, 5.0)
+    assert _core.init_pe(12345, 5, 0, 1, 1 << 20, 5.0, lambda: boot) is boot
     try:
-        path = "/dev/shm" + info["heap_handle"]
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-        assert mode == 0o600, oct(mode)
+        assert boot.modes == [0o600], boot.modes  # one segment, owner-only, during init
+        assert pe_programs.heap_segments_of_this_process() == []  # unlinked once mapped
     finally:
-        _core.destroy_pe(5)
-    assert not os.path.exists(path)
-    del uid
+        _core.finalize_pe(5, boot)
+    assert boot.closed is not None and _core.slot_identity(5) is None
 
 
 def _segments_after_init():
@@ -80,7 +96,7 @@ def test_stale_segment_of_dead_process_is_reaped():
 
 
 def _run_script(cmd, timeout=150):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests") + os.pathsep +
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests", "runtime") + os.pathsep +
                os.environ.get("PYTHONPATH", ""), SYMHEAP_BACKEND="cpu",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")

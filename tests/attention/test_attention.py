@@ -401,7 +401,7 @@ def test_example_runs():
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     proc = subprocess.run([sys.executable, "examples/attention_demo.py"], capture_output=True,
                           text=True, timeout=180, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
