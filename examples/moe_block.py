@@ -430,8 +430,10 @@ def launch_mpirun(c):
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise SystemExit("--launch mpirun needs mpirun on PATH (scripts/setup.sh installs OpenMPI)")
-    return _relaunch(c, [mpirun, "-np", str(c["n_pes"]), "--oversubscribe", sys.executable],
-                     "mpirun")
+    # Containers often run as root, which OpenMPI refuses unless told to allow it.
+    root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    return _relaunch(c, [mpirun, *root, "-np", str(c["n_pes"]), "--oversubscribe",
+                         sys.executable], "mpirun")
 
 
 def launch_jax(c, mode):
