@@ -76,6 +76,7 @@ py::dict geometry_dict(const ep::Config& c, const ep::Geometry& g) {
   d["combine_rows"] = g.combine_rows;
   d["send_cols"] = g.send_cols;
   d["summary_words"] = ep::summary_words(g.n_pes, g.local_experts, g.slot_words);
+  d["summary_counts_at"] = ep::summary_counts_at(g.n_pes);
   d["padded_output"] = g.padded_output;
   d["combine_dtype"] = std::string(ep::dtype_name(g.combine_dtype));
   d["off_recv_x"] = g.off_recv_x;

@@ -420,7 +420,8 @@ def _make_combine_vjp(op: EpDispatchCombine):
             _check_weight_columns(op)
             # Rows past an expert's count hold stale metadata and weights.
             L, cap = geo["local_experts"], geo["expert_cap"]
-            counts = handle.summary[4 * geo["n_pes"]:4 * geo["n_pes"] + L]
+            at = geo["summary_counts_at"]
+            counts = handle.summary[at:at + L]
             valid = jnp.arange(cap)[None, :] < counts[:, None]
             slot = jnp.where(valid, handle.recv_meta[:, 2].reshape(L, cap), -1)
             w = jnp.where(valid, handle.row_weights, 0.0)

@@ -162,6 +162,8 @@ inline int64_t summary_words(int n_pes, int local_experts, int slot_words) {
   return 4 * static_cast<int64_t>(n_pes) + local_experts + 4 +
          static_cast<int64_t>(n_pes) * slot_words;
 }
+// Where the summary's per-expert row counts start ([4n + l] above).
+constexpr int64_t summary_counts_at(int n_pes) { return 4 * static_cast<int64_t>(n_pes); }
 constexpr int64_t slot_bits_at(int n_pes, int local_experts) {
   return 4 * static_cast<int64_t>(n_pes) + local_experts + 4;
 }
