@@ -501,21 +501,26 @@ def worker(mode, c, report):
             result = baseline_main(c)
         else:
             result = pe_main(c)
-    finally:
+    except BaseException:
         if mode != "baseline":
             symheap.finalize()
         if close:
             close()
+        raise
+    if mode != "baseline":
+        symheap.finalize()
     if rank == 0:
         with open(report, "w") as f:
             json.dump(result, f)
-    if mode == "baseline":
-        # Everything is written and the process group destroyed. Gloo's worker threads
-        # can still abort the interpreter's teardown (SIGABRT, "terminate called without
-        # an active exception"), which would fail a finished run: skip the teardown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if close is None:
+        return
+    # Every rank is done and the report is written. The interpreter's teardown is
+    # skipped: gloo's worker threads can abort it (SIGABRT, "terminate called without
+    # an active exception"), which would fail a run that finished.
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ----------------------------------------------------------------- reporting
