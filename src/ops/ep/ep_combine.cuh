@@ -28,6 +28,28 @@ __device__ __forceinline__ int32_t* combine_status(const Params& p, int pe, uint
   return at<int32_t>(p, pe, p.geo.off_combine_status) + combine_set(p, epoch) * p.n_pes;
 }
 
+// The end of a block that stored rows into other PEs' combine buffers
+// (combine's senders, redispatch's store); every thread of the block calls it.
+// Any thread's `bad` (a handle naming a place outside the buffers) makes the
+// block's status kBadHandle; a status other than kOk goes to this PE's entry
+// of every PE's status row (cleared once read, by the next call of that
+// buffer set); then the block counts itself in every PE's combine flag.
+__device__ __forceinline__ void finish_store_block(const Params& p, bool bad, bool ok, bool send,
+                                                   uint64_t epoch) {
+  __shared__ bool block_bad;
+  if (threadIdx.x == 0) block_bad = false;
+  __syncthreads();
+  if (bad) block_bad = true;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int32_t status = !ok ? kPeerTimeout : block_bad ? kBadHandle : p.arg_status;
+    if (send && block_bad) record_error(p, kBadHandle, 0, p.my_pe, epoch);
+    if (status != kOk)
+      for (int q = 0; q < p.n_pes; ++q) combine_status(p, q, epoch)[p.my_pe] = status;
+  }
+  publish(p, p.geo.off_combine_flag, 1, true);
+}
+
 // Expert-major: where received row r goes back to: its source PE and its
 // row there (the source's combine row; in stage mode, the row of this PE's
 // staging buffer). False when the handle names a place outside the op's
@@ -322,18 +344,7 @@ __device__ inline void send_back(const Params& p, int block, int blocks, uint64_
       dev::store_relaxed(at<uint64_t>(p, src, g.off_row_flags) + row * kMaxPieces + piece, epoch);
     }
   }
-  __shared__ bool block_bad;
-  if (threadIdx.x == 0) block_bad = false;
-  __syncthreads();
-  if (bad) block_bad = true;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int32_t status = !ok ? kPeerTimeout : block_bad ? kBadHandle : p.arg_status;
-    if (send && block_bad) record_error(p, kBadHandle, 0, p.my_pe, epoch);
-    if (status != kOk)  // cleared once read (two sets: by the source's next call)
-      for (int q = 0; q < n; ++q) combine_status(p, q, epoch)[p.my_pe] = status;
-  }
-  publish(p, g.off_combine_flag, 1, true);
+  finish_store_block(p, bad, ok, send, epoch);
 }
 
 // Two 16-bit floats of one 32-bit word, to and from fp32.

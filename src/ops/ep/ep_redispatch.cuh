@@ -123,18 +123,7 @@ __global__ void __launch_bounds__(kThreads) redispatch_store_kernel(Params p) {
                       static_cast<int>(u % P), P, lane);
     }
   }
-  __shared__ bool block_bad;
-  if (threadIdx.x == 0) block_bad = false;
-  __syncthreads();
-  if (bad) block_bad = true;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int32_t status = !ok ? kPeerTimeout : block_bad ? kBadHandle : p.arg_status;
-    if (send && block_bad) record_error(p, kBadHandle, 0, p.my_pe, epoch);
-    if (status != kOk)  // cleared once read (two sets: by this PE's next call)
-      for (int q = 0; q < n; ++q) combine_status(p, q, epoch)[p.my_pe] = status;
-  }
-  publish(p, g.off_combine_flag, 1, true);
+  finish_store_block(p, bad, ok, send, epoch);
 }
 
 // Copies piece `piece` of `pieces` of a row from a peer's combine buffer
