@@ -348,3 +348,10 @@ def test_failure_surfaces_as_pe_failure():
             progs.check_dispatch(c, ep, out, inputs, symheap.my_pe(), 2)
     with pytest.raises(PeFailure, match="differs"):
         run_threads(body, 2)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "expert_major"])
+def test_tampered_handle_raises_instead_of_writing_out_of_bounds(layout):
+    results = run_threads(progs.tampered_handle, 2, args=(layout,))
+    assert results[0] == ["ValueError", "ValueError", "ok", "ok"]
+    assert results[1] == ["SymheapError", "SymheapError", "ok", "ok"]

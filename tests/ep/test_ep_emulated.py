@@ -29,7 +29,10 @@ def emulated(fn, n, args, env=None, **kw):
 def test_every_kernel_and_layout_matches_the_cpu_implementation():
     configs = [cfg(kernel=k, layout=layout) for k in KERNELS
                for layout in ("token_major", "expert_major")]
-    configs += [cfg(dtype="float8_e4m3fn", scale_dim=8, kernel="low_latency",
+    # The shape variants below take the first three patterns of the plan (a
+    # random route, every token to one PE, round robin with random drops):
+    # the whole plan runs on the six kernel x layout configs above.
+    variants = [cfg(dtype="float8_e4m3fn", scale_dim=8, kernel="low_latency",
                     layout="expert_major"),
                 cfg(dtype="float32", kernel="copy_engine"),
                 cfg(dtype="float16", max_recv_tokens=12, scale_dim=16, scale_dtype="float16"),
@@ -47,18 +50,25 @@ def test_every_kernel_and_layout_matches_the_cpu_implementation():
                     scale_dim=8),
                 cfg(layout="token_slots", max_tokens_per_rank=40, hidden=256),
                 cfg(layout="token_slots", max_tokens_per_rank=200)]
+    short = progs.DEFAULT_PLAN[:3]
     by_kernels = emulated(progs.many_configs, 2, (configs,))
     by_cpu = run_processes(progs.many_configs, 2, args=(configs,))
     assert by_kernels == by_cpu  # bit for bit: rows, and combine's fp32 sums
+    by_kernels = emulated(progs.many_configs, 2, (variants, short))
+    by_cpu = run_processes(progs.many_configs, 2, args=(variants, short))
+    assert by_kernels == by_cpu
 
 
 def test_one_combine_set_when_the_buffer_is_large():
     # A combine buffer over 128 MiB (600 rows of 224 KiB) comes in one set:
     # senders (and redispatch) wait for the previous call's "consumed" flags.
+    # Three calls: each waits for the one before it, with redispatches before
+    # and after combines.
     configs = [cfg(max_tokens_per_rank=300, hidden=57344, dtype="float32")]
     heap = {"SYMHEAP_HEAP_SIZE": "1G"}
-    by_kernels = emulated(progs.redispatch_configs, 2, (configs,), env=heap)
-    by_cpu = run_processes(progs.redispatch_configs, 2, args=(configs,), env=heap)
+    plan = progs.DEFAULT_PLAN[:3]
+    by_kernels = emulated(progs.redispatch_configs, 2, (configs, plan), env=heap)
+    by_cpu = run_processes(progs.redispatch_configs, 2, args=(configs, plan), env=heap)
     assert by_kernels == by_cpu
 
 
@@ -150,6 +160,5 @@ def test_tampered_handle_raises_instead_of_writing_out_of_bounds(layout):
     """The kernels bound-check combine's handle (an edited summary or row
     metadata): the culprit raises ValueError, its peer SymheapError, and the
     op goes on."""
-    from test_hardening import _tampered_ep_handle
-    assert emulated(_tampered_ep_handle, 2, (layout,)) == [
+    assert emulated(progs.tampered_handle, 2, (layout,)) == [
         ["ValueError", "ValueError", "ok", "ok"], ["SymheapError", "SymheapError", "ok", "ok"]]

@@ -645,3 +645,49 @@ def from_other_thread(cfg_kwargs: dict, helper_devices=(0, 7)):
                 raise AssertionError(box["error"])
             seen.append(box["devices"])
     return seen
+
+
+def tampered_handle(layout="token_major"):
+    """Edited combine handles on one PE (cpu; cuda and its emulation reuse it)."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    cfg = EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=4, topk=2, dtype="float32",
+                   layout=layout)
+    g = torch.Generator().manual_seed(me)
+    dev = pe_device()
+    x = torch.randn(4, 32, generator=g).to(dev)
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(4)]).to(dev, torch.int64)
+    w = torch.rand(4, 2, generator=g).to(dev)
+    outcome = []
+    with EpDispatchCombine(cfg) as ep:
+        d = ep.dispatch(x, idx, w)
+        if me == 0 and layout == "token_major":  # PE 1's rows go back past the buffer
+            d.handle.summary[4 * 1] = 10 ** 8
+        elif me == 0:
+            d.handle.recv_meta[0, 3] = 10 ** 8
+            d.handle.recv_meta[0, 0] = 0
+        try:
+            ep.combine(d.x.clone(), d.handle)
+            ep.check()  # cuda: a kernel found it; raised at the next call or here
+        except (ValueError, symheap.SymheapError) as e:
+            outcome.append(type(e).__name__)
+        d2 = ep.dispatch(x, idx, w)  # the op still works afterwards
+        bad = d2.handle
+        if me == 0:
+            bad.send_rows = bad.send_rows[:1]
+        try:
+            ep.combine(d2.x.clone(), bad)
+            ep.check()
+        except (ValueError, symheap.SymheapError) as e:
+            outcome.append(type(e).__name__)
+        # Then right results again, from calls that reuse the failed calls'
+        # buffers and statuses (the kernels alternate between two sets).
+        for _ in range(2):
+            d3 = ep.dispatch(x, idx, w)
+            if layout == "token_major":
+                out = ep.combine(d3.x * d3.topk_weights.sum(1, keepdim=True), d3.handle)
+            else:
+                out = ep.combine(d3.x, d3.handle)
+            ep.check()
+            ref = x * w.sum(1, keepdim=True)
+            outcome.append("ok" if torch.allclose(out, ref, rtol=1e-5, atol=1e-5) else "wrong")
+    return outcome

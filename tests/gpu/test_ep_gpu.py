@@ -194,8 +194,7 @@ def test_close_frees_heap():
 @two_gpus
 @pytest.mark.parametrize("layout", ["token_major", "expert_major"])
 def test_tampered_handle_raises_instead_of_writing_out_of_bounds(layout):
-    from test_hardening import _tampered_ep_handle
-    assert run_threads(_tampered_ep_handle, 2, args=(layout,)) == [
+    assert run_threads(progs.tampered_handle, 2, args=(layout,)) == [
         ["ValueError", "ValueError", "ok", "ok"], ["SymheapError", "SymheapError", "ok", "ok"]]
 
 
