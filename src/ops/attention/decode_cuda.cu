@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -202,6 +203,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* sme
                : "r"(a));
 }
 
+// Four 8x8 b16 matrices as stored: with rows = keys and columns = dims of a
+// row-major K tile, the B fragments of S = Q K^T for two 8-key blocks.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
 template <class T, int DB>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   using C = Tile<DB>;
@@ -230,8 +240,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
                             (hk * p.group + vec % p.group) * p.q_sh + c);
     *reinterpret_cast<uint4*>(sQ + r * LD + c) = raw;
   }
-  // This thread's two rows (g, g + 8): visible keys and ALiBi.
-  int lo[2], hi[2], diag[2];
+  // This thread's two rows (g, g + 8): visible keys and ALiBi. open_lo and
+  // open_hi bound the keys both rows see (a row past the CTA's vectors
+  // bounds nothing: its results are never written).
+  int lo[2], hi[2], diag[2], open_lo = 0, open_hi = INT_MAX;
   float slope[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -240,9 +252,14 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     const detail::KeyRange vis = detail::visible_keys(i, qs.sq, sk, p.win_left, p.win_right);
     lo[h] = valid ? vis.lo : 0;
     hi[h] = valid ? vis.hi : 0;
+    if (vec < n_vec) {
+      open_lo = max(open_lo, lo[h]);
+      open_hi = min(open_hi, hi[h]);
+    }
     diag[h] = i + sk - qs.sq;
     slope[h] = p.alibi && valid ? p.alibi[b * p.alibi_sb + hk * p.group + vec % p.group] : 0.0f;
   }
+  const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
   // Keys any vector of the CTA sees (visible ranges grow with the row), cut
   // into `splits` ranges of whole tiles.
   int span_lo = 0, span_hi = 0;
@@ -266,30 +283,36 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   constexpr int kRowStride = kThreads / (DB / 8);
   const T* kbase = static_cast<const T*>(p.k) + hk * p.k_sh + chunk_col;
   const T* vbase = static_cast<const T*>(p.v) + hk * p.v_sh + chunk_col;
-  // Where each row of a tile lives, found once per row by the first TN
-  // threads (two slots: the tile being issued and the next one).
-  __shared__ int2 row_at[2][TN];  // {block, row in block}; block -1: no row (zero fill)
+  // Where each row of a tile lives (element offsets of its K and V rows),
+  // found once per row by the first TN threads (two slots: the tile being
+  // issued and the next one), so issuing a tile costs no multiplication.
+  __shared__ int64_t row_k[2][TN], row_v[2][TN];  // -1: no row (zero fill)
   auto lookup = [&](int tile) {
     if (threadIdx.x < TN) {
       const int j = t_begin + tile * TN + threadIdx.x;
-      int2 at = make_int2(-1, 0);
+      int64_t ko = -1, vo = -1;
       if (tile < n_tiles && j >= k_lo && j < k_hi) {
+        int block = b, row = j;
         if (p.table) {
           const int col = p.block_shift >= 0 ? j >> p.block_shift : j / p.block_size;
-          const int id = __ldg(p.table + b * p.table_stride + col);
-          if (id >= 0 && id < p.num_blocks) {
-            at = make_int2(id, p.block_shift >= 0 ? j & (p.block_size - 1) : j % p.block_size);
-          } else {
-            if (!bad) record_error(p, kBadBlock, b, id);
+          block = __ldg(p.table + b * p.table_stride + col);
+          row = p.block_shift >= 0 ? j & (p.block_size - 1) : j % p.block_size;
+          if (block < 0 || block >= p.num_blocks) {
+            if (!bad) record_error(p, kBadBlock, b, block);
             bad = true;
+            block = -1;
           }
-        } else {
-          at = make_int2(b, j);
+        }
+        if (block >= 0) {
+          ko = block * p.k_sb + row * p.k_sr;
+          vo = block * p.v_sb + row * p.v_sr;
         }
       }
-      row_at[tile & 1][threadIdx.x] = at;
+      row_k[tile & 1][threadIdx.x] = ko;
+      row_v[tile & 1][threadIdx.x] = vo;
     }
   };
+  const bool col_ok = chunk_col < p.d;
   auto issue = [&](int tile) {
     if (tile < n_tiles) {
       T* sk_ = stages + (tile % C::kStages) * C::kStageElems;
@@ -297,12 +320,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int row = chunk_row0 + r * kRowStride;
-        const int2 at = row_at[tile & 1][row];
-        const bool fill = at.x >= 0 && chunk_col < p.d;
-        const int64_t ko = fill ? at.x * p.k_sb + at.y * p.k_sr : 0;
-        const int64_t vo = fill ? at.x * p.v_sb + at.y * p.v_sr : 0;
-        cp_async16(sk_ + row * LD + chunk_col, kbase + ko, fill);
-        cp_async16(sv_ + row * LD + chunk_col, vbase + vo, fill);
+        const int64_t ko = row_k[tile & 1][row], vo = row_v[tile & 1][row];
+        const bool fill = ko >= 0 && col_ok;
+        cp_async16(sk_ + row * LD + chunk_col, kbase + (fill ? ko : 0), fill);
+        cp_async16(sv_ + row * LD + chunk_col, vbase + (fill ? vo : 0), fill);
       }
     }
     cp_async_commit();
@@ -318,16 +339,24 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     lookup(s);
     __syncthreads();
     issue(s);
-    __syncthreads();  // row_at[s & 1] is read before tile s + 2 is looked up
+    __syncthreads();  // slot s & 1 is read before tile s + 2 is looked up
   }
   lookup(C::kStages - 1);
+  // The query fragments stay in registers for every tile (sQ is visible
+  // after the prologue's barriers); at DB 256 they would not fit.
+  constexpr bool kQInRegisters = DB <= 128;
+  uint32_t q_frag[kQInRegisters ? DB / 16 : 1][4];
+  if constexpr (kQInRegisters) {
+#pragma unroll
+    for (int kk = 0; kk < DB / 16; ++kk) attention::cuda::load_a(q_frag[kk], sQ, LD, 0, kk * 16, lane);
+  }
   for (int tile = 0; tile < n_tiles; ++tile) {
     cp_async_wait<C::kStages - 2>();
     // This tile (and sQ) landed for every thread, the previous tile is
-    // consumed, and row_at of the tile to issue is written.
+    // consumed, and the row slot of the tile to issue is written.
     __syncthreads();
     issue(tile + C::kStages - 1);
-    lookup(tile + C::kStages);  // the other slot of row_at: read after the next barrier
+    lookup(tile + C::kStages);  // the other row slot: read after the next barrier
     const T* sK = stages + (tile % C::kStages) * C::kStageElems + warp * 16 * LD;
     const T* sV = sK + TN * LD;
     const int j0 = t_begin + tile * TN + warp * 16;  // this warp's 16 keys
@@ -335,29 +364,47 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
     for (int kk = 0; kk < DB / 16; ++kk) {
-      uint32_t a[4];
-      attention::cuda::load_a(a, sQ, LD, 0, kk * 16, lane);
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {
-        uint32_t bf[2];
-        attention::cuda::load_b(bf, sK, LD, nb * 8, kk * 16, lane);
-        attention::cuda::mma<T>(s[nb], a, bf);
+      uint32_t a_smem[4];
+      const uint32_t* a = a_smem;
+      if constexpr (kQInRegisters) {
+        a = q_frag[kk];
+      } else {
+        attention::cuda::load_a(a_smem, sQ, LD, 0, kk * 16, lane);
       }
+      // Matrix lane / 8: keys 8 * (lane / 16) + 0..7, dims 8 * (lane / 8 % 2) + 0..7.
+      uint32_t bf[4];
+      ldmatrix_x4(bf, sK + ((lane >> 4) * 8 + (lane & 7)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
+      attention::cuda::mma<T>(s[0], a, bf);
+      attention::cuda::mma<T>(s[1], a, bf + 2);
     }
-    // Logits (row g + 8 * (e >> 1), key j0 + nb * 8 + 2t + (e & 1)), running max.
-    float tile_max[2] = {-INFINITY, -INFINITY};
+    // Logits (row g + 8 * (e >> 1), key j0 + nb * 8 + 2t + (e & 1)). Only a
+    // warp whose 16 keys are not all inside the split and visible to every
+    // row checks them one by one.
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, j = j0 + nb * 8 + 2 * t + (e & 1);
         float x = s[nb][e] * p.scale;
-        if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+        if (p.softcap > 0.0f) x = p.softcap * tanhf(x * inv_softcap);
         if (slope[h] != 0.0f) x -= slope[h] * fabsf(static_cast<float>(diag[h] - j));
-        if (j < k_lo || j >= k_hi || j < lo[h] || j >= hi[h]) x = -INFINITY;
         s[nb][e] = x;
-        tile_max[h] = fmaxf(tile_max[h], x);
       }
+    const bool inside = j0 >= k_lo && j0 + 16 <= k_hi && j0 >= open_lo && j0 + 16 <= open_hi;
+    if (!__all_sync(0xffffffffu, inside)) {
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1, j = j0 + nb * 8 + 2 * t + (e & 1);
+          if (j < k_lo || j >= k_hi || j < lo[h] || j >= hi[h]) s[nb][e] = -INFINITY;
+        }
+    }
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nb][e]);
     float rescale[2], base[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -367,12 +414,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       row_max[h] = m_new;
       row_sum[h] *= rescale[h];
     }
+    // Once the running maxima settle, most tiles leave the output as it is.
+    if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
 #pragma unroll
-    for (int dt = 0; dt < DB / 8; ++dt) {
-      acc[dt][0] *= rescale[0];
-      acc[dt][1] *= rescale[0];
-      acc[dt][2] *= rescale[1];
-      acc[dt][3] *= rescale[1];
+      for (int dt = 0; dt < DB / 8; ++dt) {
+        acc[dt][0] *= rescale[0];
+        acc[dt][1] *= rescale[0];
+        acc[dt][2] *= rescale[1];
+        acc[dt][3] *= rescale[1];
+      }
     }
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb)
