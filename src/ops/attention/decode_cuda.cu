@@ -222,23 +222,37 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int split = blockIdx.x, b = blockIdx.z;
   const int hk = blockIdx.y / p.mtiles, v0 = (blockIdx.y % p.mtiles) * kVectors;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The combine kernel may be scheduled now: it waits for this grid's end.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   const QSeq qs = query_seq(p, b);
   const int n_vec = qs.sq * p.group;
   if (v0 >= n_vec) return;  // the combine reads no vector of this tile
+  // Query vector v of the tile is row v / group of head hk * group + v % group.
+  // Its loads are in flight together with the sequence's length.
+  constexpr int kQChunks = (kVectors * (DB / 8) + kThreads - 1) / kThreads;
+  uint4 q_raw[kQChunks];
+#pragma unroll
+  for (int n = 0; n < kQChunks; ++n) {
+    const int idx = threadIdx.x + n * kThreads;
+    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8, vec = v0 + r;
+    q_raw[n] = make_uint4(0, 0, 0, 0);
+    if (idx < kVectors * (DB / 8) && vec < n_vec && c < p.d)
+      q_raw[n] = load16(p.q, b * p.q_sb + (qs.q0 + vec / p.group) * p.q_sr +
+                                 (hk * p.group + vec % p.group) * p.q_sh + c);
+  }
   const int len = length_before(p, b);
   const int sk = len + p.s_new;
   bool bad = len < 0 || len > p.capacity - p.s_new;
   if (bad && split == 0 && blockIdx.y == 0 && threadIdx.x == 0)
     record_error(p, len < 0 ? kBadLength : kNoRoom, b, len);
-
-  // Query vector v of the tile is row v / group of head hk * group + v % group.
-  for (int idx = threadIdx.x; idx < kVectors * (DB / 8); idx += kThreads) {
-    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8, vec = v0 + r;
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    if (vec < n_vec && c < p.d && !bad)
-      raw = load16(p.q, b * p.q_sb + (qs.q0 + vec / p.group) * p.q_sr +
-                            (hk * p.group + vec % p.group) * p.q_sh + c);
-    *reinterpret_cast<uint4*>(sQ + r * LD + c) = raw;
+#pragma unroll
+  for (int n = 0; n < kQChunks; ++n) {
+    const int idx = threadIdx.x + n * kThreads;
+    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8;
+    if (idx < kVectors * (DB / 8))
+      *reinterpret_cast<uint4*>(sQ + r * LD + c) = bad ? make_uint4(0, 0, 0, 0) : q_raw[n];
   }
   // This thread's two rows (g, g + 8): visible keys and ALiBi. open_lo and
   // open_hi bound the keys both rows see (a row past the CTA's vectors
@@ -509,6 +523,11 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
   __shared__ float total;
   __shared__ float lse_max;
   __shared__ int any_nan;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent of the attention kernel: the
+  // partial results are complete and visible once this returns.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   const int b = blockIdx.y, vec = blockIdx.x;
   const QSeq qs = query_seq(p, b);
   const int i = vec / p.heads_q, hq = vec % p.heads_q;
@@ -757,8 +776,20 @@ void run(const CacheArgs& a, const Plan& pl, const Params& p, cudaStream_t strea
     default: launch_attention<T, 256>(p, pl, stream); break;
   }
   if (pl.splits > 1) {
+    // A programmatic dependent launch: the combine's blocks are scheduled
+    // while the attention kernel's last blocks run, so its launch latency
+    // is off the critical path (it waits for the results in the kernel).
     const int64_t vectors = static_cast<int64_t>(a.seqlen_q) * a.heads_q;
-    combine_kernel<T><<<dim3(static_cast<unsigned>(vectors), p.batch), kThreads, 0, stream>>>(p);
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(vectors), p.batch);
+    config.blockDim = dim3(kThreads);
+    config.stream = stream;
+    cudaLaunchAttribute overlap{};
+    overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &overlap;
+    config.numAttrs = 1;
+    SYMHEAP_CUDA_CHECK(cudaLaunchKernelEx(&config, combine_kernel<T>, p));
     SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.combine_kernel");
   }
 }
