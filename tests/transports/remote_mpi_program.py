@@ -207,9 +207,37 @@ def frozen_peer(seed, timeout):
     symheap.free(buf)
 
 
+def killed_peer(seed, timeout):
+    """Process 1 is killed (SIGKILL) after a barrier: the survivors' remote
+    get raises an error naming a PE of the dead process within the timeout
+    (the bootstrap's dead-PE notice cuts the wait short)."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    buf = symheap.empty((16,), "uint8", like="numpy")
+    buf[:] = me
+    symheap.barrier_all(timeout=timeout)
+    if node_of(me) == 1:
+        _thread_barrier.wait(30)
+        os.kill(os.getpid(), signal.SIGKILL)
+    target = 2 + me
+    while True:  # until the process is gone (it may serve a get or two before)
+        out = np.zeros(16, np.uint8)
+        t0 = time.monotonic()
+        try:
+            symheap.get(out, buf, target)
+        except (TimeoutError, symheap.SymheapError) as e:
+            text = f"{type(e).__name__}: {e}"
+            break
+        assert (out == target).all()
+        time.sleep(0.01)
+    took = time.monotonic() - t0
+    assert "PE 2" in text or "PE 3" in text, text
+    assert took <= timeout + 3, took
+    print(f"KILLED-ERROR pe {me} after {took:.2f} s: {text}", flush=True)
+
+
 _thread_barrier = threading.Barrier(THREADS)
 PIDS = []
-SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer}
+SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer, "killed": killed_peer}
 
 
 def main(scenario, timeout):
@@ -252,6 +280,9 @@ def main(scenario, timeout):
     if failures or any(t.is_alive() for t in threads):
         print("FAILED\n" + "\n".join(failures), flush=True)
         os._exit(1)
+    if scenario == "killed":  # MPI_Finalize cannot complete once a process died
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

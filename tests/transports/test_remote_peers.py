@@ -6,6 +6,7 @@ backend) the error saying what is missing. two_nodes is backend-neutral
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -142,8 +143,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def run_mpi_program(scenario, timeout_s):
-    """remote_mpi_program.py under mpirun: 2 processes (nodes) x 2 PE threads."""
+def run_mpi_program(scenario, timeout_s, mpirun_args=(), survivors=(0, 1, 2, 3)):
+    """remote_mpi_program.py under mpirun: 2 processes (nodes) x 2 PE threads;
+    every PE of ``survivors`` must report OK (and, when all do, mpirun succeed)."""
     pytest.importorskip("mpi4py")
     mpirun = shutil.which("mpirun")
     assert mpirun, "mpirun not found: scripts/setup.sh installs OpenMPI"
@@ -151,12 +153,22 @@ def run_mpi_program(scenario, timeout_s):
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
                PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
-    cmd = [mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+    cmd = [mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", *mpirun_args,
+           sys.executable,
            os.path.join(HERE, "remote_mpi_program.py"), scenario, str(timeout_s)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert sorted(re.findall(rf"OK {scenario} pe (\d)", out)) == ["0", "1", "2", "3"], out[-6000:]
+    # Its own session, so that a hang kills mpirun and every process it started.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"mpirun {scenario} did not finish within 120 s:\n{out[-6000:]}")
+    if len(survivors) == 4:
+        assert proc.returncode == 0, out[-6000:]
+    assert sorted(re.findall(rf"OK {scenario} pe (\d)", out)) == [str(r) for r in survivors], \
+        out[-6000:]
     return out
 
 
@@ -178,3 +190,14 @@ def test_remote_frozen_peer_under_mpirun():
     out = run_mpi_program("frozen", 3)
     assert len(re.findall(r"FROZEN-ERROR pe \d: quiet on PE \d: PE [23] \(node 'node-1'\) "
                           r"did not answer within 3 s", out)) == 2, out[-6000:]
+
+
+def test_remote_killed_peer_under_mpirun():
+    """A killed remote process (SIGKILL): the survivors' remote get raises an
+    error naming a PE of it, cut short by the bootstrap's dead-PE notice, and
+    they finalize. --enable-recovery keeps mpirun from killing the survivors."""
+    out = run_mpi_program("killed", 5, mpirun_args=["--enable-recovery"], survivors=(0, 1))
+    errors = re.findall(r"KILLED-ERROR pe (\d) after [\d.]+ s: (.*)", out)
+    assert sorted(pe for pe, _ in errors) == ["0", "1"], out[-6000:]
+    for _, text in errors:
+        assert re.search(r"PE [23] died", text), text
