@@ -9,12 +9,11 @@ import sys
 import threading
 import time
 
+import mpi4py
 import numpy as np
-from mpi4py import MPI  # MPI_THREAD_MULTIPLE, mpi4py's default
 
 import symheap
 
-COMM = MPI.COMM_WORLD
 THREADS = 2
 # Byte counts: one element up to a few MiB, most not a multiple of 8.
 SIZES = [1, 3, 8, 13, 4096 + 5, (1 << 20) + 3, (3 << 20) + 7]
@@ -207,6 +206,23 @@ def frozen_peer(seed, timeout):
     symheap.free(buf)
 
 
+def funneled(seed, timeout):
+    """MPI initialised below MPI_THREAD_MULTIPLE: remote peers raise the error
+    that says so, before anything is sent."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    buf = symheap.empty((16,), "uint8", like="numpy")
+    for p in remote_peers(me, n):
+        try:
+            symheap.put(buf, np.zeros(16, np.uint8), p)
+        except symheap.UnsupportedError as e:
+            text = str(e)
+        else:
+            raise AssertionError("a put to a remote PE without MPI_THREAD_MULTIPLE returned")
+        assert "MPI_THREAD_MULTIPLE" in text and f"PE {p} is remote" in text, text
+    symheap.barrier_all(timeout=timeout)
+    symheap.free(buf)
+
+
 def killed_peer(seed, timeout):
     """Process 1 is killed (SIGKILL) after a barrier: the survivors' remote
     get raises an error naming a PE of the dead process within the timeout
@@ -237,10 +253,17 @@ def killed_peer(seed, timeout):
 
 _thread_barrier = threading.Barrier(THREADS)
 PIDS = []
-SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer, "killed": killed_peer}
+SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer, "killed": killed_peer,
+             "funneled": funneled}
+COMM = None
 
 
 def main(scenario, timeout):
+    global COMM
+    if scenario == "funneled":
+        mpi4py.rc.thread_level = "funneled"
+    from mpi4py import MPI  # MPI_THREAD_MULTIPLE, mpi4py's default, unless told otherwise
+    COMM = MPI.COMM_WORLD
     rank, nprocs = COMM.Get_rank(), COMM.Get_size()
     os.environ["SYMHEAP_NODE_ID"] = f"node-{rank}"
     PIDS[:] = COMM.allgather(os.getpid())

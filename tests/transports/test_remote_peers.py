@@ -184,6 +184,11 @@ def test_remote_bad_input_under_mpirun():
     run_mpi_program("bad_input", 20)
 
 
+def test_remote_without_thread_multiple_under_mpirun():
+    """MPI initialised with MPI_THREAD_FUNNELED: the error names MPI_THREAD_MULTIPLE."""
+    run_mpi_program("funneled", 20)
+
+
 def test_remote_frozen_peer_under_mpirun():
     """A frozen (SIGSTOP) remote process: get and quiet raise TimeoutError
     naming the PE within the 3 s timeout; once it goes on, the job finishes."""

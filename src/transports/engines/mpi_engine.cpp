@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <list>
 #include <map>
@@ -305,7 +306,8 @@ class MpiEngine final : public Engine {
     auto word = [&](uint64_t offset) { return reinterpret_cast<int64_t*>(heap.base + offset); };
     auto signal = [&] {
       auto* w = reinterpret_cast<uint64_t*>(heap.base + req.signal_offset);
-      // Release: the target's signal_wait_until (an acquire load) sees the bytes first.
+      // After the bytes, sequentially consistent (a release at least): the
+      // target's signal_wait_until, an acquire load, sees the bytes first.
       if (req.signal_add) __atomic_fetch_add(w, static_cast<uint64_t>(req.value), __ATOMIC_SEQ_CST);
       else __atomic_store_n(w, static_cast<uint64_t>(req.value), __ATOMIC_SEQ_CST);
     };
