@@ -162,6 +162,8 @@ class RemoteTransport final : public Transport {
     attached_ = false;
   }
 
+  std::string unreachable_reason(int pe) const override { return unreachable_.at(pe); }
+
   ~RemoteTransport() override {
     if (engine_)
       for (Sent& sent : outstanding_) engine_->abandon(std::move(sent.p));

@@ -47,6 +47,8 @@ class Transport {
   virtual void quiet(PeState& s, StreamHandle stream) = 0;
   // The PE is going away (Runtime::destroy_pe): release what serves it.
   virtual void disconnect(PeState&) {}
+  // Why this transport cannot reach `pe` (empty: it can).
+  virtual std::string unreachable_reason(int) const { return ""; }
 };
 
 // A PE's transports: one instance of each the backend offers (each holds or
@@ -66,6 +68,8 @@ class Transports {
   void quiet_remote(PeState& s) const { remote_->quiet(s, 0); }
   // The PE is going away: every transport releases what serves it.
   void disconnect(PeState& s) const { remote_->disconnect(s); }
+  // Why select(pe) cannot reach `pe` (empty: it can).
+  std::string unreachable_reason(int pe) const { return by_peer_.at(pe)->unreachable_reason(pe); }
 
  private:
   std::unique_ptr<Transport> load_store_;  // backend copies through the peer's mapping

@@ -206,6 +206,23 @@ def frozen_peer(seed, timeout):
     symheap.free(buf)
 
 
+def ep_across_nodes(seed, timeout):
+    """symheap.ep across the two nodes: every routing pattern of the EP tests
+    (tests/ep/test_ep_programs.py: dispatch, combine and redispatch checked
+    row by row against references) in each layout and dtype."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ep"))
+    import test_ep_programs as progs
+    n = symheap.n_pes()
+    base = dict(hidden=32, max_tokens_per_rank=6, num_experts=4 * n, topk=3, dtype="bfloat16")
+    configs = [dict(base), dict(base, dtype="float16", scale_dim=16, scale_dtype="bfloat16"),
+               dict(base, dtype="float32"), dict(base, dtype="float8_e4m3fn", scale_dim=8),
+               dict(base, layout="token_slots"), dict(base, layout="expert_major"),
+               dict(base, layout="expert_major", dtype="float8_e4m3fn", scale_dim=8),
+               dict(base, max_recv_tokens=4 * 6)]
+    progs.redispatch_configs(configs)
+    symheap.barrier_all(timeout=timeout)
+
+
 def funneled(seed, timeout):
     """MPI initialised below MPI_THREAD_MULTIPLE: remote peers raise the error
     that says so, before anything is sent."""
@@ -254,7 +271,7 @@ def killed_peer(seed, timeout):
 _thread_barrier = threading.Barrier(THREADS)
 PIDS = []
 SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer, "killed": killed_peer,
-             "funneled": funneled}
+             "funneled": funneled, "ep": ep_across_nodes}
 COMM = None
 
 

@@ -206,3 +206,10 @@ def test_remote_killed_peer_under_mpirun():
     assert sorted(pe for pe, _ in errors) == ["0", "1"], out[-6000:]
     for _, text in errors:
         assert re.search(r"PE [23] died", text), text
+
+
+def test_ep_across_nodes_under_mpirun():
+    """symheap.ep with half of every PE's peers on the other node: every routing
+    pattern in each layout and dtype, dispatch / combine / redispatch checked
+    against references (rows for remote PEs go through the remote transport)."""
+    run_mpi_program("ep", 30)

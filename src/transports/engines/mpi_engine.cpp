@@ -188,6 +188,7 @@ class MpiEngine final : public Engine {
   }
 
   void abandon(std::unique_ptr<Pending> p) override {
+    if (!p) return;
     auto* mine = static_cast<MpiPending*>(p.release());
     mine->cancel();
     std::lock_guard<std::mutex> lock(graveyard_mu_);
