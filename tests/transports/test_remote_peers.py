@@ -113,6 +113,7 @@ def check_two_nodes(results):
             first = next(p for p in range(n) if _node(p) != _node(q))
             assert f"PE {q}: UnsupportedError: EpDispatchCombine (it needs every PE): PE " \
                 f"{first} is remote (node '{_node(first)}'" in ep, ep
+        assert "the remote transport cannot serve it" in ep, ep
         assert sorted({p for p, _ in messages}) == remote
         assert len(messages) == len(remote) * 12
         for (p, name), text in messages.items():
@@ -131,7 +132,7 @@ def check_two_nodes(results):
 
 
 def symheap_backend():
-    return os.environ.get("SYMHEAP_BACKEND", "cpu")
+    return symheap.backend()  # the PEs' backend too: they inherit the environment
 
 
 def test_two_nodes_of_two_pes_without_mpi():
