@@ -42,6 +42,7 @@ struct PeInfo {
   std::string node_id;
   std::string heap_handle;
   size_t heap_size = 0;
+  std::string remote_address;  // how remote peers reach this process (empty: they cannot)
 };
 
 struct Peer {

@@ -8,17 +8,18 @@
 
 #include "symheap/errors.hpp"
 #include "symheap/runtime.hpp"
+#include "transports/transport.hpp"
 
 namespace symheap {
 
 namespace {
 
-// PeInfo on the wire: six fields, each as "<length>:<text>".
+// PeInfo on the wire: seven fields, each as "<length>:<text>".
 std::string encode(const PeInfo& info) {
   std::string out;
   for (const std::string& field :
        {std::to_string(info.rank), std::to_string(info.device), std::to_string(info.pid),
-        std::to_string(info.heap_size), info.node_id, info.heap_handle})
+        std::to_string(info.heap_size), info.node_id, info.heap_handle, info.remote_address})
     out += std::to_string(field.size()) + ":" + field;
   return out;
 }
@@ -39,7 +40,7 @@ PeInfo decode(const std::string& data, size_t from_rank) {
     fields.push_back(data.substr(colon + 1, n));
     at = colon + 1 + n;
   }
-  if (fields.size() != 6) throw bad();
+  if (fields.size() != 7) throw bad();
   auto number = [&](const std::string& text) {
     char* end = nullptr;
     long long v = std::strtoll(text.c_str(), &end, 10);
@@ -53,6 +54,7 @@ PeInfo decode(const std::string& data, size_t from_rank) {
   info.heap_size = static_cast<size_t>(number(fields[3]));
   info.node_id = fields[4];
   info.heap_handle = fields[5];
+  info.remote_address = fields[6];
   return info;
 }
 
@@ -83,6 +85,7 @@ void Runtime::init_pe(uint64_t job, int device, int rank, int world, size_t heap
     mine.node_id = this_node_id();
     mine.heap_handle = s->heap->export_handle;
     mine.heap_size = heap_size;
+    mine.remote_address = remote_address_of_this_process();
     std::vector<std::string> records = boot.allgather(encode(mine), "init");
     if (static_cast<int>(records.size()) != world)
       throw StateError("bootstrap returned " + std::to_string(records.size()) +
@@ -143,6 +146,9 @@ void Runtime::finalize_pe(int device, Bootstrap& boot) {
     if (!s) throw StateError("no PE on device " + std::to_string(device));
     // Once the job failed (a PE died) no collective can complete: clean up here.
     if (boot.failure().empty()) {
+      // Remote puts of this PE land before its peers leave (they are served
+      // by the target's process, which the barrier keeps alive until then).
+      if (s->transports) s->transports->quiet_remote(*s);
       boot.allgather("", "finalize");
       if (backend().unmap_before_owner_frees()) {
         release_peer_mappings(*s);

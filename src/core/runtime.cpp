@@ -76,9 +76,8 @@ std::string PeState::no_path_message(int pe, const char* what) const {
                      "'; PE " + std::to_string(my_pe) + " is on node '" + mine + "')";
   if (peer.kind != PeerKind::Remote)
     return text + " and its mapping is closed (the PE is being finalized)";
-  return text + ": no load/store path reaches it, and the remote transport (a network "
-                "engine between nodes) is not implemented on the " +
-         Runtime::instance().backend_name() + " backend; see docs/transports.md";
+  return text + ": no load/store path reaches it (only the host RMA calls reach remote peers, "
+                "through the remote transport; see docs/transports.md)";
 }
 
 // ---------------------------------------------------------------- Runtime
@@ -286,6 +285,7 @@ void Runtime::destroy_pe(int device) {
   // Let calls in flight on other threads finish (waits leave at once when
   // they see `closing`) before the peer mappings go away under them.
   state->close_calls();
+  if (state->transports) state->transports->disconnect(*state);  // before the heap goes
   if (state->heap && backend_) backend_->unexport(state->heap->export_handle);
   state->peers.clear();  // drops peer mappings held by this PE
 }

@@ -16,7 +16,7 @@ Via parse_via(const std::string& text) {
 }
 
 Transports::Transports(const PeState& s)
-    : load_store_(make_load_store_transport()), remote_(make_remote_transport()) {
+    : load_store_(make_load_store_transport()), remote_(make_remote_transport(s)) {
 #ifdef SYMHEAP_WITH_CUDA
   if (cuda::backend_active()) {
     sm_stores_ = make_cuda_sm_store_transport();

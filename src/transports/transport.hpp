@@ -45,6 +45,10 @@ class Transport {
   virtual int64_t swap(PeState& s, int pe, size_t off, int64_t value) = 0;
   // Completes everything this transport queued for the PE (on `stream`).
   virtual void quiet(PeState& s, StreamHandle stream) = 0;
+  // The PE is going away (Runtime::destroy_pe): release what serves it.
+  virtual void disconnect(PeState&) {}
+  // Why this transport cannot reach `pe` (empty: it can).
+  virtual std::string unreachable_reason(int) const { return ""; }
 };
 
 // A PE's transports: one instance of each the backend offers (each holds or
@@ -60,18 +64,27 @@ class Transports {
   const char* name_of(int pe) const { return by_peer_.at(pe)->name(); }
   // quiet on every transport of this PE.
   void quiet(PeState& s, StreamHandle stream) const;
+  // quiet on the remote transport only (finalize, before its barrier).
+  void quiet_remote(PeState& s) const { remote_->quiet(s, 0); }
+  // The PE is going away: every transport releases what serves it.
+  void disconnect(PeState& s) const { remote_->disconnect(s); }
+  // Why select(pe) cannot reach `pe` (empty: it can).
+  std::string unreachable_reason(int pe) const { return by_peer_.at(pe)->unreachable_reason(pe); }
 
  private:
   std::unique_ptr<Transport> load_store_;  // backend copies through the peer's mapping
   std::unique_ptr<Transport> sm_stores_;   // cuda: a copy kernel storing into the peer (via=load_store)
   std::unique_ptr<Transport> copy_engine_; // cuda: the copy-engine channel to the peer's GPU
-  std::unique_ptr<Transport> remote_;      // another node: not implemented, raises
+  std::unique_ptr<Transport> remote_;      // another node: the process's remote engine, or raises
   std::vector<Transport*> by_peer_;
 };
 
 // Backend-specific transports; null where the backend has none.
 std::unique_ptr<Transport> make_load_store_transport();
-std::unique_ptr<Transport> make_remote_transport();
+std::unique_ptr<Transport> make_remote_transport(const PeState& s);
+// What this process publishes at init for remote peers to reach its PEs
+// (the remote engine's address), or empty when it has no engine.
+std::string remote_address_of_this_process();
 #ifdef SYMHEAP_WITH_CUDA
 std::unique_ptr<Transport> make_cuda_sm_store_transport();
 std::unique_ptr<Transport> make_cuda_copy_engine_transport();

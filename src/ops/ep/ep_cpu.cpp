@@ -23,7 +23,17 @@
 //   2. store each received row into its source's combine buffer at the row
 //      the source chose at dispatch; set combine_flag[d] = e everywhere;
 //   3. wait for every PE's rows, reduce in fp32 per token, set freed_flag.
+//
+// Remote peers (another node): every store into a remote PE's workspace
+// lands in a buffer of its own (Stores), and the stores go through the
+// remote transport, adjacent ones merged, right before the flag that
+// announces them;
+// the transport keeps a PE's requests in order, so the peer sees the rows
+// before the flag. Rows a PE pulls from a remote source (redispatch) come
+// through a get. Each row crosses once per destination PE.
+#include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,6 +42,7 @@
 #include "ops/ep/ep_routing.hpp"
 #include "symheap/errors.hpp"
 #include "symheap/wait.hpp"
+#include "transports/transport.hpp"
 
 namespace symheap::ep {
 namespace {
@@ -42,6 +53,67 @@ T* at(const PeState& s, const Op& op, int pe, size_t off) {
 }
 
 void store_flag(uint64_t* word, uint64_t v) { __atomic_store_n(word, v, __ATOMIC_RELEASE); }
+
+// This PE's stores into other PEs' workspaces (see the header comment).
+class Stores {
+ public:
+  Stores(PeState& s, Op& op) : s_(s), op_(op), staged_(op.n_pes) {}
+
+  // Where `count` elements at workspace offset `off` of PE d are written:
+  // d's workspace when mapped, else a buffer of their own, sent by flag().
+  template <class T>
+  T* at(int d, size_t off, size_t count) {
+    if (s_.peers[d].base) return ep::at<T>(s_, op_, d, off);
+    staged_[d].push_back({off, count * sizeof(T), staged_[d].size(),
+                          std::make_unique<char[]>(count * sizeof(T))});
+    return reinterpret_cast<T*>(staged_[d].back().bytes.get());
+  }
+
+  // Sends what was written to d, then sets its flag word `flag_off`[me] to `value`.
+  void flag(int d, size_t flag_off, uint64_t value) {
+    const size_t word = flag_off + static_cast<size_t>(op_.my_pe) * sizeof(uint64_t);
+    if (s_.peers[d].base) {
+      store_flag(ep::at<uint64_t>(s_, op_, d, word), value);
+      return;
+    }
+    Transport& remote = s_.transports->select(d);
+    std::vector<Staged>& stores = staged_[d];
+    std::sort(stores.begin(), stores.end(),
+              [](const Staged& a, const Staged& b) { return a.off < b.off; });
+    std::vector<char> run;  // adjacent stores as one put
+    for (size_t first = 0; first < stores.size();) {
+      const size_t begin = stores[first].off;
+      size_t end = begin, last = first;
+      for (; last < stores.size() && stores[last].off <= end; ++last)
+        end = std::max(end, stores[last].off + stores[last].len);
+      // In the order they were made, so a later store wins an overlap.
+      std::sort(stores.begin() + first, stores.begin() + last,
+                [](const Staged& a, const Staged& b) { return a.seq < b.seq; });
+      run.resize(end - begin);
+      for (size_t i = first; i < last; ++i)
+        std::memcpy(run.data() + (stores[i].off - begin), stores[i].bytes.get(), stores[i].len);
+      remote.put(s_, d, op_.ws_offset + begin, run.data(), end - begin, 0);
+      first = last;
+    }
+    stores.clear();
+    remote.signal(s_, d, op_.ws_offset + word, value, SignalOp::Set, 0);
+  }
+
+  // Reads n bytes at workspace offset `off` of PE d.
+  void read(int d, size_t off, void* out, size_t n) {
+    if (s_.peers[d].base) std::memcpy(out, ep::at<char>(s_, op_, d, off), n);
+    else s_.transports->select(d).get(s_, d, out, op_.ws_offset + off, n, 0);
+  }
+
+ private:
+  struct Staged {
+    size_t off, len, seq;
+    std::unique_ptr<char[]> bytes;
+  };
+  PeState& s_;
+  Op& op_;
+  std::vector<std::vector<Staged>> staged_;
+};
 uint64_t load_flag(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
 // Waits until flags[q] >= target for every PE q; the error names the late ones.
@@ -101,10 +173,11 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
   for (int64_t t = 0; c.token_slots && t < T; ++t)
     for (int d = 0; d < n; ++d)
       if (r.pos[t * n + d] >= 0) row[bits_at + d * W + t / 32] |= int32_t(1u << (t % 32));
+  Stores st(s, op);
   for (int p = 0; p < n; ++p) {
-    std::memcpy(at<int32_t>(s, op, p, g.off_count_rows) + me * g.count_words, row.data(),
-                row.size() * 4);
-    store_flag(at<uint64_t>(s, op, p, g.off_count_flag) + me, epoch);
+    std::memcpy(st.at<int32_t>(p, g.off_count_rows + size_t(me) * g.count_words * 4, row.size()),
+                row.data(), row.size() * 4);
+    st.flag(p, g.off_count_flag, epoch);
   }
 
   // 2. Every PE's counts: the same matrix everywhere, so the same decisions.
@@ -149,10 +222,11 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
   const char* scales = static_cast<const char*>(a.scales);
   if (abort.empty() && (T > 0 || c.token_slots)) {  // (token_slots: empty slots too)
     auto put_row = [&](int d, int64_t dst_row, int64_t t) {
-      std::memcpy(at<char>(s, op, d, g.off_recv_x) + dst_row * g.row_bytes, x + t * g.row_bytes,
-                  g.row_bytes);
+      std::memcpy(st.at<char>(d, g.off_recv_x + dst_row * g.row_bytes, g.row_bytes),
+                  x + t * g.row_bytes, g.row_bytes);
       if (g.scale_row_bytes)
-        std::memcpy(at<char>(s, op, d, g.off_recv_scales) + dst_row * g.scale_row_bytes,
+        std::memcpy(st.at<char>(d, g.off_recv_scales + dst_row * g.scale_row_bytes,
+                                g.scale_row_bytes),
                     scales + t * g.scale_row_bytes, g.scale_row_bytes);
     };
     if (token_major) {
@@ -165,22 +239,23 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
           int32_t p = t < T ? r.pos[t * n + d] : -1;
           if (p < 0 && c.token_slots) {  // an empty slot: no source, no experts
             int64_t slot = me * cap + t;
-            std::fill_n(at<int32_t>(s, op, d, g.off_recv_idx) + slot * K, K, -1);
-            std::fill_n(at<float>(s, op, d, g.off_recv_w) + slot * K, K, 0.0f);
-            std::fill_n(at<int32_t>(s, op, d, g.off_recv_meta) + slot * kMetaWords, kMetaWords, -1);
+            std::fill_n(st.at<int32_t>(d, g.off_recv_idx + slot * K * 4, K), K, -1);
+            std::fill_n(st.at<float>(d, g.off_recv_w + slot * K * 4, K), K, 0.0f);
+            std::fill_n(st.at<int32_t>(d, g.off_recv_meta + slot * kMetaWords * 4, kMetaWords),
+                        kMetaWords, -1);
           }
           if (p < 0) continue;
           int64_t dst = c.token_slots ? me * cap + t : base[d] + p;
           put_row(d, dst, t);
-          int32_t* idx = at<int32_t>(s, op, d, g.off_recv_idx) + dst * K;
-          float* w = at<float>(s, op, d, g.off_recv_w) + dst * K;
+          int32_t* idx = st.at<int32_t>(d, g.off_recv_idx + dst * K * 4, K);
+          float* w = st.at<float>(d, g.off_recv_w + dst * K * 4, K);
           for (int k = 0; k < K; ++k) {
             int64_t id = read_index(a.topk_idx, a.idx_int64, t * K + k);
             bool local = id >= 0 && id / L == d;
             idx[k] = local ? static_cast<int32_t>(id % L) : -1;
             w[k] = local ? a.topk_weights[t * K + k] : 0.0f;
           }
-          int32_t* meta = at<int32_t>(s, op, d, g.off_recv_meta) + dst * kMetaWords;
+          int32_t* meta = st.at<int32_t>(d, g.off_recv_meta + dst * kMetaWords * 4, kMetaWords);
           meta[kMetaSrcPe] = me;
           meta[kMetaToken] = static_cast<int32_t>(t);
           meta[kMetaSlot] = -1;
@@ -199,8 +274,8 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
           int d = static_cast<int>(id / L);
           int64_t dst = (id % L) * g.expert_cap + base[id] + p;
           put_row(d, dst, t);
-          at<float>(s, op, d, g.off_recv_w)[dst] = a.topk_weights[t * K + k];
-          int32_t* meta = at<int32_t>(s, op, d, g.off_recv_meta) + dst * kMetaWords;
+          *st.at<float>(d, g.off_recv_w + dst * 4, 1) = a.topk_weights[t * K + k];
+          int32_t* meta = st.at<int32_t>(d, g.off_recv_meta + dst * kMetaWords * 4, kMetaWords);
           meta[kMetaSrcPe] = me;
           meta[kMetaToken] = static_cast<int32_t>(t);
           meta[kMetaSlot] = k;
@@ -210,7 +285,7 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
   }
 
   // 4. Signal and wait even when aborting: count rows stay safe to reuse.
-  for (int p = 0; p < n; ++p) store_flag(at<uint64_t>(s, op, p, g.off_data_flag) + me, epoch);
+  for (int p = 0; p < n; ++p) st.flag(p, g.off_data_flag, epoch);
   wait_all(s, op, at<uint64_t>(s, op, me, g.off_data_flag), epoch, call, "dispatched rows");
   if (!abort.empty()) {
     std::string msg = call + " aborted on every PE: " + abort;
@@ -293,6 +368,7 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
   wait_all(s, op, at<uint64_t>(s, op, me, g.off_freed_flag), epoch - 1, call,
            "the previous combine to finish");
   // 2. Every received row back to its source, at the row the source chose.
+  Stores st(s, op);
   const size_t crb = g.combine_row_bytes;
   const char* rows = static_cast<const char*>(a.expert_out);
   // Rows named by the handle must lie inside the combine buffers: a handle
@@ -312,7 +388,7 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
       status = kBadArgument;  // rows not covered by the caller, or an edited handle
       return;
     }
-    std::memcpy(at<char>(s, op, src, g.off_combine_buf) + crow * crb, rows + r * crb, crb);
+    std::memcpy(st.at<char>(src, g.off_combine_buf + crow * crb, crb), rows + r * crb, crb);
   };
   if (status == kOk && token_major) {
     // Source q's k-th row here is its combine row summary[4q] + k (its rows
@@ -333,8 +409,8 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
     }
   }
   for (int p = 0; p < n; ++p) {
-    at<int32_t>(s, op, p, g.off_combine_status)[me] = status;
-    store_flag(at<uint64_t>(s, op, p, g.off_combine_flag) + me, epoch);
+    *st.at<int32_t>(p, g.off_combine_status + me * 4, 1) = status;
+    st.flag(p, g.off_combine_flag, epoch);
   }
   wait_all(s, op, at<uint64_t>(s, op, me, g.off_combine_flag), epoch, call, "combined rows");
   std::string abort;
@@ -344,7 +420,7 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
       abort += (abort.empty() ? "PE " : "; PE ") + std::to_string(q) +
                " passed an invalid argument to combine";
   auto release = [&] {
-    for (int p = 0; p < n; ++p) store_flag(at<uint64_t>(s, op, p, g.off_freed_flag) + me, epoch);
+    for (int p = 0; p < n; ++p) st.flag(p, g.off_freed_flag, epoch);
   };
   if (!abort.empty()) {
     release();
@@ -437,9 +513,10 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
       int32_t row = a.send_rows[t * g.send_cols + j];
       if (row >= 0) std::memcpy(mine + row * crb, rows + t * crb, crb);
     }
+  Stores st(s, op);
   for (int p = 0; p < n; ++p) {
-    at<int32_t>(s, op, p, g.off_combine_status)[me] = status;
-    store_flag(at<uint64_t>(s, op, p, g.off_combine_flag) + me, epoch);
+    *st.at<int32_t>(p, g.off_combine_status + me * 4, 1) = status;
+    st.flag(p, g.off_combine_flag, epoch);
   }
   wait_all(s, op, at<uint64_t>(s, op, me, g.off_combine_flag), epoch, call, "redispatched rows");
   std::string abort;
@@ -452,10 +529,10 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
   if (abort.empty()) {
     std::memset(a.out, 0, static_cast<size_t>(g.recv_rows) * crb);
     for (const Pull& p : pulls)
-      std::memcpy(static_cast<char*>(a.out) + p.row * crb,
-                  at<char>(s, op, p.src, g.off_combine_buf) + p.crow * crb, crb);
+      st.read(p.src, g.off_combine_buf + p.crow * crb, static_cast<char*>(a.out) + p.row * crb,
+              crb);
   }
-  for (int p = 0; p < n; ++p) store_flag(at<uint64_t>(s, op, p, g.off_freed_flag) + me, epoch);
+  for (int p = 0; p < n; ++p) st.flag(p, g.off_freed_flag, epoch);
   if (!abort.empty()) {
     std::string msg = call + " aborted on every PE: " + abort;
     if (status != kOk) throw InvalidArgument(msg);

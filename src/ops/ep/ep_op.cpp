@@ -7,6 +7,7 @@
 
 #include "ops/ep/ep_device.hpp"
 #include "symheap/errors.hpp"
+#include "transports/transport.hpp"
 
 namespace symheap::ep {
 
@@ -45,9 +46,17 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
   if (ws_bytes < geo.total)
     throw InvalidArgument("ep workspace of " + std::to_string(ws_bytes) + " bytes is smaller than the " +
                           std::to_string(geo.total) + " the config needs");
-  for (int p = 0; p < s.n_pes; ++p)
-    if (!s.peers[p].base)
-      throw Unsupported(s.no_path_message(p, "EpDispatchCombine (it needs every PE)"));
+  // The cpu implementation reaches remote peers through the remote transport;
+  // the kernels (and their emulation) need a load/store path to every PE.
+  const bool host_rows = !on_cuda() && !emulate_device();
+  for (int p = 0; p < s.n_pes; ++p) {
+    if (s.peers[p].base) continue;
+    std::string why = host_rows ? s.transports->unreachable_reason(p)
+                                : "the EP kernels need a load/store path to every PE";
+    if (!why.empty())
+      throw Unsupported(s.no_path_message(p, "EpDispatchCombine (it needs every PE)") +
+                        "; the remote transport cannot serve it: " + why);
+  }
   s.checked_offset(s.base() + ws_offset, geo.total, "ep workspace");
   auto op = std::make_shared<Op>();
   op->cfg = cfg;

@@ -1,0 +1,90 @@
+// Finds this process's remote engine for the cpu backend. The MPI engine is
+// a library of its own (libsymheap_mpi.so, next to the module that holds the
+// core), opened only when MPI is already loaded in the process: a process
+// that never loaded MPI cannot have initialised it, and `import symheap`
+// must never pull libmpi in.
+#include <dlfcn.h>
+#include <link.h>
+#include <limits.h>
+#include <stdlib.h>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "transports/remote_engine_loader.hpp"
+
+namespace symheap {
+namespace remote {
+
+#ifdef SYMHEAP_MPI_ENGINE_FILE
+namespace {
+
+// Whether a libmpi (Open MPI's libmpi.so.40, MPICH's libmpi.so.12, ...) is mapped.
+bool mpi_is_loaded() {
+  return dl_iterate_phdr(
+             [](dl_phdr_info* info, size_t, void*) -> int {
+               const char* name = info->dlpi_name ? std::strrchr(info->dlpi_name, '/') : nullptr;
+               name = name ? name + 1 : info->dlpi_name;
+               return name && std::strncmp(name, "libmpi.so", 9) == 0;
+             },
+             nullptr) != 0;
+}
+
+// The engine library sits in the folder of the file that holds this code
+// (the Python module, or a test executable), symlinks resolved.
+std::string engine_path() {
+  Dl_info info{};
+  if (!dladdr(reinterpret_cast<void*>(&mpi_is_loaded), &info) || !info.dli_fname)
+    return SYMHEAP_MPI_ENGINE_FILE;
+  char real[PATH_MAX];
+  std::string self = realpath(info.dli_fname, real) ? real : info.dli_fname;
+  size_t slash = self.rfind('/');
+  return (slash == std::string::npos ? std::string() : self.substr(0, slash + 1)) +
+         SYMHEAP_MPI_ENGINE_FILE;
+}
+
+}  // namespace
+
+Engine* process_engine(std::string* why_not) {
+  static std::mutex mu;
+  static Engine* engine = nullptr;  // kept for the life of the process
+  std::lock_guard<std::mutex> lock(mu);
+  if (engine) return engine;
+  if (!mpi_is_loaded()) {
+    *why_not = "this process has no MPI: launch with mpirun and init with symheap.init_mpi "
+               "(or import mpi4py.MPI before symheap.init), so the MPI engine can carry "
+               "remote traffic";
+    return nullptr;
+  }
+  std::string path = engine_path();
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    const char* err = dlerror();
+    *why_not = "cannot load the MPI engine " + path + ": " + (err ? err : "unknown error");
+    return nullptr;
+  }
+  auto open = reinterpret_cast<OpenFn>(dlsym(lib, kOpenSymbol));
+  if (!open) {
+    *why_not = path + " has no " + kOpenSymbol + ": rebuild symheap";
+    return nullptr;  // the library stays loaded: closing it buys nothing
+  }
+  std::string why;
+  engine = open(kEngineAbi, &why);
+  if (!engine) *why_not = "the MPI engine is unavailable: " + why;
+  return engine;
+}
+
+#else
+
+Engine* process_engine(std::string* why_not) {
+  *why_not = "symheap was built without the MPI engine (" SYMHEAP_MPI_MISSING
+             "): install OpenMPI (scripts/setup.sh: openmpi-bin libopenmpi-dev) and rebuild "
+             "with SYMHEAP_MPI=ON";
+  return nullptr;
+}
+
+#endif
+
+}  // namespace remote
+}  // namespace symheap

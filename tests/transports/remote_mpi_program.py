@@ -1,0 +1,329 @@
+"""Run under mpirun (2 processes): each process is one "node" (SYMHEAP_NODE_ID
+from its MPI rank) hosting 2 PE threads, so every PE has 2 remote peers that
+only the MPI remote engine reaches. ``python remote_mpi_program.py <scenario>``
+prints one "OK <scenario> pe <rank>" line per PE; test_remote_peers.py drives it.
+"""
+import os
+import signal
+import sys
+import threading
+import time
+
+import mpi4py
+import numpy as np
+
+import symheap
+
+THREADS = 2
+# Byte counts: one element up to a few MiB, most not a multiple of 8.
+SIZES = [1, 3, 8, 13, 4096 + 5, (1 << 20) + 3, (3 << 20) + 7]
+REGION = sum(SIZES)
+ATOMIC_ROUNDS = 40
+
+
+def node_of(pe):
+    return pe // THREADS
+
+
+def remote_peers(me, n):
+    return [p for p in range(n) if node_of(p) != node_of(me)]
+
+
+def payload(seed, src, dst, i):
+    """The fresh random bytes PE ``src`` sends PE ``dst`` for size index ``i``."""
+    return np.random.default_rng([seed, src, dst, i]).integers(0, 256, SIZES[i], dtype=np.uint8)
+
+
+def region(i):
+    start = sum(SIZES[:i])
+    return slice(start, start + SIZES[i])
+
+
+POISON = 0xEE
+
+
+def rma(seed, timeout):
+    """put / get / put_signal + signal_wait_until / signal_op / the three
+    atomics / quiet / barrier across nodes, checked against numpy."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    remote = remote_peers(me, n)
+    kinds = [symheap.peer_kind(p) for p in range(n)]
+    assert kinds == ["self" if p == me else "remote" if p in remote else "same_process"
+                     for p in range(n)], kinds
+    rows = symheap.empty((n, REGION), "uint8", like="numpy")  # row q: what PE q put here
+    sig_rows = symheap.empty((n, REGION), "uint8", like="numpy")
+    sig = symheap.empty((1,), "uint64", like="numpy")
+    flags = symheap.empty((n,), "uint64", like="numpy")
+    words = symheap.empty((3,), "int64", like="numpy")  # fetch_add, compare_swap, swap
+    rows[:] = POISON
+    sig_rows[:] = POISON
+    sig[:] = 0
+    flags[:] = 0
+    words[:] = 0
+    symheap.barrier_all(timeout=timeout)
+
+    # put_signal first: the receiver checks the bytes right after its signal
+    # (no barrier), so they must land before the signal does.
+    for p in remote:
+        data = payload(seed + 1, me, p, len(SIZES) - 1)
+        symheap.put_signal(sig_rows[me, region(len(SIZES) - 1)], data, sig, 1, p, op="add")
+    symheap.signal_wait_until(sig, "eq", len(remote), timeout=timeout)
+    for q in remote:
+        np.testing.assert_array_equal(sig_rows[q, region(len(SIZES) - 1)],
+                                      payload(seed + 1, q, me, len(SIZES) - 1))
+
+    # puts of every size, then a quiet and the barrier across nodes
+    for p in remote:
+        for i in range(len(SIZES)):
+            symheap.put(rows[me, region(i)], payload(seed, me, p, i), p)
+    symheap.quiet()
+    symheap.barrier_all(timeout=timeout)
+    for q in range(n):
+        expected = np.full(REGION, POISON, np.uint8)
+        if q in remote:
+            expected = np.concatenate([payload(seed, q, me, i) for i in range(len(SIZES))])
+        np.testing.assert_array_equal(rows[q], expected)
+
+    # gets of every size: the remote copy of my row holds what I put there
+    for p in remote:
+        for i in range(len(SIZES)):
+            out = np.full(SIZES[i], POISON ^ 0xFF, np.uint8)
+            symheap.get(out, rows[me, region(i)], p)
+            np.testing.assert_array_equal(out, payload(seed, me, p, i))
+
+    # signal_op: set my flag on every remote PE, then add to it
+    for p in remote:
+        symheap.signal_op(flags[me:me + 1], 1000 + me, p, op="set")
+        symheap.signal_op(flags[me:me + 1], 7, p, op="add")
+
+    # atomics, concurrently from both remote PEs (and both threads of each process)
+    olds = {"fetch_add": [], "swap": []}
+    for p in remote:
+        for k in range(ATOMIC_ROUNDS):
+            olds["fetch_add"].append(symheap.atomic_fetch_add(words[0:1], me + 1, p))
+            symheap.atomic_swap(words[2:3], (me + 1) * 1000 + k, p)
+            guess = 0
+            while True:  # one increment through compare_swap
+                old = symheap.atomic_compare_swap(words[1:2], guess, guess + 1, p)
+                if old == guess:
+                    break
+                guess = old
+    symheap.barrier_all(timeout=timeout)
+    for q in remote:
+        assert int(flags[q]) == 1000 + q + 7, (q, flags)
+    for q in range(n):
+        if q not in remote and q != me:
+            assert int(flags[q]) == 0
+    assert int(words[0]) == sum(ATOMIC_ROUNDS * (q + 1) for q in remote), words
+    assert int(words[1]) == ATOMIC_ROUNDS * len(remote), words
+    last = int(words[2])
+    assert last in [(q + 1) * 1000 + ATOMIC_ROUNDS - 1 for q in remote], last
+    symheap.barrier_all(timeout=timeout)
+    for buf in (rows, sig_rows, sig, flags, words):
+        symheap.free(buf)
+
+
+def bad_input(seed, timeout):
+    """Bad arguments raise before anything is sent: the target stays untouched."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    remote = remote_peers(me, n)
+    buf = symheap.empty((64,), "uint8", like="numpy")
+    buf[:] = POISON
+    symheap.barrier_all(timeout=timeout)
+    p = remote[0]
+    local = np.zeros(64, np.uint8)
+    errors = []
+    for call in (lambda: symheap.put(local, buf, p),             # destination not on the heap
+                 lambda: symheap.get(buf, local, p),             # source not on the heap
+                 lambda: symheap.put(buf, np.zeros(65, np.uint8), p),  # runs past the block
+                 lambda: symheap.atomic_fetch_add(buf[4:12].view(np.int64), 1, p),  # misaligned
+                 lambda: symheap.signal_op(buf[3:11].view(np.uint64), 1, p),
+                 lambda: symheap.put(buf, local, n)):            # PE out of range
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            errors.append(str(e))
+        else:
+            raise AssertionError("a bad call to a remote PE did not raise")
+    assert any("8-byte aligned" in e for e in errors), errors
+    assert any("out of range" in e for e in errors), errors
+    symheap.quiet()
+    symheap.barrier_all(timeout=timeout)
+    assert (buf == POISON).all()
+    symheap.free(buf)
+
+
+_frozen = threading.Event()
+
+
+def frozen_peer(seed, timeout):
+    """Process 0 stops process 1 (SIGSTOP): its PEs' remote get and quiet
+    raise TimeoutError naming the frozen PE within the timeout; then it lets
+    process 1 go on and the job finishes normally."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    buf = symheap.empty((16,), "uint8", like="numpy")
+    buf[:] = me
+    symheap.barrier_all(timeout=timeout)
+    pids = PIDS
+    if node_of(me) == 0:
+        if me == 0:
+            os.kill(pids[1], signal.SIGSTOP)
+            while open(f"/proc/{pids[1]}/stat").read().split(")")[1].split()[0] != "T":
+                time.sleep(0.01)
+            _frozen.set()
+        assert _frozen.wait(30)
+        target = 2 + me  # PE 0 -> PE 2, PE 1 -> PE 3
+        out = np.zeros(16, np.uint8)
+        t0 = time.monotonic()
+        try:
+            symheap.get(out, buf, target)
+        except TimeoutError as e:
+            text = str(e)
+        else:
+            raise AssertionError("a get from a frozen PE returned")
+        took = time.monotonic() - t0
+        assert f"PE {target} (node 'node-1')" in text and "did not answer" in text, text
+        assert timeout * 0.9 <= took <= timeout + 3, took
+        symheap.put(buf, np.full(16, 200, np.uint8), target)
+        t0 = time.monotonic()
+        try:
+            symheap.quiet()
+        except TimeoutError as e:
+            text = str(e)
+        else:
+            raise AssertionError("quiet towards a frozen PE returned")
+        assert "quiet" in text and f"PE {target} (node 'node-1')" in text, text
+        assert time.monotonic() - t0 <= timeout + 3
+        print(f"FROZEN-ERROR pe {me}: {text}", flush=True)
+        barrier = _thread_barrier
+        if barrier.wait(30) == 0:
+            os.kill(pids[1], signal.SIGCONT)
+    symheap.barrier_all(timeout=60)  # process 1 waits here while frozen
+    symheap.quiet()
+    symheap.barrier_all(timeout=60)
+    if node_of(me) == 1:  # the late put landed once the process went on
+        assert (buf == 200).all(), buf
+    symheap.free(buf)
+
+
+def ep_across_nodes(seed, timeout):
+    """symheap.ep across the two nodes: every routing pattern of the EP tests
+    (tests/ep/test_ep_programs.py: dispatch, combine and redispatch checked
+    row by row against references) in each layout and dtype."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ep"))
+    import test_ep_programs as progs
+    n = symheap.n_pes()
+    base = dict(hidden=32, max_tokens_per_rank=6, num_experts=4 * n, topk=3, dtype="bfloat16")
+    configs = [dict(base), dict(base, dtype="float16", scale_dim=16, scale_dtype="bfloat16"),
+               dict(base, dtype="float32"), dict(base, dtype="float8_e4m3fn", scale_dim=8),
+               dict(base, layout="token_slots"), dict(base, layout="expert_major"),
+               dict(base, layout="expert_major", dtype="float8_e4m3fn", scale_dim=8),
+               dict(base, max_recv_tokens=4 * 6)]
+    progs.redispatch_configs(configs)
+    symheap.barrier_all(timeout=timeout)
+
+
+def funneled(seed, timeout):
+    """MPI initialised below MPI_THREAD_MULTIPLE: remote peers raise the error
+    that says so, before anything is sent."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    buf = symheap.empty((16,), "uint8", like="numpy")
+    for p in remote_peers(me, n):
+        try:
+            symheap.put(buf, np.zeros(16, np.uint8), p)
+        except symheap.UnsupportedError as e:
+            text = str(e)
+        else:
+            raise AssertionError("a put to a remote PE without MPI_THREAD_MULTIPLE returned")
+        assert "MPI_THREAD_MULTIPLE" in text and f"PE {p} is remote" in text, text
+    symheap.barrier_all(timeout=timeout)
+    symheap.free(buf)
+
+
+def killed_peer(seed, timeout):
+    """Process 1 is killed (SIGKILL) after a barrier: the survivors' remote
+    get raises an error naming a PE of the dead process within the timeout
+    (the bootstrap's dead-PE notice cuts the wait short)."""
+    me, n = symheap.my_pe(), symheap.n_pes()
+    buf = symheap.empty((16,), "uint8", like="numpy")
+    buf[:] = me
+    symheap.barrier_all(timeout=timeout)
+    if node_of(me) == 1:
+        _thread_barrier.wait(30)
+        os.kill(os.getpid(), signal.SIGKILL)
+    target = 2 + me
+    while True:  # until the process is gone (it may serve a get or two before)
+        out = np.zeros(16, np.uint8)
+        t0 = time.monotonic()
+        try:
+            symheap.get(out, buf, target)
+        except (TimeoutError, symheap.SymheapError) as e:
+            text = f"{type(e).__name__}: {e}"
+            break
+        assert (out == target).all()
+        time.sleep(0.01)
+    took = time.monotonic() - t0
+    assert "PE 2" in text or "PE 3" in text, text
+    assert took <= timeout + 3, took
+    print(f"KILLED-ERROR pe {me} after {took:.2f} s: {text}", flush=True)
+
+
+_thread_barrier = threading.Barrier(THREADS)
+PIDS = []
+SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer, "killed": killed_peer,
+             "funneled": funneled, "ep": ep_across_nodes}
+COMM = None
+
+
+def main(scenario, timeout):
+    global COMM
+    if scenario == "funneled":
+        mpi4py.rc.thread_level = "funneled"
+    from mpi4py import MPI  # MPI_THREAD_MULTIPLE, mpi4py's default, unless told otherwise
+    COMM = MPI.COMM_WORLD
+    rank, nprocs = COMM.Get_rank(), COMM.Get_size()
+    os.environ["SYMHEAP_NODE_ID"] = f"node-{rank}"
+    PIDS[:] = COMM.allgather(os.getpid())
+    seed = COMM.bcast(int(np.random.SeedSequence().entropy % (1 << 62)) if rank == 0 else None)
+    # one unique id per init cycle (a job's id is not reused)
+    uids = [COMM.bcast(symheap.get_unique_id() if rank == 0 else None) for _ in range(2)]
+    failures = []
+
+    def pe(t):
+        r = rank * THREADS + t
+        try:
+            symheap.init(r, nprocs * THREADS, uids[0], device=t, heap_size="48M",
+                         timeout=timeout)
+            try:
+                for cycle in range(2 if scenario == "rma" else 1):  # init again works
+                    SCENARIOS[scenario](seed + cycle, timeout)
+                    if cycle == 0 and scenario == "rma":
+                        symheap.finalize()
+                        symheap.init(r, nprocs * THREADS, uids[1], device=t, heap_size="48M",
+                                     timeout=timeout)
+            finally:
+                symheap.set_device(t)
+                if symheap.is_initialized():
+                    symheap.finalize()
+            print(f"OK {scenario} pe {r}", flush=True)
+        except BaseException as e:  # reported with the PE, at once (mpirun may end the job)
+            import traceback
+            failures.append(f"PE {r}: {type(e).__name__}: {e}")
+            print(f"FAILED PE {r}: {type(e).__name__}: {e}\n{traceback.format_exc()}",
+                  flush=True)
+
+    threads = [threading.Thread(target=pe, args=(t,), daemon=True) for t in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    if failures or any(t.is_alive() for t in threads):
+        print("FAILED\n" + "\n".join(failures), flush=True)
+        os._exit(1)
+    if scenario == "killed":  # MPI_Finalize cannot complete once a process died
+        sys.stdout.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 20.0)
