@@ -10,6 +10,8 @@
 #include "backends/cuda_util.cuh"
 #include "ops/attention/cuda_backward.cuh"
 #include "ops/attention/cuda_forward.cuh"
+#include "ops/attention/cuda_forward_pipelined.cuh"
+#include "ops/attention/path_choice.hpp"
 
 namespace symheap::attention::cuda {
 
@@ -88,8 +90,26 @@ void backward_bucket(const Launch& l, const KArgs& p) {
   }
 }
 
+template <class T, int DB, bool kFeatures>
+void forward_pipelined(const Launch& l, const KArgs& p) {
+  using C = PipelinedFwdConfig<DB>;
+  static ReadyDevices ready{0};
+  launch(l, attention_fwd_pipelined_kernel<T, DB, kFeatures>,
+         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::kSmem, p,
+         kFeatures ? "fwd_pipelined_features" : "fwd_pipelined", DB, ready);
+}
+
+// `pipelined`: the call runs on the pipelined kernel (own_forward_kernel in
+// path_choice.cpp decides). The logit features are compiled in only when the
+// call uses one.
 template <class T>
-void run_forward(const Launch& l, const KArgs& p) {
+void run_forward(const Launch& l, const KArgs& p, bool pipelined) {
+  if (pipelined && pipelined_forward_serves(p.d)) {
+    const bool features = p.bias || p.mask || p.alibi || p.softcap > 0 || p.dropout;
+    if (p.d == 64)
+      return features ? forward_pipelined<T, 64, true>(l, p) : forward_pipelined<T, 64, false>(l, p);
+    return features ? forward_pipelined<T, 128, true>(l, p) : forward_pipelined<T, 128, false>(l, p);
+  }
   switch (head_dim_bucket(p.d)) {
     case 32: return forward_bucket<T, 32>(l, p);
     case 64: return forward_bucket<T, 64>(l, p);
@@ -113,9 +133,9 @@ void run_backward(const Launch& l, const KArgs& p) {
 }
 
 // Defined in attention_cuda_f16.cu and attention_cuda_bf16.cu.
-void run_forward_f16(const Launch& l, const KArgs& p);
+void run_forward_f16(const Launch& l, const KArgs& p, bool pipelined);
 void run_backward_f16(const Launch& l, const KArgs& p);
-void run_forward_bf16(const Launch& l, const KArgs& p);
+void run_forward_bf16(const Launch& l, const KArgs& p, bool pipelined);
 void run_backward_bf16(const Launch& l, const KArgs& p);
 
 }  // namespace symheap::attention::cuda

@@ -1,6 +1,7 @@
 #include "ops/attention/path_choice.hpp"
 
 #include <cstdlib>
+#include <cstring>
 
 #include "symheap/errors.hpp"
 
@@ -57,6 +58,16 @@ Path choose_path(const std::optional<std::string>& requested, bool on_cuda) {
       throw Unsupported("attention: backend='cudnn' (" + source + ") but the cuDNN path is unavailable: " + why);
   }
   return p;
+}
+
+const char* own_forward_kernel(int head_dim) {
+  const char* env = std::getenv(kOwnForwardEnv);
+  if (env && *env && std::strcmp(env, "auto") != 0) {
+    if (std::strcmp(env, "basic") == 0) return "basic";
+    throw InvalidArgument(std::string("attention: ") + kOwnForwardEnv +
+                          " must be 'auto' or 'basic', got '" + env + "'");
+  }
+  return pipelined_forward_serves(head_dim) ? "pipelined" : "basic";
 }
 
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward) {
