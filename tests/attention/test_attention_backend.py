@@ -80,7 +80,7 @@ def test_repeat_calls_with_changing_options_match_the_reference(monkeypatch):
 @pytest.mark.parametrize("env", [None, "", "auto", "basic"])
 def test_own_forward_kernel_choice(monkeypatch, env):
     """The own CUDA forward kernel per (padded) head dim: the pipelined kernel
-    for 64 and 128, the basic one elsewhere or when the variable forces it."""
+    for 64, 128 and 256, the basic one elsewhere or when the variable forces it."""
     from symheap import _core
     name = _core.attention_own_forward_env
     assert name == "SYMHEAP_ATTN_OWN_FORWARD"
@@ -89,7 +89,7 @@ def test_own_forward_kernel_choice(monkeypatch, env):
     else:
         monkeypatch.setenv(name, env)
     for d in (8, 32, 56, 64, 72, 96, 120, 128, 136, 192, 256):
-        want = "pipelined" if d in (64, 128) and env != "basic" else "basic"
+        want = "pipelined" if d in (64, 128, 256) and env != "basic" else "basic"
         assert _core.attention_own_forward_kernel(d) == want, d
 
 

@@ -412,12 +412,12 @@ def test_pooled_outputs_are_not_reused_while_held(path, monkeypatch):
     assert len(set(released)) < len(released)
 
 
-# ---- the pipelined forward kernel (head dims 64 and 128 on the own path;
+# ---- the pipelined forward kernel (head dims 64, 128 and 256 on the own path;
 # cuda_forward_pipelined.cuh). Lengths that are not multiples of its tiles
 # (128 query rows, 64 keys), causal with Sq != Sk, GQA, windows, every logit
 # feature, varlen with empty sequences, and the basic kernel on the same calls.
 
-PIPELINED_DIMS = [64, 128]
+PIPELINED_DIMS = [64, 128, 256]
 RAGGED = [(1, 1), (17, 17), (1, 1000), (17, 129), (127, 129), (129, 127), (1000, 1000),
           (1000, 17), (257, 1000)]
 

@@ -1,6 +1,7 @@
-// Pipelined forward kernel (head dims 64 and 128, exactly): one CTA of 8 warps
-// per 128 query rows; each warp keeps its 16 rows of Q (as mma fragments) and
-// of the output accumulator in registers. K and V tiles stream through two
+// Pipelined forward kernel (head dims 64, 128 and 256, exactly): one CTA of 8
+// warps per 128 query rows; each warp keeps its 16 rows of the output
+// accumulator in registers, and of Q too for head dims up to 128 (at 256 the
+// Q fragments are read from shared memory again for every key tile). K and V tiles stream through two
 // shared-memory buffers each with cp.async (tile j+1 loads while tile j is
 // computed), and every fragment comes from XOR-swizzled shared memory through
 // ldmatrix (.trans for V, so V is never transposed by hand). The softmax runs
@@ -15,14 +16,19 @@ namespace symheap::attention::cuda {
 
 template <int DB>
 struct PipelinedFwdConfig {
-  static_assert(DB == 64 || DB == 128, "the pipelined forward serves head dims 64 and 128");
+  static_assert(DB == 64 || DB == 128 || DB == 256,
+                "the pipelined forward serves head dims 64, 128 and 256");
   static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 64;
+  // 32 keys per tile at head dim 256: the scores then take 16 registers, not
+  // 32, next to the 128 of the accumulator.
+  static constexpr int kBlockN = DB <= 128 ? 64 : 32;
   static constexpr int kWarps = kBlockM / 16;
   static constexpr int kThreads = kWarps * 32;
   // Head dim 64 without logit features fits two CTAs per SM (<= 128
   // registers a thread, no spills); the rest run one.
   static constexpr int kMinBlocksPlain = DB <= 64 ? 2 : 1;
+  // Q fragments in registers for the whole kernel (DB / 2 registers a thread).
+  static constexpr bool kQInRegisters = DB <= 128;
   // Q (reused to stage the output), then two K and two V buffers.
   static constexpr size_t kSmem = sizeof(uint16_t) * DB * (kBlockM + 4 * kBlockN);
 };
@@ -138,12 +144,14 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB>::kThreads,
   cp_async_wait<1>();
   __syncthreads();
 
-  // This warp's 16 rows of Q as A fragments, for the whole kernel.
-  uint32_t qf[DB / 16][4];
+  // This warp's 16 rows of Q as A fragments (lane addresses for ldmatrix).
+  const int q_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, q_chunk = lane >> 4;
+  uint32_t qf[C::kQInRegisters ? DB / 16 : 1][4];
+  if constexpr (C::kQInRegisters) {
 #pragma unroll
-  for (int kk = 0; kk < DB / 16; ++kk)
-    ldsm_x4(qf[kk], smem_addr(sQ + swizzle<DB>(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                               2 * kk + (lane >> 4))));
+    for (int kk = 0; kk < DB / 16; ++kk)
+      ldsm_x4(qf[kk], smem_addr(sQ + swizzle<DB>(q_row, 2 * kk + q_chunk)));
+  }
 
   float acc[DB / 8][4];
 #pragma unroll
@@ -174,13 +182,16 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB>::kThreads,
     for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < DB / 16; ++kk) {
+      const uint32_t* a = qf[0];
+      if constexpr (C::kQInRegisters) a = qf[kk];
+      else ldsm_x4(qf[0], smem_addr(sQ + swizzle<DB>(q_row, 2 * kk + q_chunk)));
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t kf[4];
         ldsm_x4(kf, smem_addr(sKb + swizzle<DB>(np * 16 + (lane & 7) + (lane >> 4) * 8,
                                                 2 * kk + ((lane >> 3) & 1))));
-        mma<T>(s[2 * np], qf[kk], kf);
-        mma<T>(s[2 * np + 1], qf[kk], kf + 2);
+        mma<T>(s[2 * np], a, kf);
+        mma<T>(s[2 * np + 1], a, kf + 2);
       }
     }
 
@@ -278,7 +289,7 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB>::kThreads,
     inv[h] = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: zeros, not NaN
     lse[h] = sum > 0.0f ? row_max[h] * kLn2 + __logf(sum) : -INFINITY;
   }
-  // Only this warp ever read its 16 rows of sQ (the ldmatrix above), so it
+  // Only this warp ever reads its 16 rows of sQ (the ldmatrix above), so it
   // stages its output there and writes it out with 16-byte stores.
   __syncwarp();
 #pragma unroll

@@ -108,7 +108,9 @@ void run_forward(const Launch& l, const KArgs& p, bool pipelined) {
     const bool features = p.bias || p.mask || p.alibi || p.softcap > 0 || p.dropout;
     if (p.d == 64)
       return features ? forward_pipelined<T, 64, true>(l, p) : forward_pipelined<T, 64, false>(l, p);
-    return features ? forward_pipelined<T, 128, true>(l, p) : forward_pipelined<T, 128, false>(l, p);
+    if (p.d == 128)
+      return features ? forward_pipelined<T, 128, true>(l, p) : forward_pipelined<T, 128, false>(l, p);
+    return features ? forward_pipelined<T, 256, true>(l, p) : forward_pipelined<T, 256, false>(l, p);
   }
   switch (head_dim_bucket(p.d)) {
     case 32: return forward_bucket<T, 32>(l, p);

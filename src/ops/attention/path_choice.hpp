@@ -38,7 +38,9 @@ inline constexpr const char* kOwnForwardEnv = "SYMHEAP_ATTN_OWN_FORWARD";
 
 // Head dims (as the CUDA path runs them, padded to a multiple of 8) the
 // pipelined forward kernel is compiled for.
-inline bool pipelined_forward_serves(int head_dim) { return head_dim == 64 || head_dim == 128; }
+inline bool pipelined_forward_serves(int head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
 
 // "pipelined" or "basic" for a call of this head dim, reading
 // $SYMHEAP_ATTN_OWN_FORWARD; another value of it is InvalidArgument.
