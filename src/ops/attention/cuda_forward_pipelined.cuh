@@ -1,7 +1,8 @@
-// Pipelined forward kernel (head dims 64, 128 and 256, exactly): one CTA of 8
-// warps per 128 query rows; each warp keeps its 16 rows of the output
-// accumulator in registers, and of Q too for head dims up to 128 (at 256 the
-// Q fragments are read from shared memory again for every key tile). K and V tiles stream through two
+// Pipelined forward kernel (head dims 64, 128 and 256, exactly): one CTA per
+// 128 query rows, 4 warps of 32 rows (8 warps of 16 at head dim 256); each
+// warp keeps its rows of the output accumulator in registers, and of Q too
+// at head dim 64 (else the Q fragments are re-read from shared memory for
+// every key tile). K and V tiles stream through two
 // shared-memory buffers each with cp.async (tile j+1 loads while tile j is
 // computed), and every fragment comes from XOR-swizzled shared memory through
 // ldmatrix (.trans for V, so V is never transposed by hand). The softmax runs
@@ -14,21 +15,27 @@
 
 namespace symheap::attention::cuda {
 
-template <int DB>
+template <int DB, bool kFeatures>
 struct PipelinedFwdConfig {
   static_assert(DB == 64 || DB == 128 || DB == 256,
                 "the pipelined forward serves head dims 64, 128 and 256");
   static constexpr int kBlockM = 128;
-  // 32 keys per tile at head dim 256: the scores then take 16 registers, not
-  // 32, next to the 128 of the accumulator.
-  static constexpr int kBlockN = DB <= 128 ? 64 : 32;
-  static constexpr int kWarps = kBlockM / 16;
+  // 32 keys per tile from head dim 128 on: the scores of a 16-row tile then
+  // take 16 registers, not 32, which keeps the accumulator (128 registers at
+  // 32 rows x 128 or 16 rows x 256) within the register file without spills.
+  static constexpr int kBlockN = DB <= 64 ? 64 : 32;
+  // 16-row mma tiles per warp. Two (32 rows, 4 warps) reuse every K and V
+  // fragment read from shared memory for two products, which halves the
+  // ldmatrix traffic per mma; at head dim 256 the accumulator of 32 rows
+  // would not fit in registers, so it runs one (16 rows, 8 warps).
+  static constexpr int kRowTiles = DB <= 128 ? 2 : 1;
+  static constexpr int kWarps = kBlockM / (16 * kRowTiles);
   static constexpr int kThreads = kWarps * 32;
-  // Head dim 64 without logit features fits two CTAs per SM (<= 128
-  // registers a thread, no spills); the rest run one.
-  static constexpr int kMinBlocksPlain = DB <= 64 ? 2 : 1;
-  // Q fragments in registers for the whole kernel (DB / 2 registers a thread).
-  static constexpr bool kQInRegisters = DB <= 128;
+  // Two CTAs per SM for 32-row warps (<= 255 registers a thread): 8 warps.
+  static constexpr int kMinBlocks = kRowTiles == 2 ? 2 : 1;
+  // Q fragments in registers for the whole kernel (kRowTiles * DB / 2
+  // registers a thread) at head dim 64; else read per key tile.
+  static constexpr bool kQInRegisters = DB <= 64;
   // Q (reused to stage the output), then two K and two V buffers.
   static constexpr size_t kSmem = sizeof(uint16_t) * DB * (kBlockM + 4 * kBlockN);
 };
@@ -99,12 +106,12 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, 
 }  // namespace pipelined
 
 template <class T, int DB, bool kFeatures>
-__global__ void __launch_bounds__(PipelinedFwdConfig<DB>::kThreads,
-                                  kFeatures ? 1 : PipelinedFwdConfig<DB>::kMinBlocksPlain)
+__global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
+                                  PipelinedFwdConfig<DB, kFeatures>::kMinBlocks)
     attention_fwd_pipelined_kernel(const KArgs p) {
   using namespace pipelined;
-  using C = PipelinedFwdConfig<DB>;
-  constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;
+  using C = PipelinedFwdConfig<DB, kFeatures>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads, MT = C::kRowTiles;
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -118,6 +125,7 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB>::kThreads,
   const int hk = hq / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int rows = min(BM, seq.sq - m0);
+  const int warp_row0 = warp * 16 * MT;  // this warp's first row in the block
 
   const T* q = static_cast<const T*>(p.q) + b * p.q_sb + (seq.q0 + m0) * p.q_sr + hq * p.q_sh;
   const T* k = static_cast<const T*>(p.k) + b * p.k_sb + seq.k0 * p.k_sr + hk * p.k_sh;
@@ -130,10 +138,8 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB>::kThreads,
   const detail::KeyRange last =
       detail::visible_keys(m0 + rows - 1, seq.sq, seq.sk, p.win_left, p.win_right);
   const int n_begin = first.lo / BN * BN, n_end = last.hi;
-  const int r_lo = m0 + warp * 16 + g;  // this thread's rows: r_lo and r_lo + 8
-  const detail::KeyRange mine[2] = {
-      detail::visible_keys(r_lo, seq.sq, seq.sk, p.win_left, p.win_right),
-      detail::visible_keys(r_lo + 8, seq.sq, seq.sk, p.win_left, p.win_right)};
+  // This thread's rows: row(mt, h) = m0 + warp_row0 + 16 mt + g + 8 h.
+  auto row = [&](int mt, int h) { return m0 + warp_row0 + 16 * mt + g + 8 * h; };
 
   // Prologue: Q and the first K tile (group 0), the first V tile (group 1).
   load_tile<T, BM, DB, NT>(sQ, q, p.q_sr, rows);
@@ -144,20 +150,32 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB>::kThreads,
   cp_async_wait<1>();
   __syncthreads();
 
-  // This warp's 16 rows of Q as A fragments (lane addresses for ldmatrix).
-  const int q_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, q_chunk = lane >> 4;
-  uint32_t qf[C::kQInRegisters ? DB / 16 : 1][4];
+  // This warp's Q rows as A fragments (lane addresses for ldmatrix).
+  const int q_row = warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8, q_chunk = lane >> 4;
+  uint32_t qf[MT][C::kQInRegisters ? DB / 16 : 1][4];
   if constexpr (C::kQInRegisters) {
 #pragma unroll
-    for (int kk = 0; kk < DB / 16; ++kk)
-      ldsm_x4(qf[kk], smem_addr(sQ + swizzle<DB>(q_row, 2 * kk + q_chunk)));
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int kk = 0; kk < DB / 16; ++kk)
+        ldsm_x4(qf[mt][kk], smem_addr(sQ + swizzle<DB>(q_row + 16 * mt, 2 * kk + q_chunk)));
   }
 
-  float acc[DB / 8][4];
+  float acc[MT][DB / 8][4];
 #pragma unroll
-  for (int dt = 0; dt < DB / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < DB / 8; ++dt)
+      acc[mt][dt][0] = acc[mt][dt][1] = acc[mt][dt][2] = acc[mt][dt][3] = 0.0f;
   // Running max in log2 units, and this thread's share of the row sums.
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_max[mt][h] = -INFINITY;
+      row_sum[mt][h] = 0.0f;
+    }
   const float scale_log2 = p.scale * kLog2e;
   const LogitCtx logit(p, b, hq, seq);
   const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
@@ -176,84 +194,110 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB>::kThreads,
                                seq.sk - n0 - BN);
     cp_async_commit();  // possibly empty: keeps the group count uniform
 
-    // S = Q K^T for this warp's 16 rows x BN keys.
-    float s[BN / 8][4];
+    // S = Q K^T for this warp's rows x BN keys; each K fragment serves MT tiles.
+    float s[MT][BN / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < DB / 16; ++kk) {
-      const uint32_t* a = qf[0];
-      if constexpr (C::kQInRegisters) a = qf[kk];
-      else ldsm_x4(qf[0], smem_addr(sQ + swizzle<DB>(q_row, 2 * kk + q_chunk)));
+      uint32_t qs[MT][4];
+      if constexpr (!C::kQInRegisters) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          ldsm_x4(qs[mt], smem_addr(sQ + swizzle<DB>(q_row + 16 * mt, 2 * kk + q_chunk)));
+      }
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t kf[4];
         ldsm_x4(kf, smem_addr(sKb + swizzle<DB>(np * 16 + (lane & 7) + (lane >> 4) * 8,
                                                 2 * kk + ((lane >> 3) & 1))));
-        mma<T>(s[2 * np], a, kf);
-        mma<T>(s[2 * np + 1], a, kf + 2);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint32_t* a;
+          if constexpr (C::kQInRegisters) a = qf[mt][kk];
+          else a = qs[mt];
+          mma<T>(s[mt][2 * np], a, kf);
+          mma<T>(s[mt][2 * np + 1], a, kf + 2);
+        }
       }
     }
 
     // Logits in log2 units; -inf where hidden.
     if constexpr (kFeatures) {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float dcap;
-          s[nt][e] = logit(p, s[nt][e], r_lo + (e >> 1) * 8, n0 + nt * 8 + 2 * t + (e & 1), &dcap) *
-                     kLog2e;
-        }
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float dcap;
+            s[mt][nt][e] =
+                logit(p, s[mt][nt][e], row(mt, e >> 1), n0 + nt * 8 + 2 * t + (e & 1), &dcap) * kLog2e;
+          }
     } else if (n0 >= last.lo && n0 + BN <= first.hi) {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale_log2;
     } else {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = n0 + nt * 8 + 2 * t + (e & 1);
-          const detail::KeyRange& r = mine[e >> 1];
-          s[nt][e] = j >= r.lo && j < r.hi ? s[nt][e] * scale_log2 : -INFINITY;
+        for (int h = 0; h < 2; ++h) {
+          // Computed here, not kept: registers are scarce in the loop.
+          const detail::KeyRange r =
+              detail::visible_keys(row(mt, h), seq.sq, seq.sk, p.win_left, p.win_right);
+#pragma unroll
+          for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+            for (int e = 2 * h; e < 2 * h + 2; ++e) {
+              const int j = n0 + nt * 8 + 2 * t + (e & 1);
+              s[mt][nt][e] = j >= r.lo && j < r.hi ? s[mt][nt][e] * scale_log2 : -INFINITY;
+            }
         }
     }
 
     // Online softmax: new running max, rescale what was summed so far.
-    float base[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float tile_max = -INFINITY;
+    for (int mt = 0; mt < MT; ++mt) {
+      float base[2];
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-      const float m_new = fmaxf(row_max[h], quad_max(tile_max));
-      base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
-      const float rescale = exp2_fast(row_max[h] - base[h]);
-      row_max[h] = m_new;
-      row_sum[h] *= rescale;
+      for (int h = 0; h < 2; ++h) {
+        float tile_max = -INFINITY;
 #pragma unroll
-      for (int dt = 0; dt < DB / 8; ++dt) {
-        acc[dt][2 * h] *= rescale;
-        acc[dt][2 * h + 1] *= rescale;
+        for (int nt = 0; nt < BN / 8; ++nt)
+          tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        const float m_new = fmaxf(row_max[mt][h], quad_max(tile_max));
+        base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
+        const float rescale = exp2_fast(row_max[mt][h] - base[h]);
+        row_max[mt][h] = m_new;
+        row_sum[mt][h] *= rescale;
+#pragma unroll
+        for (int dt = 0; dt < DB / 8; ++dt) {
+          acc[mt][dt][2 * h] *= rescale;
+          acc[mt][dt][2 * h + 1] *= rescale;
+        }
       }
-    }
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
+      for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2_fast(s[nt][e] - base[e >> 1]);
-        row_sum[e >> 1] += s[nt][e];
-      }
-      if constexpr (kFeatures) {
-        if (p.dropout) {
-          const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
-          const detail::U32x4 lo_bits = dropout_quad(p, bh, r_lo, j0);
-          const detail::U32x4 hi_bits = dropout_quad(p, bh, r_lo + 8, j0);
+        for (int e = 0; e < 4; ++e) {
+          s[mt][nt][e] = exp2_fast(s[mt][nt][e] - base[e >> 1]);
+          row_sum[mt][e >> 1] += s[mt][nt][e];
+        }
+        if constexpr (kFeatures) {
+          if (p.dropout) {
+            const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
+            const detail::U32x4 lo_bits = dropout_quad(p, bh, row(mt, 0), j0);
+            const detail::U32x4 hi_bits = dropout_quad(p, bh, row(mt, 1), j0);
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            s[nt][e] *= dropout_keep(p, (e >> 1) ? hi_bits : lo_bits, j0 + (e & 1));
+            for (int e = 0; e < 4; ++e)
+              s[mt][nt][e] *= dropout_keep(p, (e >> 1) ? hi_bits : lo_bits, j0 + (e & 1));
+          }
         }
       }
     }
@@ -265,58 +309,66 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB>::kThreads,
                                seq.sk - n0 - BN);
     cp_async_commit();
 
-    // acc += P V, P straight from the score registers, V through ldmatrix.trans.
+    // acc += P V, P straight from the score registers, V through
+    // ldmatrix.trans; each V fragment serves MT tiles.
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[4];
-      c_to_a<T>(a, s[2 * kk], s[2 * kk + 1]);
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) c_to_a<T>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
       for (int dp = 0; dp < DB / 16; ++dp) {
         uint32_t vf[4];
         ldsm_x4_trans(vf, smem_addr(sVb + swizzle<DB>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                       2 * dp + (lane >> 4))));
-        mma<T>(acc[2 * dp], a, vf);
-        mma<T>(acc[2 * dp + 1], a, vf + 2);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma<T>(acc[mt][2 * dp], a[mt], vf);
+          mma<T>(acc[mt][2 * dp + 1], a[mt], vf + 2);
+        }
       }
     }
   }
   cp_async_wait<0>();
 
-  float inv[2], lse[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float sum = quad_sum(row_sum[h]);
-    inv[h] = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: zeros, not NaN
-    lse[h] = sum > 0.0f ? row_max[h] * kLn2 + __logf(sum) : -INFINITY;
-  }
-  // Only this warp ever reads its 16 rows of sQ (the ldmatrix above), so it
+  // Only this warp ever reads its rows of sQ (the ldmatrix above), so it
   // stages its output there and writes it out with 16-byte stores.
   __syncwarp();
 #pragma unroll
-  for (int dt = 0; dt < DB / 8; ++dt) {
-    const int r = warp * 16 + g;
-    *reinterpret_cast<uint32_t*>(sQ + swizzle<DB>(r, dt) + 2 * t) =
-        Pack<T>::two(acc[dt][0] * inv[0], acc[dt][1] * inv[0]);
-    *reinterpret_cast<uint32_t*>(sQ + swizzle<DB>(r + 8, dt) + 2 * t) =
-        Pack<T>::two(acc[dt][2] * inv[1], acc[dt][3] * inv[1]);
+  for (int mt = 0; mt < MT; ++mt) {
+    float inv[2], lse[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sum = quad_sum(row_sum[mt][h]);
+      inv[h] = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: zeros, not NaN
+      lse[h] = sum > 0.0f ? row_max[mt][h] * kLn2 + __logf(sum) : -INFINITY;
+    }
+    const int r = warp_row0 + 16 * mt + g;
+#pragma unroll
+    for (int dt = 0; dt < DB / 8; ++dt) {
+      *reinterpret_cast<uint32_t*>(sQ + swizzle<DB>(r, dt) + 2 * t) =
+          Pack<T>::two(acc[mt][dt][0] * inv[0], acc[mt][dt][1] * inv[0]);
+      *reinterpret_cast<uint32_t*>(sQ + swizzle<DB>(r + 8, dt) + 2 * t) =
+          Pack<T>::two(acc[mt][dt][2] * inv[1], acc[mt][dt][3] * inv[1]);
+    }
+    if (t == 0) {
+      float* l = p.lse + b * p.lse_sb + hq * p.lse_sh + seq.q0;
+      if (row(mt, 0) < seq.sq) l[row(mt, 0)] = lse[0];
+      if (row(mt, 1) < seq.sq) l[row(mt, 1)] = lse[1];
+    }
   }
   __syncwarp();
-  const int warp_rows = min(16, rows - warp * 16);
+  const int warp_rows = min(16 * MT, rows - warp_row0);
   if (warp_rows > 0) {
-    T* out = static_cast<T*>(p.out) + b * p.o_sb + (seq.q0 + m0 + warp * 16) * p.o_sr + hq * p.o_sh;
+    T* out = static_cast<T*>(p.out) + b * p.o_sb + (seq.q0 + m0 + warp_row0) * p.o_sr + hq * p.o_sh;
     constexpr int kChunks = DB / 8;
 #pragma unroll
-    for (int it = 0; it < 16 * kChunks / 32; ++it) {
+    for (int it = 0; it < 16 * MT * kChunks / 32; ++it) {
       const int idx = lane + it * 32, r = idx / kChunks, c = idx % kChunks;
       if (r < warp_rows)
         *reinterpret_cast<uint4*>(out + r * p.o_sr + c * 8) =
-            *reinterpret_cast<const uint4*>(sQ + swizzle<DB>(warp * 16 + r, c));
+            *reinterpret_cast<const uint4*>(sQ + swizzle<DB>(warp_row0 + r, c));
     }
-  }
-  if (t == 0) {
-    float* l = p.lse + b * p.lse_sb + hq * p.lse_sh + seq.q0;
-    if (r_lo < seq.sq) l[r_lo] = lse[0];
-    if (r_lo + 8 < seq.sq) l[r_lo + 8] = lse[1];
   }
 }
 

@@ -115,7 +115,7 @@ void backward_bucket(const Launch& l, const KArgs& p, bool pipelined_dq) {
 
 template <class T, int DB, bool kFeatures>
 void forward_pipelined(const Launch& l, const KArgs& p) {
-  using C = PipelinedFwdConfig<DB>;
+  using C = PipelinedFwdConfig<DB, kFeatures>;
   static ReadyDevices ready{0};
   launch(l, attention_fwd_pipelined_kernel<T, DB, kFeatures>,
          dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::kSmem, p,
