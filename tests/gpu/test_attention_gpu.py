@@ -414,7 +414,7 @@ def test_pooled_outputs_are_not_reused_while_held(path, monkeypatch):
 
 # ---- the pipelined forward kernel (head dims 64, 128 and 256 on the own path;
 # cuda_forward_pipelined.cuh). Lengths that are not multiples of its tiles
-# (128 query rows, 64 keys), causal with Sq != Sk, GQA, windows, every logit
+# (128 query rows, 32 or 64 keys), causal with Sq != Sk, GQA, windows, every logit
 # feature, varlen with empty sequences, and the basic kernel on the same calls.
 
 PIPELINED_DIMS = [64, 128, 256]

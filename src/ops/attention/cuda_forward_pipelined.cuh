@@ -20,22 +20,23 @@ struct PipelinedFwdConfig {
   static_assert(DB == 64 || DB == 128 || DB == 256,
                 "the pipelined forward serves head dims 64, 128 and 256");
   static constexpr int kBlockM = 128;
-  // 32 keys per tile from head dim 128 on: the scores of a 16-row tile then
-  // take 16 registers, not 32, which keeps the accumulator (128 registers at
-  // 32 rows x 128 or 16 rows x 256) within the register file without spills.
-  static constexpr int kBlockN = DB <= 64 ? 64 : 32;
   // 16-row mma tiles per warp. Two (32 rows, 4 warps) reuse every K and V
   // fragment read from shared memory for two products, which halves the
   // ldmatrix traffic per mma; at head dim 256 the accumulator of 32 rows
   // would not fit in registers, so it runs one (16 rows, 8 warps).
   static constexpr int kRowTiles = DB <= 128 ? 2 : 1;
+  // 32 keys per tile where the accumulator takes 128 registers (32 rows x
+  // 128, 16 rows x 256): the scores of a 16-row tile then take 16 registers,
+  // not 32, which keeps everything in the register file without spills.
+  static constexpr int kBlockN = kRowTiles * DB <= 128 ? 64 : 32;
   static constexpr int kWarps = kBlockM / (16 * kRowTiles);
   static constexpr int kThreads = kWarps * 32;
   // Two CTAs per SM for 32-row warps (<= 255 registers a thread): 8 warps.
   static constexpr int kMinBlocks = kRowTiles == 2 ? 2 : 1;
   // Q fragments in registers for the whole kernel (kRowTiles * DB / 2
-  // registers a thread) at head dim 64; else read per key tile.
-  static constexpr bool kQInRegisters = DB <= 64;
+  // registers a thread) where they fit next to the accumulator; else read
+  // again from shared memory per key tile.
+  static constexpr bool kQInRegisters = kRowTiles * DB <= 128;
   // Q (reused to stage the output), then two K and two V buffers.
   static constexpr size_t kSmem = sizeof(uint16_t) * DB * (kBlockM + 4 * kBlockN);
 };
