@@ -6,10 +6,15 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
 
     python bench/attn_bench.py [--backend auto|cudnn|own] [--grid reference|full]
                                [--json out.json] [--quick]
+                               [--hdims 64,128] [--seqlens 1024,2048,4096,8192]
+                               [--fwd-only] [--compare-basic]
     python bench/attn_bench.py --decode [--json out.json] [--quick]   (KV-cache decode)
 
 --backend picks symheap's path (as flash_attn_func's backend=); --grid full
-runs head dims 64, 128, 256 x S 512 .. 16k x causal or not.
+runs head dims 64, 128, 256 x S 512 .. 16k x causal or not; --hdims/--seqlens
+replace the grid by their product x causal or not. --fwd-only skips the
+backward timings; --compare-basic adds the own basic forward kernel
+(SYMHEAP_ATTN_OWN_FORWARD=basic) as a column next to symheap's path.
 """
 from __future__ import annotations
 
@@ -83,7 +88,22 @@ def host_overhead_us(backend, n=200):
     return result
 
 
-def bench_shape(D, causal, S, reps, backend, group=1):
+class basic_forward:
+    """Forces the own basic forward kernel while active (read per call)."""
+    name = "SYMHEAP_ATTN_OWN_FORWARD"
+
+    def __enter__(self):
+        self.saved = os.environ.get(self.name)
+        os.environ[self.name] = "basic"
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.saved
+
+
+def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_basic=False):
     B, H = 16384 // S, 2048 // D
     gen = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda h=H: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
@@ -114,16 +134,22 @@ def bench_shape(D, causal, S, reps, backend, group=1):
 
     row = {"hdim": D, "causal": causal, "seqlen": S, "batch": B, "heads": H, "kv_heads": H // group,
            "backend": backend}
+    def ours_basic_fwd():
+        with basic_forward():
+            return flash_attn_func(q, k, v, causal=causal, backend="own")
+
     cases = {"symheap": (ours_fwd, ours_fwd_bwd),
              "sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION, False), sdpa(SDPBackend.FLASH_ATTENTION, True)),
              "sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION, False), sdpa(SDPBackend.CUDNN_ATTENTION, True))}
+    if compare_basic:
+        cases["own_basic"] = (ours_basic_fwd, None)
     for name, (fwd, fwd_bwd) in cases.items():
         try:
             t_f = time_ms(fwd, reps=reps)
-            t_fb = time_ms(fwd_bwd, reps=reps)
-            row[name] = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb,
-                         "fwd_tflops": flops_fwd / t_f / 1e9,
-                         "fwd_bwd_tflops": 3.5 * flops_fwd / t_fb / 1e9}
+            row[name] = {"fwd_ms": t_f, "fwd_tflops": flops_fwd / t_f / 1e9}
+            if not fwd_only and fwd_bwd is not None:
+                t_fb = time_ms(fwd_bwd, reps=reps)
+                row[name].update(fwd_bwd_ms=t_fb, fwd_bwd_tflops=3.5 * flops_fwd / t_fb / 1e9)
         except Exception as e:  # a backend may be unavailable for a shape
             row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
     # Accuracy of our output in the same run, against SDPA (flash).
@@ -145,6 +171,12 @@ def main():
                         help="reference: the rows of the reference table (SHAPES: hdim 64 and 128, S 1024 to 16k); full: hdim 64/128/256 x S 512..16k x causal")
     parser.add_argument("--decode", action="store_true",
                         help="decode over a paged KV cache instead (bench/attn_decode_bench.py)")
+    parser.add_argument("--hdims", help="comma-separated head dims (with --seqlens: their product "
+                        "x causal or not replaces --grid)")
+    parser.add_argument("--seqlens", help="comma-separated sequence lengths (see --hdims)")
+    parser.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    parser.add_argument("--compare-basic", action="store_true",
+                        help="add the own basic forward kernel (SYMHEAP_ATTN_OWN_FORWARD=basic)")
     parser.add_argument("--inner", type=int, default=1,
                         help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()
@@ -164,12 +196,17 @@ def main():
     rows = []
     shapes = [(D, causal, S, 1) for D, causal, S in (FULL_SHAPES if args.grid == "full" else SHAPES)]
     shapes += [(D, causal, S, 8) for D, causal, S in GQA_SHAPES] if args.grid == "full" else []
+    if args.hdims or args.seqlens:
+        hdims = [int(x) for x in (args.hdims or "64,128").split(",")]
+        seqlens = [int(x) for x in (args.seqlens or "1024,2048,4096,8192").split(",")]
+        shapes = [(D, causal, S, 1) for D in hdims for causal in (False, True) for S in seqlens]
     for D, causal, S, group in shapes:
         if args.quick and S > 4096:
             continue
         try:
             rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10, backend=args.backend,
-                                    group=group))
+                                    group=group, fwd_only=args.fwd_only,
+                                    compare_basic=args.compare_basic))
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
             print(f"hdim {D} causal {causal} S {S}: {type(e).__name__}: {e}"[:300], flush=True)
         torch.cuda.empty_cache()
@@ -180,13 +217,15 @@ def main():
             return f"{r['symheap'][key] / r['sdpa_cudnn'][key]:5.2f}"
         return "  n/a"
     print(f"{'hdim':>4} {'causal':>6} {'seq':>6} {'kvh':>4} | {'symheap fwd/fwd+bwd':>20} | "
-          f"{'SDPA flash':>14} | {'SDPA cuDNN':>14} | {'symheap/cuDNN':>13} | max|diff|")
+          f"{'SDPA flash':>14} | {'SDPA cuDNN':>14} | {'symheap/cuDNN':>13} | "
+          f"{'own basic fwd':>13} | max|diff|")
     for r in rows:
         print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} {r['kv_heads']:>4} | "
               f"{fmt(r, 'symheap', 'fwd_tflops')} / {fmt(r, 'symheap', 'fwd_bwd_tflops')}      | "
               f"{fmt(r, 'sdpa_flash', 'fwd_tflops')} / {fmt(r, 'sdpa_flash', 'fwd_bwd_tflops')} | "
               f"{fmt(r, 'sdpa_cudnn', 'fwd_tflops')} / {fmt(r, 'sdpa_cudnn', 'fwd_bwd_tflops')} | "
               f"{ratio(r, 'fwd_tflops')} / {ratio(r, 'fwd_bwd_tflops')} | "
+              f"{fmt(r, 'own_basic', 'fwd_tflops') if 'own_basic' in r else '   n/a':>13} | "
               f"{r['max_abs_diff_vs_sdpa']:.2e}")
     if args.json:
         with open(args.json, "w") as f:

@@ -291,6 +291,15 @@ SYMHEAP_BINDINGS(attention) {
     return std::string(path_name(choose_path(requested, on_cuda)));
   }, py::arg("backend"), py::arg("on_cuda"));
   m.attr("attention_path_env") = kPathEnv;
+  // The own CUDA forward kernel a call of this (padded) head dim runs:
+  // "pipelined" or "basic" ($SYMHEAP_ATTN_OWN_FORWARD can force "basic").
+  m.def("attention_own_forward_kernel", [](int head_dim) { return std::string(own_forward_kernel(head_dim)); },
+        py::arg("head_dim"));
+  m.attr("attention_own_forward_env") = kOwnForwardEnv;
+  // The same for the backward's dQ kernel ($SYMHEAP_ATTN_OWN_BACKWARD).
+  m.def("attention_own_backward_kernel", [](int head_dim) { return std::string(own_backward_kernel(head_dim)); },
+        py::arg("head_dim"));
+  m.attr("attention_own_backward_env") = kOwnBackwardEnv;
 
   // The cuDNN path: (usable, version or the reason it is not).
 #ifdef SYMHEAP_WITH_CUDNN

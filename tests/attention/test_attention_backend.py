@@ -75,3 +75,46 @@ def test_repeat_calls_with_changing_options_match_the_reference(monkeypatch):
     q2 = torch.randn(1, 45, 4, 24, generator=gen)
     out = flash_attn_func(q2, k[:1], v[:1], causal=True)
     assert (out - attention_reference(q2, k[:1], v[:1], causal=True)[0]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("env", [None, "", "auto", "basic"])
+def test_own_forward_kernel_choice(monkeypatch, env):
+    """The own CUDA forward kernel per (padded) head dim: the pipelined kernel
+    for 64, 128 and 256, the basic one elsewhere or when the variable forces it."""
+    from symheap import _core
+    name = _core.attention_own_forward_env
+    assert name == "SYMHEAP_ATTN_OWN_FORWARD"
+    if env is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, env)
+    for d in (8, 32, 56, 64, 72, 96, 120, 128, 136, 192, 256):
+        want = "pipelined" if d in (64, 128, 256) and env != "basic" else "basic"
+        assert _core.attention_own_forward_kernel(d) == want, d
+
+
+def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
+    from symheap import _core
+    monkeypatch.setenv("SYMHEAP_ATTN_OWN_FORWARD", "fast")
+    with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_FORWARD must be 'auto' or 'basic'"):
+        _core.attention_own_forward_kernel(64)
+
+
+@pytest.mark.parametrize("env", [None, "auto", "basic"])
+def test_own_backward_kernel_choice(monkeypatch, env):
+    """The backward's dQ kernel: pipelined for head dims 64, 128 and 256
+    unless SYMHEAP_ATTN_OWN_BACKWARD forces the basic one; a bad value names
+    the variable."""
+    from symheap import _core
+    name = _core.attention_own_backward_env
+    assert name == "SYMHEAP_ATTN_OWN_BACKWARD"
+    if env is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, env)
+    for d in (32, 64, 96, 128, 192, 256):
+        want = "pipelined" if d in (64, 128, 256) and env != "basic" else "basic"
+        assert _core.attention_own_backward_kernel(d) == want, d
+    monkeypatch.setenv(name, "fast")
+    with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_BACKWARD must be 'auto' or 'basic'"):
+        _core.attention_own_backward_kernel(64)

@@ -12,7 +12,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "attention"))
 
 from symheap import _core  # noqa: E402
-from symheap.attention import _plan, flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from symheap.attention import (_plan, attention_reference, dropout_keep_mask, flash_attn_func,  # noqa: E402
+                                flash_attn_varlen_func)
 
 from test_attention_common import check_case, make_case, max_err  # noqa: E402
 
@@ -409,3 +410,195 @@ def test_pooled_outputs_are_not_reused_while_held(path, monkeypatch):
         assert max_err(out.cpu(), ref) < 2e-2 and max_err(lse.cpu(), ref_lse) < 1e-2
     released = [storage(call()[0]) for _ in range(4)]
     assert len(set(released)) < len(released)
+
+
+# ---- the pipelined forward kernel (head dims 64, 128 and 256 on the own path;
+# cuda_forward_pipelined.cuh). Lengths that are not multiples of its tiles
+# (128 query rows, 32 or 64 keys), causal with Sq != Sk, GQA, windows, every logit
+# feature, varlen with empty sequences, and the basic kernel on the same calls.
+
+PIPELINED_DIMS = [64, 128, 256]
+RAGGED = [(1, 1), (17, 17), (1, 1000), (17, 129), (127, 129), (129, 127), (1000, 1000),
+          (1000, 17), (257, 1000)]
+
+
+def own_forward(monkeypatch, kernel):
+    """Forces the own kernels and the forward kernel ("auto" = pipelined
+    where it serves, "basic"), and checks the choice is what the test expects."""
+    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
+    monkeypatch.setenv(_core.attention_own_forward_env, kernel)
+    for d in PIPELINED_DIMS:
+        assert _core.attention_own_forward_kernel(d) == ("basic" if kernel == "basic" else "pipelined")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("Sq,Sk", RAGGED)
+@pytest.mark.parametrize("causal", [False, True])
+def test_pipelined_lengths(dtype, D, Sq, Sk, causal, monkeypatch):
+    own_forward(monkeypatch, "auto")
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=4, D=D, dtype=dtype, seed=Sq * 3 + Sk + D)
+    check_case(case, causal=causal)
+
+
+PIPELINED_OPTS = {
+    "gqa": (dict(Hkv=1), dict()),
+    "gqa2": (dict(Hkv=2), dict(causal=True)),
+    "window": (dict(), dict(window_size=(37, 11))),
+    "window_left_causal": (dict(), dict(window_size=(200, 0))),
+    "window_right": (dict(), dict(window_size=(-1, 70))),
+    "scale": (dict(), dict(softmax_scale=0.31)),
+}
+PIPELINED_FEATURES = {**{k: v for k, v in FEATURES.items() if k not in ("window", "mqa")},
+                      **PIPELINED_OPTS}
+
+
+@pytest.mark.parametrize("feature", list(PIPELINED_FEATURES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000)])
+def test_pipelined_features(feature, dtype, D, Sq, Sk, monkeypatch):
+    own_forward(monkeypatch, "auto")
+    make_kw, opts = PIPELINED_FEATURES[feature]
+    make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
+                   if isinstance(v, tuple) else v) for k, v in make_kw.items()}
+    make_kw.setdefault("Hkv", 4)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=dtype, seed=D * 11 + Sq, **make_kw)
+    check_case(case, **opts)
+    if feature not in FEATURES or "causal" in opts:
+        return
+    check_case(case, causal=True, **opts)
+
+
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20)),
+                                  dict(softcap=3.0, dropout_p=0.1, seed=(2, 3))])
+def test_pipelined_varlen_with_empty_sequences(D, opts, monkeypatch):
+    """Packed sequences (some empty on the query or the key side) against
+    each sequence alone through the fp32 reference."""
+    own_forward(monkeypatch, "auto")
+    gen = torch.Generator().manual_seed(D)
+    lq = torch.tensor([0, 130, 1, 257, 64, 0, 999])
+    lk = torch.tensor([5, 129, 0, 300, 64, 7, 1000])
+    B, Hq, Hkv = lq.numel(), 4, 2
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lq.cumsum(0)]).to(torch.int32)
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lk.cumsum(0)]).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), Hq, D, generator=gen).bfloat16()
+    k = torch.randn(int(cu_k[-1]), Hkv, D, generator=gen).bfloat16()
+    v = torch.randn(int(cu_k[-1]), Hkv, D, generator=gen).bfloat16()
+    mq, mk = int(lq.max()), int(lk.max())
+    out, lse = flash_attn_varlen_func(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), mq, mk,
+                                      return_lse=True, **opts)
+    out, lse = out.float().cpu(), lse.cpu()
+    keep = None
+    if opts.get("dropout_p", 0) > 0:
+        keep = dropout_keep_mask(*opts["seed"], B, Hq, mq, mk, opts["dropout_p"])
+    ref_kw = {key: val for key, val in opts.items() if key != "seed"}
+    for b in range(B):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q1 == q0:
+            continue
+        kb = dict(ref_kw)
+        if keep is not None:
+            kb["dropout_keep"] = keep[b:b + 1, :, : q1 - q0, : k1 - k0]
+        ref, ref_lse = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                           upcast=True, **kb)
+        low, _ = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], upcast=False, **kb)
+        slack = 1e-5 * max(1.0, ref.abs().max().item())
+        assert max_err(out[q0:q1], ref[0]) <= 2 * max_err(low, ref) + slack, b
+        fin = torch.isfinite(ref_lse[0])
+        assert torch.equal(torch.isfinite(lse[:, q0:q1]), fin), b
+        assert (lse[:, q0:q1][~fin] == float("-inf")).all(), b
+        assert (out[q0:q1].transpose(0, 1)[~fin] == 0).all(), b
+        if fin.any():
+            assert (lse[:, q0:q1][fin] - ref_lse[0][fin]).abs().max().item() < 1e-3 * max(
+                1.0, ref_lse[0][fin].abs().max().item()), b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(100, 3)),
+                                  dict(causal=True, softcap=2.5, dropout_p=0.15, seed=(9, 1)),
+                                  dict(bias=True, mask=True)])
+def test_pipelined_matches_basic_kernel(dtype, D, opts, monkeypatch):
+    """Both own forward kernels on the same call: the same function up to the
+    rounding of each (and the same lse), so the backward can read either."""
+    case = gpu_case(B=2, Sq=333, Sk=517, Hq=8, Hkv=2, D=D, dtype=dtype, seed=D + 5,
+                    bias_shape=(1, 8, 333, 517) if opts.get("bias") else None,
+                    mask_shape=(2, 1, 333, 517) if opts.get("mask") else None)
+    kw = dict(case["kwargs"], **{k: v for k, v in opts.items() if k not in ("bias", "mask")})
+    q, k, v = (case[n].detach() for n in ("q", "k", "v"))
+    runs = {}
+    for kernel in ("basic", "auto"):
+        own_forward(monkeypatch, kernel)
+        out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
+        runs[kernel] = (out.float(), lse)
+    ref_kw = {key: val for key, val in kw.items() if key != "seed"}
+    if kw.get("dropout_p", 0) > 0:
+        ref_kw["dropout_keep"] = dropout_keep_mask(*kw["seed"], 2, 8, 333, 517, kw["dropout_p"])
+    ref, _ = attention_reference(q, k, v, upcast=True, **ref_kw)
+    low, _ = attention_reference(q, k, v, upcast=False, **ref_kw)
+    tol = 4 * max_err(low, ref) + 1e-5 * max(1.0, ref.float().abs().max().item())
+    assert max_err(runs["auto"][0], runs["basic"][0]) <= tol
+    lse_a, lse_b = runs["auto"][1], runs["basic"][1]
+    assert torch.equal(torch.isfinite(lse_a), torch.isfinite(lse_b))
+    fin = torch.isfinite(lse_a)
+    assert (lse_a[fin] - lse_b[fin]).abs().max().item() < 1e-3 * max(1.0, lse_a[fin].abs().max().item())
+
+
+def test_pipelined_large_and_multi_block(monkeypatch):
+    """Several query blocks and many key tiles (the double buffer wraps many
+    times), causal with Sq < Sk, both head dims in one run."""
+    own_forward(monkeypatch, "auto")
+    for D in PIPELINED_DIMS:
+        case = gpu_case(B=1, Sq=1531, Sk=4099, Hq=4, Hkv=2, D=D, seed=D)
+        check_case(case, causal=True, check_grads=False)
+        check_case(case, check_grads=False)
+
+
+def test_pipelined_output_strides(monkeypatch):
+    """q, k, v as views with row and head strides of a packed qkv tensor."""
+    own_forward(monkeypatch, "auto")
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(2, 300, 3, 4, 128, generator=gen).bfloat16().cuda()
+    q, k, v = qkv.unbind(2)
+    out = flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_reference(q, k, v, upcast=True, causal=True)
+    low, _ = attention_reference(q, k, v, upcast=False, causal=True)
+    assert max_err(out, ref) <= 2 * max_err(low, ref) + 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(100, 3)),
+                                  dict(causal=True, softcap=2.5, dropout_p=0.15, seed=(9, 1)),
+                                  dict(bias=True, mask=True, alibi=True)])
+def test_pipelined_dq_matches_basic_kernel(dtype, D, opts, monkeypatch):
+    """The backward's two dQ kernels on the same call (SYMHEAP_ATTN_OWN_BACKWARD):
+    dq agrees up to rounding, dk and dv (one kernel) are bit-identical."""
+    case = gpu_case(B=2, Sq=333, Sk=517, Hq=8, Hkv=2, D=D, dtype=dtype, seed=D + 9,
+                    bias_shape=(1, 8, 333, 517) if opts.get("bias") else None,
+                    mask_shape=(2, 1, 333, 517) if opts.get("mask") else None,
+                    alibi=opts.get("alibi", False), bias_grad=False)
+    kw = dict(case["kwargs"], **{k: v for k, v in opts.items() if k not in ("bias", "mask", "alibi")})
+    q, k, v = (case[n].detach().requires_grad_() for n in ("q", "k", "v"))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(q.device, dtype)
+    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
+    grads = {}
+    for kernel in ("basic", "auto"):
+        monkeypatch.setenv(_core.attention_own_backward_env, kernel)
+        assert _core.attention_own_backward_kernel(D) == ("basic" if kernel == "basic" else "pipelined")
+        out = flash_attn_func(q, k, v, **kw)
+        grads[kernel] = torch.autograd.grad(out, (q, k, v), dout)
+    assert torch.equal(grads["auto"][1], grads["basic"][1]) and torch.equal(grads["auto"][2], grads["basic"][2])
+    # dq against the fp32 reference: both kernels within the rule, and close to each other.
+    ref_kw = {key: val for key, val in kw.items() if key != "seed"}
+    if kw.get("dropout_p", 0) > 0:
+        ref_kw["dropout_keep"] = dropout_keep_mask(*kw["seed"], 2, 8, 333, 517, kw["dropout_p"])
+    ref = attention_reference(q, k, v, upcast=True, **ref_kw)[0]
+    low = attention_reference(q, k, v, upcast=False, **ref_kw)[0]
+    want = torch.autograd.grad(ref, q, dout)[0]
+    base = torch.autograd.grad(low, q, dout)[0]
+    tol = 3 * max_err(base, want) + 1e-5 * max(1.0, want.float().abs().max().item())
+    for kernel in ("basic", "auto"):
+        assert max_err(grads[kernel][0], want) <= tol, kernel

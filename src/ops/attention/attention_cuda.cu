@@ -3,6 +3,7 @@
 // allocates device memory or synchronises with the host.
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -10,6 +11,7 @@
 #include "backends/cuda_util.cuh"
 #include "ops/attention/attention.hpp"
 #include "ops/attention/cuda_launch.cuh"
+#include "ops/attention/path_choice.hpp"
 #include "symheap/errors.hpp"
 #include "symheap/runtime.hpp"
 
@@ -205,8 +207,9 @@ void forward_cuda(const Args& a, int device, void* stream) {
   const cuda::Launch l{device, static_cast<cudaStream_t>(stream),
                        a.q.dtype == DType::F16 ? "f16" : "bf16"};
   const cuda::KArgs k = kernel_args(a);
-  if (a.q.dtype == DType::F16) cuda::run_forward_f16(l, k);
-  else cuda::run_forward_bf16(l, k);
+  const bool pipelined = std::strcmp(own_forward_kernel(a.head_dim), "pipelined") == 0;
+  if (a.q.dtype == DType::F16) cuda::run_forward_f16(l, k, pipelined);
+  else cuda::run_forward_bf16(l, k, pipelined);
 }
 
 // delta (rowsum(dout * out)), one float per query row and head, sized from
@@ -239,8 +242,9 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
     k.delta_sb = static_cast<int64_t>(a.heads_q) * a.seqlen_q;
     k.delta_sh = a.seqlen_q;
   }
-  if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k);
-  else cuda::run_backward_bf16(l, k);
+  const bool pipelined_dq = std::strcmp(own_backward_kernel(a.head_dim), "pipelined") == 0;
+  if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k, pipelined_dq);
+  else cuda::run_backward_bf16(l, k, pipelined_dq);
 }
 
 }  // namespace symheap::attention

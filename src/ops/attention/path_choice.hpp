@@ -29,6 +29,30 @@ std::string cudnn_unavailable_reason();
 // Unsupported, naming why; an unknown name is InvalidArgument.
 Path choose_path(const std::optional<std::string>& requested, bool on_cuda);
 
+// Which own CUDA forward kernel runs a call. "pipelined" (cuda_forward_pipelined.cuh:
+// 128-row tiles, cp.async double buffering, ldmatrix, swizzled shared memory)
+// serves the head dims below, "basic" (cuda_forward.cuh) every other one.
+// $SYMHEAP_ATTN_OWN_FORWARD = "basic" forces the basic kernel everywhere (to
+// compare the two); unset, empty or "auto" is the default rule.
+inline constexpr const char* kOwnForwardEnv = "SYMHEAP_ATTN_OWN_FORWARD";
+
+// Head dims (as the CUDA path runs them, padded to a multiple of 8) the
+// pipelined forward kernel is compiled for.
+inline bool pipelined_forward_serves(int head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+// "pipelined" or "basic" for a call of this head dim, reading
+// $SYMHEAP_ATTN_OWN_FORWARD; another value of it is InvalidArgument.
+const char* own_forward_kernel(int head_dim);
+
+// The own CUDA backward's dQ kernel, "pipelined" (cuda_backward_dq_pipelined.cuh,
+// the head dims of the pipelined forward) or "basic"; $SYMHEAP_ATTN_OWN_BACKWARD
+// = "basic" forces the basic one ("auto", empty or unset: the default rule;
+// another value is InvalidArgument). dK/dV and delta have one kernel each.
+inline constexpr const char* kOwnBackwardEnv = "SYMHEAP_ATTN_OWN_BACKWARD";
+const char* own_backward_kernel(int head_dim);
+
 // Bytes the XLA handlers add to a call's scratch result for cuDNN's workspace
 // (result shapes are fixed at trace time, before any graph exists): 1 MiB
 // forward; backward an fp32 dQ, two fp32 statistics per query row and 1 MiB.
