@@ -9,7 +9,6 @@
 
 #include "backends/cuda_util.cuh"
 #include "ops/attention/cuda_backward.cuh"
-#include "ops/attention/cuda_backward_dq_pipelined.cuh"
 #include "ops/attention/cuda_forward.cuh"
 #include "ops/attention/cuda_forward_pipelined.cuh"
 #include "ops/attention/path_choice.hpp"
@@ -65,38 +64,16 @@ void forward_bucket(const Launch& l, const KArgs& p) {
          C::kThreads, C::kSmem, p, "fwd", DB, ready);
 }
 
-template <class T, int DB, bool kFeatures>
-void dq_pipelined(const Launch& l, const KArgs& p) {
-  using C = PipelinedDqConfig<DB>;
-  static ReadyDevices ready{0};
-  launch(l, attention_bwd_dq_pipelined_kernel<T, DB, kFeatures>,
-         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::kSmem, p,
-         kFeatures ? "dq_pipelined_features" : "dq_pipelined", DB, ready);
-}
-
-// `pipelined_dq`: dQ runs on the pipelined kernel (own_backward_kernel in
-// path_choice.cpp decides; it serves the head dims of the pipelined forward).
 template <class T, int DB>
-void backward_bucket(const Launch& l, const KArgs& p, bool pipelined_dq) {
+void backward_bucket(const Launch& l, const KArgs& p) {
   static ReadyDevices ready_delta{0}, ready_dq{0}, ready_dv{0}, ready_dk{0}, ready_dkdv{0};
   if (p.seqlen_q > 0) {
     launch(l, attention_bwd_delta_kernel<T>,
            dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
            p, "delta", 0, ready_delta);
-    bool done = false;
-    if constexpr (DB == 64 || DB == 128 || DB == 256) {
-      if (pipelined_dq && p.d == DB) {
-        const bool features = p.bias || p.mask || p.alibi || p.softcap > 0 || p.dropout;
-        if (features) dq_pipelined<T, DB, true>(l, p);
-        else dq_pipelined<T, DB, false>(l, p);
-        done = true;
-      }
-    }
-    if (!done) {
-      using Q = DqConfig<DB>;
-      launch(l, attention_bwd_dq_kernel<T, DB>, dim3(blocks(p.seqlen_q, Q::kBlockM), p.heads_q, p.batch),
-             Q::kThreads, Q::kSmem, p, "dq", DB, ready_dq);
-    }
+    using Q = DqConfig<DB>;
+    launch(l, attention_bwd_dq_kernel<T, DB>, dim3(blocks(p.seqlen_q, Q::kBlockM), p.heads_q, p.batch),
+           Q::kThreads, Q::kSmem, p, "dq", DB, ready_dq);
   }
   if (p.seqlen_k > 0) {
     using K = DkvConfig<DB>;
@@ -146,21 +123,21 @@ void run_forward(const Launch& l, const KArgs& p, bool pipelined) {
 }
 
 template <class T>
-void run_backward(const Launch& l, const KArgs& p, bool pipelined_dq) {
+void run_backward(const Launch& l, const KArgs& p) {
   switch (head_dim_bucket(p.d)) {
-    case 32: return backward_bucket<T, 32>(l, p, pipelined_dq);
-    case 64: return backward_bucket<T, 64>(l, p, pipelined_dq);
-    case 96: return backward_bucket<T, 96>(l, p, pipelined_dq);
-    case 128: return backward_bucket<T, 128>(l, p, pipelined_dq);
-    case 192: return backward_bucket<T, 192>(l, p, pipelined_dq);
-    default: return backward_bucket<T, 256>(l, p, pipelined_dq);
+    case 32: return backward_bucket<T, 32>(l, p);
+    case 64: return backward_bucket<T, 64>(l, p);
+    case 96: return backward_bucket<T, 96>(l, p);
+    case 128: return backward_bucket<T, 128>(l, p);
+    case 192: return backward_bucket<T, 192>(l, p);
+    default: return backward_bucket<T, 256>(l, p);
   }
 }
 
 // Defined in attention_cuda_f16.cu and attention_cuda_bf16.cu.
 void run_forward_f16(const Launch& l, const KArgs& p, bool pipelined);
-void run_backward_f16(const Launch& l, const KArgs& p, bool pipelined_dq);
+void run_backward_f16(const Launch& l, const KArgs& p);
 void run_forward_bf16(const Launch& l, const KArgs& p, bool pipelined);
-void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined_dq);
+void run_backward_bf16(const Launch& l, const KArgs& p);
 
 }  // namespace symheap::attention::cuda
