@@ -146,7 +146,9 @@ py::object new_instance(py::handle type, py::object dict) {
                                            nullptr);
   if (!obj) throw py::error_already_set();
   py::object o = py::reinterpret_steal<py::object>(obj);
-  if (PyObject_GenericSetDict(obj, dict.ptr(), nullptr) < 0) throw py::error_already_set();
+  // Through the class's own __dict__ descriptor: right for every CPython
+  // version's instance layout.
+  if (PyObject_SetAttr(obj, names().dict, dict.ptr()) < 0) throw py::error_already_set();
   return o;
 }
 
