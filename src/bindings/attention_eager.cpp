@@ -447,8 +447,11 @@ class EagerCalls {
     CallKey key;
     if (!make_key(t, causal, window, scale, softcap, deterministic, backend, key))
       return py::none();
-    EagerAttention* e = find(key);
-    if (!e) return py::none();
+    const Entry* found = find(key);
+    if (!found) return py::none();
+    // Held for the call: another thread may drop the entry while the GIL is released.
+    const py::object owner = found->owner;
+    EagerAttention* e = found->eager;
     if (bindings::torch_grad_enabled() &&
         (bindings::requires_grad(q) || bindings::requires_grad(k) || bindings::requires_grad(v)))
       return py::none();
@@ -481,10 +484,10 @@ class EagerCalls {
   };
   static constexpr size_t kMaxEntries = 256;
 
-  EagerAttention* find(const CallKey& key) {
+  const Entry* find(const CallKey& key) const {
     // Most recent first: a model's few shapes repeat.
     for (size_t i = entries_.size(); i-- > 0;)
-      if (entries_[i].key == key) return entries_[i].eager;
+      if (entries_[i].key == key) return &entries_[i];
     return nullptr;
   }
 

@@ -368,6 +368,7 @@ class EpOp {
 
   // DispatchOutput(handle=EpHandle(...), _lazy=(owner, rows)); see ep/_op.py.
   py::object make_output(py::handle owner, int64_t rows, int64_t num_tokens, py::object storage) {
+    if (!output_type_) throw StateError("EpOp.set_front_end was not called before dispatch");
     const Names& k = names();
     py::object rows_shape = fixed_rows_;
     if (rows_shape.is_none())
