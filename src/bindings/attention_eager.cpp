@@ -106,11 +106,32 @@ class EagerAttention {
                      bool inference) {
     Inputs in;
     if (!read_inputs(q, k, v, in)) return py::none();
+    return forward_read(in, pooled, poison, inference);
+  }
+
+  // forward() of inputs already read (each with its address, device and strides).
+  py::object forward_read(const TensorRef& q, const TensorRef& k, const TensorRef& v, bool pooled,
+                          bool poison, bool inference) {
+    Inputs in{q, k, v, q.device};
+    if (!usable(in.q, in.device) || !usable(in.k, in.device) || !usable(in.v, in.device))
+      return py::none();
+    return forward_read(in, pooled, poison, inference);
+  }
+
+ private:
+  struct Inputs {
+    TensorRef q, k, v;
+    int device = -1;
+  };
+
+  py::object forward_read(Inputs& in, bool pooled, bool poison, bool inference) {
     const uintptr_t stream = stream_of(in.device);
     Pools& pools = pools_of(in.device, inference);
-    py::object out = output(pools.out, pooled && pool_outputs_, out_shape_, dtype_, in.device, stream);
+    uintptr_t out_ptr = 0, lse_ptr = 0;
+    py::object out = output(pools.out, pooled && pool_outputs_, out_shape_, dtype_, in.device,
+                            stream, &out_ptr);
     py::object lse = output(pools.lse, pooled && pool_outputs_, lse_shape_, TorchDType::F32,
-                            in.device, stream);
+                            in.device, stream, &lse_ptr);
     if (poison) {  // tests: any element the op forgets to write stays NaN
       out.attr("fill_")(NAN);
       lse.attr("fill_")(NAN);
@@ -119,8 +140,8 @@ class EagerAttention {
     fill(a.q, in.q);
     fill(a.k, in.k);
     fill(a.v, in.v);
-    fill(a.out, bindings::tensor_data_ptr(out), out_strides_);
-    a.lse = reinterpret_cast<float*>(bindings::tensor_data_ptr(lse));
+    fill(a.out, out_ptr, out_strides_);
+    a.lse = reinterpret_cast<float*>(lse_ptr);
     a.lse_batch_stride = lse_strides_[0];
     a.lse_head_stride = lse_strides_[1];
     if (in.device < 0) {
@@ -132,6 +153,7 @@ class EagerAttention {
     return py::make_tuple(std::move(out), std::move(lse));
   }
 
+ public:
   // (dq, dk, dv) of a forward's saved q, k, v, out, lse and the incoming
   // dout, or None when dout needs a copy first. The gradients are fresh
   // tensors (autograd keeps them).
@@ -174,10 +196,6 @@ class EagerAttention {
   }
 
  private:
-  struct Inputs {
-    TensorRef q, k, v;
-    int device = -1;
-  };
   struct Pools {
     int device;
     bool inference;
@@ -222,14 +240,17 @@ class EagerAttention {
       if (p.device == device && p.inference == inference) return p;
     pools_.push_back(Pools{device, inference, TensorPool(dtype_, device, kPooled),
                            TensorPool(TorchDType::F32, device, kPooled),
-                           TensorPool(TorchDType::I64, device, kPooled)});
+                           TensorPool(TorchDType::I64, device, kPooled, /*internal=*/true)});
     return pools_.back();
   }
 
+  // A fresh or pooled tensor; `data`, if given, receives its address.
   py::object output(TensorPool& pool, bool pooled, const std::vector<int64_t>& shape,
-                    TorchDType dtype, int device, uintptr_t stream) {
-    if (pooled) return pool.take(shape, stream);
-    return bindings::torch_empty(shape, kwargs_of(dtype, device));
+                    TorchDType dtype, int device, uintptr_t stream, uintptr_t* data = nullptr) {
+    if (pooled) return pool.take(shape, stream, data);
+    py::object t = bindings::torch_empty(shape, kwargs_of(dtype, device));
+    if (data) *data = bindings::tensor_data_ptr(t);
+    return t;
   }
 
   const py::dict& kwargs_of(TorchDType dtype, int device) {
@@ -249,8 +270,9 @@ class EagerAttention {
     if (backend_ != Path::Own) {
       const std::shared_ptr<const CudnnCall> call = cudnn_outcome(a, backward, device, inputs);
       if (call->ok) {
-        py::object ws = workspace(pools, call->bytes, device, stream);
-        void* w = reinterpret_cast<void*>(bindings::tensor_data_ptr(ws));
+        uintptr_t w_ptr = 0;
+        py::object ws = workspace(pools, call->bytes, device, stream, &w_ptr);
+        void* w = reinterpret_cast<void*>(w_ptr);
         py::gil_scoped_release nogil;
         if (backward)
           cudnn::backward(a, device, s, w, call->bytes);
@@ -270,8 +292,9 @@ class EagerAttention {
       return;
     }
     const size_t bytes = backward_cuda_workspace_bytes(a);
-    py::object ws = workspace(pools, bytes, device, stream);
-    void* w = reinterpret_cast<void*>(bindings::tensor_data_ptr(ws));
+    uintptr_t w_ptr = 0;
+    py::object ws = workspace(pools, bytes, device, stream, &w_ptr);
+    void* w = reinterpret_cast<void*>(w_ptr);
     py::gil_scoped_release nogil;
     backward_cuda(a, device, s, w, bytes);
 #else
@@ -283,10 +306,10 @@ class EagerAttention {
   // Device scratch of `bytes` on the caller's stream: pooled (the call drops
   // it right after the launch, and a later call on the same stream runs after
   // this one), or from torch's caching allocator when large.
-  py::object workspace(Pools& pools, size_t bytes, int device, uintptr_t stream) {
+  py::object workspace(Pools& pools, size_t bytes, int device, uintptr_t stream, uintptr_t* data) {
     const int64_t words = static_cast<int64_t>((std::max<size_t>(bytes, 1) + 7) / 8);
     return output(pools.workspace, words * 8 <= kPoolMaxBytes, {words}, TorchDType::I64, device,
-                  stream);
+                  stream, data);
   }
 
 #ifdef SYMHEAP_WITH_CUDNN
@@ -328,6 +351,149 @@ class EagerAttention {
   std::deque<std::pair<std::pair<TorchDType, int>, py::dict>> kwargs_;
 };
 
+// What selects a fixed-length plan without tensor options: the inputs'
+// shapes, dtypes and devices and the scalar options, as the front end's plan
+// cache keys them (symheap/attention/_plan.py: cached_plan). Built only from
+// plain values (bool, int, float, None, str): any other kind of argument
+// leaves the call to the front end.
+struct CallKey {
+  std::vector<int64_t> shapes;  // q, k, v: rank, then sizes
+  int dtypes[3] = {}, devices[3] = {};
+  bool causal = false, deterministic = false, has_scale = false;
+  int64_t window[2] = {};
+  double scale = 0, softcap = 0;
+  std::string backend;  // as given, else $SYMHEAP_ATTN_BACKEND ("" when unset)
+
+  bool operator==(const CallKey& o) const {
+    return shapes == o.shapes && std::equal(dtypes, dtypes + 3, o.dtypes) &&
+           std::equal(devices, devices + 3, o.devices) && causal == o.causal &&
+           deterministic == o.deterministic && has_scale == o.has_scale &&
+           window[0] == o.window[0] && window[1] == o.window[1] &&
+           (!has_scale || scale == o.scale) && softcap == o.softcap && backend == o.backend;
+  }
+};
+
+bool exact_int(py::handle o, int64_t* v) {
+  if (!PyLong_CheckExact(o.ptr())) return false;
+  int overflow = 0;
+  *v = PyLong_AsLongLongAndOverflow(o.ptr(), &overflow);
+  return !overflow && !PyErr_Occurred();
+}
+
+bool plain_number(py::handle o, double* v) {
+  if (PyFloat_CheckExact(o.ptr())) {
+    *v = PyFloat_AS_DOUBLE(o.ptr());
+    return !std::isnan(*v);  // NaN never equals itself: no key
+  }
+  int64_t i = 0;
+  if (!exact_int(o, &i)) return false;
+  *v = static_cast<double>(i);
+  return true;
+}
+
+// Fills `key` from a call's arguments; false when one is not a plain value.
+bool make_key(const TensorRef* t, py::handle causal, py::handle window, py::handle scale,
+              py::handle softcap, py::handle deterministic, py::handle backend, CallKey& key) {
+  for (int i = 0; i < 3; ++i) {
+    if (!t[i].is_tensor || t[i].dtype == TorchDType::Other) return false;
+    key.shapes.push_back(static_cast<int64_t>(t[i].shape.size()));
+    key.shapes.insert(key.shapes.end(), t[i].shape.begin(), t[i].shape.end());
+    key.dtypes[i] = static_cast<int>(t[i].dtype);
+    key.devices[i] = t[i].device;
+  }
+  if (!PyBool_Check(causal.ptr()) || !PyBool_Check(deterministic.ptr())) return false;
+  key.causal = causal.ptr() == Py_True;
+  key.deterministic = deterministic.ptr() == Py_True;
+  if (!PyTuple_CheckExact(window.ptr()) || PyTuple_GET_SIZE(window.ptr()) != 2) return false;
+  for (int i = 0; i < 2; ++i)
+    if (!exact_int(PyTuple_GET_ITEM(window.ptr(), i), &key.window[i])) return false;
+  key.has_scale = !scale.is_none();
+  if (key.has_scale && !plain_number(scale, &key.scale)) return false;
+  if (!plain_number(softcap, &key.softcap)) return false;
+  if (backend.is_none()) {
+    const char* env = std::getenv(kPathEnv);
+    key.backend = env ? env : "";
+  } else {
+    if (!PyUnicode_CheckExact(backend.ptr())) return false;
+    Py_ssize_t n = 0;
+    const char* s = PyUnicode_AsUTF8AndSize(backend.ptr(), &n);
+    if (!s) {
+      PyErr_Clear();
+      return false;
+    }
+    key.backend.assign(s, static_cast<size_t>(n));
+  }
+  return true;
+}
+
+// The eager entries of the plans the front end made, by CallKey: a repeat
+// no-grad call finds its entry here in one C++ call. Used under the GIL.
+class EagerCalls {
+ public:
+  static EagerCalls& instance() {
+    static EagerCalls* calls = new EagerCalls;  // outlives module teardown
+    return *calls;
+  }
+
+  // flash_attn_func's no-grad path for a call whose plan the front end made
+  // before: out, or (out, lse) with `return_lse`; None when this call is not
+  // one (a tensor option, a new key, an input that requires grad or needs a
+  // copy), and the front end takes its general path.
+  py::object call(py::handle q, py::handle k, py::handle v, py::handle causal, py::handle window,
+                  py::handle scale, py::handle softcap, py::handle deterministic,
+                  py::handle backend, bool return_lse, bool poison) {
+    const TensorRef t[3] = {bindings::read_layout(q), bindings::read_layout(k),
+                            bindings::read_layout(v)};
+    CallKey key;
+    if (!make_key(t, causal, window, scale, softcap, deterministic, backend, key))
+      return py::none();
+    const Entry* found = find(key);
+    if (!found) return py::none();
+    // Held for the call: another thread may drop the entry while the GIL is released.
+    const py::object owner = found->owner;
+    EagerAttention* e = found->eager;
+    if (bindings::torch_grad_enabled() &&
+        (bindings::requires_grad(q) || bindings::requires_grad(k) || bindings::requires_grad(v)))
+      return py::none();
+    py::object r = e->forward_read(t[0], t[1], t[2], true, poison, bindings::torch_inference_mode());
+    if (r.is_none() || return_lse) return r;
+    return py::reinterpret_borrow<py::tuple>(r)[0];
+  }
+
+  // Records the eager entry of the plan made for these arguments.
+  void remember(py::handle q, py::handle k, py::handle v, py::handle causal, py::handle window,
+                py::handle scale, py::handle softcap, py::handle deterministic,
+                py::handle backend, py::object eager) {
+    const TensorRef t[3] = {bindings::read_layout(q), bindings::read_layout(k),
+                            bindings::read_layout(v)};
+    CallKey key;
+    if (!make_key(t, causal, window, scale, softcap, deterministic, backend, key)) return;
+    if (find(key)) return;
+    if (entries_.size() >= kMaxEntries) entries_.clear();
+    EagerAttention* e = eager.cast<EagerAttention*>();
+    entries_.push_back(Entry{std::move(key), std::move(eager), e});
+  }
+
+  void forget() { entries_.clear(); }
+
+ private:
+  struct Entry {
+    CallKey key;
+    py::object owner;  // keeps `eager` alive
+    EagerAttention* eager;
+  };
+  static constexpr size_t kMaxEntries = 256;
+
+  const Entry* find(const CallKey& key) const {
+    // Most recent first: a model's few shapes repeat.
+    for (size_t i = entries_.size(); i-- > 0;)
+      if (entries_[i].key == key) return &entries_[i];
+    return nullptr;
+  }
+
+  std::vector<Entry> entries_;
+};
+
 }  // namespace
 
 SYMHEAP_BINDINGS(attention_eager) {
@@ -337,6 +503,26 @@ SYMHEAP_BINDINGS(attention_eager) {
            py::arg("pooled"), py::arg("poison") = false, py::arg("inference") = false)
       .def("backward", &EagerAttention::backward, py::arg("q"), py::arg("k"), py::arg("v"),
            py::arg("out"), py::arg("lse"), py::arg("dout"), py::arg("poison") = false);
+  m.def(
+      "attention_eager_call",
+      [](py::handle q, py::handle k, py::handle v, py::handle causal, py::handle window,
+         py::handle scale, py::handle softcap, py::handle deterministic, py::handle backend,
+         bool return_lse, bool poison) {
+        return EagerCalls::instance().call(q, k, v, causal, window, scale, softcap,
+                                           deterministic, backend, return_lse, poison);
+      },
+      "flash_attn_func without tensor options and without autograd, when an earlier call "
+      "planned it (attention_eager_remember); None otherwise.");
+  m.def(
+      "attention_eager_remember",
+      [](py::handle q, py::handle k, py::handle v, py::handle causal, py::handle window,
+         py::handle scale, py::handle softcap, py::handle deterministic, py::handle backend,
+         py::object eager) {
+        EagerCalls::instance().remember(q, k, v, causal, window, scale, softcap, deterministic,
+                                        backend, std::move(eager));
+      });
+  m.def("attention_eager_forget", [] { EagerCalls::instance().forget(); },
+        "Drops every entry attention_eager_remember recorded.");
   // os.environ.get(name, "") at a tenth of its cost (os.environ writes reach
   // the C environment): the plan cache reads the backend variable every call.
   m.def(

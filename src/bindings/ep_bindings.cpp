@@ -121,6 +121,37 @@ using Check = std::optional<Problem>;
 
 Check value_error(std::string m) { return Problem{false, std::move(m)}; }
 
+// The attribute names the front end's handle and output objects use, as
+// interned strings made once: a lookup by them hashes nothing per call.
+struct Names {
+  PyObject *dict, *op_id, *layout, *num_tokens, *rows_shape, *device, *storage, *views, *op,
+      *handle, *lazy;
+  PyObject* parts[4];  // send_rows, recv_meta, summary, weights (see EpOp::Part)
+};
+const Names& names() {
+  static const Names n = [] {
+    auto s = [](const char* v) { return PyUnicode_InternFromString(v); };
+    return Names{s("__dict__"), s("op_id"), s("layout"), s("num_tokens"), s("rows_shape"),
+                 s("device"), s("_storage"), s("_views"), s("_op"), s("handle"), s("_lazy"),
+                 {s("send_rows"), s("recv_meta"), s("summary"), s("weights")}};
+  }();
+  return n;
+}
+
+// An instance of the Python class `type` (a plain class, as object.__new__
+// makes it) whose attributes are `dict`.
+py::object new_instance(py::handle type, py::object dict) {
+  static PyObject* const empty = PyTuple_New(0);
+  PyObject* obj = PyBaseObject_Type.tp_new(reinterpret_cast<PyTypeObject*>(type.ptr()), empty,
+                                           nullptr);
+  if (!obj) throw py::error_already_set();
+  py::object o = py::reinterpret_steal<py::object>(obj);
+  // Through the class's own __dict__ descriptor: right for every CPython
+  // version's instance layout.
+  if (PyObject_SetAttr(obj, names().dict, dict.ptr()) < 0) throw py::error_already_set();
+  return o;
+}
+
 // One op of one PE as the Python front end holds it.
 class EpOp {
   static constexpr size_t kPooled = 4;  // recycled outputs of each kind
@@ -131,6 +162,10 @@ class EpOp {
     auto s = Runtime::instance().current();
     cfg_ = config_from(cfg);
     layout_name_ = cfg["layout"].cast<std::string>();
+    PyObject* layout = PyUnicode_FromString(layout_name_.c_str());
+    if (!layout) throw py::error_already_set();
+    PyUnicode_InternInPlace(&layout);
+    layout_str_ = py::reinterpret_steal<py::object>(layout);
     {
       py::gil_scoped_release nogil;
       id_ = ep::create(*s, cfg_, ws_offset, ws_bytes);
@@ -166,14 +201,24 @@ class EpOp {
     ep::check(*s, *op, h, sync);
   }
 
-  // Returns (rows received or -1, num_tokens, handle storage).
-  py::tuple dispatch(py::handle x, py::handle topk_idx, py::handle topk_weights,
-                     py::handle scales, py::handle stream) {
+  // What dispatch's results are made of on the Python side: the output
+  // class, the handle's torch device and its rows_shape when fixed (None
+  // when it is the count the host knows).
+  void set_front_end(py::object output_type, py::object device, py::object fixed_rows) {
+    output_type_ = std::move(output_type);
+    device_obj_ = std::move(device);
+    fixed_rows_ = std::move(fixed_rows);
+  }
+
+  // Returns the DispatchOutput (its fields made on first use by `owner`, the
+  // EpDispatchCombine) with its EpHandle, both built here.
+  py::object dispatch(py::handle owner, py::handle x, py::handle topk_idx,
+                      py::handle topk_weights, py::handle scales, py::handle stream) {
     DispatchInputs in{bindings::read_tensor(x), bindings::read_tensor(topk_idx),
                       bindings::read_tensor(topk_weights), bindings::read_tensor(scales)};
     const uintptr_t h = stream_of(stream);
-    py::object storage = storage_pool_.take({hl_.words}, h);
-    const uintptr_t base = bindings::tensor_data_ptr(storage);
+    uintptr_t base = 0;
+    py::object storage = storage_pool_.take({hl_.words}, h, &base);
     int64_t n = 0, num_tokens = 0;
     {
       bindings::PeCallGil nogil;
@@ -206,7 +251,7 @@ class EpOp {
       }
       if (problem) problem->raise();  // only reached if the core did not raise
     }
-    return py::make_tuple(n, num_tokens, std::move(storage));
+    return make_output(owner, n, num_tokens, std::move(storage));
   }
 
   // Returns `out` (allocated here when None).
@@ -216,8 +261,12 @@ class EpOp {
     const uintptr_t h = stream_of(stream);
     py::object result = py::reinterpret_borrow<py::object>(out);
     if (out.is_none() && in.num_tokens >= 0) {
-      result = out_pool_.take({in.num_tokens, cfg_.hidden}, h);
-      in.out = bindings::read_tensor(result, false);
+      // Made here: its dtype, shape and device are known, only the address is read.
+      result = out_pool_.take({in.num_tokens, cfg_.hidden}, h, &in.out.ptr);
+      in.out.present = in.out.is_tensor = in.out.contiguous = true;
+      in.out.dtype = combine_dtype_;
+      in.out.shape = {in.num_tokens, cfg_.hidden};
+      in.out.device = torch_device_;
     }
     {
       bindings::PeCallGil nogil;
@@ -259,8 +308,8 @@ class EpOp {
     in.expert_out = bindings::read_tensor(rows);  // this call's input rows
     read_handle(handle, in);
     const uintptr_t h = stream_of(stream);
-    py::object result = out_pool_.take({geo_.recv_rows, cfg_.hidden}, h);
-    const uintptr_t out = bindings::tensor_data_ptr(result);
+    uintptr_t out = 0;
+    py::object result = out_pool_.take({geo_.recv_rows, cfg_.hidden}, h, &out);
     {
       bindings::PeCallGil nogil;
       Check problem = check_handle(in, false);
@@ -316,6 +365,31 @@ class EpOp {
     uintptr_t part_ptr[4] = {};
     uintptr_t part(Part p) const { return replaced[p] ? parts[p].ptr : part_ptr[p]; }
   };
+
+  // DispatchOutput(handle=EpHandle(...), _lazy=(owner, rows)); see ep/_op.py.
+  py::object make_output(py::handle owner, int64_t rows, int64_t num_tokens, py::object storage) {
+    if (!output_type_) throw StateError("EpOp.set_front_end was not called before dispatch");
+    const Names& k = names();
+    py::object rows_shape = fixed_rows_;
+    if (rows_shape.is_none())
+      rows_shape = py::make_tuple(std::max<int64_t>(rows, 0), cfg_.hidden);
+    py::dict h;
+    set_item(h, k.op_id, py::int_(id_));
+    set_item(h, k.layout, layout_str_);
+    set_item(h, k.num_tokens, py::int_(num_tokens));
+    set_item(h, k.rows_shape, rows_shape);
+    set_item(h, k.device, device_obj_);
+    set_item(h, k.storage, storage);
+    set_item(h, k.views, py::dict());
+    set_item(h, k.op, owner);
+    py::dict o;
+    set_item(o, k.handle, new_instance(handle_type_, std::move(h)));
+    set_item(o, k.lazy, py::make_tuple(py::reinterpret_borrow<py::object>(owner), rows));
+    return new_instance(output_type_, std::move(o));
+  }
+  static void set_item(const py::dict& d, PyObject* key, py::handle value) {
+    if (PyDict_SetItem(d.ptr(), key, value.ptr()) < 0) throw py::error_already_set();
+  }
 
   template <class T>
   static T* ptr(uintptr_t addr) {
@@ -408,44 +482,63 @@ class EpOp {
   void read_handle(py::handle handle, CombineInputs& in) {
     in.is_handle = PyObject_IsInstance(handle.ptr(), handle_type_.ptr()) == 1;
     if (!in.is_handle) {
+      PyErr_Clear();
       in.handle_type = py::str(py::type::handle_of(handle).attr("__name__"));
       return;
     }
-    py::dict d = handle.attr("__dict__");
-    auto field = [&](const char* name) -> py::handle {
-      PyObject* v = PyDict_GetItemString(d.ptr(), name);
-      return v ? py::handle(v) : py::handle();
+    const Names& k = names();
+    PyObject* d = PyObject_GetAttr(handle.ptr(), k.dict);
+    if (!d) throw py::error_already_set();
+    const py::object keep = py::reinterpret_steal<py::object>(d);
+    // Borrowed references (the dict keeps them); a missing one is null.
+    auto field = [&](PyObject* name) -> py::handle {
+      PyObject* v = PyDict_Check(d) ? PyDict_GetItemWithError(d, name) : nullptr;
+      if (!v) PyErr_Clear();
+      return py::handle(v);
     };
-    py::handle op_id = field("op_id");
+    py::handle op_id = field(k.op_id);
     in.foreign = !op_id || !PyLong_CheckExact(op_id.ptr()) ||
                  PyLong_AsLongLong(op_id.ptr()) != id_;
-    if (in.foreign) return;
-    py::handle layout = field("layout"), count = field("num_tokens"), rows = field("rows_shape");
-    in.modified = !layout || !PyUnicode_Check(layout.ptr()) ||
-                  layout.cast<std::string>() != layout_name_ || !count ||
-                  !PyLong_CheckExact(count.ptr()) || !rows || !PyTuple_Check(rows.ptr());
+    if (in.foreign) {
+      PyErr_Clear();
+      return;
+    }
+    py::handle layout = field(k.layout), count = field(k.num_tokens), rows = field(k.rows_shape);
+    const bool layout_ok = layout && PyUnicode_Check(layout.ptr()) &&
+                           (layout.ptr() == layout_str_.ptr() ||
+                            PyUnicode_Compare(layout.ptr(), layout_str_.ptr()) == 0);
+    in.modified = !layout_ok || !count || !PyLong_CheckExact(count.ptr()) || !rows ||
+                  !PyTuple_Check(rows.ptr());
     if (!in.modified) {
       const int64_t n = PyLong_AsLongLong(count.ptr());
       in.modified = n < 0 || n > cfg_.max_tokens;
       if (!in.modified) in.num_tokens = n;
-      for (py::handle r : py::reinterpret_borrow<py::tuple>(rows))
-        in.rows_shape.push_back(PyLong_AsLongLong(r.ptr()));
+      const Py_ssize_t dims = PyTuple_GET_SIZE(rows.ptr());
+      for (Py_ssize_t i = 0; i < dims; ++i)
+        in.rows_shape.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(rows.ptr(), i)));
     }
+    PyErr_Clear();
     if (in.modified) return;
-    static const char* const names[4] = {"send_rows", "recv_meta", "summary", "weights"};
     for (int p = 0; p < 4; ++p)
-      if (py::handle v = field(names[p])) {
+      if (py::handle v = field(k.parts[p])) {
         in.replaced[p] = true;
         in.parts[p] = bindings::read_tensor(v);
       }
-    if (py::handle st = field("_storage")) {
-      in.storage = bindings::read_tensor(st, false);
+    if (py::handle st = field(k.storage)) {
+      TensorRef& r = in.storage;
+      if (storage_pool_.holds(st, {hl_.words}, &r.ptr)) {  // the one dispatch made: known
+        r.present = r.is_tensor = r.contiguous = true;
+        r.dtype = TorchDType::I32;
+        r.shape = {hl_.words};
+        r.device = torch_device_;
+      } else {
+        r = bindings::read_tensor(st, false);
+      }
       const int64_t offs[4] = {hl_.send_rows, hl_.recv_meta, hl_.summary, hl_.weights};
       for (int p = 0; p < 4; ++p)
         if (offs[p] >= 0) in.part_ptr[p] = in.storage.ptr + static_cast<uintptr_t>(offs[p]) * 4;
     }
     PyErr_Clear();
-    return;
   }
 
   Check check_combine(const CombineInputs& in) const {
@@ -522,7 +615,7 @@ class EpOp {
   int torch_device_ = -1;
   TorchDType x_dtype_ = TorchDType::Other, scale_dtype_ = TorchDType::Other,
              combine_dtype_ = TorchDType::Other;
-  py::object handle_type_;
+  py::object handle_type_, output_type_, device_obj_, fixed_rows_, layout_str_;
   // Handle storage and combine outputs, recycled once the caller let go of them.
   bindings::TensorPool storage_pool_{TorchDType::I32, -1, 0}, out_pool_{TorchDType::I32, -1, 0};
 };
@@ -588,7 +681,9 @@ SYMHEAP_BINDINGS(ep) {
       .def_property_readonly("id", &EpOp::id)
       .def("destroy", &EpOp::destroy)
       .def("check", &EpOp::check, py::arg("stream"), py::arg("sync"))
-      .def("dispatch", &EpOp::dispatch, py::arg("x"), py::arg("topk_idx"),
+      .def("set_front_end", &EpOp::set_front_end, py::arg("output_type"), py::arg("device"),
+           py::arg("fixed_rows"))
+      .def("dispatch", &EpOp::dispatch, py::arg("owner"), py::arg("x"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("scales"), py::arg("stream"))
       .def("combine", &EpOp::combine, py::arg("expert_out"), py::arg("handle"),
            py::arg("topk_weights"), py::arg("out"), py::arg("stream"))

@@ -32,6 +32,8 @@ struct Torch {
   PyObject* s_cdata = nullptr;
   PyObject* s_requires_grad = nullptr;
   PyObject* storage_use_count = nullptr;  // torch._C._storage_Use_Count, if present
+  PyObject* is_grad_enabled = nullptr;
+  PyObject* is_inference_mode_enabled = nullptr;
 };
 
 const Torch& torch_api() {
@@ -59,6 +61,8 @@ const Torch& torch_api() {
   made->s_untyped_storage = PyUnicode_InternFromString("untyped_storage");
   made->s_cdata = PyUnicode_InternFromString("_cdata");
   made->s_requires_grad = PyUnicode_InternFromString("requires_grad");
+  made->is_grad_enabled = owned(torch.attr("is_grad_enabled"));
+  made->is_inference_mode_enabled = owned(torch.attr("is_inference_mode_enabled"));
   if (py::hasattr(C, "_storage_Use_Count")) made->storage_use_count = owned(C.attr("_storage_Use_Count"));
   t = made;
   return *t;
@@ -165,6 +169,41 @@ TensorRef read_address(py::handle tensor) {
   return r;
 }
 
+TensorRef read_layout(py::handle obj) {
+  TensorRef r;
+  if (obj.is_none()) return r;
+  r.present = true;
+  const Torch& T = torch_api();
+  if (!PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(T.tensor_type))) return r;
+  r.is_tensor = true;
+  PyObject* dt = get_attr(obj, T.s_dtype).ptr();
+  for (int i = 1; i < kDTypes; ++i)
+    if (dt == T.dtypes[i]) r.dtype = static_cast<TorchDType>(i);
+  r.shape = int_tuple(get_attr(obj, T.s_shape));
+  r.ptr = PyLong_AsUnsignedLongLong(call_method(obj, T.s_data_ptr).ptr());
+  r.device = static_cast<int>(PyLong_AsLong(call_method(obj, T.s_get_device).ptr()));
+  r.strides = int_tuple(call_method(obj, T.s_stride));
+  return r;
+}
+
+namespace {
+bool call_flag(PyObject* fn) {
+  PyObject* r = PyObject_CallNoArgs(fn);
+  if (!r) throw py::error_already_set();
+  const bool on = r == Py_True;
+  Py_DECREF(r);
+  return on;
+}
+}  // namespace
+
+bool torch_grad_enabled() { return call_flag(torch_api().is_grad_enabled); }
+
+bool torch_inference_mode() { return call_flag(torch_api().is_inference_mode_enabled); }
+
+bool requires_grad(py::handle tensor) {
+  return get_attr(tensor, torch_api().s_requires_grad).ptr() == Py_True;
+}
+
 uintptr_t tensor_data_ptr(py::handle tensor) {
   return PyLong_AsUnsignedLongLong(call_method(tensor, torch_api().s_data_ptr).ptr());
 }
@@ -201,31 +240,47 @@ py::dict empty_kwargs(TorchDType dtype, int device) {
   return kw;
 }
 
-py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream) {
+py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream,
+                            uintptr_t* data) {
   const Torch& T = torch_api();
   for (size_t i = 0; i < entries_.size(); ++i) {
     Entry& e = entries_[i];
     if (e.stream != stream || e.shape != shape || Py_REFCNT(e.tensor.ptr()) != 1) continue;
-    if (e.idle_uses < 0 || storage_uses(T, e.tensor) != e.idle_uses) continue;
-    if (get_attr(e.tensor, T.s_requires_grad).ptr() == Py_True) {
-      // Its last holder made it an autograd leaf: not a fresh output any more.
-      entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(i--));
-      continue;
+    if (!internal_) {
+      if (e.idle_uses < 0 || storage_uses(T, e.tensor) != e.idle_uses) continue;
+      if (get_attr(e.tensor, T.s_requires_grad).ptr() == Py_True) {
+        // Its last holder made it an autograd leaf: not a fresh output any more.
+        entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(i--));
+        continue;
+      }
     }
+    if (data) *data = e.data;
     return e.tensor;
   }
   if (!kwargs_) kwargs_ = empty_kwargs(dtype_, device_);
   py::object t = torch_empty(shape, kwargs_);
+  const uintptr_t addr = tensor_data_ptr(t);
+  if (data) *data = addr;
   if (capacity_ == 0) return t;
-  const int64_t uses = storage_uses(T, t);
-  if (uses <= 0) return t;
+  const int64_t uses = internal_ ? 0 : storage_uses(T, t);
+  if (!internal_ && uses <= 0) return t;
   if (entries_.size() < capacity_) {
-    entries_.push_back(Entry{t, shape, stream, uses});
+    entries_.push_back(Entry{t, shape, stream, uses, addr});
   } else {  // full of outputs callers keep: forget one in turn (its holders keep it alive)
-    entries_[replace_next_] = Entry{t, shape, stream, uses};
+    entries_[replace_next_] = Entry{t, shape, stream, uses, addr};
     replace_next_ = (replace_next_ + 1) % capacity_;
   }
   return t;
+}
+
+bool TensorPool::holds(py::handle tensor, const std::vector<int64_t>& shape,
+                       uintptr_t* data) const {
+  for (const Entry& e : entries_)
+    if (e.tensor.ptr() == tensor.ptr() && e.shape == shape) {
+      *data = e.data;
+      return true;
+    }
+  return false;
 }
 
 }  // namespace symheap::bindings

@@ -49,6 +49,16 @@ TensorRef read_tensor(py::handle obj, bool make_contiguous = true, bool want_str
 // shape and dtype checked before): the cheapest read.
 TensorRef read_address(py::handle tensor);
 
+// A torch.Tensor's dtype, shape, address, device and strides (no
+// contiguity); `is_tensor` false (nothing else read) for anything else.
+TensorRef read_layout(py::handle obj);
+
+// torch's grad mode and inference mode of the calling thread, and whether a
+// tensor requires grad.
+bool torch_grad_enabled();
+bool torch_inference_mode();
+bool requires_grad(py::handle tensor);
+
 // The address of a tensor known to be one (a tensor this call allocated).
 uintptr_t tensor_data_ptr(py::handle tensor);
 
@@ -73,11 +83,19 @@ py::dict empty_kwargs(TorchDType dtype, int device);
 // last holder made it require grad is dropped, not handed out; when every
 // entry is kept by its callers, a new tensor takes an entry's place in turn
 // (the pool only forgets the old one). GIL held.
+//
+// `internal`: the pool's tensors never reach Python code (a call's scratch),
+// so no view of them exists and the pool's own reference being the only one
+// is enough: the storage and autograd checks are skipped.
 class TensorPool {
  public:
-  TensorPool(TorchDType dtype, int device, size_t capacity)
-      : dtype_(dtype), device_(device), capacity_(capacity) {}
-  py::object take(const std::vector<int64_t>& shape, uintptr_t stream);
+  TensorPool(TorchDType dtype, int device, size_t capacity, bool internal = false)
+      : dtype_(dtype), device_(device), capacity_(capacity), internal_(internal) {}
+  // A tensor of `shape`; `data`, if given, receives its address.
+  py::object take(const std::vector<int64_t>& shape, uintptr_t stream, uintptr_t* data = nullptr);
+  // Whether `tensor` is one of the pool's entries, handed out with `shape`:
+  // then its address is known (`data`) without asking torch.
+  bool holds(py::handle tensor, const std::vector<int64_t>& shape, uintptr_t* data) const;
 
  private:
   struct Entry {
@@ -85,10 +103,12 @@ class TensorPool {
     std::vector<int64_t> shape;
     uintptr_t stream = 0;
     int64_t idle_uses = 0;  // storage references when only the pool holds it
+    uintptr_t data = 0;
   };
   TorchDType dtype_;
   int device_;
   size_t capacity_;
+  bool internal_ = false;
   size_t replace_next_ = 0;
   std::vector<Entry> entries_;
   py::object kwargs_;

@@ -416,7 +416,7 @@ def test_plan_cache_shared_by_threads():
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 33, 2, 16, generator=g) for _ in range(3))
     ref, ref_lse = attention_reference(q, k, v, causal=True)
-    _plan._device_caches.clear()
+    _plan.clear_plan_caches()
     results, errors = [None] * 4, []
 
     def body(i):

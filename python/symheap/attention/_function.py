@@ -181,8 +181,16 @@ def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scal
     float32 when ``return_lse``. Differentiable in q, k, v and bias.
     """
     if bias is None and mask is None and alibi_slopes is None and not dropout_p:
+        # A repeat call without autograd: one C++ call finds its plan and runs it.
+        r = _core.attention_eager_call(q, k, v, causal, window_size, softmax_scale, softcap,
+                                       deterministic, backend, return_lse, _plan.poison_outputs)
+        if r is not None:
+            return r
         plan = cached_plan(q, k, v, causal, window_size, softmax_scale, softcap, deterministic,
                            backend)
+        if plan.eager is not None and not _needs_grad(q, k, v, None):
+            _core.attention_eager_remember(q, k, v, causal, window_size, softmax_scale, softcap,
+                                           deterministic, backend, plan.eager)
     else:  # tensor options: planned per call
         plan = make_plan(q, k, v, varlen=False, causal=causal, window_size=window_size,
                          softmax_scale=softmax_scale, softcap=softcap, bias=bias, mask=mask,

@@ -274,6 +274,14 @@ def cached_plan(q, k, v, causal, window_size, softmax_scale, softcap, determinis
             return plan
 
 
+def clear_plan_caches() -> None:
+    """Forgets every cached plan: the per-device caches and the core's table of
+    their eager entries (the one-call path of repeat no-grad calls)."""
+    with _device_caches_lock:
+        _device_caches.clear()
+    _core.attention_eager_forget()
+
+
 def core_template(plan: Plan, dtype) -> "_core.AttentionArgs":
     """A fixed-length plan's core arguments: shapes, options and dtypes; the
     core's attention_forward_tensors adds each call's addresses and strides."""

@@ -171,6 +171,7 @@ class EpDispatchCombine:
             self._fixed_rows = (g["recv_rows"], config.hidden)
         else:
             self._fixed_rows = None  # the host knows the count: outputs keep that many rows
+        op.set_front_end(DispatchOutput, self._torch_device, self._fixed_rows)
         self._op = op
 
     # ----------------------------------------------------------- properties
@@ -202,17 +203,12 @@ class EpDispatchCombine:
         if op is None:
             raise SymheapError("this EpDispatchCombine is closed")
         # One core call checks the arguments, routes, moves the rows (GIL released)
-        # and returns the handle's one storage tensor.
-        rows, num_tokens, storage = op.dispatch(
-            x, topk_idx, topk_weights, scales, None if stream is None else stream_handle(stream))
-        handle = EpHandle.__new__(EpHandle)
-        handle.__dict__.update(
-            op_id=self._id, layout=self.config.layout, num_tokens=num_tokens,
-            rows_shape=self._fixed_rows or (max(rows, 0), self.config.hidden),
-            device=self._torch_device, _storage=storage, _views={}, _op=self)
-        out = DispatchOutput.__new__(DispatchOutput)
-        out.__dict__.update(handle=handle, _lazy=(self, rows))
-        return out
+        # and builds the DispatchOutput: its EpHandle holds op_id, layout,
+        # num_tokens, rows_shape, device, the handle's one storage tensor
+        # (_storage), _views and _op (self); the output holds handle and
+        # _lazy = (self, rows received or -1).
+        return op.dispatch(self, x, topk_idx, topk_weights, scales,
+                           None if stream is None else stream_handle(stream))
 
     def combine(self, expert_out, handle: EpHandle, topk_weights=None, *, out=None,
                 stream=None):
