@@ -144,14 +144,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def run_mpi_program(scenario, timeout_s, mpirun_args=(), survivors=(0, 1, 2, 3)):
-    """remote_mpi_program.py under mpirun: 2 processes (nodes) x 2 PE threads;
-    every PE of ``survivors`` must report OK (and, when all do, mpirun succeed)."""
+def run_mpi_program(scenario, timeout_s, mpirun_args=(), survivors=(0, 1, 2, 3),
+                    pes_per_node=2):
+    """remote_mpi_program.py under mpirun: 2 processes (nodes) x ``pes_per_node``
+    PE threads; every PE of ``survivors`` must report OK (and, when all do,
+    mpirun succeed)."""
     pytest.importorskip("mpi4py")
     mpirun = shutil.which("mpirun")
     assert mpirun, "mpirun not found: scripts/setup.sh installs OpenMPI"
     env = dict(os.environ, SYMHEAP_BACKEND="cpu", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+               SYMHEAP_TEST_PES_PER_NODE=str(pes_per_node),
                PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
     cmd = [mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", *mpirun_args,
@@ -166,7 +169,7 @@ def run_mpi_program(scenario, timeout_s, mpirun_args=(), survivors=(0, 1, 2, 3))
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"mpirun {scenario} did not finish within 120 s:\n{out[-6000:]}")
-    if len(survivors) == 4:
+    if len(survivors) == 2 * pes_per_node:
         assert proc.returncode == 0, out[-6000:]
     assert sorted(re.findall(rf"OK {scenario} pe (\d)", out)) == [str(r) for r in survivors], \
         out[-6000:]
@@ -214,3 +217,22 @@ def test_ep_across_nodes_under_mpirun():
     pattern in each layout and dtype, dispatch / combine / redispatch checked
     against references (rows for remote PEs go through the remote transport)."""
     run_mpi_program("ep", 30)
+
+
+def test_ep_across_nodes_three_pes_per_node_under_mpirun():
+    """The same with 2 nodes x 3 PEs (forwarders serve sources of every local index)."""
+    run_mpi_program("ep", 30, survivors=tuple(range(6)), pes_per_node=3)
+
+
+def test_ep_forwarding_bytes_under_mpirun():
+    """Tokens bound for every PE: forwarded inside the node, a dispatch sends
+    fewer bytes across nodes than per PE, with the same outputs bit for bit."""
+    out = run_mpi_program("ep_bytes", 30)
+    assert len(re.findall(r"BYTES pe \d: forwarded \d+ per-PE \d+", out)) == 4, out[-6000:]
+
+
+def test_ep_frozen_node_under_mpirun():
+    """A frozen (SIGSTOP) node whose PEs forward for the caller: dispatch raises
+    TimeoutError naming the forwarder within the 3 s timeout; the job then finishes."""
+    out = run_mpi_program("ep_frozen", 3)
+    assert len(re.findall(r"EP-FROZEN-ERROR pe [01]: .*timed out after", out)) == 2, out[-6000:]

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "symheap/errors.hpp"
+#include "symheap/runtime.hpp"
 
 namespace symheap::ep {
 
@@ -188,7 +189,18 @@ Geometry make_geometry(const Config& c, int n_pes) {
                              : static_cast<size_t>(g.combine_rows) * kMaxPieces * 8);
   g.off_route_totals = take(2 * (n + c.num_experts + 1) * 4);
   g.off_dest_sums = take(token_major ? 2 * n * (n + 1) * 8 : 0);
+  // Only the cpu implementation forwards (the kernels need every PE mapped).
+  const bool forwards = Runtime::instance().backend_name() == "cpu";
+  g.off_fwd_flag = take(forwards ? n * 8 : 0);
+  g.off_fwd_count = take(forwards ? n * 4 : 0);
   g.sync_bytes = at;
+  if (forwards) {
+    g.fwd_header_words = 1 + 2 * g.send_cols + 2 * c.topk;
+    g.fwd_x_at = align_up(static_cast<size_t>(g.fwd_header_words) * 4, 16);
+    g.fwd_scales_at = g.fwd_x_at + align_up(g.row_bytes, 16);
+    g.fwd_rec_bytes = g.fwd_scales_at + align_up(g.scale_row_bytes, 16);
+  }
+  g.off_fwd_rec = take(n * static_cast<size_t>(c.max_tokens) * g.fwd_rec_bytes);
   const size_t route_cols = token_major ? n : static_cast<size_t>(c.num_experts);
   g.off_route_counts = take(static_cast<size_t>(g.grid_blocks) * route_cols * 8);
   g.off_route_done = take(static_cast<size_t>(g.grid_blocks) * 8);

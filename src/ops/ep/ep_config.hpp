@@ -121,6 +121,15 @@ struct Geometry {
   // Local staging for the copy-engine kernel.
   size_t off_stage_x = 0, off_stage_scales = 0, off_stage_idx = 0, off_stage_w = 0,
          off_stage_meta = 0, off_stage_combine = 0;
+  // Forwarding inside a node (cpu, jobs across nodes; see ep_cpu.cpp): per
+  // source PE, the epoch of its forwarded rows (uint64 [n], a sync word), how
+  // many it sent (int32 [n]), and its records [n][max_tokens][fwd_rec_bytes]:
+  // int32 header [fwd_header_words] (token, destination row and combine row
+  // per send column, expert ids [topk], float weights [topk]), then the row
+  // at fwd_x_at and its scales at fwd_scales_at. Empty on cuda.
+  size_t off_fwd_flag = 0, off_fwd_count = 0, off_fwd_rec = 0;
+  size_t fwd_rec_bytes = 0, fwd_x_at = 0, fwd_scales_at = 0;
+  int32_t fwd_header_words = 0;
   size_t sync_bytes = 0;  // [0, sync_bytes) is zeroed when the op is created
   size_t total = 0;
 };

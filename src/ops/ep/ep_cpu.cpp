@@ -116,15 +116,15 @@ class Stores {
 };
 uint64_t load_flag(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
-// Waits until flags[q] >= target for every PE q; the error names the late ones.
-void wait_all(const PeState& s, const Op& op, const uint64_t* flags, uint64_t target,
-              const std::string& call, const char* what) {
+// Waits until flags[q] >= target for every PE q of `pes`; the error names the late ones.
+void wait_for(const PeState& s, const Op& op, const uint64_t* flags, uint64_t target,
+              const std::vector<int>& pes, const std::string& call, const char* what) {
   Waiter waiter(&s, op.timeout_s);
-  for (int q = 0; q < op.n_pes; ++q) {
+  for (int q : pes) {
     while (load_flag(&flags[q]) < target) {
       if (!waiter.pause()) {
         std::string late;
-        for (int r = 0; r < op.n_pes; ++r)
+        for (int r : pes)
           if (load_flag(&flags[r]) < target) late += (late.empty() ? "" : ", ") + std::to_string(r);
         throw TimeoutError(call + " on PE " + std::to_string(op.my_pe) + " timed out after " +
                            std::to_string(op.timeout_s) + " s waiting for " + what +
@@ -132,6 +132,13 @@ void wait_all(const PeState& s, const Op& op, const uint64_t* flags, uint64_t ta
       }
     }
   }
+}
+
+void wait_all(const PeState& s, const Op& op, const uint64_t* flags, uint64_t target,
+              const std::string& call, const char* what) {
+  std::vector<int> all(op.n_pes);
+  for (int q = 0; q < op.n_pes; ++q) all[q] = q;
+  wait_for(s, op, flags, target, all, call, what);
 }
 
 std::string call_name(const char* what, uint64_t epoch) {
@@ -217,71 +224,185 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
     overflow = !abort.empty();
   }
 
-  // 3. Rows straight into their destination's receive buffer.
+  // 3. Rows straight into their destination's receive buffer; with
+  //    forwarding, rows for another node go once, as one record per token and
+  //    node, to that node's forwarder for this PE (step 3b stores them).
+  const NodeLayout& nl = op.nodes;
+  const int my_node = nl.node_of[me], n_nodes = static_cast<int>(nl.pes_of.size());
+  auto crosses = [&](int d) { return nl.forward && nl.node_of[d] != my_node; };
+  const int cols = g.send_cols, HW = g.fwd_header_words;
+  const int64_t cap = c.max_tokens;  // token_slots: slots per source
+  std::vector<int32_t> fwd_count(n_nodes, 0);
+  // Stores into d's receive buffer, shared by senders and forwarders.
+  auto land_row = [&](int d, int64_t dst, const char* xrow, const char* srow) {
+    std::memcpy(st.at<char>(d, g.off_recv_x + dst * g.row_bytes, g.row_bytes), xrow, g.row_bytes);
+    if (g.scale_row_bytes)
+      std::memcpy(st.at<char>(d, g.off_recv_scales + dst * g.scale_row_bytes, g.scale_row_bytes),
+                  srow, g.scale_row_bytes);
+  };
+  auto land_meta = [&](int d, int64_t dst, int src, int64_t t, int32_t slot, int32_t crow) {
+    int32_t* meta = st.at<int32_t>(d, g.off_recv_meta + dst * kMetaWords * 4, kMetaWords);
+    meta[kMetaSrcPe] = src;
+    meta[kMetaToken] = static_cast<int32_t>(t);
+    meta[kMetaSlot] = slot;
+    meta[kMetaCombineRow] = crow;
+  };
+  // Token-major: ids and weights of the token's top-k, as d sees them.
+  auto land_topk = [&](int d, int64_t dst, const int64_t* ids, const float* weights) {
+    int32_t* idx = st.at<int32_t>(d, g.off_recv_idx + dst * K * 4, K);
+    float* w = st.at<float>(d, g.off_recv_w + dst * K * 4, K);
+    for (int k = 0; k < K; ++k) {
+      bool local = ids[k] >= 0 && ids[k] / L == d;
+      idx[k] = local ? static_cast<int32_t>(ids[k] % L) : -1;
+      w[k] = local ? weights[k] : 0.0f;
+    }
+  };
+  auto land_empty_slot = [&](int d, int64_t slot) {  // token_slots: no source, no experts
+    std::fill_n(st.at<int32_t>(d, g.off_recv_idx + slot * K * 4, K), K, -1);
+    std::fill_n(st.at<float>(d, g.off_recv_w + slot * K * 4, K), K, 0.0f);
+    std::fill_n(st.at<int32_t>(d, g.off_recv_meta + slot * kMetaWords * 4, kMetaWords),
+                kMetaWords, -1);
+  };
+  // A forwarded record's header: [token, dst row per column, combine row per
+  // column, ids[K], weights[K]] (see Geometry::fwd_header_words).
+  auto rec_dst = [&](int32_t* h, int j) -> int32_t& { return h[1 + j]; };
+  auto rec_crow = [&](int32_t* h, int j) -> int32_t& { return h[1 + cols + j]; };
   const char* x = static_cast<const char*>(a.x);
   const char* scales = static_cast<const char*>(a.scales);
   if (abort.empty() && (T > 0 || c.token_slots)) {  // (token_slots: empty slots too)
-    auto put_row = [&](int d, int64_t dst_row, int64_t t) {
-      std::memcpy(st.at<char>(d, g.off_recv_x + dst_row * g.row_bytes, g.row_bytes),
-                  x + t * g.row_bytes, g.row_bytes);
-      if (g.scale_row_bytes)
-        std::memcpy(st.at<char>(d, g.off_recv_scales + dst_row * g.scale_row_bytes,
-                                g.scale_row_bytes),
-                    scales + t * g.scale_row_bytes, g.scale_row_bytes);
+    std::vector<std::vector<int32_t>> rec(n_nodes);  // this token's record per node
+    std::vector<int64_t> ids(K);
+    std::vector<float> weights(K);
+    auto record = [&](int node, int64_t t) {
+      std::vector<int32_t>& h = rec[node];
+      if (h.empty()) {
+        h.assign(HW, -1);
+        h[0] = static_cast<int32_t>(t);
+        for (int k = 0; k < K; ++k) h[1 + 2 * cols + k] = static_cast<int32_t>(ids[k]);
+        std::memcpy(&h[1 + 2 * cols + K], weights.data(), K * 4);
+      }
+      return h.data();
+    };
+    auto begin_token = [&](int64_t t) {
+      for (int k = 0; k < K && t < T; ++k) {
+        ids[k] = read_index(a.topk_idx, a.idx_int64, t * K + k);
+        weights[k] = a.topk_weights[t * K + k];
+      }
+      for (auto& h : rec) h.clear();
+    };
+    auto send_records = [&](int64_t t) {  // one store per record: one put when adjacent
+      for (int node = 0; node < n_nodes; ++node) {
+        if (rec[node].empty()) continue;
+        const int f = nl.forwarder(me, node);
+        const size_t i = static_cast<size_t>(me) * cap + fwd_count[node]++;
+        char* out = st.at<char>(f, g.off_fwd_rec + i * g.fwd_rec_bytes, g.fwd_rec_bytes);
+        std::memset(out, 0, g.fwd_rec_bytes);
+        std::memcpy(out, rec[node].data(), HW * 4);
+        std::memcpy(out + g.fwd_x_at, x + t * g.row_bytes, g.row_bytes);
+        if (g.scale_row_bytes)
+          std::memcpy(out + g.fwd_scales_at, scales + t * g.scale_row_bytes, g.scale_row_bytes);
+      }
     };
     if (token_major) {
       std::vector<int64_t> base(n, 0);  // first row of this PE's rows on each destination
       for (int d = 0; d < n; ++d)
         for (int q = 0; q < me; ++q) base[d] += cell(q, kCountDest + d);
-      const int64_t cap = c.max_tokens;  // token_slots: slots per source
-      for (int64_t t = 0; t < (c.token_slots ? cap : T); ++t)
+      for (int64_t t = 0; t < (c.token_slots ? cap : T); ++t) {
+        begin_token(t);
         for (int d = 0; d < n; ++d) {
           int32_t p = t < T ? r.pos[t * n + d] : -1;
-          if (p < 0 && c.token_slots) {  // an empty slot: no source, no experts
-            int64_t slot = me * cap + t;
-            std::fill_n(st.at<int32_t>(d, g.off_recv_idx + slot * K * 4, K), K, -1);
-            std::fill_n(st.at<float>(d, g.off_recv_w + slot * K * 4, K), K, 0.0f);
-            std::fill_n(st.at<int32_t>(d, g.off_recv_meta + slot * kMetaWords * 4, kMetaWords),
-                        kMetaWords, -1);
-          }
+          if (p < 0 && c.token_slots && !crosses(d)) land_empty_slot(d, me * cap + t);
           if (p < 0) continue;
           int64_t dst = c.token_slots ? me * cap + t : base[d] + p;
-          put_row(d, dst, t);
-          int32_t* idx = st.at<int32_t>(d, g.off_recv_idx + dst * K * 4, K);
-          float* w = st.at<float>(d, g.off_recv_w + dst * K * 4, K);
-          for (int k = 0; k < K; ++k) {
-            int64_t id = read_index(a.topk_idx, a.idx_int64, t * K + k);
-            bool local = id >= 0 && id / L == d;
-            idx[k] = local ? static_cast<int32_t>(id % L) : -1;
-            w[k] = local ? a.topk_weights[t * K + k] : 0.0f;
+          int32_t crow = c.token_slots ? static_cast<int32_t>(d * cap + t) : r.send_rows[t * n + d];
+          if (crosses(d)) {
+            int32_t* h = record(nl.node_of[d], t);
+            rec_dst(h, d) = static_cast<int32_t>(dst);
+            rec_crow(h, d) = crow;
+            continue;
           }
-          int32_t* meta = st.at<int32_t>(d, g.off_recv_meta + dst * kMetaWords * 4, kMetaWords);
-          meta[kMetaSrcPe] = me;
-          meta[kMetaToken] = static_cast<int32_t>(t);
-          meta[kMetaSlot] = -1;
-          meta[kMetaCombineRow] = c.token_slots ? static_cast<int32_t>(d * cap + t)
-                                                : r.send_rows[t * n + d];
+          land_row(d, dst, x + t * g.row_bytes, scales + t * g.scale_row_bytes);
+          land_topk(d, dst, ids.data(), weights.data());
+          land_meta(d, dst, me, t, -1, crow);
         }
+        send_records(t);
+      }
     } else {
       std::vector<int64_t> base(c.num_experts, 0);  // this PE's first row in each expert's run
       for (int e = 0; e < c.num_experts; ++e)
         for (int q = 0; q < me; ++q) base[e] += cell(q, kCountDest + n + e);
-      for (int64_t t = 0; t < T; ++t)
+      for (int64_t t = 0; t < T; ++t) {
+        begin_token(t);
         for (int k = 0; k < K; ++k) {
           int32_t p = r.pos[t * K + k];
           if (p < 0) continue;
-          int64_t id = read_index(a.topk_idx, a.idx_int64, t * K + k);
+          int64_t id = ids[k];
           int d = static_cast<int>(id / L);
           int64_t dst = (id % L) * g.expert_cap + base[id] + p;
-          put_row(d, dst, t);
-          *st.at<float>(d, g.off_recv_w + dst * 4, 1) = a.topk_weights[t * K + k];
-          int32_t* meta = st.at<int32_t>(d, g.off_recv_meta + dst * kMetaWords * 4, kMetaWords);
-          meta[kMetaSrcPe] = me;
-          meta[kMetaToken] = static_cast<int32_t>(t);
-          meta[kMetaSlot] = k;
-          meta[kMetaCombineRow] = r.send_rows[t * K + k];
+          if (crosses(d)) {
+            int32_t* h = record(nl.node_of[d], t);
+            rec_dst(h, k) = static_cast<int32_t>(dst);
+            rec_crow(h, k) = r.send_rows[t * K + k];
+            continue;
+          }
+          land_row(d, dst, x + t * g.row_bytes, scales + t * g.scale_row_bytes);
+          *st.at<float>(d, g.off_recv_w + dst * 4, 1) = weights[k];
+          land_meta(d, dst, me, t, k, r.send_rows[t * K + k]);
         }
+        send_records(t);
+      }
     }
+  }
+  for (int node = 0; nl.forward && node < n_nodes; ++node) {
+    if (node == my_node) continue;
+    const int f = nl.forwarder(me, node);
+    *st.at<int32_t>(f, g.off_fwd_count + static_cast<size_t>(me) * 4, 1) = fwd_count[node];
+    st.flag(f, g.off_fwd_flag, epoch);
+  }
+
+  // 3b. Forward: the records of every source of another node whose
+  //     forwarder here is this PE, into the receive buffers of this node.
+  for (int src = 0; nl.forward && src < n; ++src) {
+    if (nl.node_of[src] == my_node || nl.forwarder(src, my_node) != me) continue;
+    wait_for(s, op, at<uint64_t>(s, op, me, g.off_fwd_flag), epoch, {src}, call,
+             "rows to forward");
+    if (!abort.empty()) continue;
+    const int32_t records =
+        std::min<int32_t>(*at<int32_t>(s, op, me, g.off_fwd_count + size_t(src) * 4),
+                          static_cast<int32_t>(cap));
+    for (int32_t i = 0; i < records; ++i) {
+      char* rec = at<char>(s, op, me, g.off_fwd_rec + (size_t(src) * cap + i) * g.fwd_rec_bytes);
+      int32_t* h = reinterpret_cast<int32_t*>(rec);
+      const int64_t t = h[0];
+      int64_t ids[64];
+      float weights[64];
+      for (int k = 0; k < K; ++k) ids[k] = h[1 + 2 * cols + k];
+      std::memcpy(weights, &h[1 + 2 * cols + K], K * 4);
+      const char* xrow = rec + g.fwd_x_at;
+      const char* srow = rec + g.fwd_scales_at;
+      if (token_major) {
+        for (int d : nl.pes_of[my_node]) {
+          const int32_t dst = rec_dst(h, d);
+          if (dst < 0) continue;
+          land_row(d, dst, xrow, srow);
+          land_topk(d, dst, ids, weights);
+          land_meta(d, dst, src, t, -1, rec_crow(h, d));
+        }
+      } else {
+        for (int k = 0; k < K; ++k) {
+          const int32_t dst = rec_dst(h, k);
+          if (dst < 0) continue;
+          const int d = static_cast<int>(ids[k] / L);
+          land_row(d, dst, xrow, srow);
+          *st.at<float>(d, g.off_recv_w + int64_t(dst) * 4, 1) = weights[k];
+          land_meta(d, dst, src, t, k, rec_crow(h, k));
+        }
+      }
+    }
+    for (int d : nl.pes_of[my_node])  // token_slots: src's slots that hold no row for d
+      for (int64_t t = 0; c.token_slots && t < cap; ++t)
+        if (!((cell(src, bits_at + d * W + int(t / 32)) >> (t % 32)) & 1))
+          land_empty_slot(d, src * cap + t);
   }
 
   // 4. Signal and wait even when aborting: count rows stay safe to reuse.
