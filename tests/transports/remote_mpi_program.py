@@ -226,7 +226,9 @@ def ep_across_nodes(seed, timeout):
     """symheap.ep across the two nodes: every routing pattern of the EP tests
     (tests/ep/test_ep_programs.py: dispatch, combine and redispatch checked
     row by row against references) in each layout and dtype, with rows
-    forwarded inside nodes and sent per PE: both give the same bits."""
+    forwarded inside nodes and sent per PE: dispatch and redispatch give the
+    same bits either way; combine's sums, added in another order when
+    forwarded, are each checked against the fp32 reference."""
     progs = _ep_programs()
     n = symheap.n_pes()
     base = dict(hidden=32, max_tokens_per_rank=6, num_experts=4 * n, topk=3, dtype="bfloat16")
@@ -238,7 +240,7 @@ def ep_across_nodes(seed, timeout):
     digests = []
     for on in (True, False):
         _forwarding(on)
-        digests.append(progs.redispatch_configs(configs))
+        digests.append(progs.redispatch_configs(configs, combine_digest=False))
     _forwarding(True)
     assert digests[0] == digests[1], "forwarded and per-PE results differ"
     symheap.barrier_all(timeout=timeout)
@@ -246,8 +248,9 @@ def ep_across_nodes(seed, timeout):
 
 def ep_bytes(seed, timeout):
     """Every token goes to every PE: forwarded, a token crosses to the other
-    node once instead of once per PE there. Same outputs bit for bit, fewer
-    bytes through the remote transport (the dispatch's own, per PE)."""
+    node once instead of once per PE there, and its sum comes back once.
+    Dispatch's outputs are the same bit for bit, and dispatch and combine each
+    send fewer bytes through the remote transport (this PE's own)."""
     import torch
     from symheap import _core
     from symheap.ep import EpConfig, EpDispatchCombine
@@ -261,7 +264,7 @@ def ep_bytes(seed, timeout):
     scales = torch.rand(T, 2, generator=gen)
     idx = torch.tensor([[p * L + (t + p) % L for p in range(n)] for t in range(T)])
     w = torch.rand(T, n, generator=gen)
-    sent, outputs = [], []
+    sent, sent_back, outputs = [], [], []
     for on in (True, False):
         _forwarding(on)
         with EpDispatchCombine(cfg) as ep:
@@ -273,7 +276,11 @@ def ep_bytes(seed, timeout):
                             ("x", "scales", "topk_idx", "topk_weights", "src_info",
                              "num_recv_tokens", "expert_counts")] +
                            [getattr(out.handle, f).clone() for f in ("send_rows", "summary")])
-            res = ep.combine(progs.identity_experts(cfg, out, torch.device("cpu")), out.handle)
+            y = progs.identity_experts(cfg, out, torch.device("cpu"))
+            symheap.barrier_all(timeout=timeout)
+            before = _core.bytes_across_nodes()
+            res = ep.combine(y, out.handle)
+            sent_back.append(_core.bytes_across_nodes() - before)
             progs.check_combine(cfg, res, x, idx, w, scales, me)
             symheap.barrier_all(timeout=timeout)
     _forwarding(True)
@@ -283,7 +290,12 @@ def ep_bytes(seed, timeout):
     # per PE: every token's row crosses once per remote PE; forwarded: once
     assert sent[1] > remote_pes * T * cfg.hidden * 2, sent
     assert sent[0] < sent[1] * (1.0 / remote_pes + 0.1), sent
-    print(f"BYTES pe {me}: forwarded {sent[0]} per-PE {sent[1]}", flush=True)
+    # combine: each token's rows from the other node (bf16) come back once
+    assert sent_back[1] > remote_pes * T * cfg.hidden * 2, sent_back
+    assert sent_back[0] < sent_back[1] * (1.0 / remote_pes + 0.1), sent_back
+    sys.stdout.write(f"BYTES pe {me}: forwarded {sent[0]} per-PE {sent[1]}; "
+                     f"combine forwarded {sent_back[0]} per-PE {sent_back[1]}\n")
+    sys.stdout.flush()
 
 
 def ep_frozen_node(seed, timeout):
@@ -316,7 +328,8 @@ def ep_frozen_node(seed, timeout):
         assert time.monotonic() - t0 <= timeout + 3
         forwarder = THREADS + me  # node 1's PE with this PE's local index
         assert re.search(rf"from PE\(s\) [\d, ]*\b{forwarder}\b", text), text
-        print(f"EP-FROZEN-ERROR pe {me}: {text}", flush=True)
+        sys.stdout.write(f"EP-FROZEN-ERROR pe {me}: {text}\n")  # one write: a line of its own
+        sys.stdout.flush()
         if _thread_barrier.wait(30) == 0:
             os.kill(PIDS[1], signal.SIGCONT)
     symheap.barrier_all(timeout=60)

@@ -130,6 +130,15 @@ struct Geometry {
   size_t off_fwd_flag = 0, off_fwd_count = 0, off_fwd_rec = 0;
   size_t fwd_rec_bytes = 0, fwd_x_at = 0, fwd_scales_at = 0;
   int32_t fwd_header_words = 0;
+  // Combine's reverse: per source PE, the epoch of its reduction plan (uint64
+  // [n]), its record count (int32 [n]) and records [n][max_tokens]
+  // [plan_words] (token, combine row per send column, float weight per
+  // column); per writer PE of this node, the epoch of the rows it staged here
+  // (uint64 [n]); staged rows [n sources][combine_rows] and the partial sums
+  // this PE receives [n forwarders][max_tokens], of combine_row_bytes.
+  size_t off_plan_flag = 0, off_plan_count = 0, off_plan_rec = 0, off_stage_flag = 0;
+  size_t off_stage_rows = 0, off_partial = 0;
+  int32_t plan_words = 0;
   size_t sync_bytes = 0;  // [0, sync_bytes) is zeroed when the op is created
   size_t total = 0;
 };

@@ -482,31 +482,88 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
   const bool token_major = c.layout == Layout::TokenMajor;
   const uint64_t epoch = ++op.combine_epoch;
   const std::string call = call_name("combine", epoch);
+  const NodeLayout& nl = op.nodes;
+  const int my_node = nl.node_of[me], n_nodes = static_cast<int>(nl.pes_of.size());
+  const int64_t cap = c.max_tokens;
+  const int cols = token_major ? n : K;
   int32_t status = a.status;
   if (status == kOk && (a.num_tokens < 0 || a.num_tokens > c.max_tokens)) status = kBadArgument;
 
   // 1. Each source must have consumed its buffer of the previous combine.
   wait_all(s, op, at<uint64_t>(s, op, me, g.off_freed_flag), epoch - 1, call,
            "the previous combine to finish");
-  // 2. Every received row back to its source, at the row the source chose.
   Stores st(s, op);
   const size_t crb = g.combine_row_bytes;
   const char* rows = static_cast<const char*>(a.expert_out);
   // Rows named by the handle must lie inside the combine buffers: a handle
   // edited by the caller must not write or read outside them.
   if (status == kOk) {
-    const int cols = token_major ? n : K;
     for (int64_t t = 0; t < a.num_tokens && status == kOk; ++t)
       for (int j = 0; j < cols; ++j) {
         int32_t row = a.send_rows[t * g.send_cols + j];
         if (row >= g.combine_rows || row < -1) status = kBadArgument;
       }
   }
-  // Received row r goes back to source src's combine row crow.
+  // With forwarding, the rows of this PE's tokens that PEs of another node
+  // hold are summed there (step 3b): each token crosses back once per node.
+  // Which PE holds column j of token t: token-major, PE j; expert-major, the
+  // PE whose range of this PE's combine rows holds it (they are in
+  // destination order).
+  auto holder = [&](int j, int32_t crow) {
+    if (token_major) return j;
+    int q = 0;
+    for (int p = 0; p < n; ++p)
+      if (a.recv_summary[4 * p + 3] <= crow) q = p;
+    return q;
+  };
+  std::vector<std::vector<int64_t>> planned(n_nodes);  // per node: its records' tokens
+  std::vector<char> via_node(nl.forward ? static_cast<size_t>(a.num_tokens) * cols : 0);
+  if (nl.forward && status == kOk) {
+    std::vector<int32_t> rec(g.plan_words);
+    for (int64_t t = 0; t < a.num_tokens; ++t)
+      for (int node = 0; node < n_nodes; ++node) {
+        if (node == my_node) continue;
+        std::fill(rec.begin(), rec.end(), -1);
+        bool any = false;
+        for (int j = 0; j < cols; ++j) {
+          int32_t crow = a.send_rows[t * g.send_cols + j];
+          if (crow < 0 || nl.node_of[holder(j, crow)] != node) continue;
+          via_node[t * cols + j] = 1;
+          rec[1 + j] = crow;
+          float w = token_major ? 1.0f : a.weights[t * K + j];
+          std::memcpy(&rec[1 + cols + j], &w, 4);
+          any = true;
+        }
+        if (!any) continue;
+        rec[0] = static_cast<int32_t>(t);
+        const int f = nl.forwarder(me, node);
+        const size_t i = static_cast<size_t>(me) * cap + planned[node].size();
+        std::memcpy(st.at<int32_t>(f, g.off_plan_rec + i * g.plan_words * 4, g.plan_words),
+                    rec.data(), g.plan_words * 4);
+        planned[node].push_back(t);
+      }
+  }
+  for (int node = 0; nl.forward && node < n_nodes; ++node) {
+    if (node == my_node) continue;
+    const int f = nl.forwarder(me, node);
+    *st.at<int32_t>(f, g.off_plan_count + size_t(me) * 4, 1) =
+        static_cast<int32_t>(planned[node].size());
+    st.flag(f, g.off_plan_flag, epoch);
+  }
+
+  // 2. Every received row back to its source, at the row the source chose;
+  //    with forwarding, rows of another node's source to its forwarder here.
   auto send_back = [&](int64_t r, int src, int64_t crow) {
     if (r < 0 || r >= a.expert_rows || r >= g.recv_rows || src < 0 || src >= n || crow < 0 ||
         crow >= g.combine_rows) {
       status = kBadArgument;  // rows not covered by the caller, or an edited handle
+      return;
+    }
+    if (nl.forward && nl.node_of[src] != my_node) {
+      const int f = nl.forwarder(src, my_node);
+      std::memcpy(st.at<char>(f, g.off_stage_rows + (size_t(src) * g.combine_rows + crow) * crb,
+                              crb),
+                  rows + r * crb, crb);
       return;
     }
     std::memcpy(st.at<char>(src, g.off_combine_buf + crow * crb, crb), rows + r * crb, crb);
@@ -529,6 +586,43 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
       if (meta[kMetaSrcPe] >= 0) send_back(r, meta[kMetaSrcPe], meta[kMetaCombineRow]);
     }
   }
+  for (int p : nl.forward ? nl.pes_of[my_node] : std::vector<int>{})
+    store_flag(at<uint64_t>(s, op, p, g.off_stage_flag + size_t(me) * 8), epoch);
+
+  // 3b. Forwarder: for each source of another node it serves, sum the
+  //     token's rows staged by this node's PEs (weighted, expert-major) in
+  //     fp32; one row of the combine dtype goes back per token.
+  bool waited_stage = false;
+  for (int src = 0; nl.forward && src < n; ++src) {
+    if (nl.node_of[src] == my_node || nl.forwarder(src, my_node) != me) continue;
+    if (!waited_stage) {
+      wait_for(s, op, at<uint64_t>(s, op, me, g.off_stage_flag), epoch, nl.pes_of[my_node], call,
+               "rows to reduce");
+      waited_stage = true;
+    }
+    wait_for(s, op, at<uint64_t>(s, op, me, g.off_plan_flag), epoch, {src}, call,
+             "its reduction plan");
+    const int32_t records = std::min<int32_t>(
+        *at<int32_t>(s, op, me, g.off_plan_count + size_t(src) * 4), static_cast<int32_t>(cap));
+    const char* staged = at<char>(s, op, me, g.off_stage_rows + size_t(src) * g.combine_rows * crb);
+    std::vector<float> acc(c.hidden);
+    for (int32_t i = 0; i < records; ++i) {
+      const int32_t* rec =
+          at<int32_t>(s, op, me, g.off_plan_rec + (size_t(src) * cap + i) * g.plan_words * 4);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int j = 0; j < cols; ++j) {
+        const int32_t crow = rec[1 + j];
+        if (crow < 0 || crow >= g.combine_rows) continue;
+        float w;
+        std::memcpy(&w, &rec[1 + cols + j], 4);
+        const char* row = staged + size_t(crow) * crb;
+        for (int h = 0; h < c.hidden; ++h) acc[h] += w * load_as_float(row, h, g.combine_dtype);
+      }
+      void* out = st.at<char>(src, g.off_partial + (size_t(me) * cap + i) * crb, crb);
+      for (int h = 0; h < c.hidden; ++h) store_from_float(out, h, g.combine_dtype, acc[h]);
+    }
+  }
+
   for (int p = 0; p < n; ++p) {
     *st.at<int32_t>(p, g.off_combine_status + me * 4, 1) = status;
     st.flag(p, g.off_combine_flag, epoch);
@@ -551,19 +645,26 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
   }
 
   // 3. Sum in fp32 per token: token-major rows as they are, expert-major
-  //    rows weighted by the token's top-k weight.
+  //    rows weighted by the token's top-k weight; then each other node's
+  //    partial sum.
   const char* buf = at<char>(s, op, me, g.off_combine_buf);
   const DType dt = g.combine_dtype;
   std::vector<float> acc(c.hidden);
+  std::vector<size_t> next(n_nodes, 0);  // per node: its next partial
   for (int64_t t = 0; t < a.num_tokens; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
-    const int cols = token_major ? n : K;
     for (int j = 0; j < cols; ++j) {
       int32_t row = a.send_rows[t * g.send_cols + j];
-      if (row < 0) continue;
+      if (row < 0 || (nl.forward && via_node[t * cols + j])) continue;
       float w = token_major ? 1.0f : a.weights[t * K + j];
       const char* src = buf + row * crb;
       for (int h = 0; h < c.hidden; ++h) acc[h] += w * load_as_float(src, h, dt);
+    }
+    for (int node = 0; node < n_nodes; ++node) {
+      if (next[node] >= planned[node].size() || planned[node][next[node]] != t) continue;
+      const size_t i = static_cast<size_t>(nl.forwarder(me, node)) * cap + next[node]++;
+      const char* partial = at<char>(s, op, me, g.off_partial + i * crb);
+      for (int h = 0; h < c.hidden; ++h) acc[h] += load_as_float(partial, h, dt);
     }
     for (int h = 0; h < c.hidden; ++h)
       store_from_float(a.out, static_cast<size_t>(t) * c.hidden + h, dt, acc[h]);
