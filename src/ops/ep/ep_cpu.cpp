@@ -30,7 +30,19 @@
 // announces them;
 // the transport keeps a PE's requests in order, so the peer sees the rows
 // before the flag. Rows a PE pulls from a remote source (redispatch) come
-// through a get. Each row crosses once per destination PE.
+// through a get, once per destination PE.
+//
+// Forwarding (Op::nodes.forward: several nodes, one with several PEs):
+//   dispatch: step 3 sends a token bound for another node once, as a record
+//   to this PE's forwarder there (fwd_flag[s] = e after the records); in step
+//   3b each PE waits for the sources it forwards for and stores their records
+//   into its node's receive buffers before its data flag, so a destination
+//   that has every data flag has every row.
+//   combine: a row for a source on another node goes to the source's
+//   forwarder on this node (stage_flag[d] = e); the source sends each
+//   forwarder a plan (per token: combine rows there, weights; plan_flag); the
+//   forwarder sums and stores one row per token into the source's partials
+//   before its combine flag; the source adds them to its own node's rows.
 #include <algorithm>
 #include <cstring>
 #include <memory>
