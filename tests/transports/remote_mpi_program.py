@@ -397,7 +397,9 @@ def main(scenario, timeout):
     from mpi4py import MPI  # MPI_THREAD_MULTIPLE, mpi4py's default, unless told otherwise
     COMM = MPI.COMM_WORLD
     rank, nprocs = COMM.Get_rank(), COMM.Get_size()
-    os.environ["SYMHEAP_NODE_ID"] = f"node-{rank}"
+    # SYMHEAP_TEST_NODES="0,0,1": the node of each process (default: its own)
+    nodes = os.environ.get("SYMHEAP_TEST_NODES")
+    os.environ["SYMHEAP_NODE_ID"] = f"node-{nodes.split(',')[rank] if nodes else rank}"
     PIDS[:] = COMM.allgather(os.getpid())
     seed = COMM.bcast(int(np.random.SeedSequence().entropy % (1 << 62)) if rank == 0 else None)
     # one unique id per init cycle (a job's id is not reused)
