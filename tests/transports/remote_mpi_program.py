@@ -249,8 +249,9 @@ def ep_across_nodes(seed, timeout):
 def ep_bytes(seed, timeout):
     """Every token goes to every PE: forwarded, a token crosses to the other
     node once instead of once per PE there, and its sum comes back once.
-    Dispatch's outputs are the same bit for bit, and dispatch and combine each
-    send fewer bytes through the remote transport (this PE's own)."""
+    Dispatch's and redispatch's outputs are the same bit for bit, and
+    dispatch, combine and redispatch each send fewer bytes through the remote
+    transport (this PE's own)."""
     import torch
     from symheap import _core
     from symheap.ep import EpConfig, EpDispatchCombine
@@ -264,7 +265,8 @@ def ep_bytes(seed, timeout):
     scales = torch.rand(T, 2, generator=gen)
     idx = torch.tensor([[p * L + (t + p) % L for p in range(n)] for t in range(T)])
     w = torch.rand(T, n, generator=gen)
-    sent, sent_back, outputs = [], [], []
+    grads = [progs.redispatch_rows(cfg, n, r, seed % 100003, T) for r in range(n)]
+    sent, sent_back, sent_again, outputs = [], [], [], []
     for on in (True, False):
         _forwarding(on)
         with EpDispatchCombine(cfg) as ep:
@@ -283,6 +285,12 @@ def ep_bytes(seed, timeout):
             sent_back.append(_core.bytes_across_nodes() - before)
             progs.check_combine(cfg, res, x, idx, w, scales, me)
             symheap.barrier_all(timeout=timeout)
+            before = _core.bytes_across_nodes()
+            back = ep.redispatch(grads[me], out.handle)
+            sent_again.append(_core.bytes_across_nodes() - before)
+            progs.check_redispatch(cfg, back, out, grads, me)
+            outputs[-1].append(back)
+            symheap.barrier_all(timeout=timeout)
     _forwarding(True)
     for got, want in zip(*outputs):
         progs.assert_same_bits(got, want, f"PE {me} forwarded vs per-PE dispatch")
@@ -293,8 +301,12 @@ def ep_bytes(seed, timeout):
     # combine: each token's rows from the other node (bf16) come back once
     assert sent_back[1] > remote_pes * T * cfg.hidden * 2, sent_back
     assert sent_back[0] < sent_back[1] * (1.0 / remote_pes + 0.1), sent_back
+    # redispatch: each token's row crosses once (per PE: a get per remote PE)
+    assert sent_again[1] > remote_pes * T * cfg.hidden * 2, sent_again
+    assert sent_again[0] < sent_again[1] * (1.0 / remote_pes + 0.1), sent_again
     sys.stdout.write(f"BYTES pe {me}: forwarded {sent[0]} per-PE {sent[1]}; "
-                     f"combine forwarded {sent_back[0]} per-PE {sent_back[1]}\n")
+                     f"combine forwarded {sent_back[0]} per-PE {sent_back[1]}; "
+                     f"redispatch forwarded {sent_again[0]} per-PE {sent_again[1]}\n")
     sys.stdout.flush()
 
 

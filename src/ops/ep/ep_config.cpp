@@ -219,6 +219,11 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.off_plan_rec = take(n * static_cast<size_t>(c.max_tokens) * g.plan_words * 4);
   g.off_stage_rows = take(forwards ? n * combine_bytes : 0);
   g.off_partial = take(forwards ? n * static_cast<size_t>(c.max_tokens) * g.combine_row_bytes : 0);
+  if (forwards) {
+    g.row_rec_row_at = align_up(static_cast<size_t>(g.send_cols) * 4, 16);
+    g.row_rec_bytes = g.row_rec_row_at + align_up(g.combine_row_bytes, 16);
+  }
+  g.off_row_rec = take(n * static_cast<size_t>(c.max_tokens) * g.row_rec_bytes);
   const size_t route_cols = token_major ? n : static_cast<size_t>(c.num_experts);
   g.off_route_counts = take(static_cast<size_t>(g.grid_blocks) * route_cols * 8);
   g.off_route_done = take(static_cast<size_t>(g.grid_blocks) * 8);

@@ -139,6 +139,10 @@ struct Geometry {
   size_t off_plan_flag = 0, off_plan_count = 0, off_plan_rec = 0, off_stage_flag = 0;
   size_t off_stage_rows = 0, off_partial = 0;
   int32_t plan_words = 0;
+  // Redispatch's forwarded records [n][max_tokens][row_rec_bytes]: int32
+  // combine row per send column, then at row_rec_row_at the row (combine
+  // dtype); counts and flags share the plan's words.
+  size_t off_row_rec = 0, row_rec_bytes = 0, row_rec_row_at = 0;
   size_t sync_bytes = 0;  // [0, sync_bytes) is zeroed when the op is created
   size_t total = 0;
 };

@@ -29,8 +29,8 @@
 // remote transport, adjacent ones merged, right before the flag that
 // announces them;
 // the transport keeps a PE's requests in order, so the peer sees the rows
-// before the flag. Rows a PE pulls from a remote source (redispatch) come
-// through a get, once per destination PE.
+// before the flag. Rows a PE pulls from a remote source (redispatch, without
+// forwarding) come through a get, once per destination PE.
 //
 // Forwarding (Op::nodes.forward: several nodes, one with several PEs):
 //   dispatch: step 3 sends a token bound for another node once, as a record
@@ -43,6 +43,7 @@
 //   forwarder a plan (per token: combine rows there, weights; plan_flag); the
 //   forwarder sums and stores one row per token into the source's partials
 //   before its combine flag; the source adds them to its own node's rows.
+//   redispatch: see its own header below.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -151,6 +152,17 @@ void wait_all(const PeState& s, const Op& op, const uint64_t* flags, uint64_t ta
   std::vector<int> all(op.n_pes);
   for (int q = 0; q < op.n_pes; ++q) all[q] = q;
   wait_for(s, op, flags, target, all, call, what);
+}
+
+// The PE that holds column j (combine row crow) of one of this PE's tokens:
+// token-major, PE j; expert-major, the PE whose range of this PE's combine
+// rows holds it (they are in destination order: summary [4q + 3]).
+int holder_of(bool token_major, int n, const int32_t* summary, int j, int32_t crow) {
+  if (token_major) return j;
+  int q = 0;
+  for (int p = 0; p < n; ++p)
+    if (summary[4 * p + 3] <= crow) q = p;
+  return q;
 }
 
 std::string call_name(const char* what, uint64_t epoch) {
@@ -518,15 +530,8 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
   }
   // With forwarding, the rows of this PE's tokens that PEs of another node
   // hold are summed there (step 3b): each token crosses back once per node.
-  // Which PE holds column j of token t: token-major, PE j; expert-major, the
-  // PE whose range of this PE's combine rows holds it (they are in
-  // destination order).
   auto holder = [&](int j, int32_t crow) {
-    if (token_major) return j;
-    int q = 0;
-    for (int p = 0; p < n; ++p)
-      if (a.recv_summary[4 * p + 3] <= crow) q = p;
-    return q;
+    return holder_of(token_major, n, a.recv_summary, j, crow);
   };
   std::vector<std::vector<int64_t>> planned(n_nodes);  // per node: its records' tokens
   std::vector<char> via_node(nl.forward ? static_cast<size_t>(a.num_tokens) * cols : 0);
@@ -689,9 +694,13 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
 // redispatch #e on PE s (shares combine's epochs and combine buffers)
 //   1. wait until every PE is done with the combine buffers of #e-1;
 //   2. store each token's row into this PE's own combine buffer at every row
-//      the dispatch chose for it; set combine_flag[s] = e everywhere;
+//      the dispatch chose for it; with forwarding, send each other node's
+//      forwarder one record per token (plan_flag), and as a forwarder copy
+//      the records received into the staging rows; set combine_flag[s] = e
+//      everywhere;
 //   3. wait for every PE, then pull each received row from its source's
-//      combine buffer (the row combine would have sent back); set freed_flag.
+//      combine buffer (the row combine would have sent back), or from the
+//      forwarder's staging rows; set freed_flag.
 namespace symheap::ep {
 
 void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
@@ -748,6 +757,57 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
       if (row >= 0) std::memcpy(mine + row * crb, rows + t * crb, crb);
     }
   Stores st(s, op);
+  // With forwarding, a token's row crosses once per other node: a record
+  // (the row, its combine rows there) to this PE's forwarder, which copies it
+  // into its staging rows [this PE][combine row] before its combine flag;
+  // that node's PEs read it there instead of from this PE.
+  const NodeLayout& nl = op.nodes;
+  const int my_node = nl.node_of[me], n_nodes = static_cast<int>(nl.pes_of.size());
+  const int64_t cap = c.max_tokens;
+  std::vector<int32_t> records(n_nodes, 0);
+  if (nl.forward && status == kOk) {
+    std::vector<int32_t> crows(cols);
+    for (int64_t t = 0; t < a.num_tokens; ++t)
+      for (int node = 0; node < n_nodes; ++node) {
+        if (node == my_node) continue;
+        bool any = false;
+        for (int j = 0; j < cols; ++j) {
+          int32_t crow = a.send_rows[t * g.send_cols + j];
+          bool there = crow >= 0 &&
+                       nl.node_of[holder_of(token_major, n, a.recv_summary, j, crow)] == node;
+          crows[j] = there ? crow : -1;
+          any |= there;
+        }
+        if (!any) continue;
+        const int f = nl.forwarder(me, node);
+        const size_t i = static_cast<size_t>(me) * cap + records[node]++;
+        char* out = st.at<char>(f, g.off_row_rec + i * g.row_rec_bytes, g.row_rec_bytes);
+        std::memset(out, 0, g.row_rec_bytes);
+        std::memcpy(out, crows.data(), cols * 4);
+        std::memcpy(out + g.row_rec_row_at, rows + t * crb, crb);
+      }
+  }
+  for (int node = 0; nl.forward && node < n_nodes; ++node) {
+    if (node == my_node) continue;
+    const int f = nl.forwarder(me, node);
+    *st.at<int32_t>(f, g.off_plan_count + size_t(me) * 4, 1) = records[node];
+    st.flag(f, g.off_plan_flag, epoch);
+  }
+  for (int src = 0; nl.forward && src < n; ++src) {  // as the forwarder of src
+    if (nl.node_of[src] == my_node || nl.forwarder(src, my_node) != me) continue;
+    wait_for(s, op, at<uint64_t>(s, op, me, g.off_plan_flag), epoch, {src}, call,
+             "rows to forward");
+    const int32_t count = std::min<int32_t>(
+        *at<int32_t>(s, op, me, g.off_plan_count + size_t(src) * 4), static_cast<int32_t>(cap));
+    char* staged = at<char>(s, op, me, g.off_stage_rows + size_t(src) * g.combine_rows * crb);
+    for (int32_t i = 0; i < count; ++i) {
+      const char* rec = at<char>(s, op, me, g.off_row_rec + (size_t(src) * cap + i) * g.row_rec_bytes);
+      const int32_t* crows = reinterpret_cast<const int32_t*>(rec);
+      for (int j = 0; j < cols; ++j)
+        if (crows[j] >= 0 && crows[j] < g.combine_rows)
+          std::memcpy(staged + size_t(crows[j]) * crb, rec + g.row_rec_row_at, crb);
+    }
+  }
   for (int p = 0; p < n; ++p) {
     *st.at<int32_t>(p, g.off_combine_status + me * 4, 1) = status;
     st.flag(p, g.off_combine_flag, epoch);
@@ -759,12 +819,20 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
     if (statuses[q] != kOk)
       abort += (abort.empty() ? "PE " : "; PE ") + std::to_string(q) +
                " passed an invalid argument to redispatch";
-  // 3. Pull every received row from its source.
+  // 3. Pull every received row from its source (another node's: from its
+  //    forwarder here).
   if (abort.empty()) {
     std::memset(a.out, 0, static_cast<size_t>(g.recv_rows) * crb);
-    for (const Pull& p : pulls)
-      st.read(p.src, g.off_combine_buf + p.crow * crb, static_cast<char*>(a.out) + p.row * crb,
-              crb);
+    for (const Pull& p : pulls) {
+      char* out = static_cast<char*>(a.out) + p.row * crb;
+      if (nl.forward && nl.node_of[p.src] != my_node)
+        std::memcpy(out,
+                    at<char>(s, op, nl.forwarder(p.src, my_node),
+                             g.off_stage_rows + (size_t(p.src) * g.combine_rows + p.crow) * crb),
+                    crb);
+      else
+        st.read(p.src, g.off_combine_buf + p.crow * crb, out, crb);
+    }
   }
   for (int p = 0; p < n; ++p) st.flag(p, g.off_freed_flag, epoch);
   if (!abort.empty()) {
