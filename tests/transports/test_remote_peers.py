@@ -158,8 +158,8 @@ def run_mpi_program(scenario, timeout_s, mpirun_args=(), survivors=(0, 1, 2, 3),
                SYMHEAP_TEST_NODES=",".join(map(str, nodes or ())),
                PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
-    cmd = [mpirun, "-np", str(len(nodes) if nodes else 2), "--oversubscribe", "--bind-to", "none", *mpirun_args,
-           sys.executable,
+    cmd = [mpirun, "-np", str(len(nodes) if nodes else 2), "--oversubscribe", "--bind-to", "none",
+           *mpirun_args, sys.executable,
            os.path.join(HERE, "remote_mpi_program.py"), scenario, str(timeout_s)]
     # Its own session, so that a hang kills mpirun and every process it started.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

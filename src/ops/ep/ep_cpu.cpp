@@ -801,7 +801,8 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
         *at<int32_t>(s, op, me, g.off_plan_count + size_t(src) * 4), static_cast<int32_t>(cap));
     char* staged = at<char>(s, op, me, g.off_stage_rows + size_t(src) * g.combine_rows * crb);
     for (int32_t i = 0; i < count; ++i) {
-      const char* rec = at<char>(s, op, me, g.off_row_rec + (size_t(src) * cap + i) * g.row_rec_bytes);
+      const char* rec =
+          at<char>(s, op, me, g.off_row_rec + (size_t(src) * cap + i) * g.row_rec_bytes);
       const int32_t* crows = reinterpret_cast<const int32_t*>(rec);
       for (int j = 0; j < cols; ++j)
         if (crows[j] >= 0 && crows[j] < g.combine_rows)

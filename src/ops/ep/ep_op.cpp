@@ -1,8 +1,8 @@
 // Op registry (per device slot) and the backend-independent entry points.
 #include "ops/ep/ep_op.hpp"
 
-#include <cstdlib>
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 

@@ -69,9 +69,10 @@ struct RedispatchArgs {
   StreamHandle stream = 0;
 };
 
-// Which PEs share a node (the peer table's node ids), and whether dispatch
-// forwards inside nodes: a row bound for several PEs of another node crosses
-// once, to the forwarder there, which stores it into each destination.
+// Which PEs share a node (the peer table's node ids), and whether the op
+// forwards inside nodes (ep_cpu.cpp): a row bound for several PEs of another
+// node crosses once, to the forwarder there, which stores it into each
+// destination; combine sums there and sends one row back.
 struct NodeLayout {
   std::vector<int> node_of;                // PE -> node index (nodes by first PE)
   std::vector<int> local_index;            // PE -> rank among the PEs of its node
@@ -88,7 +89,6 @@ NodeLayout node_layout(const PeState& s);
 
 // One dispatch/combine instance on one PE.
 struct Op {
-  NodeLayout nodes;
   int64_t id = 0;
   Config cfg;
   Geometry geo;
@@ -98,6 +98,7 @@ struct Op {
   int device = -1;
   size_t ws_offset = 0;  // heap offset of the symmetric workspace
   double timeout_s = kDefaultTimeoutS;
+  NodeLayout nodes;
   std::mutex mu;         // one call at a time per op
   uint64_t dispatch_epoch = 0;  // host-side epochs (cpu; the cuda kernels keep theirs on device)
   uint64_t combine_epoch = 0;
