@@ -216,7 +216,9 @@ def test_remote_killed_peer_under_mpirun():
 def test_ep_across_nodes_under_mpirun():
     """symheap.ep with half of every PE's peers on the other node: every routing
     pattern in each layout and dtype, dispatch / combine / redispatch checked
-    against references (rows for remote PEs go through the remote transport)."""
+    against references (rows for remote PEs go through the remote transport),
+    once forwarded inside nodes and once per PE: dispatch and redispatch give
+    the same bits both ways."""
     run_mpi_program("ep", 30)
 
 
