@@ -195,7 +195,8 @@ def frozen_peer(seed, timeout):
             raise AssertionError("quiet towards a frozen PE returned")
         assert "quiet" in text and f"PE {target} (node 'node-1')" in text, text
         assert time.monotonic() - t0 <= timeout + 3
-        print(f"FROZEN-ERROR pe {me}: {text}", flush=True)
+        sys.stdout.write(f"FROZEN-ERROR pe {me}: {text}\n")  # one line, whole
+        sys.stdout.flush()
         barrier = _thread_barrier
         if barrier.wait(30) == 0:
             os.kill(pids[1], signal.SIGCONT)
@@ -391,7 +392,8 @@ def killed_peer(seed, timeout):
     took = time.monotonic() - t0
     assert "PE 2" in text or "PE 3" in text, text
     assert took <= timeout + 3, took
-    print(f"KILLED-ERROR pe {me} after {took:.2f} s: {text}", flush=True)
+    sys.stdout.write(f"KILLED-ERROR pe {me} after {took:.2f} s: {text}\n")  # one line, whole
+    sys.stdout.flush()
 
 
 _thread_barrier = threading.Barrier(THREADS)
