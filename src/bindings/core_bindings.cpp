@@ -239,6 +239,8 @@ SYMHEAP_BINDINGS(core) {
     int p = pe_arg(*s, pe);
     return std::string(s->transports->name_of(p));
   });
+  // Bytes the current PE moved across nodes (the remote transport's payloads).
+  m.def("bytes_across_nodes", [] { return rt().current()->transports->bytes_across_nodes(); });
   m.def("signal_op", [](uintptr_t sig, uint64_t value, const std::string& op, int64_t pe_in,
                         uintptr_t stream) {
     auto s = rt().current();

@@ -8,6 +8,7 @@
 // cuda backend, a process without MPI) every operation raises the error
 // that says what is missing and how to get it.
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -79,6 +80,7 @@ class RemoteTransport final : public Transport {
     do {
       size_t n = std::min(kChunkBytes, nbytes - done);
       remote::Request req = request(s, pe, Op::Get);
+      bytes_ += n;
       req.offset = src_off + done;
       req.nbytes = n;
       auto p = engine_->start(address(s, pe), req, nullptr, n);
@@ -105,6 +107,7 @@ class RemoteTransport final : public Transport {
     req.signal_offset = signal_off;
     req.value = static_cast<int64_t>(value);
     req.signal_add = op == SignalOp::Add;
+    bytes_ += 8;
     post(s, pe, req, nullptr);
   }
 
@@ -163,6 +166,7 @@ class RemoteTransport final : public Transport {
   }
 
   std::string unreachable_reason(int pe) const override { return unreachable_.at(pe); }
+  uint64_t bytes_across_nodes() const override { return bytes_.load(); }
 
   ~RemoteTransport() override {
     if (engine_)
@@ -206,6 +210,7 @@ class RemoteTransport final : public Transport {
       remote::Request req = last && signal_req ? *signal_req : request(s, pe, Op::Put);
       req.offset = dst_off + done;
       req.nbytes = n;
+      bytes_ += n + (last && signal_req ? 8 : 0);
       post(s, pe, req, static_cast<const char*>(src) + done);
       done += n;
     } while (done < nbytes);
@@ -231,6 +236,7 @@ class RemoteTransport final : public Transport {
     req.offset = off;
     req.value = value;
     req.value2 = value2;
+    bytes_ += 8;
     auto p = engine_->start(address(s, pe), req, nullptr, 0);
     await(s, pe, p, what);
     check_reply(s, pe, *p, what);
@@ -270,6 +276,7 @@ class RemoteTransport final : public Transport {
 
   remote::Engine* engine_ = nullptr;
   bool attached_ = false;
+  std::atomic<uint64_t> bytes_{0};  // see bytes_across_nodes
   std::vector<std::string> unreachable_;  // per PE: why no engine reaches it, or empty
 
   std::mutex mu_;  // the PE's requests in flight (several threads may act for one PE)

@@ -49,6 +49,9 @@ class Transport {
   virtual void disconnect(PeState&) {}
   // Why this transport cannot reach `pe` (empty: it can).
   virtual std::string unreachable_reason(int) const { return ""; }
+  // Bytes this PE moved to or from other nodes (payloads of puts and gets,
+  // 8 per signal or atomic): 0 for transports inside a node.
+  virtual uint64_t bytes_across_nodes() const { return 0; }
 };
 
 // A PE's transports: one instance of each the backend offers (each holds or
@@ -68,6 +71,7 @@ class Transports {
   void quiet_remote(PeState& s) const { remote_->quiet(s, 0); }
   // The PE is going away: every transport releases what serves it.
   void disconnect(PeState& s) const { remote_->disconnect(s); }
+  uint64_t bytes_across_nodes() const { return remote_->bytes_across_nodes(); }
   // Why select(pe) cannot reach `pe` (empty: it can).
   std::string unreachable_reason(int pe) const { return by_peer_.at(pe)->unreachable_reason(pe); }
 

@@ -7,13 +7,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "ops/ep/ep_config.hpp"
+#include "ops/ep/ep_op.hpp"
 #include "ops/ep/ep_routing.hpp"
 #include "symheap/allocator.hpp"
 #include "symheap/errors.hpp"
@@ -302,6 +305,34 @@ void lifecycle() {
   }
 }
 
+// The node layout EP forwarding reads from the peer table.
+void ep_node_layout() {
+  using symheap::ep::node_layout;
+  auto state = [](std::vector<std::string> nodes) {
+    auto s = std::make_unique<symheap::PeState>();
+    s->n_pes = static_cast<int>(nodes.size());
+    s->peers.resize(nodes.size());
+    for (size_t p = 0; p < nodes.size(); ++p) s->peers[p].info.node_id = nodes[p];
+    return s;
+  };
+  auto s = state({"a", "a", "b", "a", "b"});  // nodes interleaved, unequal
+  auto l = node_layout(*s);
+  CHECK(l.forward);
+  CHECK(l.node_of == std::vector<int>({0, 0, 1, 0, 1}));
+  CHECK(l.local_index == std::vector<int>({0, 1, 0, 2, 1}));
+  CHECK(l.pes_of == std::vector<std::vector<int>>({{0, 1, 3}, {2, 4}}));
+  CHECK_EQ(l.forwarder(0, 1), 2);  // same local index
+  CHECK_EQ(l.forwarder(1, 1), 4);
+  CHECK_EQ(l.forwarder(3, 1), 2);  // local index 2 of a node of 2: modulo
+  CHECK_EQ(l.forwarder(2, 0), 0);
+  CHECK_EQ(l.forwarder(4, 0), 1);
+  CHECK(!node_layout(*state({"a", "a"})).forward);       // one node
+  CHECK(!node_layout(*state({"a", "b", "c"})).forward);  // no node with several PEs
+  setenv("SYMHEAP_EP_HIERARCHICAL", "0", 1);
+  CHECK(!node_layout(*s).forward);
+  unsetenv("SYMHEAP_EP_HIERARCHICAL");
+}
+
 }  // namespace
 
 int main() {
@@ -309,6 +340,7 @@ int main() {
                                                       {"size_parsing", size_parsing},
                                                       {"ep_geometry", ep_geometry},
                                                       {"ep_host_routing", ep_host_routing},
+                                                      {"ep_node_layout", ep_node_layout},
                                                       {"lifecycle", lifecycle}};
   for (auto [name, fn] : tests) {
     g_test = name;

@@ -319,12 +319,14 @@ DEFAULT_PLAN = [("random", "full"), ("all_to_one", "full"), ("round_robin", "ran
 
 
 def run_iterations(cfg: EpConfig, plan=DEFAULT_PLAN, seed: int = 1, device=None,
-                   combine_weight_override: bool = False, redispatch: bool = False):
+                   combine_weight_override: bool = False, redispatch: bool = False,
+                   combine_digest: bool = True):
     """Runs ``plan`` [(pattern, tokens)] through one op, checking every output.
     With ``redispatch``, each iteration also redispatches fresh rows through the
     dispatch's handle (before combine in odd iterations, after it in even ones:
     both share combine's epochs). Returns a digest of everything received,
-    combined and redispatched (equal across launch models)."""
+    combined (unless not ``combine_digest``: sums whose order may differ) and
+    redispatched (equal across launch models)."""
     me, n = symheap.my_pe(), symheap.n_pes()
     device = device or pe_device()
     digest = hashlib.sha256()
@@ -368,20 +370,23 @@ def run_iterations(cfg: EpConfig, plan=DEFAULT_PLAN, seed: int = 1, device=None,
             else:
                 for l in range(out.x.shape[0]):
                     digest.update(bits(out.x[l, :int(out.expert_counts[l])].cpu()).numpy().tobytes())
-            digest.update(bits(res.cpu()).numpy().tobytes())
+            if combine_digest:
+                digest.update(bits(res.cpu()).numpy().tobytes())
             prev = out
     return digest.hexdigest()
 
 
-def many_configs(configs: list, plan=DEFAULT_PLAN, device=None, redispatch: bool = False):
+def many_configs(configs: list, plan=DEFAULT_PLAN, device=None, redispatch: bool = False,
+                 combine_digest: bool = True):
     """run_iterations for each config (dicts of EpConfig arguments)."""
-    return [run_iterations(EpConfig(**c), plan, seed=i + 1, device=device, redispatch=redispatch)
+    return [run_iterations(EpConfig(**c), plan, seed=i + 1, device=device, redispatch=redispatch,
+                           combine_digest=combine_digest)
             for i, c in enumerate(configs)]
 
 
-def redispatch_configs(configs: list, plan=DEFAULT_PLAN):
+def redispatch_configs(configs: list, plan=DEFAULT_PLAN, combine_digest: bool = True):
     """many_configs with a redispatch in every iteration."""
-    return many_configs(configs, plan, redispatch=True)
+    return many_configs(configs, plan, redispatch=True, combine_digest=combine_digest)
 
 
 def tampered_redispatch(layout: str):

@@ -4,6 +4,7 @@ only the MPI remote engine reaches. ``python remote_mpi_program.py <scenario>``
 prints one "OK <scenario> pe <rank>" line per PE; test_remote_peers.py drives it.
 """
 import os
+import re
 import signal
 import sys
 import threading
@@ -14,7 +15,7 @@ import numpy as np
 
 import symheap
 
-THREADS = 2
+THREADS = int(os.environ.get("SYMHEAP_TEST_PES_PER_NODE", "2"))
 # Byte counts: one element up to a few MiB, most not a multiple of 8.
 SIZES = [1, 3, 8, 13, 4096 + 5, (1 << 20) + 3, (3 << 20) + 7]
 REGION = sum(SIZES)
@@ -194,7 +195,8 @@ def frozen_peer(seed, timeout):
             raise AssertionError("quiet towards a frozen PE returned")
         assert "quiet" in text and f"PE {target} (node 'node-1')" in text, text
         assert time.monotonic() - t0 <= timeout + 3
-        print(f"FROZEN-ERROR pe {me}: {text}", flush=True)
+        sys.stdout.write(f"FROZEN-ERROR pe {me}: {text}\n")  # one line, whole
+        sys.stdout.flush()
         barrier = _thread_barrier
         if barrier.wait(30) == 0:
             os.kill(pids[1], signal.SIGCONT)
@@ -206,21 +208,146 @@ def frozen_peer(seed, timeout):
     symheap.free(buf)
 
 
+def _ep_programs():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ep"))
+    import test_ep_programs as progs
+    return progs
+
+
+def _forwarding(on):
+    """Ops created from here on forward rows inside nodes (the default) or
+    send each row straight to its PE. Every PE thread of the process calls
+    it at the same point: the environment is the process's."""
+    _thread_barrier.wait(30)
+    os.environ["SYMHEAP_EP_HIERARCHICAL"] = "1" if on else "0"
+    _thread_barrier.wait(30)
+
+
 def ep_across_nodes(seed, timeout):
     """symheap.ep across the two nodes: every routing pattern of the EP tests
     (tests/ep/test_ep_programs.py: dispatch, combine and redispatch checked
-    row by row against references) in each layout and dtype."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ep"))
-    import test_ep_programs as progs
+    row by row against references) in each layout and dtype, with rows
+    forwarded inside nodes and sent per PE: dispatch and redispatch give the
+    same bits either way; combine's sums, added in another order when
+    forwarded, are each checked against the fp32 reference."""
+    progs = _ep_programs()
     n = symheap.n_pes()
     base = dict(hidden=32, max_tokens_per_rank=6, num_experts=4 * n, topk=3, dtype="bfloat16")
     configs = [dict(base), dict(base, dtype="float16", scale_dim=16, scale_dtype="bfloat16"),
                dict(base, dtype="float32"), dict(base, dtype="float8_e4m3fn", scale_dim=8),
                dict(base, layout="token_slots"), dict(base, layout="expert_major"),
                dict(base, layout="expert_major", dtype="float8_e4m3fn", scale_dim=8),
-               dict(base, max_recv_tokens=4 * 6)]
-    progs.redispatch_configs(configs)
+               dict(base, max_recv_tokens=n * 6)]
+    digests = []
+    for on in (True, False):
+        _forwarding(on)
+        digests.append(progs.redispatch_configs(configs, combine_digest=False))
+    _forwarding(True)
+    assert digests[0] == digests[1], "forwarded and per-PE results differ"
     symheap.barrier_all(timeout=timeout)
+
+
+def ep_bytes(seed, timeout):
+    """Every token goes to every PE: forwarded, a token crosses to the other
+    node once instead of once per PE there, and its sum comes back once.
+    Dispatch's and redispatch's outputs are the same bit for bit, and
+    dispatch, combine and redispatch each send fewer bytes through the remote
+    transport (this PE's own)."""
+    import torch
+    from symheap import _core
+    from symheap.ep import EpConfig, EpDispatchCombine
+    progs = _ep_programs()
+    me, n = symheap.my_pe(), symheap.n_pes()
+    L, T = 2, 8
+    cfg = EpConfig(hidden=256, max_tokens_per_rank=T, num_experts=L * n, topk=n,
+                   dtype="bfloat16", scale_dim=128, scale_dtype="float32")
+    gen = torch.Generator().manual_seed(seed + me)
+    x = torch.randn(T, cfg.hidden, generator=gen).to(torch.bfloat16)
+    scales = torch.rand(T, 2, generator=gen)
+    idx = torch.tensor([[p * L + (t + p) % L for p in range(n)] for t in range(T)])
+    w = torch.rand(T, n, generator=gen)
+    grads = [progs.redispatch_rows(cfg, n, r, seed % 100003, T) for r in range(n)]
+    sent, sent_back, sent_again, outputs = [], [], [], []
+    for on in (True, False):
+        _forwarding(on)
+        with EpDispatchCombine(cfg) as ep:
+            symheap.barrier_all(timeout=timeout)
+            before = _core.bytes_across_nodes()
+            out = ep.dispatch(x, idx, w, scales)
+            sent.append(_core.bytes_across_nodes() - before)
+            outputs.append([getattr(out, f).clone() for f in
+                            ("x", "scales", "topk_idx", "topk_weights", "src_info",
+                             "num_recv_tokens", "expert_counts")] +
+                           [getattr(out.handle, f).clone() for f in ("send_rows", "summary")])
+            y = progs.identity_experts(cfg, out, torch.device("cpu"))
+            symheap.barrier_all(timeout=timeout)
+            before = _core.bytes_across_nodes()
+            res = ep.combine(y, out.handle)
+            sent_back.append(_core.bytes_across_nodes() - before)
+            progs.check_combine(cfg, res, x, idx, w, scales, me)
+            symheap.barrier_all(timeout=timeout)
+            before = _core.bytes_across_nodes()
+            back = ep.redispatch(grads[me], out.handle)
+            sent_again.append(_core.bytes_across_nodes() - before)
+            progs.check_redispatch(cfg, back, out, grads, me)
+            outputs[-1].append(back)
+            symheap.barrier_all(timeout=timeout)
+    _forwarding(True)
+    for got, want in zip(*outputs):
+        progs.assert_same_bits(got, want, f"PE {me} forwarded vs per-PE dispatch")
+    remote_pes = n - THREADS
+    # per PE: every token's row crosses once per remote PE; forwarded: once
+    assert sent[1] > remote_pes * T * cfg.hidden * 2, sent
+    assert sent[0] < sent[1] * (1.0 / remote_pes + 0.1), sent
+    # combine: each token's rows from the other node (bf16) come back once
+    assert sent_back[1] > remote_pes * T * cfg.hidden * 2, sent_back
+    assert sent_back[0] < sent_back[1] * (1.0 / remote_pes + 0.1), sent_back
+    # redispatch: each token's row crosses once (per PE: a get per remote PE)
+    assert sent_again[1] > remote_pes * T * cfg.hidden * 2, sent_again
+    assert sent_again[0] < sent_again[1] * (1.0 / remote_pes + 0.1), sent_again
+    sys.stdout.write(f"BYTES pe {me}: forwarded {sent[0]} per-PE {sent[1]}; "
+                     f"combine forwarded {sent_back[0]} per-PE {sent_back[1]}; "
+                     f"redispatch forwarded {sent_again[0]} per-PE {sent_again[1]}\n")
+    sys.stdout.flush()
+
+
+def ep_frozen_node(seed, timeout):
+    """Process 0 stops process 1 (SIGSTOP), whose PEs forward rows for node
+    0: node 0's dispatch raises TimeoutError naming them within the timeout;
+    once process 1 goes on, every PE closes the op and the job finishes."""
+    import torch
+    from symheap.ep import EpConfig, EpDispatchCombine
+    me, n = symheap.my_pe(), symheap.n_pes()
+    cfg = EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=2 * n, topk=2)
+    ep = EpDispatchCombine(cfg)
+    symheap.barrier_all(timeout=timeout)
+    if node_of(me) == 0:
+        if me == 0:
+            os.kill(PIDS[1], signal.SIGSTOP)
+            while open(f"/proc/{PIDS[1]}/stat").read().split(")")[1].split()[0] != "T":
+                time.sleep(0.01)
+            _frozen.set()
+        assert _frozen.wait(30)
+        x = torch.randn(4, 32).to(torch.bfloat16)
+        node1_pe = [THREADS + t % THREADS for t in range(4)]
+        idx = torch.tensor([[2 * p, 2 * p + 1] for p in node1_pe])  # experts on node 1
+        t0 = time.monotonic()
+        try:
+            ep.dispatch(x, idx, torch.ones(4, 2))
+        except TimeoutError as e:
+            text = str(e)
+        else:
+            raise AssertionError("a dispatch with a frozen node returned")
+        assert time.monotonic() - t0 <= timeout + 3
+        forwarder = THREADS + me  # node 1's PE with this PE's local index
+        assert re.search(rf"from PE\(s\) [\d, ]*\b{forwarder}\b", text), text
+        sys.stdout.write(f"EP-FROZEN-ERROR pe {me}: {text}\n")  # one write: a line of its own
+        sys.stdout.flush()
+        if _thread_barrier.wait(30) == 0:
+            os.kill(PIDS[1], signal.SIGCONT)
+    symheap.barrier_all(timeout=60)
+    ep.close()
+    symheap.barrier_all(timeout=60)
 
 
 def funneled(seed, timeout):
@@ -265,13 +392,15 @@ def killed_peer(seed, timeout):
     took = time.monotonic() - t0
     assert "PE 2" in text or "PE 3" in text, text
     assert took <= timeout + 3, took
-    print(f"KILLED-ERROR pe {me} after {took:.2f} s: {text}", flush=True)
+    sys.stdout.write(f"KILLED-ERROR pe {me} after {took:.2f} s: {text}\n")  # one line, whole
+    sys.stdout.flush()
 
 
 _thread_barrier = threading.Barrier(THREADS)
 PIDS = []
 SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer, "killed": killed_peer,
-             "funneled": funneled, "ep": ep_across_nodes}
+             "funneled": funneled, "ep": ep_across_nodes, "ep_bytes": ep_bytes,
+             "ep_frozen": ep_frozen_node}
 COMM = None
 
 
@@ -282,7 +411,9 @@ def main(scenario, timeout):
     from mpi4py import MPI  # MPI_THREAD_MULTIPLE, mpi4py's default, unless told otherwise
     COMM = MPI.COMM_WORLD
     rank, nprocs = COMM.Get_rank(), COMM.Get_size()
-    os.environ["SYMHEAP_NODE_ID"] = f"node-{rank}"
+    # SYMHEAP_TEST_NODES="0,0,1": the node of each process (default: its own)
+    nodes = os.environ.get("SYMHEAP_TEST_NODES")
+    os.environ["SYMHEAP_NODE_ID"] = f"node-{nodes.split(',')[rank] if nodes else rank}"
     PIDS[:] = COMM.allgather(os.getpid())
     seed = COMM.bcast(int(np.random.SeedSequence().entropy % (1 << 62)) if rank == 0 else None)
     # one unique id per init cycle (a job's id is not reused)

@@ -144,18 +144,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def run_mpi_program(scenario, timeout_s, mpirun_args=(), survivors=(0, 1, 2, 3)):
-    """remote_mpi_program.py under mpirun: 2 processes (nodes) x 2 PE threads;
+def run_mpi_program(scenario, timeout_s, mpirun_args=(), survivors=(0, 1, 2, 3),
+                    pes_per_node=2, nodes=None):
+    """remote_mpi_program.py under mpirun: 2 processes (nodes) x ``pes_per_node``
+    PE threads (or, with ``nodes``, one process per entry, on that node);
     every PE of ``survivors`` must report OK (and, when all do, mpirun succeed)."""
     pytest.importorskip("mpi4py")
     mpirun = shutil.which("mpirun")
     assert mpirun, "mpirun not found: scripts/setup.sh installs OpenMPI"
     env = dict(os.environ, SYMHEAP_BACKEND="cpu", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+               SYMHEAP_TEST_PES_PER_NODE=str(pes_per_node),
+               SYMHEAP_TEST_NODES=",".join(map(str, nodes or ())),
                PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
-    cmd = [mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", *mpirun_args,
-           sys.executable,
+    cmd = [mpirun, "-np", str(len(nodes) if nodes else 2), "--oversubscribe", "--bind-to", "none",
+           *mpirun_args, sys.executable,
            os.path.join(HERE, "remote_mpi_program.py"), scenario, str(timeout_s)]
     # Its own session, so that a hang kills mpirun and every process it started.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -166,7 +170,7 @@ def run_mpi_program(scenario, timeout_s, mpirun_args=(), survivors=(0, 1, 2, 3))
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"mpirun {scenario} did not finish within 120 s:\n{out[-6000:]}")
-    if len(survivors) == 4:
+    if len(survivors) == (len(nodes) if nodes else 2) * pes_per_node:
         assert proc.returncode == 0, out[-6000:]
     assert sorted(re.findall(rf"OK {scenario} pe (\d)", out)) == [str(r) for r in survivors], \
         out[-6000:]
@@ -212,5 +216,35 @@ def test_remote_killed_peer_under_mpirun():
 def test_ep_across_nodes_under_mpirun():
     """symheap.ep with half of every PE's peers on the other node: every routing
     pattern in each layout and dtype, dispatch / combine / redispatch checked
-    against references (rows for remote PEs go through the remote transport)."""
+    against references (rows for remote PEs go through the remote transport),
+    once forwarded inside nodes and once per PE: dispatch and redispatch give
+    the same bits both ways."""
     run_mpi_program("ep", 30)
+
+
+def test_ep_across_nodes_three_pes_per_node_under_mpirun():
+    """The same with 2 nodes x 3 PEs (forwarders serve sources of every local index)."""
+    run_mpi_program("ep", 30, survivors=tuple(range(6)), pes_per_node=3)
+
+
+def test_ep_across_nodes_of_unequal_size_under_mpirun():
+    """Nodes of 2 PEs and 1 PE (3 processes of one PE thread): both PEs of the
+    first node forward through the single PE of the second, which forwards
+    through the first node's PE 0."""
+    run_mpi_program("ep", 30, survivors=(0, 1, 2), pes_per_node=1, nodes=(0, 0, 1))
+
+
+def test_ep_forwarding_bytes_under_mpirun():
+    """Tokens bound for every PE: forwarded inside the node, a dispatch and a
+    redispatch (same outputs bit for bit) and a combine send fewer bytes
+    across nodes than per PE."""
+    out = run_mpi_program("ep_bytes", 30)
+    lines = re.findall(r"BYTES pe \d: forwarded \d+ per-PE \d+; combine .*; redispatch", out)
+    assert len(lines) == 4, out[-6000:]
+
+
+def test_ep_frozen_node_under_mpirun():
+    """A frozen (SIGSTOP) node whose PEs forward for the caller: dispatch raises
+    TimeoutError naming the forwarder within the 3 s timeout; the job then finishes."""
+    out = run_mpi_program("ep_frozen", 3)
+    assert len(re.findall(r"EP-FROZEN-ERROR pe [01]: .*?timed out after", out)) == 2, out[-6000:]

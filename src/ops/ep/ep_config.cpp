@@ -3,12 +3,23 @@
 #include <algorithm>
 
 #include "symheap/errors.hpp"
+#include "symheap/runtime.hpp"
 
 namespace symheap::ep {
 
 namespace {
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 std::string str(int64_t v) { return std::to_string(v); }
+// Whether the calling thread's PE has peers on another node (false before init).
+bool spans_nodes() {
+  try {
+    auto s = Runtime::instance().current();
+    for (const Peer& p : s->peers)
+      if (p.info.node_id != s->peers[s->my_pe].info.node_id) return true;
+  } catch (const std::exception&) {
+  }
+  return false;
+}
 }  // namespace
 
 size_t dtype_size(DType t) {
@@ -188,7 +199,31 @@ Geometry make_geometry(const Config& c, int n_pes) {
                              : static_cast<size_t>(g.combine_rows) * kMaxPieces * 8);
   g.off_route_totals = take(2 * (n + c.num_experts + 1) * 4);
   g.off_dest_sums = take(token_major ? 2 * n * (n + 1) * 8 : 0);
+  // Only the cpu implementation forwards (the kernels need every PE mapped),
+  // and only jobs across nodes need the regions.
+  const bool forwards = Runtime::instance().backend_name() == "cpu" && spans_nodes();
+  g.off_fwd_flag = take(forwards ? n * 8 : 0);
+  g.off_fwd_count = take(forwards ? n * 4 : 0);
+  g.off_plan_flag = take(forwards ? n * 8 : 0);
+  g.off_plan_count = take(forwards ? n * 4 : 0);
+  g.off_stage_flag = take(forwards ? n * 8 : 0);
   g.sync_bytes = at;
+  if (forwards) {
+    g.fwd_header_words = 1 + 2 * g.send_cols + 2 * c.topk;
+    g.fwd_x_at = align_up(static_cast<size_t>(g.fwd_header_words) * 4, 16);
+    g.fwd_scales_at = g.fwd_x_at + align_up(g.row_bytes, 16);
+    g.fwd_rec_bytes = g.fwd_scales_at + align_up(g.scale_row_bytes, 16);
+  }
+  g.off_fwd_rec = take(n * static_cast<size_t>(c.max_tokens) * g.fwd_rec_bytes);
+  g.plan_words = forwards ? 1 + 2 * g.send_cols : 0;
+  g.off_plan_rec = take(n * static_cast<size_t>(c.max_tokens) * g.plan_words * 4);
+  g.off_stage_rows = take(forwards ? n * combine_bytes : 0);
+  g.off_partial = take(forwards ? n * static_cast<size_t>(c.max_tokens) * g.combine_row_bytes : 0);
+  if (forwards) {
+    g.row_rec_row_at = align_up(static_cast<size_t>(g.send_cols) * 4, 16);
+    g.row_rec_bytes = g.row_rec_row_at + align_up(g.combine_row_bytes, 16);
+  }
+  g.off_row_rec = take(n * static_cast<size_t>(c.max_tokens) * g.row_rec_bytes);
   const size_t route_cols = token_major ? n : static_cast<size_t>(c.num_experts);
   g.off_route_counts = take(static_cast<size_t>(g.grid_blocks) * route_cols * 8);
   g.off_route_done = take(static_cast<size_t>(g.grid_blocks) * 8);

@@ -121,6 +121,28 @@ struct Geometry {
   // Local staging for the copy-engine kernel.
   size_t off_stage_x = 0, off_stage_scales = 0, off_stage_idx = 0, off_stage_w = 0,
          off_stage_meta = 0, off_stage_combine = 0;
+  // Forwarding inside a node (cpu, jobs across nodes; see ep_cpu.cpp): per
+  // source PE, the epoch of its forwarded rows (uint64 [n], a sync word), how
+  // many it sent (int32 [n]), and its records [n][max_tokens][fwd_rec_bytes]:
+  // int32 header [fwd_header_words] (token, destination row and combine row
+  // per send column, expert ids [topk], float weights [topk]), then the row
+  // at fwd_x_at and its scales at fwd_scales_at. Empty on cuda and on one node.
+  size_t off_fwd_flag = 0, off_fwd_count = 0, off_fwd_rec = 0;
+  size_t fwd_rec_bytes = 0, fwd_x_at = 0, fwd_scales_at = 0;
+  int32_t fwd_header_words = 0;
+  // Combine's reverse: per source PE, the epoch of its reduction plan (uint64
+  // [n]), its record count (int32 [n]) and records [n][max_tokens]
+  // [plan_words] (token, combine row per send column, float weight per
+  // column); per writer PE of this node, the epoch of the rows it staged here
+  // (uint64 [n]); staged rows [n sources][combine_rows] and the partial sums
+  // this PE receives [n forwarders][max_tokens], of combine_row_bytes.
+  size_t off_plan_flag = 0, off_plan_count = 0, off_plan_rec = 0, off_stage_flag = 0;
+  size_t off_stage_rows = 0, off_partial = 0;
+  int32_t plan_words = 0;
+  // Redispatch's forwarded records [n][max_tokens][row_rec_bytes]: int32
+  // combine row per send column, then at row_rec_row_at the row (combine
+  // dtype); counts and flags share the plan's words.
+  size_t off_row_rec = 0, row_rec_bytes = 0, row_rec_row_at = 0;
   size_t sync_bytes = 0;  // [0, sync_bytes) is zeroed when the op is created
   size_t total = 0;
 };

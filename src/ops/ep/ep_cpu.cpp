@@ -29,8 +29,21 @@
 // remote transport, adjacent ones merged, right before the flag that
 // announces them;
 // the transport keeps a PE's requests in order, so the peer sees the rows
-// before the flag. Rows a PE pulls from a remote source (redispatch) come
-// through a get. Each row crosses once per destination PE.
+// before the flag. Rows a PE pulls from a remote source (redispatch, without
+// forwarding) come through a get, once per destination PE.
+//
+// Forwarding (Op::nodes.forward: several nodes, one with several PEs):
+//   dispatch: step 3 sends a token bound for another node once, as a record
+//   to this PE's forwarder there (fwd_flag[s] = e after the records); in step
+//   3b each PE waits for the sources it forwards for and stores their records
+//   into its node's receive buffers before its data flag, so a destination
+//   that has every data flag has every row.
+//   combine: a row for a source on another node goes to the source's
+//   forwarder on this node (stage_flag[d] = e); the source sends each
+//   forwarder a plan (per token: combine rows there, weights; plan_flag); the
+//   forwarder sums and stores one row per token into the source's partials
+//   before its combine flag; the source adds them to its own node's rows.
+//   redispatch: see its own header below.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -116,15 +129,15 @@ class Stores {
 };
 uint64_t load_flag(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
-// Waits until flags[q] >= target for every PE q; the error names the late ones.
-void wait_all(const PeState& s, const Op& op, const uint64_t* flags, uint64_t target,
-              const std::string& call, const char* what) {
+// Waits until flags[q] >= target for every PE q of `pes`; the error names the late ones.
+void wait_for(const PeState& s, const Op& op, const uint64_t* flags, uint64_t target,
+              const std::vector<int>& pes, const std::string& call, const char* what) {
   Waiter waiter(&s, op.timeout_s);
-  for (int q = 0; q < op.n_pes; ++q) {
+  for (int q : pes) {
     while (load_flag(&flags[q]) < target) {
       if (!waiter.pause()) {
         std::string late;
-        for (int r = 0; r < op.n_pes; ++r)
+        for (int r : pes)
           if (load_flag(&flags[r]) < target) late += (late.empty() ? "" : ", ") + std::to_string(r);
         throw TimeoutError(call + " on PE " + std::to_string(op.my_pe) + " timed out after " +
                            std::to_string(op.timeout_s) + " s waiting for " + what +
@@ -132,6 +145,24 @@ void wait_all(const PeState& s, const Op& op, const uint64_t* flags, uint64_t ta
       }
     }
   }
+}
+
+void wait_all(const PeState& s, const Op& op, const uint64_t* flags, uint64_t target,
+              const std::string& call, const char* what) {
+  std::vector<int> all(op.n_pes);
+  for (int q = 0; q < op.n_pes; ++q) all[q] = q;
+  wait_for(s, op, flags, target, all, call, what);
+}
+
+// The PE that holds column j (combine row crow) of one of this PE's tokens:
+// token-major, PE j; expert-major, the PE whose range of this PE's combine
+// rows holds it (they are in destination order: summary [4q + 3]).
+int holder_of(bool token_major, int n, const int32_t* summary, int j, int32_t crow) {
+  if (token_major) return j;
+  int q = 0;
+  for (int p = 0; p < n; ++p)
+    if (summary[4 * p + 3] <= crow) q = p;
+  return q;
 }
 
 std::string call_name(const char* what, uint64_t epoch) {
@@ -217,71 +248,185 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
     overflow = !abort.empty();
   }
 
-  // 3. Rows straight into their destination's receive buffer.
+  // 3. Rows straight into their destination's receive buffer; with
+  //    forwarding, rows for another node go once, as one record per token and
+  //    node, to that node's forwarder for this PE (step 3b stores them).
+  const NodeLayout& nl = op.nodes;
+  const int my_node = nl.node_of[me], n_nodes = static_cast<int>(nl.pes_of.size());
+  auto crosses = [&](int d) { return nl.forward && nl.node_of[d] != my_node; };
+  const int cols = g.send_cols, HW = g.fwd_header_words;
+  const int64_t cap = c.max_tokens;  // token_slots: slots per source
+  std::vector<int32_t> fwd_count(n_nodes, 0);
+  // Stores into d's receive buffer, shared by senders and forwarders.
+  auto land_row = [&](int d, int64_t dst, const char* xrow, const char* srow) {
+    std::memcpy(st.at<char>(d, g.off_recv_x + dst * g.row_bytes, g.row_bytes), xrow, g.row_bytes);
+    if (g.scale_row_bytes)
+      std::memcpy(st.at<char>(d, g.off_recv_scales + dst * g.scale_row_bytes, g.scale_row_bytes),
+                  srow, g.scale_row_bytes);
+  };
+  auto land_meta = [&](int d, int64_t dst, int src, int64_t t, int32_t slot, int32_t crow) {
+    int32_t* meta = st.at<int32_t>(d, g.off_recv_meta + dst * kMetaWords * 4, kMetaWords);
+    meta[kMetaSrcPe] = src;
+    meta[kMetaToken] = static_cast<int32_t>(t);
+    meta[kMetaSlot] = slot;
+    meta[kMetaCombineRow] = crow;
+  };
+  // Token-major: ids and weights of the token's top-k, as d sees them.
+  auto land_topk = [&](int d, int64_t dst, const int64_t* ids, const float* weights) {
+    int32_t* idx = st.at<int32_t>(d, g.off_recv_idx + dst * K * 4, K);
+    float* w = st.at<float>(d, g.off_recv_w + dst * K * 4, K);
+    for (int k = 0; k < K; ++k) {
+      bool local = ids[k] >= 0 && ids[k] / L == d;
+      idx[k] = local ? static_cast<int32_t>(ids[k] % L) : -1;
+      w[k] = local ? weights[k] : 0.0f;
+    }
+  };
+  auto land_empty_slot = [&](int d, int64_t slot) {  // token_slots: no source, no experts
+    std::fill_n(st.at<int32_t>(d, g.off_recv_idx + slot * K * 4, K), K, -1);
+    std::fill_n(st.at<float>(d, g.off_recv_w + slot * K * 4, K), K, 0.0f);
+    std::fill_n(st.at<int32_t>(d, g.off_recv_meta + slot * kMetaWords * 4, kMetaWords),
+                kMetaWords, -1);
+  };
+  // A forwarded record's header: [token, dst row per column, combine row per
+  // column, ids[K], weights[K]] (see Geometry::fwd_header_words).
+  auto rec_dst = [&](int32_t* h, int j) -> int32_t& { return h[1 + j]; };
+  auto rec_crow = [&](int32_t* h, int j) -> int32_t& { return h[1 + cols + j]; };
   const char* x = static_cast<const char*>(a.x);
   const char* scales = static_cast<const char*>(a.scales);
   if (abort.empty() && (T > 0 || c.token_slots)) {  // (token_slots: empty slots too)
-    auto put_row = [&](int d, int64_t dst_row, int64_t t) {
-      std::memcpy(st.at<char>(d, g.off_recv_x + dst_row * g.row_bytes, g.row_bytes),
-                  x + t * g.row_bytes, g.row_bytes);
-      if (g.scale_row_bytes)
-        std::memcpy(st.at<char>(d, g.off_recv_scales + dst_row * g.scale_row_bytes,
-                                g.scale_row_bytes),
-                    scales + t * g.scale_row_bytes, g.scale_row_bytes);
+    std::vector<std::vector<int32_t>> rec(n_nodes);  // this token's record per node
+    std::vector<int64_t> ids(K);
+    std::vector<float> weights(K);
+    auto record = [&](int node, int64_t t) {
+      std::vector<int32_t>& h = rec[node];
+      if (h.empty()) {
+        h.assign(HW, -1);
+        h[0] = static_cast<int32_t>(t);
+        for (int k = 0; k < K; ++k) h[1 + 2 * cols + k] = static_cast<int32_t>(ids[k]);
+        std::memcpy(&h[1 + 2 * cols + K], weights.data(), K * 4);
+      }
+      return h.data();
+    };
+    auto begin_token = [&](int64_t t) {
+      for (int k = 0; k < K && t < T; ++k) {
+        ids[k] = read_index(a.topk_idx, a.idx_int64, t * K + k);
+        weights[k] = a.topk_weights[t * K + k];
+      }
+      for (auto& h : rec) h.clear();
+    };
+    auto send_records = [&](int64_t t) {  // one store per record: one put when adjacent
+      for (int node = 0; node < n_nodes; ++node) {
+        if (rec[node].empty()) continue;
+        const int f = nl.forwarder(me, node);
+        const size_t i = static_cast<size_t>(me) * cap + fwd_count[node]++;
+        char* out = st.at<char>(f, g.off_fwd_rec + i * g.fwd_rec_bytes, g.fwd_rec_bytes);
+        std::memset(out, 0, g.fwd_rec_bytes);
+        std::memcpy(out, rec[node].data(), HW * 4);
+        std::memcpy(out + g.fwd_x_at, x + t * g.row_bytes, g.row_bytes);
+        if (g.scale_row_bytes)
+          std::memcpy(out + g.fwd_scales_at, scales + t * g.scale_row_bytes, g.scale_row_bytes);
+      }
     };
     if (token_major) {
       std::vector<int64_t> base(n, 0);  // first row of this PE's rows on each destination
       for (int d = 0; d < n; ++d)
         for (int q = 0; q < me; ++q) base[d] += cell(q, kCountDest + d);
-      const int64_t cap = c.max_tokens;  // token_slots: slots per source
-      for (int64_t t = 0; t < (c.token_slots ? cap : T); ++t)
+      for (int64_t t = 0; t < (c.token_slots ? cap : T); ++t) {
+        begin_token(t);
         for (int d = 0; d < n; ++d) {
           int32_t p = t < T ? r.pos[t * n + d] : -1;
-          if (p < 0 && c.token_slots) {  // an empty slot: no source, no experts
-            int64_t slot = me * cap + t;
-            std::fill_n(st.at<int32_t>(d, g.off_recv_idx + slot * K * 4, K), K, -1);
-            std::fill_n(st.at<float>(d, g.off_recv_w + slot * K * 4, K), K, 0.0f);
-            std::fill_n(st.at<int32_t>(d, g.off_recv_meta + slot * kMetaWords * 4, kMetaWords),
-                        kMetaWords, -1);
-          }
+          if (p < 0 && c.token_slots && !crosses(d)) land_empty_slot(d, me * cap + t);
           if (p < 0) continue;
           int64_t dst = c.token_slots ? me * cap + t : base[d] + p;
-          put_row(d, dst, t);
-          int32_t* idx = st.at<int32_t>(d, g.off_recv_idx + dst * K * 4, K);
-          float* w = st.at<float>(d, g.off_recv_w + dst * K * 4, K);
-          for (int k = 0; k < K; ++k) {
-            int64_t id = read_index(a.topk_idx, a.idx_int64, t * K + k);
-            bool local = id >= 0 && id / L == d;
-            idx[k] = local ? static_cast<int32_t>(id % L) : -1;
-            w[k] = local ? a.topk_weights[t * K + k] : 0.0f;
+          int32_t crow = c.token_slots ? static_cast<int32_t>(d * cap + t) : r.send_rows[t * n + d];
+          if (crosses(d)) {
+            int32_t* h = record(nl.node_of[d], t);
+            rec_dst(h, d) = static_cast<int32_t>(dst);
+            rec_crow(h, d) = crow;
+            continue;
           }
-          int32_t* meta = st.at<int32_t>(d, g.off_recv_meta + dst * kMetaWords * 4, kMetaWords);
-          meta[kMetaSrcPe] = me;
-          meta[kMetaToken] = static_cast<int32_t>(t);
-          meta[kMetaSlot] = -1;
-          meta[kMetaCombineRow] = c.token_slots ? static_cast<int32_t>(d * cap + t)
-                                                : r.send_rows[t * n + d];
+          land_row(d, dst, x + t * g.row_bytes, scales + t * g.scale_row_bytes);
+          land_topk(d, dst, ids.data(), weights.data());
+          land_meta(d, dst, me, t, -1, crow);
         }
+        send_records(t);
+      }
     } else {
       std::vector<int64_t> base(c.num_experts, 0);  // this PE's first row in each expert's run
       for (int e = 0; e < c.num_experts; ++e)
         for (int q = 0; q < me; ++q) base[e] += cell(q, kCountDest + n + e);
-      for (int64_t t = 0; t < T; ++t)
+      for (int64_t t = 0; t < T; ++t) {
+        begin_token(t);
         for (int k = 0; k < K; ++k) {
           int32_t p = r.pos[t * K + k];
           if (p < 0) continue;
-          int64_t id = read_index(a.topk_idx, a.idx_int64, t * K + k);
+          int64_t id = ids[k];
           int d = static_cast<int>(id / L);
           int64_t dst = (id % L) * g.expert_cap + base[id] + p;
-          put_row(d, dst, t);
-          *st.at<float>(d, g.off_recv_w + dst * 4, 1) = a.topk_weights[t * K + k];
-          int32_t* meta = st.at<int32_t>(d, g.off_recv_meta + dst * kMetaWords * 4, kMetaWords);
-          meta[kMetaSrcPe] = me;
-          meta[kMetaToken] = static_cast<int32_t>(t);
-          meta[kMetaSlot] = k;
-          meta[kMetaCombineRow] = r.send_rows[t * K + k];
+          if (crosses(d)) {
+            int32_t* h = record(nl.node_of[d], t);
+            rec_dst(h, k) = static_cast<int32_t>(dst);
+            rec_crow(h, k) = r.send_rows[t * K + k];
+            continue;
+          }
+          land_row(d, dst, x + t * g.row_bytes, scales + t * g.scale_row_bytes);
+          *st.at<float>(d, g.off_recv_w + dst * 4, 1) = weights[k];
+          land_meta(d, dst, me, t, k, r.send_rows[t * K + k]);
         }
+        send_records(t);
+      }
     }
+  }
+  for (int node = 0; nl.forward && node < n_nodes; ++node) {
+    if (node == my_node) continue;
+    const int f = nl.forwarder(me, node);
+    *st.at<int32_t>(f, g.off_fwd_count + static_cast<size_t>(me) * 4, 1) = fwd_count[node];
+    st.flag(f, g.off_fwd_flag, epoch);
+  }
+
+  // 3b. Forward: the records of every source of another node whose
+  //     forwarder here is this PE, into the receive buffers of this node.
+  for (int src = 0; nl.forward && src < n; ++src) {
+    if (nl.node_of[src] == my_node || nl.forwarder(src, my_node) != me) continue;
+    wait_for(s, op, at<uint64_t>(s, op, me, g.off_fwd_flag), epoch, {src}, call,
+             "rows to forward");
+    if (!abort.empty()) continue;
+    const int32_t records =
+        std::min<int32_t>(*at<int32_t>(s, op, me, g.off_fwd_count + size_t(src) * 4),
+                          static_cast<int32_t>(cap));
+    for (int32_t i = 0; i < records; ++i) {
+      char* rec = at<char>(s, op, me, g.off_fwd_rec + (size_t(src) * cap + i) * g.fwd_rec_bytes);
+      int32_t* h = reinterpret_cast<int32_t*>(rec);
+      const int64_t t = h[0];
+      int64_t ids[64];
+      float weights[64];
+      for (int k = 0; k < K; ++k) ids[k] = h[1 + 2 * cols + k];
+      std::memcpy(weights, &h[1 + 2 * cols + K], K * 4);
+      const char* xrow = rec + g.fwd_x_at;
+      const char* srow = rec + g.fwd_scales_at;
+      if (token_major) {
+        for (int d : nl.pes_of[my_node]) {
+          const int32_t dst = rec_dst(h, d);
+          if (dst < 0) continue;
+          land_row(d, dst, xrow, srow);
+          land_topk(d, dst, ids, weights);
+          land_meta(d, dst, src, t, -1, rec_crow(h, d));
+        }
+      } else {
+        for (int k = 0; k < K; ++k) {
+          const int32_t dst = rec_dst(h, k);
+          if (dst < 0) continue;
+          const int d = static_cast<int>(ids[k] / L);
+          land_row(d, dst, xrow, srow);
+          *st.at<float>(d, g.off_recv_w + int64_t(dst) * 4, 1) = weights[k];
+          land_meta(d, dst, src, t, k, rec_crow(h, k));
+        }
+      }
+    }
+    for (int d : nl.pes_of[my_node])  // token_slots: src's slots that hold no row for d
+      for (int64_t t = 0; c.token_slots && t < cap; ++t)
+        if (!((cell(src, bits_at + d * W + int(t / 32)) >> (t % 32)) & 1))
+          land_empty_slot(d, src * cap + t);
   }
 
   // 4. Signal and wait even when aborting: count rows stay safe to reuse.
@@ -361,31 +506,81 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
   const bool token_major = c.layout == Layout::TokenMajor;
   const uint64_t epoch = ++op.combine_epoch;
   const std::string call = call_name("combine", epoch);
+  const NodeLayout& nl = op.nodes;
+  const int my_node = nl.node_of[me], n_nodes = static_cast<int>(nl.pes_of.size());
+  const int64_t cap = c.max_tokens;
+  const int cols = token_major ? n : K;
   int32_t status = a.status;
   if (status == kOk && (a.num_tokens < 0 || a.num_tokens > c.max_tokens)) status = kBadArgument;
 
   // 1. Each source must have consumed its buffer of the previous combine.
   wait_all(s, op, at<uint64_t>(s, op, me, g.off_freed_flag), epoch - 1, call,
            "the previous combine to finish");
-  // 2. Every received row back to its source, at the row the source chose.
   Stores st(s, op);
   const size_t crb = g.combine_row_bytes;
   const char* rows = static_cast<const char*>(a.expert_out);
   // Rows named by the handle must lie inside the combine buffers: a handle
   // edited by the caller must not write or read outside them.
   if (status == kOk) {
-    const int cols = token_major ? n : K;
     for (int64_t t = 0; t < a.num_tokens && status == kOk; ++t)
       for (int j = 0; j < cols; ++j) {
         int32_t row = a.send_rows[t * g.send_cols + j];
         if (row >= g.combine_rows || row < -1) status = kBadArgument;
       }
   }
-  // Received row r goes back to source src's combine row crow.
+  // With forwarding, the rows of this PE's tokens that PEs of another node
+  // hold are summed there (step 3b): each token crosses back once per node.
+  auto holder = [&](int j, int32_t crow) {
+    return holder_of(token_major, n, a.recv_summary, j, crow);
+  };
+  std::vector<std::vector<int64_t>> planned(n_nodes);  // per node: its records' tokens
+  std::vector<char> via_node(nl.forward ? static_cast<size_t>(a.num_tokens) * cols : 0);
+  if (nl.forward && status == kOk) {
+    std::vector<int32_t> rec(g.plan_words);
+    for (int64_t t = 0; t < a.num_tokens; ++t)
+      for (int node = 0; node < n_nodes; ++node) {
+        if (node == my_node) continue;
+        std::fill(rec.begin(), rec.end(), -1);
+        bool any = false;
+        for (int j = 0; j < cols; ++j) {
+          int32_t crow = a.send_rows[t * g.send_cols + j];
+          if (crow < 0 || nl.node_of[holder(j, crow)] != node) continue;
+          via_node[t * cols + j] = 1;
+          rec[1 + j] = crow;
+          float w = token_major ? 1.0f : a.weights[t * K + j];
+          std::memcpy(&rec[1 + cols + j], &w, 4);
+          any = true;
+        }
+        if (!any) continue;
+        rec[0] = static_cast<int32_t>(t);
+        const int f = nl.forwarder(me, node);
+        const size_t i = static_cast<size_t>(me) * cap + planned[node].size();
+        std::memcpy(st.at<int32_t>(f, g.off_plan_rec + i * g.plan_words * 4, g.plan_words),
+                    rec.data(), g.plan_words * 4);
+        planned[node].push_back(t);
+      }
+  }
+  for (int node = 0; nl.forward && node < n_nodes; ++node) {
+    if (node == my_node) continue;
+    const int f = nl.forwarder(me, node);
+    *st.at<int32_t>(f, g.off_plan_count + size_t(me) * 4, 1) =
+        static_cast<int32_t>(planned[node].size());
+    st.flag(f, g.off_plan_flag, epoch);
+  }
+
+  // 2. Every received row back to its source, at the row the source chose;
+  //    with forwarding, rows of another node's source to its forwarder here.
   auto send_back = [&](int64_t r, int src, int64_t crow) {
     if (r < 0 || r >= a.expert_rows || r >= g.recv_rows || src < 0 || src >= n || crow < 0 ||
         crow >= g.combine_rows) {
       status = kBadArgument;  // rows not covered by the caller, or an edited handle
+      return;
+    }
+    if (nl.forward && nl.node_of[src] != my_node) {
+      const int f = nl.forwarder(src, my_node);
+      std::memcpy(st.at<char>(f, g.off_stage_rows + (size_t(src) * g.combine_rows + crow) * crb,
+                              crb),
+                  rows + r * crb, crb);
       return;
     }
     std::memcpy(st.at<char>(src, g.off_combine_buf + crow * crb, crb), rows + r * crb, crb);
@@ -408,6 +603,43 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
       if (meta[kMetaSrcPe] >= 0) send_back(r, meta[kMetaSrcPe], meta[kMetaCombineRow]);
     }
   }
+  for (int p : nl.forward ? nl.pes_of[my_node] : std::vector<int>{})
+    store_flag(at<uint64_t>(s, op, p, g.off_stage_flag + size_t(me) * 8), epoch);
+
+  // 3b. Forwarder: for each source of another node it serves, sum the
+  //     token's rows staged by this node's PEs (weighted, expert-major) in
+  //     fp32; one row of the combine dtype goes back per token.
+  bool waited_stage = false;
+  for (int src = 0; nl.forward && src < n; ++src) {
+    if (nl.node_of[src] == my_node || nl.forwarder(src, my_node) != me) continue;
+    if (!waited_stage) {
+      wait_for(s, op, at<uint64_t>(s, op, me, g.off_stage_flag), epoch, nl.pes_of[my_node], call,
+               "rows to reduce");
+      waited_stage = true;
+    }
+    wait_for(s, op, at<uint64_t>(s, op, me, g.off_plan_flag), epoch, {src}, call,
+             "its reduction plan");
+    const int32_t records = std::min<int32_t>(
+        *at<int32_t>(s, op, me, g.off_plan_count + size_t(src) * 4), static_cast<int32_t>(cap));
+    const char* staged = at<char>(s, op, me, g.off_stage_rows + size_t(src) * g.combine_rows * crb);
+    std::vector<float> acc(c.hidden);
+    for (int32_t i = 0; i < records; ++i) {
+      const int32_t* rec =
+          at<int32_t>(s, op, me, g.off_plan_rec + (size_t(src) * cap + i) * g.plan_words * 4);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int j = 0; j < cols; ++j) {
+        const int32_t crow = rec[1 + j];
+        if (crow < 0 || crow >= g.combine_rows) continue;
+        float w;
+        std::memcpy(&w, &rec[1 + cols + j], 4);
+        const char* row = staged + size_t(crow) * crb;
+        for (int h = 0; h < c.hidden; ++h) acc[h] += w * load_as_float(row, h, g.combine_dtype);
+      }
+      void* out = st.at<char>(src, g.off_partial + (size_t(me) * cap + i) * crb, crb);
+      for (int h = 0; h < c.hidden; ++h) store_from_float(out, h, g.combine_dtype, acc[h]);
+    }
+  }
+
   for (int p = 0; p < n; ++p) {
     *st.at<int32_t>(p, g.off_combine_status + me * 4, 1) = status;
     st.flag(p, g.off_combine_flag, epoch);
@@ -430,19 +662,26 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
   }
 
   // 3. Sum in fp32 per token: token-major rows as they are, expert-major
-  //    rows weighted by the token's top-k weight.
+  //    rows weighted by the token's top-k weight; then each other node's
+  //    partial sum.
   const char* buf = at<char>(s, op, me, g.off_combine_buf);
   const DType dt = g.combine_dtype;
   std::vector<float> acc(c.hidden);
+  std::vector<size_t> next(n_nodes, 0);  // per node: its next partial
   for (int64_t t = 0; t < a.num_tokens; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
-    const int cols = token_major ? n : K;
     for (int j = 0; j < cols; ++j) {
       int32_t row = a.send_rows[t * g.send_cols + j];
-      if (row < 0) continue;
+      if (row < 0 || (nl.forward && via_node[t * cols + j])) continue;
       float w = token_major ? 1.0f : a.weights[t * K + j];
       const char* src = buf + row * crb;
       for (int h = 0; h < c.hidden; ++h) acc[h] += w * load_as_float(src, h, dt);
+    }
+    for (int node = 0; node < n_nodes; ++node) {
+      if (next[node] >= planned[node].size() || planned[node][next[node]] != t) continue;
+      const size_t i = static_cast<size_t>(nl.forwarder(me, node)) * cap + next[node]++;
+      const char* partial = at<char>(s, op, me, g.off_partial + i * crb);
+      for (int h = 0; h < c.hidden; ++h) acc[h] += load_as_float(partial, h, dt);
     }
     for (int h = 0; h < c.hidden; ++h)
       store_from_float(a.out, static_cast<size_t>(t) * c.hidden + h, dt, acc[h]);
@@ -455,9 +694,13 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
 // redispatch #e on PE s (shares combine's epochs and combine buffers)
 //   1. wait until every PE is done with the combine buffers of #e-1;
 //   2. store each token's row into this PE's own combine buffer at every row
-//      the dispatch chose for it; set combine_flag[s] = e everywhere;
+//      the dispatch chose for it; with forwarding, send each other node's
+//      forwarder one record per token (plan_flag), and as a forwarder copy
+//      the records received into the staging rows; set combine_flag[s] = e
+//      everywhere;
 //   3. wait for every PE, then pull each received row from its source's
-//      combine buffer (the row combine would have sent back); set freed_flag.
+//      combine buffer (the row combine would have sent back), or from the
+//      forwarder's staging rows; set freed_flag.
 namespace symheap::ep {
 
 void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
@@ -514,6 +757,58 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
       if (row >= 0) std::memcpy(mine + row * crb, rows + t * crb, crb);
     }
   Stores st(s, op);
+  // With forwarding, a token's row crosses once per other node: a record
+  // (the row, its combine rows there) to this PE's forwarder, which copies it
+  // into its staging rows [this PE][combine row] before its combine flag;
+  // that node's PEs read it there instead of from this PE.
+  const NodeLayout& nl = op.nodes;
+  const int my_node = nl.node_of[me], n_nodes = static_cast<int>(nl.pes_of.size());
+  const int64_t cap = c.max_tokens;
+  std::vector<int32_t> records(n_nodes, 0);
+  if (nl.forward && status == kOk) {
+    std::vector<int32_t> crows(cols);
+    for (int64_t t = 0; t < a.num_tokens; ++t)
+      for (int node = 0; node < n_nodes; ++node) {
+        if (node == my_node) continue;
+        bool any = false;
+        for (int j = 0; j < cols; ++j) {
+          int32_t crow = a.send_rows[t * g.send_cols + j];
+          bool there = crow >= 0 &&
+                       nl.node_of[holder_of(token_major, n, a.recv_summary, j, crow)] == node;
+          crows[j] = there ? crow : -1;
+          any |= there;
+        }
+        if (!any) continue;
+        const int f = nl.forwarder(me, node);
+        const size_t i = static_cast<size_t>(me) * cap + records[node]++;
+        char* out = st.at<char>(f, g.off_row_rec + i * g.row_rec_bytes, g.row_rec_bytes);
+        std::memset(out, 0, g.row_rec_bytes);
+        std::memcpy(out, crows.data(), cols * 4);
+        std::memcpy(out + g.row_rec_row_at, rows + t * crb, crb);
+      }
+  }
+  for (int node = 0; nl.forward && node < n_nodes; ++node) {
+    if (node == my_node) continue;
+    const int f = nl.forwarder(me, node);
+    *st.at<int32_t>(f, g.off_plan_count + size_t(me) * 4, 1) = records[node];
+    st.flag(f, g.off_plan_flag, epoch);
+  }
+  for (int src = 0; nl.forward && src < n; ++src) {  // as the forwarder of src
+    if (nl.node_of[src] == my_node || nl.forwarder(src, my_node) != me) continue;
+    wait_for(s, op, at<uint64_t>(s, op, me, g.off_plan_flag), epoch, {src}, call,
+             "rows to forward");
+    const int32_t count = std::min<int32_t>(
+        *at<int32_t>(s, op, me, g.off_plan_count + size_t(src) * 4), static_cast<int32_t>(cap));
+    char* staged = at<char>(s, op, me, g.off_stage_rows + size_t(src) * g.combine_rows * crb);
+    for (int32_t i = 0; i < count; ++i) {
+      const char* rec =
+          at<char>(s, op, me, g.off_row_rec + (size_t(src) * cap + i) * g.row_rec_bytes);
+      const int32_t* crows = reinterpret_cast<const int32_t*>(rec);
+      for (int j = 0; j < cols; ++j)
+        if (crows[j] >= 0 && crows[j] < g.combine_rows)
+          std::memcpy(staged + size_t(crows[j]) * crb, rec + g.row_rec_row_at, crb);
+    }
+  }
   for (int p = 0; p < n; ++p) {
     *st.at<int32_t>(p, g.off_combine_status + me * 4, 1) = status;
     st.flag(p, g.off_combine_flag, epoch);
@@ -525,12 +820,20 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
     if (statuses[q] != kOk)
       abort += (abort.empty() ? "PE " : "; PE ") + std::to_string(q) +
                " passed an invalid argument to redispatch";
-  // 3. Pull every received row from its source.
+  // 3. Pull every received row from its source (another node's: from its
+  //    forwarder here).
   if (abort.empty()) {
     std::memset(a.out, 0, static_cast<size_t>(g.recv_rows) * crb);
-    for (const Pull& p : pulls)
-      st.read(p.src, g.off_combine_buf + p.crow * crb, static_cast<char*>(a.out) + p.row * crb,
-              crb);
+    for (const Pull& p : pulls) {
+      char* out = static_cast<char*>(a.out) + p.row * crb;
+      if (nl.forward && nl.node_of[p.src] != my_node)
+        std::memcpy(out,
+                    at<char>(s, op, nl.forwarder(p.src, my_node),
+                             g.off_stage_rows + (size_t(p.src) * g.combine_rows + p.crow) * crb),
+                    crb);
+      else
+        st.read(p.src, g.off_combine_buf + p.crow * crb, out, crb);
+    }
   }
   for (int p = 0; p < n; ++p) st.flag(p, g.off_freed_flag, epoch);
   if (!abort.empty()) {

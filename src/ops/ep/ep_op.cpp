@@ -1,6 +1,7 @@
 // Op registry (per device slot) and the backend-independent entry points.
 #include "ops/ep/ep_op.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -32,6 +33,29 @@ bool emulate_device() {
 }
 
 }  // namespace
+
+NodeLayout node_layout(const PeState& s) {
+  NodeLayout l;
+  std::vector<std::string> ids;
+  for (int p = 0; p < s.n_pes; ++p) {
+    const std::string& id = s.peers[p].info.node_id;
+    size_t node = std::find(ids.begin(), ids.end(), id) - ids.begin();
+    if (node == ids.size()) {
+      ids.push_back(id);
+      l.pes_of.emplace_back();
+    }
+    l.node_of.push_back(static_cast<int>(node));
+    l.local_index.push_back(static_cast<int>(l.pes_of[node].size()));
+    l.pes_of[node].push_back(p);
+  }
+  bool several = false;
+  for (const auto& pes : l.pes_of) several |= pes.size() > 1;
+  // SYMHEAP_EP_HIERARCHICAL=0 sends every row straight to its destination.
+  const char* v = std::getenv("SYMHEAP_EP_HIERARCHICAL");
+  const bool allowed = !(v && std::strcmp(v, "0") == 0);
+  l.forward = allowed && l.pes_of.size() > 1 && several;
+  return l;
+}
 
 int local_grid_blocks(PeState& s) {
 #ifdef SYMHEAP_WITH_CUDA
@@ -67,6 +91,8 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
   op->device = s.device;
   op->ws_offset = ws_offset;
   op->timeout_s = s.timeout_s;
+  op->nodes = node_layout(s);
+  op->nodes.forward &= host_rows && geo.fwd_rec_bytes > 0;
   {
     DeviceGuard guard(s.device);
     // The sync words start at zero on every PE before any PE writes them

@@ -69,6 +69,24 @@ struct RedispatchArgs {
   StreamHandle stream = 0;
 };
 
+// Which PEs share a node (the peer table's node ids), and whether the op
+// forwards inside nodes (ep_cpu.cpp): a row bound for several PEs of another
+// node crosses once, to the forwarder there, which stores it into each
+// destination; combine sums there and sends one row back.
+struct NodeLayout {
+  std::vector<int> node_of;                // PE -> node index (nodes by first PE)
+  std::vector<int> local_index;            // PE -> rank among the PEs of its node
+  std::vector<std::vector<int>> pes_of;    // node -> its PEs, ascending
+  bool forward = false;  // more than one node and one holds several PEs (unless turned off)
+  // The PE of `node` that forwards rows from `src`: the one with src's local
+  // index (modulo the node's size).
+  int forwarder(int src, int node) const {
+    const std::vector<int>& pes = pes_of[node];
+    return pes[local_index[src] % pes.size()];
+  }
+};
+NodeLayout node_layout(const PeState& s);
+
 // One dispatch/combine instance on one PE.
 struct Op {
   int64_t id = 0;
@@ -80,6 +98,7 @@ struct Op {
   int device = -1;
   size_t ws_offset = 0;  // heap offset of the symmetric workspace
   double timeout_s = kDefaultTimeoutS;
+  NodeLayout nodes;
   std::mutex mu;         // one call at a time per op
   uint64_t dispatch_epoch = 0;  // host-side epochs (cpu; the cuda kernels keep theirs on device)
   uint64_t combine_epoch = 0;
