@@ -156,7 +156,9 @@ def run_mpi_program(scenario, timeout_s, mpirun_args=(), survivors=(0, 1, 2, 3),
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
                SYMHEAP_TEST_PES_PER_NODE=str(pes_per_node),
                SYMHEAP_TEST_NODES=",".join(map(str, nodes or ())),
-               PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep +
+               # The ranks import the symheap this test imported (installed, or the
+               # source tree with a built extension).
+               PYTHONPATH=os.path.dirname(os.path.dirname(symheap.__file__)) + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
     cmd = [mpirun, "-np", str(len(nodes) if nodes else 2), "--oversubscribe", "--bind-to", "none",
            *mpirun_args, sys.executable,
