@@ -142,16 +142,22 @@ def test_matches_cpu_path(opts, D):
         assert max_err(a, b) <= 0.02 * scale, (name, max_err(a, b))
 
 
-def test_varlen_matches_cpu_path():
-    gen = torch.Generator().manual_seed(0)
-    B, Hq, Hkv, D = 5, 4, 2, 72
-    lq = torch.randint(1, 700, (B,), generator=gen)
-    lk = torch.randint(1, 700, (B,), generator=gen)
+def packed_inputs(lq, lk, Hq, Hkv, D, gen):
+    """cu_seqlens of both sides and random packed bf16 q, k, v for lengths lq, lk."""
     cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lq.cumsum(0)]).to(torch.int32)
     cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lk.cumsum(0)]).to(torch.int32)
     q = torch.randn(int(cu_q[-1]), Hq, D, generator=gen).bfloat16()
     k = torch.randn(int(cu_k[-1]), Hkv, D, generator=gen).bfloat16()
     v = torch.randn(int(cu_k[-1]), Hkv, D, generator=gen).bfloat16()
+    return cu_q, cu_k, q, k, v
+
+
+def test_varlen_matches_cpu_path():
+    gen = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D = 5, 4, 2, 72
+    lq = torch.randint(1, 700, (B,), generator=gen)
+    lk = torch.randint(1, 700, (B,), generator=gen)
+    cu_q, cu_k, q, k, v = packed_inputs(lq, lk, Hq, Hkv, D, gen)
     mq, mk = int(lq.max()), int(lk.max())
     bias = (torch.randn(1, Hkv, 1, mk, generator=gen) * 0.3).bfloat16()
     for opts in (dict(causal=True), dict(dropout_p=0.15, seed=(8, 1), window_size=(64, 64))):
@@ -481,11 +487,7 @@ def test_pipelined_varlen_with_empty_sequences(D, opts, monkeypatch):
     lq = torch.tensor([0, 130, 1, 257, 64, 0, 999])
     lk = torch.tensor([5, 129, 0, 300, 64, 7, 1000])
     B, Hq, Hkv = lq.numel(), 4, 2
-    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lq.cumsum(0)]).to(torch.int32)
-    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lk.cumsum(0)]).to(torch.int32)
-    q = torch.randn(int(cu_q[-1]), Hq, D, generator=gen).bfloat16()
-    k = torch.randn(int(cu_k[-1]), Hkv, D, generator=gen).bfloat16()
-    v = torch.randn(int(cu_k[-1]), Hkv, D, generator=gen).bfloat16()
+    cu_q, cu_k, q, k, v = packed_inputs(lq, lk, Hq, Hkv, D, gen)
     mq, mk = int(lq.max()), int(lk.max())
     out, lse = flash_attn_varlen_func(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), mq, mk,
                                       return_lse=True, **opts)

@@ -157,6 +157,17 @@ def bad_input(seed, timeout):
 _frozen = threading.Event()
 
 
+def freeze_process_one(me):
+    """PE 0 stops process 1 (SIGSTOP) and waits until it is stopped; every
+    PE of node 0 returns once it is."""
+    if me == 0:
+        os.kill(PIDS[1], signal.SIGSTOP)
+        while open(f"/proc/{PIDS[1]}/stat").read().split(")")[1].split()[0] != "T":
+            time.sleep(0.01)
+        _frozen.set()
+    assert _frozen.wait(30)
+
+
 def frozen_peer(seed, timeout):
     """Process 0 stops process 1 (SIGSTOP): its PEs' remote get and quiet
     raise TimeoutError naming the frozen PE within the timeout; then it lets
@@ -167,12 +178,7 @@ def frozen_peer(seed, timeout):
     symheap.barrier_all(timeout=timeout)
     pids = PIDS
     if node_of(me) == 0:
-        if me == 0:
-            os.kill(pids[1], signal.SIGSTOP)
-            while open(f"/proc/{pids[1]}/stat").read().split(")")[1].split()[0] != "T":
-                time.sleep(0.01)
-            _frozen.set()
-        assert _frozen.wait(30)
+        freeze_process_one(me)
         target = 2 + me  # PE 0 -> PE 2, PE 1 -> PE 3
         out = np.zeros(16, np.uint8)
         t0 = time.monotonic()
@@ -322,12 +328,7 @@ def ep_frozen_node(seed, timeout):
     ep = EpDispatchCombine(cfg)
     symheap.barrier_all(timeout=timeout)
     if node_of(me) == 0:
-        if me == 0:
-            os.kill(PIDS[1], signal.SIGSTOP)
-            while open(f"/proc/{PIDS[1]}/stat").read().split(")")[1].split()[0] != "T":
-                time.sleep(0.01)
-            _frozen.set()
-        assert _frozen.wait(30)
+        freeze_process_one(me)
         x = torch.randn(4, 32).to(torch.bfloat16)
         node1_pe = [THREADS + t % THREADS for t in range(4)]
         idx = torch.tensor([[2 * p, 2 * p + 1] for p in node1_pe])  # experts on node 1
