@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Runs the single-GPU tests of one file in N pytest processes at once, spread
+# over the GPUs present. For files whose time goes to compilation on the host
+# (XLA, cuDNN plans) rather than to the GPU: the full grid in minutes.
+#   bash tests/gpu/run_sharded.sh N FILE [pytest -k expression]
+# Logs: $OUT/sharded_<file>_<i>.log; the last line sums every shard.
+set -uo pipefail
+n=$1 file=$2 expr=${3:-}
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu-logs}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+name=$(basename "$file" .py)
+ids=$(mktemp)
+args=(-q -p no:cacheprovider)
+[ -n "$expr" ] && args+=(-k "$expr")
+$PY -m pytest "${args[@]}" --collect-only "$file" 2>/dev/null | grep '::' > "$ids"
+total=$(wc -l < "$ids")
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$gpus" -ge 1 ] || gpus=1
+echo "[sharded] $file: $total tests in $n shards over $gpus GPU(s)"
+pids=()
+for ((i = 0; i < n; i++)); do
+  awk -v n="$n" -v i="$i" 'NR % n == i' "$ids" > "$ids.$i"
+  [ -s "$ids.$i" ] || continue
+  mapfile -t shard < "$ids.$i"
+  CUDA_VISIBLE_DEVICES=$((i % gpus)) $PY -m pytest -q -p no:cacheprovider --timeout=${SYMHEAP_TEST_TIMEOUT:-150} \
+    "${shard[@]}" > "$OUT/sharded_${name}_$i.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+passed=0 failed=0 skipped=0 errors=0
+for f in "$OUT"/sharded_"${name}"_*.log; do
+  last=$(tail -1 "$f")
+  for kind in passed failed skipped error; do
+    c=$(echo "$last" | grep -oE "[0-9]+ $kind" | grep -oE '[0-9]+' || true)
+    c=${c:-0}
+    case $kind in passed) passed=$((passed + c));; failed) failed=$((failed + c));;
+      skipped) skipped=$((skipped + c));; error) errors=$((errors + c));; esac
+  done
+  grep -E '^(FAILED|ERROR)' "$f" | head -5
+done
+rm -f "$ids" "$ids".*
+echo "[sharded] $file: $passed passed, $failed failed, $errors errors, $skipped skipped of $total (rc $rc)"
+exit $rc
