@@ -7,14 +7,16 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
     python bench/attn_bench.py [--backend auto|cudnn|own] [--grid reference|full]
                                [--json out.json] [--quick]
                                [--hdims 64,128] [--seqlens 1024,2048,4096,8192]
-                               [--fwd-only] [--compare-basic]
+                               [--fwd-only] [--compare-basic] [--group 4]
     python bench/attn_bench.py --decode [--json out.json] [--quick]   (KV-cache decode)
 
 --backend picks symheap's path (as flash_attn_func's backend=); --grid full
 runs head dims 64, 128, 256 x S 512 .. 16k x causal or not; --hdims/--seqlens
-replace the grid by their product x causal or not. --fwd-only skips the
-backward timings; --compare-basic adds the own basic forward kernel
-(SYMHEAP_ATTN_OWN_FORWARD=basic) as a column next to symheap's path.
+replace the grid by their product x causal or not (--group: query heads per
+kv head in those rows). --fwd-only skips the
+backward timings; --compare-basic adds the own basic kernels
+(SYMHEAP_ATTN_OWN_FORWARD=basic and SYMHEAP_ATTN_OWN_BACKWARD=basic), forward
+and forward+backward, as a column next to symheap's path.
 """
 from __future__ import annotations
 
@@ -88,19 +90,21 @@ def host_overhead_us(backend, n=200):
     return result
 
 
-class basic_forward:
-    """Forces the own basic forward kernel while active (read per call)."""
-    name = "SYMHEAP_ATTN_OWN_FORWARD"
+class basic_kernels:
+    """Forces the own basic forward and backward kernels while active (the
+    variables are read per call)."""
+    names = ("SYMHEAP_ATTN_OWN_FORWARD", "SYMHEAP_ATTN_OWN_BACKWARD")
 
     def __enter__(self):
-        self.saved = os.environ.get(self.name)
-        os.environ[self.name] = "basic"
+        self.saved = {name: os.environ.get(name) for name in self.names}
+        os.environ.update({name: "basic" for name in self.names})
 
     def __exit__(self, *exc):
-        if self.saved is None:
-            os.environ.pop(self.name, None)
-        else:
-            os.environ[self.name] = self.saved
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_basic=False):
@@ -135,14 +139,19 @@ def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_ba
     row = {"hdim": D, "causal": causal, "seqlen": S, "batch": B, "heads": H, "kv_heads": H // group,
            "backend": backend}
     def ours_basic_fwd():
-        with basic_forward():
+        with basic_kernels():
             return flash_attn_func(q, k, v, causal=causal, backend="own")
+
+    def ours_basic_fwd_bwd():
+        with basic_kernels():
+            out = flash_attn_func(q, k, v, causal=causal, backend="own")
+            torch.autograd.grad(out, (q, k, v), dout)
 
     cases = {"symheap": (ours_fwd, ours_fwd_bwd),
              "sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION, False), sdpa(SDPBackend.FLASH_ATTENTION, True)),
              "sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION, False), sdpa(SDPBackend.CUDNN_ATTENTION, True))}
     if compare_basic:
-        cases["own_basic"] = (ours_basic_fwd, None)
+        cases["own_basic"] = (ours_basic_fwd, ours_basic_fwd_bwd)
     for name, (fwd, fwd_bwd) in cases.items():
         try:
             t_f = time_ms(fwd, reps=reps)
@@ -175,8 +184,11 @@ def main():
                         "x causal or not replaces --grid)")
     parser.add_argument("--seqlens", help="comma-separated sequence lengths (see --hdims)")
     parser.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    parser.add_argument("--group", type=int, default=1,
+                        help="query heads per kv head for the --hdims/--seqlens rows (GQA)")
     parser.add_argument("--compare-basic", action="store_true",
-                        help="add the own basic forward kernel (SYMHEAP_ATTN_OWN_FORWARD=basic)")
+                        help="add the own basic kernels, forward and backward "
+                             "(SYMHEAP_ATTN_OWN_FORWARD=basic, SYMHEAP_ATTN_OWN_BACKWARD=basic)")
     parser.add_argument("--inner", type=int, default=1,
                         help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()
@@ -199,7 +211,7 @@ def main():
     if args.hdims or args.seqlens:
         hdims = [int(x) for x in (args.hdims or "64,128").split(",")]
         seqlens = [int(x) for x in (args.seqlens or "1024,2048,4096,8192").split(",")]
-        shapes = [(D, causal, S, 1) for D in hdims for causal in (False, True) for S in seqlens]
+        shapes = [(D, causal, S, args.group) for D in hdims for causal in (False, True) for S in seqlens]
     for D, causal, S, group in shapes:
         if args.quick and S > 4096:
             continue
@@ -212,20 +224,25 @@ def main():
         torch.cuda.empty_cache()
     fmt = lambda r, n, key: f"{r[n][key]:6.0f}" if key in r[n] else "   n/a"  # noqa: E731
 
+    def basic(r):
+        if "own_basic" not in r:
+            return "n/a"
+        return f"{fmt(r, 'own_basic', 'fwd_tflops')} / {fmt(r, 'own_basic', 'fwd_bwd_tflops')}"
+
     def ratio(r, key):
         if key in r["symheap"] and key in r["sdpa_cudnn"]:
             return f"{r['symheap'][key] / r['sdpa_cudnn'][key]:5.2f}"
         return "  n/a"
     print(f"{'hdim':>4} {'causal':>6} {'seq':>6} {'kvh':>4} | {'symheap fwd/fwd+bwd':>20} | "
           f"{'SDPA flash':>14} | {'SDPA cuDNN':>14} | {'symheap/cuDNN':>13} | "
-          f"{'own basic fwd':>13} | max|diff|")
+          f"{'own basic fwd/fwd+bwd':>21} | max|diff|")
     for r in rows:
         print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} {r['kv_heads']:>4} | "
               f"{fmt(r, 'symheap', 'fwd_tflops')} / {fmt(r, 'symheap', 'fwd_bwd_tflops')}      | "
               f"{fmt(r, 'sdpa_flash', 'fwd_tflops')} / {fmt(r, 'sdpa_flash', 'fwd_bwd_tflops')} | "
               f"{fmt(r, 'sdpa_cudnn', 'fwd_tflops')} / {fmt(r, 'sdpa_cudnn', 'fwd_bwd_tflops')} | "
               f"{ratio(r, 'fwd_tflops')} / {ratio(r, 'fwd_bwd_tflops')} | "
-              f"{fmt(r, 'own_basic', 'fwd_tflops') if 'own_basic' in r else '   n/a':>13} | "
+              f"{basic(r):>21} | "
               f"{r['max_abs_diff_vs_sdpa']:.2e}")
     if args.json:
         with open(args.json, "w") as f:
