@@ -166,6 +166,13 @@ def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_ba
         ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa).transpose(1, 2)
         out = flash_attn_func(q, k, v, causal=causal, backend=backend)
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+    if not fwd_only:  # and of the gradients (dq, dk, dv)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ref_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
+            want = [g.transpose(1, 2) for g in torch.autograd.grad(ref_out, (qt, kt, vt), doutt)]
+        got = torch.autograd.grad(flash_attn_func(q, k, v, causal=causal, backend=backend), (q, k, v), dout)
+        row["max_abs_grad_diff_vs_sdpa"] = max((a.float() - b.float()).abs().max().item()
+                                               for a, b in zip(got, want))
     return row
 
 
@@ -235,7 +242,7 @@ def main():
         return "  n/a"
     print(f"{'hdim':>4} {'causal':>6} {'seq':>6} {'kvh':>4} | {'symheap fwd/fwd+bwd':>20} | "
           f"{'SDPA flash':>14} | {'SDPA cuDNN':>14} | {'symheap/cuDNN':>13} | "
-          f"{'own basic fwd/fwd+bwd':>21} | max|diff|")
+          f"{'own basic fwd/fwd+bwd':>21} | max|diff| out / grads vs SDPA")
     for r in rows:
         print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} {r['kv_heads']:>4} | "
               f"{fmt(r, 'symheap', 'fwd_tflops')} / {fmt(r, 'symheap', 'fwd_bwd_tflops')}      | "
@@ -243,7 +250,7 @@ def main():
               f"{fmt(r, 'sdpa_cudnn', 'fwd_tflops')} / {fmt(r, 'sdpa_cudnn', 'fwd_bwd_tflops')} | "
               f"{ratio(r, 'fwd_tflops')} / {ratio(r, 'fwd_bwd_tflops')} | "
               f"{basic(r):>21} | "
-              f"{r['max_abs_diff_vs_sdpa']:.2e}")
+              f"{r['max_abs_diff_vs_sdpa']:.2e} / {r.get('max_abs_grad_diff_vs_sdpa', float('nan')):.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"inner": INNER, "host_overhead_us": overhead, "rows": rows}, f, indent=1)
