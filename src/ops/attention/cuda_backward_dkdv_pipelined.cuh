@@ -149,9 +149,9 @@ __global__ void __launch_bounds__(PipelinedDkvConfig<DB>::kThreads)
   cp_async_commit();
   if (threadIdx.x < BM) read_stats(0, &sLse[threadIdx.x], &sDelta[threadIdx.x]);
 
-  // This thread's keys: j_key[h] = n0 + 16 warp + g + 8 h; the query rows
-  // that see each (no logit features), and the rows for which a whole tile
-  // sees every key of the block.
+  // This thread's keys: j0 and j0 + 8; the query rows that see each (used
+  // without logit features), and the rows for which a whole tile sees every
+  // key of the block.
   const int j0 = n0 + warp * 16 + g;
   const RowRange sees[2] = {rows_seeing(j0, shift, p.win_left, p.win_right),
                             rows_seeing(j0 + 8, shift, p.win_left, p.win_right)};
