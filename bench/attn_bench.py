@@ -7,7 +7,7 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
     python bench/attn_bench.py [--backend auto|cudnn|own] [--grid reference|full]
                                [--json out.json] [--quick]
                                [--hdims 64,128] [--seqlens 1024,2048,4096,8192]
-                               [--fwd-only] [--compare-basic] [--group 4]
+                               [--fwd-only] [--compare-basic] [--group 4] [--kernel-times]
     python bench/attn_bench.py --decode [--json out.json] [--quick]   (KV-cache decode)
 
 --backend picks symheap's path (as flash_attn_func's backend=); --grid full
@@ -16,7 +16,8 @@ replace the grid by their product x causal or not (--group: query heads per
 kv head in those rows). --fwd-only skips the
 backward timings; --compare-basic adds the own basic kernels
 (SYMHEAP_ATTN_OWN_FORWARD=basic and SYMHEAP_ATTN_OWN_BACKWARD=basic), forward
-and forward+backward, as a column next to symheap's path.
+and forward+backward, as a column next to symheap's path; --kernel-times lists
+the device time of each attention kernel per call (torch profiler).
 """
 from __future__ import annotations
 
@@ -107,7 +108,27 @@ class basic_kernels:
                 os.environ[name] = value
 
 
-def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_basic=False):
+def kernel_times_ms(fn, reps=3):
+    """Device time per call of each attention kernel `fn` launches (torch
+    profiler), by kernel name without its namespace and parameters."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if "attention" in e.key and "_kernel" in e.key and us > 0:  # kernels only
+            name = e.key.split("(")[0].replace("void ", "").replace("symheap::attention::cuda::", "")
+            times[name] = times.get(name, 0.0) + us / reps / 1e3
+    return times
+
+
+def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_basic=False,
+                kernel_times=False):
     B, H = 16384 // S, 2048 // D
     gen = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda h=H: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
@@ -166,6 +187,8 @@ def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_ba
         ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa).transpose(1, 2)
         out = flash_attn_func(q, k, v, causal=causal, backend=backend)
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+    if kernel_times:
+        row["kernel_ms"] = kernel_times_ms(ours_fwd if fwd_only else ours_fwd_bwd)
     if not fwd_only:  # and of the gradients (dq, dk, dv)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             ref_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
@@ -191,6 +214,8 @@ def main():
                         "x causal or not replaces --grid)")
     parser.add_argument("--seqlens", help="comma-separated sequence lengths (see --hdims)")
     parser.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="print the device time of each own kernel per call (torch profiler)")
     parser.add_argument("--group", type=int, default=1,
                         help="query heads per kv head for the --hdims/--seqlens rows (GQA)")
     parser.add_argument("--compare-basic", action="store_true",
@@ -225,7 +250,7 @@ def main():
         try:
             rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10, backend=args.backend,
                                     group=group, fwd_only=args.fwd_only,
-                                    compare_basic=args.compare_basic))
+                                    compare_basic=args.compare_basic, kernel_times=args.kernel_times))
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
             print(f"hdim {D} causal {causal} S {S}: {type(e).__name__}: {e}"[:300], flush=True)
         torch.cuda.empty_cache()
@@ -251,6 +276,10 @@ def main():
               f"{ratio(r, 'fwd_tflops')} / {ratio(r, 'fwd_bwd_tflops')} | "
               f"{basic(r):>21} | "
               f"{r['max_abs_diff_vs_sdpa']:.2e} / {r.get('max_abs_grad_diff_vs_sdpa', float('nan')):.2e}")
+    for r in rows:
+        if r.get("kernel_ms"):
+            print(f"kernels, hdim {r['hdim']} causal {r['causal']} seq {r['seqlen']} (ms per call): " +
+                  ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(r["kernel_ms"].items())))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"inner": INNER, "host_overhead_us": overhead, "rows": rows}, f, indent=1)
