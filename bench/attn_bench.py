@@ -7,14 +7,17 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
     python bench/attn_bench.py [--backend auto|cudnn|own] [--grid reference|full]
                                [--json out.json] [--quick]
                                [--hdims 64,128] [--seqlens 1024,2048,4096,8192]
-                               [--fwd-only] [--compare-basic]
+                               [--fwd-only] [--compare-basic] [--group 4] [--kernel-times]
     python bench/attn_bench.py --decode [--json out.json] [--quick]   (KV-cache decode)
 
 --backend picks symheap's path (as flash_attn_func's backend=); --grid full
 runs head dims 64, 128, 256 x S 512 .. 16k x causal or not; --hdims/--seqlens
-replace the grid by their product x causal or not. --fwd-only skips the
-backward timings; --compare-basic adds the own basic forward kernel
-(SYMHEAP_ATTN_OWN_FORWARD=basic) as a column next to symheap's path.
+replace the grid by their product x causal or not (--group: query heads per
+kv head in those rows). --fwd-only skips the
+backward timings; --compare-basic adds the own basic kernels
+(SYMHEAP_ATTN_OWN_FORWARD=basic and SYMHEAP_ATTN_OWN_BACKWARD=basic), forward
+and forward+backward, as a column next to symheap's path; --kernel-times lists
+the device time of each attention kernel per call (torch profiler).
 """
 from __future__ import annotations
 
@@ -88,22 +91,44 @@ def host_overhead_us(backend, n=200):
     return result
 
 
-class basic_forward:
-    """Forces the own basic forward kernel while active (read per call)."""
-    name = "SYMHEAP_ATTN_OWN_FORWARD"
+class basic_kernels:
+    """Forces the own basic forward and backward kernels while active (the
+    variables are read per call)."""
+    names = ("SYMHEAP_ATTN_OWN_FORWARD", "SYMHEAP_ATTN_OWN_BACKWARD")
 
     def __enter__(self):
-        self.saved = os.environ.get(self.name)
-        os.environ[self.name] = "basic"
+        self.saved = {name: os.environ.get(name) for name in self.names}
+        os.environ.update({name: "basic" for name in self.names})
 
     def __exit__(self, *exc):
-        if self.saved is None:
-            os.environ.pop(self.name, None)
-        else:
-            os.environ[self.name] = self.saved
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
-def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_basic=False):
+def kernel_times_ms(fn, reps=3):
+    """Device time per call of each attention kernel `fn` launches (torch
+    profiler), by kernel name without its namespace and parameters."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if "attention" in e.key and "_kernel" in e.key and us > 0:  # kernels only
+            name = e.key.split("(")[0].replace("void ", "").replace("symheap::attention::cuda::", "")
+            times[name] = times.get(name, 0.0) + us / reps / 1e3
+    return times
+
+
+def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_basic=False,
+                kernel_times=False):
     B, H = 16384 // S, 2048 // D
     gen = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda h=H: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
@@ -135,14 +160,19 @@ def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_ba
     row = {"hdim": D, "causal": causal, "seqlen": S, "batch": B, "heads": H, "kv_heads": H // group,
            "backend": backend}
     def ours_basic_fwd():
-        with basic_forward():
+        with basic_kernels():
             return flash_attn_func(q, k, v, causal=causal, backend="own")
+
+    def ours_basic_fwd_bwd():
+        with basic_kernels():
+            out = flash_attn_func(q, k, v, causal=causal, backend="own")
+            torch.autograd.grad(out, (q, k, v), dout)
 
     cases = {"symheap": (ours_fwd, ours_fwd_bwd),
              "sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION, False), sdpa(SDPBackend.FLASH_ATTENTION, True)),
              "sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION, False), sdpa(SDPBackend.CUDNN_ATTENTION, True))}
     if compare_basic:
-        cases["own_basic"] = (ours_basic_fwd, None)
+        cases["own_basic"] = (ours_basic_fwd, ours_basic_fwd_bwd)
     for name, (fwd, fwd_bwd) in cases.items():
         try:
             t_f = time_ms(fwd, reps=reps)
@@ -157,6 +187,15 @@ def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_ba
         ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa).transpose(1, 2)
         out = flash_attn_func(q, k, v, causal=causal, backend=backend)
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+    if kernel_times:
+        row["kernel_ms"] = kernel_times_ms(ours_fwd if fwd_only else ours_fwd_bwd)
+    if not fwd_only:  # and of the gradients (dq, dk, dv)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ref_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
+            want = [g.transpose(1, 2) for g in torch.autograd.grad(ref_out, (qt, kt, vt), doutt)]
+        got = torch.autograd.grad(flash_attn_func(q, k, v, causal=causal, backend=backend), (q, k, v), dout)
+        row["max_abs_grad_diff_vs_sdpa"] = max((a.float() - b.float()).abs().max().item()
+                                               for a, b in zip(got, want))
     return row
 
 
@@ -175,8 +214,13 @@ def main():
                         "x causal or not replaces --grid)")
     parser.add_argument("--seqlens", help="comma-separated sequence lengths (see --hdims)")
     parser.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="print the device time of each own kernel per call (torch profiler)")
+    parser.add_argument("--group", type=int, default=1,
+                        help="query heads per kv head for the --hdims/--seqlens rows (GQA)")
     parser.add_argument("--compare-basic", action="store_true",
-                        help="add the own basic forward kernel (SYMHEAP_ATTN_OWN_FORWARD=basic)")
+                        help="add the own basic kernels, forward and backward "
+                             "(SYMHEAP_ATTN_OWN_FORWARD=basic, SYMHEAP_ATTN_OWN_BACKWARD=basic)")
     parser.add_argument("--inner", type=int, default=1,
                         help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()
@@ -199,18 +243,23 @@ def main():
     if args.hdims or args.seqlens:
         hdims = [int(x) for x in (args.hdims or "64,128").split(",")]
         seqlens = [int(x) for x in (args.seqlens or "1024,2048,4096,8192").split(",")]
-        shapes = [(D, causal, S, 1) for D in hdims for causal in (False, True) for S in seqlens]
+        shapes = [(D, causal, S, args.group) for D in hdims for causal in (False, True) for S in seqlens]
     for D, causal, S, group in shapes:
         if args.quick and S > 4096:
             continue
         try:
             rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10, backend=args.backend,
                                     group=group, fwd_only=args.fwd_only,
-                                    compare_basic=args.compare_basic))
+                                    compare_basic=args.compare_basic, kernel_times=args.kernel_times))
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
             print(f"hdim {D} causal {causal} S {S}: {type(e).__name__}: {e}"[:300], flush=True)
         torch.cuda.empty_cache()
     fmt = lambda r, n, key: f"{r[n][key]:6.0f}" if key in r[n] else "   n/a"  # noqa: E731
+
+    def basic(r):
+        if "own_basic" not in r:
+            return "n/a"
+        return f"{fmt(r, 'own_basic', 'fwd_tflops')} / {fmt(r, 'own_basic', 'fwd_bwd_tflops')}"
 
     def ratio(r, key):
         if key in r["symheap"] and key in r["sdpa_cudnn"]:
@@ -218,15 +267,19 @@ def main():
         return "  n/a"
     print(f"{'hdim':>4} {'causal':>6} {'seq':>6} {'kvh':>4} | {'symheap fwd/fwd+bwd':>20} | "
           f"{'SDPA flash':>14} | {'SDPA cuDNN':>14} | {'symheap/cuDNN':>13} | "
-          f"{'own basic fwd':>13} | max|diff|")
+          f"{'own basic fwd/fwd+bwd':>21} | max|diff| out / grads vs SDPA")
     for r in rows:
         print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} {r['kv_heads']:>4} | "
               f"{fmt(r, 'symheap', 'fwd_tflops')} / {fmt(r, 'symheap', 'fwd_bwd_tflops')}      | "
               f"{fmt(r, 'sdpa_flash', 'fwd_tflops')} / {fmt(r, 'sdpa_flash', 'fwd_bwd_tflops')} | "
               f"{fmt(r, 'sdpa_cudnn', 'fwd_tflops')} / {fmt(r, 'sdpa_cudnn', 'fwd_bwd_tflops')} | "
               f"{ratio(r, 'fwd_tflops')} / {ratio(r, 'fwd_bwd_tflops')} | "
-              f"{fmt(r, 'own_basic', 'fwd_tflops') if 'own_basic' in r else '   n/a':>13} | "
-              f"{r['max_abs_diff_vs_sdpa']:.2e}")
+              f"{basic(r):>21} | "
+              f"{r['max_abs_diff_vs_sdpa']:.2e} / {r.get('max_abs_grad_diff_vs_sdpa', float('nan')):.2e}")
+    for r in rows:
+        if r.get("kernel_ms"):
+            print(f"kernels, hdim {r['hdim']} causal {r['causal']} seq {r['seqlen']} (ms per call): " +
+                  ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(r["kernel_ms"].items())))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"inner": INNER, "host_overhead_us": overhead, "rows": rows}, f, indent=1)

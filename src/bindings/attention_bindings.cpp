@@ -296,6 +296,10 @@ SYMHEAP_BINDINGS(attention) {
   m.def("attention_own_forward_kernel", [](int head_dim) { return std::string(own_forward_kernel(head_dim)); },
         py::arg("head_dim"));
   m.attr("attention_own_forward_env") = kOwnForwardEnv;
+  // The same for the backward kernels ($SYMHEAP_ATTN_OWN_BACKWARD).
+  m.def("attention_own_backward_kernel", [](int head_dim) { return std::string(own_backward_kernel(head_dim)); },
+        py::arg("head_dim"));
+  m.attr("attention_own_backward_env") = kOwnBackwardEnv;
 
   // The cuDNN path: (usable, version or the reason it is not).
 #ifdef SYMHEAP_WITH_CUDNN

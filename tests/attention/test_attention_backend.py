@@ -98,3 +98,23 @@ def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
     monkeypatch.setenv("SYMHEAP_ATTN_OWN_FORWARD", "fast")
     with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_FORWARD must be 'auto' or 'basic'"):
         _core.attention_own_forward_kernel(64)
+
+
+@pytest.mark.parametrize("env", [None, "auto", "basic"])
+def test_own_backward_kernel_choice(monkeypatch, env):
+    """The backward's kernels (dQ and dK/dV): pipelined for head dims 64, 128
+    and 256 unless SYMHEAP_ATTN_OWN_BACKWARD forces the basic ones; a bad
+    value names the variable."""
+    from symheap import _core
+    name = _core.attention_own_backward_env
+    assert name == "SYMHEAP_ATTN_OWN_BACKWARD"
+    if env is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, env)
+    for d in (32, 64, 96, 128, 192, 256):
+        want = "pipelined" if d in (64, 128, 256) and env != "basic" else "basic"
+        assert _core.attention_own_backward_kernel(d) == want, d
+    monkeypatch.setenv(name, "fast")
+    with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_BACKWARD must be 'auto' or 'basic'"):
+        _core.attention_own_backward_kernel(64)

@@ -568,3 +568,153 @@ def test_pipelined_output_strides(monkeypatch):
     ref, _ = attention_reference(q, k, v, upcast=True, causal=True)
     low, _ = attention_reference(q, k, v, upcast=False, causal=True)
     assert max_err(out, ref) <= 2 * max_err(low, ref) + 1e-5
+
+
+# ---- the pipelined backward (head dims 64, 128 and 256 on the own path;
+# cuda_backward_dq_pipelined.cuh and cuda_backward_dkdv_pipelined.cuh): GQA
+# with groups 2 and 4, causal with Sq != Sk both ways, lengths that are not
+# multiples of the tiles, every logit feature with dbias, varlen with empty
+# sequences, and the basic backward on the same calls.
+# `pytest tests/gpu/test_attention_gpu.py -k pipelined_backward` runs them.
+
+def own_backward(monkeypatch, kernel):
+    """Forces the own kernels and the backward kernels ("auto" = pipelined
+    where they serve, "basic"), and checks the choice is what the test expects."""
+    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
+    monkeypatch.setenv(_core.attention_own_backward_env, kernel)
+    for d in PIPELINED_DIMS:
+        assert _core.attention_own_backward_kernel(d) == ("basic" if kernel == "basic" else "pipelined")
+    for d in (40, 96, 192):
+        assert _core.attention_own_backward_kernel(d) == "basic"
+
+
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("Sq,Sk", [(1000, 300), (300, 1000), (127, 129), (1, 257)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("group", [2, 4])
+def test_pipelined_backward_gqa(group, causal, Sq, Sk, D, monkeypatch):
+    """Grouped-query attention (2 kv heads, 2 or 4 query heads each): dq, dk
+    and dv against the fp32 reference. Causal with Sq > Sk leaves whole query
+    blocks (and with Sq < Sk whole key blocks) seeing nothing."""
+    own_backward(monkeypatch, "auto")
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=2 * group, Hkv=2, D=D, seed=group * 100 + Sq + D)
+    check_case(case, causal=causal)
+
+
+PIPELINED_BACKWARD_OPTS = {
+    "plain": (dict(), dict()),
+    "causal": (dict(), dict(causal=True)),
+    "window": (dict(), dict(window_size=(100, 3))),
+    "window_left": (dict(), dict(window_size=(64, -1))),
+    "softcap_dropout": (dict(), dict(causal=True, softcap=2.5, dropout_p=0.15, seed=(9, 1))),
+    "bias_mask_alibi": (dict(bias_shape=(1, 8, "Sq", "Sk"), mask_shape=(2, 1, "Sq", "Sk"), alibi=True),
+                        dict()),
+    "bias_rows_broadcast": (dict(bias_shape=(2, 2, 1, "Sk")), dict(causal=True)),
+    "bias_softcap": (dict(bias_shape=(2, 8, "Sq", "Sk")), dict(softcap=3.0, window_size=(90, 30))),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("Sq,Sk", [(333, 517), (517, 333)])
+@pytest.mark.parametrize("name", list(PIPELINED_BACKWARD_OPTS))
+def test_pipelined_backward_matches_basic(name, Sq, Sk, dtype, D, monkeypatch):
+    """Both own backwards on the same call (8 query heads over 2 kv heads):
+    every gradient (dbias included) of each within the rule against the fp32
+    reference, and the two close to each other."""
+    make_kw, opts = PIPELINED_BACKWARD_OPTS[name]
+    make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
+                   if isinstance(v, tuple) else v) for k, v in make_kw.items()}
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=8, Hkv=2, D=D, dtype=dtype, seed=D + Sq, **make_kw)
+    kw = dict(case["kwargs"], **opts)
+    inputs = [case["q"], case["k"], case["v"]]
+    if "bias" in kw:
+        inputs.append(kw["bias"])
+    dout = torch.randn(case["q"].shape, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
+    grads = {}
+    for kernel in ("basic", "auto"):
+        own_backward(monkeypatch, kernel)
+        out = flash_attn_func(case["q"], case["k"], case["v"], **kw)
+        grads[kernel] = torch.autograd.grad(out, inputs, dout)
+    ref_kw = {key: val for key, val in kw.items() if key != "seed"}
+    if kw.get("dropout_p", 0) > 0:
+        ref_kw["dropout_keep"] = dropout_keep_mask(*kw["seed"], 2, 8, Sq, Sk, kw["dropout_p"])
+    ref = attention_reference(*inputs[:3], upcast=True, **ref_kw)[0]
+    low = attention_reference(*inputs[:3], upcast=False, **ref_kw)[0]
+    want = torch.autograd.grad(ref, inputs, dout)
+    base = torch.autograd.grad(low, inputs, dout)
+    for n, (name_g, w, lo) in enumerate(zip(["dq", "dk", "dv", "dbias"], want, base)):
+        tol = 3 * max_err(lo, w) + 1e-5 * max(1.0, w.float().abs().max().item())
+        for kernel in ("basic", "auto"):
+            g = grads[kernel][n]
+            assert g.shape == w.shape and not torch.isnan(g).any(), (name_g, kernel)
+            assert max_err(g, w) <= tol, (name_g, kernel, max_err(g, w), tol)
+        assert max_err(grads["auto"][n], grads["basic"][n]) <= tol, (name_g, "pipelined vs basic")
+
+
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20)),
+                                  dict(softcap=3.0, dropout_p=0.1, seed=(2, 3))])
+def test_pipelined_backward_varlen_with_empty_sequences(D, opts, monkeypatch):
+    """Packed sequences (some empty on the query or the key side), 4 query
+    heads over 2 kv heads: dq, dk, dv against each sequence alone through the
+    fp32 reference."""
+    own_backward(monkeypatch, "auto")
+    gen = torch.Generator().manual_seed(D + 1)
+    lq = torch.tensor([0, 130, 1, 257, 64, 0, 999, 3])
+    lk = torch.tensor([5, 129, 0, 300, 64, 7, 1000, 200])
+    B, Hq, Hkv = lq.numel(), 4, 2
+    cu_q, cu_k, q, k, v = packed_inputs(lq, lk, Hq, Hkv, D, gen)
+    mq, mk = int(lq.max()), int(lk.max())
+    dout = torch.randn(q.shape, generator=gen).bfloat16()
+    xs = [x.cuda().requires_grad_() for x in (q, k, v)]
+    out = flash_attn_varlen_func(xs[0], xs[1], xs[2], cu_q.cuda(), cu_k.cuda(), mq, mk, **opts)
+    got = [g.float().cpu() for g in torch.autograd.grad(out, xs, dout.cuda())]
+    keep = None
+    if opts.get("dropout_p", 0) > 0:
+        keep = dropout_keep_mask(*opts["seed"], B, Hq, mq, mk, opts["dropout_p"])
+    ref_kw = {key: val for key, val in opts.items() if key != "seed"}
+    for b in range(B):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q1 == q0 or k1 == k0:  # no query or no key: zero gradients
+            assert (got[0][q0:q1] == 0).all() and (got[1][k0:k1] == 0).all() and (got[2][k0:k1] == 0).all(), b
+            continue
+        kb = dict(ref_kw)
+        if keep is not None:
+            kb["dropout_keep"] = keep[b:b + 1, :, : q1 - q0, : k1 - k0]
+        seq = [x[None, r0:r1].cuda().requires_grad_()
+               for x, r0, r1 in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
+        d_b = dout[None, q0:q1].cuda()
+        ref = attention_reference(*seq, upcast=True, **kb)[0]
+        low = attention_reference(*seq, upcast=False, **kb)[0]
+        want = torch.autograd.grad(ref, seq, d_b)
+        base = torch.autograd.grad(low, seq, d_b)
+        mine = (got[0][q0:q1], got[1][k0:k1], got[2][k0:k1])
+        for name, g, w, lo in zip(["dq", "dk", "dv"], mine, want, base):
+            w, lo = w[0].float().cpu(), lo[0].float().cpu()
+            tol = 3 * max_err(lo, w) + 1e-5 * max(1.0, w.abs().max().item())
+            assert max_err(g, w) <= tol, (b, name, max_err(g, w), tol)
+
+
+def test_pipelined_backward_deterministic(monkeypatch):
+    """No atomics: two runs of the same GQA call give bit-identical gradients."""
+    own_backward(monkeypatch, "auto")
+    for D in PIPELINED_DIMS:
+        case = gpu_case(B=2, Sq=700, Sk=900, Hq=8, Hkv=2, D=D, seed=D,
+                        bias_shape=(2, 8, 1, 900))
+        inputs = [case["q"], case["k"], case["v"], case["kwargs"]["bias"]]
+        runs = []
+        for _ in range(2):
+            out = flash_attn_func(case["q"], case["k"], case["v"], causal=True, **case["kwargs"])
+            runs.append(torch.autograd.grad(out, inputs, torch.ones_like(out)))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), D
+
+
+def test_pipelined_backward_large_and_multi_block(monkeypatch):
+    """Many key blocks and query tiles (the double buffers wrap many times,
+    across the heads of a group), causal with Sq < Sk."""
+    own_backward(monkeypatch, "auto")
+    for D in PIPELINED_DIMS:
+        case = gpu_case(B=1, Sq=1531, Sk=4099, Hq=4, Hkv=1, D=D, seed=D)
+        check_case(case, causal=True)

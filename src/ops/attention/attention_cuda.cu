@@ -242,8 +242,9 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
     k.delta_sb = static_cast<int64_t>(a.heads_q) * a.seqlen_q;
     k.delta_sh = a.seqlen_q;
   }
-  if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k);
-  else cuda::run_backward_bf16(l, k);
+  const bool pipelined_backward = std::strcmp(own_backward_kernel(a.head_dim), "pipelined") == 0;
+  if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k, pipelined_backward);
+  else cuda::run_backward_bf16(l, k, pipelined_backward);
 }
 
 }  // namespace symheap::attention

@@ -22,8 +22,17 @@ __global__ void __launch_bounds__(kDeltaRowsPerCta * 32) attention_bwd_delta_ker
   if (i >= seq.sq) return;
   const T* o = static_cast<const T*>(p.out) + b * p.o_sb + (seq.q0 + i) * p.o_sr + hq * p.o_sh;
   const T* dout = static_cast<const T*>(p.dout) + b * p.do_sb + (seq.q0 + i) * p.do_sr + hq * p.do_sh;
+  // 16-byte loads (the launcher checks that rows are 16-byte aligned and the
+  // head dim is a multiple of 8).
   float acc = 0.0f;
-  for (int c = lane; c < p.d; c += 32) acc += static_cast<float>(o[c]) * static_cast<float>(dout[c]);
+  for (int c = 8 * lane; c < p.d; c += 8 * 32) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+    const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc += static_cast<float>(oe[u]) * static_cast<float>(de[u]);
+  }
 #pragma unroll
   for (int w = 16; w > 0; w >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, w);
   if (lane == 0) p.delta[b * p.delta_sb + hq * p.delta_sh + seq.q0 + i] = acc;

@@ -9,6 +9,8 @@
 
 #include "backends/cuda_util.cuh"
 #include "ops/attention/cuda_backward.cuh"
+#include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
+#include "ops/attention/cuda_backward_dq_pipelined.cuh"
 #include "ops/attention/cuda_forward.cuh"
 #include "ops/attention/cuda_forward_pipelined.cuh"
 #include "ops/attention/path_choice.hpp"
@@ -62,6 +64,51 @@ void forward_bucket(const Launch& l, const KArgs& p) {
   static ReadyDevices ready{0};
   launch(l, attention_fwd_kernel<T, DB>, dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch),
          C::kThreads, C::kSmem, p, "fwd", DB, ready);
+}
+
+template <class T, int DB, bool kFeatures>
+void dq_pipelined(const Launch& l, const KArgs& p) {
+  using C = PipelinedDqConfig<DB>;
+  static ReadyDevices ready{0};
+  launch(l, attention_bwd_dq_pipelined_kernel<T, DB, kFeatures>,
+         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::kSmem, p,
+         kFeatures ? "dq_pipelined_features" : "dq_pipelined", DB, ready);
+}
+
+template <class T, int DB, bool kFeatures>
+void dkdv_pipelined(const Launch& l, const KArgs& p) {
+  using C = PipelinedDkvConfig<DB>;
+  const dim3 grid(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch);
+  if constexpr (C::kSplit) {
+    static ReadyDevices ready_dv{0}, ready_dk{0};
+    launch(l, attention_bwd_dkdv_pipelined_kernel<T, DB, kFeatures, true, false>, grid, C::kThreads,
+           C::kSmem, p, kFeatures ? "dv_pipelined_features" : "dv_pipelined", DB, ready_dv);
+    launch(l, attention_bwd_dkdv_pipelined_kernel<T, DB, kFeatures, false, true>, grid, C::kThreads,
+           C::kSmem, p, kFeatures ? "dk_pipelined_features" : "dk_pipelined", DB, ready_dk);
+  } else {
+    static ReadyDevices ready{0};
+    launch(l, attention_bwd_dkdv_pipelined_kernel<T, DB, kFeatures, true, true>, grid, C::kThreads,
+           C::kSmem, p, kFeatures ? "dkdv_pipelined_features" : "dkdv_pipelined", DB, ready);
+  }
+}
+
+// The pipelined dQ and dK/dV kernels (head dims 64, 128 and 256, exactly);
+// the logit features are compiled in only when the call uses one.
+template <class T, int DB>
+void backward_pipelined(const Launch& l, const KArgs& p) {
+  static ReadyDevices ready_delta{0};
+  const bool features = p.bias || p.mask || p.alibi || p.softcap > 0 || p.dropout;
+  if (p.seqlen_q > 0) {
+    launch(l, attention_bwd_delta_kernel<T>,
+           dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
+           p, "delta", 0, ready_delta);
+    if (features) dq_pipelined<T, DB, true>(l, p);
+    else dq_pipelined<T, DB, false>(l, p);
+  }
+  if (p.seqlen_k > 0) {
+    if (features) dkdv_pipelined<T, DB, true>(l, p);
+    else dkdv_pipelined<T, DB, false>(l, p);
+  }
 }
 
 template <class T, int DB>
@@ -122,8 +169,15 @@ void run_forward(const Launch& l, const KArgs& p, bool pipelined) {
   }
 }
 
+// `pipelined`: the call runs on the pipelined backward kernels
+// (own_backward_kernel in path_choice.cpp decides).
 template <class T>
-void run_backward(const Launch& l, const KArgs& p) {
+void run_backward(const Launch& l, const KArgs& p, bool pipelined) {
+  if (pipelined && pipelined_forward_serves(p.d)) {
+    if (p.d == 64) return backward_pipelined<T, 64>(l, p);
+    if (p.d == 128) return backward_pipelined<T, 128>(l, p);
+    return backward_pipelined<T, 256>(l, p);
+  }
   switch (head_dim_bucket(p.d)) {
     case 32: return backward_bucket<T, 32>(l, p);
     case 64: return backward_bucket<T, 64>(l, p);
@@ -136,8 +190,8 @@ void run_backward(const Launch& l, const KArgs& p) {
 
 // Defined in attention_cuda_f16.cu and attention_cuda_bf16.cu.
 void run_forward_f16(const Launch& l, const KArgs& p, bool pipelined);
-void run_backward_f16(const Launch& l, const KArgs& p);
+void run_backward_f16(const Launch& l, const KArgs& p, bool pipelined);
 void run_forward_bf16(const Launch& l, const KArgs& p, bool pipelined);
-void run_backward_bf16(const Launch& l, const KArgs& p);
+void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined);
 
 }  // namespace symheap::attention::cuda

@@ -46,6 +46,14 @@ inline bool pipelined_forward_serves(int head_dim) {
 // $SYMHEAP_ATTN_OWN_FORWARD; another value of it is InvalidArgument.
 const char* own_forward_kernel(int head_dim);
 
+// The own CUDA backward's kernels, "pipelined" (cuda_backward_dq_pipelined.cuh
+// and cuda_backward_dkdv_pipelined.cuh, the head dims of the pipelined
+// forward) or "basic" (cuda_backward.cuh); $SYMHEAP_ATTN_OWN_BACKWARD = "basic"
+// forces the basic ones ("auto", empty or unset: the default rule; another
+// value is InvalidArgument). delta (rowsum(dout * out)) has one kernel.
+inline constexpr const char* kOwnBackwardEnv = "SYMHEAP_ATTN_OWN_BACKWARD";
+const char* own_backward_kernel(int head_dim);
+
 // Bytes the XLA handlers add to a call's scratch result for cuDNN's workspace
 // (result shapes are fixed at trace time, before any graph exists): 1 MiB
 // forward; backward an fp32 dQ, two fp32 statistics per query row and 1 MiB.
