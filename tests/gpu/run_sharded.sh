@@ -4,6 +4,7 @@
 # (XLA, cuDNN plans) rather than to the GPU: the full grid in minutes.
 #   bash tests/gpu/run_sharded.sh N FILE [pytest -k expression]
 # Logs: $OUT/sharded_<file>_<i>.log; the last line sums every shard.
+# SHARD_ALL_GPUS=1 lets every shard see every GPU (files of multi-GPU tests).
 set -uo pipefail
 n=$1 file=$2 expr=${3:-}
 cd "$(dirname "$0")/../.."
@@ -24,7 +25,9 @@ for ((i = 0; i < n; i++)); do
   awk -v n="$n" -v i="$i" 'NR % n == i' "$ids" > "$ids.$i"
   [ -s "$ids.$i" ] || continue
   mapfile -t shard < "$ids.$i"
-  CUDA_VISIBLE_DEVICES=$((i % gpus)) $PY -m pytest -q -p no:cacheprovider --timeout=${SYMHEAP_TEST_TIMEOUT:-150} \
+  visible=$((i % gpus))
+  [ -n "${SHARD_ALL_GPUS:-}" ] && visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}
+  CUDA_VISIBLE_DEVICES=$visible $PY -m pytest -q -p no:cacheprovider --timeout=${SYMHEAP_TEST_TIMEOUT:-150} \
     "${shard[@]}" > "$OUT/sharded_${name}_$i.log" 2>&1 &
   pids+=($!)
 done
