@@ -12,6 +12,7 @@ OUT=${OUT:-$PWD/gpu-logs}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 name=$(basename "$file" .py)
+rm -f "$OUT"/sharded_"${name}"_*.log
 ids=$(mktemp)
 args=(-q -p no:cacheprovider)
 [ -n "$expr" ] && args+=(-k "$expr")
