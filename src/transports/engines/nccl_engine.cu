@@ -642,17 +642,38 @@ class NcclEndpoint final : public DeviceEndpoint {
       return failed(link.pe, "cannot resolve its host '" + host + "': " + gai_strerror(rc) +
                                  " (set SYMHEAP_REMOTE_HOST on each node to an address the "
                                  "others reach)");
+    // Non-blocking connect, retried until the deadline (a host that drops
+    // packets would otherwise hold connect() for minutes).
     int fd = -1;
-    for (;;) {
+    bool gave_up_waiting = false;
+    while (fd < 0 && !gave_up_waiting) {
       fd = ::socket(AF_INET, SOCK_STREAM, 0);
-      if (fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0) break;
-      if (fd >= 0) ::close(fd);
+      if (fd < 0) break;
+      set_nonblocking(fd);
+      int rc = ::connect(fd, res->ai_addr, res->ai_addrlen);
+      if (rc != 0 && errno == EINPROGRESS) {
+        for (;;) {
+          pollfd p{fd, POLLOUT, 0};
+          if (::poll(&p, 1, 0) > 0) {
+            int err = 0;
+            socklen_t len = sizeof err;
+            getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+            rc = err == 0 ? 0 : -1;
+            break;
+          }
+          if (!wait.pause()) {
+            gave_up_waiting = true;
+            break;
+          }
+        }
+      }
+      if (rc == 0 && !gave_up_waiting) break;
+      ::close(fd);
       fd = -1;
-      if (!wait.pause()) break;
+      if (!gave_up_waiting && !wait.pause()) gave_up_waiting = true;
     }
     freeaddrinfo(res);
     if (fd < 0) return gave_up(link.pe);
-    set_nonblocking(fd);
     Hello hello;
     hello.job = spec_.job;
     hello.from_pe = spec_.my_pe;
