@@ -443,11 +443,16 @@ class NcclEndpoint final : public DeviceEndpoint {
     if (r != ncclSuccess && r != ncclInProgress) return failed(-1, nccl_text("ncclCommInitRankConfig", r, nullptr));
     if (end != ncclSuccess && end != ncclInProgress)
       return failed(-1, nccl_text("ncclGroupEnd (communicator init)", end, nullptr));
+    // Every communicator settles before a failure returns: a peer still
+    // initialising one with this PE would otherwise wait for it in vain.
+    Outcome first;
     for (auto* links : {&out_, &in_})
       for (auto& [pe, link] : *links) {
         Outcome o = settle(*link, "ncclCommInitRankConfig", wait);
-        if (o.result != Result::Ok) return o;
+        if (o.result == Result::GaveUp) return o;
+        if (o.result != Result::Ok && first.result == Result::Ok) first = o;
       }
+    if (first.result != Result::Ok) return first;
     // 4. Streams, events and answer words; then connect NCCL's transport for both
     // directions of every communicator now (NCCL connects on first use, which
     // needs the peer's thread to join).
