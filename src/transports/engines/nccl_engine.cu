@@ -218,6 +218,23 @@ std::string cuda_text(cudaError_t e) {
 
 using Clock = std::chrono::steady_clock;
 
+// Makes `device` current for the scope and restores the caller's device, so
+// the engine never changes which device the calling thread works on.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    if (prev_ != device) cudaSetDevice(device);
+  }
+  ~DeviceScope() {
+    int now = -1;
+    if (prev_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != prev_) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = -1;
+};
+
 void set_nonblocking(int fd) {
   int flags = fcntl(fd, F_GETFL, 0);
   fcntl(fd, F_SETFL, flags | O_NONBLOCK);
@@ -334,6 +351,7 @@ class NcclEndpoint final : public DeviceEndpoint {
   NcclEndpoint(Nccl* nccl, const EndpointSpec& spec) : nccl_(nccl), spec_(spec) {}
 
   ~NcclEndpoint() override {
+    DeviceScope on(spec_.device);
     stop_service();
     abort(-1, "the PE finalized");
     for (auto* links : {&out_, &in_})
@@ -343,11 +361,7 @@ class NcclEndpoint final : public DeviceEndpoint {
   }
 
   bool prepare(std::string* why_not) {
-    cudaError_t e = cudaSetDevice(spec_.device);
-    if (e != cudaSuccess) {
-      *why_not = "cannot use device " + std::to_string(spec_.device) + ": " + cuda_text(e);
-      return false;
-    }
+    DeviceScope on(spec_.device);
     listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
@@ -383,7 +397,7 @@ class NcclEndpoint final : public DeviceEndpoint {
   std::string offer() const override { return offer_; }
 
   Outcome connect(const std::vector<std::string>& offers, WaitHook& wait) override {
-    cudaSetDevice(spec_.device);
+    DeviceScope on(spec_.device);
     auto keep_going = [&] { return wait.pause(); };
     // 1. This PE's id of each pair it receives requests on, from the peer's offer.
     std::map<int, std::pair<std::string, int>> where;  // pe -> (host, port)
@@ -561,6 +575,7 @@ class NcclEndpoint final : public DeviceEndpoint {
   }
 
   Outcome close(WaitHook& wait) override {
+    DeviceScope on(spec_.device);
     // Our requests first: the peer's service answers the close once it served
     // everything before it, and sends nothing more on that pair.
     for (auto& [pe, link] : out_) {
@@ -732,7 +747,7 @@ class NcclEndpoint final : public DeviceEndpoint {
     Link& link = *it->second;
     std::lock_guard<std::mutex> lock(link.mu);
     if (!link.broken.empty()) return failed(pe, "its connection is gone: " + link.broken);
-    cudaSetDevice(spec_.device);
+    DeviceScope on(spec_.device);
     auto keep_going = [&] { return wait.pause(); };
     std::string why;
     int sent = send_all(link.fd, &h, sizeof h, keep_going, &why);
