@@ -267,13 +267,13 @@ def bandwidth(sizes, iters, port):
 
 # ---------------------------------------------------------------- launcher
 
-def _child(rank, uid, steps, timeout, heap_size, out):
+def _child(rank, uids, steps, timeout, heap_size, out):
     os.environ.update(forced_network_env(rank))
     os.environ["SYMHEAP_BACKEND"] = "cuda"
     try:
         import symheap
         results = []
-        for name, args, finalize in steps:
+        for (name, args, finalize), uid in zip(steps, uids):  # a fresh job id per init
             symheap.init(rank, 2, uid, device=rank, heap_size=heap_size, timeout=timeout)
             result = globals()[name](*args)
             if name == "lost_peer":  # report before finalize, which may not complete
@@ -297,9 +297,9 @@ def run_two_nodes(steps, timeout=20.0, heap_size="256M", wait_s=300.0, ranks_exp
     rank's error otherwise. Processes still alive at the end are killed."""
     import symheap
     ctx = mp.get_context("spawn")
-    uid = symheap.get_unique_id()
+    uids = [symheap.get_unique_id() for _ in steps]
     out = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, uid, steps, timeout, heap_size, out))
+    procs = [ctx.Process(target=_child, args=(r, uids, steps, timeout, heap_size, out))
              for r in range(2)]
     for p in procs:
         p.start()
