@@ -269,6 +269,7 @@ def bandwidth(sizes, iters, port):
 
 def _child(rank, uids, steps, timeout, heap_size, out):
     os.environ.update(forced_network_env(rank))
+    os.environ.setdefault("NCCL_DEBUG", "WARN")  # NCCL's own reasons, should anything fail
     os.environ["SYMHEAP_BACKEND"] = "cuda"
     try:
         import symheap
