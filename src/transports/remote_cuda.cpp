@@ -91,6 +91,15 @@ class HookWaiter final : public remote::WaitHook {
       return false;
     }
   }
+  bool check() override {
+    if (caught_) return false;
+    try {
+      return waiter_.check();
+    } catch (...) {
+      caught_ = std::current_exception();
+      return false;
+    }
+  }
   void rethrow() const {
     if (caught_) std::rethrow_exception(caught_);
   }

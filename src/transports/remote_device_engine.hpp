@@ -16,7 +16,7 @@ namespace symheap {
 namespace remote {
 
 // Bumped whenever anything below changes layout or meaning.
-constexpr int kDeviceEngineAbi = 1;
+constexpr int kDeviceEngineAbi = 2;
 // extern "C" DeviceEngine* symheap_device_engine_open(int abi, std::string* why_not)
 constexpr const char* kDeviceOpenSymbol = "symheap_device_engine_open";
 
@@ -27,6 +27,10 @@ class WaitHook {
   // Called after each unsuccessful poll: true to poll again, false to give up
   // (the deadline passed, the job failed, Ctrl-C; the core knows which).
   virtual bool pause() = 0;
+  // The same answer without waiting, for an engine that blocks on its own
+  // between checks (poll() on a socket, at most a few ms) and so wakes as
+  // soon as its data comes.
+  virtual bool check() = 0;
 };
 
 enum class Result : int {

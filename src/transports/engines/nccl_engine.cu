@@ -748,9 +748,14 @@ class NcclEndpoint final : public DeviceEndpoint {
     std::lock_guard<std::mutex> lock(link.mu);
     if (!link.broken.empty()) return failed(pe, "its connection is gone: " + link.broken);
     DeviceScope on(spec_.device);
-    auto keep_going = [&] { return wait.pause(); };
+    // Block in poll() between checks, so an answer is read as soon as it comes.
+    auto ready = [&](short events) {
+      pollfd p{link.fd, events, 0};
+      ::poll(&p, 1, 1);
+      return wait.check();
+    };
     std::string why;
-    int sent = send_all(link.fd, &h, sizeof h, keep_going, &why);
+    int sent = send_all(link.fd, &h, sizeof h, [&] { return ready(POLLOUT); }, &why);
     if (sent == 0) return gave_up(pe);
     if (sent < 0) return failed(pe, why);
     if (h.nbytes > 0 && (h.op == kPut || h.op == kPutSignal || h.op == kGet)) {
@@ -774,7 +779,7 @@ class NcclEndpoint final : public DeviceEndpoint {
     else link.touched = true;
     if (!wire_op_has_reply(h.op)) return {};
     Answer got;
-    int received = recv_all(link.fd, &got, sizeof got, keep_going, &why);
+    int received = recv_all(link.fd, &got, sizeof got, [&] { return ready(POLLIN); }, &why);
     if (received == 0) return gave_up(pe);
     if (received < 0) return failed(pe, why);
     if (got.status != kServed)
