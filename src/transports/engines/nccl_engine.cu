@@ -210,7 +210,7 @@ __global__ void atomic_kernel(unsigned long long* word, uint32_t op, unsigned lo
   *old = was;
 }
 
-// ---------------------------------------------------------------- helpers
+// ---------------------------------------------------------------- sockets, ids, devices
 
 std::string cuda_text(cudaError_t e) {
   return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
