@@ -28,6 +28,9 @@ class Waiter {
   // PE is finalized or its job failed, and whatever the interrupt check
   // throws.
   bool pause();
+  // The checks of pause without its wait, for a caller that blocks on its
+  // own (poll() on a socket, a few ms at a time) and wakes when data comes.
+  bool check();
   double timeout_s() const { return timeout_s_; }
 
  private:

@@ -114,6 +114,19 @@ void Runtime::init_pe(uint64_t job, int device, int rank, int world, size_t heap
     for (const std::string& e : boot.allgather(error, "init-connect"))
       if (!e.empty()) errors += (errors.empty() ? "" : "; ") + e;
     if (!errors.empty()) throw StateError("init failed while mapping peer heaps: " + errors);
+    if (s->transports && s->transports->remote_needs_exchange()) {
+      // The remote engine connects now that every PE knows its remote peers.
+      std::vector<std::string> offers = boot.allgather(s->transports->remote_offer(), "init-remote");
+      try {
+        s->transports->remote_connect(*s, offers);
+      } catch (const std::exception& e) {
+        error = "PE " + std::to_string(rank) + ": " + python_class_of(e) + ": " + e.what();
+      }
+      for (const std::string& e : boot.allgather(error, "init-remote-connect"))
+        if (!e.empty()) errors += (errors.empty() ? "" : "; ") + e;
+      // Init goes on: operations on remote peers then raise, saying why.
+      if (!errors.empty()) s->transports->remote_connect_failed(*s, errors);
+    }
     backend().unexport(s->heap->export_handle);  // every peer has mapped it
     s->heap->export_handle.clear();
     if (xla_ordinal >= 0) map_xla_device(xla_ordinal, device);
@@ -150,6 +163,8 @@ void Runtime::finalize_pe(int device, Bootstrap& boot) {
       // by the target's process, which the barrier keeps alive until then).
       if (s->transports) s->transports->quiet_remote(*s);
       boot.allgather("", "finalize");
+      // Nobody sends remote requests any more: the remote engine closes in order.
+      if (s->transports) s->transports->close_remote(*s);
       if (backend().unmap_before_owner_frees()) {
         release_peer_mappings(*s);
         boot.allgather("", "finalize-unmapped");

@@ -50,6 +50,13 @@ void Waiter::poll(Clock::time_point now) {
   }
 }
 
+bool Waiter::check() {
+  auto now = Clock::now();
+  if (now > deadline_) return false;
+  poll(now);
+  return true;
+}
+
 bool Waiter::pause() {
   ++n_;
   if (n_ < kSpins) return true;

@@ -4,9 +4,9 @@
 // target's process serves on the target PE's heap. Puts and signals return
 // once their message is copied; quiet waits until every one of them was
 // sent and every process they went to has served them. Every wait has the
-// PE's deadline and names the peer. Where no engine can serve a peer (the
-// cuda backend, a process without MPI) every operation raises the error
-// that says what is missing and how to get it.
+// PE's deadline and names the peer. Where no engine can serve a peer (a
+// process without MPI) every operation raises the error that says what is
+// missing and how to get it. The cuda backend has its own (remote_cuda.cpp).
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -45,12 +45,7 @@ class RemoteTransport final : public Transport {
     for (const Peer& peer : s.peers) any_remote |= peer.kind == PeerKind::Remote;
     if (!any_remote) return;
     std::string why;
-    if (!host_memory_backend())
-      why = "the " + Runtime::instance().backend_name() +
-            " backend has no remote engine yet (an NCCL engine is planned; see "
-            "docs/transports.md)";
-    else
-      engine_ = remote::process_engine(&why);
+    engine_ = remote::process_engine(&why);
     for (int p = 0; p < s.n_pes; ++p) {
       const Peer& peer = s.peers[p];
       if (peer.kind != PeerKind::Remote) continue;
@@ -291,6 +286,9 @@ class RemoteTransport final : public Transport {
 }  // namespace
 
 std::unique_ptr<Transport> make_remote_transport(const PeState& s) {
+#ifdef SYMHEAP_WITH_CUDA
+  if (!host_memory_backend()) return make_cuda_remote_transport(s);
+#endif
   return std::make_unique<RemoteTransport>(s);
 }
 

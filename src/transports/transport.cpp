@@ -41,8 +41,10 @@ void Transports::quiet(PeState& s, StreamHandle stream) const {
   // The backend's quiet (load/store's) completes the caller's stream, where
   // SM stores run, and on cuda every copy-engine channel of the device too:
   // the barrier relies on that, so the copy-engine transport adds nothing.
-  load_store_->quiet(s, stream);
+  // Remote first: on cuda the caller's stream may wait for the network, and
+  // the remote quiet has the deadline (the stream sync has none).
   remote_->quiet(s, stream);
+  load_store_->quiet(s, stream);
 }
 
 }  // namespace symheap

@@ -47,6 +47,17 @@ class Transport {
   virtual void quiet(PeState& s, StreamHandle stream) = 0;
   // The PE is going away (Runtime::destroy_pe): release what serves it.
   virtual void disconnect(PeState&) {}
+  // Engines that connect their PEs after the peer table is known (NCCL on
+  // cuda): whether init runs one more exchange (the same answer on every PE),
+  // what this PE publishes in it, and the connect from every PE's offer.
+  virtual bool needs_exchange() const { return false; }
+  virtual std::string exchange_offer() const { return ""; }
+  virtual void exchange_connect(PeState&, const std::vector<std::string>&) {}
+  // Some PE's connect failed (`why`, from every PE): every remote peer becomes
+  // unreachable with that reason.
+  virtual void exchange_failed(PeState&, const std::string&) {}
+  // Finalize, after the job's last barrier: end connections in order.
+  virtual void close(PeState&) {}
   // Why this transport cannot reach `pe` (empty: it can).
   virtual std::string unreachable_reason(int) const { return ""; }
   // Bytes this PE moved to or from other nodes (payloads of puts and gets,
@@ -71,6 +82,16 @@ class Transports {
   void quiet_remote(PeState& s) const { remote_->quiet(s, 0); }
   // The PE is going away: every transport releases what serves it.
   void disconnect(PeState& s) const { remote_->disconnect(s); }
+  // The remote engine's exchange at init and its close at finalize (see Transport).
+  bool remote_needs_exchange() const { return remote_->needs_exchange(); }
+  std::string remote_offer() const { return remote_->exchange_offer(); }
+  void remote_connect(PeState& s, const std::vector<std::string>& offers) const {
+    remote_->exchange_connect(s, offers);
+  }
+  void remote_connect_failed(PeState& s, const std::string& why) const {
+    remote_->exchange_failed(s, why);
+  }
+  void close_remote(PeState& s) const { remote_->close(s); }
   uint64_t bytes_across_nodes() const { return remote_->bytes_across_nodes(); }
   // Why select(pe) cannot reach `pe` (empty: it can).
   std::string unreachable_reason(int pe) const { return by_peer_.at(pe)->unreachable_reason(pe); }
@@ -90,6 +111,7 @@ std::unique_ptr<Transport> make_remote_transport(const PeState& s);
 // (the remote engine's address), or empty when it has no engine.
 std::string remote_address_of_this_process();
 #ifdef SYMHEAP_WITH_CUDA
+std::unique_ptr<Transport> make_cuda_remote_transport(const PeState& s);
 std::unique_ptr<Transport> make_cuda_sm_store_transport();
 std::unique_ptr<Transport> make_cuda_copy_engine_transport();
 #endif

@@ -1,18 +1,57 @@
-"""Remote peers on the cuda backend: two processes on one host declare
-different nodes (SYMHEAP_NODE_ID), each driving both GPUs from two threads.
-Same checks as tests/transports/test_remote_peers.py: peer kinds and transports, every
-operation on a remote peer raises the error naming the peer, its node and the
-missing transport, and same-node peers still move data."""
+"""Remote peers on the cuda backend, through the NCCL engine.
+
+Two processes on one host, one GPU each, declare different nodes
+(SYMHEAP_NODE_ID) and tell NCCL the same (NCCL_HOSTID, no P2P, no SHM, the
+socket transport on loopback), so every byte between them crosses NCCL's
+network path (remote_nccl_program.py). Also: two processes x two threads
+sharing both GPUs, where NCCL refuses two ranks of one pair on one GPU, so
+the remote calls raise naming NCCL while same-node peers still move data.
+"""
 import os
+import re
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "transports"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "transports"))
 
+import remote_nccl_program as prog  # noqa: E402
 import test_remote_peers as remote  # noqa: E402
 
 
 @pytest.mark.two_gpus
-def test_two_nodes_of_two_pes_cuda():
+def test_remote_rma_through_nccl():
+    """put, get, put_signal + signal_wait_until, signal_op, atomics, quiet and
+    barrier across the two nodes, 8 B to 64 MiB on fresh random data against
+    the expected bytes (destinations poisoned first), a put ordered after its
+    stream's earlier work, the bytes-across-nodes counter; then finalize, init
+    again and move data once more."""
+    results = prog.run_two_nodes([("rma", (0,), True), ("small_roundtrip", (), True)])
+    prog.check_rma([results[r][0] for r in range(2)])
+    assert all(results[r][1] is True for r in range(2))
+
+
+@pytest.mark.two_gpus
+@pytest.mark.parametrize("how", ["frozen", "killed"])
+def test_remote_lost_peer_through_nccl(how):
+    """PE 1 stops (SIGSTOP) or dies (SIGKILL): PE 0's put + quiet raises an
+    error naming PE 1 within its 5 s timeout, never hangs."""
+    timeout = 5.0
+    results = prog.run_two_nodes([("lost_peer", (how,), False)], timeout=timeout, wait_s=90,
+                                 ranks_expected=(0,))
+    message, elapsed = results[0]
+    assert re.search(r"PE 1\b", message), message
+    if how == "frozen":
+        assert message.startswith("TimeoutError"), message
+    else:
+        assert message.startswith(("TimeoutError", "SymheapError")), message
+    assert elapsed < 2 * timeout + 5, (elapsed, message)
+
+
+@pytest.mark.two_gpus
+def test_two_nodes_of_two_pes_sharing_gpus():
+    """PEs of different nodes on one GPU: NCCL will not connect them, init
+    goes on and every remote call raises the error naming the peer and NCCL."""
     remote.check_two_nodes(remote.run_two_nodes())

@@ -1,8 +1,9 @@
 """Peers on another node (SYMHEAP_NODE_ID): kinds and transports; under
 mpirun every host operation across nodes through the MPI remote engine
-(remote_mpi_program.py); without an engine (a launch without MPI, or the cuda
-backend) the error saying what is missing. two_nodes is backend-neutral
-(torch tensors): tests/gpu runs it on cuda."""
+(remote_mpi_program.py); without an engine (a launch without MPI) the error
+saying what is missing. two_nodes is backend-neutral (torch tensors):
+tests/gpu runs it on cuda, where its PEs of two nodes share GPUs, which NCCL
+will not connect, so the error names NCCL."""
 import os
 import re
 import shutil

@@ -1,0 +1,331 @@
+"""Two "nodes" on one host, one GPU each, every byte between them through the
+NCCL engine over NCCL's socket transport on loopback (the forced-network
+setup of docs/transports.md). Used by test_remote_gpu.py and
+bench/remote_bw.py; each scenario runs as one PE in its own process.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+
+import numpy as np
+
+NODES = ["node-a", "node-b"]
+
+
+def forced_network_env(rank: int) -> dict:
+    """What makes process `rank` its own node for symheap and for NCCL."""
+    return {"SYMHEAP_NODE_ID": NODES[rank], "NCCL_HOSTID": NODES[rank],
+            "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket",
+            "NCCL_SOCKET_IFNAME": "lo", "SYMHEAP_REMOTE_HOST": "127.0.0.1",
+            "NCCL_NVLS_ENABLE": "0"}
+
+
+def _bytes(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+POISON = 0xAB
+SIZES = [8, 24, 4096, 65536 + 8, 1 << 20, 3 * (1 << 20) + 16, 64 << 20]
+
+
+def _check(got, want, what):
+    got = np.asarray(got)
+    if not np.array_equal(got, want):
+        bad = np.flatnonzero(got != want)
+        raise AssertionError(f"{what}: {bad.size} of {want.size} bytes differ, first at {bad[0]} "
+                             f"(got {got[bad[0]]}, want {want[bad[0]]})")
+
+
+# ---------------------------------------------------------------- scenarios (one PE each)
+
+def rma(round_: int = 0):
+    """put, get, put_signal + signal_wait_until, signal_op, atomics, quiet and
+    barrier to the PE of the other node, both PEs at once, every size."""
+    import torch
+    import symheap
+    from symheap import _core
+    me, n = symheap.my_pe(), symheap.n_pes()
+    peer = 1 - me
+    dev = torch.device("cuda", symheap.current_device())
+    out = {"kinds": [symheap.peer_kind(p) for p in range(n)],
+           "transports": [_core.transport_of(p) for p in range(n)]}
+    big = SIZES[-1]
+    dst = symheap.empty((big + 64,), "uint8")
+    sig = symheap.empty((2 * len(SIZES) + 2,), "uint64")
+    word = symheap.empty((1,), "int64")
+    sig.zero_()
+    word.zero_()
+    local = torch.empty(big + 64, dtype=torch.uint8, device=dev)
+    seed = lambda pe, i: 1000 * round_ + 100 * pe + i  # noqa: E731
+    bytes0 = _core.bytes_across_nodes()
+    moved = 0
+    for i, nb in enumerate(SIZES):
+        # put: the peer's bytes land in my copy; nothing past them is touched.
+        dst.fill_(POISON)
+        torch.cuda.synchronize(dev)
+        symheap.barrier_all()
+        src = torch.from_numpy(_bytes(seed(me, i), nb)).to(dev)
+        symheap.put(dst[:nb], src, peer)
+        symheap.quiet()
+        symheap.barrier_all()
+        host = dst.cpu().numpy()
+        _check(host[:nb], _bytes(seed(peer, i), nb), f"put of {nb} B from PE {peer}")
+        _check(host[nb:nb + 64], np.full(64, POISON, np.uint8), f"bytes after a put of {nb} B")
+        # get: my own bytes in my copy, the peer's fetched into local memory.
+        symheap.barrier_all()
+        dst[:nb].copy_(src)
+        torch.cuda.synchronize(dev)
+        symheap.barrier_all()
+        local.fill_(POISON)
+        symheap.get(local[:nb], dst[:nb], peer)
+        symheap.quiet()
+        host = local.cpu().numpy()
+        _check(host[:nb], _bytes(seed(peer, i), nb), f"get of {nb} B from PE {peer}")
+        _check(host[nb:nb + 64], np.full(64, POISON, np.uint8), f"bytes after a get of {nb} B")
+        symheap.barrier_all()
+        # put_signal: the signal means the bytes are there (no quiet, no barrier).
+        dst.fill_(POISON)
+        torch.cuda.synchronize(dev)
+        symheap.barrier_all()
+        fresh = torch.from_numpy(_bytes(seed(me, i) + 50, nb)).to(dev)
+        symheap.put_signal(dst[:nb], fresh, sig[i:i + 1], i + 1, peer)
+        symheap.signal_wait_until(sig[i:i + 1], "eq", i + 1, timeout=30)
+        _check(dst[:nb].cpu().numpy(), _bytes(seed(peer, i) + 50, nb),
+               f"put_signal of {nb} B from PE {peer}")
+        moved += 3 * nb + 8
+    # Stream order: the put reads its source after the caller's stream wrote it.
+    s = torch.cuda.Stream(dev)
+    src = torch.zeros(1 << 20, dtype=torch.uint8, device=dev)
+    want = torch.from_numpy(_bytes(seed(me, 77), 1 << 20)).to(dev)
+    dst.fill_(POISON)
+    torch.cuda.synchronize(dev)
+    symheap.barrier_all()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(20_000_000)  # the copy below runs well after put() returned
+        src.copy_(want)
+        symheap.put(dst[:1 << 20], src, peer, stream=s)
+    symheap.quiet(stream=s)
+    symheap.barrier_all()
+    _check(dst[:1 << 20].cpu().numpy(), _bytes(seed(peer, 77), 1 << 20), "stream-ordered put")
+    moved += 1 << 20
+    # signal_op add from the peer, twice, after a put: the put landed first.
+    k = len(SIZES)
+    symheap.barrier_all()
+    symheap.put(dst[:4096], torch.from_numpy(_bytes(seed(me, 88), 4096)).to(dev), peer)
+    symheap.signal_op(sig[k:k + 1], 3, peer, "add")
+    symheap.signal_op(sig[k:k + 1], 4, peer, "add")
+    symheap.signal_wait_until(sig[k:k + 1], "eq", 7, timeout=30)
+    _check(dst[:4096].cpu().numpy(), _bytes(seed(peer, 88), 4096), "put before signal_op")
+    moved += 4096 + 16
+    # Atomics on the peer's word (system-scope atomics on its device). Only this
+    # PE changes the peer's word, and only the peer changes this PE's.
+    symheap.barrier_all()
+    olds = [symheap.atomic_fetch_add(word, me + 1, peer) for _ in range(10)]
+    symheap.barrier_all()
+    total = int(word.cpu()[0])  # the peer's ten adds
+    symheap.barrier_all()
+    old_swap = symheap.atomic_swap(word, 100 + me, peer)
+    cas_old = symheap.atomic_compare_swap(word, 100 + me, 7 + me, peer)  # holds: swaps
+    cas_miss = symheap.atomic_compare_swap(word, 12345, 0, peer)  # fails: no change
+    symheap.barrier_all()
+    after_cas = int(word.cpu()[0])
+    moved += 13 * 8
+    out.update(fetch_add_olds=olds, total=total, old_swap=old_swap, cas_old=cas_old,
+               cas_miss=cas_miss, after_cas=after_cas, moved=moved,
+               bytes=_core.bytes_across_nodes() - bytes0)
+    symheap.barrier_all()
+    for b in (dst, sig, word):
+        symheap.free(b)
+    return out
+
+
+def check_rma(results):
+    for me, r in enumerate(results):
+        assert r["kinds"] == ["self" if p == me else "remote" for p in range(2)], r["kinds"]
+        assert r["transports"] == ["load_store" if p == me else "remote" for p in range(2)]
+        assert r["bytes"] == r["moved"], (r["bytes"], r["moved"])
+        peer = 1 - me
+        assert r["fetch_add_olds"] == [(me + 1) * j for j in range(10)], r["fetch_add_olds"]
+        assert r["total"] == 10 * (peer + 1), r["total"]
+        assert r["old_swap"] == 10 * (me + 1), r["old_swap"]
+        assert r["cas_old"] == 100 + me, r["cas_old"]
+        assert r["cas_miss"] == 7 + me, r["cas_miss"]
+        assert r["after_cas"] == 7 + peer, r["after_cas"]
+
+
+def small_roundtrip():
+    """After finalize and init again: one put and one get each way."""
+    import torch
+    import symheap
+    me = symheap.my_pe()
+    peer = 1 - me
+    dev = torch.device("cuda", symheap.current_device())
+    dst = symheap.empty((1 << 16,), "uint8")
+    dst.fill_(POISON)
+    torch.cuda.synchronize(dev)
+    symheap.barrier_all()
+    symheap.put(dst, torch.from_numpy(_bytes(500 + me, 1 << 16)).to(dev), peer)
+    symheap.barrier_all()
+    _check(dst.cpu().numpy(), _bytes(500 + peer, 1 << 16), "put after init again")
+    local = torch.full((1 << 16,), POISON, dtype=torch.uint8, device=dev)
+    symheap.get(local, dst, peer)
+    symheap.quiet()
+    _check(local.cpu().numpy(), _bytes(500 + me, 1 << 16), "get after init again")
+    symheap.barrier_all()
+    symheap.free(dst)
+    return True
+
+
+def lost_peer(how: str):
+    """PE 1 stops (SIGSTOP) or dies (SIGKILL) after a first put; PE 0's next
+    put + quiet must raise naming PE 1 within the timeout."""
+    import torch
+    import symheap
+    me = symheap.my_pe()
+    dev = torch.device("cuda", symheap.current_device())
+    dst = symheap.empty((1 << 20,), "uint8")
+    src = torch.from_numpy(_bytes(9, 1 << 20)).to(dev)
+    symheap.put(dst, src, 1 - me)
+    symheap.barrier_all()
+    if me == 1:
+        os.kill(os.getpid(), signal.SIGSTOP if how == "frozen" else signal.SIGKILL)
+        time.sleep(60)  # not reached before the parent kills this process
+        return None
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    try:
+        for _ in range(4):
+            symheap.put(dst, src, 1)
+        symheap.quiet()
+        return ("no error", time.monotonic() - t0)
+    except Exception as e:  # noqa: BLE001 - the test checks the class and the text
+        return (f"{type(e).__name__}: {e}", time.monotonic() - t0)
+
+
+def bandwidth(sizes, iters, port):
+    """PE 0 -> PE 1: symheap puts then quiet, against torch.distributed's NCCL
+    send/recv of the same bytes (then a 1-byte answer once they are received),
+    on the same forced-network setup. Rows of (bytes, iterations, symheap GB/s,
+    NCCL GB/s), as PE 0 timed them."""
+    import torch
+    import torch.distributed as dist
+    import symheap
+    me = symheap.my_pe()
+    dev = torch.device("cuda", symheap.current_device())
+    # one pair, one direction: torch's note on serialized unbatched sends says nothing here
+    os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=me,
+                            world_size=2, device_id=dev)
+    biggest = max(sizes)
+    dst = symheap.empty((biggest,), "uint8")
+    src = torch.randint(0, 256, (biggest,), dtype=torch.uint8, device=dev)
+    recv = torch.empty(biggest, dtype=torch.uint8, device=dev)
+    ack = torch.zeros(1, dtype=torch.uint8, device=dev)
+    rows = []
+
+    def timed_symheap(nb, n_it):
+        symheap.barrier_all()
+        t0 = time.perf_counter()
+        if me == 0:
+            for _ in range(n_it):
+                symheap.put(dst[:nb], src[:nb], 1)
+            symheap.quiet()  # returns once every put landed at PE 1
+        return time.perf_counter() - t0
+
+    def timed_nccl(nb, n_it):
+        dist.barrier()
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        if me == 0:
+            for _ in range(n_it):
+                dist.send(src[:nb], 1)
+            dist.recv(ack, 1)
+            torch.cuda.synchronize(dev)
+        else:
+            for _ in range(n_it):
+                dist.recv(recv[:nb], 0)
+            torch.cuda.synchronize(dev)
+            dist.send(ack, 0)
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
+    for nb in sizes:
+        n_it = max(2, min(iters, (8 << 30) // nb))
+        timed_symheap(nb, 1)  # warm-up
+        timed_nccl(nb, 1)
+        t_sym = min(timed_symheap(nb, n_it) for _ in range(2))
+        t_nccl = min(timed_nccl(nb, n_it) for _ in range(2))
+        rows.append((nb, n_it, n_it * nb / t_sym / 1e9, n_it * nb / t_nccl / 1e9))
+    symheap.barrier_all()
+    symheap.free(dst)
+    dist.destroy_process_group()
+    return rows
+
+
+# ---------------------------------------------------------------- launcher
+
+def _child(rank, uids, steps, timeout, heap_size, out):
+    os.environ.update(forced_network_env(rank))
+    os.environ.setdefault("NCCL_DEBUG", "WARN")  # NCCL's own reasons, should anything fail
+    os.environ["SYMHEAP_BACKEND"] = "cuda"
+    try:
+        import symheap
+        results = []
+        for (name, args, finalize), uid in zip(steps, uids):  # a fresh job id per init
+            symheap.init(rank, 2, uid, device=rank, heap_size=heap_size, timeout=timeout)
+            result = globals()[name](*args)
+            if name == "lost_peer":  # report before finalize, which may not complete
+                out.put((rank, True, result))
+                try:
+                    symheap.finalize()
+                except Exception:  # noqa: BLE001 - the job lost a PE
+                    pass
+                return
+            results.append(result)
+            if finalize:
+                symheap.finalize()
+        out.put((rank, True, results))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with the rank
+        out.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_two_nodes(steps, timeout=20.0, heap_size="256M", wait_s=300.0, ranks_expected=(0, 1)):
+    """Runs `steps` [(scenario, args, finalize)] in 2 processes (GPU 0 and 1,
+    nodes "node-a" and "node-b"); returns {rank: result}; raises with every
+    rank's error otherwise. Processes still alive at the end are killed."""
+    import symheap
+    ctx = mp.get_context("spawn")
+    uids = [symheap.get_unique_id() for _ in steps]
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(r, uids, steps, timeout, heap_size, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    deadline = time.monotonic() + wait_s
+    try:
+        while len(results) + len(errors) < len(ranks_expected):
+            try:
+                rank, ok, value = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            (results if ok else errors)[rank] = value
+    finally:
+        for r, p in enumerate(procs):
+            # a rank expected to report finishes on its own; the others are killed
+            p.join(10 if r in ranks_expected and r in results else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    missing = [r for r in ranks_expected if r not in results and r not in errors]
+    if errors or missing:
+        lines = [f"PE {r}: {m}" for r, m in sorted(errors.items())]
+        lines += [f"PE {r}: no result within {wait_s} s (exit code {procs[r].exitcode})"
+                  for r in missing]
+        raise RuntimeError("\n".join(lines))
+    return results
