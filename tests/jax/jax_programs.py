@@ -372,9 +372,10 @@ def gradients(n, layouts, seed):
     print("OK gradients", n, layouts)
 
 
-def distributed(process_id, n_processes, port, seed, bad_config=False):
+def distributed(process_id, n_processes, port, seed, bad_config=False,
+                layouts=("expert_major",)):
     """jax.distributed on 127.0.0.1: every process's local devices become PEs; one
-    thread per local device, then one shard_map over the global mesh."""
+    thread per local device, then one shard_map over the global mesh, per layout."""
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n_processes,
                                process_id=process_id, initialization_timeout=60)
     shj.init(heap_size=HEAP, timeout=20)
@@ -394,52 +395,59 @@ def distributed(process_id, n_processes, port, seed, bad_config=False):
                 print("OK bad config raised:", str(e)[:80])
                 return
             raise AssertionError("a mismatched EpConfig was accepted")
-        cfg = config(n, "expert_major")
-        op = shj.EpDispatchCombine(cfg)
-        step = jax.jit(make_step(op, cfg, n))
-        inputs, xs, rs = pe_inputs(cfg, n, seed)
-
-        def run(i):
-            put = lambda a: jax.device_put(a, local[i])  # noqa: E731
-            r = ranks[i]
-            return step(put(xs[r]), put(inputs[r][1]), put(inputs[r][2]), put(rs[r]))
-
-        for i, (d, out, gx) in enumerate(on_threads(run, len(local))):
-            check_pe(cfg, n, ranks[i], inputs, xs, rs, d, out, gx)
         tok = on_threads(lambda i: np.asarray(jax.jit(shj.barrier)(
             jax.device_put(jnp.zeros((1,), jnp.float32), local[i]))), len(local))
         assert all(t.tolist() == [0.0] for t in tok)
-
-        # one jit over the global mesh of both processes, shard_map over the PE axis
-        mesh = shj.make_mesh("pe")
-        inputs, xs, rs = pe_inputs(cfg, n, seed + 1)
-        sh = NamedSharding(mesh, P("pe"))
-
-        def global_array(per_pe):
-            full = stacked(per_pe)
-            return jax.make_array_from_callback(full.shape, sh, lambda index: full[index])
-
-        def body(x, idx, w, r):
-            return jax.tree_util.tree_map(lambda a: a[None],
-                                          make_step(op, cfg, n)(x[0], idx[0], w[0], r[0]))
-
-        f = jax.jit(shard_map(body, mesh, P("pe"), P("pe")))
-        d, out, gx = f(*[global_array(a) for a in
-                         (xs, [i[1] for i in inputs], [i[2] for i in inputs], rs)])
-
-        def local_rows(a):
-            return {s.index[0].start: np.asarray(s.data)[0] for s in a.addressable_shards}
-
-        d = {k: local_rows(v) for k, v in d.items()}
-        out, gx, gw = local_rows(out), local_rows(gx[0]), local_rows(gx[1])
-        assert sorted(out) == ranks, (sorted(out), ranks)
-        for r in ranks:
-            check_pe(cfg, n, r, inputs, xs, rs, {k: v[r] for k, v in d.items()}, out[r],
-                     (gx[r], gw[r]))
-        op.close()
+        for name in layouts:
+            _distributed_ep(config(n, name), n, local, ranks, seed)
     finally:
         shj.finalize()
     print("OK distributed", process_id, ranks)
+
+
+def _distributed_ep(cfg, n, local, ranks, seed):
+    """One layout under jax.distributed: one thread per local device, then one
+    shard_map over the global mesh."""
+    op = shj.EpDispatchCombine(cfg)
+    step = jax.jit(make_step(op, cfg, n))
+    inputs, xs, rs = pe_inputs(cfg, n, seed)
+
+    def run(i):
+        put = lambda a: jax.device_put(a, local[i])  # noqa: E731
+        r = ranks[i]
+        return step(put(xs[r]), put(inputs[r][1]), put(inputs[r][2]), put(rs[r]))
+
+    for i, (d, out, gx) in enumerate(on_threads(run, len(local))):
+        check_pe(cfg, n, ranks[i], inputs, xs, rs, d, out, gx)
+
+    # one jit over the global mesh of both processes, shard_map over the PE axis
+    mesh = shj.make_mesh("pe")
+    inputs, xs, rs = pe_inputs(cfg, n, seed + 1)
+    sh = NamedSharding(mesh, P("pe"))
+
+    def global_array(per_pe):
+        full = stacked(per_pe)
+        return jax.make_array_from_callback(full.shape, sh, lambda index: full[index])
+
+    def body(x, idx, w, r):
+        return jax.tree_util.tree_map(lambda a: a[None],
+                                      make_step(op, cfg, n)(x[0], idx[0], w[0], r[0]))
+
+    f = jax.jit(shard_map(body, mesh, P("pe"), P("pe")))
+    d, out, gx = f(*[global_array(a) for a in
+                     (xs, [i[1] for i in inputs], [i[2] for i in inputs], rs)])
+
+    def local_rows(a):
+        return {s.index[0].start: np.asarray(s.data)[0] for s in a.addressable_shards}
+
+    d = {k: local_rows(v) for k, v in d.items()}
+    out, gx, gw = local_rows(out), local_rows(gx[0]), local_rows(gx[1])
+    assert sorted(out) == ranks, (sorted(out), ranks)
+    for r in ranks:
+        check_pe(cfg, n, r, inputs, xs, rs, {k: v[r] for k, v in d.items()}, out[r],
+                 (gx[r], gw[r]))
+    op.close()
+    print("OK", cfg.layout, cfg.kernel, flush=True)
 
 
 def failures(seed):
