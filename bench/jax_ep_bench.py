@@ -12,9 +12,10 @@ per dispatch+combine pair, mean over back-to-back calls of one jitted program.
 
 --parts adds, per size, a `parts` line for each program shape: dispatch alone (it
 returns the received rows and the handle), combine alone (of one dispatch's rows and
-handle, again and again), and the pair, each with the host time per call (the time
-to enqueue the calls, before waiting for the device): a host time close to the total
-says the host, not the GPU, sets the pace.
+handle, again and again), the pair, and a pair within one call of 8 chained pairs (per
+pair: what the device takes once per-call costs are spread), each with the host time
+per call (the time to enqueue the calls, before waiting for the device): a host time
+close to the total says the host, not the GPU, sets the pace.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ if SMOKE:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 HIDDEN, EXPERTS, TOPK = (256, 16, 4) if SMOKE else (7168, 256, 8)
+CHAIN = 8  # --parts: pairs per call in the chained program (per-call host costs amortized)
+CHAINED = f"pair in a chain of {CHAIN}"
 
 
 def shard_map(f, mesh, in_specs, out_specs):
@@ -117,19 +120,25 @@ def time_parts(op, mesh, x, idx, w, iters):
         d = op.dispatch(x, idx, w)
         return op.combine(d.x, d.handle)
 
+    def chain(x, idx, w):  # CHAIN pairs in one call, each feeding the next
+        for _ in range(CHAIN):
+            x = pair(x, idx, w).astype(x.dtype)
+        return x
+
     out = {}
     f_d = jax.jit(shard_map(dispatch, mesh, P("pe"), P("pe")))
     f_c = jax.jit(shard_map(combine, mesh, P("pe"), P("pe")))
     f_p = jax.jit(shard_map(pair, mesh, P("pe"), P("pe")))
+    f_k = jax.jit(shard_map(chain, mesh, P("pe"), P("pe")))
     rows, handle = f_d(x, idx, w)
     res = []
     for name, f, args in (("dispatch", f_d, (x, idx, w)), ("combine", f_c, (rows, handle)),
-                          ("pair", f_p, (x, idx, w))):
+                          ("pair", f_p, (x, idx, w)), (CHAINED, f_k, (x, idx, w))):
         host = []
         res.append((name, time_it(f, args, iters, host), host[0]))
     out["shard_map"] = res
     inputs = per_device(x, idx, w)
-    j_d, j_c, j_p = jax.jit(dispatch), jax.jit(combine), jax.jit(pair)
+    j_d, j_c, j_p, j_k = jax.jit(dispatch), jax.jit(combine), jax.jit(pair), jax.jit(chain)
     import threading
     got = [None] * len(inputs)
 
@@ -143,11 +152,13 @@ def time_parts(op, mesh, x, idx, w, iters):
         t.join()
     res = []
     for name, f, args in (("dispatch", j_d, inputs), ("combine", j_c, [list(g) for g in got]),
-                          ("pair", j_p, inputs)):
+                          ("pair", j_p, inputs), (CHAINED, j_k, inputs)):
         host = []
         res.append((name, time_threads(f, args, iters, host), host[0]))
     out["threads"] = res
-    return out
+    # per pair in the chain
+    return {shape: [(name, t / CHAIN, h / CHAIN) if name == CHAINED else (name, t, h)
+                    for name, t, h in res] for shape, res in out.items()}
 
 
 def main():

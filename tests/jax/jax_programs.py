@@ -147,13 +147,14 @@ def config(n_pes, name, dtype="bfloat16", tokens=6):
 
 # ------------------------------------------------------------ programs
 
-def threads(n, layouts, seed, iters=2, grad=True):
+def threads(n, layouts, seed, iters=2, grad=True, tokens=6, heap_size=HEAP):
     """One Python thread per device, each jitting on its own device."""
     devs = jax.devices()[:n]
-    shj.init(devs, heap_size=HEAP, timeout=20)
+    shj.init(devs, heap_size=heap_size, timeout=20)
     try:
         for name in layouts:
-            cfg = config(n, name, dtype="float32" if name == "intranode" else "bfloat16")
+            cfg = config(n, name, dtype="float32" if name == "intranode" else "bfloat16",
+                         tokens=tokens)
             op = shj.EpDispatchCombine(cfg)
             step = jax.jit(make_step(op, cfg, n, grad and not cfg.scale_dim))
             for it in range(iters):
@@ -181,13 +182,13 @@ def stacked(per_pe):
     return np.concatenate([np.asarray(a)[None] for a in per_pe])
 
 
-def shard_map_ep(n, layouts, seed, grad=True):
+def shard_map_ep(n, layouts, seed, grad=True, tokens=6, heap_size=HEAP):
     """One jit over a mesh of the first n devices in PE order, shard_map over the PE axis."""
-    shj.init(jax.devices()[:n], heap_size=HEAP, timeout=20)
+    shj.init(jax.devices()[:n], heap_size=heap_size, timeout=20)
     try:
         mesh = shj.make_mesh("pe")
         for name in layouts:
-            cfg = config(n, name)
+            cfg = config(n, name, tokens=tokens)
             op = shj.EpDispatchCombine(cfg)
             step = make_step(op, cfg, n, grad)
 
