@@ -134,6 +134,7 @@ CONFIGS = {
     "low_latency": dict(kernel="low_latency"),
     "intranode": dict(kernel="intranode", max_recv_tokens=None),  # max_recv_tokens set below
     "fp8": dict(layout="token_slots", dtype="float8_e4m3fn", scale_dim=8),  # forward only
+    "fp8_low_latency": dict(kernel="low_latency", dtype="float8_e4m3fn", scale_dim=8),
 }
 
 
@@ -410,13 +411,16 @@ def _distributed_ep(cfg, n, local, ranks, seed):
     """One layout under jax.distributed: one thread per local device, then one
     shard_map over the global mesh."""
     op = shj.EpDispatchCombine(cfg)
-    step = jax.jit(make_step(op, cfg, n))
+    grad = not cfg.scale_dim  # fp8: forward only
+    step = jax.jit(make_step(op, cfg, n, grad))
     inputs, xs, rs = pe_inputs(cfg, n, seed)
+    scales = [ref.scales_of(cfg, r) for r in range(n)] if cfg.scale_dim else []
 
     def run(i):
         put = lambda a: jax.device_put(a, local[i])  # noqa: E731
         r = ranks[i]
-        return step(put(xs[r]), put(inputs[r][1]), put(inputs[r][2]), put(rs[r]))
+        return step(put(xs[r]), put(inputs[r][1]), put(inputs[r][2]), put(rs[r]),
+                    *[put(scales[r])] if scales else [])
 
     for i, (d, out, gx) in enumerate(on_threads(run, len(local))):
         check_pe(cfg, n, ranks[i], inputs, xs, rs, d, out, gx)
@@ -430,23 +434,25 @@ def _distributed_ep(cfg, n, local, ranks, seed):
         full = stacked(per_pe)
         return jax.make_array_from_callback(full.shape, sh, lambda index: full[index])
 
-    def body(x, idx, w, r):
-        return jax.tree_util.tree_map(lambda a: a[None],
-                                      make_step(op, cfg, n)(x[0], idx[0], w[0], r[0]))
+    def body(x, idx, w, r, *sc):
+        return jax.tree_util.tree_map(lambda a: a[None], make_step(op, cfg, n, grad)(
+            x[0], idx[0], w[0], r[0], *[s[0] for s in sc]))
 
     f = jax.jit(shard_map(body, mesh, P("pe"), P("pe")))
     d, out, gx = f(*[global_array(a) for a in
-                     (xs, [i[1] for i in inputs], [i[2] for i in inputs], rs)])
+                     (xs, [i[1] for i in inputs], [i[2] for i in inputs], rs)
+                     + ((scales,) if scales else ())])
 
     def local_rows(a):
         return {s.index[0].start: np.asarray(s.data)[0] for s in a.addressable_shards}
 
     d = {k: local_rows(v) for k, v in d.items()}
-    out, gx, gw = local_rows(out), local_rows(gx[0]), local_rows(gx[1])
+    out = local_rows(out)
+    gx, gw = (local_rows(gx[0]), local_rows(gx[1])) if grad else (None, None)
     assert sorted(out) == ranks, (sorted(out), ranks)
     for r in ranks:
         check_pe(cfg, n, r, inputs, xs, rs, {k: v[r] for k, v in d.items()}, out[r],
-                 (gx[r], gw[r]))
+                 (gx[r], gw[r]) if grad else None)
     op.close()
     print("OK", cfg.layout, cfg.kernel, flush=True)
 

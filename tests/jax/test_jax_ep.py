@@ -54,7 +54,7 @@ def seed() -> int:
     return random.SystemRandom().randrange(1 << 30)
 
 
-@pytest.mark.parametrize("n,layouts", [(2, ALL_LAYOUTS + ["fp8"]),
+@pytest.mark.parametrize("n,layouts", [(2, ALL_LAYOUTS + ["fp8", "fp8_low_latency"]),
                                        (4, ["expert_major", "intranode"]),
                                        (8, ["token_slots"])])
 def test_one_thread_per_device(n, layouts):
@@ -96,12 +96,13 @@ def test_jax_distributed_two_processes(bad_config):
 
 def test_device_kernels_emulated_under_jax_distributed():
     """The CUDA kernels' host emulation (one PE per process) behind the XLA handlers:
-    dispatch's own rows stored straight into XLA's result, the peers' rows copied
-    there within the counts (collect_kernel), the defaults past them; every layout,
-    threads and shard_map, forward and gradients."""
+    dispatch's own rows (and fp8 scales) stored straight into XLA's result, the peers'
+    rows copied there within the counts (collect_kernel), the defaults past them; every
+    layout, threads and shard_map, forward and gradients."""
     port, s = _free_port(), seed()
     procs = [launch("distributed", 1, {"SYMHEAP_EP_EMULATE_DEVICE": "1"}, process_id=p,
-                    n_processes=2, port=port, seed=s, layouts=ALL_LAYOUTS) for p in range(2)]
+                    n_processes=2, port=port, seed=s, layouts=ALL_LAYOUTS + ["fp8_low_latency"])
+             for p in range(2)]
     outs = [finish(p) for p in procs]
     for p, out in enumerate(outs):
         assert f"OK distributed {p} [{p}]" in out, out[-3000:]
