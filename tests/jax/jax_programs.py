@@ -207,6 +207,7 @@ def shard_map_ep(n, layouts, seed, grad=True, tokens=6, heap_size=HEAP):
                 check_pe(cfg, n, i, inputs, xs, rs, {k: v[i] for k, v in d.items()}, out[i],
                          None if gx is None else (gx[0][i], gx[1][i]))
             op.close()
+            print("OK shard_map", name, flush=True)
         # the barrier inside shard_map, on every device at once
         tok = jax.jit(shard_map(lambda t: shj.barrier(t), mesh, P("pe"), P("pe")))(
             jax.device_put(np.arange(n, dtype=np.int32), NamedSharding(mesh, P("pe"))))
@@ -375,7 +376,7 @@ def gradients(n, layouts, seed):
 
 
 def distributed(process_id, n_processes, port, seed, bad_config=False,
-                layouts=("expert_major",)):
+                layouts=("expert_major",), tokens=6):
     """jax.distributed on 127.0.0.1: every process's local devices become PEs; one
     thread per local device, then one shard_map over the global mesh, per layout."""
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n_processes,
@@ -401,7 +402,7 @@ def distributed(process_id, n_processes, port, seed, bad_config=False,
             jax.device_put(jnp.zeros((1,), jnp.float32), local[i]))), len(local))
         assert all(t.tolist() == [0.0] for t in tok)
         for name in layouts:
-            _distributed_ep(config(n, name), n, local, ranks, seed)
+            _distributed_ep(config(n, name, tokens=tokens), n, local, ranks, seed)
     finally:
         shj.finalize()
     print("OK distributed", process_id, ranks)
