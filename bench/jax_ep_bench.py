@@ -32,7 +32,7 @@ if SMOKE:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 HIDDEN, EXPERTS, TOPK = (256, 16, 4) if SMOKE else (7168, 256, 8)
-WARMUP_S = 0.0 if SMOKE else 0.3  # back-to-back calls before each timing
+WARMUP_CALLS = 2 if SMOKE else 200  # back-to-back calls before each timing
 CHAIN = 8  # --parts: pairs per call in the chained program (per-call host costs amortized)
 CHAINED = f"pair in a chain of {CHAIN}"
 
@@ -59,12 +59,12 @@ def time_it(f, args, iters, host=None):
     """Mean us per call of back-to-back calls; ``host`` (a list) gets the mean us
     per call spent enqueuing them."""
     import jax
-    jax.block_until_ready(f(*args))  # compile
-    # Warm up for a while, not a call or two: after compiling, the GPU sits idle long
-    # enough to drop its clocks, and the first milliseconds of calls run slower.
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < WARMUP_S:
-        jax.block_until_ready(f(*args))
+    # Warm up with many calls, not one or two: after compiling, the GPU sits idle long
+    # enough to drop its clocks, and the first milliseconds of calls run slower. (A
+    # count, not a time: threads must make the same number of collective calls.)
+    for _ in range(WARMUP_CALLS):
+        out = f(*args)
+    jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(iters):
         out = f(*args)
