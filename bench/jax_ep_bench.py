@@ -7,8 +7,15 @@ DeepSeek-V3 shape: hidden 7168 bf16, top-8 of 256 experts; 4096 tokens per GPU
 (kernel intranode, max_recv_tokens set) and 128 (kernel low_latency). Times are
 per dispatch+combine pair, mean over back-to-back calls of one jitted program.
 
-    python bench/jax_ep_bench.py [--iters 20] [--gpus N]
+    python bench/jax_ep_bench.py [--iters 20] [--gpus N] [--parts]
     python bench/jax_ep_bench.py --smoke     # tiny shapes on the cpu platform (a check)
+
+--parts adds, per size, a `parts` line for each program shape: dispatch alone (it
+returns the handle; the received rows stay inside the program), combine alone (of one dispatch's rows and
+handle, again and again), the pair, and a pair within one call of 8 chained pairs (per
+pair: what the device takes once per-call costs are spread), each with the host time
+per call (the time to enqueue the calls, before waiting for the device): a host time
+close to the total says the host, not the GPU, sets the pace.
 """
 from __future__ import annotations
 
@@ -25,6 +32,9 @@ if SMOKE:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 HIDDEN, EXPERTS, TOPK = (256, 16, 4) if SMOKE else (7168, 256, 8)
+WARMUP_CALLS = 2 if SMOKE else 200  # back-to-back calls before each timing
+CHAIN = 8  # --parts: pairs per call in the chained program (per-call host costs amortized)
+CHAINED = f"pair in a chain of {CHAIN}"
 
 
 def shard_map(f, mesh, in_specs, out_specs):
@@ -45,38 +55,118 @@ def routing(n, tokens, seed=0):
     return idx, w
 
 
-def time_it(f, args, iters):
+def time_it(f, args, iters, host=None):
+    """Mean us per call of back-to-back calls; ``host`` (a list) gets the mean us
+    per call spent enqueuing them."""
     import jax
-    jax.block_until_ready(f(*args))  # compile and warm up
-    jax.block_until_ready(f(*args))
+    # Warm up with many calls, not one or two: after compiling, the GPU sits idle long
+    # enough to drop its clocks, and the first milliseconds of calls run slower. (A
+    # count, not a time: threads must make the same number of collective calls.)
+    for _ in range(WARMUP_CALLS):
+        out = f(*args)
+    jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(iters):
         out = f(*args)
+    t1 = time.perf_counter()
     jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters * 1e6
+    t2 = time.perf_counter()
+    if host is not None:
+        host.append((t1 - t0) / iters * 1e6)
+    return (t2 - t0) / iters * 1e6
 
 
-def time_threads(f, x, idx, w, iters):
-    """One thread per device, each timing f on its own shard; the slowest thread's mean."""
+def per_device(*arrays):
+    """[device][argument]: each argument's shards in device (PE) order."""
+    def shards(a):
+        return [s.data for s in sorted(a.addressable_shards, key=lambda s: s.index[0].start)]
+    return [list(args) for args in zip(*[shards(a) for a in arrays])]
+
+
+def time_threads(f, per_device_args, iters, host=None):
+    """One thread per device, each timing f on its own arguments; the slowest thread's
+    mean (and into ``host``, the slowest thread's enqueue time per call)."""
     import threading
     import jax
-    shards = [[s.data for s in sorted(a.addressable_shards, key=lambda s: s.index[0].start)]
-              for a in (x, idx, w)]
-    times = [0.0] * len(shards[0])
-    start = threading.Barrier(len(times))
+    n = len(per_device_args)
+    times, hosts = [0.0] * n, [[] for _ in range(n)]
+    start = threading.Barrier(n)
 
     def run(i):
-        args = [s[i] for s in shards]
+        args = per_device_args[i]
         jax.block_until_ready(f(*args))
         start.wait()
-        times[i] = time_it(f, args, iters)
+        times[i] = time_it(f, args, iters, hosts[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(times))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if host is not None:
+        host.append(max(h[0] for h in hosts))
     return max(times)
+
+
+def time_parts(op, mesh, x, idx, w, iters):
+    """Dispatch alone, combine alone and the pair, as shard_map and as one thread per
+    device: {shape: [(name, total us, host us)]}."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    def rows_and_handle(x, idx, w):
+        d = op.dispatch(x, idx, w)
+        return d.x, d.handle
+
+    def dispatch(x, idx, w):  # the received rows stay inside the program (as in a model)
+        return op.dispatch(x, idx, w).handle
+
+    def combine(rows, handle):
+        return op.combine(rows, handle)
+
+    def pair(x, idx, w):
+        d = op.dispatch(x, idx, w)
+        return op.combine(d.x, d.handle)
+
+    def chain(x, idx, w):  # CHAIN pairs in one call, each feeding the next
+        for _ in range(CHAIN):
+            x = pair(x, idx, w).astype(x.dtype)
+        return x
+
+    out = {}
+    f_d = jax.jit(shard_map(dispatch, mesh, P("pe"), P("pe")))
+    f_c = jax.jit(shard_map(combine, mesh, P("pe"), P("pe")))
+    f_p = jax.jit(shard_map(pair, mesh, P("pe"), P("pe")))
+    f_k = jax.jit(shard_map(chain, mesh, P("pe"), P("pe")))
+    rows, handle = jax.jit(shard_map(rows_and_handle, mesh, P("pe"), P("pe")))(x, idx, w)
+    res = []
+    for name, f, args in (("dispatch", f_d, (x, idx, w)), ("combine", f_c, (rows, handle)),
+                          ("pair", f_p, (x, idx, w)), (CHAINED, f_k, (x, idx, w))):
+        host = []
+        res.append((name, time_it(f, args, iters, host), host[0]))
+    out["shard_map"] = res
+    inputs = per_device(x, idx, w)
+    j_d, j_c, j_p, j_k = jax.jit(dispatch), jax.jit(combine), jax.jit(pair), jax.jit(chain)
+    import threading
+    got = [None] * len(inputs)
+
+    def first(i):
+        got[i] = jax.jit(rows_and_handle)(*inputs[i])
+
+    threads = [threading.Thread(target=first, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    res = []
+    for name, f, args in (("dispatch", j_d, inputs), ("combine", j_c, [list(g) for g in got]),
+                          ("pair", j_p, inputs), (CHAINED, j_k, inputs)):
+        host = []
+        res.append((name, time_threads(f, args, iters, host), host[0]))
+    out["threads"] = res
+    # per pair in the chain
+    return {shape: [(name, t / CHAIN, h / CHAIN) if name == CHAINED else (name, t, h)
+                    for name, t, h in res] for shape, res in out.items()}
 
 
 def main():
@@ -84,6 +174,8 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--gpus", type=int, default=0, help="GPUs to use (default: all)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the cpu platform")
+    p.add_argument("--parts", action="store_true",
+                   help="also time dispatch alone, combine alone and the pair (parts lines)")
     a = p.parse_args()
     import jax
     import jax.numpy as jnp
@@ -131,11 +223,15 @@ def main():
         f_ours = jax.jit(shard_map(ours, mesh, P("pe"), P("pe")))
         f_ref = jax.jit(shard_map(padded_all_to_all, mesh, P("pe"), P("pe")))
         t_ours = time_it(f_ours, (x, idx_s, w_s), a.iters)
-        t_threads = time_threads(jax.jit(ours), x, idx_s, w_s, a.iters)
+        t_threads = time_threads(jax.jit(ours), per_device(x, idx_s, w_s), a.iters)
         t_ref = time_it(f_ref, (x, idx_s, w_s), a.iters)
         print(f"summary {tokens} tokens {kernel}: symheap.jax dispatch+combine "
               f"{t_ours:.1f} us (shard_map), {t_threads:.1f} us (threads); all_to_all padded "
               f"{t_ref:.1f} us; speedup {t_ref / t_ours:.2f}x")
+        if a.parts:
+            for shape, res in time_parts(op, mesh, x, idx_s, w_s, a.iters).items():
+                print(f"parts {tokens} tokens {kernel} {shape}: " + ", ".join(
+                    f"{name} {t:.1f} us (host {h:.1f})" for name, t, h in res))
         op.close()
     shj.finalize()
 

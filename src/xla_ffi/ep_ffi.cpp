@@ -4,10 +4,10 @@
 // PE of XLA's device. Operands and results come in a fixed order (see
 // python/symheap/jax/_ep.py); absent ones are zero-size placeholders.
 //
-// dispatch lands received rows in the op's symmetric receive buffer (peers
-// write them there); the handler copies them into XLA's results, ordered on
-// XLA's stream. Counts, the handle and combine's result are written by the
-// core straight into XLA's buffers.
+// Every result is written by the core straight into XLA's buffers: dispatch
+// stores the rows a PE sends itself there and copies only the rows peers
+// stored into its symmetric receive buffer (those within the counts; see
+// ep::DispatchArgs::out_x), ordered on XLA's stream.
 #include <cstring>
 #include <string>
 #include <vector>
@@ -81,11 +81,6 @@ ffi::AnyBuffer* ret(const ffi::RemainingRets& rets, size_t i,
   if (r.has_error()) throw InvalidArgument("ep: result " + std::to_string(i) + " is missing");
   keep.push_back(*r);
   return &*keep.back();
-}
-
-void copy_out(const PeState& s, void* stream, ffi::AnyBuffer* dst, const void* src) {
-  Runtime::instance().backend().copy(s.device, dst->untyped_data(), src, dst->size_bytes(),
-                                     reinterpret_cast<StreamHandle>(stream));
 }
 
 constexpr const char* kI32 = "int32";
@@ -173,17 +168,16 @@ void dispatch(void* stream, int32_t ordinal, uint64_t job, int64_t id,
     a.recv_meta = em ? static_cast<int32_t*>(out[4]->untyped_data()) : nullptr;
     a.recv_summary = static_cast<int32_t*>(out[8]->untyped_data());
     a.saved_weights = em ? static_cast<float*>(out[9]->untyped_data()) : nullptr;
+    a.out_x = out[0]->untyped_data();
+    a.out_scales = S ? out[1]->untyped_data() : nullptr;
+    a.out_w = static_cast<float*>(out[3]->untyped_data());
+    if (!em) {
+      a.out_idx = static_cast<int32_t*>(out[2]->untyped_data());
+      a.out_meta = static_cast<int32_t*>(out[4]->untyped_data());
+    }
   }
   a.stream = reinterpret_cast<StreamHandle>(stream);
   run_collective("dispatch", problem, [&] { ep::dispatch(s, op, a); });
-  const int me = op.my_pe;
-  copy_out(s, stream, out[0], ep::ws_addr(s, op, me, g.off_recv_x));
-  if (S) copy_out(s, stream, out[1], ep::ws_addr(s, op, me, g.off_recv_scales));
-  copy_out(s, stream, out[3], ep::ws_addr(s, op, me, g.off_recv_w));
-  if (!em) {
-    copy_out(s, stream, out[2], ep::ws_addr(s, op, me, g.off_recv_idx));
-    copy_out(s, stream, out[4], ep::ws_addr(s, op, me, g.off_recv_meta));
-  }
 }
 
 // Operands: expert_out, send_rows, recv_meta, summary, weights, then any that only

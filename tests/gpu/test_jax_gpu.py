@@ -33,8 +33,10 @@ pytestmark = pytest.mark.two_gpus
 
 
 def test_threads_two_gpus_every_layout():
-    # forward, and d/d(x, topk_weights) through both custom_vjps (fp8: forward only)
-    run("threads", n=2, layouts=LAYOUTS, iters=3)
+    # forward, and d/d(x, topk_weights) through both custom_vjps (fp8: forward only;
+    # fp8_low_latency: token-major rows and scales a PE sends itself stored straight
+    # into XLA's results)
+    run("threads", n=2, layouts=LAYOUTS + ["fp8_low_latency"], iters=3)
 
 
 def test_shard_map_two_gpus():
@@ -56,3 +58,12 @@ def test_command_buffers_on():
     run("threads", xla_flags=flags, n=2, layouts=["token_slots", "low_latency"], grad=False,
         iters=4)
     run("shard_map_ep", xla_flags=flags, n=2, layouts=["expert_major"], grad=False)
+
+
+def test_large_batches_two_gpus():
+    # tokens * topk past one round of loads (the look-back ranking paths) and thousands of
+    # rows: dispatch stores its own rows straight into XLA's results, collect copies the
+    # peers' within the counts, and the rows past them read as empty (ids -1, weights 0)
+    layouts = ["intranode", "low_latency", "expert_major"]
+    run("threads", n=2, layouts=layouts + ["fp8_low_latency"], tokens=1500, iters=2)
+    run("shard_map_ep", n=2, layouts=layouts, tokens=1500)

@@ -66,6 +66,8 @@ def check_dispatch(cfg: EpConfig, n_pes: int, me: int, inputs, out, xs_cast):
                 assert tuple(src[l, i]) == (s, t, k), (me, l, i, src[l, i], (s, t, k))
                 np.testing.assert_array_equal(got_x[l, i], xs_cast[s][t])
                 assert np.asarray(out["topk_weights"])[l, i] == inputs[s][2][t, k]
+            # past the count: weight 0 (x there is undefined)
+            assert (np.asarray(out["topk_weights"])[l, len(ref[l]):] == 0).all(), (me, l)
         return
     src = np.asarray(out["src_info"])
     idx_out, w_out = np.asarray(out["topk_idx"]), np.asarray(out["topk_weights"])
@@ -80,6 +82,9 @@ def check_dispatch(cfg: EpConfig, n_pes: int, me: int, inputs, out, xs_cast):
     else:
         placed = dict(enumerate(ref))
         assert int(out["num_recv_tokens"]) == len(ref), (me, int(out["num_recv_tokens"]), len(ref))
+        # past num_recv_tokens: no source, no experts (x there is undefined)
+        n = len(ref)
+        assert (src[n:] == -1).all() and (idx_out[n:] == -1).all() and (w_out[n:] == 0).all(), me
     for r, (s, t) in placed.items():
         assert tuple(src[r]) == (s, t), (me, r, src[r], (s, t))
         if cfg.scale_dim:

@@ -134,6 +134,7 @@ CONFIGS = {
     "low_latency": dict(kernel="low_latency"),
     "intranode": dict(kernel="intranode", max_recv_tokens=None),  # max_recv_tokens set below
     "fp8": dict(layout="token_slots", dtype="float8_e4m3fn", scale_dim=8),  # forward only
+    "fp8_low_latency": dict(kernel="low_latency", dtype="float8_e4m3fn", scale_dim=8),
 }
 
 
@@ -147,13 +148,14 @@ def config(n_pes, name, dtype="bfloat16", tokens=6):
 
 # ------------------------------------------------------------ programs
 
-def threads(n, layouts, seed, iters=2, grad=True):
+def threads(n, layouts, seed, iters=2, grad=True, tokens=6, heap_size=HEAP):
     """One Python thread per device, each jitting on its own device."""
     devs = jax.devices()[:n]
-    shj.init(devs, heap_size=HEAP, timeout=20)
+    shj.init(devs, heap_size=heap_size, timeout=20)
     try:
         for name in layouts:
-            cfg = config(n, name, dtype="float32" if name == "intranode" else "bfloat16")
+            cfg = config(n, name, dtype="float32" if name == "intranode" else "bfloat16",
+                         tokens=tokens)
             op = shj.EpDispatchCombine(cfg)
             step = jax.jit(make_step(op, cfg, n, grad and not cfg.scale_dim))
             for it in range(iters):
@@ -181,13 +183,13 @@ def stacked(per_pe):
     return np.concatenate([np.asarray(a)[None] for a in per_pe])
 
 
-def shard_map_ep(n, layouts, seed, grad=True):
+def shard_map_ep(n, layouts, seed, grad=True, tokens=6, heap_size=HEAP):
     """One jit over a mesh of the first n devices in PE order, shard_map over the PE axis."""
-    shj.init(jax.devices()[:n], heap_size=HEAP, timeout=20)
+    shj.init(jax.devices()[:n], heap_size=heap_size, timeout=20)
     try:
         mesh = shj.make_mesh("pe")
         for name in layouts:
-            cfg = config(n, name)
+            cfg = config(n, name, tokens=tokens)
             op = shj.EpDispatchCombine(cfg)
             step = make_step(op, cfg, n, grad)
 
@@ -205,6 +207,7 @@ def shard_map_ep(n, layouts, seed, grad=True):
                 check_pe(cfg, n, i, inputs, xs, rs, {k: v[i] for k, v in d.items()}, out[i],
                          None if gx is None else (gx[0][i], gx[1][i]))
             op.close()
+            print("OK shard_map", name, flush=True)
         # the barrier inside shard_map, on every device at once
         tok = jax.jit(shard_map(lambda t: shj.barrier(t), mesh, P("pe"), P("pe")))(
             jax.device_put(np.arange(n, dtype=np.int32), NamedSharding(mesh, P("pe"))))
@@ -372,9 +375,10 @@ def gradients(n, layouts, seed):
     print("OK gradients", n, layouts)
 
 
-def distributed(process_id, n_processes, port, seed, bad_config=False):
+def distributed(process_id, n_processes, port, seed, bad_config=False,
+                layouts=("expert_major",), tokens=6):
     """jax.distributed on 127.0.0.1: every process's local devices become PEs; one
-    thread per local device, then one shard_map over the global mesh."""
+    thread per local device, then one shard_map over the global mesh, per layout."""
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n_processes,
                                process_id=process_id, initialization_timeout=60)
     shj.init(heap_size=HEAP, timeout=20)
@@ -394,52 +398,64 @@ def distributed(process_id, n_processes, port, seed, bad_config=False):
                 print("OK bad config raised:", str(e)[:80])
                 return
             raise AssertionError("a mismatched EpConfig was accepted")
-        cfg = config(n, "expert_major")
-        op = shj.EpDispatchCombine(cfg)
-        step = jax.jit(make_step(op, cfg, n))
-        inputs, xs, rs = pe_inputs(cfg, n, seed)
-
-        def run(i):
-            put = lambda a: jax.device_put(a, local[i])  # noqa: E731
-            r = ranks[i]
-            return step(put(xs[r]), put(inputs[r][1]), put(inputs[r][2]), put(rs[r]))
-
-        for i, (d, out, gx) in enumerate(on_threads(run, len(local))):
-            check_pe(cfg, n, ranks[i], inputs, xs, rs, d, out, gx)
         tok = on_threads(lambda i: np.asarray(jax.jit(shj.barrier)(
             jax.device_put(jnp.zeros((1,), jnp.float32), local[i]))), len(local))
         assert all(t.tolist() == [0.0] for t in tok)
-
-        # one jit over the global mesh of both processes, shard_map over the PE axis
-        mesh = shj.make_mesh("pe")
-        inputs, xs, rs = pe_inputs(cfg, n, seed + 1)
-        sh = NamedSharding(mesh, P("pe"))
-
-        def global_array(per_pe):
-            full = stacked(per_pe)
-            return jax.make_array_from_callback(full.shape, sh, lambda index: full[index])
-
-        def body(x, idx, w, r):
-            return jax.tree_util.tree_map(lambda a: a[None],
-                                          make_step(op, cfg, n)(x[0], idx[0], w[0], r[0]))
-
-        f = jax.jit(shard_map(body, mesh, P("pe"), P("pe")))
-        d, out, gx = f(*[global_array(a) for a in
-                         (xs, [i[1] for i in inputs], [i[2] for i in inputs], rs)])
-
-        def local_rows(a):
-            return {s.index[0].start: np.asarray(s.data)[0] for s in a.addressable_shards}
-
-        d = {k: local_rows(v) for k, v in d.items()}
-        out, gx, gw = local_rows(out), local_rows(gx[0]), local_rows(gx[1])
-        assert sorted(out) == ranks, (sorted(out), ranks)
-        for r in ranks:
-            check_pe(cfg, n, r, inputs, xs, rs, {k: v[r] for k, v in d.items()}, out[r],
-                     (gx[r], gw[r]))
-        op.close()
+        for name in layouts:
+            _distributed_ep(config(n, name, tokens=tokens), n, local, ranks, seed)
     finally:
         shj.finalize()
     print("OK distributed", process_id, ranks)
+
+
+def _distributed_ep(cfg, n, local, ranks, seed):
+    """One layout under jax.distributed: one thread per local device, then one
+    shard_map over the global mesh."""
+    op = shj.EpDispatchCombine(cfg)
+    grad = not cfg.scale_dim  # fp8: forward only
+    step = jax.jit(make_step(op, cfg, n, grad))
+    inputs, xs, rs = pe_inputs(cfg, n, seed)
+    scales = [ref.scales_of(cfg, r) for r in range(n)] if cfg.scale_dim else []
+
+    def run(i):
+        put = lambda a: jax.device_put(a, local[i])  # noqa: E731
+        r = ranks[i]
+        return step(put(xs[r]), put(inputs[r][1]), put(inputs[r][2]), put(rs[r]),
+                    *[put(scales[r])] if scales else [])
+
+    for i, (d, out, gx) in enumerate(on_threads(run, len(local))):
+        check_pe(cfg, n, ranks[i], inputs, xs, rs, d, out, gx)
+
+    # one jit over the global mesh of both processes, shard_map over the PE axis
+    mesh = shj.make_mesh("pe")
+    inputs, xs, rs = pe_inputs(cfg, n, seed + 1)
+    sh = NamedSharding(mesh, P("pe"))
+
+    def global_array(per_pe):
+        full = stacked(per_pe)
+        return jax.make_array_from_callback(full.shape, sh, lambda index: full[index])
+
+    def body(x, idx, w, r, *sc):
+        return jax.tree_util.tree_map(lambda a: a[None], make_step(op, cfg, n, grad)(
+            x[0], idx[0], w[0], r[0], *[s[0] for s in sc]))
+
+    f = jax.jit(shard_map(body, mesh, P("pe"), P("pe")))
+    d, out, gx = f(*[global_array(a) for a in
+                     (xs, [i[1] for i in inputs], [i[2] for i in inputs], rs)
+                     + ((scales,) if scales else ())])
+
+    def local_rows(a):
+        return {s.index[0].start: np.asarray(s.data)[0] for s in a.addressable_shards}
+
+    d = {k: local_rows(v) for k, v in d.items()}
+    out = local_rows(out)
+    gx, gw = (local_rows(gx[0]), local_rows(gx[1])) if grad else (None, None)
+    assert sorted(out) == ranks, (sorted(out), ranks)
+    for r in ranks:
+        check_pe(cfg, n, r, inputs, xs, rs, {k: v[r] for k, v in d.items()}, out[r],
+                 (gx[r], gw[r]) if grad else None)
+    op.close()
+    print("OK", cfg.layout, cfg.kernel, flush=True)
 
 
 def failures(seed):

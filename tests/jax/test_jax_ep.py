@@ -33,8 +33,9 @@ def env(devices: int) -> dict:
     return e
 
 
-def launch(name: str, devices: int, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, PROGRAM, name, json.dumps(kwargs)], env=env(devices),
+def launch(name: str, devices: int, extra_env: dict | None = None, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, PROGRAM, name, json.dumps(kwargs)],
+                            env={**env(devices), **(extra_env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -53,7 +54,7 @@ def seed() -> int:
     return random.SystemRandom().randrange(1 << 30)
 
 
-@pytest.mark.parametrize("n,layouts", [(2, ALL_LAYOUTS + ["fp8"]),
+@pytest.mark.parametrize("n,layouts", [(2, ALL_LAYOUTS + ["fp8", "fp8_low_latency"]),
                                        (4, ["expert_major", "intranode"]),
                                        (8, ["token_slots"])])
 def test_one_thread_per_device(n, layouts):
@@ -91,3 +92,17 @@ def test_jax_distributed_two_processes(bad_config):
     if not bad_config:
         assert "OK distributed 0 [0, 1, 2, 3]" in outs[0]
         assert "OK distributed 1 [4, 5, 6, 7]" in outs[1]
+
+
+def test_device_kernels_emulated_under_jax_distributed():
+    """The CUDA kernels' host emulation (one PE per process) behind the XLA handlers:
+    dispatch's own rows (and fp8 scales) stored straight into XLA's result, the peers'
+    rows copied there within the counts (collect_kernel), the defaults past them; every
+    layout, threads and shard_map, forward and gradients."""
+    port, s = _free_port(), seed()
+    procs = [launch("distributed", 1, {"SYMHEAP_EP_EMULATE_DEVICE": "1"}, process_id=p,
+                    n_processes=2, port=port, seed=s, layouts=ALL_LAYOUTS + ["fp8_low_latency"])
+             for p in range(2)]
+    outs = [finish(p) for p in procs]
+    for p, out in enumerate(outs):
+        assert f"OK distributed {p} [{p}]" in out, out[-3000:]

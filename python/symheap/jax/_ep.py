@@ -71,7 +71,9 @@ class DispatchOutput:
     rows, of which ``num_recv_tokens`` (token_slots: the filled slots) are
     valid; expert-major ``x`` is [local_experts, capacity, hidden] with
     ``expert_counts`` valid rows per expert. Unlike the torch op, every field
-    is a fresh array (XLA owns it).
+    is a fresh array (XLA owns it). Past the counts ``topk_idx`` is -1,
+    ``topk_weights`` 0 and token-major ``src_info`` -1; ``x`` and ``scales``
+    there are undefined (see docs/jax.md).
     """
 
     x: object

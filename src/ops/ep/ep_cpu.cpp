@@ -169,6 +169,40 @@ std::string call_name(const char* what, uint64_t epoch) {
   return std::string("ep ") + what + " #" + std::to_string(epoch);
 }
 
+// The received rows into the caller's buffers (DispatchArgs::out_*): rows
+// within the counts from the receive buffer; past them the defaults the
+// device's collect_kernel writes (x and scales left alone).
+void deliver_rows(const PeState& s, const Op& op, const DispatchArgs& a, int64_t num_recv,
+                  const std::vector<int32_t>& per_expert) {
+  const Geometry& g = op.geo;
+  const int me = op.my_pe;
+  const bool tm = op.cfg.layout == Layout::TokenMajor, slots = op.cfg.token_slots;
+  const size_t K = static_cast<size_t>(op.cfg.topk), topk_bytes = K * 4;
+  auto copy = [&](void* dst, size_t off, int64_t r, size_t bytes) {
+    if (bytes) std::memcpy(static_cast<char*>(dst) + r * bytes, at<char>(s, op, me, off) + r * bytes,
+                           bytes);
+  };
+  for (int64_t r = 0; r < g.recv_rows; ++r) {
+    const bool in = slots ? true : tm ? r < num_recv
+                                      : r % g.expert_cap < per_expert[r / g.expert_cap];
+    if (in) {
+      copy(a.out_x, g.off_recv_x, r, g.row_bytes);
+      copy(a.out_scales, g.off_recv_scales, r, g.scale_row_bytes);
+      copy(a.out_w, g.off_recv_w, r, tm ? topk_bytes : 4);
+      if (tm) {
+        copy(a.out_idx, g.off_recv_idx, r, topk_bytes);
+        copy(a.out_meta, g.off_recv_meta, r, kMetaWords * 4);
+      }
+    } else if (tm) {
+      std::fill_n(a.out_idx + r * K, K, -1);
+      std::fill_n(a.out_w + r * K, K, 0.0f);
+      std::fill_n(a.out_meta + r * kMetaWords, kMetaWords, -1);
+    } else {
+      a.out_w[r] = 0.0f;
+    }
+  }
+}
+
 }  // namespace
 
 int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
@@ -496,6 +530,7 @@ int64_t dispatch_cpu(PeState& s, Op& op, const DispatchArgs& a) {
   }
   if (a.saved_weights && T > 0)
     std::memcpy(a.saved_weights, a.topk_weights, static_cast<size_t>(T) * K * 4);
+  if (a.out_x) deliver_rows(s, op, a, num_recv, per_expert);
   return num_recv;
 }
 

@@ -58,6 +58,11 @@ class DeviceDriver final : public DeviceImpl {
     p.recv_meta = a.recv_meta;
     p.recv_summary = a.recv_summary;
     p.saved_weights = a.saved_weights;
+    p.out_x = static_cast<char*>(a.out_x);
+    p.out_scales = static_cast<char*>(a.out_scales);
+    p.out_idx = a.out_idx;
+    p.out_w = a.out_w;
+    p.out_meta = a.out_meta;
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
     const int blocks = dispatch_blocks(op);
     p.flag_per_epoch = ce ? 1 : blocks;
@@ -72,6 +77,7 @@ class DeviceDriver final : public DeviceImpl {
     else
       kernels::launch_dispatch(rt_, p, blocks, a.stream);
     if (!ce) {
+      if (a.out_x) kernels::launch_collect(rt_, p, op.geo.grid_blocks, a.stream);
       if (g.padded_output) {
         raise_own(op, status, detail, "dispatch");
         raise_recorded(s, op, a.stream);
@@ -109,6 +115,7 @@ class DeviceDriver final : public DeviceImpl {
     signal_all(s, op, g.off_data_flag);
     rt_.stream_after_channels(a.stream);
     kernels::launch_finish_dispatch(rt_, p, abort, a.stream);
+    if (a.out_x) kernels::launch_collect(rt_, p, op.geo.grid_blocks, a.stream);
     if (op.board)
       op.board->publish_and_wait(0, "ep dispatch", op.my_pe, ++op.queued_dispatches,
                                  op.same_process_peers, op.timeout_s);

@@ -396,16 +396,18 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     const int64_t r = pack ? crow
                       : tm   ? static_cast<int64_t>(base[d]) + rank
                              : static_cast<int64_t>(id % L) * g.expert_cap + base[id] + rank;
-    warp_copy_piece(target(d, off_x) + r * g.row_bytes, p.tokens + t * g.row_bytes, g.row_bytes,
-                    piece,
-                    P, lane);
+    // Rows for this PE itself go straight into the caller's outputs when it
+    // gave them (collect_kernel copies only the peers' rows there).
+    const bool direct = tm && !pack && d == p.my_pe && p.out_x;
+    warp_copy_piece((direct ? p.out_x : target(d, off_x)) + r * g.row_bytes,
+                    p.tokens + t * g.row_bytes, g.row_bytes, piece, P, lane);
     if (piece != 0) continue;
     if (g.scale_row_bytes)
-      warp_copy(target(d, off_s) + r * g.scale_row_bytes, p.token_scales + t * g.scale_row_bytes,
-                g.scale_row_bytes, lane);
+      warp_copy((direct ? p.out_scales : target(d, off_s)) + r * g.scale_row_bytes,
+                p.token_scales + t * g.scale_row_bytes, g.scale_row_bytes, lane);
     if (tm) {
-      int32_t* idx = reinterpret_cast<int32_t*>(target(d, off_i)) + r * K;
-      float* w = reinterpret_cast<float*>(target(d, off_w)) + r * K;
+      int32_t* idx = (direct ? p.out_idx : reinterpret_cast<int32_t*>(target(d, off_i))) + r * K;
+      float* w = (direct ? p.out_w : reinterpret_cast<float*>(target(d, off_w))) + r * K;
       for (int k = lane; k < K; k += 32) {
         const int64_t e = topk_id(p, static_cast<int64_t>(t) * K + k);
         const bool local = kept_id(p, e) && static_cast<int32_t>(e) / L == d;
@@ -419,7 +421,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
       const int32_t slot = tm ? -1 : i % S;
       const int32_t v = lane == kMetaSrcPe ? p.my_pe : lane == kMetaToken ? t
                                                   : lane == kMetaSlot ? slot : crow;
-      reinterpret_cast<int32_t*>(target(d, off_m))[r * kMetaWords + lane] = v;
+      (direct ? p.out_meta
+              : reinterpret_cast<int32_t*>(target(d, off_m)))[r * kMetaWords + lane] = v;
     }
   }
   // Peers wait for the rows: flag them first (thread 0 waits in the fence

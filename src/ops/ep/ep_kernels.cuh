@@ -37,6 +37,8 @@
 //                  (with two buffers, the last to start ends the call);
 //   combine_pack / combine_reduce   the copy engine's combine: stage and plan,
 //                  then (after the host's copies) sum;
+//   collect        (after a dispatch, when the caller owns the outputs) the
+//                  rows within the counts, from the receive buffer to them;
 //   redispatch_store / redispatch_pull   combine's reverse through a handle
 //                  (intranode, low_latency): each PE stores its rows into its
 //                  own combine buffer, then each pulls the rows it received.
@@ -49,6 +51,7 @@
 // The file also compiles as host C++ (ep_device_compat.hpp): the cpu test
 // suite runs these kernels in an emulation (ep_emulated.cpp).
 #pragma once
+#include "ops/ep/ep_collect.cuh"
 #include "ops/ep/ep_combine.cuh"
 #include "ops/ep/ep_dispatch.cuh"
 #include "ops/ep/ep_dispatch_slots.cuh"

@@ -39,6 +39,20 @@ struct DispatchArgs {
   int32_t* recv_meta = nullptr;      // expert-major: [recv_rows, 4] (src pe, token, slot, combine row)
   int32_t* recv_summary = nullptr;   // [summary_words] see ep_config.hpp
   float* saved_weights = nullptr;    // [max_tokens, topk] (expert-major), may be null otherwise
+  // Received rows delivered into caller-owned buffers (null: they stay in the
+  // op's receive buffer, where the caller reads them). Shaped like that
+  // buffer: x [recv_rows, hidden], scales [recv_rows, scales_per_row], and
+  // token-major idx [recv_rows, topk], w [recv_rows, topk], meta
+  // [recv_rows, kMetaWords]; expert-major w [recv_rows] (its metadata goes
+  // to recv_meta above; idx and meta unused). Only rows within the counts
+  // are written; past them token-major idx is -1, w 0 and meta -1
+  // (expert-major w 0), and x and scales are left as they were. Rows this
+  // PE sends to itself go straight there (device kernels, token-major).
+  void* out_x = nullptr;
+  void* out_scales = nullptr;
+  int32_t* out_idx = nullptr;
+  float* out_w = nullptr;
+  int32_t* out_meta = nullptr;
   StreamHandle stream = 0;
 };
 

@@ -94,6 +94,13 @@ struct Params {
   int32_t* recv_meta;          // the handle's per-row metadata
   int32_t* recv_summary;       // the handle's summary
   float* saved_weights;        // received rows' weights
+  // Caller-owned receive outputs (DispatchArgs::out_*), or null: dispatch
+  // stores the rows a PE sends itself there, collect_kernel the others.
+  char* out_x;
+  char* out_scales;
+  int32_t* out_idx;
+  float* out_w;
+  int32_t* out_meta;
   // Combine: the handle of the dispatch, the experts' rows and the output.
   const char* expert_output;
   const int32_t* handle_send_rows;
