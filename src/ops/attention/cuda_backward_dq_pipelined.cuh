@@ -12,24 +12,27 @@
 
 namespace symheap::attention::cuda {
 
-// MT: 16-row mma tiles per warp. 2 (32 rows, 4 warps) at head dim 64, where
-// the dQ accumulator of 32 rows fits next to S and dP of 32 keys; 1 (16 rows,
-// 8 warps) at 128 and 256 (32 rows spill 52 bytes at 128), and everywhere
-// with SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dq16 (to compare the two).
+// MT: 16-row mma tiles per warp. 2 (32 rows, 4 warps) at head dims 64 and
+// 128, with S and dP of 32 keys next to the dQ accumulator (at 128 ptxas
+// keeps 13 values in local memory, 13 L1 loads per 32-key tile against 192
+// mma); 1 (16 rows, 8 warps) at 256 (the accumulator of 32 rows would take
+// 256 registers), and everywhere with SYMHEAP_ATTN_OWN_BACKWARD =
+// pipelined_dq16 (to compare the two).
 template <int DB, int MT>
 struct PipelinedDqConfig {
   static_assert(DB == 64 || DB == 128 || DB == 256, "the pipelined dQ serves head dims 64, 128 and 256");
-  static_assert(MT == 1 || (MT == 2 && DB == 64), "32-row warps at head dim 64 only");
+  static_assert(MT == 1 || (MT == 2 && DB <= 128), "32-row warps at head dims 64 and 128 only");
   static constexpr int kRowTiles = MT;
   static constexpr int kBlockM = 128;
   // 16-row warps: 64 keys (32 at 256). 32-row warps: 32 keys, so S and dP of
-  // 32 rows take 32 registers each and nothing spills (64 keys spill 20 bytes).
+  // 32 rows take 32 registers each (64 keys spill at head dim 64 too).
   static constexpr int kBlockN = MT == 2 ? 32 : DB <= 128 ? 64 : 32;
   static constexpr int kWarps = kBlockM / (16 * MT);
   static constexpr int kThreads = kWarps * 32;
-  // 32-row warps: two CTAs per SM (128 threads of <= 255 registers), 8 warps
-  // as with 16-row warps. (A minimum-blocks launch bound is not needed for
-  // that, and with 16-row warps it costs registers.)
+  // 32-row warps: two CTAs per SM (128 threads of <= 255 registers; 96 KiB
+  // of shared memory at head dim 128), 8 warps as with 16-row warps. (A
+  // minimum-blocks launch bound is not needed for that, and with 16-row
+  // warps it costs registers.)
   // Q and dO, then two buffers each of K and V.
   static constexpr size_t kSmem = sizeof(uint16_t) * DB * (2 * kBlockM + 4 * kBlockN);
   static_assert(kBlockM == kWarps * 16 * MT && kBlockN % 16 == 0, "whole mma tiles");
@@ -38,7 +41,7 @@ struct PipelinedDqConfig {
 
 // The row tiles per warp of the default dQ kernel at head dim DB.
 template <int DB>
-inline constexpr int kDqRowTiles = DB == 64 ? 2 : 1;
+inline constexpr int kDqRowTiles = DB <= 128 ? 2 : 1;
 
 template <class T, int DB, bool kFeatures, int MT>
 __global__ void __launch_bounds__(PipelinedDqConfig<DB, MT>::kThreads)
