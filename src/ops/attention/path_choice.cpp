@@ -72,14 +72,17 @@ const char* own_kernel(const char* env_name, int head_dim, const char* variant =
     if (variant && std::strcmp(env, variant) == 0) return served ? variant : "basic";
     const std::string allowed =
         variant ? std::string("'auto', 'basic' or '") + variant + "'" : std::string("'auto' or 'basic'");
-    throw InvalidArgument(std::string("attention: ") + env_name + " must be " + allowed + ", got '" + env + "'");
+    throw InvalidArgument(std::string("attention: ") + env_name + " must be " + allowed + ", got '" + env +
+                          "'");
   }
   return served ? "pipelined" : "basic";
 }
 }  // namespace
 
 const char* own_forward_kernel(int head_dim) { return own_kernel(kOwnForwardEnv, head_dim); }
-const char* own_backward_kernel(int head_dim) { return own_kernel(kOwnBackwardEnv, head_dim, kOwnBackwardDq16); }
+const char* own_backward_kernel(int head_dim) {
+  return own_kernel(kOwnBackwardEnv, head_dim, kOwnBackwardDq16);
+}
 
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward) {
   if (p.varlen || p.dtype == DType::F32 || p.head_dim_run != p.head_dim) return 0;
