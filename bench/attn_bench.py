@@ -8,6 +8,7 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
                                [--json out.json] [--quick]
                                [--hdims 64,128] [--seqlens 1024,2048,4096,8192]
                                [--fwd-only] [--compare-basic] [--group 4] [--kernel-times]
+                               [--compare-backward pipelined_dq16]
     python bench/attn_bench.py --decode [--json out.json] [--quick]   (KV-cache decode)
 
 --backend picks symheap's path (as flash_attn_func's backend=); --grid full
@@ -16,8 +17,11 @@ replace the grid by their product x causal or not (--group: query heads per
 kv head in those rows). --fwd-only skips the
 backward timings; --compare-basic adds the own basic kernels
 (SYMHEAP_ATTN_OWN_FORWARD=basic and SYMHEAP_ATTN_OWN_BACKWARD=basic), forward
-and forward+backward, as a column next to symheap's path; --kernel-times lists
-the device time of each attention kernel per call (torch profiler).
+and forward+backward, as a column next to symheap's path; --compare-backward V
+adds forward+backward with SYMHEAP_ATTN_OWN_BACKWARD=V on the own path (e.g.
+pipelined_dq16: the dQ kernel of 16-row warps) as a column; --kernel-times lists
+the device time of each attention kernel per call (torch profiler), of the
+--compare-backward variant too.
 """
 from __future__ import annotations
 
@@ -91,14 +95,18 @@ def host_overhead_us(backend, n=200):
     return result
 
 
-class basic_kernels:
-    """Forces the own basic forward and backward kernels while active (the
-    variables are read per call)."""
-    names = ("SYMHEAP_ATTN_OWN_FORWARD", "SYMHEAP_ATTN_OWN_BACKWARD")
+class own_kernels:
+    """Sets the own kernels' variables (SYMHEAP_ATTN_OWN_FORWARD and
+    SYMHEAP_ATTN_OWN_BACKWARD, read per call) while active."""
+
+    def __init__(self, forward=None, backward=None):
+        self.values = {name: value for name, value in (("SYMHEAP_ATTN_OWN_FORWARD", forward),
+                                                       ("SYMHEAP_ATTN_OWN_BACKWARD", backward))
+                       if value is not None}
 
     def __enter__(self):
-        self.saved = {name: os.environ.get(name) for name in self.names}
-        os.environ.update({name: "basic" for name in self.names})
+        self.saved = {name: os.environ.get(name) for name in self.values}
+        os.environ.update(self.values)
 
     def __exit__(self, *exc):
         for name, value in self.saved.items():
@@ -128,7 +136,7 @@ def kernel_times_ms(fn, reps=3):
 
 
 def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_basic=False,
-                kernel_times=False):
+                kernel_times=False, compare_backward=None):
     B, H = 16384 // S, 2048 // D
     gen = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda h=H: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
@@ -160,11 +168,19 @@ def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_ba
     row = {"hdim": D, "causal": causal, "seqlen": S, "batch": B, "heads": H, "kv_heads": H // group,
            "backend": backend}
     def ours_basic_fwd():
-        with basic_kernels():
+        with own_kernels("basic", "basic"):
             return flash_attn_func(q, k, v, causal=causal, backend="own")
 
     def ours_basic_fwd_bwd():
-        with basic_kernels():
+        with own_kernels("basic", "basic"):
+            out = flash_attn_func(q, k, v, causal=causal, backend="own")
+            torch.autograd.grad(out, (q, k, v), dout)
+
+    def ours_variant_fwd():
+        return flash_attn_func(q, k, v, causal=causal, backend="own")
+
+    def ours_variant_fwd_bwd():
+        with own_kernels(backward=compare_backward):
             out = flash_attn_func(q, k, v, causal=causal, backend="own")
             torch.autograd.grad(out, (q, k, v), dout)
 
@@ -173,6 +189,8 @@ def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_ba
              "sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION, False), sdpa(SDPBackend.CUDNN_ATTENTION, True))}
     if compare_basic:
         cases["own_basic"] = (ours_basic_fwd, ours_basic_fwd_bwd)
+    if compare_backward and not fwd_only:
+        cases["own_variant"] = (ours_variant_fwd, ours_variant_fwd_bwd)
     for name, (fwd, fwd_bwd) in cases.items():
         try:
             t_f = time_ms(fwd, reps=reps)
@@ -189,6 +207,8 @@ def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_ba
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
     if kernel_times:
         row["kernel_ms"] = kernel_times_ms(ours_fwd if fwd_only else ours_fwd_bwd)
+        if "own_variant" in cases:
+            row["kernel_ms_variant"] = kernel_times_ms(ours_variant_fwd_bwd)
     if not fwd_only:  # and of the gradients (dq, dk, dv)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             ref_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
@@ -221,6 +241,9 @@ def main():
     parser.add_argument("--compare-basic", action="store_true",
                         help="add the own basic kernels, forward and backward "
                              "(SYMHEAP_ATTN_OWN_FORWARD=basic, SYMHEAP_ATTN_OWN_BACKWARD=basic)")
+    parser.add_argument("--compare-backward", metavar="VALUE",
+                        help="add forward+backward on the own path with SYMHEAP_ATTN_OWN_BACKWARD=VALUE "
+                             "(e.g. pipelined_dq16)")
     parser.add_argument("--inner", type=int, default=1,
                         help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()
@@ -250,7 +273,8 @@ def main():
         try:
             rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10, backend=args.backend,
                                     group=group, fwd_only=args.fwd_only,
-                                    compare_basic=args.compare_basic, kernel_times=args.kernel_times))
+                                    compare_basic=args.compare_basic, kernel_times=args.kernel_times,
+                                    compare_backward=args.compare_backward))
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
             print(f"hdim {D} causal {causal} S {S}: {type(e).__name__}: {e}"[:300], flush=True)
         torch.cuda.empty_cache()
@@ -261,25 +285,31 @@ def main():
             return "n/a"
         return f"{fmt(r, 'own_basic', 'fwd_tflops')} / {fmt(r, 'own_basic', 'fwd_bwd_tflops')}"
 
+    def variant(r):
+        return fmt(r, "own_variant", "fwd_bwd_tflops") if "own_variant" in r else "   n/a"
+
     def ratio(r, key):
         if key in r["symheap"] and key in r["sdpa_cudnn"]:
             return f"{r['symheap'][key] / r['sdpa_cudnn'][key]:5.2f}"
         return "  n/a"
     print(f"{'hdim':>4} {'causal':>6} {'seq':>6} {'kvh':>4} | {'symheap fwd/fwd+bwd':>20} | "
           f"{'SDPA flash':>14} | {'SDPA cuDNN':>14} | {'symheap/cuDNN':>13} | "
-          f"{'own basic fwd/fwd+bwd':>21} | max|diff| out / grads vs SDPA")
+          f"{'own basic fwd/fwd+bwd':>21} | {'variant fwd+bwd':>15} | max|diff| out / grads vs SDPA")
     for r in rows:
         print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} {r['kv_heads']:>4} | "
               f"{fmt(r, 'symheap', 'fwd_tflops')} / {fmt(r, 'symheap', 'fwd_bwd_tflops')}      | "
               f"{fmt(r, 'sdpa_flash', 'fwd_tflops')} / {fmt(r, 'sdpa_flash', 'fwd_bwd_tflops')} | "
               f"{fmt(r, 'sdpa_cudnn', 'fwd_tflops')} / {fmt(r, 'sdpa_cudnn', 'fwd_bwd_tflops')} | "
               f"{ratio(r, 'fwd_tflops')} / {ratio(r, 'fwd_bwd_tflops')} | "
-              f"{basic(r):>21} | "
+              f"{basic(r):>21} | {variant(r):>15} | "
               f"{r['max_abs_diff_vs_sdpa']:.2e} / {r.get('max_abs_grad_diff_vs_sdpa', float('nan')):.2e}")
     for r in rows:
         if r.get("kernel_ms"):
             print(f"kernels, hdim {r['hdim']} causal {r['causal']} seq {r['seqlen']} (ms per call): " +
                   ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(r["kernel_ms"].items())))
+        if r.get("kernel_ms_variant"):
+            print(f"  with SYMHEAP_ATTN_OWN_BACKWARD={args.compare_backward}: " +
+                  ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(r["kernel_ms_variant"].items())))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"inner": INNER, "host_overhead_us": overhead, "rows": rows}, f, indent=1)

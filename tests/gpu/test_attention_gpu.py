@@ -579,11 +579,12 @@ def test_pipelined_output_strides(monkeypatch):
 
 def own_backward(monkeypatch, kernel):
     """Forces the own kernels and the backward kernels ("auto" = pipelined
-    where they serve, "basic"), and checks the choice is what the test expects."""
+    where they serve, "basic", "pipelined_dq16" = pipelined with the 16-row
+    dQ kernel), and checks the choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_backward_env, kernel)
     for d in PIPELINED_DIMS:
-        assert _core.attention_own_backward_kernel(d) == ("basic" if kernel == "basic" else "pipelined")
+        assert _core.attention_own_backward_kernel(d) == ("pipelined" if kernel == "auto" else kernel)
     for d in (40, 96, 192):
         assert _core.attention_own_backward_kernel(d) == "basic"
 
@@ -619,9 +620,10 @@ PIPELINED_BACKWARD_OPTS = {
 @pytest.mark.parametrize("Sq,Sk", [(333, 517), (517, 333)])
 @pytest.mark.parametrize("name", list(PIPELINED_BACKWARD_OPTS))
 def test_pipelined_backward_matches_basic(name, Sq, Sk, dtype, D, monkeypatch):
-    """Both own backwards on the same call (8 query heads over 2 kv heads):
-    every gradient (dbias included) of each within the rule against the fp32
-    reference, and the two close to each other."""
+    """The own backwards on the same call (8 query heads over 2 kv heads):
+    basic, pipelined, and pipelined with the 16-row dQ kernel; every gradient
+    (dbias included) of each within the rule against the fp32 reference, and
+    the pipelined ones close to the basic one."""
     make_kw, opts = PIPELINED_BACKWARD_OPTS[name]
     make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
                    if isinstance(v, tuple) else v) for k, v in make_kw.items()}
@@ -632,7 +634,8 @@ def test_pipelined_backward_matches_basic(name, Sq, Sk, dtype, D, monkeypatch):
         inputs.append(kw["bias"])
     dout = torch.randn(case["q"].shape, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
     grads = {}
-    for kernel in ("basic", "auto"):
+    kernels = ("basic", "auto", "pipelined_dq16")
+    for kernel in kernels:
         own_backward(monkeypatch, kernel)
         out = flash_attn_func(case["q"], case["k"], case["v"], **kw)
         grads[kernel] = torch.autograd.grad(out, inputs, dout)
@@ -645,11 +648,11 @@ def test_pipelined_backward_matches_basic(name, Sq, Sk, dtype, D, monkeypatch):
     base = torch.autograd.grad(low, inputs, dout)
     for n, (name_g, w, lo) in enumerate(zip(["dq", "dk", "dv", "dbias"], want, base)):
         tol = 3 * max_err(lo, w) + 1e-5 * max(1.0, w.float().abs().max().item())
-        for kernel in ("basic", "auto"):
+        for kernel in kernels:
             g = grads[kernel][n]
             assert g.shape == w.shape and not torch.isnan(g).any(), (name_g, kernel)
             assert max_err(g, w) <= tol, (name_g, kernel, max_err(g, w), tol)
-        assert max_err(grads["auto"][n], grads["basic"][n]) <= tol, (name_g, "pipelined vs basic")
+            assert max_err(g, grads["basic"][n]) <= tol, (name_g, kernel, "vs basic")
 
 
 @pytest.mark.parametrize("D", PIPELINED_DIMS)

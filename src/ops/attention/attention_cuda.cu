@@ -242,9 +242,11 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
     k.delta_sb = static_cast<int64_t>(a.heads_q) * a.seqlen_q;
     k.delta_sh = a.seqlen_q;
   }
-  const bool pipelined_backward = std::strcmp(own_backward_kernel(a.head_dim), "pipelined") == 0;
-  if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k, pipelined_backward);
-  else cuda::run_backward_bf16(l, k, pipelined_backward);
+  const char* kernel = own_backward_kernel(a.head_dim);
+  const bool dq16 = std::strcmp(kernel, kOwnBackwardDq16) == 0;
+  const bool pipelined_backward = dq16 || std::strcmp(kernel, "pipelined") == 0;
+  if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k, pipelined_backward, dq16);
+  else cuda::run_backward_bf16(l, k, pipelined_backward, dq16);
 }
 
 }  // namespace symheap::attention

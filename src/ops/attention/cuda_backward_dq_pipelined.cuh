@@ -1,34 +1,53 @@
 // Pipelined dQ kernel of the backward (head dims 64, 128 and 256, exactly):
 // the same math as attention_bwd_dq_kernel (cuda_backward.cuh) on the
-// building blocks of the pipelined forward. One CTA of 8 warps per 128 query
-// rows; each warp owns 16 rows and keeps its dQ accumulator in registers. K
-// and V tiles are double-buffered with cp.async (tile j+1 loads while tile j
-// is computed); Q and dO fragments come from swizzled shared memory through
+// building blocks of the pipelined forward. One CTA per 128 query rows; each
+// warp owns 16 * MT rows and keeps its dQ accumulator in registers. K and V
+// tiles are double-buffered with cp.async (tile j+1 loads while tile j is
+// computed); Q and dO fragments come from swizzled shared memory through
 // ldmatrix, K and V fragments too (ldmatrix.trans gives K as the B operand of
-// dS K, so no transposed copy of K is stored).
+// dS K, so no transposed copy of K is stored). With MT = 2 every K and V
+// fragment read from shared memory serves two 16-row products.
 #pragma once
 #include "ops/attention/cuda_forward_pipelined.cuh"
 
 namespace symheap::attention::cuda {
 
-template <int DB>
+// MT: 16-row mma tiles per warp. 2 (32 rows, 4 warps) at head dims 64 and
+// 128, with S and dP of 32 keys next to the dQ accumulator (at 128 ptxas
+// keeps 13 values in local memory, 13 L1 loads per 32-key tile against 192
+// mma); 1 (16 rows, 8 warps) at 256 (the accumulator of 32 rows would take
+// 256 registers), and everywhere with SYMHEAP_ATTN_OWN_BACKWARD =
+// pipelined_dq16 (to compare the two).
+template <int DB, int MT>
 struct PipelinedDqConfig {
   static_assert(DB == 64 || DB == 128 || DB == 256, "the pipelined dQ serves head dims 64, 128 and 256");
+  static_assert(MT == 1 || (MT == 2 && DB <= 128), "32-row warps at head dims 64 and 128 only");
+  static constexpr int kRowTiles = MT;
   static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = DB <= 128 ? 64 : 32;
-  static constexpr int kWarps = kBlockM / 16;
+  // 16-row warps: 64 keys (32 at 256). 32-row warps: 32 keys, so S and dP of
+  // 32 rows take 32 registers each (64 keys spill at head dim 64 too).
+  static constexpr int kBlockN = MT == 2 ? 32 : DB <= 128 ? 64 : 32;
+  static constexpr int kWarps = kBlockM / (16 * MT);
   static constexpr int kThreads = kWarps * 32;
+  // 32-row warps: two CTAs per SM (128 threads of <= 255 registers; 96 KiB
+  // of shared memory at head dim 128), 8 warps as with 16-row warps. (A
+  // minimum-blocks launch bound is not needed for that, and with 16-row
+  // warps it costs registers.)
   // Q and dO, then two buffers each of K and V.
   static constexpr size_t kSmem = sizeof(uint16_t) * DB * (2 * kBlockM + 4 * kBlockN);
-  static_assert(kBlockM == kWarps * 16 && kBlockN % 16 == 0, "16 rows per warp, whole mma tiles");
+  static_assert(kBlockM == kWarps * 16 * MT && kBlockN % 16 == 0, "whole mma tiles");
   static_assert(kSmem <= 227 * 1024, "shared memory of one CTA on sm_90");
 };
 
-template <class T, int DB, bool kFeatures>
-__global__ void __launch_bounds__(PipelinedDqConfig<DB>::kThreads)
+// The row tiles per warp of the default dQ kernel at head dim DB.
+template <int DB>
+inline constexpr int kDqRowTiles = DB <= 128 ? 2 : 1;
+
+template <class T, int DB, bool kFeatures, int MT>
+__global__ void __launch_bounds__(PipelinedDqConfig<DB, MT>::kThreads)
     attention_bwd_dq_pipelined_kernel(const KArgs p) {
   using namespace pipelined;
-  using C = PipelinedDqConfig<DB>;
+  using C = PipelinedDqConfig<DB, MT>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -43,6 +62,9 @@ __global__ void __launch_bounds__(PipelinedDqConfig<DB>::kThreads)
   const int hk = hq / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int rows = min(BM, seq.sq - m0);
+  const int warp_row0 = warp * 16 * MT;  // this warp's first row in the block
+  // This thread's rows: row(mt, h) = m0 + warp_row0 + 16 mt + g + 8 h.
+  auto row = [&](int mt, int h) { return m0 + warp_row0 + 16 * mt + g + 8 * h; };
 
   const T* k = static_cast<const T*>(p.k) + b * p.k_sb + seq.k0 * p.k_sr + hk * p.k_sh;
   const T* v = static_cast<const T*>(p.v) + b * p.v_sb + seq.k0 * p.v_sr + hk * p.v_sh;
@@ -50,10 +72,6 @@ __global__ void __launch_bounds__(PipelinedDqConfig<DB>::kThreads)
   const detail::KeyRange last =
       detail::visible_keys(m0 + rows - 1, seq.sq, seq.sk, p.win_left, p.win_right);
   const int n_begin = first.lo / BN * BN, n_end = last.hi;
-  const int r_lo = m0 + warp * 16 + g;  // this thread's rows: r_lo and r_lo + 8
-  const detail::KeyRange mine[2] = {
-      detail::visible_keys(r_lo, seq.sq, seq.sk, p.win_left, p.win_right),
-      detail::visible_keys(r_lo + 8, seq.sq, seq.sk, p.win_left, p.win_right)};
 
   T* dq = static_cast<T*>(p.dq) + b * p.dq_sb + (seq.q0 + m0) * p.dq_sr + hq * p.dq_sh;
   if (n_begin >= n_end) {  // no row of this block sees a key (causal with Sq > Sk, windows)
@@ -75,26 +93,38 @@ __global__ void __launch_bounds__(PipelinedDqConfig<DB>::kThreads)
 
   // lse in log2 units; +inf for rows past the end or with no visible key
   // (their probabilities are 0).
-  float lse2[2], delta[2];
+  float lse2[MT][2], delta[MT][2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int i = r_lo + 8 * h;
-    lse2[h] = INFINITY;
-    delta[h] = 0.0f;
-    if (i < seq.sq) {
-      const float x = p.lse[b * p.lse_sb + hq * p.lse_sh + seq.q0 + i];
-      if (x != -INFINITY) lse2[h] = x * kLog2e;
-      delta[h] = p.delta[b * p.delta_sb + hq * p.delta_sh + seq.q0 + i];
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = row(mt, h);
+      lse2[mt][h] = INFINITY;
+      delta[mt][h] = 0.0f;
+      if (i < seq.sq) {
+        const float x = p.lse[b * p.lse_sb + hq * p.lse_sh + seq.q0 + i];
+        if (x != -INFINITY) lse2[mt][h] = x * kLog2e;
+        delta[mt][h] = p.delta[b * p.delta_sb + hq * p.delta_sh + seq.q0 + i];
+      }
     }
-  }
   const float scale_log2 = p.scale * kLog2e;
   const LogitCtx logit(p, b, hq, seq);
   const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
-  const int a_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, a_chunk = lane >> 4;
+  const int a_row = warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8, a_chunk = lane >> 4;
+  // 16-row warps keep their rows' visible keys for the whole loop; 32-row
+  // warps compute them per boundary tile (registers are scarce there).
+  detail::KeyRange kept[2] = {};
+  if constexpr (MT == 1) {
+    kept[0] = detail::visible_keys(row(0, 0), seq.sq, seq.sk, p.win_left, p.win_right);
+    kept[1] = detail::visible_keys(row(0, 1), seq.sq, seq.sk, p.win_left, p.win_right);
+  }
 
-  float acc[DB / 8][4];
+  float acc[MT][DB / 8][4];
 #pragma unroll
-  for (int dt = 0; dt < DB / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < DB / 8; ++dt)
+      acc[mt][dt][0] = acc[mt][dt][1] = acc[mt][dt][2] = acc[mt][dt][3] = 0.0f;
 
   for (int n0 = n_begin, it = 0; n0 < n_end; n0 += BN, ++it) {
     const int buf = it & 1;
@@ -108,94 +138,124 @@ __global__ void __launch_bounds__(PipelinedDqConfig<DB>::kThreads)
     }
     cp_async_commit();
 
-    // S = Q K^T and dP = dO V^T for this warp's 16 rows x BN keys.
-    float s[BN / 8][4], dp[BN / 8][4];
+    // S = Q K^T and dP = dO V^T for this warp's rows x BN keys; each K and
+    // V fragment serves MT row tiles.
+    float s[MT][BN / 8][4], dp[MT][BN / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.0f;
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < DB / 16; ++kk) {
-      uint32_t aq[4], ado[4];
-      ldsm_x4(aq, smem_addr(sQ + swizzle<DB>(a_row, 2 * kk + a_chunk)));
-      ldsm_x4(ado, smem_addr(sdO + swizzle<DB>(a_row, 2 * kk + a_chunk)));
+      uint32_t aq[MT][4], ado[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        ldsm_x4(aq[mt], smem_addr(sQ + swizzle<DB>(a_row + 16 * mt, 2 * kk + a_chunk)));
+        ldsm_x4(ado[mt], smem_addr(sdO + swizzle<DB>(a_row + 16 * mt, 2 * kk + a_chunk)));
+      }
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         const int b_row = np * 16 + (lane & 7) + (lane >> 4) * 8, b_chunk = 2 * kk + ((lane >> 3) & 1);
         uint32_t kf[4], vf[4];
         ldsm_x4(kf, smem_addr(sKb + swizzle<DB>(b_row, b_chunk)));
         ldsm_x4(vf, smem_addr(sVb + swizzle<DB>(b_row, b_chunk)));
-        mma<T>(s[2 * np], aq, kf);
-        mma<T>(s[2 * np + 1], aq, kf + 2);
-        mma<T>(dp[2 * np], ado, vf);
-        mma<T>(dp[2 * np + 1], ado, vf + 2);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma<T>(s[mt][2 * np], aq[mt], kf);
+          mma<T>(s[mt][2 * np + 1], aq[mt], kf + 2);
+          mma<T>(dp[mt][2 * np], ado[mt], vf);
+          mma<T>(dp[mt][2 * np + 1], ado[mt], vf + 2);
+        }
       }
     }
 
     // dS = P * (dP * keep - delta), times d logit / d (scale q.k) and scale.
     const bool full = n0 >= last.lo && n0 + BN <= first.hi;
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
-      detail::U32x4 bits[2] = {};
-      if constexpr (kFeatures) {
-        if (p.dropout) {
-          bits[0] = dropout_quad(p, bh, r_lo, j0);
-          bits[1] = dropout_quad(p, bh, r_lo + 8, j0);
+    for (int mt = 0; mt < MT; ++mt) {
+      // This thread's rows' visible keys (read only where the tile crosses
+      // a boundary).
+      detail::KeyRange mine[2] = {kept[0], kept[1]};
+      if constexpr (!kFeatures && MT > 1) {
+        if (!full) {
+          mine[0] = detail::visible_keys(row(mt, 0), seq.sq, seq.sk, p.win_left, p.win_right);
+          mine[1] = detail::visible_keys(row(mt, 1), seq.sq, seq.sk, p.win_left, p.win_right);
         }
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int h = e >> 1, j = j0 + (e & 1);
-        float x2, dcap = 1.0f, keep = 1.0f;
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
+        detail::U32x4 bits[2] = {};
         if constexpr (kFeatures) {
-          x2 = logit(p, s[nt][e], r_lo + 8 * h, j, &dcap) * kLog2e;
-          if (p.dropout) keep = dropout_keep(p, bits[h], j);
-        } else {
-          x2 = full || (j >= mine[h].lo && j < mine[h].hi) ? s[nt][e] * scale_log2 : -INFINITY;
+          if (p.dropout) {
+            bits[0] = dropout_quad(p, bh, row(mt, 0), j0);
+            bits[1] = dropout_quad(p, bh, row(mt, 1), j0);
+          }
         }
-        const float pr = exp2_fast(x2 - lse2[h]);
-        const float ds = pr * (dp[nt][e] * keep - delta[h]);
-        s[nt][e] = ds * dcap * p.scale;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1, j = j0 + (e & 1);
+          float x2, dcap = 1.0f, keep = 1.0f;
+          if constexpr (kFeatures) {
+            x2 = logit(p, s[mt][nt][e], row(mt, h), j, &dcap) * kLog2e;
+            if (p.dropout) keep = dropout_keep(p, bits[h], j);
+          } else {
+            x2 = full || (j >= mine[h].lo && j < mine[h].hi) ? s[mt][nt][e] * scale_log2 : -INFINITY;
+          }
+          const float pr = exp2_fast(x2 - lse2[mt][h]);
+          const float ds = pr * (dp[mt][nt][e] * keep - delta[mt][h]);
+          s[mt][nt][e] = ds * dcap * p.scale;
+        }
       }
     }
 
-    // dQ += dS K, K as the B operand through ldmatrix.trans.
+    // dQ += dS K, K as the B operand through ldmatrix.trans; each K
+    // fragment serves MT row tiles.
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[4];
-      c_to_a<T>(a, s[2 * kk], s[2 * kk + 1]);
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) c_to_a<T>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
       for (int dp2 = 0; dp2 < DB / 16; ++dp2) {
         uint32_t kf[4];
         ldsm_x4_trans(kf, smem_addr(sKb + swizzle<DB>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                       2 * dp2 + (lane >> 4))));
-        mma<T>(acc[2 * dp2], a, kf);
-        mma<T>(acc[2 * dp2 + 1], a, kf + 2);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma<T>(acc[mt][2 * dp2], a[mt], kf);
+          mma<T>(acc[mt][2 * dp2 + 1], a[mt], kf + 2);
+        }
       }
     }
   }
-  // Only this warp reads its 16 rows of sQ, but other warps' cp.async wrote
+  // Only this warp reads its rows of sQ, but other warps' cp.async wrote
   // them: the loop's first barrier ordered those copies before this staging
   // (the loop runs at least once, see the early return above).
   cp_async_wait<0>();
   __syncwarp();
 #pragma unroll
-  for (int dt = 0; dt < DB / 8; ++dt) {
-    const int r = warp * 16 + g;
-    *reinterpret_cast<uint32_t*>(sQ + swizzle<DB>(r, dt) + 2 * t) = Pack<T>::two(acc[dt][0], acc[dt][1]);
-    *reinterpret_cast<uint32_t*>(sQ + swizzle<DB>(r + 8, dt) + 2 * t) = Pack<T>::two(acc[dt][2], acc[dt][3]);
-  }
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < DB / 8; ++dt) {
+      const int r = warp_row0 + 16 * mt + g;
+      *reinterpret_cast<uint32_t*>(sQ + swizzle<DB>(r, dt) + 2 * t) =
+          Pack<T>::two(acc[mt][dt][0], acc[mt][dt][1]);
+      *reinterpret_cast<uint32_t*>(sQ + swizzle<DB>(r + 8, dt) + 2 * t) =
+          Pack<T>::two(acc[mt][dt][2], acc[mt][dt][3]);
+    }
   __syncwarp();
-  const int warp_rows = min(16, rows - warp * 16);
+  const int warp_rows = min(16 * MT, rows - warp_row0);
   if (warp_rows > 0) {
     constexpr int kChunks = DB / 8;
 #pragma unroll
-    for (int it = 0; it < 16 * kChunks / 32; ++it) {
+    for (int it = 0; it < 16 * MT * kChunks / 32; ++it) {
       const int idx = lane + it * 32, r = idx / kChunks, c = idx % kChunks;
       if (r < warp_rows)
-        *reinterpret_cast<uint4*>(dq + (warp * 16 + r) * p.dq_sr + c * 8) =
-            *reinterpret_cast<const uint4*>(sQ + swizzle<DB>(warp * 16 + r, c));
+        *reinterpret_cast<uint4*>(dq + (warp_row0 + r) * p.dq_sr + c * 8) =
+            *reinterpret_cast<const uint4*>(sQ + swizzle<DB>(warp_row0 + r, c));
     }
   }
 }

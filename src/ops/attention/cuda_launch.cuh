@@ -66,13 +66,24 @@ void forward_bucket(const Launch& l, const KArgs& p) {
          C::kThreads, C::kSmem, p, "fwd", DB, ready);
 }
 
-template <class T, int DB, bool kFeatures>
+template <class T, int DB, bool kFeatures, int MT>
 void dq_pipelined(const Launch& l, const KArgs& p) {
-  using C = PipelinedDqConfig<DB>;
+  using C = PipelinedDqConfig<DB, MT>;
   static ReadyDevices ready{0};
-  launch(l, attention_bwd_dq_pipelined_kernel<T, DB, kFeatures>,
-         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::kSmem, p,
-         kFeatures ? "dq_pipelined_features" : "dq_pipelined", DB, ready);
+  const char* name = MT == 1 ? (kFeatures ? "dq_pipelined16_features" : "dq_pipelined16")
+                             : (kFeatures ? "dq_pipelined_features" : "dq_pipelined");
+  launch(l, attention_bwd_dq_pipelined_kernel<T, DB, kFeatures, MT>,
+         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::kSmem, p, name, DB,
+         ready);
+}
+
+// The dQ kernel of the default layout (kDqRowTiles), or with 16-row warps
+// at every head dim (`dq16`: SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dq16).
+template <class T, int DB, bool kFeatures>
+void dq_pipelined(const Launch& l, const KArgs& p, bool dq16) {
+  if constexpr (kDqRowTiles<DB> == 1) dq_pipelined<T, DB, kFeatures, 1>(l, p);
+  else if (dq16) dq_pipelined<T, DB, kFeatures, 1>(l, p);
+  else dq_pipelined<T, DB, kFeatures, kDqRowTiles<DB>>(l, p);
 }
 
 template <class T, int DB, bool kFeatures>
@@ -95,15 +106,15 @@ void dkdv_pipelined(const Launch& l, const KArgs& p) {
 // The pipelined dQ and dK/dV kernels (head dims 64, 128 and 256, exactly);
 // the logit features are compiled in only when the call uses one.
 template <class T, int DB>
-void backward_pipelined(const Launch& l, const KArgs& p) {
+void backward_pipelined(const Launch& l, const KArgs& p, bool dq16) {
   static ReadyDevices ready_delta{0};
   const bool features = p.bias || p.mask || p.alibi || p.softcap > 0 || p.dropout;
   if (p.seqlen_q > 0) {
     launch(l, attention_bwd_delta_kernel<T>,
            dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
            p, "delta", 0, ready_delta);
-    if (features) dq_pipelined<T, DB, true>(l, p);
-    else dq_pipelined<T, DB, false>(l, p);
+    if (features) dq_pipelined<T, DB, true>(l, p, dq16);
+    else dq_pipelined<T, DB, false>(l, p, dq16);
   }
   if (p.seqlen_k > 0) {
     if (features) dkdv_pipelined<T, DB, true>(l, p);
@@ -169,14 +180,15 @@ void run_forward(const Launch& l, const KArgs& p, bool pipelined) {
   }
 }
 
-// `pipelined`: the call runs on the pipelined backward kernels
-// (own_backward_kernel in path_choice.cpp decides).
+// `pipelined`: the call runs on the pipelined backward kernels, `dq16`: with
+// the dQ kernel of 16-row warps at every head dim (own_backward_kernel in
+// path_choice.cpp decides both).
 template <class T>
-void run_backward(const Launch& l, const KArgs& p, bool pipelined) {
+void run_backward(const Launch& l, const KArgs& p, bool pipelined, bool dq16) {
   if (pipelined && pipelined_forward_serves(p.d)) {
-    if (p.d == 64) return backward_pipelined<T, 64>(l, p);
-    if (p.d == 128) return backward_pipelined<T, 128>(l, p);
-    return backward_pipelined<T, 256>(l, p);
+    if (p.d == 64) return backward_pipelined<T, 64>(l, p, dq16);
+    if (p.d == 128) return backward_pipelined<T, 128>(l, p, dq16);
+    return backward_pipelined<T, 256>(l, p, dq16);
   }
   switch (head_dim_bucket(p.d)) {
     case 32: return backward_bucket<T, 32>(l, p);
@@ -190,8 +202,8 @@ void run_backward(const Launch& l, const KArgs& p, bool pipelined) {
 
 // Defined in attention_cuda_f16.cu and attention_cuda_bf16.cu.
 void run_forward_f16(const Launch& l, const KArgs& p, bool pipelined);
-void run_backward_f16(const Launch& l, const KArgs& p, bool pipelined);
+void run_backward_f16(const Launch& l, const KArgs& p, bool pipelined, bool dq16);
 void run_forward_bf16(const Launch& l, const KArgs& p, bool pipelined);
-void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined);
+void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, bool dq16);
 
 }  // namespace symheap::attention::cuda

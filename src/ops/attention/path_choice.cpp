@@ -62,20 +62,27 @@ Path choose_path(const std::optional<std::string>& requested, bool on_cuda) {
 
 namespace {
 // "pipelined" where the pipelined kernels serve the head dim, unless the
-// variable `env` forces "basic".
-const char* own_kernel(const char* env_name, int head_dim) {
+// variable `env` forces "basic" (or `variant`, where not null: a variant of
+// the pipelined kernels, returned where they serve the head dim).
+const char* own_kernel(const char* env_name, int head_dim, const char* variant = nullptr) {
   const char* env = std::getenv(env_name);
+  const bool served = pipelined_forward_serves(head_dim);
   if (env && *env && std::strcmp(env, "auto") != 0) {
     if (std::strcmp(env, "basic") == 0) return "basic";
-    throw InvalidArgument(std::string("attention: ") + env_name +
-                          " must be 'auto' or 'basic', got '" + env + "'");
+    if (variant && std::strcmp(env, variant) == 0) return served ? variant : "basic";
+    const std::string allowed =
+        variant ? std::string("'auto', 'basic' or '") + variant + "'" : std::string("'auto' or 'basic'");
+    throw InvalidArgument(std::string("attention: ") + env_name + " must be " + allowed + ", got '" + env +
+                          "'");
   }
-  return pipelined_forward_serves(head_dim) ? "pipelined" : "basic";
+  return served ? "pipelined" : "basic";
 }
 }  // namespace
 
 const char* own_forward_kernel(int head_dim) { return own_kernel(kOwnForwardEnv, head_dim); }
-const char* own_backward_kernel(int head_dim) { return own_kernel(kOwnBackwardEnv, head_dim); }
+const char* own_backward_kernel(int head_dim) {
+  return own_kernel(kOwnBackwardEnv, head_dim, kOwnBackwardDq16);
+}
 
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward) {
   if (p.varlen || p.dtype == DType::F32 || p.head_dim_run != p.head_dim) return 0;
