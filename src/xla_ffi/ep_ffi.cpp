@@ -8,6 +8,7 @@
 // stores the rows a PE sends itself there and copies only the rows peers
 // stored into its symmetric receive buffer (those within the counts; see
 // ep::DispatchArgs::out_x), ordered on XLA's stream.
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -81,6 +82,22 @@ ffi::AnyBuffer* ret(const ffi::RemainingRets& rets, size_t i,
   if (r.has_error()) throw InvalidArgument("ep: result " + std::to_string(i) + " is missing");
   keep.push_back(*r);
   return &*keep.back();
+}
+
+// SYMHEAP_JAX_EP_DIRECT=0 restores the earlier delivery: rows stay in the
+// op's receive buffer and whole buffers are copied into XLA's results (a
+// reference for comparing the two on a device).
+bool deliver_direct() {
+  static const bool direct = [] {
+    const char* v = std::getenv("SYMHEAP_JAX_EP_DIRECT");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return direct;
+}
+
+void copy_whole(const PeState& s, void* stream, ffi::AnyBuffer* dst, const void* src) {
+  Runtime::instance().backend().copy(s.device, dst->untyped_data(), src, dst->size_bytes(),
+                                     reinterpret_cast<StreamHandle>(stream));
 }
 
 constexpr const char* kI32 = "int32";
@@ -168,16 +185,28 @@ void dispatch(void* stream, int32_t ordinal, uint64_t job, int64_t id,
     a.recv_meta = em ? static_cast<int32_t*>(out[4]->untyped_data()) : nullptr;
     a.recv_summary = static_cast<int32_t*>(out[8]->untyped_data());
     a.saved_weights = em ? static_cast<float*>(out[9]->untyped_data()) : nullptr;
-    a.out_x = out[0]->untyped_data();
-    a.out_scales = S ? out[1]->untyped_data() : nullptr;
-    a.out_w = static_cast<float*>(out[3]->untyped_data());
-    if (!em) {
-      a.out_idx = static_cast<int32_t*>(out[2]->untyped_data());
-      a.out_meta = static_cast<int32_t*>(out[4]->untyped_data());
+    if (deliver_direct()) {
+      a.out_x = out[0]->untyped_data();
+      a.out_scales = S ? out[1]->untyped_data() : nullptr;
+      a.out_w = static_cast<float*>(out[3]->untyped_data());
+      if (!em) {
+        a.out_idx = static_cast<int32_t*>(out[2]->untyped_data());
+        a.out_meta = static_cast<int32_t*>(out[4]->untyped_data());
+      }
     }
   }
   a.stream = reinterpret_cast<StreamHandle>(stream);
   run_collective("dispatch", problem, [&] { ep::dispatch(s, op, a); });
+  if (!deliver_direct()) {
+    const int me = op.my_pe;
+    copy_whole(s, stream, out[0], ep::ws_addr(s, op, me, g.off_recv_x));
+    if (S) copy_whole(s, stream, out[1], ep::ws_addr(s, op, me, g.off_recv_scales));
+    copy_whole(s, stream, out[3], ep::ws_addr(s, op, me, g.off_recv_w));
+    if (!em) {
+      copy_whole(s, stream, out[2], ep::ws_addr(s, op, me, g.off_recv_idx));
+      copy_whole(s, stream, out[4], ep::ws_addr(s, op, me, g.off_recv_meta));
+    }
+  }
 }
 
 // Operands: expert_out, send_rows, recv_meta, summary, weights, then any that only
