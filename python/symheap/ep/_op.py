@@ -25,6 +25,11 @@ class EpHandle:
     """What combine needs from one dispatch. It owns its storage, so it stays
     valid after later dispatches (unlike DispatchOutput's row views)."""
 
+    # Slots, no __dict__: dispatch builds a handle in C++ by filling them, and
+    # combine reads them there, with no dict per handle.
+    __slots__ = ("op_id", "layout", "num_tokens", "rows_shape", "send_rows", "recv_meta",
+                 "summary", "weights", "device", "_storage", "_views", "_op")
+
     op_id: int
     layout: str
     num_tokens: int
@@ -37,15 +42,22 @@ class EpHandle:
     device: object
 
     # A dispatch fills its handle with one int32 storage tensor (the core's
-    # HandleLayout); the four tensors above are views of it, made on first
-    # use. Assigning one replaces it: combine then reads and checks that one.
+    # HandleLayout) and leaves the four tensors above unset: each is a view of
+    # the storage, made on first use. Assigning one replaces it: combine then
+    # reads and checks that one.
     def __getattr__(self, name):
-        d = self.__dict__
-        if name not in _HANDLE_PARTS or "_storage" not in d:
+        if name not in _HANDLE_PARTS:
             raise AttributeError(f"'EpHandle' object has no attribute '{name}'")
-        views = d["_views"]
+        try:
+            storage, op = self._storage, self._op
+        except AttributeError:
+            raise AttributeError(f"'EpHandle' object has no attribute '{name}'") from None
+        try:
+            views = self._views
+        except AttributeError:
+            views = self._views = {}
         if name not in views:
-            views[name] = d["_op"]._handle_part(d["_storage"], name)
+            views[name] = op._handle_part(storage, name)
         return views[name]
 
 
@@ -83,6 +95,9 @@ class DispatchOutput:
     ``src_info`` belongs to ``handle``. The handle stays valid either way.
     """
 
+    # Slots, no __dict__ (see EpHandle); the fields are set on first use.
+    __slots__ = _OUTPUT_FIELDS + ("handle", "_owner", "_rows")
+
     x: object
     topk_idx: object
     topk_weights: object
@@ -93,14 +108,17 @@ class DispatchOutput:
     handle: EpHandle
 
     # A dispatch makes each field on first use (a view of the op's receive
-    # buffer or of the handle's storage), so a call pays only for what is read.
+    # buffer or of the handle's storage), so a call pays only for what is read;
+    # _owner is the EpDispatchCombine, _rows the rows the core received.
     def __getattr__(self, name):
-        d = self.__dict__
-        if name not in _OUTPUT_FIELDS or "_lazy" not in d:
+        if name not in _OUTPUT_FIELDS:
             raise AttributeError(f"'DispatchOutput' object has no attribute '{name}'")
-        op, rows = d["_lazy"]
-        value = op._output_field(name, rows, d["handle"])
-        d[name] = value
+        try:
+            op, rows, handle = self._owner, self._rows, self.handle
+        except AttributeError:
+            raise AttributeError(f"'DispatchOutput' object has no attribute '{name}'") from None
+        value = op._output_field(name, rows, handle)
+        object.__setattr__(self, name, value)
         return value
 
 
@@ -205,8 +223,8 @@ class EpDispatchCombine:
         # One core call checks the arguments, routes, moves the rows (GIL released)
         # and builds the DispatchOutput: its EpHandle holds op_id, layout,
         # num_tokens, rows_shape, device, the handle's one storage tensor
-        # (_storage), _views and _op (self); the output holds handle and
-        # _lazy = (self, rows received or -1).
+        # (_storage) and _op (self); the output holds handle, _owner (self) and
+        # _rows (rows received, or -1).
         return op.dispatch(self, x, topk_idx, topk_weights, scales,
                            None if stream is None else stream_handle(stream))
 
@@ -335,6 +353,9 @@ class EpDispatchCombine:
         n = 1
         for s in shape:
             n *= s
+        op = self._op
+        if op is not None:  # the storage returns to the op's pool only once this view is gone
+            op.expose_storage(storage)
         part = storage[off:off + n].view(shape)
         return part.view(torch.float32) if name == "weights" else part
 
