@@ -635,6 +635,69 @@ class EpOp {
   bindings::TensorPool storage_pool_{TorchDType::I32, -1, 0}, out_pool_{TorchDType::I32, -1, 0};
 };
 
+// dispatch and combine as plain CPython functions taking their arguments by
+// position (the front end passes them all): pybind11's argument dispatcher is
+// skipped, a sizable share of what a call does under the GIL. Each function's
+// `self` is a capsule of the EpOp that keeps its Python object alive.
+constexpr const char* kOpCapsule = "symheap.EpOp";
+
+EpOp* op_of(PyObject* capsule) {
+  return static_cast<EpOp*>(PyCapsule_GetPointer(capsule, kOpCapsule));
+}
+
+bool expect_args(const char* name, Py_ssize_t nargs, Py_ssize_t want) {
+  if (nargs == want) return true;
+  PyErr_Format(PyExc_TypeError, "EpOp.%s takes %zd positional arguments, got %zd", name, want,
+               nargs);
+  return false;
+}
+
+PyObject* fast_dispatch(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  if (!expect_args("dispatch", nargs, 6)) return nullptr;
+  try {
+    return op_of(self)->dispatch(a[0], a[1], a[2], a[3], a[4], a[5]).release().ptr();
+  } catch (...) {
+    bindings::set_python_error(std::current_exception());
+    return nullptr;
+  }
+}
+
+PyObject* fast_combine(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  if (!expect_args("combine", nargs, 5)) return nullptr;
+  try {
+    return op_of(self)->combine(a[0], a[1], a[2], a[3], a[4]).release().ptr();
+  } catch (...) {
+    bindings::set_python_error(std::current_exception());
+    return nullptr;
+  }
+}
+
+PyMethodDef kFastDispatch{"dispatch", reinterpret_cast<PyCFunction>(fast_dispatch),
+                          METH_FASTCALL,
+                          "dispatch(owner, x, topk_idx, topk_weights, scales, stream)"};
+PyMethodDef kFastCombine{"combine", reinterpret_cast<PyCFunction>(fast_combine), METH_FASTCALL,
+                         "combine(expert_out, handle, topk_weights, out, stream)"};
+
+// (dispatch, combine) bound to the EpOp `self`.
+py::tuple fast_calls(py::object self) {
+  EpOp* op = self.cast<EpOp*>();
+  PyObject* capsule = PyCapsule_New(op, kOpCapsule, [](PyObject* c) {
+    Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(c)));
+  });
+  if (!capsule) throw py::error_already_set();
+  py::object keep = py::reinterpret_steal<py::object>(capsule);
+  if (PyCapsule_SetContext(capsule, self.inc_ref().ptr()) != 0) {
+    self.dec_ref();
+    throw py::error_already_set();
+  }
+  PyObject* d = PyCFunction_New(&kFastDispatch, capsule);
+  if (!d) throw py::error_already_set();
+  py::object dispatch = py::reinterpret_steal<py::object>(d);
+  PyObject* c = PyCFunction_New(&kFastCombine, capsule);
+  if (!c) throw py::error_already_set();
+  return py::make_tuple(dispatch, py::reinterpret_steal<py::object>(c));
+}
+
 }  // namespace
 
 SYMHEAP_BINDINGS(ep) {
@@ -705,5 +768,7 @@ SYMHEAP_BINDINGS(ep) {
       .def("redispatch", &EpOp::redispatch, py::arg("rows"), py::arg("handle"),
            py::arg("stream"))
       .def("expose_storage", &EpOp::expose_storage, py::arg("storage"))
+      .def("fast_calls", &fast_calls,
+           "(dispatch, combine): the two calls as functions taking every argument by position")
       .def_property_readonly("has_redispatch", &EpOp::has_redispatch);
 }

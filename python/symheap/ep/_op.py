@@ -165,7 +165,7 @@ class EpDispatchCombine:
             _core.ep_local_grid_blocks(), "ep.grid_blocks"))
         self._geo = _core.ep_geometry(core_cfg, pe.world)
         self._pe = pe
-        self._op = None
+        self._op = self._dispatch_call = self._combine_call = None
         self._buf = malloc(self._geo["total"], align=4096)
         error, op = "", None
         try:
@@ -191,6 +191,8 @@ class EpDispatchCombine:
             self._fixed_rows = None  # the host knows the count: outputs keep that many rows
         op.set_front_end(DispatchOutput, self._torch_device, self._fixed_rows)
         self._op = op
+        # The two hot calls as plain functions of the core (positional arguments).
+        self._dispatch_call, self._combine_call = op.fast_calls()
 
     # ----------------------------------------------------------- properties
 
@@ -217,16 +219,16 @@ class EpDispatchCombine:
         Any thread may call it: it runs on this op's PE and leaves the
         thread's current device as it was. See DispatchOutput.
         """
-        op = self._op
-        if op is None:
+        call = self._dispatch_call
+        if call is None:
             raise SymheapError("this EpDispatchCombine is closed")
         # One core call checks the arguments, routes, moves the rows (GIL released)
         # and builds the DispatchOutput: its EpHandle holds op_id, layout,
         # num_tokens, rows_shape, device, the handle's one storage tensor
         # (_storage) and _op (self); the output holds handle, _owner (self) and
         # _rows (rows received, or -1).
-        return op.dispatch(self, x, topk_idx, topk_weights, scales,
-                           None if stream is None else stream_handle(stream))
+        return call(self, x, topk_idx, topk_weights, scales,
+                    None if stream is None else stream_handle(stream))
 
     def combine(self, expert_out, handle: EpHandle, topk_weights=None, *, out=None,
                 stream=None):
@@ -241,11 +243,11 @@ class EpDispatchCombine:
         and sums. ``out`` [num_tokens, hidden] may be given. Tokens with every
         slot dropped get zeros.
         """
-        op = self._op
-        if op is None:
+        call = self._combine_call
+        if call is None:
             raise SymheapError("this EpDispatchCombine is closed")
-        return op.combine(expert_out, handle, topk_weights, out,
-                          None if stream is None else stream_handle(stream))
+        return call(expert_out, handle, topk_weights, out,
+                    None if stream is None else stream_handle(stream))
 
     @property
     def has_redispatch(self) -> bool:
@@ -289,7 +291,7 @@ class EpDispatchCombine:
         op = getattr(self, "_op", None)
         if op is None:
             return
-        self._op = None
+        self._op = self._dispatch_call = self._combine_call = None
         try:
             op.check(None, True)
         finally:
