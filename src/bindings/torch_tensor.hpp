@@ -2,8 +2,9 @@
 // torch: a tensor's address, dtype, shape, strides and device are read through
 // the Python C API (torch dtypes are singletons, so a dtype is one pointer
 // compare), under the GIL, into plain data that the rest of a call uses with
-// the GIL released. Also: torch's current stream of a device and a cached
-// torch.empty, both looked up once per process.
+// the GIL released (on a plain torch.Tensor through torch's C getters and
+// methods, found once, with no attribute lookup). Also: torch's current
+// stream of a device and a cached torch.empty, both looked up once per process.
 #pragma once
 #include <pybind11/pybind11.h>
 
