@@ -10,6 +10,7 @@
 // the thread's current device as it was.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <structmember.h>
 
 #include <algorithm>
 #include <climits>
@@ -121,36 +122,48 @@ using Check = std::optional<Problem>;
 
 Check value_error(std::string m) { return Problem{false, std::move(m)}; }
 
-// The attribute names the front end's handle and output objects use, as
-// interned strings made once: a lookup by them hashes nothing per call.
-struct Names {
-  PyObject *dict, *op_id, *layout, *num_tokens, *rows_shape, *device, *storage, *views, *op,
-      *handle, *lazy;
-  PyObject* parts[4];  // send_rows, recv_meta, summary, weights (see EpOp::Part)
-};
-const Names& names() {
-  static const Names n = [] {
-    auto s = [](const char* v) { return PyUnicode_InternFromString(v); };
-    return Names{s("__dict__"), s("op_id"), s("layout"), s("num_tokens"), s("rows_shape"),
-                 s("device"), s("_storage"), s("_views"), s("_op"), s("handle"), s("_lazy"),
-                 {s("send_rows"), s("recv_meta"), s("summary"), s("weights")}};
-  }();
-  return n;
-}
+// The front end's EpHandle and DispatchOutput are classes with __slots__: an
+// instance is made here and its slots filled and read at their offsets (found
+// once from the class's member descriptors), with no dict per object and no
+// attribute lookup per call. An unset slot is null.
+struct SlotClass {
+  enum HandleSlot { kOpId, kLayout, kNumTokens, kRowsShape, kSendRows, kRecvMeta, kSummary,
+                    kWeights, kDevice, kStorage, kOp, kHandleSlots };
+  enum OutputSlot { kHandle, kOwner, kRows, kOutputSlots };
 
-// An instance of the Python class `type` (a plain class, as object.__new__
-// makes it) whose attributes are `dict`.
-py::object new_instance(py::handle type, py::object dict) {
-  static PyObject* const empty = PyTuple_New(0);
-  PyObject* obj = PyBaseObject_Type.tp_new(reinterpret_cast<PyTypeObject*>(type.ptr()), empty,
-                                           nullptr);
-  if (!obj) throw py::error_already_set();
-  py::object o = py::reinterpret_steal<py::object>(obj);
-  // Through the class's own __dict__ descriptor: right for every CPython
-  // version's instance layout.
-  if (PyObject_SetAttr(obj, names().dict, dict.ptr()) < 0) throw py::error_already_set();
-  return o;
-}
+  py::object type;
+  std::vector<Py_ssize_t> offsets;
+
+  SlotClass() = default;
+  SlotClass(py::object t, std::initializer_list<const char*> slots) : type(std::move(t)) {
+    if (!PyType_Check(type.ptr())) throw py::type_error("expected a class");
+    for (const char* name : slots) {
+      py::object d = type.attr(name);  // the class's member descriptor of that slot
+      if (!Py_IS_TYPE(d.ptr(), &PyMemberDescr_Type))
+        throw py::type_error(std::string(py::str(type)) + "." + name + " is not a slot");
+      offsets.push_back(reinterpret_cast<PyMemberDescrObject*>(d.ptr())->d_member->offset);
+    }
+  }
+  // A new instance, every slot unset (object.__new__, no __init__).
+  py::object make() const {
+    auto* t = reinterpret_cast<PyTypeObject*>(type.ptr());
+    PyObject* obj = t->tp_alloc(t, 0);
+    if (!obj) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(obj);
+  }
+  PyObject*& at(PyObject* obj, int slot) const {
+    return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offsets[slot]);
+  }
+  // Sets an unset slot of an instance `make` returned.
+  void init(const py::object& obj, int slot, py::handle value) const {
+    at(obj.ptr(), slot) = py::reinterpret_borrow<py::object>(value).release().ptr();
+  }
+  void init(const py::object& obj, int slot, py::object&& value) const {
+    at(obj.ptr(), slot) = value.release().ptr();
+  }
+  // A slot's value (borrowed), null when unset.
+  py::handle get(py::handle obj, int slot) const { return py::handle(at(obj.ptr(), slot)); }
+};
 
 // One op of one PE as the Python front end holds it.
 class EpOp {
@@ -158,7 +171,9 @@ class EpOp {
 
  public:
   EpOp(const py::dict& cfg, size_t ws_offset, size_t ws_bytes, py::object handle_type)
-      : handle_type_(std::move(handle_type)) {
+      : handle_(std::move(handle_type),
+                {"op_id", "layout", "num_tokens", "rows_shape", "send_rows", "recv_meta",
+                 "summary", "weights", "device", "_storage", "_op"}) {
     auto s = Runtime::instance().current();
     cfg_ = config_from(cfg);
     layout_name_ = cfg["layout"].cast<std::string>();
@@ -170,6 +185,7 @@ class EpOp {
       py::gil_scoped_release nogil;
       id_ = ep::create(*s, cfg_, ws_offset, ws_bytes);
     }
+    id_obj_ = py::int_(id_);
     job_ = s->job;
     rank_ = s->my_pe;
     generation_ = s->generation;
@@ -180,7 +196,10 @@ class EpOp {
     x_dtype_ = torch_dtype(cfg_.dtype);
     scale_dtype_ = torch_dtype(cfg_.scale_dtype);
     combine_dtype_ = torch_dtype(geo_.combine_dtype);
-    storage_pool_ = bindings::TensorPool(TorchDType::I32, torch_device_, kPooled);
+    // The handle's storage is private to the handle: views of it come only
+    // from the front end's _handle_part, which calls expose_storage first.
+    storage_pool_ = bindings::TensorPool(TorchDType::I32, torch_device_, kPooled,
+                                         /*internal=*/false, /*until_exposed=*/true);
     out_pool_ = bindings::TensorPool(combine_dtype_, torch_device_, kPooled);
   }
 
@@ -205,7 +224,7 @@ class EpOp {
   // class, the handle's torch device and its rows_shape when fixed (None
   // when it is the count the host knows).
   void set_front_end(py::object output_type, py::object device, py::object fixed_rows) {
-    output_type_ = std::move(output_type);
+    output_ = SlotClass(std::move(output_type), {"handle", "_owner", "_rows"});
     device_obj_ = std::move(device);
     fixed_rows_ = std::move(fixed_rows);
   }
@@ -340,6 +359,9 @@ class EpOp {
     return result;
   }
 
+  // A view of a handle's storage is about to be made (see TensorPool::expose).
+  void expose_storage(py::handle storage) { storage_pool_.expose(storage); }
+
   bool has_redispatch() const {
     std::shared_ptr<PeState> s;
     return ep::has_redispatch(*find(&s));
@@ -366,29 +388,26 @@ class EpOp {
     uintptr_t part(Part p) const { return replaced[p] ? parts[p].ptr : part_ptr[p]; }
   };
 
-  // DispatchOutput(handle=EpHandle(...), _lazy=(owner, rows)); see ep/_op.py.
+  // DispatchOutput(handle=EpHandle(...), _owner=owner, _rows=rows); see ep/_op.py.
   py::object make_output(py::handle owner, int64_t rows, int64_t num_tokens, py::object storage) {
-    if (!output_type_) throw StateError("EpOp.set_front_end was not called before dispatch");
-    const Names& k = names();
+    if (!output_.type) throw StateError("EpOp.set_front_end was not called before dispatch");
+    using S = SlotClass;
     py::object rows_shape = fixed_rows_;
     if (rows_shape.is_none())
       rows_shape = py::make_tuple(std::max<int64_t>(rows, 0), cfg_.hidden);
-    py::dict h;
-    set_item(h, k.op_id, py::int_(id_));
-    set_item(h, k.layout, layout_str_);
-    set_item(h, k.num_tokens, py::int_(num_tokens));
-    set_item(h, k.rows_shape, rows_shape);
-    set_item(h, k.device, device_obj_);
-    set_item(h, k.storage, storage);
-    set_item(h, k.views, py::dict());
-    set_item(h, k.op, owner);
-    py::dict o;
-    set_item(o, k.handle, new_instance(handle_type_, std::move(h)));
-    set_item(o, k.lazy, py::make_tuple(py::reinterpret_borrow<py::object>(owner), rows));
-    return new_instance(output_type_, std::move(o));
-  }
-  static void set_item(const py::dict& d, PyObject* key, py::handle value) {
-    if (PyDict_SetItem(d.ptr(), key, value.ptr()) < 0) throw py::error_already_set();
+    py::object h = handle_.make();
+    handle_.init(h, S::kOpId, id_obj_);
+    handle_.init(h, S::kLayout, layout_str_);
+    handle_.init(h, S::kNumTokens, py::int_(num_tokens));
+    handle_.init(h, S::kRowsShape, std::move(rows_shape));
+    handle_.init(h, S::kDevice, device_obj_);
+    handle_.init(h, S::kStorage, std::move(storage));
+    handle_.init(h, S::kOp, owner);
+    py::object o = output_.make();
+    output_.init(o, S::kHandle, std::move(h));
+    output_.init(o, S::kOwner, owner);
+    output_.init(o, S::kRows, py::int_(rows));
+    return o;
   }
 
   template <class T>
@@ -480,30 +499,24 @@ class EpOp {
 
   // Reads a dispatch's handle into `in` (GIL held).
   void read_handle(py::handle handle, CombineInputs& in) {
-    in.is_handle = PyObject_IsInstance(handle.ptr(), handle_type_.ptr()) == 1;
+    in.is_handle = PyObject_IsInstance(handle.ptr(), handle_.type.ptr()) == 1;
     if (!in.is_handle) {
       PyErr_Clear();
       in.handle_type = py::str(py::type::handle_of(handle).attr("__name__"));
       return;
     }
-    const Names& k = names();
-    PyObject* d = PyObject_GetAttr(handle.ptr(), k.dict);
-    if (!d) throw py::error_already_set();
-    const py::object keep = py::reinterpret_steal<py::object>(d);
-    // Borrowed references (the dict keeps them); a missing one is null.
-    auto field = [&](PyObject* name) -> py::handle {
-      PyObject* v = PyDict_Check(d) ? PyDict_GetItemWithError(d, name) : nullptr;
-      if (!v) PyErr_Clear();
-      return py::handle(v);
-    };
-    py::handle op_id = field(k.op_id);
-    in.foreign = !op_id || !PyLong_CheckExact(op_id.ptr()) ||
-                 PyLong_AsLongLong(op_id.ptr()) != id_;
+    using S = SlotClass;
+    auto field = [&](int slot) { return handle_.get(handle, slot); };
+    py::handle op_id = field(S::kOpId);
+    in.foreign = !op_id || (op_id.ptr() != id_obj_.ptr() &&
+                            (!PyLong_CheckExact(op_id.ptr()) ||
+                             PyLong_AsLongLong(op_id.ptr()) != id_));
     if (in.foreign) {
       PyErr_Clear();
       return;
     }
-    py::handle layout = field(k.layout), count = field(k.num_tokens), rows = field(k.rows_shape);
+    py::handle layout = field(S::kLayout), count = field(S::kNumTokens),
+               rows = field(S::kRowsShape);
     const bool layout_ok = layout && PyUnicode_Check(layout.ptr()) &&
                            (layout.ptr() == layout_str_.ptr() ||
                             PyUnicode_Compare(layout.ptr(), layout_str_.ptr()) == 0);
@@ -519,12 +532,13 @@ class EpOp {
     }
     PyErr_Clear();
     if (in.modified) return;
+    const int part_slot[4] = {S::kSendRows, S::kRecvMeta, S::kSummary, S::kWeights};
     for (int p = 0; p < 4; ++p)
-      if (py::handle v = field(k.parts[p])) {
+      if (py::handle v = field(part_slot[p])) {
         in.replaced[p] = true;
         in.parts[p] = bindings::read_tensor(v);
       }
-    if (py::handle st = field(k.storage)) {
+    if (py::handle st = field(S::kStorage)) {
       TensorRef& r = in.storage;
       if (storage_pool_.holds(st, {hl_.words}, &r.ptr)) {  // the one dispatch made: known
         r.present = r.is_tensor = r.contiguous = true;
@@ -615,10 +629,74 @@ class EpOp {
   int torch_device_ = -1;
   TorchDType x_dtype_ = TorchDType::Other, scale_dtype_ = TorchDType::Other,
              combine_dtype_ = TorchDType::Other;
-  py::object handle_type_, output_type_, device_obj_, fixed_rows_, layout_str_;
+  SlotClass handle_, output_;
+  py::object device_obj_, fixed_rows_, layout_str_, id_obj_;
   // Handle storage and combine outputs, recycled once the caller let go of them.
   bindings::TensorPool storage_pool_{TorchDType::I32, -1, 0}, out_pool_{TorchDType::I32, -1, 0};
 };
+
+// dispatch and combine as plain CPython functions taking their arguments by
+// position (the front end passes them all): pybind11's argument dispatcher is
+// skipped, a sizable share of what a call does under the GIL. Each function's
+// `self` is a capsule of the EpOp that keeps its Python object alive.
+constexpr const char* kOpCapsule = "symheap.EpOp";
+
+EpOp* op_of(PyObject* capsule) {
+  return static_cast<EpOp*>(PyCapsule_GetPointer(capsule, kOpCapsule));
+}
+
+bool expect_args(const char* name, Py_ssize_t nargs, Py_ssize_t want) {
+  if (nargs == want) return true;
+  PyErr_Format(PyExc_TypeError, "EpOp.%s takes %zd positional arguments, got %zd", name, want,
+               nargs);
+  return false;
+}
+
+PyObject* fast_dispatch(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  if (!expect_args("dispatch", nargs, 6)) return nullptr;
+  try {
+    return op_of(self)->dispatch(a[0], a[1], a[2], a[3], a[4], a[5]).release().ptr();
+  } catch (...) {
+    bindings::set_python_error(std::current_exception());
+    return nullptr;
+  }
+}
+
+PyObject* fast_combine(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  if (!expect_args("combine", nargs, 5)) return nullptr;
+  try {
+    return op_of(self)->combine(a[0], a[1], a[2], a[3], a[4]).release().ptr();
+  } catch (...) {
+    bindings::set_python_error(std::current_exception());
+    return nullptr;
+  }
+}
+
+PyMethodDef kFastDispatch{"dispatch", reinterpret_cast<PyCFunction>(fast_dispatch),
+                          METH_FASTCALL,
+                          "dispatch(owner, x, topk_idx, topk_weights, scales, stream)"};
+PyMethodDef kFastCombine{"combine", reinterpret_cast<PyCFunction>(fast_combine), METH_FASTCALL,
+                         "combine(expert_out, handle, topk_weights, out, stream)"};
+
+// (dispatch, combine) bound to the EpOp `self`.
+py::tuple fast_calls(py::object self) {
+  EpOp* op = self.cast<EpOp*>();
+  PyObject* capsule = PyCapsule_New(op, kOpCapsule, [](PyObject* c) {
+    Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(c)));
+  });
+  if (!capsule) throw py::error_already_set();
+  py::object keep = py::reinterpret_steal<py::object>(capsule);
+  if (PyCapsule_SetContext(capsule, self.inc_ref().ptr()) != 0) {
+    self.dec_ref();
+    throw py::error_already_set();
+  }
+  PyObject* d = PyCFunction_New(&kFastDispatch, capsule);
+  if (!d) throw py::error_already_set();
+  py::object dispatch = py::reinterpret_steal<py::object>(d);
+  PyObject* c = PyCFunction_New(&kFastCombine, capsule);
+  if (!c) throw py::error_already_set();
+  return py::make_tuple(dispatch, py::reinterpret_steal<py::object>(c));
+}
 
 }  // namespace
 
@@ -689,5 +767,8 @@ SYMHEAP_BINDINGS(ep) {
            py::arg("topk_weights"), py::arg("out"), py::arg("stream"))
       .def("redispatch", &EpOp::redispatch, py::arg("rows"), py::arg("handle"),
            py::arg("stream"))
+      .def("expose_storage", &EpOp::expose_storage, py::arg("storage"))
+      .def("fast_calls", &fast_calls,
+           "(dispatch, combine): the two calls as functions taking every argument by position")
       .def_property_readonly("has_redispatch", &EpOp::has_redispatch);
 }

@@ -19,10 +19,12 @@ namespace symheap::bindings {
 
 class PeCallGil {
  public:
-  // Releases the GIL (held on entry).
+  // Releases the GIL (held on entry). The turn is freed only once the GIL is:
+  // a thread that claims it earlier would find the GIL still held and sleep
+  // on CPython's condition variable, the wait the turns exist to avoid.
   PeCallGil() {
-    between_calls_since().store(0, std::memory_order_release);
     state_ = PyEval_SaveThread();
+    between_calls_since().store(0, std::memory_order_release);
   }
   // Takes the GIL back.
   ~PeCallGil() {

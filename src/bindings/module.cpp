@@ -33,25 +33,60 @@ void bind_all(py::module_& m) {
 }
 }  // namespace symheap::bindings
 
+namespace symheap::bindings {
+namespace {
+PyObject* g_state_error = nullptr;
+PyObject* g_unsupported = nullptr;
+
+// The core's exceptions as Python ones; false for any other exception.
+bool set_core_error(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const symheap::InvalidArgument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const symheap::TimeoutError& e) {
+    PyErr_SetString(PyExc_TimeoutError, e.what());
+  } catch (const symheap::HeapExhausted& e) {
+    PyErr_SetString(PyExc_MemoryError, e.what());
+  } catch (const symheap::Unsupported& e) {
+    PyErr_SetString(g_unsupported, e.what());
+  } catch (const symheap::StateError& e) {
+    PyErr_SetString(g_state_error, e.what());
+  } catch (...) {
+    return false;
+  }
+  return true;
+}
+}  // namespace
+
+void set_python_error(std::exception_ptr p) {
+  if (set_core_error(p)) return;
+  try {
+    std::rethrow_exception(p);
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const py::builtin_exception& e) {
+    e.set_error();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "unknown C++ exception");
+  }
+}
+}  // namespace symheap::bindings
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "symheap C++ core";
   static py::exception<symheap::StateError> state_error(m, "SymheapError", PyExc_RuntimeError);
   static py::exception<symheap::Unsupported> unsupported(m, "UnsupportedError",
                                                          state_error.ptr());
+  symheap::bindings::g_state_error = state_error.ptr();
+  symheap::bindings::g_unsupported = unsupported.ptr();
   py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const symheap::InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const symheap::TimeoutError& e) {
-      PyErr_SetString(PyExc_TimeoutError, e.what());
-    } catch (const symheap::HeapExhausted& e) {
-      PyErr_SetString(PyExc_MemoryError, e.what());
-    } catch (const symheap::Unsupported& e) {
-      PyErr_SetString(unsupported.ptr(), e.what());
-    } catch (const symheap::StateError& e) {
-      PyErr_SetString(state_error.ptr(), e.what());
-    }
+    // Anything else goes on to pybind11's own translators.
+    if (!symheap::bindings::set_core_error(p)) std::rethrow_exception(p);
   });
 #ifdef SYMHEAP_WITH_CUDA
   m.attr("built_with_cuda") = true;

@@ -34,6 +34,13 @@ struct Torch {
   PyObject* storage_use_count = nullptr;  // torch._C._storage_Use_Count, if present
   PyObject* is_grad_enabled = nullptr;
   PyObject* is_inference_mode_enabled = nullptr;
+  // torch.Tensor's own C accessors, called without an attribute lookup on
+  // tensors whose class is exactly torch.Tensor (a subclass may override them).
+  PyGetSetDef* get_dtype = nullptr;
+  PyGetSetDef* get_shape = nullptr;
+  PyObject* m_data_ptr = nullptr;
+  PyObject* m_get_device = nullptr;
+  PyObject* m_is_contiguous = nullptr;
 };
 
 const Torch& torch_api() {
@@ -64,6 +71,21 @@ const Torch& torch_api() {
   made->is_grad_enabled = owned(torch.attr("is_grad_enabled"));
   made->is_inference_mode_enabled = owned(torch.attr("is_inference_mode_enabled"));
   if (py::hasattr(C, "_storage_Use_Count")) made->storage_use_count = owned(C.attr("_storage_Use_Count"));
+  py::object tensor = torch.attr("Tensor");
+  auto getset = [&](const char* name) -> PyGetSetDef* {
+    py::object d = tensor.attr(name);
+    if (!Py_IS_TYPE(d.ptr(), &PyGetSetDescr_Type)) return nullptr;
+    return reinterpret_cast<PyGetSetDescrObject*>(d.ptr())->d_getset;
+  };
+  auto method = [&](const char* name) -> PyObject* {
+    py::object d = tensor.attr(name);
+    return Py_IS_TYPE(d.ptr(), &PyMethodDescr_Type) ? owned(d) : nullptr;
+  };
+  made->get_dtype = getset("dtype");
+  made->get_shape = getset("shape");
+  made->m_data_ptr = method("data_ptr");
+  made->m_get_device = method("get_device");
+  made->m_is_contiguous = method("is_contiguous");
   t = made;
   return *t;
 }
@@ -80,6 +102,29 @@ py::object get_attr(py::handle obj, PyObject* name) {
   return py::reinterpret_steal<py::object>(r);
 }
 
+// Whether `obj`'s class is exactly torch.Tensor: then the accessors below may
+// call torch's C functions directly.
+bool plain_tensor(const Torch& T, py::handle obj) {
+  return Py_TYPE(obj.ptr()) == reinterpret_cast<PyTypeObject*>(T.tensor_type);
+}
+
+// obj.<name> through torch's getter `g` when given (a plain tensor), else by lookup.
+py::object get_field(const Torch& T, py::handle obj, PyGetSetDef* g, PyObject* name) {
+  if (!g || !plain_tensor(T, obj)) return get_attr(obj, name);
+  PyObject* r = g->get(obj.ptr(), g->closure);
+  if (!r) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+// obj.<name>() through torch's method descriptor `m` when given, else by lookup.
+py::object call_accessor(const Torch& T, py::handle obj, PyObject* m, PyObject* name) {
+  if (!m || !plain_tensor(T, obj)) return call_method(obj, name);
+  PyObject* self = obj.ptr();
+  PyObject* r = PyObject_Vectorcall(m, &self, 1, nullptr);
+  if (!r) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
 std::vector<int64_t> int_tuple(const py::object& t) {
   PyObject* p = t.ptr();
   if (!PyTuple_Check(p)) throw InvalidArgument("expected a tuple of ints");
@@ -90,7 +135,8 @@ std::vector<int64_t> int_tuple(const py::object& t) {
 }
 
 void read_fields(const Torch& T, py::handle obj, TensorRef& r) {
-  PyObject* dt = get_attr(obj, T.s_dtype).ptr();
+  const py::object dtype = get_field(T, obj, T.get_dtype, T.s_dtype);
+  PyObject* dt = dtype.ptr();
   r.dtype = TorchDType::Other;
   for (int i = 1; i < kDTypes; ++i)
     if (dt == T.dtypes[i]) r.dtype = static_cast<TorchDType>(i);
@@ -98,11 +144,14 @@ void read_fields(const Torch& T, py::handle obj, TensorRef& r) {
     std::string name = py::str(dt);
     r.dtype_name = name.rfind("torch.", 0) == 0 ? name.substr(6) : name;
   }
-  r.shape = int_tuple(get_attr(obj, T.s_shape));
-  r.ptr = PyLong_AsUnsignedLongLong(call_method(obj, T.s_data_ptr).ptr());
-  r.device = static_cast<int>(PyLong_AsLong(call_method(obj, T.s_get_device).ptr()));
-  r.contiguous = call_method(obj, T.s_is_contiguous).ptr() == Py_True;
+  r.shape = int_tuple(get_field(T, obj, T.get_shape, T.s_shape));
+  r.ptr = PyLong_AsUnsignedLongLong(call_accessor(T, obj, T.m_data_ptr, T.s_data_ptr).ptr());
+  r.device = static_cast<int>(
+      PyLong_AsLong(call_accessor(T, obj, T.m_get_device, T.s_get_device).ptr()));
+  r.contiguous = call_accessor(T, obj, T.m_is_contiguous, T.s_is_contiguous).ptr() == Py_True;
 }
+
+bool integer_dtype(TorchDType t) { return t == TorchDType::I32 || t == TorchDType::I64; }
 
 // References to a tensor's storage (its own and its views'), or -1 when
 // torch cannot tell.
@@ -246,9 +295,9 @@ py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream,
   for (size_t i = 0; i < entries_.size(); ++i) {
     Entry& e = entries_[i];
     if (e.stream != stream || e.shape != shape || Py_REFCNT(e.tensor.ptr()) != 1) continue;
-    if (!internal_) {
+    if (!internal_ && e.exposed) {
       if (e.idle_uses < 0 || storage_uses(T, e.tensor) != e.idle_uses) continue;
-      if (get_attr(e.tensor, T.s_requires_grad).ptr() == Py_True) {
+      if (!integer_dtype(dtype_) && get_attr(e.tensor, T.s_requires_grad).ptr() == Py_True) {
         // Its last holder made it an autograd leaf: not a fresh output any more.
         entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(i--));
         continue;
@@ -264,13 +313,19 @@ py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream,
   if (capacity_ == 0) return t;
   const int64_t uses = internal_ ? 0 : storage_uses(T, t);
   if (!internal_ && uses <= 0) return t;
+  const Entry entry{t, shape, stream, uses, addr, !internal_ && !until_exposed_};
   if (entries_.size() < capacity_) {
-    entries_.push_back(Entry{t, shape, stream, uses, addr});
+    entries_.push_back(entry);
   } else {  // full of outputs callers keep: forget one in turn (its holders keep it alive)
-    entries_[replace_next_] = Entry{t, shape, stream, uses, addr};
+    entries_[replace_next_] = entry;
     replace_next_ = (replace_next_ + 1) % capacity_;
   }
   return t;
+}
+
+void TensorPool::expose(py::handle tensor) {
+  for (Entry& e : entries_)
+    if (e.tensor.ptr() == tensor.ptr()) e.exposed = true;
 }
 
 bool TensorPool::holds(py::handle tensor, const std::vector<int64_t>& shape,

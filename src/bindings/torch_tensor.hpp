@@ -2,8 +2,9 @@
 // torch: a tensor's address, dtype, shape, strides and device are read through
 // the Python C API (torch dtypes are singletons, so a dtype is one pointer
 // compare), under the GIL, into plain data that the rest of a call uses with
-// the GIL released. Also: torch's current stream of a device and a cached
-// torch.empty, both looked up once per process.
+// the GIL released (on a plain torch.Tensor through torch's C getters and
+// methods, found once, with no attribute lookup). Also: torch's current
+// stream of a device and a cached torch.empty, both looked up once per process.
 #pragma once
 #include <pybind11/pybind11.h>
 
@@ -86,16 +87,24 @@ py::dict empty_kwargs(TorchDType dtype, int device);
 //
 // `internal`: the pool's tensors never reach Python code (a call's scratch),
 // so no view of them exists and the pool's own reference being the only one
-// is enough: the storage and autograd checks are skipped.
+// is enough: the storage and autograd checks are skipped. `until_exposed`:
+// the same for each tensor until expose() names it (a private tensor whose
+// views the front end makes only through expose()). Integer tensors cannot
+// require grad, so theirs is never checked.
 class TensorPool {
  public:
-  TensorPool(TorchDType dtype, int device, size_t capacity, bool internal = false)
-      : dtype_(dtype), device_(device), capacity_(capacity), internal_(internal) {}
+  TensorPool(TorchDType dtype, int device, size_t capacity, bool internal = false,
+             bool until_exposed = false)
+      : dtype_(dtype), device_(device), capacity_(capacity), internal_(internal),
+        until_exposed_(until_exposed) {}
   // A tensor of `shape`; `data`, if given, receives its address.
   py::object take(const std::vector<int64_t>& shape, uintptr_t stream, uintptr_t* data = nullptr);
   // Whether `tensor` is one of the pool's entries, handed out with `shape`:
   // then its address is known (`data`) without asking torch.
   bool holds(py::handle tensor, const std::vector<int64_t>& shape, uintptr_t* data) const;
+  // From now on `tensor` (if the pool's) returns to the pool only when no
+  // view of its storage is left either.
+  void expose(py::handle tensor);
 
  private:
   struct Entry {
@@ -104,11 +113,13 @@ class TensorPool {
     uintptr_t stream = 0;
     int64_t idle_uses = 0;  // storage references when only the pool holds it
     uintptr_t data = 0;
+    bool exposed = true;    // views of it may exist
   };
   TorchDType dtype_;
   int device_;
   size_t capacity_;
   bool internal_ = false;
+  bool until_exposed_ = false;
   size_t replace_next_ = 0;
   std::vector<Entry> entries_;
   py::object kwargs_;

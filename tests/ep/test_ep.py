@@ -355,3 +355,32 @@ def test_tampered_handle_raises_instead_of_writing_out_of_bounds(layout):
     results = run_threads(progs.tampered_handle, 2, args=(layout,))
     assert results[0] == ["ValueError", "ValueError", "ok", "ok"]
     assert results[1] == ["SymheapError", "SymheapError", "ok", "ok"]
+
+
+def _views_outlive_their_output(layout):
+    """Handle storage is recycled once a dispatch's output and handle are gone; a view
+    of it kept by the caller (num_recv_tokens, expert_counts) must keep its values."""
+    import torch
+    c = EpConfig(**cfg(1, layout=layout, dtype="float32"))
+    g = torch.Generator().manual_seed(7)
+    kept = []
+    with EpDispatchCombine(c) as ep:
+        for t in (2, 5, 3, 6, 1, 4, 6, 2):
+            x = torch.randn(t, 32, generator=g)
+            idx = torch.rand(t, c.num_experts, generator=g).topk(c.topk, dim=1).indices
+            w = torch.rand(t, c.topk, generator=g)
+            d = ep.dispatch(x, idx, w)
+            want_counts = torch.bincount(idx.flatten(), minlength=c.num_experts).to(torch.int32)
+            rows = t if layout != "expert_major" else int(want_counts.sum())
+            kept.append((d.num_recv_tokens, d.expert_counts, rows, want_counts))
+            y = torch.zeros(d.handle.rows_shape)
+            ep.combine(y, d.handle)
+            del d  # output and handle gone: only the views above hold the storage
+        return [(int(n), cnt.tolist(), rows, want.tolist()) for n, cnt, rows, want in kept]
+
+
+@pytest.mark.parametrize("layout", ["token_major", "expert_major"])
+def test_kept_views_of_a_handle_survive_later_dispatches(layout):
+    for n, counts, rows, want in run_threads(_views_outlive_their_output, 1, args=(layout,))[0]:
+        assert n == rows
+        assert counts == want

@@ -25,6 +25,11 @@ class EpHandle:
     """What combine needs from one dispatch. It owns its storage, so it stays
     valid after later dispatches (unlike DispatchOutput's row views)."""
 
+    # Slots, no __dict__: dispatch builds a handle in C++ by filling them, and
+    # combine reads them there, with no dict per handle.
+    __slots__ = ("op_id", "layout", "num_tokens", "rows_shape", "send_rows", "recv_meta",
+                 "summary", "weights", "device", "_storage", "_views", "_op")
+
     op_id: int
     layout: str
     num_tokens: int
@@ -37,15 +42,22 @@ class EpHandle:
     device: object
 
     # A dispatch fills its handle with one int32 storage tensor (the core's
-    # HandleLayout); the four tensors above are views of it, made on first
-    # use. Assigning one replaces it: combine then reads and checks that one.
+    # HandleLayout) and leaves the four tensors above unset: each is a view of
+    # the storage, made on first use. Assigning one replaces it: combine then
+    # reads and checks that one.
     def __getattr__(self, name):
-        d = self.__dict__
-        if name not in _HANDLE_PARTS or "_storage" not in d:
+        if name not in _HANDLE_PARTS:
             raise AttributeError(f"'EpHandle' object has no attribute '{name}'")
-        views = d["_views"]
+        try:
+            storage, op = self._storage, self._op
+        except AttributeError:
+            raise AttributeError(f"'EpHandle' object has no attribute '{name}'") from None
+        try:
+            views = self._views
+        except AttributeError:
+            views = self._views = {}
         if name not in views:
-            views[name] = d["_op"]._handle_part(d["_storage"], name)
+            views[name] = op._handle_part(storage, name)
         return views[name]
 
 
@@ -83,6 +95,9 @@ class DispatchOutput:
     ``src_info`` belongs to ``handle``. The handle stays valid either way.
     """
 
+    # Slots, no __dict__ (see EpHandle); the fields are set on first use.
+    __slots__ = _OUTPUT_FIELDS + ("handle", "_owner", "_rows")
+
     x: object
     topk_idx: object
     topk_weights: object
@@ -93,14 +108,17 @@ class DispatchOutput:
     handle: EpHandle
 
     # A dispatch makes each field on first use (a view of the op's receive
-    # buffer or of the handle's storage), so a call pays only for what is read.
+    # buffer or of the handle's storage), so a call pays only for what is read;
+    # _owner is the EpDispatchCombine, _rows the rows the core received.
     def __getattr__(self, name):
-        d = self.__dict__
-        if name not in _OUTPUT_FIELDS or "_lazy" not in d:
+        if name not in _OUTPUT_FIELDS:
             raise AttributeError(f"'DispatchOutput' object has no attribute '{name}'")
-        op, rows = d["_lazy"]
-        value = op._output_field(name, rows, d["handle"])
-        d[name] = value
+        try:
+            op, rows, handle = self._owner, self._rows, self.handle
+        except AttributeError:
+            raise AttributeError(f"'DispatchOutput' object has no attribute '{name}'") from None
+        value = op._output_field(name, rows, handle)
+        object.__setattr__(self, name, value)
         return value
 
 
@@ -147,7 +165,7 @@ class EpDispatchCombine:
             _core.ep_local_grid_blocks(), "ep.grid_blocks"))
         self._geo = _core.ep_geometry(core_cfg, pe.world)
         self._pe = pe
-        self._op = None
+        self._op = self._dispatch_call = self._combine_call = None
         self._buf = malloc(self._geo["total"], align=4096)
         error, op = "", None
         try:
@@ -173,6 +191,8 @@ class EpDispatchCombine:
             self._fixed_rows = None  # the host knows the count: outputs keep that many rows
         op.set_front_end(DispatchOutput, self._torch_device, self._fixed_rows)
         self._op = op
+        # The two hot calls as plain functions of the core (positional arguments).
+        self._dispatch_call, self._combine_call = op.fast_calls()
 
     # ----------------------------------------------------------- properties
 
@@ -199,16 +219,16 @@ class EpDispatchCombine:
         Any thread may call it: it runs on this op's PE and leaves the
         thread's current device as it was. See DispatchOutput.
         """
-        op = self._op
-        if op is None:
+        call = self._dispatch_call
+        if call is None:
             raise SymheapError("this EpDispatchCombine is closed")
         # One core call checks the arguments, routes, moves the rows (GIL released)
         # and builds the DispatchOutput: its EpHandle holds op_id, layout,
         # num_tokens, rows_shape, device, the handle's one storage tensor
-        # (_storage), _views and _op (self); the output holds handle and
-        # _lazy = (self, rows received or -1).
-        return op.dispatch(self, x, topk_idx, topk_weights, scales,
-                           None if stream is None else stream_handle(stream))
+        # (_storage) and _op (self); the output holds handle, _owner (self) and
+        # _rows (rows received, or -1).
+        return call(self, x, topk_idx, topk_weights, scales,
+                    None if stream is None else stream_handle(stream))
 
     def combine(self, expert_out, handle: EpHandle, topk_weights=None, *, out=None,
                 stream=None):
@@ -223,11 +243,11 @@ class EpDispatchCombine:
         and sums. ``out`` [num_tokens, hidden] may be given. Tokens with every
         slot dropped get zeros.
         """
-        op = self._op
-        if op is None:
+        call = self._combine_call
+        if call is None:
             raise SymheapError("this EpDispatchCombine is closed")
-        return op.combine(expert_out, handle, topk_weights, out,
-                          None if stream is None else stream_handle(stream))
+        return call(expert_out, handle, topk_weights, out,
+                    None if stream is None else stream_handle(stream))
 
     @property
     def has_redispatch(self) -> bool:
@@ -271,7 +291,7 @@ class EpDispatchCombine:
         op = getattr(self, "_op", None)
         if op is None:
             return
-        self._op = None
+        self._op = self._dispatch_call = self._combine_call = None
         try:
             op.check(None, True)
         finally:
@@ -335,6 +355,9 @@ class EpDispatchCombine:
         n = 1
         for s in shape:
             n *= s
+        op = self._op
+        if op is not None:  # the storage returns to the op's pool only once this view is gone
+            op.expose_storage(storage)
         part = storage[off:off + n].view(shape)
         return part.view(torch.float32) if name == "weights" else part
 
