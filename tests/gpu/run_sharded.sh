@@ -3,8 +3,10 @@
 # over the GPUs present. For files whose time goes to compilation on the host
 # (XLA, cuDNN plans) rather than to the GPU: the full grid in minutes.
 #   bash tests/gpu/run_sharded.sh N FILE [pytest -k expression]
-# Logs: $OUT/sharded_<file>_<i>.log; the last line sums every shard.
-# SHARD_ALL_GPUS=1 lets every shard see every GPU (files of multi-GPU tests).
+# Logs: $OUT/sharded_<file>.log (every shard's, one after another); the last
+# line sums every shard.
+# SHARD_ALL_GPUS=1 lets every shard see every GPU (files of multi-GPU tests);
+# SHARD_TIMEOUT=SECONDS stops each shard then, so the summary still comes.
 set -uo pipefail
 n=$1 file=$2 expr=${3:-}
 cd "$(dirname "$0")/../.."
@@ -28,7 +30,7 @@ for ((i = 0; i < n; i++)); do
   mapfile -t shard < "$ids.$i"
   visible=$((i % gpus))
   [ -n "${SHARD_ALL_GPUS:-}" ] && visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}
-  CUDA_VISIBLE_DEVICES=$visible $PY -m pytest -q -p no:cacheprovider --timeout=${SYMHEAP_TEST_TIMEOUT:-150} \
+  CUDA_VISIBLE_DEVICES=$visible timeout ${SHARD_TIMEOUT:-3600} $PY -m pytest -q -p no:cacheprovider --timeout=${SYMHEAP_TEST_TIMEOUT:-150} \
     "${shard[@]}" > "$OUT/sharded_${name}_$i.log" 2>&1 &
   pids+=($!)
 done
@@ -46,5 +48,6 @@ for f in "$OUT"/sharded_"${name}"_*.log; do
   grep -E '^(FAILED|ERROR)' "$f" | head -5
 done
 rm -f "$ids" "$ids".*
+cat "$OUT"/sharded_"${name}"_*.log > "$OUT/sharded_${name}.log" && rm -f "$OUT"/sharded_"${name}"_*.log
 echo "[sharded] $file: $passed passed, $failed failed, $errors errors, $skipped skipped of $total (rc $rc)"
 exit $rc
