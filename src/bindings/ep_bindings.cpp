@@ -499,9 +499,11 @@ class EpOp {
 
   // Reads a dispatch's handle into `in` (GIL held).
   void read_handle(py::handle handle, CombineInputs& in) {
-    in.is_handle = PyObject_IsInstance(handle.ptr(), handle_.type.ptr()) == 1;
+    // A real subtype check (not isinstance, which a proxy's __class__ can
+    // satisfy): the slots are then read at the class's offsets.
+    in.is_handle = PyObject_TypeCheck(handle.ptr(),
+                                      reinterpret_cast<PyTypeObject*>(handle_.type.ptr())) != 0;
     if (!in.is_handle) {
-      PyErr_Clear();
       in.handle_type = py::str(py::type::handle_of(handle).attr("__name__"));
       return;
     }

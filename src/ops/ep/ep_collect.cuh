@@ -19,11 +19,12 @@ __global__ void __launch_bounds__(kThreads) collect_kernel(Params p) {
   const bool tm = p.cfg.layout == Layout::TokenMajor;
   const int K = p.cfg.topk;
   // Token-major: rows [0, valid) arrived; [self_lo, self_hi) are this PE's
-  // own, already in place.
+  // own, already in place (not when packed for the copy engine: the channels
+  // moved every row into the receive buffer).
   int64_t valid = g.recv_rows, self_lo = 0, self_hi = 0;
   if (tm && !slots) {
     valid = *p.num_recv;
-    if (p.out_x) {
+    if (p.out_x && !p.pack_for_copy_engine) {
       self_lo = p.recv_summary[4 * p.my_pe + 2];
       self_hi = self_lo + p.recv_summary[4 * p.my_pe + 1];
     }
