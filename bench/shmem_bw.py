@@ -132,13 +132,13 @@ def _measure(dst, sizes, peer: int, quiet: bool = False):
     return rows
 
 
-def ping_pong(iters: int = 2000):
+def ping_pong(iters: int = 2000, variant: int = 0, runs: int = 3):
     me = symheap.my_pe()
     dev = torch.device("cuda", symheap.current_device())
     data = symheap.empty((1,), "uint64")
     sig = symheap.empty((1,), "uint64")
     out = []
-    for _ in range(3):
+    for _ in range(runs):
         data.zero_()
         sig.zero_()
         torch.cuda.synchronize(dev)
@@ -147,10 +147,10 @@ def ping_pong(iters: int = 2000):
         stream = torch.cuda.current_stream(dev)
         start.record(stream)
         _devtest.ping_pong(symheap.device_context(), dev.index, data.data_ptr(), sig.data_ptr(),
-                           1 - me, me == 0, iters, stream.cuda_stream)
+                           1 - me, me == 0, iters, stream.cuda_stream, variant)
         end.record(stream)
         symheap.quiet(stream)
-        ok = int(sig.item()) == iters and int(data.item()) == iters
+        ok = int(sig.item()) == iters and (variant >= 4 or int(data.item()) == iters)
         out.append({"one_way_us": start.elapsed_time(end) * 1e3 / (2 * iters), "ok": ok})
         symheap.barrier_all()
     symheap.free(data)
@@ -158,8 +158,22 @@ def ping_pong(iters: int = 2000):
     return out
 
 
-def pe_main(max_size: int):
-    return {"bw": bandwidth_sweep(max_size), "latency": ping_pong()}
+# What each diagnostic variant of the ping-pong kernel keeps (src/devtest/devtest_kernels.cu).
+LATENCY_VARIANTS = {
+    1: "payload + release signal, acquire poll (peer pointers hoisted)",
+    2: "payload + fence.acq_rel + relaxed signal, acquire poll",
+    3: "payload + release signal, relaxed poll + one fence",
+    4: "release signal only",
+    5: "relaxed signal only (no ordering; lower bound)",
+}
+
+
+def pe_main(max_size: int, variants: bool):
+    res = {"bw": bandwidth_sweep(max_size), "latency": ping_pong()}
+    if variants:
+        # Variant 0 (the library) ran first: both PEs are known to be live.
+        res["variants"] = {v: ping_pong(variant=v) for v in LATENCY_VARIANTS}
+    return res
 
 
 def fmt_size(n: int) -> str:
@@ -175,6 +189,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--watchdog", type=float, default=300.0,
                     help="seconds after which stacks are dumped and the run stops")
+    ap.add_argument("--latency-variants", action="store_true",
+                    help="also time the ping-pong with parts of put_signal taken out")
     ap.add_argument("--all-pairs", default=None, metavar="SIZE",
                     help="instead of the sweep: every ordered GPU pair at this size, all GPUs")
     args = ap.parse_args()
@@ -185,7 +201,7 @@ def main():
         sys.exit(report_all_pairs(_core.parse_size(args.all_pairs), args.json))
     max_size = _core.parse_size(args.max_size)
     heap = max_size + (16 << 20)  # the sweep buffer plus two signal words
-    results = run_threads(pe_main, 2, args=(max_size,),
+    results = run_threads(pe_main, 2, args=(max_size, args.latency_variants),
                           init_kwargs={"heap_size": heap, "timeout": 600})
     rows, lat = results[0]["bw"], results[0]["latency"]
     print(f"device: {torch.cuda.get_device_name(0)} x2, torch {torch.__version__}")
@@ -213,6 +229,10 @@ def main():
           f"best {best:.2f} us, runs " +
           ", ".join(f"{x['one_way_us']:.2f}" for x in lat) +
           ("" if all(x["ok"] for x in lat) else "  (WRONG DATA)"))
+    for v, runs in results[0].get("variants", {}).items():
+        print(f"  ping-pong variant {v} ({LATENCY_VARIANTS[v]}): best "
+              f"{min(x['one_way_us'] for x in runs):.2f} us" +
+              ("" if all(x["ok"] for x in runs) else "  (WRONG DATA)"))
     big = [r for r in rows if r["bytes"] >= 64 << 20]
     if big:
         last = rows[-1]

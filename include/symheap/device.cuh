@@ -313,6 +313,19 @@ __device__ __forceinline__ void signal_op(const DeviceContext& ctx, W* sig, u64 
 template <class W>
 __device__ __forceinline__ void put_signal(const DeviceContext& ctx, void* dst, const void* src,
                                            u64 nbytes, W* sig, u64 value, int op, int pe) {
+  const u64 align = reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src);
+  if (nbytes == 8 && (align & 7) == 0) {
+    // A word's payload is loaded before the peer table is read, so the two
+    // loads overlap: after a wait's acquire load both miss L1, and a latency-
+    // bound exchange would otherwise pay them one after the other.
+    const u64 payload = *static_cast<const u64*>(src);
+    char* base = detail::peer_base_or_report(ctx, pe);
+    if (base == nullptr) return;
+    *reinterpret_cast<u64*>(detail::at_peer(ctx, base, dst)) = payload;
+    detail::signal_store(reinterpret_cast<u64*>(detail::at_peer(ctx, base, detail::word_ptr(sig))),
+                         value, op);
+    return;
+  }
   char* base = detail::peer_base_or_report(ctx, pe);  // one table load for data and signal
   if (base == nullptr) return;
   detail::copy_bytes(detail::at_peer(ctx, base, dst), static_cast<const char*>(src), nbytes, 0, 1);

@@ -38,9 +38,11 @@ void wait_until(const DeviceContext& ctx, int device, uint64_t* signal, int cmp,
 void barrier_rounds(const DeviceContext& ctx, int device, uint64_t* slots, int rounds, int scope,
                     uint64_t* bad, StreamHandle stream);
 // Ping-pong of 8-byte put_signal between this PE and `peer`: the initiator
-// sends, the other echoes; `iters` round trips.
+// sends, the other echoes; `iters` round trips. Variant 0 runs the library's
+// calls; 1 .. kPingPongVariants - 1 are diagnostic (devtest_kernels.cu).
+constexpr int kPingPongVariants = 6;
 void ping_pong(const DeviceContext& ctx, int device, uint64_t* data, uint64_t* signal, int peer,
-               bool initiator, int iters, StreamHandle stream);
+               bool initiator, int iters, int variant, StreamHandle stream);
 // References for the bandwidth benchmark.
 void plain_copy_kernel(void* dst, const void* src, size_t nbytes, int blocks, int device,
                        StreamHandle stream);

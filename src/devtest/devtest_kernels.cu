@@ -140,16 +140,65 @@ __global__ void barrier_kernel(DeviceContext ctx, u64* slots, int rounds, int sc
   }
 }
 
+// Variant 0 is the library's put_signal and signal_wait_until, the figure
+// reported. The others take the library out piece by piece, to show where a
+// round trip's time goes: the peer pointers are computed once before the loop
+// and the payload is the loop counter (no table or source load).
+//   1  payload store, release store of the signal, acquire poll
+//   2  as 1 with an explicit fence.acq_rel and a relaxed signal store
+//   3  as 1, polling with relaxed loads and one fence after the wait
+//   4  release store of the signal only (no payload)
+//   5  relaxed store of the signal only: no ordering at all (lower bound)
+__device__ __forceinline__ void ping_pong_send(int variant, u64* rdata, u64* rsig, u64 i) {
+  if (variant <= 3) dev::store_relaxed(rdata, i);
+  if (variant == 2) {
+    dev::fence_acq_rel();
+    dev::store_relaxed(rsig, i);
+  } else if (variant == 5) {
+    dev::store_relaxed(rsig, i);
+  } else {
+    dev::store_release(rsig, i);
+  }
+}
+
+__device__ __forceinline__ void ping_pong_wait(int variant, const u64* sig, u64 i) {
+  if (variant == 3) {
+    while (dev::load_relaxed(sig) < i) {
+    }
+    dev::fence_acq_rel();
+  } else {
+    while (dev::load_acquire(sig) < i) {
+    }
+  }
+}
+
 __global__ void ping_pong_kernel(DeviceContext ctx, u64* data, u64* signal, int peer,
-                                 int initiator, int iters) {
+                                 int initiator, int iters, int variant) {
+  if (variant == 0) {
+    for (int i = 1; i <= iters; ++i) {
+      if (initiator) {
+        *data = static_cast<u64>(i);
+        dev::put_signal(ctx, data, data, 8, signal, static_cast<u64>(i), dev::kSignalSet, peer);
+        dev::signal_wait_until(ctx, signal, dev::kGe, static_cast<u64>(i));
+      } else {
+        dev::signal_wait_until(ctx, signal, dev::kGe, static_cast<u64>(i));
+        dev::put_signal(ctx, data, data, 8, signal, static_cast<u64>(i), dev::kSignalSet, peer);
+      }
+    }
+    return;
+  }
+  // Diagnostic variants: no timeout, so the caller runs them only after
+  // variant 0 completed (both PEs are known to be running).
+  char* base = ctx.peer_bases[peer];
+  u64* rdata = reinterpret_cast<u64*>(base + (reinterpret_cast<char*>(data) - ctx.my_base));
+  u64* rsig = reinterpret_cast<u64*>(base + (reinterpret_cast<char*>(signal) - ctx.my_base));
   for (int i = 1; i <= iters; ++i) {
     if (initiator) {
-      *data = static_cast<u64>(i);
-      dev::put_signal(ctx, data, data, 8, signal, static_cast<u64>(i), dev::kSignalSet, peer);
-      dev::signal_wait_until(ctx, signal, dev::kGe, static_cast<u64>(i));
+      ping_pong_send(variant, rdata, rsig, static_cast<u64>(i));
+      ping_pong_wait(variant, signal, static_cast<u64>(i));
     } else {
-      dev::signal_wait_until(ctx, signal, dev::kGe, static_cast<u64>(i));
-      dev::put_signal(ctx, data, data, 8, signal, static_cast<u64>(i), dev::kSignalSet, peer);
+      ping_pong_wait(variant, signal, static_cast<u64>(i));
+      ping_pong_send(variant, rdata, rsig, static_cast<u64>(i));
     }
   }
 }
@@ -282,8 +331,11 @@ void barrier_rounds(const DeviceContext& ctx, int device, uint64_t* slots, int r
   SYMHEAP_CUDA_CHECK_LAUNCH("barrier_kernel");
 }
 
-void ping_pong(const DeviceContext& ctx, int device, uint64_t* data, uint64_t* signal, int peer, bool initiator, int iters,
-               StreamHandle stream) {
+void ping_pong(const DeviceContext& ctx, int device, uint64_t* data, uint64_t* signal, int peer,
+               bool initiator, int iters, int variant, StreamHandle stream) {
+  if (variant < 0 || variant > kPingPongVariants - 1)
+    throw InvalidArgument("ping-pong variant must be in [0, " +
+                          std::to_string(kPingPongVariants - 1) + "]");
   check_symmetric(ctx, data, 8, "ping-pong data");
   check_symmetric(ctx, signal, 8, "ping-pong signal");
   check_pe(ctx, peer);
@@ -292,7 +344,7 @@ void ping_pong(const DeviceContext& ctx, int device, uint64_t* data, uint64_t* s
   ping_pong_kernel<<<1, 1, 0, as_stream(stream)>>>(ctx,
                                                    reinterpret_cast<u64*>(data),
                                                    reinterpret_cast<u64*>(signal), peer,
-                                                   initiator ? 1 : 0, iters);
+                                                   initiator ? 1 : 0, iters, variant);
   SYMHEAP_CUDA_CHECK_LAUNCH("ping_pong_kernel");
 }
 

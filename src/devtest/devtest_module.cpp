@@ -72,12 +72,14 @@ PYBIND11_MODULE(_devtest, m) {
                             as_ptr<uint64_t>(bad), stream);
   });
   m.def("ping_pong", [](py::bytes ctx, int device, uintptr_t data, uintptr_t sig, int peer,
-                        bool initiator, int iters, uintptr_t stream) {
+                        bool initiator, int iters, uintptr_t stream, int variant) {
     DeviceContext c = context_of(ctx);
     py::gil_scoped_release nogil;
     devtest::ping_pong(c, device, as_ptr<uint64_t>(data), as_ptr<uint64_t>(sig), peer,
-                       initiator, iters, stream);
-  });
+                       initiator, iters, variant, stream);
+  }, py::arg("ctx"), py::arg("device"), py::arg("data"), py::arg("sig"), py::arg("peer"),
+     py::arg("initiator"), py::arg("iters"), py::arg("stream"), py::arg("variant") = 0);
+  m.attr("ping_pong_variants") = devtest::kPingPongVariants;
   m.def("plain_copy", [](uintptr_t dst, uintptr_t src, size_t n, int blocks, int device,
                          uintptr_t stream) {
     py::gil_scoped_release nogil;

@@ -31,7 +31,7 @@ randint, device = torch.randint, torch.device
 torch.randint = lambda *a, device=None, **kw: randint(*a, **kw)
 torch.device = lambda kind, index=None: device("cpu")
 
-def ping_pong(ctx, device, data, sig, peer, initiator, iters, stream):
+def ping_pong(ctx, device, data, sig, peer, initiator, iters, stream, variant=0):
     ctypes.c_uint64.from_address(data).value = iters
     ctypes.c_uint64.from_address(sig).value = iters
 
@@ -47,7 +47,7 @@ symheap._devtest = devtest
 import shmem_bw
 shmem_bw._core = mock
 symheap.backend = lambda: "cuda"
-sys.argv = ["shmem_bw", "--max-size", "64M", "--watchdog", "120"]
+sys.argv = ["shmem_bw", "--max-size", "64M", "--watchdog", "120", "--latency-variants"]
 shmem_bw.main()
 """
 
@@ -63,3 +63,4 @@ def test_shmem_bw_script_runs_and_verifies():
     assert "all transfers verified" in out
     assert "64 MiB" in out and "summary @ 64 MiB" in out
     assert "one-way latency" in out
+    assert "ping-pong variant 5" in out
