@@ -3,6 +3,7 @@
 #pragma once
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace symheap {
 
@@ -26,6 +27,15 @@ struct StateError : std::runtime_error {
 // PE died): the PEs are out of step (symheap.SymheapError).
 struct JobFailed : StateError {
   using StateError::StateError;
+};
+// A PE of another node could not serve a request (symheap.RemoteError, a
+// SymheapError): `pe` is that PE, `op` the operation it could not serve
+// ("put", "atomic_swap", ...).
+struct RemoteError : StateError {
+  RemoteError(const std::string& what, int pe, std::string op)
+      : StateError(what), pe(pe), op(std::move(op)) {}
+  int pe;
+  std::string op;
 };
 // An operation needs a load/store path the peer does not have.
 struct Unsupported : std::runtime_error {

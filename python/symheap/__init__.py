@@ -4,7 +4,7 @@ One process may drive many devices with one thread each, or one device per
 process (torchrun, mpirun), or any mix; the same program runs in all of them.
 See docs/shmem.md.
 """
-from ._errors import SymheapError, UnsupportedError
+from ._errors import RemoteError, SymheapError, UnsupportedError
 from ._runtime import (
     backend,
     current_device,
@@ -52,7 +52,7 @@ def get_include() -> str:
     raise FileNotFoundError(f"symheap's headers are not installed next to {here}")
 
 __all__ = [
-    "SymheapError", "UnsupportedError", "SymBuffer",
+    "SymheapError", "UnsupportedError", "RemoteError", "SymBuffer",
     "get_unique_id", "init", "init_torch", "init_mpi", "finalize", "is_initialized",
     "my_pe", "n_pes", "backend", "device_count", "set_device", "current_device",
     "peer_kind", "device_of",

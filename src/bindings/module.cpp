@@ -38,6 +38,7 @@ namespace symheap::bindings {
 namespace {
 PyObject* g_state_error = nullptr;
 PyObject* g_unsupported = nullptr;
+PyObject* g_remote_error = nullptr;
 
 // The core's exceptions as Python ones; false for any other exception.
 bool set_core_error(std::exception_ptr p) {
@@ -51,6 +52,12 @@ bool set_core_error(std::exception_ptr p) {
     PyErr_SetString(PyExc_MemoryError, e.what());
   } catch (const symheap::Unsupported& e) {
     PyErr_SetString(g_unsupported, e.what());
+  } catch (const symheap::RemoteError& e) {
+    // The target PE and the operation as attributes, for code that handles it.
+    py::object err = py::reinterpret_borrow<py::object>(g_remote_error)(e.what());
+    err.attr("pe") = e.pe;
+    err.attr("op") = e.op;
+    PyErr_SetObject(g_remote_error, err.ptr());
   } catch (const symheap::StateError& e) {
     PyErr_SetString(g_state_error, e.what());
   } catch (...) {
@@ -95,7 +102,9 @@ PYBIND11_MODULE(_core, m) {
   static py::exception<symheap::StateError> state_error(m, "SymheapError", PyExc_RuntimeError);
   static py::exception<symheap::Unsupported> unsupported(m, "UnsupportedError",
                                                          state_error.ptr());
+  static py::exception<symheap::RemoteError> remote_error(m, "RemoteError", state_error.ptr());
   symheap::bindings::g_state_error = state_error.ptr();
+  symheap::bindings::g_remote_error = remote_error.ptr();
   symheap::bindings::g_unsupported = unsupported.ptr();
   py::register_exception_translator([](std::exception_ptr p) {
     // Anything else goes on to pybind11's own translators.

@@ -59,14 +59,20 @@ PeInfo decode(const std::string& data, size_t from_rank) {
 }
 
 // The Python class each core exception becomes (src/bindings/module.cpp), so
-// that a failure on one PE reads the same in every PE's message.
-const char* python_class_of(const std::exception& e) {
+// that a failure on one PE reads the same in every PE's message; null for an
+// exception the core did not raise.
+const char* core_class_of(const std::exception& e) {
   if (dynamic_cast<const InvalidArgument*>(&e)) return "ValueError";
   if (dynamic_cast<const TimeoutError*>(&e)) return "TimeoutError";
   if (dynamic_cast<const HeapExhausted*>(&e)) return "MemoryError";
   if (dynamic_cast<const Unsupported*>(&e)) return "UnsupportedError";
+  if (dynamic_cast<const RemoteError*>(&e)) return "RemoteError";
   if (dynamic_cast<const StateError*>(&e)) return "SymheapError";
-  return "RuntimeError";
+  return nullptr;
+}
+const char* python_class_of(const std::exception& e) {
+  const char* cls = core_class_of(e);
+  return cls ? cls : "RuntimeError";
 }
 
 }  // namespace
@@ -120,7 +126,13 @@ void Runtime::init_pe(uint64_t job, int device, int rank, int world, size_t heap
       try {
         s->transports->remote_connect(*s, offers);
       } catch (const std::exception& e) {
-        error = "PE " + std::to_string(rank) + ": " + python_class_of(e) + ": " + e.what();
+        // Only the connect's own failures leave the remote peers unreachable;
+        // anything else, above all what the interrupt check raised while the
+        // connect waited (Ctrl-C: Python's KeyboardInterrupt), ends init as
+        // it is (the other PEs learn it from the bootstrap's close).
+        const char* cls = core_class_of(e);
+        if (!cls || dynamic_cast<const JobFailed*>(&e)) throw;
+        error = "PE " + std::to_string(rank) + ": " + cls + ": " + e.what();
       }
       for (const std::string& e : boot.allgather(error, "init-remote-connect"))
         if (!e.empty()) errors += (errors.empty() ? "" : "; ") + e;

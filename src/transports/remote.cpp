@@ -140,11 +140,14 @@ class RemoteTransport final : public Transport {
       await(s, pe, p, "quiet");
       check_reply(s, pe, *p, "quiet");
       const remote::Reply& r = p->reply();
-      if (r.value != 0)
-        throw StateError("quiet on PE " + std::to_string(s.my_pe) + ": an earlier " +
-                         remote::op_name(static_cast<Op>(r.value)) + " to " + who(s, pe) +
-                         "'s process failed there: " +
-                         remote::status_text(static_cast<remote::Status>(r.detail)));
+      if (r.value != 0) {
+        const char* op = remote::op_name(static_cast<Op>(r.value));
+        int target = r.target >= 0 && r.target < s.n_pes ? static_cast<int>(r.target) : pe;
+        throw RemoteError("quiet on PE " + std::to_string(s.my_pe) + ": " + who(s, target) +
+                              " could not serve an earlier request (" + op + "): " +
+                              remote::status_text(static_cast<remote::Status>(r.detail)),
+                          target, op);
+      }
     }
   }
 
@@ -265,8 +268,9 @@ class RemoteTransport final : public Transport {
   void check_reply(const PeState& s, int pe, const remote::Pending& p, const char* what) {
     auto status = static_cast<remote::Status>(p.reply().status);
     if (status != remote::Status::Ok)
-      throw StateError(std::string(what) + " on PE " + std::to_string(s.my_pe) + " to " +
-                       who(s, pe) + " failed there: " + remote::status_text(status));
+      throw RemoteError(std::string(what) + " on PE " + std::to_string(s.my_pe) + ": " +
+                            who(s, pe) + " could not serve it: " + remote::status_text(status),
+                        pe, what);
   }
 
   remote::Engine* engine_ = nullptr;

@@ -64,9 +64,8 @@ remote::DeviceEngine* device_engine(std::string* why_not) {
   if (!engine) *why_not = "the NCCL engine is unavailable: " + why;
   return engine;
 #else
-  *why_not = "symheap was built without the NCCL engine (" SYMHEAP_NCCL_MISSING
-             "): install the nvidia-nccl-cu13 wheel (its headers) in the Python that builds "
-             "symheap and rebuild";
+  *why_not = std::string("symheap was built without the NCCL engine (" SYMHEAP_NCCL_MISSING
+                         "): ") + remote::kNcclInstallHint + ", then rebuild symheap";
   return nullptr;
 #endif
 }
@@ -225,14 +224,14 @@ class CudaRemoteTransport final : public Transport {
   }
 
   int64_t fetch_add(PeState& s, int pe, size_t off, int64_t value) override {
-    return atomic(s, pe, 5, "atomic_fetch_add", off, value, 0);
+    return atomic(s, pe, remote::Op::FetchAdd, off, value, 0);
   }
   int64_t compare_swap(PeState& s, int pe, size_t off, int64_t expected,
                        int64_t desired) override {
-    return atomic(s, pe, 6, "atomic_compare_swap", off, expected, desired);
+    return atomic(s, pe, remote::Op::CompareSwap, off, expected, desired);
   }
   int64_t swap(PeState& s, int pe, size_t off, int64_t value) override {
-    return atomic(s, pe, 7, "atomic_swap", off, value, 0);
+    return atomic(s, pe, remote::Op::Swap, off, value, 0);
   }
 
   void quiet(PeState& s, StreamHandle) override {
@@ -303,7 +302,8 @@ class CudaRemoteTransport final : public Transport {
     return "PE " + std::to_string(pe) + " (node '" + s.peers[pe].info.node_id + "')";
   }
 
-  int64_t atomic(PeState& s, int pe, int op, const char* what, size_t off, int64_t a, int64_t b) {
+  int64_t atomic(PeState& s, int pe, remote::Op op, size_t off, int64_t a, int64_t b) {
+    const char* what = remote::op_name(op);
     reach(s, pe, what);
     HookWaiter wait(&s, s.timeout_s);
     int64_t old = 0;
@@ -331,6 +331,12 @@ class CudaRemoteTransport final : public Transport {
                          who(s, pe) + " did not answer within " + seconds(s.timeout_s) +
                          " (its process is frozen, dead, or no longer serving remote "
                          "requests); its " + engine_name_ + " connections were aborted");
+    if (o.result == remote::Result::Refused)
+      throw RemoteError(std::string(what) + " on PE " + std::to_string(s.my_pe) + ": " +
+                            who(s, pe) + " could not serve a request (" + o.op + "): " +
+                            o.error +
+                            "; its " + engine_name_ + " connections were aborted",
+                        pe, o.op);
     throw StateError(std::string(what) + " on PE " + std::to_string(s.my_pe) + " to " +
                      who(s, pe) + " failed in the " + engine_name_ + " engine: " + o.error);
   }

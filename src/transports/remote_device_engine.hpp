@@ -12,13 +12,19 @@
 #include <string>
 #include <vector>
 
+#include "transports/remote_op.hpp"
+
 namespace symheap {
 namespace remote {
 
 // Bumped whenever anything below changes layout or meaning.
-constexpr int kDeviceEngineAbi = 2;
+constexpr int kDeviceEngineAbi = 3;
 // extern "C" DeviceEngine* symheap_device_engine_open(int abi, std::string* why_not)
 constexpr const char* kDeviceOpenSymbol = "symheap_device_engine_open";
+
+// How to get NCCL, for every message that says it is missing (the build's
+// configure error reads it from here too: keep it on one line, without ';').
+constexpr const char* kNcclInstallHint = "install the nvidia-nccl-cu13 wheel (pip install nvidia-nccl-cu13, or a CUDA wheel of torch, which brings it): symheap builds its NCCL engine against the wheel's headers (or SYMHEAP_NCCL_INCLUDE) and opens its libnccl.so.2 at run time (or the one SYMHEAP_NCCL_LIBRARY names)";
 
 // Given by the core to every call that may wait.
 class WaitHook {
@@ -37,12 +43,16 @@ enum class Result : int {
   Ok = 0,
   GaveUp = 1,  // the hook said stop; `late_pe` names the PE waited for
   Failed = 2,  // `error` says why; `late_pe` names the PE involved, if any
+  // The target `late_pe` could not serve a request (`op`, this one or an
+  // earlier one on the same pair): `error` says why, as the target wrote it.
+  Refused = 3,
 };
 
 struct Outcome {
   Result result = Result::Ok;
   int late_pe = -1;
   std::string error;
+  std::string op;  // Refused: the name of the operation the target could not serve
 };
 
 struct SignalSpec {
@@ -72,11 +82,12 @@ class DeviceEndpoint {
                       WaitHook& wait) = 0;
   // Set/add on `pe`'s signal word, after this PE's earlier puts to it landed.
   virtual Outcome signal(int pe, const SignalSpec& signal, void* stream, WaitHook& wait) = 0;
-  // op: 5 fetch_add(a), 6 compare_swap(expected a, desired b), 7 swap(a) (remote::Op);
-  // the old value in *old. Waits for the answer.
-  virtual Outcome atomic(int pe, int op, uint64_t offset, int64_t a, int64_t b, int64_t* old,
+  // op: FetchAdd(a), CompareSwap(expected a, desired b) or Swap(a); the old
+  // value in *old. Waits for the answer.
+  virtual Outcome atomic(int pe, Op op, uint64_t offset, int64_t a, int64_t b, int64_t* old,
                          void* stream, WaitHook& wait) = 0;
-  // Returns once every put and signal this PE queued so far has landed at its target.
+  // Returns once every put and signal this PE queued so far has landed at its
+  // target. Several threads may call any of these at once for one endpoint.
   virtual Outcome quiet(WaitHook& wait) = 0;
   // Ends every connection in order (finalize, after the job's last barrier):
   // afterwards nothing of the engine runs on the device for this PE.

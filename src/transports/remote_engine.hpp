@@ -10,30 +10,21 @@
 #include <memory>
 #include <string>
 
+#include "transports/remote_op.hpp"
+
 namespace symheap {
 namespace remote {
 
 // Bumped whenever anything below changes layout or meaning.
-constexpr int kEngineAbi = 1;
+constexpr int kEngineAbi = 2;
 // extern "C" Engine* symheap_remote_engine_open(int abi, std::string* why_not)
 constexpr const char* kOpenSymbol = "symheap_remote_engine_open";
 
-enum class Op : uint32_t {
-  Put = 1,
-  PutSignal = 2,
-  Signal = 3,
-  Get = 4,
-  FetchAdd = 5,
-  CompareSwap = 6,
-  Swap = 7,
-  Quiet = 8,  // answered once every earlier request of the PE to this process was served
-};
 inline bool op_has_payload(Op op) { return op == Op::Put || op == Op::PutSignal; }
 inline bool op_has_reply(Op op) {
   return op == Op::Get || op == Op::FetchAdd || op == Op::CompareSwap || op == Op::Swap ||
          op == Op::Quiet;
 }
-const char* op_name(Op op);
 
 // The head of every request; a put's bytes follow it in the same message.
 struct Request {
@@ -62,6 +53,7 @@ struct Reply {
   int64_t status = 0;   // Status
   int64_t value = 0;    // atomics: the old value; quiet: the op that failed (Op), if any
   int64_t detail = 0;   // quiet: the status of that failed op
+  int64_t target = -1;  // quiet: the PE that failed op was for
 };
 
 // One request in flight.
@@ -101,20 +93,6 @@ class Engine {
 };
 
 using OpenFn = Engine* (*)(int abi, std::string* why_not);
-
-inline const char* op_name(Op op) {
-  switch (op) {
-    case Op::Put: return "put";
-    case Op::PutSignal: return "put_signal";
-    case Op::Signal: return "signal_op";
-    case Op::Get: return "get";
-    case Op::FetchAdd: return "atomic_fetch_add";
-    case Op::CompareSwap: return "atomic_compare_swap";
-    case Op::Swap: return "atomic_swap";
-    case Op::Quiet: return "quiet";
-  }
-  return "unknown op";
-}
 
 inline const char* status_text(Status status) {
   switch (status) {

@@ -181,6 +181,62 @@ def small_roundtrip():
     return True
 
 
+def threads_sharing_a_pair(n_adders=4, rounds=50):
+    """Several threads of each PE on the one pair to the other PE at once:
+    atomic_fetch_add of 1 on one remote word (every old value comes back
+    exactly once, so each answer reached its own request) while another
+    thread puts 1 MiB and quiets in a loop."""
+    import threading
+    import torch
+    import symheap
+    me, device = symheap.my_pe(), symheap.current_device()
+    peer = 1 - me
+    dev = torch.device("cuda", device)
+    word = symheap.empty((1,), "int64")
+    dst = symheap.empty((1 << 20,), "uint8")
+    word.zero_()
+    dst.fill_(POISON)
+    src = torch.from_numpy(_bytes(700 + me, 1 << 20)).to(dev)
+    torch.cuda.synchronize(dev)
+    symheap.barrier_all()
+    olds = [[] for _ in range(n_adders)]
+    errors = []
+
+    def run(body):
+        try:
+            symheap.set_device(device)
+            body()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(f"{type(e).__name__}: {e}")
+
+    def adder(t):
+        for _ in range(rounds):
+            olds[t].append(symheap.atomic_fetch_add(word, 1, peer))
+
+    def putter():
+        for _ in range(rounds // 5):
+            symheap.put(dst, src, peer)
+            symheap.quiet()
+
+    threads = [threading.Thread(target=run, args=(lambda t=t: adder(t),), daemon=True)
+               for t in range(n_adders)]
+    threads.append(threading.Thread(target=run, args=(putter,), daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a thread did not finish within 120 s"
+    symheap.barrier_all()
+    assert sorted(sum(olds, [])) == list(range(n_adders * rounds)), olds
+    assert int(word.item()) == n_adders * rounds, int(word.item())
+    _check(dst.cpu().numpy(), _bytes(700 + peer, 1 << 20), "put beside atomics of other threads")
+    symheap.barrier_all()
+    symheap.free(word)
+    symheap.free(dst)
+    return True
+
+
 def lost_peer(how: str):
     """PE 1 stops (SIGSTOP) or dies (SIGKILL) after a first put; PE 0's next
     put + quiet must raise naming PE 1 within the timeout."""

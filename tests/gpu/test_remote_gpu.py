@@ -34,6 +34,15 @@ def test_remote_rma_through_nccl():
 
 
 @pytest.mark.two_gpus
+def test_remote_threads_sharing_a_pair_through_nccl():
+    """Four threads of each PE run atomics on one remote word while a fifth
+    puts and quiets on the same pair: every fetched old value comes back once
+    (answers reach their own requests) and the bytes land."""
+    results = prog.run_two_nodes([("threads_sharing_a_pair", (), True)])
+    assert all(results[r][0] is True for r in range(2))
+
+
+@pytest.mark.two_gpus
 @pytest.mark.parametrize("how", ["frozen", "killed"])
 def test_remote_lost_peer_through_nccl(how):
     """PE 1 stops (SIGSTOP) or dies (SIGKILL): PE 0's put + quiet raises an

@@ -6,6 +6,7 @@ prints one "OK <scenario> pe <rank>" line per PE; test_remote_peers.py drives it
 import os
 import re
 import signal
+import struct
 import sys
 import threading
 import time
@@ -152,6 +153,63 @@ def bad_input(seed, timeout):
     symheap.barrier_all(timeout=timeout)
     assert (buf == POISON).all()
     symheap.free(buf)
+
+
+# The MPI engine's request as the core lays it out (remote::Request in
+# src/transports/remote_engine.hpp) and its request tag (the top of the tag
+# space, below the reply tags: src/transports/engines/mpi_engine.cpp), for a
+# request that symheap itself never sends.
+REQUEST = struct.Struct("<IIQiiiiQQQqq")
+REPLY_TAGS = 1 << 20
+OP_PUT = 1
+
+
+def refused(seed, timeout):
+    """A put the target cannot serve (its bytes outside the target's heap:
+    sent raw, since symheap checks offsets before sending): the requester's
+    next quiet raises symheap.RemoteError naming the target PE and the op
+    without waiting out its timeout; the good put before it landed, and the
+    pair goes on."""
+    from mpi4py import MPI
+    me, n = symheap.my_pe(), symheap.n_pes()
+    rows = symheap.empty((n, 256), "uint8", like="numpy")  # row q: what PE q put here
+    rows[:] = POISON
+
+    def target(q):
+        peers = remote_peers(q, n)
+        return peers[q % len(peers)]
+
+    def data(q):
+        return np.random.default_rng([seed, q]).integers(0, 256, 256, dtype=np.uint8)
+
+    symheap.barrier_all(timeout=timeout)
+    p = target(me)
+    symheap.put(rows[me], data(me), p)
+    job = symheap._core.slot_identity(symheap.current_device())[3]
+    bad = REQUEST.pack(OP_PUT, 0, job, me, p, -1, 0, 1 << 40, 8, 0, 0, 0) + bytes(8)
+    COMM.Send([bad, MPI.BYTE], dest=p // THREADS, tag=COMM.Get_attr(MPI.TAG_UB) - REPLY_TAGS - 1)
+    start = time.monotonic()
+    try:
+        symheap.quiet()
+    except symheap.RemoteError as e:
+        err = e
+    else:
+        raise AssertionError("quiet did not report the put its target could not serve")
+    took = time.monotonic() - start
+    assert isinstance(err, symheap.SymheapError)
+    assert (err.pe, err.op) == (p, "put"), (err.pe, err.op, str(err))
+    assert f"quiet on PE {me}: PE {p} (node 'node-{node_of(p)}') could not serve an earlier " \
+        "request (put): the bytes fall outside the target PE's heap" in str(err), str(err)
+    assert took < timeout / 2, took
+    symheap.quiet()  # told once: the pair goes on
+    symheap.put(rows[me], data(me), p)
+    symheap.quiet()
+    symheap.barrier_all(timeout=timeout)
+    for q in range(n):
+        expected = data(q) if node_of(q) != node_of(me) and target(q) == me else POISON
+        np.testing.assert_array_equal(rows[q], np.broadcast_to(np.uint8(expected), (256,)))
+    symheap.barrier_all(timeout=timeout)
+    symheap.free(rows)
 
 
 _frozen = threading.Event()
@@ -401,7 +459,7 @@ _thread_barrier = threading.Barrier(THREADS)
 PIDS = []
 SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer, "killed": killed_peer,
              "funneled": funneled, "ep": ep_across_nodes, "ep_bytes": ep_bytes,
-             "ep_frozen": ep_frozen_node}
+             "ep_frozen": ep_frozen_node, "refused": refused}
 COMM = None
 
 

@@ -197,6 +197,13 @@ def test_remote_without_thread_multiple_under_mpirun():
     run_mpi_program("funneled", 20)
 
 
+def test_remote_refused_request_under_mpirun():
+    """A put its target cannot serve (sent raw: symheap checks offsets before
+    sending): the requester's quiet raises symheap.RemoteError with the target
+    PE and the op at once; the pair goes on."""
+    run_mpi_program("refused", 20)
+
+
 def test_remote_frozen_peer_under_mpirun():
     """A frozen (SIGSTOP) remote process: get and quiet raise TimeoutError
     naming the PE within the 3 s timeout; once it goes on, the job finishes."""

@@ -273,8 +273,9 @@ class MpiEngine final : public Engine {
       if (op == Op::Quiet) {
         auto err = errors_.find({req.job, req.from_pe});
         if (err != errors_.end()) {
-          reply.value = err->second.first;
-          reply.detail = err->second.second;
+          reply.value = err->second.op;
+          reply.detail = err->second.status;
+          reply.target = err->second.target;
           errors_.erase(err);
         }
       } else {
@@ -286,7 +287,8 @@ class MpiEngine final : public Engine {
         }
         if (status != Status::Ok && !op_has_reply(op))  // told at the PE's next quiet
           errors_.emplace(PeKey{req.job, req.from_pe},
-                          std::make_pair(static_cast<int64_t>(op), static_cast<int64_t>(status)));
+                          Failure{static_cast<int64_t>(op), static_cast<int64_t>(status),
+                                  static_cast<int64_t>(req.to_pe)});
       }
     }
     if (!op_has_reply(op) || req.reply_tag < 0) return;
@@ -370,8 +372,11 @@ class MpiEngine final : public Engine {
 
   std::mutex table_mu_;
   std::map<PeKey, Heap> served_;
-  // The first failed request without a reply, per sending PE: (op, status).
-  std::map<PeKey, std::pair<int64_t, int64_t>> errors_;
+  // The first failed request without a reply, per sending PE.
+  struct Failure {
+    int64_t op, status, target;
+  };
+  std::map<PeKey, Failure> errors_;
 
   std::mutex graveyard_mu_;
   std::list<std::unique_ptr<MpiPending>> graveyard_;

@@ -13,15 +13,25 @@
 //   a put is a send on a's stream (after the caller's stream) matched by a
 //   receive the service thread posts straight into b's heap when the header
 //   arrives; a get is the reverse. Headers arrive in the order a issued its
-//   sends, so both sides issue NCCL calls in the same order.
+//   sends, so both sides issue NCCL calls in the same order: a's threads take
+//   the pair's lock only to send a header and issue its NCCL call.
+// - Requests are numbered per pair; an answer names its request's number, so
+//   several threads of a wait for their answers at once, outside the lock.
+//   A request b cannot serve (bytes outside its heap, an NCCL or CUDA
+//   failure) is answered with what failed, and b ends its side of the pair:
+//   a's next wait on it fails at once with that message (the core raises
+//   symheap.RemoteError) instead of waiting out its deadline.
 // - The service thread applies a signal with a kernel on its stream, after
 //   the receive of the bytes; atomics are system-scope atomics in a kernel on
 //   the target's device (so they mix with the target node's device atomics);
 //   a fence is answered once the service stream finished everything before
 //   it, which is what quiet waits for.
-// - Every wait polls (cudaEventQuery, ncclCommGetAsyncError, non-blocking
-//   sockets) and asks the core's WaitHook between polls: a late peer gives
-//   up within the PE's deadline, and the core then aborts its communicators.
+// - Every wait of a requester polls (cudaEventQuery, ncclCommGetAsyncError,
+//   non-blocking sockets, blocking in poll() between looks where a socket
+//   tells) and asks the core's WaitHook between polls: a late peer gives up
+//   within the PE's deadline, and the core then aborts its communicators.
+//   The service thread blocks in poll() while idle and, while an answer
+//   waits for its stream, spins briefly and then backs off (Backoff).
 #include <arpa/inet.h>
 #include <dlfcn.h>
 #include <errno.h>
@@ -33,11 +43,15 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -111,9 +125,7 @@ bool load_nccl(Nccl* n, std::string* why_not) {
     errors += (errors.empty() ? "" : "; ") + std::string(err ? err : path);
   }
   if (!lib) {
-    *why_not = "cannot load libnccl.so.2 (" + errors +
-               "): install the nvidia-nccl-cu13 wheel (torch's CUDA wheels bring it) or set "
-               "SYMHEAP_NCCL_LIBRARY to the library's path";
+    *why_not = "cannot load libnccl.so.2 (" + errors + "): " + kNcclInstallHint;
     return false;
   }
   bool ok = true;
@@ -143,29 +155,20 @@ bool load_nccl(Nccl* n, std::string* why_not) {
 
 // ---------------------------------------------------------------- wire formats
 
-enum WireOp : uint32_t {
-  kPut = 1, kPutSignal = 2, kSignal = 3, kGet = 4, kFetchAdd = 5, kCompareSwap = 6,
-  kSwap = 7, kFence = 8, kClose = 9,
-};
+// Header::op: a remote::Op, or this engine's close handshake.
+constexpr uint32_t kWireClose = 9;
+constexpr uint32_t wire(Op op) { return static_cast<uint32_t>(op); }
 const char* wire_op_name(uint32_t op) {
-  switch (op) {
-    case kPut: return "put";
-    case kPutSignal: return "put_signal";
-    case kSignal: return "signal_op";
-    case kGet: return "get";
-    case kFetchAdd: return "atomic_fetch_add";
-    case kCompareSwap: return "atomic_compare_swap";
-    case kSwap: return "atomic_swap";
-    case kFence: return "quiet";
-    case kClose: return "finalize";
-  }
+  if (op == kWireClose) return "finalize";
+  if (op >= wire(Op::Put) && op <= wire(Op::Quiet)) return op_name(static_cast<Op>(op));
   return "unknown op";
 }
 bool wire_op_has_reply(uint32_t op) {
-  return op == kFetchAdd || op == kCompareSwap || op == kSwap || op == kFence || op == kClose;
+  return op == wire(Op::FetchAdd) || op == wire(Op::CompareSwap) || op == wire(Op::Swap) ||
+         op == wire(Op::Quiet) || op == kWireClose;
 }
 
-constexpr uint64_t kHelloMagic = 0x73796d6865617031ull;  // "symheap1"
+constexpr uint64_t kHelloMagic = 0x73796d6865617032ull;  // "symheap2"
 
 struct Hello {
   uint64_t magic = kHelloMagic;
@@ -177,6 +180,7 @@ struct Hello {
 struct Header {
   uint32_t op = 0;
   uint32_t signal_add = 0;
+  uint64_t seq = 0;  // numbers the requests of one pair, from 1: answers name theirs
   uint64_t offset = 0;
   uint64_t nbytes = 0;
   uint64_t signal_offset = 0;
@@ -184,12 +188,18 @@ struct Header {
   int64_t value2 = 0;
 };
 
-// status: 0 served; else what failed (the first failure since the last fence).
+// The answer to a request with one (atomics, quiet, close), or the target's
+// refusal of any request: it then ends its side of the pair, so the
+// requester fails its waits at once with `what` instead of timing out.
+enum : int64_t { kServed = 0, kOutOfHeap = 1, kEngineError = 2, kMalformed = 3 };
 struct Answer {
-  int64_t status = 0;
-  int64_t value = 0;
+  uint64_t seq = 0;       // the request's
+  int64_t status = kServed;
+  int64_t value = 0;      // an atomic's old value
+  uint32_t failed_op = 0; // refusals: the request's op
+  uint32_t reserved = 0;
+  char what[224] = {};    // refusals: what failed, NUL-terminated
 };
-enum : int64_t { kServed = 0, kOutOfHeap = 1, kEngineError = 2 };
 
 // ---------------------------------------------------------------- kernels
 
@@ -200,11 +210,11 @@ __global__ void signal_kernel(unsigned long long* word, unsigned long long value
   __threadfence_system();
 }
 
-__global__ void atomic_kernel(unsigned long long* word, uint32_t op, unsigned long long a,
+__global__ void atomic_kernel(unsigned long long* word, Op op, unsigned long long a,
                               unsigned long long b, unsigned long long* old) {
   unsigned long long was;
-  if (op == kFetchAdd) was = atomicAdd_system(word, a);
-  else if (op == kCompareSwap) was = atomicCAS_system(word, a, b);
+  if (op == Op::FetchAdd) was = atomicAdd_system(word, a);
+  else if (op == Op::CompareSwap) was = atomicCAS_system(word, a, b);
   else was = atomicExch_system(word, a);
   __threadfence_system();
   *old = was;
@@ -234,6 +244,41 @@ class DeviceScope {
  private:
   int prev_ = -1;
 };
+
+// Paces the service thread while it waits for work of its own on the device
+// (an answer waiting for its stream, a call in progress, a full socket): a
+// brief spin first, since most such waits end within microseconds, then
+// blocking waits of 1/64 of the time waited so far (5 us to 200 us), so a
+// long wait costs little CPU and ends at most ~2% late.
+class Backoff {
+ public:
+  static constexpr auto kSpin = std::chrono::microseconds(20);
+  // Zero while the wait is young (look again at once); else how long to block.
+  std::chrono::nanoseconds next() {
+    auto now = Clock::now();
+    if (!waiting_) {
+      waiting_ = true;
+      since_ = now;
+    }
+    auto waited = now - since_;
+    if (waited < kSpin) return std::chrono::nanoseconds(0);
+    return std::clamp<std::chrono::nanoseconds>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(waited) / 64,
+        std::chrono::microseconds(5), std::chrono::microseconds(200));
+  }
+  void reset() { waiting_ = false; }
+
+ private:
+  bool waiting_ = false;
+  Clock::time_point since_;
+};
+
+// Blocks until one of `fds` is ready or `timeout` passed (microsecond grain).
+void wait_fds(std::vector<pollfd>& fds, std::chrono::nanoseconds timeout) {
+  timespec ts{static_cast<time_t>(timeout.count() / 1000000000),
+              static_cast<long>(timeout.count() % 1000000000)};
+  ::ppoll(fds.data(), fds.size(), &ts, nullptr);
+}
 
 void set_nonblocking(int fd) {
   int flags = fcntl(fd, F_GETFL, 0);
@@ -322,6 +367,22 @@ std::string reachable_host() {
 
 class NcclEndpoint;
 
+// The answers coming back on an Out link, matched to their requests by
+// sequence number: one waiting thread at a time reads the socket and files
+// what it read; the others wait for it here.
+struct Answers {
+  std::mutex mu;
+  std::condition_variable filed;
+  std::map<uint64_t, Answer> by_seq;  // read, not yet taken by their requester
+  bool reading = false;               // a thread reads the socket
+  Answer partial;                     // the reader's answer in the making
+  size_t have = 0;
+  // Once set, every wait on the link fails so: the target's refusal
+  // (Result::Refused, with the op it refused) or the connection's end.
+  Result failure = Result::Ok;
+  std::string failure_text, failed_op;
+};
+
 // One direction of a pair: this PE's requests to `pe` (Out) or `pe`'s
 // requests to this PE, served by the service thread (In).
 struct Link {
@@ -333,17 +394,24 @@ struct Link {
   cudaEvent_t before = nullptr, after = nullptr;
   unsigned long long* answer_host = nullptr;  // pinned, mapped: an atomic's old value
   unsigned long long* answer_dev = nullptr;
-  std::mutex mu;  // one thread issues on the link at a time
+  // Out: held while a request's header is sent and its NCCL call issued, so
+  // both sides issue NCCL calls in header order; never across a wait for an
+  // answer. In: the service thread's, against abort().
+  std::mutex mu;
   std::string broken;  // why the link is gone (aborted, peer died); empty while usable
-  bool touched = false;  // Out: sent a put/signal/get since the last quiet
   bool closed = false;   // the close handshake completed
+  // Out: the last request number given (under mu), the last put/get/signal's
+  // and the last quiet's that was answered (every request before it served).
+  uint64_t next_seq = 0;
+  std::atomic<uint64_t> last_touch{0};
+  std::atomic<uint64_t> fenced{0};
+  Answers answers;
   // In (service thread only): a header in the making, and the answer waiting
   // for the service stream.
   Header hdr{};
   size_t hdr_have = 0;
   bool answer_pending = false;
-  uint32_t answer_op = 0;
-  int64_t first_failure = kServed;
+  Header answer_for{};
 };
 
 class NcclEndpoint final : public DeviceEndpoint {
@@ -516,7 +584,7 @@ class NcclEndpoint final : public DeviceEndpoint {
   Outcome put(int pe, uint64_t dst_off, const void* src, uint64_t nbytes, const SignalSpec* sig,
               void* stream, WaitHook& wait) override {
     Header h;
-    h.op = sig ? kPutSignal : kPut;
+    h.op = wire(sig ? Op::PutSignal : Op::Put);
     h.offset = dst_off;
     h.nbytes = nbytes;
     if (sig) {
@@ -531,7 +599,7 @@ class NcclEndpoint final : public DeviceEndpoint {
   Outcome get(int pe, void* dst, uint64_t src_off, uint64_t nbytes, void* stream,
               WaitHook& wait) override {
     Header h;
-    h.op = kGet;
+    h.op = wire(Op::Get);
     h.offset = src_off;
     h.nbytes = nbytes;
     bytes_ += nbytes;
@@ -540,7 +608,7 @@ class NcclEndpoint final : public DeviceEndpoint {
 
   Outcome signal(int pe, const SignalSpec& sig, void* stream, WaitHook& wait) override {
     Header h;
-    h.op = kSignal;
+    h.op = wire(Op::Signal);
     h.signal_offset = sig.offset;
     h.value = static_cast<int64_t>(sig.value);
     h.signal_add = sig.add;
@@ -548,10 +616,12 @@ class NcclEndpoint final : public DeviceEndpoint {
     return request(pe, h, nullptr, false, stream, wait, nullptr);
   }
 
-  Outcome atomic(int pe, int op, uint64_t offset, int64_t a, int64_t b, int64_t* old, void*,
+  Outcome atomic(int pe, Op op, uint64_t offset, int64_t a, int64_t b, int64_t* old, void*,
                  WaitHook& wait) override {
+    if (op != Op::FetchAdd && op != Op::CompareSwap && op != Op::Swap)
+      return failed(pe, std::string(op_name(op)) + " is not an atomic");
     Header h;
-    h.op = static_cast<uint32_t>(op);
+    h.op = wire(op);
     h.offset = offset;
     h.value = a;
     h.value2 = b;
@@ -564,12 +634,18 @@ class NcclEndpoint final : public DeviceEndpoint {
 
   Outcome quiet(WaitHook& wait) override {
     for (auto& [pe, link] : out_) {
-      if (!link->touched) continue;
+      // A quiet answered after this PE's last put/get/signal covers them all
+      // (another thread's, maybe).
+      uint64_t touched = link->last_touch.load();
+      if (touched == 0 || touched < link->fenced.load()) continue;
       Header h;
-      h.op = kFence;
+      h.op = wire(Op::Quiet);
       Answer answer;
       Outcome o = request(pe, h, nullptr, false, nullptr, wait, &answer);
       if (o.result != Result::Ok) return o;
+      uint64_t was = link->fenced.load();
+      while (was < answer.seq && !link->fenced.compare_exchange_weak(was, answer.seq)) {
+      }
     }
     return {};
   }
@@ -580,7 +656,7 @@ class NcclEndpoint final : public DeviceEndpoint {
     // everything before it, and sends nothing more on that pair.
     for (auto& [pe, link] : out_) {
       Header h;
-      h.op = kClose;
+      h.op = kWireClose;
       Answer answer;
       Outcome o = request(pe, h, nullptr, false, nullptr, wait, &answer);
       if (o.result != Result::Ok) return o;
@@ -618,11 +694,14 @@ class NcclEndpoint final : public DeviceEndpoint {
     for (auto* links : {&out_, &in_}) {
       for (auto& [p, link] : *links) {
         if (pe >= 0 && p != pe) continue;
-        std::lock_guard<std::mutex> lock(link->mu);
-        if (link->comm) nccl_->CommAbort(link->comm);  // ends its kernels
-        link->comm = nullptr;
-        if (link->broken.empty()) link->broken = why;
-        if (link->fd >= 0) ::shutdown(link->fd, SHUT_RDWR);
+        {
+          std::lock_guard<std::mutex> lock(link->mu);
+          if (link->comm) nccl_->CommAbort(link->comm);  // ends its kernels
+          link->comm = nullptr;
+          if (link->broken.empty()) link->broken = why;
+          if (link->fd >= 0) ::shutdown(link->fd, SHUT_RDWR);
+        }
+        fail_answers(*link, Result::Failed, "its connection is gone: " + why, "");
       }
     }
   }
@@ -739,55 +818,171 @@ class NcclEndpoint final : public DeviceEndpoint {
 
   // One request of this PE to `pe`: the header, then the bytes through NCCL on
   // the link's stream after the caller's stream (`data`: put source or get
-  // destination), then, for ops with one, the answer.
-  Outcome request(int pe, const Header& h, void* data, bool data_out, void* stream,
-                  WaitHook& wait, Answer* answer) {
+  // destination), then, for ops with one, the answer. The link is held only
+  // while the header goes and the NCCL call is issued (both sides must issue
+  // them in header order); the wait for the answer is outside it, so other
+  // threads' requests on the link go on meanwhile.
+  Outcome request(int pe, Header h, void* data, bool data_out, void* stream, WaitHook& wait,
+                  Answer* answer) {
     auto it = out_.find(pe);
     if (it == out_.end()) return failed(pe, "no connection to it");
     Link& link = *it->second;
-    std::lock_guard<std::mutex> lock(link.mu);
-    if (!link.broken.empty()) return failed(pe, "its connection is gone: " + link.broken);
+    {
+      std::lock_guard<std::mutex> lock(link.mu);
+      Outcome gone = link_failure(link);
+      if (gone.result != Result::Ok) return gone;
+      h.seq = ++link.next_seq;
+      Outcome o = issue(link, h, data, data_out, stream, wait);
+      if (o.result != Result::Ok) return o;
+      if (h.op == wire(Op::Put) || h.op == wire(Op::PutSignal) || h.op == wire(Op::Get) ||
+          h.op == wire(Op::Signal))
+        link.last_touch.store(h.seq);
+    }
+    if (!wire_op_has_reply(h.op)) return {};
+    Answer got;
+    Outcome o = await_answer(link, h.seq, wait, &got);
+    if (o.result == Result::Ok && answer) *answer = got;
+    return o;
+  }
+
+  // The header and the NCCL call of one request (link locked).
+  Outcome issue(Link& link, const Header& h, void* data, bool data_out, void* stream,
+                WaitHook& wait) {
     DeviceScope on(spec_.device);
-    // Block in poll() between checks, so an answer is read as soon as it comes.
-    auto ready = [&](short events) {
-      pollfd p{link.fd, events, 0};
+    // Block in poll() between checks, so the header goes as soon as there is room.
+    auto room = [&] {
+      pollfd p{link.fd, POLLOUT, 0};
       ::poll(&p, 1, 1);
       return wait.check();
     };
     std::string why;
-    int sent = send_all(link.fd, &h, sizeof h, [&] { return ready(POLLOUT); }, &why);
-    if (sent == 0) return gave_up(pe);
-    if (sent < 0) return failed(pe, why);
-    if (h.nbytes > 0 && (h.op == kPut || h.op == kPutSignal || h.op == kGet)) {
-      auto caller = static_cast<cudaStream_t>(stream);
-      cudaError_t e = cudaEventRecord(link.before, caller);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(link.stream, link.before, 0);
-      if (e != cudaSuccess) return failed(pe, "ordering after the caller's stream: " + cuda_text(e));
-      ncclResult_t r = data_out ? nccl_->Send(data, h.nbytes, ncclUint8, 1, link.comm, link.stream)
-                                : nccl_->Recv(data, h.nbytes, ncclUint8, 1, link.comm, link.stream);
-      if (r != ncclSuccess && r != ncclInProgress)
-        return failed(pe, nccl_text(data_out ? "ncclSend" : "ncclRecv", r, link.comm));
-      if (r == ncclInProgress) {
-        Outcome o = settle(link, data_out ? "ncclSend" : "ncclRecv", wait);
-        if (o.result != Result::Ok) return o;
-      }
-      e = cudaEventRecord(link.after, link.stream);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(caller, link.after, 0);
-      if (e != cudaSuccess) return failed(pe, "ordering the caller's stream: " + cuda_text(e));
+    int sent = send_all(link.fd, &h, sizeof h, room, &why);
+    if (sent == 0) return gave_up(link.pe);
+    if (sent < 0) return failed(link.pe, why);
+    bool moves_bytes =
+        h.op == wire(Op::Put) || h.op == wire(Op::PutSignal) || h.op == wire(Op::Get);
+    if (h.nbytes == 0 || !moves_bytes) return {};
+    auto caller = static_cast<cudaStream_t>(stream);
+    cudaError_t e = cudaEventRecord(link.before, caller);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(link.stream, link.before, 0);
+    if (e != cudaSuccess)
+      return failed(link.pe, "ordering after the caller's stream: " + cuda_text(e));
+    const char* call = data_out ? "ncclSend" : "ncclRecv";
+    ncclResult_t r = data_out ? nccl_->Send(data, h.nbytes, ncclUint8, 1, link.comm, link.stream)
+                              : nccl_->Recv(data, h.nbytes, ncclUint8, 1, link.comm, link.stream);
+    if (r != ncclSuccess && r != ncclInProgress)
+      return failed(link.pe, nccl_text(call, r, link.comm));
+    if (r == ncclInProgress) {
+      Outcome o = settle(link, call, wait);
+      if (o.result != Result::Ok) return o;
     }
-    if (h.op == kFence || h.op == kClose) link.touched = false;
-    else link.touched = true;
-    if (!wire_op_has_reply(h.op)) return {};
-    Answer got;
-    int received = recv_all(link.fd, &got, sizeof got, [&] { return ready(POLLIN); }, &why);
-    if (received == 0) return gave_up(pe);
-    if (received < 0) return failed(pe, why);
-    if (got.status != kServed)
-      return failed(pe, std::string("it could not serve an earlier request (") +
-                            (got.status == kOutOfHeap ? "the bytes fall outside its heap"
-                                                      : "its engine failed") +
-                            ")");
-    if (answer) *answer = got;
+    e = cudaEventRecord(link.after, link.stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(caller, link.after, 0);
+    if (e != cudaSuccess) return failed(link.pe, "ordering the caller's stream: " + cuda_text(e));
+    return {};
+  }
+
+  // The answer numbered `seq` on an Out link. Whoever finds nobody reading
+  // the socket reads it (blocking in poll() up to 1 ms at a time, so an
+  // answer is taken as soon as it comes) and files every answer it reads;
+  // the others wait until their answer was filed.
+  Outcome await_answer(Link& link, uint64_t seq, WaitHook& wait, Answer* out) {
+    Answers& a = link.answers;
+    std::unique_lock<std::mutex> lock(a.mu);
+    for (;;) {
+      auto found = a.by_seq.find(seq);
+      if (found != a.by_seq.end()) {
+        *out = found->second;
+        a.by_seq.erase(found);
+        if (out->status == kServed) return {};
+        return refusal(link.pe, *out);
+      }
+      if (a.failure != Result::Ok) return answers_outcome(link.pe, a);
+      bool keep_going;
+      if (!a.reading) {
+        a.reading = true;
+        lock.unlock();
+        pollfd p{link.fd, POLLIN, 0};
+        ::poll(&p, 1, 1);
+        read_answers(link);
+        keep_going = wait.check();
+        lock.lock();
+        a.reading = false;
+        a.filed.notify_all();
+      } else {
+        a.filed.wait_for(lock, std::chrono::milliseconds(1));
+        lock.unlock();
+        keep_going = wait.check();
+        lock.lock();
+      }
+      if (!keep_going) {
+        if (a.by_seq.count(seq)) continue;  // it came meanwhile
+        return gave_up(link.pe);
+      }
+    }
+  }
+
+  // Reads and files whatever answers arrived (the link's reader only).
+  void read_answers(Link& link) {
+    Answers& a = link.answers;
+    for (;;) {
+      char* at = reinterpret_cast<char*>(&a.partial) + a.have;
+      ssize_t k = ::recv(link.fd, at, sizeof(Answer) - a.have, MSG_DONTWAIT);
+      if (k > 0) {
+        a.have += static_cast<size_t>(k);
+        if (a.have < sizeof(Answer)) continue;
+        a.have = 0;
+        Answer got = a.partial;
+        got.what[sizeof got.what - 1] = '\0';
+        std::lock_guard<std::mutex> lock(a.mu);
+        a.by_seq[got.seq] = got;
+        if (got.status != kServed && a.failure == Result::Ok) {
+          // The target ended its side of the pair: every later wait fails so.
+          Outcome o = refusal(link.pe, got);
+          a.failure = o.result;
+          a.failure_text = o.error;
+          a.failed_op = o.op;
+        }
+        a.filed.notify_all();
+        continue;
+      }
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+      fail_answers(link, Result::Failed,
+                   k == 0 ? "it closed its connection (its process died or finalized)"
+                          : std::string("its connection failed: ") + strerror(errno),
+                   "");
+      return;
+    }
+  }
+
+  // Ends every wait on the link with this failure (the first one stays).
+  void fail_answers(Link& link, Result result, const std::string& why, const std::string& op) {
+    Answers& a = link.answers;
+    std::lock_guard<std::mutex> lock(a.mu);
+    if (a.failure == Result::Ok) {
+      a.failure = result;
+      a.failure_text = why;
+      a.failed_op = op;
+    }
+    a.filed.notify_all();
+  }
+
+  Outcome refusal(int pe, const Answer& got) {
+    Outcome o{Result::Refused, pe, got.what, wire_op_name(got.failed_op)};
+    if (o.error.empty()) o.error = "its engine failed";
+    return o;
+  }
+  static Outcome answers_outcome(int pe, const Answers& a) {
+    return {a.failure, pe, a.failure_text, a.failed_op};
+  }
+  // Why an Out link can no longer be used (link locked): the target's
+  // refusal or the connection's end; Ok while usable.
+  Outcome link_failure(Link& link) {
+    {
+      std::lock_guard<std::mutex> lock(link.answers.mu);
+      if (link.answers.failure != Result::Ok) return answers_outcome(link.pe, link.answers);
+    }
+    if (!link.broken.empty()) return failed(link.pe, "its connection is gone: " + link.broken);
     return {};
   }
 
@@ -798,7 +993,8 @@ class NcclEndpoint final : public DeviceEndpoint {
     if (service_.joinable()) service_.join();
   }
 
-  void service_failed(Link& link, const std::string& why) {
+  // Ends this PE's side of a pair it serves (service thread, link locked).
+  void end_pair(Link& link, const std::string& why) {
     {
       std::lock_guard<std::mutex> lock(in_mu_);
       if (service_error_.empty()) {
@@ -811,11 +1007,27 @@ class NcclEndpoint final : public DeviceEndpoint {
     link.broken = why;
   }
 
+  // The request `h` cannot be served: the requester learns what failed (and
+  // fails at once rather than at its deadline), then the pair ends, since
+  // its NCCL calls would no longer match.
+  void refuse(Link& link, const Header& h, int64_t status, const std::string& why) {
+    Answer a;
+    a.seq = h.seq;
+    a.status = status;
+    a.failed_op = h.op;
+    std::snprintf(a.what, sizeof a.what, "%s", why.c_str());
+    send_answer(link, a);
+    end_pair(link, why);
+  }
+
   void serve() {
     cudaSetDevice(spec_.device);
+    // The backoff's short sleeps end on time (Linux's default slack is 50 us).
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     std::vector<pollfd> fds;
+    Backoff backoff;
     while (running_.load()) {
-      bool busy = false;
+      bool progressed = false, pending = false;
       size_t open = 0;
       fds.clear();
       for (auto& [pe, link_ptr] : in_) {
@@ -824,9 +1036,10 @@ class NcclEndpoint final : public DeviceEndpoint {
         if (!link.broken.empty() || link.closed) continue;
         ++open;
         if (link.answer_pending) {
-          busy = true;
-          finish_answer(link);
-          continue;  // the next header waits for this answer (one at a time per pair)
+          progressed |= finish_answer(link);
+          // The next header waits for this answer (one at a time per pair).
+          if (link.answer_pending) pending = true;
+          if (link.answer_pending || !link.broken.empty() || link.closed) continue;
         }
         // Headers, as many as arrived.
         for (;;) {
@@ -836,15 +1049,16 @@ class NcclEndpoint final : public DeviceEndpoint {
             link.hdr_have += static_cast<size_t>(k);
             if (link.hdr_have < sizeof(Header)) continue;
             link.hdr_have = 0;
-            busy = true;
+            progressed = true;
             perform(link);
+            if (link.answer_pending) pending = true;
             if (link.answer_pending || !link.broken.empty()) break;
             continue;
           }
           if (k == 0) {
-            service_failed(link, "it closed its connection (its process died)");
+            end_pair(link, "it closed its connection (its process died)");
           } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-            service_failed(link, std::string("its connection failed: ") + strerror(errno));
+            end_pair(link, std::string("its connection failed: ") + strerror(errno));
           } else {
             fds.push_back({link.fd, POLLIN, 0});
           }
@@ -855,126 +1069,148 @@ class NcclEndpoint final : public DeviceEndpoint {
         running_ = false;  // every peer closed its requests to us
         break;
       }
-      if (busy) continue;
-      ::poll(fds.data(), fds.size(), 1);  // idle: up to 1 ms before looking again
+      if (progressed) {
+        backoff.reset();
+        continue;
+      }
+      if (pending) {
+        // Answers wait for the device: look again soon, or at once when a header comes.
+        std::chrono::nanoseconds pause = backoff.next();
+        if (pause.count() > 0) wait_fds(fds, pause);
+        continue;
+      }
+      backoff.reset();
+      ::poll(fds.data(), fds.size(), 1);  // idle: until a header comes (1 ms at most)
     }
   }
 
   // Queues the header's work on the link's stream (service thread, link locked).
   void perform(Link& link) {
-    const Header& h = link.hdr;
+    const Header h = link.hdr;
     char* base = spec_.base;
     auto in_heap = [&](uint64_t off, uint64_t n) {
       return off <= spec_.heap_size && n <= spec_.heap_size - off;
     };
+    auto outside = [&](const char* what, uint64_t off, uint64_t n) {
+      return std::string("the ") + what + " at offset " +
+             std::to_string(off) + " (" + std::to_string(n) + " bytes) fall outside PE " +
+             std::to_string(spec_.my_pe) + "'s heap of " + std::to_string(spec_.heap_size) +
+             " bytes";
+    };
     ncclResult_t r = ncclSuccess;
     cudaError_t e = cudaSuccess;
     switch (h.op) {
-      case kPut:
-      case kPutSignal:
-      case kGet:
-        if (!in_heap(h.offset, h.nbytes) ||
-            (h.op == kPutSignal && !in_heap(h.signal_offset, 8))) {
-          // The pair's sends and receives no longer match: end it.
-          service_failed(link, std::string("a ") + wire_op_name(h.op) +
-                                   " falls outside this PE's heap");
-          return;
-        }
+      case wire(Op::Put):
+      case wire(Op::PutSignal):
+      case wire(Op::Get):
+        if (!in_heap(h.offset, h.nbytes))
+          return refuse(link, h, kOutOfHeap, outside("bytes", h.offset, h.nbytes));
+        if (h.op == wire(Op::PutSignal) && !in_heap(h.signal_offset, 8))
+          return refuse(link, h, kOutOfHeap, outside("signal word", h.signal_offset, 8));
         if (h.nbytes > 0)
-          r = h.op == kGet ? nccl_->Send(base + h.offset, h.nbytes, ncclUint8, 0, link.comm, link.stream)
-                           : nccl_->Recv(base + h.offset, h.nbytes, ncclUint8, 0, link.comm, link.stream);
+          r = h.op == wire(Op::Get)
+                  ? nccl_->Send(base + h.offset, h.nbytes, ncclUint8, 0, link.comm, link.stream)
+                  : nccl_->Recv(base + h.offset, h.nbytes, ncclUint8, 0, link.comm, link.stream);
         if (r == ncclInProgress) r = settle_service(link);
-        if (r == ncclSuccess && h.op == kPutSignal) {
+        if (r == ncclSuccess && h.op == wire(Op::PutSignal)) {
           signal_kernel<<<1, 1, 0, link.stream>>>(
               reinterpret_cast<unsigned long long*>(base + h.signal_offset),
               static_cast<unsigned long long>(h.value), h.signal_add ? 1 : 0);
           e = cudaGetLastError();
         }
         break;
-      case kSignal:
-        if (!in_heap(h.signal_offset, 8)) {
-          link.first_failure = kOutOfHeap;
-          return;
-        }
+      case wire(Op::Signal):
+        if (!in_heap(h.signal_offset, 8))
+          return refuse(link, h, kOutOfHeap, outside("signal word", h.signal_offset, 8));
         signal_kernel<<<1, 1, 0, link.stream>>>(
             reinterpret_cast<unsigned long long*>(base + h.signal_offset),
             static_cast<unsigned long long>(h.value), h.signal_add ? 1 : 0);
         e = cudaGetLastError();
         break;
-      case kFetchAdd:
-      case kCompareSwap:
-      case kSwap:
-        if (!in_heap(h.offset, 8)) {
-          link.first_failure = kOutOfHeap;
-          send_answer(link, {kOutOfHeap, 0});
-          return;
-        }
+      case wire(Op::FetchAdd):
+      case wire(Op::CompareSwap):
+      case wire(Op::Swap):
+        if (!in_heap(h.offset, 8))
+          return refuse(link, h, kOutOfHeap, outside("atomic word", h.offset, 8));
         atomic_kernel<<<1, 1, 0, link.stream>>>(
-            reinterpret_cast<unsigned long long*>(base + h.offset), h.op,
+            reinterpret_cast<unsigned long long*>(base + h.offset), static_cast<Op>(h.op),
             static_cast<unsigned long long>(h.value), static_cast<unsigned long long>(h.value2),
             link.answer_dev);
         e = cudaGetLastError();
         [[fallthrough]];
-      case kFence:
-      case kClose:
+      case wire(Op::Quiet):
+      case kWireClose:
         if (e == cudaSuccess) e = cudaEventRecord(link.after, link.stream);
         if (e == cudaSuccess) {
           link.answer_pending = true;
-          link.answer_op = h.op;
+          link.answer_for = h;
         }
         break;
       default:
-        service_failed(link, "it sent a malformed request");
-        return;
+        return refuse(link, h, kMalformed,
+                      "a request with the unknown op " + std::to_string(h.op));
     }
-    if (r != ncclSuccess) service_failed(link, nccl_text(wire_op_name(h.op), r, link.comm));
-    else if (e != cudaSuccess) service_failed(link, std::string(wire_op_name(h.op)) + ": " + cuda_text(e));
+    if (r != ncclSuccess) refuse(link, h, kEngineError, nccl_text(wire_op_name(h.op), r, link.comm));
+    else if (e != cudaSuccess)
+      refuse(link, h, kEngineError, std::string(wire_op_name(h.op)) + ": " + cuda_text(e));
   }
 
-  // The service thread does not wait: a call in progress is polled briefly here.
+  // A call still in progress after it was issued (rare once connected): polled
+  // with the backoff, within the PE's timeout.
   ncclResult_t settle_service(Link& link) {
-    auto deadline = Clock::now() + std::chrono::duration<double>(spec_timeout());
+    auto deadline = Clock::now() + std::chrono::duration<double>(spec_.timeout_s);
+    Backoff backoff;
     for (;;) {
       ncclResult_t state = ncclSuccess;
       ncclResult_t r = nccl_->CommGetAsyncError(link.comm, &state);
       if (r != ncclSuccess) return r;
       if (state != ncclInProgress) return state;
       if (Clock::now() > deadline || !running_.load()) return ncclSystemError;
-      std::this_thread::yield();
+      std::chrono::nanoseconds pause = backoff.next();
+      if (pause.count() > 0) std::this_thread::sleep_for(pause);
     }
   }
-  double spec_timeout() const { return spec_.timeout_s; }
 
-  // Answers once the service stream reached the point recorded for it.
-  void finish_answer(Link& link) {
+  // Answers once the service stream reached the point recorded for it; true
+  // once the request is done with (answered or refused).
+  bool finish_answer(Link& link) {
     cudaError_t e = cudaEventQuery(link.after);
     if (e == cudaErrorNotReady) {
       ncclResult_t state = ncclSuccess;
       nccl_->CommGetAsyncError(link.comm, &state);
-      if (state != ncclSuccess && state != ncclInProgress)
-        service_failed(link, nccl_text("serving a request", state, link.comm));
-      return;
+      if (state == ncclSuccess || state == ncclInProgress) return false;
+      link.answer_pending = false;
+      refuse(link, link.answer_for, kEngineError,
+             nccl_text("serving an earlier request", state, link.comm));
+      return true;
     }
     link.answer_pending = false;
     if (e != cudaSuccess) {
-      service_failed(link, "serving a request: " + cuda_text(e));
-      return;
+      refuse(link, link.answer_for, kEngineError, "serving a request: " + cuda_text(e));
+      return true;
     }
     Answer a;
-    a.status = link.first_failure;
-    link.first_failure = kServed;
-    if (link.answer_op == kFetchAdd || link.answer_op == kCompareSwap || link.answer_op == kSwap)
+    a.seq = link.answer_for.seq;
+    uint32_t op = link.answer_for.op;
+    if (op == wire(Op::FetchAdd) || op == wire(Op::CompareSwap) || op == wire(Op::Swap))
       a.value = static_cast<int64_t>(*reinterpret_cast<volatile unsigned long long*>(link.answer_host));
     send_answer(link, a);
-    if (link.answer_op == kClose && link.broken.empty()) link.closed = true;
+    if (op == kWireClose && link.broken.empty()) link.closed = true;
+    return true;
   }
 
+  // Blocks in poll() while the socket is full (the requester reads its
+  // answers only when it waits for one), within the PE's timeout.
   void send_answer(Link& link, const Answer& a) {
-    auto deadline = Clock::now() + std::chrono::duration<double>(spec_timeout());
+    auto deadline = Clock::now() + std::chrono::duration<double>(spec_.timeout_s);
+    auto room = [&] {
+      pollfd p{link.fd, POLLOUT, 0};
+      ::poll(&p, 1, 1);
+      return running_.load() && Clock::now() < deadline;
+    };
     std::string why;
-    int sent = send_all(link.fd, &a, sizeof a,
-                        [&] { return running_.load() && Clock::now() < deadline; }, &why);
-    if (sent <= 0) service_failed(link, sent == 0 ? "it stopped reading its answers" : why);
+    int sent = send_all(link.fd, &a, sizeof a, room, &why);
+    if (sent <= 0) end_pair(link, sent == 0 ? "it stopped reading its answers" : why);
   }
 
   void release(Link& link) {
