@@ -240,6 +240,7 @@ __global__ void __launch_bounds__(PipelinedDkvConfig<DB>::kThreads)
     // key j0 + 8 (e >> 1), query row m0 + 8 nt + 2 t + (e & 1).
     const bool full = m0 >= full_lo && m0 + BM <= full_hi;
     const LogitCtx logit(p, b, hq, seq);
+    const DbiasSink dbias(p, b, hq, seq);
     const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
 #pragma unroll
     for (int nt = 0; nt < BM / 8; ++nt) {
@@ -258,19 +259,9 @@ __global__ void __launch_bounds__(PipelinedDkvConfig<DB>::kThreads)
         }
         const float pr = exp2_fast(x2 - ((e & 1) ? l2.y : l2.x));
         s[nt][e] = pr * keep;
-        if constexpr (kDoDk) {
-          const float ds = pr * (dp[nt][e] * keep - ((e & 1) ? dl.y : dl.x));
-          if constexpr (kFeatures) {
-            if (p.dbias) {
-              if (p.dbias_sq == 0) {
-                dbias_sum[h] += ds;
-              } else if (i < seq.sq && j < seq.sk) {
-                p.dbias[b * p.dbias_sb + hq * p.dbias_sh + i * p.dbias_sq + j * p.dbias_sk] = ds;
-              }
-            }
-          }
-          dp[nt][e] = ds * dcap * p.scale;
-        }
+        if constexpr (kDoDk)
+          dp[nt][e] = score_grad<kFeatures>(p, pr, dp[nt][e], keep, (e & 1) ? dl.y : dl.x, dcap, dbias, i,
+                                            j, &dbias_sum[h]);
       }
     }
 
@@ -309,15 +300,7 @@ __global__ void __launch_bounds__(PipelinedDkvConfig<DB>::kThreads)
       sDelta[(buf ^ 1) * BM + threadIdx.x] = next_delta;
     }
     // The last tile of a head: its row sums of dS (uniform over the CTA).
-    if (dbias_rows_summed && (it + 1) % m_tiles == 0) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float sum = quad_sum(dbias_sum[h]);
-        const int j = j0 + 8 * h;
-        if (t == 0 && j < seq.sk) p.dbias[b * p.dbias_sb + hq * p.dbias_sh + j * p.dbias_sk] = sum;
-        dbias_sum[h] = 0.0f;
-      }
-    }
+    if (dbias_rows_summed && (it + 1) % m_tiles == 0) dbias.write_row_sums(dbias_sum, j0, t);
   }
   cp_async_wait<0>();
 
