@@ -580,7 +580,8 @@ def test_pipelined_output_strides(monkeypatch):
 def own_backward(monkeypatch, kernel):
     """Forces the own kernels and the backward kernels ("auto" = pipelined
     where they serve, "basic", "pipelined_dq16" = pipelined with the 16-row
-    dQ kernel), and checks the choice is what the test expects."""
+    dQ kernel, "pipelined_dkdv32" = with the dK/dV kernel of 32-row query
+    tiles), and checks the choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_backward_env, kernel)
     for d in PIPELINED_DIMS:
@@ -621,7 +622,8 @@ PIPELINED_BACKWARD_OPTS = {
 @pytest.mark.parametrize("name", list(PIPELINED_BACKWARD_OPTS))
 def test_pipelined_backward_matches_basic(name, Sq, Sk, dtype, D, monkeypatch):
     """The own backwards on the same call (8 query heads over 2 kv heads):
-    basic, pipelined, and pipelined with the 16-row dQ kernel; every gradient
+    basic, pipelined, pipelined with the 16-row dQ kernel and with the
+    32-row dK/dV kernel; every gradient
     (dbias included) of each within the rule against the fp32 reference, and
     the pipelined ones close to the basic one."""
     make_kw, opts = PIPELINED_BACKWARD_OPTS[name]
@@ -634,7 +636,7 @@ def test_pipelined_backward_matches_basic(name, Sq, Sk, dtype, D, monkeypatch):
         inputs.append(kw["bias"])
     dout = torch.randn(case["q"].shape, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
     grads = {}
-    kernels = ("basic", "auto", "pipelined_dq16")
+    kernels = ("basic", "auto", "pipelined_dq16", "pipelined_dkdv32")
     for kernel in kernels:
         own_backward(monkeypatch, kernel)
         out = flash_attn_func(case["q"], case["k"], case["v"], **kw)

@@ -243,10 +243,12 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
     k.delta_sh = a.seqlen_q;
   }
   const char* kernel = own_backward_kernel(a.head_dim);
-  const bool dq16 = std::strcmp(kernel, kOwnBackwardDq16) == 0;
-  const bool pipelined_backward = dq16 || std::strcmp(kernel, "pipelined") == 0;
-  if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k, pipelined_backward, dq16);
-  else cuda::run_backward_bf16(l, k, pipelined_backward, dq16);
+  cuda::BackwardVariant variant;
+  variant.dq16 = std::strcmp(kernel, kOwnBackwardDq16) == 0;
+  variant.dkdv32 = std::strcmp(kernel, kOwnBackwardDkdv32) == 0;
+  const bool pipelined_backward = std::strcmp(kernel, "basic") != 0;
+  if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k, pipelined_backward, variant);
+  else cuda::run_backward_bf16(l, k, pipelined_backward, variant);
 }
 
 }  // namespace symheap::attention

@@ -5,7 +5,7 @@ namespace symheap::attention::cuda {
 void run_forward_f16(const Launch& l, const KArgs& p, bool pipelined) {
   run_forward<__half>(l, p, pipelined);
 }
-void run_backward_f16(const Launch& l, const KArgs& p, bool pipelined, bool dq16) {
-  run_backward<__half>(l, p, pipelined, dq16);
+void run_backward_f16(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant) {
+  run_backward<__half>(l, p, pipelined, variant);
 }
 }  // namespace symheap::attention::cuda

@@ -228,6 +228,7 @@ __global__ void __launch_bounds__(DkvConfig<DB>::kThreads) attention_bwd_dkdv_ke
     const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
     const T* q = static_cast<const T*>(p.q) + b * p.q_sb + seq.q0 * p.q_sr + hq * p.q_sh;
     const T* dout = static_cast<const T*>(p.dout) + b * p.do_sb + seq.q0 * p.do_sr + hq * p.do_sh;
+    const DbiasSink dbias(p, b, hq, seq);
     float dbias_sum[2] = {0.0f, 0.0f};  // bias broadcast over query rows
 
     for (int m0 = i_lo / BM * BM; m0 < i_hi; m0 += BM) {
@@ -284,17 +285,9 @@ __global__ void __launch_bounds__(DkvConfig<DB>::kThreads) attention_bwd_dkdv_ke
           float keep = 1.0f;
           if (p.dropout) keep = dropout_keep(p, dropout_quad(p, bh, i, j), j);
           s[nt][e] = pr * keep;  // dropped-out probabilities, for dV
-          if constexpr (kDoDk) {
-            const float ds = pr * (dp[nt][e] * keep - sDelta[r]);
-            if (p.dbias) {
-              if (p.dbias_sq == 0) {
-                dbias_sum[e >> 1] += ds;
-              } else if (i < seq.sq && j < seq.sk) {
-                p.dbias[b * p.dbias_sb + hq * p.dbias_sh + i * p.dbias_sq + j * p.dbias_sk] = ds;
-              }
-            }
-            dp[nt][e] = ds * dcap * p.scale;
-          }
+          if constexpr (kDoDk)
+            dp[nt][e] = score_grad<true>(p, pr, dp[nt][e], keep, sDelta[r], dcap, dbias, i, j,
+                                         &dbias_sum[e >> 1]);
         }
 
 #pragma unroll
@@ -321,14 +314,7 @@ __global__ void __launch_bounds__(DkvConfig<DB>::kThreads) attention_bwd_dkdv_ke
         }
       }
     }
-    if (kDoDk && p.dbias && p.dbias_sq == 0) {  // uniform over the CTA
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float sum = quad_sum(dbias_sum[h]);
-        const int j = j_lo + 8 * h;
-        if (t == 0 && j < seq.sk) p.dbias[b * p.dbias_sb + hq * p.dbias_sh + j * p.dbias_sk] = sum;
-      }
-    }
+    if (kDoDk && dbias.summed_rows()) dbias.write_row_sums(dbias_sum, j_lo, t);  // uniform over the CTA
   }
 
   // Each warp reads only its own rows of sK and sV: stage its results there.

@@ -19,13 +19,21 @@
 
 namespace symheap::attention::cuda {
 
-template <int DB>
+// Query rows per tile: the scores S^T and dP^T of a warp take BM / 2
+// registers each, next to the dK and dV accumulators (DB / 2 registers each).
+// 64 at head dim 64; at 128 64 without the logit features (each K and V
+// fragment read through ldmatrix then serves 64 rows instead of 32: 144
+// ldmatrix.x4 per 256 mma instead of 2 x 80, and half the barriers) and 32
+// with them (64 spills); 32 at 256.
+template <int DB, bool kFeatures>
+inline constexpr int kDkvRowTile = DB == 64 || (DB == 128 && !kFeatures) ? 64 : 32;
+
+template <int DB, int BM>
 struct PipelinedDkvConfig {
   static_assert(DB == 64 || DB == 128 || DB == 256, "the pipelined dK/dV serves head dims 64, 128 and 256");
+  static_assert(BM == 32 || BM == 64, "query tiles of 32 or 64 rows");
   static constexpr int kBlockN = 128;  // keys per CTA, 16 per warp
-  // Query rows per tile: the scores S^T and dP^T of a warp take kBlockM / 2
-  // registers each, next to the accumulators (DB / 2 registers each).
-  static constexpr int kBlockM = DB == 64 ? 64 : 32;
+  static constexpr int kBlockM = BM;
   static constexpr int kWarps = kBlockN / 16;
   static constexpr int kThreads = kWarps * 32;
   // dV and dK as separate passes (both accumulators would take 256 registers).
@@ -62,11 +70,11 @@ __device__ __forceinline__ RowRange rows_seeing(int j, int shift, int left, int 
 
 }  // namespace pipelined
 
-template <class T, int DB, bool kFeatures, bool kDoDv, bool kDoDk>
-__global__ void __launch_bounds__(PipelinedDkvConfig<DB>::kThreads)
+template <class T, int DB, int kRows, bool kFeatures, bool kDoDv, bool kDoDk>
+__global__ void __launch_bounds__(PipelinedDkvConfig<DB, kRows>::kThreads)
     attention_bwd_dkdv_pipelined_kernel(const KArgs p) {
   using namespace pipelined;
-  using C = PipelinedDkvConfig<DB>;
+  using C = PipelinedDkvConfig<DB, kRows>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;
   constexpr bool kKVReg = C::template kKVInRegisters<kFeatures>;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -84,7 +92,8 @@ __global__ void __launch_bounds__(PipelinedDkvConfig<DB>::kThreads)
   if (n0 >= seq.sk) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int cols = min(BN, seq.sk - n0);
-  const bool dbias_rows_summed = kDoDk && p.dbias && p.dbias_sq == 0;
+  // dbias comes with a bias (validate.cpp), so only with the features.
+  const bool dbias_rows_summed = kFeatures && kDoDk && p.dbias && p.dbias_sq == 0;
 
   // Query rows that see at least one key of [n0, n0 + cols); the same for
   // every query head. Tiles: m_tiles per head, then the next head.
@@ -240,6 +249,7 @@ __global__ void __launch_bounds__(PipelinedDkvConfig<DB>::kThreads)
     // key j0 + 8 (e >> 1), query row m0 + 8 nt + 2 t + (e & 1).
     const bool full = m0 >= full_lo && m0 + BM <= full_hi;
     const LogitCtx logit(p, b, hq, seq);
+    const DbiasSink dbias(p, b, hq, seq);
     const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
 #pragma unroll
     for (int nt = 0; nt < BM / 8; ++nt) {
@@ -258,19 +268,9 @@ __global__ void __launch_bounds__(PipelinedDkvConfig<DB>::kThreads)
         }
         const float pr = exp2_fast(x2 - ((e & 1) ? l2.y : l2.x));
         s[nt][e] = pr * keep;
-        if constexpr (kDoDk) {
-          const float ds = pr * (dp[nt][e] * keep - ((e & 1) ? dl.y : dl.x));
-          if constexpr (kFeatures) {
-            if (p.dbias) {
-              if (p.dbias_sq == 0) {
-                dbias_sum[h] += ds;
-              } else if (i < seq.sq && j < seq.sk) {
-                p.dbias[b * p.dbias_sb + hq * p.dbias_sh + i * p.dbias_sq + j * p.dbias_sk] = ds;
-              }
-            }
-          }
-          dp[nt][e] = ds * dcap * p.scale;
-        }
+        if constexpr (kDoDk)
+          dp[nt][e] = score_grad<kFeatures>(p, pr, dp[nt][e], keep, (e & 1) ? dl.y : dl.x, dcap, dbias, i,
+                                            j, &dbias_sum[h]);
       }
     }
 
@@ -309,15 +309,7 @@ __global__ void __launch_bounds__(PipelinedDkvConfig<DB>::kThreads)
       sDelta[(buf ^ 1) * BM + threadIdx.x] = next_delta;
     }
     // The last tile of a head: its row sums of dS (uniform over the CTA).
-    if (dbias_rows_summed && (it + 1) % m_tiles == 0) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float sum = quad_sum(dbias_sum[h]);
-        const int j = j0 + 8 * h;
-        if (t == 0 && j < seq.sk) p.dbias[b * p.dbias_sb + hq * p.dbias_sh + j * p.dbias_sk] = sum;
-        dbias_sum[h] = 0.0f;
-      }
-    }
+    if (dbias_rows_summed && (it + 1) % m_tiles == 0) dbias.write_row_sums(dbias_sum, j0, t);
   }
   cp_async_wait<0>();
 

@@ -269,4 +269,59 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// ---- the gradient of the logit features (both dK/dV kernels)
+
+// Where the bias gradient of one (batch, query head) goes: d loss / d logit
+// per element, or summed over the query rows when the bias is broadcast over
+// them (dbias_sq == 0; sums over broadcast heads and batches are the caller's).
+struct DbiasSink {
+  float* at;  // dbias at [b, hq, 0, 0]; null without dbias
+  int64_t sq, sk;
+  int rows, cols;
+
+  __device__ __forceinline__ DbiasSink(const KArgs& p, int b, int hq, const Seq& s)
+      : at(p.dbias ? p.dbias + b * p.dbias_sb + hq * p.dbias_sh : nullptr),
+        sq(p.dbias_sq),
+        sk(p.dbias_sk),
+        rows(s.sq),
+        cols(s.sk) {}
+
+  // Summed over query rows: the kernel keeps per-key sums (summed_rows) and
+  // writes them once per head (write_row_sums).
+  __device__ __forceinline__ bool summed_rows() const { return at && sq == 0; }
+
+  // Records ds of score (i, j): into `row_sum` (this key's sum) or at (i, j).
+  __device__ __forceinline__ void record(float ds, int i, int j, float* row_sum) const {
+    if (!at) return;
+    if (sq == 0) *row_sum += ds;
+    else if (i < rows && j < cols) at[i * sq + j * sk] = ds;
+  }
+
+  // The per-key sums of a warp's 16 keys (j_lo and j_lo + 8 for the thread
+  // with g = lane / 4; the four threads of a quad hold parts of one key's
+  // sum): reduced over the quad, written, and reset.
+  __device__ __forceinline__ void write_row_sums(float sums[2], int j_lo, int t) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sum = quad_sum(sums[h]);
+      const int j = j_lo + 8 * h;
+      if (t == 0 && j < cols) at[j * sk] = sum;
+      sums[h] = 0.0f;
+    }
+  }
+};
+
+// Gradient of one score: ds = d loss / d logit = P (dP keep - delta), with P
+// the probability before dropout and keep its dropout factor (0 or
+// 1 / (1 - rate)); ds is the bias gradient (recorded when kDbias). Returns
+// d loss / d (q.k) = ds * dcap * scale (dcap: d logit / d (scale q.k)).
+template <bool kDbias>
+__device__ __forceinline__ float score_grad(const KArgs& p, float pr, float dp, float keep, float delta,
+                                            float dcap, const DbiasSink& dbias, int i, int j,
+                                            float* row_sum) {
+  const float ds = pr * (dp * keep - delta);
+  if constexpr (kDbias) dbias.record(ds, i, j, row_sum);
+  return ds * dcap * p.scale;
+}
+
 }  // namespace symheap::attention::cuda

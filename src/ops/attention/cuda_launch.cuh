@@ -21,6 +21,14 @@ namespace symheap::attention::cuda {
 // Raises the kernel's dynamic shared-memory limit once per (device, kernel).
 void ensure_smem(int device, const void* kernel, size_t smem, const std::string& key);
 
+// Layouts of the pipelined backward other than the default, to time against
+// it ($SYMHEAP_ATTN_OWN_BACKWARD): the dQ kernel of 16-row warps at every head
+// dim (dq16); the dK/dV kernel of 32-row query tiles at head dim 128 (dkdv32).
+struct BackwardVariant {
+  bool dq16 = false;
+  bool dkdv32 = false;
+};
+
 struct Launch {
   int device;
   cudaStream_t stream;
@@ -86,39 +94,55 @@ void dq_pipelined(const Launch& l, const KArgs& p, bool dq16) {
   else dq_pipelined<T, DB, kFeatures, kDqRowTiles<DB>>(l, p);
 }
 
-template <class T, int DB, bool kFeatures>
+template <class T, int DB, int BM, bool kFeatures>
 void dkdv_pipelined(const Launch& l, const KArgs& p) {
-  using C = PipelinedDkvConfig<DB>;
+  using C = PipelinedDkvConfig<DB, BM>;
   const dim3 grid(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch);
   if constexpr (C::kSplit) {
     static ReadyDevices ready_dv{0}, ready_dk{0};
-    launch(l, attention_bwd_dkdv_pipelined_kernel<T, DB, kFeatures, true, false>, grid, C::kThreads,
+    launch(l, attention_bwd_dkdv_pipelined_kernel<T, DB, BM, kFeatures, true, false>, grid, C::kThreads,
            C::kSmem, p, kFeatures ? "dv_pipelined_features" : "dv_pipelined", DB, ready_dv);
-    launch(l, attention_bwd_dkdv_pipelined_kernel<T, DB, kFeatures, false, true>, grid, C::kThreads,
+    launch(l, attention_bwd_dkdv_pipelined_kernel<T, DB, BM, kFeatures, false, true>, grid, C::kThreads,
            C::kSmem, p, kFeatures ? "dk_pipelined_features" : "dk_pipelined", DB, ready_dk);
   } else {
     static ReadyDevices ready{0};
-    launch(l, attention_bwd_dkdv_pipelined_kernel<T, DB, kFeatures, true, true>, grid, C::kThreads,
-           C::kSmem, p, kFeatures ? "dkdv_pipelined_features" : "dkdv_pipelined", DB, ready);
+    // Another query tile than the default is another kernel (shared memory, name).
+    const char* name = BM != kDkvRowTile<DB, kFeatures> ? "dkdv_pipelined32"
+                       : kFeatures                      ? "dkdv_pipelined_features"
+                                                        : "dkdv_pipelined";
+    launch(l, attention_bwd_dkdv_pipelined_kernel<T, DB, BM, kFeatures, true, true>, grid, C::kThreads,
+           C::kSmem, p, name, DB, ready);
   }
+}
+
+// The dK/dV kernel of the default query tile (kDkvRowTile), or with 32-row
+// tiles at head dim 128 without features, the layout before 64-row tiles
+// (`dkdv32`: SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dkdv32).
+template <class T, int DB, bool kFeatures>
+void dkdv_pipelined(const Launch& l, const KArgs& p, bool dkdv32) {
+  constexpr int kRows = kDkvRowTile<DB, kFeatures>;
+  if constexpr (DB == 128 && kRows != 32) {
+    if (dkdv32) return dkdv_pipelined<T, DB, 32, kFeatures>(l, p);
+  }
+  dkdv_pipelined<T, DB, kRows, kFeatures>(l, p);
 }
 
 // The pipelined dQ and dK/dV kernels (head dims 64, 128 and 256, exactly);
 // the logit features are compiled in only when the call uses one.
 template <class T, int DB>
-void backward_pipelined(const Launch& l, const KArgs& p, bool dq16) {
+void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant) {
   static ReadyDevices ready_delta{0};
   const bool features = p.bias || p.mask || p.alibi || p.softcap > 0 || p.dropout;
   if (p.seqlen_q > 0) {
     launch(l, attention_bwd_delta_kernel<T>,
            dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
            p, "delta", 0, ready_delta);
-    if (features) dq_pipelined<T, DB, true>(l, p, dq16);
-    else dq_pipelined<T, DB, false>(l, p, dq16);
+    if (features) dq_pipelined<T, DB, true>(l, p, variant.dq16);
+    else dq_pipelined<T, DB, false>(l, p, variant.dq16);
   }
   if (p.seqlen_k > 0) {
-    if (features) dkdv_pipelined<T, DB, true>(l, p);
-    else dkdv_pipelined<T, DB, false>(l, p);
+    if (features) dkdv_pipelined<T, DB, true>(l, p, variant.dkdv32);
+    else dkdv_pipelined<T, DB, false>(l, p, variant.dkdv32);
   }
 }
 
@@ -180,15 +204,14 @@ void run_forward(const Launch& l, const KArgs& p, bool pipelined) {
   }
 }
 
-// `pipelined`: the call runs on the pipelined backward kernels, `dq16`: with
-// the dQ kernel of 16-row warps at every head dim (own_backward_kernel in
-// path_choice.cpp decides both).
+// `pipelined`: the call runs on the pipelined backward kernels, in `variant`
+// (own_backward_kernel in path_choice.cpp decides both).
 template <class T>
-void run_backward(const Launch& l, const KArgs& p, bool pipelined, bool dq16) {
+void run_backward(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant) {
   if (pipelined && pipelined_forward_serves(p.d)) {
-    if (p.d == 64) return backward_pipelined<T, 64>(l, p, dq16);
-    if (p.d == 128) return backward_pipelined<T, 128>(l, p, dq16);
-    return backward_pipelined<T, 256>(l, p, dq16);
+    if (p.d == 64) return backward_pipelined<T, 64>(l, p, variant);
+    if (p.d == 128) return backward_pipelined<T, 128>(l, p, variant);
+    return backward_pipelined<T, 256>(l, p, variant);
   }
   switch (head_dim_bucket(p.d)) {
     case 32: return backward_bucket<T, 32>(l, p);
@@ -202,8 +225,8 @@ void run_backward(const Launch& l, const KArgs& p, bool pipelined, bool dq16) {
 
 // Defined in attention_cuda_f16.cu and attention_cuda_bf16.cu.
 void run_forward_f16(const Launch& l, const KArgs& p, bool pipelined);
-void run_backward_f16(const Launch& l, const KArgs& p, bool pipelined, bool dq16);
+void run_backward_f16(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant);
 void run_forward_bf16(const Launch& l, const KArgs& p, bool pipelined);
-void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, bool dq16);
+void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant);
 
 }  // namespace symheap::attention::cuda

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 
 #include "symheap/errors.hpp"
 
@@ -62,16 +63,22 @@ Path choose_path(const std::optional<std::string>& requested, bool on_cuda) {
 
 namespace {
 // "pipelined" where the pipelined kernels serve the head dim, unless the
-// variable `env` forces "basic" (or `variant`, where not null: a variant of
-// the pipelined kernels, returned where they serve the head dim).
-const char* own_kernel(const char* env_name, int head_dim, const char* variant = nullptr) {
+// variable `env` forces "basic" (or one of `variants`: a variant of the
+// pipelined kernels, returned where they serve the head dim).
+const char* own_kernel(const char* env_name, int head_dim, std::initializer_list<const char*> variants = {}) {
   const char* env = std::getenv(env_name);
   const bool served = pipelined_forward_serves(head_dim);
   if (env && *env && std::strcmp(env, "auto") != 0) {
     if (std::strcmp(env, "basic") == 0) return "basic";
-    if (variant && std::strcmp(env, variant) == 0) return served ? variant : "basic";
-    const std::string allowed =
-        variant ? std::string("'auto', 'basic' or '") + variant + "'" : std::string("'auto' or 'basic'");
+    for (const char* variant : variants)
+      if (std::strcmp(env, variant) == 0) return served ? variant : "basic";
+    std::string allowed = "'auto'";
+    const char* last = "basic";
+    for (const char* variant : variants) {
+      allowed += std::string(", '") + last + "'";
+      last = variant;
+    }
+    allowed += std::string(" or '") + last + "'";
     throw InvalidArgument(std::string("attention: ") + env_name + " must be " + allowed + ", got '" + env +
                           "'");
   }
@@ -81,7 +88,7 @@ const char* own_kernel(const char* env_name, int head_dim, const char* variant =
 
 const char* own_forward_kernel(int head_dim) { return own_kernel(kOwnForwardEnv, head_dim); }
 const char* own_backward_kernel(int head_dim) {
-  return own_kernel(kOwnBackwardEnv, head_dim, kOwnBackwardDq16);
+  return own_kernel(kOwnBackwardEnv, head_dim, {kOwnBackwardDq16, kOwnBackwardDkdv32});
 }
 
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward) {
