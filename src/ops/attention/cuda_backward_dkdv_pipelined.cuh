@@ -23,8 +23,8 @@ namespace symheap::attention::cuda {
 // registers each, next to the dK and dV accumulators (DB / 2 registers each).
 // 64 at head dim 64; at 128 64 without the logit features (each K and V
 // fragment read through ldmatrix then serves 64 rows instead of 32: 144
-// ldmatrix.x4 per 256 mma instead of 2 x 80, and half the barriers) and 32
-// with them (64 spills); 32 at 256.
+// ldmatrix.x4 per 256 mma instead of 2 x 80, and half the barriers; 12 bytes
+// spilled) and 32 with them (64 rows spill about 140 bytes); 32 at 256.
 template <int DB, bool kFeatures>
 inline constexpr int kDkvRowTile = DB == 64 || (DB == 128 && !kFeatures) ? 64 : 32;
 
