@@ -36,11 +36,18 @@ enum Compare { kEq = 0, kNe = 1, kGt = 2, kGe = 3, kLt = 4, kLe = 5 };
 
 // ------------------------------------------------------------ addressing
 
+// PE `pe`'s heap base as seen from this device (null: no load/store path),
+// for 0 <= pe < n_pes: from the context itself for the first PEs
+// (DeviceContext::first_peer_bases), else from the peer table.
+__device__ __forceinline__ char* peer_base(const DeviceContext& ctx, int pe) {
+  return pe < kContextPeerBases ? ctx.first_peer_bases[pe] : ctx.peer_bases[pe];
+}
+
 // Load/store address of PE `pe`'s copy of symmetric `local`, or null when
 // `pe` has no load/store path (remote).
 template <class T>
 __device__ __forceinline__ T* peer_ptr(const DeviceContext& ctx, const T* local, int pe) {
-  char* base = ctx.peer_bases[pe];
+  char* base = peer_base(ctx, pe);
   if (base == nullptr) return nullptr;
   return reinterpret_cast<T*>(base + (reinterpret_cast<const char*>(local) - ctx.my_base));
 }
@@ -54,7 +61,7 @@ __device__ __forceinline__ T* peer_heap_ptr(char* const* peer_bases, int pe, u64
 }
 
 __device__ __forceinline__ bool can_reach(const DeviceContext& ctx, int pe) {
-  return pe >= 0 && pe < ctx.n_pes && ctx.peer_bases[pe] != nullptr;
+  return pe >= 0 && pe < ctx.n_pes && peer_base(ctx, pe) != nullptr;
 }
 
 namespace detail {
@@ -197,9 +204,8 @@ __device__ __forceinline__ unsigned thread_in_block() {
 __device__ __forceinline__ unsigned block_threads() { return blockDim.x * blockDim.y * blockDim.z; }
 
 // PE `pe`'s heap base, or null (recorded) when it has no load/store path.
-// One load of the peer table.
 __device__ __forceinline__ char* peer_base_or_report(const DeviceContext& ctx, int pe) {
-  char* base = pe >= 0 && pe < ctx.n_pes ? ctx.peer_bases[pe] : nullptr;
+  char* base = pe >= 0 && pe < ctx.n_pes ? peer_base(ctx, pe) : nullptr;
   if (base == nullptr) report(ctx, kDeviceNoPath, static_cast<u64>(pe), 0, 0);
   return base;
 }
@@ -313,20 +319,7 @@ __device__ __forceinline__ void signal_op(const DeviceContext& ctx, W* sig, u64 
 template <class W>
 __device__ __forceinline__ void put_signal(const DeviceContext& ctx, void* dst, const void* src,
                                            u64 nbytes, W* sig, u64 value, int op, int pe) {
-  const u64 align = reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src);
-  if (nbytes == 8 && (align & 7) == 0) {
-    // A word's payload is loaded before the peer table is read, so the two
-    // loads overlap: after a wait's acquire load both miss L1, and a latency-
-    // bound exchange would otherwise pay them one after the other.
-    const u64 payload = *static_cast<const u64*>(src);
-    char* base = detail::peer_base_or_report(ctx, pe);
-    if (base == nullptr) return;
-    *reinterpret_cast<u64*>(detail::at_peer(ctx, base, dst)) = payload;
-    detail::signal_store(reinterpret_cast<u64*>(detail::at_peer(ctx, base, detail::word_ptr(sig))),
-                         value, op);
-    return;
-  }
-  char* base = detail::peer_base_or_report(ctx, pe);  // one table load for data and signal
+  char* base = detail::peer_base_or_report(ctx, pe);  // one lookup for data and signal
   if (base == nullptr) return;
   detail::copy_bytes(detail::at_peer(ctx, base, dst), static_cast<const char*>(src), nbytes, 0, 1);
   detail::signal_store(reinterpret_cast<u64*>(detail::at_peer(ctx, base, detail::word_ptr(sig))),
@@ -424,7 +417,7 @@ inline __device__ __noinline__ void barrier_all(const DeviceContext& ctx) {
       static_cast<u64>(ctx.my_pe) * sizeof(u64);
   u64 epoch = 0;
   for (int p = 0; p < ctx.n_pes; ++p) {
-    char* base = ctx.peer_bases[p];
+    char* base = peer_base(ctx, p);
     if (base == nullptr) {
       detail::report(ctx, kDeviceNoPath, static_cast<u64>(p), 0, 0);
       return;

@@ -7,6 +7,10 @@
 
 namespace symheap {
 
+// PEs 0 .. kContextPeerBases - 1 have their heap base in the context itself
+// as well as in the peer table.
+enum { kContextPeerBases = 8 };
+
 struct DeviceContext {
   char* const* peer_bases;  // [n_pes] heap base of each PE as seen from this
                             // device, null when a PE has no load/store path
@@ -17,6 +21,11 @@ struct DeviceContext {
   unsigned long long* device_barrier;  // [n_pes] counters of device barriers
   unsigned long long* error_record;    // [4] first device-side failure
   unsigned long long timeout_ns;       // bound of every device-side wait
+  // peer_bases[0 .. min(n_pes, kContextPeerBases) - 1], the rest null. A
+  // kernel reads them from its parameters (the constant cache, which an
+  // acquire load does not invalidate), so a put right after a wait finds its
+  // peer without a round trip to memory.
+  char* first_peer_bases[kContextPeerBases];
 };
 
 // Codes in error_record[0]; [1..3] say what failed (see device.cuh).

@@ -267,6 +267,8 @@ DeviceContext device_context(const PeState& s) {
   ctx.device_barrier = reinterpret_cast<unsigned long long*>(s.device_barrier_flags());
   ctx.error_record = reinterpret_cast<unsigned long long*>(s.device_error_record());
   ctx.timeout_ns = static_cast<unsigned long long>(s.timeout_s * 1e9);
+  for (int r = 0; r < s.n_pes && r < kContextPeerBases; ++r)
+    ctx.first_peer_bases[r] = static_cast<char*>(s.peers[r].base);
   return ctx;
 }
 

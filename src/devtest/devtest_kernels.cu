@@ -189,7 +189,7 @@ __global__ void ping_pong_kernel(DeviceContext ctx, u64* data, u64* signal, int 
   }
   // Diagnostic variants: no timeout, so the caller runs them only after
   // variant 0 completed (both PEs are known to be running).
-  char* base = ctx.peer_bases[peer];
+  char* base = dev::peer_base(ctx, peer);
   u64* rdata = reinterpret_cast<u64*>(base + (reinterpret_cast<char*>(data) - ctx.my_base));
   u64* rsig = reinterpret_cast<u64*>(base + (reinterpret_cast<char*>(signal) - ctx.my_base));
   for (int i = 1; i <= iters; ++i) {

@@ -1,5 +1,6 @@
 """Backend-independent parts of the CUDA front end, checked on the cpu backend:
 stream handles, the device context bytes, transport selection arguments."""
+import ctypes
 import struct
 
 import numpy as np
@@ -39,6 +40,12 @@ def _context_fields():
     buf = symheap.malloc(64)
     ok = my_base <= buf.ptr < my_base + heap_size
     symheap.free(buf)
+    # The context's copy of the first table entries (DeviceContext::first_peer_bases, after
+    # the eight 8-byte words above) matches the table, and is null past n_pes.
+    first = struct.unpack_from("<8Q", ctx, 56)
+    table = (ctypes.c_uint64 * n_pes).from_address(peer_bases)
+    ok &= list(first[:min(n_pes, 8)]) == list(table[:8]) and not any(first[n_pes:])
+    ok &= first[my_pe] == my_base
     return my_pe, n_pes, heap_size, ok, peer_bases != 0
 
 
