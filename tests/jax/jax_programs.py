@@ -445,10 +445,11 @@ def gradients(n, layouts, seed):
 
 
 def distributed(process_id, n_processes, port, seed, bad_config=False,
-                layouts=("expert_major",), tokens=6, threads_step=True):
+                layouts=("expert_major",), tokens=6, threads_step=True, grad=True):
     """jax.distributed on 127.0.0.1: every process's local devices become PEs; one
     thread per local device, then one shard_map over the global mesh, per layout
-    (threads_step=False: the shard_map step alone, one dispatch per op)."""
+    (threads_step=False: the shard_map step alone, one dispatch per op; grad=False:
+    forward only)."""
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n_processes,
                                process_id=process_id, initialization_timeout=60)
     shj.init(heap_size=HEAP, timeout=20)
@@ -472,17 +473,18 @@ def distributed(process_id, n_processes, port, seed, bad_config=False,
             jax.device_put(jnp.zeros((1,), jnp.float32), local[i]))), len(local))
         assert all(t.tolist() == [0.0] for t in tok)
         for name in layouts:
-            _distributed_ep(config(n, name, tokens=tokens), n, local, ranks, seed, threads_step)
+            _distributed_ep(config(n, name, tokens=tokens), n, local, ranks, seed, threads_step,
+                            grad)
     finally:
         shj.finalize()
     print("OK distributed", process_id, ranks)
 
 
-def _distributed_ep(cfg, n, local, ranks, seed, threads_step=True):
+def _distributed_ep(cfg, n, local, ranks, seed, threads_step=True, grad=True):
     """One layout under jax.distributed: one thread per local device (unless not
     threads_step), then one shard_map over the global mesh."""
     op = shj.EpDispatchCombine(cfg)
-    grad = not cfg.scale_dim  # fp8: forward only
+    grad = grad and not cfg.scale_dim  # fp8: forward only
     scales = [ref.scales_of(cfg, r) for r in range(n)] if cfg.scale_dim else []
     if threads_step:
         step = jax.jit(make_step(op, cfg, n, grad))
