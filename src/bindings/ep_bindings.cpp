@@ -755,6 +755,14 @@ SYMHEAP_BINDINGS(ep) {
     py::gil_scoped_release nogil;
     ep::check(*s, *op, stream, sync);
   });
+  // XLA runs the op's calls on its own streams, which the front end cannot name:
+  // before the op's memory is freed, wait for everything the PE's device runs.
+  m.def("ep_wait_device", [](uint64_t job, int rank) {
+    auto s = Runtime::instance().slot_of_rank(job, rank);
+    if (!s) return;
+    py::gil_scoped_release nogil;
+    Runtime::instance().backend().drain(s->device);
+  });
   py::class_<EpOp>(m, "EpOp")
       .def(py::init<const py::dict&, size_t, size_t, py::object>(), py::arg("config"),
            py::arg("ws_offset"), py::arg("ws_bytes"), py::arg("handle_type"))

@@ -151,11 +151,15 @@ void ep_geometry() {
         CHECK_EQ(g.row_bytes, static_cast<size_t>(c.hidden) * 2);  // bfloat16
         CHECK_EQ(g.combine_sets, kernel == Kernel::CopyEngine ? 1 : 2);
         // Regions: aligned, in order, inside the workspace; the sync words
-        // (zeroed at creation) come first.
+        // (zeroed at creation) come first, the dispatch blocks' epoch-tagged
+        // counts and done words among them (epochs restart in every op).
+        const size_t route_cols = layout == Layout::TokenMajor ? n : c.num_experts;
         std::vector<std::pair<size_t, size_t>> sync = {
             {g.off_count_flag, n * 8u}, {g.off_data_flag, n * 8u},
             {g.off_combine_flag, n * 8u}, {g.off_freed_flag, n * 8u},
-            {g.off_entered, n * 8u}, {g.off_local, kLocalWords * 8u}};
+            {g.off_entered, n * 8u}, {g.off_local, kLocalWords * 8u},
+            {g.off_route_counts, g.grid_blocks * route_cols * 8u},
+            {g.off_route_done, g.grid_blocks * 8u}};
         size_t end = 0;
         for (auto [off, bytes] : sync) {
           CHECK_EQ(off % 256, 0u);
@@ -163,7 +167,7 @@ void ep_geometry() {
           end = off + bytes;
         }
         CHECK(end <= g.sync_bytes);
-        for (size_t off : {g.off_route_counts, g.off_route_done, g.off_scratch_pos, g.off_recv_x,
+        for (size_t off : {g.off_scratch_pos, g.off_recv_x,
                            g.off_recv_meta, g.off_combine_buf}) {
           CHECK_EQ(off % 256, 0u);
           CHECK(off >= g.sync_bytes && off < g.total);

@@ -162,3 +162,18 @@ def test_tampered_handle_raises_instead_of_writing_out_of_bounds(layout):
     op goes on."""
     assert emulated(progs.tampered_handle, 2, (layout,)) == [
         ["ValueError", "ValueError", "ok", "ok"], ["SymheapError", "SymheapError", "ok", "ok"]]
+
+
+def test_ops_in_turn_on_one_heap_range():
+    # 180 tokens of top-3 are more ids than one round of loads: dispatch blocks rank
+    # from the counts of the blocks before them, and ticket 0 totals theirs once
+    # their done words carry the call's epoch. Each op below makes one call and
+    # is closed; the next gets the same heap range and starts at that same epoch,
+    # so words the previous op left there must not pass for its own.
+    big = dict(max_tokens_per_rank=180)
+    configs = [cfg(kernel="intranode", max_recv_tokens=360, **big),
+               cfg(kernel="low_latency", **big),
+               cfg(layout="expert_major", **big),
+               cfg(layout="expert_major", kernel="low_latency", **big)]
+    for offsets in emulated(progs.ops_in_turn, 2, (configs,)):
+        assert len(set(offsets)) == 1, offsets  # every op got the same range

@@ -479,6 +479,19 @@ def run_once(cfg, ep, seed, pattern="random", tokens="full", me=None, device=Non
     return True
 
 
+def ops_in_turn(configs: list, seed: int = 60):
+    """Ops created one after another, each closed before the next: they get the same
+    heap range, and each makes one checked dispatch + combine, so a new op's first
+    call runs at the epoch the previous op's words ended on. Returns the workspace
+    offsets (equal: the range really was reused)."""
+    offsets = []
+    for i, kw in enumerate(configs):
+        with EpDispatchCombine(EpConfig(**kw)) as ep:
+            offsets.append(ep._buf.offset)
+            run_once(ep.config, ep, seed=seed + i)
+    return offsets
+
+
 def overflow(cfg_kwargs: dict):
     """all_to_one routing past max_recv_tokens / expert_capacity: every PE raises
     ValueError; the op stays usable."""

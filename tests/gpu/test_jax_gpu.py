@@ -67,3 +67,11 @@ def test_large_batches_two_gpus():
     layouts = ["intranode", "low_latency", "expert_major"]
     run("threads", n=2, layouts=layouts + ["fp8_low_latency"], tokens=1500, iters=2)
     run("shard_map_ep", n=2, layouts=layouts, tokens=1500)
+
+
+def test_ops_in_turn_two_gpus():
+    # Ops created one after another in one process (each closed first: the same heap
+    # range), one shard_map dispatch each, past one round of loads: each op's first
+    # dispatch must count its own blocks, not words the previous op left at that epoch.
+    # Prints every PE's receive counts for every dispatch.
+    print(run("ops_in_turn", n=2, tokens=1500))

@@ -226,7 +226,76 @@ def shard_map_ep(n, layouts, seed, grad=True, tokens=6, heap_size=HEAP):
     print("OK shard_map", n, layouts)
 
 
-PROGRAMS = {"threads": threads, "shard_map_ep": shard_map_ep}
+# (layout, dispatches) of each op, created in turn (each closed before the next): every
+# op's first dispatch runs at the epoch where the previous op's words ended, on the heap
+# range that op had, except after the two-call op (a control: its words carry epoch 2).
+IN_TURN = [("intranode", 1), ("low_latency", 1), ("intranode", 1), ("intranode", 1),
+           ("expert_major", 1), ("expert_major", 1), ("low_latency", 2), ("intranode", 1)]
+
+
+def ops_in_turn(n, seed, tokens=1500, sequence=IN_TURN, heap_size=HEAP):
+    """EP ops created one after another in one process, each dispatch and combine a
+    shard_map over the PE axis. Prints every PE's receive counts against the reference
+    for every dispatch (all of them, even after a wrong one), then raises if any was
+    wrong or any check failed."""
+    shj.init(jax.devices()[:n], heap_size=heap_size, timeout=20)
+    wrong, offsets = [], []
+    try:
+        mesh = shj.make_mesh("pe")
+        sh = NamedSharding(mesh, P("pe"))
+        for k, (name, calls) in enumerate(sequence):
+            cfg = config(n, name, tokens=tokens)
+            op = shj.EpDispatchCombine(cfg)
+            offsets.append(op._bufs[0].offset)
+            em = cfg.layout == "expert_major"
+
+            def dispatch_body(x, idx, w):
+                d = op.dispatch(x[0], idx[0], w[0])
+                return jax.tree_util.tree_map(lambda a: a[None], d)
+
+            def combine_body(d):
+                d = jax.tree_util.tree_map(lambda a: a[0], d)
+                return op.combine(expert(cfg, n, d), d.handle)[None]
+
+            f_dispatch = jax.jit(shard_map(dispatch_body, mesh, P("pe"), P("pe")))
+            f_combine = jax.jit(shard_map(combine_body, mesh, P("pe"), P("pe")))
+            try:
+                for c in range(calls):
+                    inputs, xs, rs = pe_inputs(cfg, n, seed + 10 * k + c)
+                    args = [jax.device_put(stacked(a), sh) for a in
+                            (xs, [i[1] for i in inputs], [i[2] for i in inputs])]
+                    d = f_dispatch(*args)
+                    right = True
+                    for i in range(n):
+                        rows = ref.rows_of(cfg, n, i, inputs)
+                        want = [len(r) for _, r in sorted(rows.items())] if em else len(rows)
+                        got = (np.asarray(d.expert_counts[i]).tolist() if em
+                               else int(d.num_recv_tokens[i]))
+                        print(f"op {k} {name} call {c} at heap offset {offsets[-1]}: PE {i} "
+                              f"{'expert_counts' if em else 'num_recv_tokens'} {got}, want "
+                              f"{want}", flush=True)
+                        if got != want:
+                            right = False
+                            wrong.append((k, name, c, i, got, want))
+                    if not right:
+                        continue  # combine would refuse the handle's rows
+                    out = f_combine(d)
+                    fields = dict(x=d.x, topk_idx=d.topk_idx, topk_weights=d.topk_weights,
+                                  num_recv_tokens=d.num_recv_tokens, src_info=d.src_info,
+                                  expert_counts=d.expert_counts)
+                    for i in range(n):
+                        check_pe(cfg, n, i, inputs, xs, rs,
+                                 {f: v[i] for f, v in fields.items() if v is not None}, out[i],
+                                 None)
+            finally:
+                op.close()
+    finally:
+        shj.finalize()
+    assert not wrong, f"wrong receive counts (op, layout, call, PE, got, want): {wrong}"
+    print("OK ops_in_turn", n, tokens, "heap offsets", offsets)
+
+
+PROGRAMS = {"threads": threads, "shard_map_ep": shard_map_ep, "ops_in_turn": ops_in_turn}
 
 
 
@@ -376,9 +445,11 @@ def gradients(n, layouts, seed):
 
 
 def distributed(process_id, n_processes, port, seed, bad_config=False,
-                layouts=("expert_major",), tokens=6):
+                layouts=("expert_major",), tokens=6, threads_step=True, grad=True):
     """jax.distributed on 127.0.0.1: every process's local devices become PEs; one
-    thread per local device, then one shard_map over the global mesh, per layout."""
+    thread per local device, then one shard_map over the global mesh, per layout
+    (threads_step=False: the shard_map step alone, one dispatch per op; grad=False:
+    forward only)."""
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n_processes,
                                process_id=process_id, initialization_timeout=60)
     shj.init(heap_size=HEAP, timeout=20)
@@ -402,29 +473,31 @@ def distributed(process_id, n_processes, port, seed, bad_config=False,
             jax.device_put(jnp.zeros((1,), jnp.float32), local[i]))), len(local))
         assert all(t.tolist() == [0.0] for t in tok)
         for name in layouts:
-            _distributed_ep(config(n, name, tokens=tokens), n, local, ranks, seed)
+            _distributed_ep(config(n, name, tokens=tokens), n, local, ranks, seed, threads_step,
+                            grad)
     finally:
         shj.finalize()
     print("OK distributed", process_id, ranks)
 
 
-def _distributed_ep(cfg, n, local, ranks, seed):
-    """One layout under jax.distributed: one thread per local device, then one
-    shard_map over the global mesh."""
+def _distributed_ep(cfg, n, local, ranks, seed, threads_step=True, grad=True):
+    """One layout under jax.distributed: one thread per local device (unless not
+    threads_step), then one shard_map over the global mesh."""
     op = shj.EpDispatchCombine(cfg)
-    grad = not cfg.scale_dim  # fp8: forward only
-    step = jax.jit(make_step(op, cfg, n, grad))
-    inputs, xs, rs = pe_inputs(cfg, n, seed)
+    grad = grad and not cfg.scale_dim  # fp8: forward only
     scales = [ref.scales_of(cfg, r) for r in range(n)] if cfg.scale_dim else []
+    if threads_step:
+        step = jax.jit(make_step(op, cfg, n, grad))
+        inputs, xs, rs = pe_inputs(cfg, n, seed)
 
-    def run(i):
-        put = lambda a: jax.device_put(a, local[i])  # noqa: E731
-        r = ranks[i]
-        return step(put(xs[r]), put(inputs[r][1]), put(inputs[r][2]), put(rs[r]),
-                    *[put(scales[r])] if scales else [])
+        def run(i):
+            put = lambda a: jax.device_put(a, local[i])  # noqa: E731
+            r = ranks[i]
+            return step(put(xs[r]), put(inputs[r][1]), put(inputs[r][2]), put(rs[r]),
+                        *[put(scales[r])] if scales else [])
 
-    for i, (d, out, gx) in enumerate(on_threads(run, len(local))):
-        check_pe(cfg, n, ranks[i], inputs, xs, rs, d, out, gx)
+        for i, (d, out, gx) in enumerate(on_threads(run, len(local))):
+            check_pe(cfg, n, ranks[i], inputs, xs, rs, d, out, gx)
 
     # one jit over the global mesh of both processes, shard_map over the PE axis
     mesh = shj.make_mesh("pe")

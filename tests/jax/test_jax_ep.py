@@ -106,3 +106,20 @@ def test_device_kernels_emulated_under_jax_distributed():
     outs = [finish(p) for p in procs]
     for p, out in enumerate(outs):
         assert f"OK distributed {p} [{p}]" in out, out[-3000:]
+
+
+def test_ops_in_turn_emulated_under_jax_distributed():
+    """EP ops created one after another (each closed first) get the same heap range; one
+    shard_map dispatch and combine each, past one round of loads (180 tokens of top-3 in
+    the emulation): a new op's first call starts at the epoch the previous op's words
+    ended on and must not take them for its own (the dispatch blocks' look-back and
+    ticket 0's totals)."""
+    port, s = _free_port(), seed()
+    layouts = ["low_latency", "intranode"]
+    procs = [launch("distributed", 1, {"SYMHEAP_EP_EMULATE_DEVICE": "1"}, process_id=p,
+                    n_processes=2, port=port, seed=s, layouts=layouts, tokens=180,
+                    threads_step=False, grad=False)
+             for p in range(2)]
+    outs = [finish(p) for p in procs]
+    for p, out in enumerate(outs):
+        assert f"OK distributed {p} [{p}]" in out, out[-3000:]

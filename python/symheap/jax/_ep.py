@@ -96,8 +96,9 @@ class EpDispatchCombine:
 
     Collective: every process constructs it with the same EpConfig, outside
     jit; it serves all local PEs. ``close()`` (collective; finalize closes
-    what is left) frees its symmetric memory; an executable that still uses it
-    then fails with an error. Semantics as symheap.ep.EpDispatchCombine.
+    what is left) waits for the work in flight on every local PE's device, then
+    frees its symmetric memory; an executable that still uses it then fails
+    with an error. Semantics as symheap.ep.EpDispatchCombine.
     """
 
     def __init__(self, config: EpConfig):
@@ -156,7 +157,8 @@ class EpDispatchCombine:
         return self._combine_vjp(expert_out, handle)
 
     def close(self) -> None:
-        """Collective: frees the symmetric buffers on every local PE. Idempotent."""
+        """Collective: waits for the devices' work in flight (the op's last calls),
+        then frees the symmetric buffers on every local PE. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -168,6 +170,10 @@ class EpDispatchCombine:
         def close_pe(pe):
             s = current_pe()
             try:
+                # XLA may still run this op's calls on its streams: every PE waits for
+                # its device before free's barrier, so no kernel of the op outlives
+                # its memory (a later op gets the same heap range).
+                _core.ep_wait_device(s.job, s.rank)
                 _core.ep_check(s.job, s.rank, self._id, 0, True)
             finally:
                 _core.ep_destroy(s.job, s.rank, self._id)

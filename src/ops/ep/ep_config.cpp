@@ -207,6 +207,12 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.off_plan_flag = take(forwards ? n * 8 : 0);
   g.off_plan_count = take(forwards ? n * 4 : 0);
   g.off_stage_flag = take(forwards ? n * 8 : 0);
+  // Each dispatch block's counts and done word carry the call's epoch, which
+  // restarts at 1 in every op: zeroed with the flags, so that a new op on the
+  // heap range of a closed one never reads that op's words as its own.
+  const size_t route_cols = token_major ? n : static_cast<size_t>(c.num_experts);
+  g.off_route_counts = take(static_cast<size_t>(g.grid_blocks) * route_cols * 8);
+  g.off_route_done = take(static_cast<size_t>(g.grid_blocks) * 8);
   g.sync_bytes = at;
   if (forwards) {
     g.fwd_header_words = 1 + 2 * g.send_cols + 2 * c.topk;
@@ -224,9 +230,6 @@ Geometry make_geometry(const Config& c, int n_pes) {
     g.row_rec_bytes = g.row_rec_row_at + align_up(g.combine_row_bytes, 16);
   }
   g.off_row_rec = take(n * static_cast<size_t>(c.max_tokens) * g.row_rec_bytes);
-  const size_t route_cols = token_major ? n : static_cast<size_t>(c.num_experts);
-  g.off_route_counts = take(static_cast<size_t>(g.grid_blocks) * route_cols * 8);
-  g.off_route_done = take(static_cast<size_t>(g.grid_blocks) * 8);
   g.off_scratch_pos = take(static_cast<size_t>(c.max_tokens) * g.send_cols * 4);
   const size_t rows = static_cast<size_t>(g.recv_rows);
   g.off_recv_x = take(rows * g.row_bytes);
