@@ -17,7 +17,6 @@ namespace symheap::ep::EP_DEVICE_NS::kernels {
 // The counts are those dispatch_kernel's ticket 0 publishes (the same ids,
 // the same status), so its later publication into mapped PEs agrees.
 __global__ void __launch_bounds__(kThreads) count_row_kernel(Params p) {
-  start_kernel();
   const int n = p.n_pes, E = p.cfg.num_experts;
   const bool tm = p.cfg.layout == Layout::TokenMajor;
   const uint64_t epoch = dev::load_relaxed(local_word(p, kDispatchEpoch)) + 1;
@@ -47,10 +46,11 @@ void launch_count_row(Rt& rt, const Params& p, StreamHandle stream) {
 }
 
 // A timeout is recorded (naming the late PE) like any wait's; the grids
-// after it then see the error word and give up at once.
+// after it then see the error word and give up at once. It never releases
+// the next kernel early (release_next_kernel): that grid's blocks would take
+// the SMs while it waits.
 __global__ void __launch_bounds__(32) wait_remote_kernel(Params p, uint64_t off_flags,
                                                          uint64_t target, uint64_t epoch) {
-  start_kernel();
   if (threadIdx.x == 0) wait_all(p, off_flags, target, epoch, true);
 }
 
