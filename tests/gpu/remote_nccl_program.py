@@ -323,6 +323,80 @@ def bandwidth(sizes, iters, port):
     return rows
 
 
+def ep_across_nodes():
+    """symheap.ep (kernel='copy_engine') between the two nodes: every routing
+    pattern of the EP tests (tests/ep/test_ep_programs.py: received rows traced
+    to their source bit for bit, combine against the fp32 reference, outputs
+    poisoned first) in both layouts, fp8 with scales, a receive bound, and the
+    benchmark's shape at 1024 tokens; the SM kernels refuse another node with
+    an error naming copy_engine. Returns the digests of every config."""
+    import sys
+    import symheap
+    from symheap.ep import EpConfig, EpDispatchCombine
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ep"))
+    import test_ep_programs as progs
+    base = dict(hidden=512, max_tokens_per_rank=64, num_experts=16, topk=4, dtype="bfloat16",
+                kernel="copy_engine")
+    configs = [dict(base, max_recv_tokens=128), dict(base, layout="expert_major"),
+               dict(base, dtype="float8_e4m3fn", scale_dim=128, layout="expert_major"),
+               dict(base, dtype="float16", scale_dim=128, scale_dtype="float32"),
+               dict(hidden=7168, max_tokens_per_rank=1024, num_experts=256, topk=8,
+                    dtype="bfloat16", kernel="copy_engine", max_recv_tokens=2048)]
+    digests = progs.many_configs(configs)
+    try:
+        EpDispatchCombine(EpConfig(**dict(base, kernel="intranode"))).close()
+    except symheap.SymheapError as e:
+        assert "across nodes the EP kernels run as kernel='copy_engine'" in str(e), e
+    else:
+        raise AssertionError("kernel='intranode' across nodes did not raise")
+    symheap.barrier_all()
+    return digests
+
+
+def ep_remote_bench(port, iters, tokens):
+    """bench/ep_bench.py's case (tokens, copy_engine, bf16, token-major, receive
+    bound) between the two nodes, with its NCCL reference on the same
+    forced-network setup, plus the bare all_to_all_single of the same rows
+    (dispatch's direction, then back; splits known beforehand). This PE's result."""
+    import sys
+    import torch
+    import torch.distributed as dist
+    import symheap
+    import symheap.ep as ep_mod
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "bench"))
+    import ep_bench as eb
+    me = symheap.my_pe()
+    dev = torch.device("cuda", symheap.current_device())
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=me,
+                            world_size=2, device_id=dev)
+    try:
+        case = (tokens, "copy_engine", "bfloat16", "token_major", True)
+        result = eb.run_case(torch, dist, symheap, ep_mod, case, iters, me, 2, dev)
+        x, idx, _ = eb.routing(torch, tokens, me, dev)
+        x = x.to(torch.bfloat16)
+        hit = torch.zeros(tokens, 2, dtype=torch.bool, device=dev)
+        hit.scatter_(1, idx // (eb.EXPERTS // 2), True)
+        dests, toks = hit.t().nonzero(as_tuple=True)
+        send = torch.bincount(dests, minlength=2)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        sc, rc = send.tolist(), recv.tolist()
+        rows = x.index_select(0, toks)
+        got = torch.empty(sum(rc), eb.HIDDEN, dtype=x.dtype, device=dev)
+        back = torch.empty_like(rows)
+
+        def a2a():
+            dist.all_to_all_single(got, rows, rc, sc)
+            dist.all_to_all_single(back, got, sc, rc)
+
+        result["a2a_only_us"] = eb.timed(torch, dist, a2a, iters)
+        result["cross_rows"] = rc[1 - me]
+    finally:
+        dist.destroy_process_group()
+    return result
+
+
 # ---------------------------------------------------------------- launcher
 
 def _child(rank, uids, steps, timeout, heap_size, out):

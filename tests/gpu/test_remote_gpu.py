@@ -60,6 +60,18 @@ def test_remote_lost_peer_through_nccl(how):
 
 
 @pytest.mark.two_gpus
+def test_ep_across_nodes_through_nccl():
+    """symheap.ep with kernel='copy_engine' between the two nodes: count rows,
+    rows, statuses and flags through the NCCL engine; every routing pattern
+    checked against the references in both layouts, fp8 with scales, and
+    hidden 7168 x 1024 tokens, top-8 of 256; each PE digests what it received."""
+    results = prog.run_two_nodes([("ep_across_nodes", (), True)], timeout=60.0,
+                                 heap_size="2G", wait_s=240.0)
+    digests = [results[r][0] for r in range(2)]
+    assert len(digests[0]) == 5 and all(isinstance(d, str) for d in digests[0]), digests
+
+
+@pytest.mark.two_gpus
 def test_two_nodes_of_two_pes_sharing_gpus():
     """PEs of different nodes on one GPU: NCCL will not connect them, init
     goes on and every remote call raises the error naming the peer and NCCL."""

@@ -311,6 +311,44 @@ def ep_across_nodes(seed, timeout):
     symheap.barrier_all(timeout=timeout)
 
 
+def ep_device_across_nodes(seed, timeout):
+    """The device kernels (their host emulation, one PE per process) across
+    nodes: kernel='copy_engine' in both layouts, fp8 with scales, a receive
+    bound and enough tokens for the blocks' look-back; rows for
+    other nodes' PEs go through the remote transport. Every routing pattern
+    of the EP tests, each output checked against the references (poisoned
+    first), and the same bits as the cpu implementation. The kernels that
+    store into every PE themselves refuse another node with a clear error."""
+    import torch
+    from symheap.ep import EpConfig, EpDispatchCombine
+    progs = _ep_programs()
+    n = symheap.n_pes()
+    base = dict(hidden=32, max_tokens_per_rank=6, num_experts=4 * n, topk=3, dtype="bfloat16",
+                kernel="copy_engine")
+    configs = [dict(base, max_recv_tokens=n * 6),
+               dict(base, dtype="float8_e4m3fn", scale_dim=8, layout="expert_major"),
+               # too many ids for one pass: blocks rank from the blocks before them
+               dict(base, max_tokens_per_rank=200)]
+    if os.environ.get("SYMHEAP_TEST_EP_QUICK") == "1":  # (the emulation is slow: fewer shapes)
+        configs = configs[:2]
+    os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "1"
+    try:
+        by_kernels = progs.many_configs(configs, combine_digest=False)
+        for bad in (dict(base, kernel="intranode"), dict(base, kernel="low_latency",
+                                                         layout="token_slots")):
+            try:
+                EpDispatchCombine(EpConfig(**bad)).close()
+            except symheap.SymheapError as e:
+                assert "across nodes the EP kernels run as kernel='copy_engine'" in str(e), e
+            else:
+                raise AssertionError(f"{bad} across nodes did not raise")
+    finally:
+        os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "0"
+    by_cpu = progs.many_configs(configs, combine_digest=False)
+    assert by_kernels == by_cpu, "the kernels and the cpu implementation received different rows"
+    symheap.barrier_all(timeout=timeout)
+
+
 def ep_bytes(seed, timeout):
     """Every token goes to every PE: forwarded, a token crosses to the other
     node once instead of once per PE there, and its sum comes back once.
@@ -459,7 +497,8 @@ _thread_barrier = threading.Barrier(THREADS)
 PIDS = []
 SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer, "killed": killed_peer,
              "funneled": funneled, "ep": ep_across_nodes, "ep_bytes": ep_bytes,
-             "ep_frozen": ep_frozen_node, "refused": refused}
+             "ep_frozen": ep_frozen_node, "refused": refused,
+             "ep_device": ep_device_across_nodes}
 COMM = None
 
 

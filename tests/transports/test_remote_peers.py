@@ -146,7 +146,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def run_mpi_program(scenario, timeout_s, mpirun_args=(), survivors=(0, 1, 2, 3),
-                    pes_per_node=2, nodes=None):
+                    pes_per_node=2, nodes=None, env=None):
     """remote_mpi_program.py under mpirun: 2 processes (nodes) x ``pes_per_node``
     PE threads (or, with ``nodes``, one process per entry, on that node);
     every PE of ``survivors`` must report OK (and, when all do, mpirun succeed)."""
@@ -160,7 +160,7 @@ def run_mpi_program(scenario, timeout_s, mpirun_args=(), survivors=(0, 1, 2, 3),
                # The ranks import the symheap this test imported (installed, or the
                # source tree with a built extension).
                PYTHONPATH=os.path.dirname(os.path.dirname(symheap.__file__)) + os.pathsep +
-               os.environ.get("PYTHONPATH", ""))
+               os.environ.get("PYTHONPATH", ""), **(env or {}))
     cmd = [mpirun, "-np", str(len(nodes) if nodes else 2), "--oversubscribe", "--bind-to", "none",
            *mpirun_args, sys.executable,
            os.path.join(HERE, "remote_mpi_program.py"), scenario, str(timeout_s)]
@@ -258,3 +258,18 @@ def test_ep_frozen_node_under_mpirun():
     TimeoutError naming the forwarder within the 3 s timeout; the job then finishes."""
     out = run_mpi_program("ep_frozen", 3)
     assert len(re.findall(r"EP-FROZEN-ERROR pe [01]: .*?timed out after", out)) == 2, out[-6000:]
+
+
+def test_ep_device_kernels_across_nodes_under_mpirun():
+    """The device kernels (host emulation: one PE per process, 2 nodes of one
+    PE) with kernel='copy_engine': count rows and packed rows for the other
+    node go through the remote transport; every routing pattern checked
+    against references and against the cpu implementation bit for bit."""
+    run_mpi_program("ep_device", 20, survivors=(0, 1), pes_per_node=1)
+
+
+def test_ep_device_kernels_across_unequal_nodes_under_mpirun():
+    """The same with nodes of 2 PEs and 1 PE: mapped peers get the kernels'
+    stores and the copy engine, the other node the remote transport."""
+    run_mpi_program("ep_device", 20, survivors=(0, 1, 2), pes_per_node=1, nodes=(0, 0, 1),
+                    env={"SYMHEAP_TEST_EP_QUICK": "1"})

@@ -45,7 +45,8 @@ __device__ __forceinline__ void finish_store_block(const Params& p, bool bad, bo
     const int32_t status = !ok ? kPeerTimeout : block_bad ? kBadHandle : p.arg_status;
     if (send && block_bad) record_error(p, kBadHandle, 0, p.my_pe, epoch);
     if (status != kOk)
-      for (int q = 0; q < p.n_pes; ++q) combine_status(p, q, epoch)[p.my_pe] = status;
+      for (int q = 0; q < p.n_pes; ++q)
+        if (stores_reach(p, q)) combine_status(p, q, epoch)[p.my_pe] = status;
   }
   publish(p, p.geo.off_combine_flag, 1, true);
 }
@@ -185,9 +186,10 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(Params p) {
     }
   }
   if (send && !handle_ok) record_error(p, kBadHandle, 0, p.my_pe, epoch);
-  for (int q = 0; q < n; ++q)
-    combine_status(p, q, epoch)[p.my_pe] =
-        !ok ? kPeerTimeout : !handle_ok ? kBadHandle : p.arg_status;
+  for (int q = 0; q < n; ++q)  // (the host puts this PE's own entry into other nodes' PEs)
+    if (stores_reach(p, q))
+      combine_status(p, q, epoch)[p.my_pe] =
+          !ok ? kPeerTimeout : !handle_ok ? kBadHandle : p.arg_status;
   volatile int32_t* h = p.host_mirror;
   int segs = 0;
   int32_t packed = 0;
@@ -493,8 +495,8 @@ __device__ inline void finish_combine(const Params& p, uint64_t epoch, bool land
   if (g.combine_sets == 1) {
     for (int q = 0; q < p.n_pes; ++q) status[q] = kOk;
     __threadfence_system();  // (one fence orders every flag below)
-    for (int q = 0; q < p.n_pes; ++q)
-      dev::store_relaxed(at<uint64_t>(p, q, g.off_freed_flag) + p.my_pe, epoch);
+    for (int q = 0; q < p.n_pes; ++q)  // (the host tells other nodes' PEs)
+      if (stores_reach(p, q)) dev::store_relaxed(at<uint64_t>(p, q, g.off_freed_flag) + p.my_pe, epoch);
   }
   *local_word(p, kCombineEpoch) = epoch;
 }

@@ -199,8 +199,8 @@ Geometry make_geometry(const Config& c, int n_pes) {
                              : static_cast<size_t>(g.combine_rows) * kMaxPieces * 8);
   g.off_route_totals = take(2 * (n + c.num_experts + 1) * 4);
   g.off_dest_sums = take(token_major ? 2 * n * (n + 1) * 8 : 0);
-  // Only the cpu implementation forwards (the kernels need every PE mapped),
-  // and only jobs across nodes need the regions.
+  // Only the cpu implementation forwards (the kernels send each row to its
+  // PE), and only jobs across nodes need the regions.
   const bool forwards = Runtime::instance().backend_name() == "cpu" && spans_nodes();
   g.off_fwd_flag = take(forwards ? n * 8 : 0);
   g.off_fwd_count = take(forwards ? n * 4 : 0);

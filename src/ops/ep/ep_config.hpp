@@ -80,7 +80,8 @@ struct Geometry {
   size_t row_bytes = 0, scale_row_bytes = 0, combine_row_bytes = 0;
 
   // Sync words (uint64): flags written by peers, indexed by the writer.
-  size_t off_count_flag = 0;    // [n] epoch of the routing-count row from PE i (cpu)
+  size_t off_count_flag = 0;    // [n] epoch of the routing-count row from PE i (cpu; device:
+                                // PEs of other nodes, whose rows the host puts)
   size_t off_data_flag = 0;     // [n] dispatch rows from PE i have landed
   size_t off_combine_flag = 0;  // [n] combine rows from PE i have landed
   size_t off_freed_flag = 0;    // [n] PE i has consumed its combine buffer
@@ -162,6 +163,7 @@ enum LocalWord : int {
   kSendNext = 16,      // combine: [2] senders' next unit, by call parity (cuda)
   kReduceNext = 18,    // combine: [2] reducers' next unit, by call parity (cuda)
   kSlotsDone = 20,     // token_slots dispatch: outputs written, 1 if aborted (cuda, epoch-tagged)
+  kRemotePayload = 21, // where the host's put_signal of a bare flag to another node lands
   kLocalWords = 24
 };
 // Blocks that may help dispatch's last block copy the metadata (cuda).

@@ -24,8 +24,9 @@ class CudaRt {
   int32_t* host = nullptr;      // host-mapped mirror
   int32_t* host_dev = nullptr;  // its device address
 
-  CudaRt(PeState& s, Op& op) : pe_(&s), device_(s.device), peers_(op.n_pes) {
-    for (int q = 0; q < op.n_pes; ++q) peers_[q] = q;
+  CudaRt(PeState& s, Op& op) : pe_(&s), device_(s.device) {
+    for (int q = 0; q < op.n_pes; ++q)  // (other nodes' PEs: the remote transport)
+      if (s.peers[q].base) peers_.push_back(q);
     int major = 0;
     SYMHEAP_CUDA_CHECK(
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
@@ -106,7 +107,7 @@ class CudaRt {
  private:
   PeState* pe_;
   int device_;
-  std::vector<int> peers_;  // every PE: the copy engine's destinations
+  std::vector<int> peers_;  // every mapped PE: the copy engine's destinations
   bool early_ = false;  // launch_early uses programmatic dependent launch
 
   template <class K>

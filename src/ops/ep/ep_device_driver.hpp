@@ -19,13 +19,30 @@
 //   copy_engine   after packing, to learn the copy plan, in dispatch and in combine;
 //                 and, with other PEs in this process, until they queued their copies
 //                 (transports/copy_engine_issue_board.hpp says why).
+//
+// PEs of other nodes (copy_engine only; ep_op.cpp refuses the other kernels):
+// the kernels store into mapped PEs only, and the host reaches the others
+// through the remote transport, ordered on the caller's stream (cuda: NCCL
+// sends after the stream's work, which waits for them; the cpu emulation:
+// messages, each kernel having ended before the next call). Dispatch: a
+// count_row kernel, then the row put to each of them with a signal on its
+// count flag, then a one-block wait for theirs before the packing grid (no
+// grid ever spins, holding the SMs, on bytes the network engine's kernels
+// must still land); the packed rows go as puts, the last with a signal on
+// the data flag. Combine: a one-block wait for their "consumed" flags, the
+// pack, this PE's status word and rows as puts with a signal on the combine
+// flag, a one-block wait for theirs, the sums, then the "consumed" flag.
+// Epochs of such an op are counted by the host too (the put's offsets
+// alternate with them).
 #pragma once
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "ops/ep/ep_device.hpp"
 #include "ops/ep/ep_kernels.cuh"
 #include "symheap/errors.hpp"
+#include "transports/transport.hpp"
 
 namespace symheap::ep::EP_DEVICE_NS {
 
@@ -72,6 +89,7 @@ class DeviceDriver final : public DeviceImpl {
     // blocks can take its tokens at no more per block, it takes none.
     p.spare_ticket0 =
         blocks > 1 && (p.num_tokens + blocks - 2) / (blocks - 1) <= p.tokens_per_block;
+    if (remote(op)) exchange_counts(s, op, p, a.stream);
     if (op.cfg.token_slots)
       kernels::launch_dispatch_slots(rt_, p, blocks, a.stream);
     else
@@ -102,9 +120,12 @@ class DeviceDriver final : public DeviceImpl {
       const int pe = seg[0];
       const int64_t from = seg[1], to = seg[2], rows = seg[3];
       auto move = [&](size_t src_off, size_t dst_off, size_t row_bytes) {
-        if (row_bytes)
-          rt_.copy(pe, ws_addr(s, op, pe, dst_off) + to * row_bytes,
-                   ws_addr(s, op, op.my_pe, src_off) + from * row_bytes, rows * row_bytes);
+        if (!row_bytes) return;
+        const char* src = ws_addr(s, op, op.my_pe, src_off) + from * row_bytes;
+        if (!s.peers[pe].base)
+          queue_put(op, pe, dst_off + to * row_bytes, src, rows * row_bytes);
+        else
+          rt_.copy(pe, ws_addr(s, op, pe, dst_off) + to * row_bytes, src, rows * row_bytes);
       };
       move(g.off_stage_x, g.off_recv_x, g.row_bytes);
       move(g.off_stage_scales, g.off_recv_scales, g.scale_row_bytes);
@@ -113,6 +134,7 @@ class DeviceDriver final : public DeviceImpl {
       move(g.off_stage_meta, g.off_recv_meta, kMetaWords * 4);
     }
     signal_all(s, op, g.off_data_flag);
+    send_queued(s, op, g.off_data_flag, 1, SignalOp::Add, a.stream);
     rt_.stream_after_channels(a.stream);
     kernels::launch_finish_dispatch(rt_, p, abort, a.stream);
     if (a.out_x) kernels::launch_collect(rt_, p, op.geo.grid_blocks, a.stream);
@@ -159,24 +181,41 @@ class DeviceDriver final : public DeviceImpl {
       // Copy engine: the host reads the plan, the channels move the rows,
       // then the sums.
       p.flag_per_epoch = 1;
+      const uint64_t epoch = remote(op) ? ++op.combine_epoch : 0;
+      if (remote(op) && g.combine_sets == 1 && epoch > 1)  // their buffers, consumed
+        kernels::launch_wait_remote(rt_, p, g.off_freed_flag, epoch - 1, epoch, a.stream);
       kernels::launch_combine_pack(rt_, p, send_blocks(op), a.stream);
       rt_.sync(a.stream);
       volatile int32_t* h = mirror();
       const size_t crb = g.combine_row_bytes;
       const bool tm = op.cfg.layout == Layout::TokenMajor;
       rt_.channels_after(a.stream);
+      // Other nodes' PEs read this PE's status (the pack wrote it into its
+      // own entry here) before its rows, as mapped PEs do.
+      const size_t status_off =
+          g.off_combine_status + (g.combine_sets == 2 ? (epoch & 1) : 0) * op.n_pes * 4 + op.my_pe * 4;
+      for (int q : op.remote_pes)
+        queue_put(op, q, status_off, ws_addr(s, op, op.my_pe, status_off), 4);
       for (int i = 0, n = h[kernels::kHostSegments]; i < n; ++i) {
         volatile int32_t* seg = h + kernels::kHostSegment0 + 4 * i;
         const int pe = seg[0];
         const int64_t from = seg[1], to = seg[2], rows = seg[3];
         const char* src = tm ? static_cast<const char*>(a.expert_out) + from * crb
                              : ws_addr(s, op, op.my_pe, g.off_stage_combine) + from * crb;
-        rt_.copy(pe, ws_addr(s, op, pe, g.off_combine_buf) + to * crb, src, rows * crb);
+        if (!s.peers[pe].base)
+          queue_put(op, pe, g.off_combine_buf + to * crb, src, rows * crb);
+        else
+          rt_.copy(pe, ws_addr(s, op, pe, g.off_combine_buf) + to * crb, src, rows * crb);
       }
       signal_all(s, op, g.off_combine_flag);
+      send_queued(s, op, g.off_combine_flag, 1, SignalOp::Add, a.stream);
       rt_.stream_after_channels(a.stream);
+      if (remote(op)) kernels::launch_wait_remote(rt_, p, g.off_combine_flag, epoch, epoch, a.stream);
       p.reduce_pieces = row_pieces(op, op.cfg.max_tokens, g.combine_row_bytes);
       kernels::launch_combine_reduce(rt_, p, reduce_blocks(op), a.stream);
+      if (remote(op) && g.combine_sets == 1) {  // this PE consumed their rows
+        send_queued(s, op, g.off_freed_flag, epoch, SignalOp::Set, a.stream);
+      }
     }
     if (ce && op.board)
       op.board->publish_and_wait(1, "ep combine", op.my_pe, ++op.queued_combines,
@@ -289,13 +328,70 @@ class DeviceDriver final : public DeviceImpl {
     p.timeout_ns = static_cast<uint64_t>(op.timeout_s * 1e9);
     p.host_mirror = rt_.host_dev;
     p.pack_for_copy_engine = op.cfg.kernel == Kernel::CopyEngine;
+    p.has_remote_peers = remote(op) ? 1 : 0;
     return p;
   }
 
   // Copy engine: +1 on `flag_off` of every PE, from each channel after its copies.
   void signal_all(PeState& s, Op& op, size_t flag_off) {
     for (int q = 0; q < op.n_pes; ++q)
-      rt_.signal(q, reinterpret_cast<uint64_t*>(ws_addr(s, op, q, flag_off)) + op.my_pe);
+      if (s.peers[q].base)
+        rt_.signal(q, reinterpret_cast<uint64_t*>(ws_addr(s, op, q, flag_off)) + op.my_pe);
+  }
+
+  // ---- PEs of other nodes (see the top of the file)
+
+  struct Put {
+    size_t dst_off;  // in the op's workspace
+    const void* src;
+    size_t bytes;
+  };
+  std::vector<std::vector<Put>> queued_;  // per PE: puts not yet sent
+
+  static bool remote(const Op& op) { return !op.remote_pes.empty(); }
+  static size_t kRemotePayloadOff(const Op& op) { return op.geo.off_local + 8 * kRemotePayload; }
+  // 8 bytes of this PE's workspace that a bare flag's put carries.
+  static const char* payload(PeState& s, const Op& op) {
+    return ws_addr(s, op, op.my_pe, kRemotePayloadOff(op));
+  }
+
+  void queue_put(const Op& op, int pe, size_t dst_off, const void* src, size_t bytes) {
+    if (queued_.size() < static_cast<size_t>(op.n_pes)) queued_.resize(op.n_pes);
+    if (bytes) queued_[pe].push_back(Put{dst_off, src, bytes});
+  }
+
+  // Sends each other-node PE its queued puts on `stream`, the last with a
+  // signal on this PE's word at `flag_off` there (with no puts, 8 bytes to
+  // its payload word carry the signal): the flag follows every byte.
+  void send_queued(PeState& s, Op& op, size_t flag_off, uint64_t value, SignalOp sig,
+                   StreamHandle stream) {
+    std::vector<std::vector<Put>> batch(op.n_pes);
+    batch.swap(queued_);  // (nothing stays queued if a put throws)
+    for (int q : op.remote_pes) {
+      std::vector<Put>& puts = batch[q];
+      if (puts.empty()) puts.push_back(Put{kRemotePayloadOff(op), payload(s, op), 8});
+      Transport& t = s.transports->select(q);
+      for (size_t i = 0; i + 1 < puts.size(); ++i)
+        t.put(s, q, op.ws_offset + puts[i].dst_off, puts[i].src, puts[i].bytes, stream);
+      const Put& last = puts.back();
+      t.put_signal(s, q, op.ws_offset + last.dst_off, last.src, last.bytes,
+                   op.ws_offset + flag_off + 8 * static_cast<size_t>(op.my_pe), value, sig,
+                   stream);
+    }
+  }
+
+  // Dispatch, before the packing grid: this PE's count row to other nodes'
+  // PEs, and a wait for theirs.
+  void exchange_counts(PeState& s, Op& op, const kernels::Params& p, StreamHandle stream) {
+    const Geometry& g = op.geo;
+    const uint64_t epoch = ++op.dispatch_epoch;
+    kernels::launch_count_row(rt_, p, stream);
+    const size_t row_bytes = static_cast<size_t>(g.count_words) * 8;
+    const size_t row_off = g.off_count_rows + (epoch & 1) * op.n_pes * row_bytes +
+                           static_cast<size_t>(op.my_pe) * row_bytes;
+    for (int q : op.remote_pes) queue_put(op, q, row_off, ws_addr(s, op, op.my_pe, row_off), row_bytes);
+    send_queued(s, op, g.off_count_flag, 1, SignalOp::Add, stream);
+    kernels::launch_wait_remote(rt_, p, g.off_count_flag, epoch, epoch, stream);
   }
 
   static void raise_own(const Op& op, int32_t status, int32_t detail, const char* call) {

@@ -20,6 +20,12 @@ __device__ __forceinline__ T* at(const Params& p, int pe, size_t off) {
 __device__ __forceinline__ uint64_t* local_word(const Params& p, int w) {
   return at<uint64_t>(p, p.my_pe, p.geo.off_local) + w;
 }
+// Whether the kernels store into PE q themselves: a PE of another node has
+// no load/store path, and the host moves what it needs through the remote
+// transport (ep_device_driver.hpp).
+__device__ __forceinline__ bool stores_reach(const Params& p, int q) {
+  return !p.has_remote_peers || p.peer_bases[q] != nullptr;
+}
 
 #ifdef __CUDACC__
 // What a poll does between two reads (the emulation yields its OS thread).
@@ -81,16 +87,18 @@ __device__ inline void record_error(const Params& p, int32_t status, int32_t det
   }
 }
 
-// One thread waits until flags[q] >= target for every PE q. After a timeout
+// One thread waits until flags[q] >= target for every PE q (with
+// remote_only, every PE the kernels do not store into). After a timeout
 // (recorded, naming the first late PE) it returns false at once, and so do
 // later waits, so a broken job fails fast instead of hanging.
 __device__ inline bool wait_all(const Params& p, size_t off_flags, uint64_t target,
-                                uint64_t epoch) {
+                                uint64_t epoch, bool remote_only = false) {
   const uint64_t* flags = at<uint64_t>(p, p.my_pe, off_flags);
   const uint64_t* err = local_word(p, kErrorWord);
   if (dev::load_relaxed(err) == kPeerTimeout) return false;
   const uint64_t start = dev::global_timer_ns();
   for (int q = 0; q < p.n_pes; ++q) {
+    if (remote_only && stores_reach(p, q)) continue;
     unsigned spins = 0;
     uint64_t seen;
     while ((seen = dev::load_relaxed(flags + q)) < target) {  // cheap polls; an acquire below
@@ -143,6 +151,7 @@ __device__ inline void publish(const Params& p, size_t off_flags, uint64_t value
   if (threadIdx.x != 0) return;
   dev::fence_acq_rel();
   for (int q = 0; q < p.n_pes; ++q) {
+    if (!stores_reach(p, q)) continue;
     uint64_t* flag = at<uint64_t>(p, q, off_flags) + p.my_pe;
     if (add) dev::add_relaxed(flag, value);
     else dev::store_relaxed(flag, value);

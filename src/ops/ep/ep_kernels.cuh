@@ -39,6 +39,9 @@
 //                  then (after the host's copies) sum;
 //   collect        (after a dispatch, when the caller owns the outputs) the
 //                  rows within the counts, from the receive buffer to them;
+//   count_row / wait_remote   (copy engine, PEs on other nodes) this PE's
+//                  count row for the host to put there, and a one-block wait
+//                  for what the host's puts from there set (ep_remote.cuh);
 //   redispatch_store / redispatch_pull   combine's reverse through a handle
 //                  (intranode, low_latency): each PE stores its rows into its
 //                  own combine buffer, then each pulls the rows it received.
@@ -56,3 +59,4 @@
 #include "ops/ep/ep_dispatch.cuh"
 #include "ops/ep/ep_dispatch_slots.cuh"
 #include "ops/ep/ep_redispatch.cuh"
+#include "ops/ep/ep_remote.cuh"

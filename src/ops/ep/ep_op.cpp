@@ -70,13 +70,20 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
   if (ws_bytes < geo.total)
     throw InvalidArgument("ep workspace of " + std::to_string(ws_bytes) + " bytes is smaller than the " +
                           std::to_string(geo.total) + " the config needs");
-  // The cpu implementation reaches remote peers through the remote transport;
-  // the kernels (and their emulation) need a load/store path to every PE.
+  // The cpu implementation reaches remote peers through the remote transport,
+  // and so does the host side of the copy-engine kernels (and their
+  // emulation); the other kernels store into every PE themselves.
   const bool host_rows = !on_cuda() && !emulate_device();
+  const bool kernels_reach_remote = cfg.kernel == Kernel::CopyEngine;
+  std::vector<int> remote_pes;
   for (int p = 0; p < s.n_pes; ++p) {
     if (s.peers[p].base) continue;
-    std::string why = host_rows ? s.transports->unreachable_reason(p)
-                                : "the EP kernels need a load/store path to every PE";
+    remote_pes.push_back(p);
+    std::string why = s.transports->unreachable_reason(p);
+    if (why.empty() && !host_rows && !kernels_reach_remote)
+      why = "across nodes the EP kernels run as kernel='copy_engine' (the host moves rows to "
+            "other nodes); kernel='" + std::string(kernel_name(cfg.kernel)) +
+            "' stores into every PE from the GPU and needs a load/store path to it";
     if (!why.empty())
       throw Unsupported(s.no_path_message(p, "EpDispatchCombine (it needs every PE)") +
                         "; the remote transport cannot serve it: " + why);
@@ -93,6 +100,7 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
   op->timeout_s = s.timeout_s;
   op->nodes = node_layout(s);
   op->nodes.forward &= host_rows && geo.fwd_rec_bytes > 0;
+  if (!host_rows) op->remote_pes = remote_pes;
   {
     DeviceGuard guard(s.device);
     // The sync words start at zero on every PE before any PE writes them

@@ -113,8 +113,13 @@ struct Op {
   size_t ws_offset = 0;  // heap offset of the symmetric workspace
   double timeout_s = kDefaultTimeoutS;
   NodeLayout nodes;
+  // Device implementation: the PEs of other nodes (no load/store path), which
+  // the host reaches through the remote transport (ep_device_driver.hpp).
+  std::vector<int> remote_pes;
   std::mutex mu;         // one call at a time per op
-  uint64_t dispatch_epoch = 0;  // host-side epochs (cpu; the cuda kernels keep theirs on device)
+  // Host-side epochs (cpu; on the device, ops with remote_pes count them too:
+  // the kernels keep theirs on the device).
+  uint64_t dispatch_epoch = 0;
   uint64_t combine_epoch = 0;
   std::shared_ptr<class DeviceImpl> impl;  // CUDA (or its emulation); null: cpu implementation
   // copy_engine on cuda with other PEs in this process (see

@@ -73,6 +73,8 @@ struct Params {
   int32_t arg_status;          // what the host's argument checks found (kOk or a Status)
   int32_t arg_detail;          // and the value they name
   int32_t pack_for_copy_engine;  // stage rows locally; the host's copy engines move them
+  int32_t has_remote_peers;    // some PE (another node) has no load/store path: kernels store
+                               // into mapped PEs only, the host reaches the others
   int64_t tokens_per_block;    // dispatch_kernel: tokens routed and sent by one block
   int32_t spare_ticket0;       // dispatch_kernel: ticket 0 (which totals the counts) takes no
                                // tokens; ticket t takes those of slot t - 1

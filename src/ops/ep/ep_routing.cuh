@@ -246,6 +246,7 @@ __device__ inline void add_dest_sums(const Params& p, uint64_t epoch, const int3
   const int n = p.n_pes, W = n + 1;
   for (int i = threadIdx.x; i < n * W; i += blockDim.x) {
     const int q = i / W, c = i % W;
+    if (!stores_reach(p, q)) continue;  // (its waits take this PE's count row)
     const uint64_t share = c < n ? static_cast<uint64_t>(run[c]) : failed ? 1 : 0;
     dev::add_relaxed(dest_sums(p, q, epoch) + p.my_pe * W + c, blocks * kSumBlock + share);
   }
@@ -277,6 +278,7 @@ __device__ inline void publish_counts(const Params& p, uint64_t epoch, bool tm, 
     const int m = hi - lo;
     for (int64_t i = threadIdx.x; i < static_cast<int64_t>(n) * m; i += blockDim.x) {
       const int q = static_cast<int>(i / m), w = lo + static_cast<int>(i % m);
+      if (!stores_reach(p, q)) continue;  // the host puts this PE's row there
       int32_t v = 0;
       if (w == kCountStatus) v = status;
       else if (w == kCountDetail) v = detail;
