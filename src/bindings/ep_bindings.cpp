@@ -177,9 +177,11 @@ class EpOp {
     auto s = Runtime::instance().current();
     cfg_ = config_from(cfg);
     layout_name_ = cfg["layout"].cast<std::string>();
+    // This op's own string, not the interned one: every handle refers to it,
+    // and an object shared with another PE thread's op would move its
+    // reference count between the threads' cores on every call.
     PyObject* layout = PyUnicode_FromString(layout_name_.c_str());
     if (!layout) throw py::error_already_set();
-    PyUnicode_InternInPlace(&layout);
     layout_str_ = py::reinterpret_steal<py::object>(layout);
     {
       py::gil_scoped_release nogil;
@@ -420,11 +422,18 @@ class EpOp {
   }
   bool expert_major() const { return cfg_.layout == ep::Layout::ExpertMajor; }
 
+  // One look-up of the PE per call: the runtime's map is shared by every PE
+  // thread of the process.
   std::shared_ptr<ep::Op> find(std::shared_ptr<PeState>* s) const {
     auto slot = Runtime::instance().slot_of_rank(job_, rank_);
     if (slot && slot->generation != generation_)
       throw StateError("this EpDispatchCombine's PE was finalized");
-    return ep::find(job_, rank_, id_, s);
+    if (!slot || slot->peers.empty())
+      throw StateError("ep: PE " + std::to_string(rank_) +
+                       " is not initialised in this process (finalized already?)");
+    auto op = ep::find(*slot, id_);
+    *s = std::move(slot);
+    return op;
   }
 
   uintptr_t stream_of(py::handle stream) const {
@@ -443,13 +452,12 @@ class EpOp {
     if (!t.is_tensor)
       return Problem{true, name + " must be a torch.Tensor, got " +
                                (t.present ? t.type_name : std::string("NoneType"))};
-    bool dtype_ok = false;
-    std::string want;
-    for (TorchDType d : dtypes) {
-      dtype_ok |= t.dtype == d;
-      want += (want.empty() ? "" : " or ") + std::string(bindings::torch_dtype_name(d));
+    if (std::find(dtypes.begin(), dtypes.end(), t.dtype) == dtypes.end()) {
+      std::string want;  // the message is built only when it is raised
+      for (TorchDType d : dtypes)
+        want += (want.empty() ? "" : " or ") + std::string(bindings::torch_dtype_name(d));
+      return value_error(name + " must have dtype " + want + ", got " + t.dtype_str());
     }
-    if (!dtype_ok) return value_error(name + " must have dtype " + want + ", got " + t.dtype_str());
     if (t.shape != shape)
       return value_error(name + " must have shape " + bindings::shape_repr(shape) + ", got " +
                          t.shape_repr());

@@ -22,7 +22,8 @@ struct Registry {
 };
 
 std::shared_ptr<Registry> registry_of(PeState& s) {
-  return s.caches.get<Registry>("ep.registry", [] { return std::make_shared<Registry>(); });
+  static const std::string kKey = "ep.registry";  // looked up on every call: made once
+  return s.caches.get<Registry>(kKey, [] { return std::make_shared<Registry>(); });
 }
 
 bool on_cuda() { return std::string(Runtime::instance().backend().name()) == "cuda"; }
@@ -148,13 +149,18 @@ std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeS
   if (!s || s->peers.empty())
     throw StateError("ep: PE " + std::to_string(rank) +
                      " is not initialised in this process (finalized already?)");
-  auto reg = registry_of(*s);
+  auto op = find(*s, id);
+  *state = std::move(s);
+  return op;
+}
+
+std::shared_ptr<Op> find(PeState& s, int64_t id) {
+  auto reg = registry_of(s);
   std::lock_guard<std::mutex> lock(reg->mu);
   auto it = reg->ops.find(id);
   if (it == reg->ops.end())
     throw StateError("ep: this EpDispatchCombine was closed (op " + std::to_string(id) +
-                     " of PE " + std::to_string(rank) + ")");
-  *state = s;
+                     " of PE " + std::to_string(s.my_pe) + ")");
   return it->second;
 }
 

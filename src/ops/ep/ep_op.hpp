@@ -136,6 +136,8 @@ struct Op {
 int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes);
 void destroy(PeState& s, int64_t id);
 std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeState>* state);
+// The op `id` of the PE `s` (already looked up by the caller).
+std::shared_ptr<Op> find(PeState& s, int64_t id);
 
 // Most blocks in one grid of the op's kernels on the calling thread's PE:
 // its GPU's SM count on cuda, kDefaultGridBlocks otherwise. A job takes the
