@@ -41,7 +41,7 @@ def main():
     import ep_bench
     import remote_nccl_program as prog
     results = prog.run_two_nodes([("ep_remote_bench", (free_port(), args.iters, args.tokens),
-                                   True)], timeout=120.0, heap_size="3G", wait_s=400.0)
+                                   True)], timeout=120.0, heap_size="3G", wait_s=200.0)
     per = [results[r][0] for r in range(2)]
     line = ep_bench.report(per).replace("summary ep ", "summary ep across 2 nodes ")
     print(line.replace("nvlink", "network"))

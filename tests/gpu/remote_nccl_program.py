@@ -335,6 +335,8 @@ def ep_across_nodes():
     from symheap.ep import EpConfig, EpDispatchCombine
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ep"))
     import test_ep_programs as progs
+    import torch
+    torch.cuda.set_device(symheap.current_device())  # (the calls' current stream is there)
     base = dict(hidden=512, max_tokens_per_rank=64, num_experts=16, topk=4, dtype="bfloat16",
                 kernel="copy_engine")
     configs = [dict(base, max_recv_tokens=128), dict(base, layout="expert_major"),
@@ -368,6 +370,7 @@ def ep_remote_bench(port, iters, tokens):
     import ep_bench as eb
     me = symheap.my_pe()
     dev = torch.device("cuda", symheap.current_device())
+    torch.cuda.set_device(dev)  # (ep_bench times the current stream, where the calls run)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=me,
                             world_size=2, device_id=dev)
     try:

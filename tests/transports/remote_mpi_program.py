@@ -314,10 +314,11 @@ def ep_across_nodes(seed, timeout):
 def ep_device_across_nodes(seed, timeout):
     """The device kernels (their host emulation, one PE per process) across
     nodes: kernel='copy_engine' in both layouts, fp8 with scales, a receive
-    bound and enough tokens for the blocks' look-back; rows for
-    other nodes' PEs go through the remote transport. Every routing pattern
-    of the EP tests, each output checked against the references (poisoned
-    first), and the same bits as the cpu implementation. The kernels that
+    bound, and enough tokens for the blocks' look-back (unless
+    SYMHEAP_TEST_EP_QUICK); rows for other nodes' PEs go through the remote
+    transport. Every routing pattern of the EP tests, each output checked
+    against the references (poisoned first), and the same bits as the cpu
+    implementation. The kernels that
     store into every PE themselves refuse another node with a clear error."""
     import torch
     from symheap.ep import EpConfig, EpDispatchCombine
@@ -326,14 +327,20 @@ def ep_device_across_nodes(seed, timeout):
     base = dict(hidden=32, max_tokens_per_rank=6, num_experts=4 * n, topk=3, dtype="bfloat16",
                 kernel="copy_engine")
     configs = [dict(base, max_recv_tokens=n * 6),
-               dict(base, dtype="float8_e4m3fn", scale_dim=8, layout="expert_major"),
-               # too many ids for one pass: blocks rank from the blocks before them
-               dict(base, max_tokens_per_rank=200)]
-    if os.environ.get("SYMHEAP_TEST_EP_QUICK") == "1":  # (the emulation is slow: fewer shapes)
-        configs = configs[:2]
+               dict(base, dtype="float8_e4m3fn", scale_dim=8, layout="expert_major")]
+    # too many ids for one pass: blocks rank from the blocks before them (the
+    # emulation is slow: three patterns, and not on the three-process job)
+    large = [dict(base, max_tokens_per_rank=200)]
+    if os.environ.get("SYMHEAP_TEST_EP_QUICK") == "1":
+        large = []
+
+    def run_all():
+        return (progs.many_configs(configs, combine_digest=False) +
+                progs.many_configs(large, progs.DEFAULT_PLAN[:3], combine_digest=False))
+
     os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "1"
     try:
-        by_kernels = progs.many_configs(configs, combine_digest=False)
+        by_kernels = run_all()
         for bad in (dict(base, kernel="intranode"), dict(base, kernel="low_latency",
                                                          layout="token_slots")):
             try:
@@ -344,7 +351,7 @@ def ep_device_across_nodes(seed, timeout):
                 raise AssertionError(f"{bad} across nodes did not raise")
     finally:
         os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "0"
-    by_cpu = progs.many_configs(configs, combine_digest=False)
+    by_cpu = run_all()
     assert by_kernels == by_cpu, "the kernels and the cpu implementation received different rows"
     symheap.barrier_all(timeout=timeout)
 

@@ -213,9 +213,8 @@ class DeviceDriver final : public DeviceImpl {
       if (remote(op)) kernels::launch_wait_remote(rt_, p, g.off_combine_flag, epoch, epoch, a.stream);
       p.reduce_pieces = row_pieces(op, op.cfg.max_tokens, g.combine_row_bytes);
       kernels::launch_combine_reduce(rt_, p, reduce_blocks(op), a.stream);
-      if (remote(op) && g.combine_sets == 1) {  // this PE consumed their rows
+      if (remote(op) && g.combine_sets == 1)  // this PE consumed their rows
         send_queued(s, op, g.off_freed_flag, epoch, SignalOp::Set, a.stream);
-      }
     }
     if (ce && op.board)
       op.board->publish_and_wait(1, "ep combine", op.my_pe, ++op.queued_combines,
@@ -349,10 +348,10 @@ class DeviceDriver final : public DeviceImpl {
   std::vector<std::vector<Put>> queued_;  // per PE: puts not yet sent
 
   static bool remote(const Op& op) { return !op.remote_pes.empty(); }
-  static size_t kRemotePayloadOff(const Op& op) { return op.geo.off_local + 8 * kRemotePayload; }
+  static size_t payload_off(const Op& op) { return op.geo.off_local + 8 * kRemotePayload; }
   // 8 bytes of this PE's workspace that a bare flag's put carries.
   static const char* payload(PeState& s, const Op& op) {
-    return ws_addr(s, op, op.my_pe, kRemotePayloadOff(op));
+    return ws_addr(s, op, op.my_pe, payload_off(op));
   }
 
   void queue_put(const Op& op, int pe, size_t dst_off, const void* src, size_t bytes) {
@@ -365,11 +364,12 @@ class DeviceDriver final : public DeviceImpl {
   // its payload word carry the signal): the flag follows every byte.
   void send_queued(PeState& s, Op& op, size_t flag_off, uint64_t value, SignalOp sig,
                    StreamHandle stream) {
-    std::vector<std::vector<Put>> batch(op.n_pes);
+    std::vector<std::vector<Put>> batch;
     batch.swap(queued_);  // (nothing stays queued if a put throws)
+    batch.resize(op.n_pes);
     for (int q : op.remote_pes) {
       std::vector<Put>& puts = batch[q];
-      if (puts.empty()) puts.push_back(Put{kRemotePayloadOff(op), payload(s, op), 8});
+      if (puts.empty()) puts.push_back(Put{payload_off(op), payload(s, op), 8});
       Transport& t = s.transports->select(q);
       for (size_t i = 0; i + 1 < puts.size(); ++i)
         t.put(s, q, op.ws_offset + puts[i].dst_off, puts[i].src, puts[i].bytes, stream);
