@@ -186,6 +186,9 @@ auto guarded(PeState& s, Op& op, const char* what, F&& body) {
   } catch (const JobFailed& e) {
     op.failure = e.what();
     throw;
+  } catch (const RemoteError& e) {  // part of the call's traffic to another node was lost
+    op.failure = e.what();
+    throw;
   } catch (const InvalidArgument&) {
     throw;  // found before anything moved, or aborted in step on every PE
   } catch (const StateError&) {
