@@ -9,6 +9,8 @@
 # SHARD_TIMEOUT=SECONDS stops each shard then, so the summary still comes.
 set -uo pipefail
 n=$1 file=$2 expr=${3:-}
+# Several processes share each GPU: JAX must not claim most of its memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-logs}
 mkdir -p "$OUT"
