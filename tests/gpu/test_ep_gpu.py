@@ -84,6 +84,20 @@ def test_many_tokens_rank_by_look_back():
 
 
 @two_gpus
+def test_ops_in_turn_rank_by_look_back():
+    """Ops created one after another, each closed first (the same heap range), one
+    look-back call each: a new op's first dispatch runs at the epoch where the previous
+    op's blocks left their counts and done words, which must not pass for its own."""
+    many = dict(max_tokens_per_rank=1200, num_experts=32, topk=8)
+    configs = [cfg(**many, max_recv_tokens=2400), cfg(**many, kernel="low_latency"),
+               cfg(**many), cfg(**many, layout="expert_major"),
+               cfg(**many, layout="expert_major", kernel="low_latency")]
+    for offsets in run_threads(progs.ops_in_turn, 2, args=(configs,),
+                               init_kwargs={"heap_size": "2G"}):
+        assert len(set(offsets)) == 1, offsets
+
+
+@two_gpus
 def test_two_processes_match_two_threads():
     configs = [cfg(), cfg(kernel="low_latency", layout="expert_major"),
                cfg(kernel="copy_engine", dtype="float16"),
