@@ -15,18 +15,11 @@ ratio against the bare all_to_all_single pair; the target is >= 1.0x.
 """
 import argparse
 import os
-import socket
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "gpu"))
 sys.path.insert(0, HERE)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():
@@ -40,7 +33,8 @@ def main():
         return
     import ep_bench
     import remote_nccl_program as prog
-    results = prog.run_two_nodes([("ep_remote_bench", (free_port(), args.iters, args.tokens),
+    port = ep_bench.free_port()
+    results = prog.run_two_nodes([("ep_remote_bench", (port, args.iters, args.tokens),
                                    True)], timeout=120.0, heap_size="3G", wait_s=200.0)
     per = [results[r][0] for r in range(2)]
     line = ep_bench.report(per).replace("summary ep ", "summary ep across 2 nodes ")
