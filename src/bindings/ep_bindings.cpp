@@ -428,12 +428,7 @@ class EpOp {
     auto slot = Runtime::instance().slot_of_rank(job_, rank_);
     if (slot && slot->generation != generation_)
       throw StateError("this EpDispatchCombine's PE was finalized");
-    if (!slot || slot->peers.empty())
-      throw StateError("ep: PE " + std::to_string(rank_) +
-                       " is not initialised in this process (finalized already?)");
-    auto op = ep::find(*slot, id_);
-    *s = std::move(slot);
-    return op;
+    return ep::find(std::move(slot), rank_, id_, s);
   }
 
   uintptr_t stream_of(py::handle stream) const {

@@ -161,7 +161,11 @@ void destroy(PeState& s, int64_t id) {
 }
 
 std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeState>* state) {
-  auto s = Runtime::instance().slot_of_rank(job, rank);
+  return find(Runtime::instance().slot_of_rank(job, rank), rank, id, state);
+}
+
+std::shared_ptr<Op> find(std::shared_ptr<PeState> s, int rank, int64_t id,
+                         std::shared_ptr<PeState>* state) {
   if (!s || s->peers.empty())
     throw StateError("ep: PE " + std::to_string(rank) +
                      " is not initialised in this process (finalized already?)");

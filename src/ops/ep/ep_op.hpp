@@ -117,8 +117,8 @@ struct Op {
   // the host reaches through the remote transport (ep_device_driver.hpp).
   std::vector<int> remote_pes;
   std::mutex mu;         // one call at a time per op
-  // Host-side epochs (cpu; on the device, ops with remote_pes count them too:
-  // the kernels keep theirs on the device).
+  // Host-side epochs: the cpu implementation's, and on the device those of ops
+  // with remote_pes (whose kernels also keep their own on the device).
   uint64_t dispatch_epoch = 0;
   uint64_t combine_epoch = 0;
   std::shared_ptr<class DeviceImpl> impl;  // CUDA (or its emulation); null: cpu implementation
@@ -136,6 +136,9 @@ struct Op {
 int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes);
 void destroy(PeState& s, int64_t id);
 std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeState>* state);
+// As above, for the slot of (job, rank) the caller already looked up (or null).
+std::shared_ptr<Op> find(std::shared_ptr<PeState> slot, int rank, int64_t id,
+                         std::shared_ptr<PeState>* state);
 // The op `id` of the PE `s` (already looked up by the caller).
 std::shared_ptr<Op> find(PeState& s, int64_t id);
 
