@@ -22,8 +22,10 @@
 //   a's next wait on it fails at once with that message (the core raises
 //   symheap.RemoteError) instead of waiting out its deadline.
 // - The service thread applies a signal with a kernel on its stream, after
-//   the receive of the bytes; atomics are system-scope atomics in a kernel on
-//   the target's device (so they mix with the target node's device atomics);
+//   the receive of the bytes (its kernels are loaded at connect, so no
+//   launch waits for a kernel of this PE spinning until that signal lands);
+//   atomics are system-scope atomics in a kernel on the target's device (so
+//   they mix with the target node's device atomics);
 //   a fence is answered once the service stream finished everything before
 //   it, which is what quiet waits for.
 // - Every wait of a requester polls (cudaEventQuery, ncclCommGetAsyncError,
@@ -574,6 +576,13 @@ class NcclEndpoint final : public DeviceEndpoint {
         if (o.result == Result::Ok) o = drain(*link, "the warm-up exchange", wait);
         if (o.result != Result::Ok) return o;
       }
+    // The service thread's kernels loaded now: with lazy module loading a
+    // first launch may wait for every kernel running on the device, and a
+    // signal must never wait behind a kernel of this PE that spins until it lands.
+    cudaFuncAttributes attrs;
+    e = cudaFuncGetAttributes(&attrs, signal_kernel);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attrs, atomic_kernel);
+    if (e != cudaSuccess) return failed(-1, "loading the engine's kernels: " + cuda_text(e));
     ::close(listen_fd_);
     listen_fd_ = -1;
     running_ = true;
