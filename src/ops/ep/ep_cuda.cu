@@ -38,6 +38,12 @@ class CudaRt {
                                      cudaHostAllocMapped | cudaHostAllocPortable));
     std::fill(host, host + words, 0);
     SYMHEAP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));
+    // Every kernel loaded now, before any of this op's waits spins
+    // (kernels::for_each_kernel says why).
+    kernels::for_each_kernel([](auto kernel) {
+      cudaFuncAttributes attrs;
+      SYMHEAP_CUDA_CHECK(cudaFuncGetAttributes(&attrs, kernel));
+    });
     // Zero the sync words on a private stream that waits for nothing else
     // (not even kernels of other ops still running), and wait for exactly that.
     cudaStream_t setup = nullptr;

@@ -36,6 +36,10 @@
 // alternate with them).
 #pragma once
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -94,6 +98,7 @@ class DeviceDriver final : public DeviceImpl {
       kernels::launch_dispatch_slots(rt_, p, blocks, a.stream);
     else
       kernels::launch_dispatch(rt_, p, blocks, a.stream);
+    if (remote(op)) trace(op, "dispatch %llu: packing grid launched", op.dispatch_epoch);
     if (!ce) {
       if (a.out_x) kernels::launch_collect(rt_, p, op.geo.grid_blocks, a.stream);
       if (g.padded_output) {
@@ -109,6 +114,7 @@ class DeviceDriver final : public DeviceImpl {
 
     // Copy engine: the host reads the plan, then the channels move the rows.
     rt_.sync(a.stream);
+    if (remote(op)) trace(op, "dispatch %llu: plan read", op.dispatch_epoch);
     volatile int32_t* h = mirror();
     const int32_t abort = h[kernels::kHostAbort];
     const int64_t num_recv = h[kernels::kHostNumRecv];
@@ -137,6 +143,7 @@ class DeviceDriver final : public DeviceImpl {
     send_queued(s, op, g.off_data_flag, 1, SignalOp::Add, a.stream);
     rt_.stream_after_channels(a.stream);
     kernels::launch_finish_dispatch(rt_, p, abort, a.stream);
+    if (remote(op)) trace(op, "dispatch %llu: rows sent, finish launched", op.dispatch_epoch);
     if (a.out_x) kernels::launch_collect(rt_, p, op.geo.grid_blocks, a.stream);
     if (op.board)
       op.board->publish_and_wait(0, "ep dispatch", op.my_pe, ++op.queued_dispatches,
@@ -186,6 +193,7 @@ class DeviceDriver final : public DeviceImpl {
         kernels::launch_wait_remote(rt_, p, g.off_freed_flag, epoch - 1, epoch, a.stream);
       kernels::launch_combine_pack(rt_, p, send_blocks(op), a.stream);
       rt_.sync(a.stream);
+      if (remote(op)) trace(op, "combine %llu: plan read", op.combine_epoch);
       volatile int32_t* h = mirror();
       const size_t crb = g.combine_row_bytes;
       const bool tm = op.cfg.layout == Layout::TokenMajor;
@@ -211,8 +219,10 @@ class DeviceDriver final : public DeviceImpl {
       send_queued(s, op, g.off_combine_flag, 1, SignalOp::Add, a.stream);
       rt_.stream_after_channels(a.stream);
       if (remote(op)) kernels::launch_wait_remote(rt_, p, g.off_combine_flag, epoch, epoch, a.stream);
+      if (remote(op)) trace(op, "combine %llu: rows sent, wait launched", op.combine_epoch);
       p.reduce_pieces = row_pieces(op, op.cfg.max_tokens, g.combine_row_bytes);
       kernels::launch_combine_reduce(rt_, p, reduce_blocks(op), a.stream);
+      if (remote(op)) trace(op, "combine %llu: sums launched", op.combine_epoch);
       if (remote(op) && g.combine_sets == 1)  // this PE consumed their rows
         send_queued(s, op, g.off_freed_flag, epoch, SignalOp::Set, a.stream);
     }
@@ -386,12 +396,32 @@ class DeviceDriver final : public DeviceImpl {
     const Geometry& g = op.geo;
     const uint64_t epoch = ++op.dispatch_epoch;
     kernels::launch_count_row(rt_, p, stream);
+    trace(op, "dispatch %llu: count row launched", epoch);
     const size_t row_bytes = static_cast<size_t>(g.count_words) * 8;
     const size_t row_off = g.off_count_rows + (epoch & 1) * op.n_pes * row_bytes +
                            static_cast<size_t>(op.my_pe) * row_bytes;
     for (int q : op.remote_pes) queue_put(op, q, row_off, ws_addr(s, op, op.my_pe, row_off), row_bytes);
     send_queued(s, op, g.off_count_flag, 1, SignalOp::Add, stream);
+    trace(op, "dispatch %llu: count row sent", epoch);
     kernels::launch_wait_remote(rt_, p, g.off_count_flag, epoch, epoch, stream);
+    trace(op, "dispatch %llu: count wait launched", epoch);
+  }
+
+  // SYMHEAP_REMOTE_TRACE=1: the host's steps of a call with other nodes' PEs on
+  // stderr (a launch that blocks shows as a gap before its line), next to the
+  // remote engine's lines.
+  static void trace(const Op& op, const char* fmt, uint64_t epoch) {
+    static const bool on = [] {
+      const char* v = std::getenv("SYMHEAP_REMOTE_TRACE");
+      return v && *v && std::strcmp(v, "0") != 0;
+    }();
+    if (!on) return;
+    char line[160];
+    std::snprintf(line, sizeof line, fmt, static_cast<unsigned long long>(epoch));
+    const long long us = std::chrono::duration_cast<std::chrono::microseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count() % 10000000000LL;
+    std::fprintf(stderr, "[symheap ep %lld us, PE %d] %s\n", us, op.my_pe, line);
   }
 
   static void raise_own(const Op& op, int32_t status, int32_t detail, const char* call) {

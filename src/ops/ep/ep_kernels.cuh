@@ -60,3 +60,29 @@
 #include "ops/ep/ep_dispatch_slots.cuh"
 #include "ops/ep/ep_redispatch.cuh"
 #include "ops/ep/ep_remote.cuh"
+
+namespace symheap::ep::EP_DEVICE_NS::kernels {
+
+// Calls f(kernel) for every kernel above. The CUDA runtime loads them all when
+// an op is made: with lazy module loading, a kernel's first launch may wait
+// for every kernel running on the device, and a launch made while a wait
+// spins (this PE's next grid, or the remote engine's landing of the bytes it
+// waits for) must never wait for it.
+template <class F>
+void for_each_kernel(F&& f) {
+  f(dispatch_kernel<kSmallTokenMajor>);
+  f(dispatch_kernel<kLargeTokenMajor>);
+  f(dispatch_kernel<kAnyDispatch>);
+  f(finish_kernel);
+  f(dispatch_slots_kernel);
+  f(collect_kernel);
+  f(combine_kernel);
+  f(combine_pack_kernel);
+  f(combine_reduce_kernel);
+  f(redispatch_store_kernel);
+  f(redispatch_pull_kernel);
+  f(count_row_kernel);
+  f(wait_remote_kernel);
+}
+
+}  // namespace symheap::ep::EP_DEVICE_NS::kernels

@@ -22,8 +22,10 @@
 //   a's next wait on it fails at once with that message (the core raises
 //   symheap.RemoteError) instead of waiting out its deadline.
 // - The service thread applies a signal with a kernel on its stream, after
-//   the receive of the bytes; atomics are system-scope atomics in a kernel on
-//   the target's device (so they mix with the target node's device atomics);
+//   the receive of the bytes (its kernels are loaded at connect, so no
+//   launch waits for a kernel of this PE spinning until that signal lands);
+//   atomics are system-scope atomics in a kernel on the target's device (so
+//   they mix with the target node's device atomics);
 //   a fence is answered once the service stream finished everything before
 //   it, which is what quiet waits for.
 // - Every wait of a requester polls (cudaEventQuery, ncclCommGetAsyncError,
@@ -227,6 +229,28 @@ std::string cuda_text(cudaError_t e) {
 }
 
 using Clock = std::chrono::steady_clock;
+
+// SYMHEAP_REMOTE_TRACE=1: one line on stderr per step of every request, on
+// both sides (the calls that may block are logged before and after), with
+// the wall clock's microseconds (as the EP host's lines): where a stuck pair stopped.
+bool tracing() {
+  static const bool on = [] {
+    const char* v = getenv("SYMHEAP_REMOTE_TRACE");
+    return v && *v && std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+unsigned long long ull(uint64_t v) { return static_cast<unsigned long long>(v); }
+template <class... A>
+void trace(int me, const char* fmt, A... args) {
+  if (!tracing()) return;
+  char line[256];
+  std::snprintf(line, sizeof line, fmt, args...);
+  const long long us = std::chrono::duration_cast<std::chrono::microseconds>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count() % 10000000000LL;
+  std::fprintf(stderr, "[symheap remote %lld us, PE %d] %s\n", us, me, line);
+}
 
 // Makes `device` current for the scope and restores the caller's device, so
 // the engine never changes which device the calling thread works on.
@@ -574,6 +598,13 @@ class NcclEndpoint final : public DeviceEndpoint {
         if (o.result == Result::Ok) o = drain(*link, "the warm-up exchange", wait);
         if (o.result != Result::Ok) return o;
       }
+    // The service thread's kernels loaded now: with lazy module loading a
+    // first launch may wait for every kernel running on the device, and a
+    // signal must never wait behind a kernel of this PE that spins until it lands.
+    cudaFuncAttributes attrs;
+    e = cudaFuncGetAttributes(&attrs, signal_kernel);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attrs, atomic_kernel);
+    if (e != cudaSuccess) return failed(-1, "loading the engine's kernels: " + cuda_text(e));
     ::close(listen_fd_);
     listen_fd_ = -1;
     running_ = true;
@@ -856,6 +887,8 @@ class NcclEndpoint final : public DeviceEndpoint {
       return wait.check();
     };
     std::string why;
+    trace(spec_.my_pe, "to PE %d: %s seq %llu off %llu bytes %llu signal %llu: header", link.pe,
+          wire_op_name(h.op), ull(h.seq), ull(h.offset), ull(h.nbytes), ull(h.signal_offset));
     int sent = send_all(link.fd, &h, sizeof h, room, &why);
     if (sent == 0) return gave_up(link.pe);
     if (sent < 0) return failed(link.pe, why);
@@ -876,6 +909,7 @@ class NcclEndpoint final : public DeviceEndpoint {
       Outcome o = settle(link, call, wait);
       if (o.result != Result::Ok) return o;
     }
+    trace(spec_.my_pe, "to PE %d: seq %llu: %s issued", link.pe, ull(h.seq), call);
     e = cudaEventRecord(link.after, link.stream);
     if (e == cudaSuccess) e = cudaStreamWaitEvent(caller, link.after, 0);
     if (e != cudaSuccess) return failed(link.pe, "ordering the caller's stream: " + cuda_text(e));
@@ -1107,25 +1141,33 @@ class NcclEndpoint final : public DeviceEndpoint {
           return refuse(link, h, kOutOfHeap, outside("bytes", h.offset, h.nbytes));
         if (h.op == wire(Op::PutSignal) && !in_heap(h.signal_offset, 8))
           return refuse(link, h, kOutOfHeap, outside("signal word", h.signal_offset, 8));
+        trace(spec_.my_pe, "from PE %d: %s seq %llu off %llu bytes %llu signal %llu: serving",
+              link.pe, wire_op_name(h.op), ull(h.seq), ull(h.offset), ull(h.nbytes),
+              ull(h.signal_offset));
         if (h.nbytes > 0)
           r = h.op == wire(Op::Get)
                   ? nccl_->Send(base + h.offset, h.nbytes, ncclUint8, 0, link.comm, link.stream)
                   : nccl_->Recv(base + h.offset, h.nbytes, ncclUint8, 0, link.comm, link.stream);
         if (r == ncclInProgress) r = settle_service(link);
+        trace(spec_.my_pe, "from PE %d: seq %llu: NCCL call issued (%d)", link.pe, ull(h.seq),
+              static_cast<int>(r));
         if (r == ncclSuccess && h.op == wire(Op::PutSignal)) {
           signal_kernel<<<1, 1, 0, link.stream>>>(
               reinterpret_cast<unsigned long long*>(base + h.signal_offset),
               static_cast<unsigned long long>(h.value), h.signal_add ? 1 : 0);
           e = cudaGetLastError();
+          trace(spec_.my_pe, "from PE %d: seq %llu: signal kernel launched", link.pe, ull(h.seq));
         }
         break;
       case wire(Op::Signal):
         if (!in_heap(h.signal_offset, 8))
           return refuse(link, h, kOutOfHeap, outside("signal word", h.signal_offset, 8));
+        trace(spec_.my_pe, "from PE %d: signal seq %llu: launching", link.pe, ull(h.seq));
         signal_kernel<<<1, 1, 0, link.stream>>>(
             reinterpret_cast<unsigned long long*>(base + h.signal_offset),
             static_cast<unsigned long long>(h.value), h.signal_add ? 1 : 0);
         e = cudaGetLastError();
+        trace(spec_.my_pe, "from PE %d: signal seq %llu: launched", link.pe, ull(h.seq));
         break;
       case wire(Op::FetchAdd):
       case wire(Op::CompareSwap):
