@@ -36,16 +36,14 @@
 // alternate with them).
 #pragma once
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "ops/ep/ep_device.hpp"
 #include "ops/ep/ep_kernels.cuh"
 #include "symheap/errors.hpp"
+#include "transports/remote_trace.hpp"
 #include "transports/transport.hpp"
 
 namespace symheap::ep::EP_DEVICE_NS {
@@ -407,21 +405,14 @@ class DeviceDriver final : public DeviceImpl {
     trace(op, "dispatch %llu: count wait launched", epoch);
   }
 
-  // SYMHEAP_REMOTE_TRACE=1: the host's steps of a call with other nodes' PEs on
-  // stderr (a launch that blocks shows as a gap before its line), next to the
-  // remote engine's lines.
+  // SYMHEAP_REMOTE_TRACE=1 (remote_trace.hpp): the host's steps of a call with
+  // other nodes' PEs (a launch that blocks shows as a gap before its line), next
+  // to the remote engine's lines.
   static void trace(const Op& op, const char* fmt, uint64_t epoch) {
-    static const bool on = [] {
-      const char* v = std::getenv("SYMHEAP_REMOTE_TRACE");
-      return v && *v && std::strcmp(v, "0") != 0;
-    }();
-    if (!on) return;
+    if (!remote_trace_enabled()) return;
     char line[160];
     std::snprintf(line, sizeof line, fmt, static_cast<unsigned long long>(epoch));
-    const long long us = std::chrono::duration_cast<std::chrono::microseconds>(
-                             std::chrono::system_clock::now().time_since_epoch())
-                             .count() % 10000000000LL;
-    std::fprintf(stderr, "[symheap ep %lld us, PE %d] %s\n", us, op.my_pe, line);
+    remote_trace_line("ep", op.my_pe, line);
   }
 
   static void raise_own(const Op& op, int32_t status, int32_t detail, const char* call) {

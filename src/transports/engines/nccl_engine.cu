@@ -66,6 +66,7 @@
 #include <nccl.h>
 
 #include "transports/remote_device_engine.hpp"
+#include "transports/remote_trace.hpp"
 
 namespace symheap {
 namespace remote {
@@ -230,26 +231,15 @@ std::string cuda_text(cudaError_t e) {
 
 using Clock = std::chrono::steady_clock;
 
-// SYMHEAP_REMOTE_TRACE=1: one line on stderr per step of every request, on
-// both sides (the calls that may block are logged before and after), with
-// the wall clock's microseconds (as the EP host's lines): where a stuck pair stopped.
-bool tracing() {
-  static const bool on = [] {
-    const char* v = getenv("SYMHEAP_REMOTE_TRACE");
-    return v && *v && std::strcmp(v, "0") != 0;
-  }();
-  return on;
-}
 unsigned long long ull(uint64_t v) { return static_cast<unsigned long long>(v); }
+// SYMHEAP_REMOTE_TRACE=1 (remote_trace.hpp): a line per step of every request,
+// on both sides; the calls that may block are logged before and after.
 template <class... A>
 void trace(int me, const char* fmt, A... args) {
-  if (!tracing()) return;
+  if (!remote_trace_enabled()) return;
   char line[256];
   std::snprintf(line, sizeof line, fmt, args...);
-  const long long us = std::chrono::duration_cast<std::chrono::microseconds>(
-                           std::chrono::system_clock::now().time_since_epoch())
-                           .count() % 10000000000LL;
-  std::fprintf(stderr, "[symheap remote %lld us, PE %d] %s\n", us, me, line);
+  remote_trace_line("remote", me, line);
 }
 
 // Makes `device` current for the scope and restores the caller's device, so
