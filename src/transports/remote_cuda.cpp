@@ -10,8 +10,6 @@
 #ifdef SYMHEAP_WITH_CUDA
 #include <cuda_runtime.h>
 #include <dlfcn.h>
-#include <limits.h>
-#include <stdlib.h>
 
 #include <cstdio>
 #include <exception>
@@ -21,24 +19,11 @@
 #include "symheap/runtime.hpp"
 #include "symheap/wait.hpp"
 #include "transports/remote_device_engine.hpp"
+#include "transports/remote_engine_loader.hpp"
 #include "transports/transport.hpp"
 
 namespace symheap {
 namespace {
-
-#ifdef SYMHEAP_NCCL_ENGINE_FILE
-// The engine library sits in the folder of the file that holds this code.
-std::string engine_path() {
-  Dl_info info{};
-  if (!dladdr(reinterpret_cast<void*>(&engine_path), &info) || !info.dli_fname)
-    return SYMHEAP_NCCL_ENGINE_FILE;
-  char real[PATH_MAX];
-  std::string self = realpath(info.dli_fname, real) ? real : info.dli_fname;
-  size_t slash = self.rfind('/');
-  return (slash == std::string::npos ? std::string() : self.substr(0, slash + 1)) +
-         SYMHEAP_NCCL_ENGINE_FILE;
-}
-#endif
 
 // The process's device engine, loaded on first success and kept.
 remote::DeviceEngine* device_engine(std::string* why_not) {
@@ -47,7 +32,7 @@ remote::DeviceEngine* device_engine(std::string* why_not) {
   static remote::DeviceEngine* engine = nullptr;
   std::lock_guard<std::mutex> lock(mu);
   if (engine) return engine;
-  std::string path = engine_path();
+  std::string path = remote::beside_core(SYMHEAP_NCCL_ENGINE_FILE);
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     const char* err = dlerror();
@@ -81,29 +66,24 @@ std::string seconds(double s) {
 class HookWaiter final : public remote::WaitHook {
  public:
   HookWaiter(const PeState* s, double timeout_s) : waiter_(s, timeout_s) {}
-  bool pause() override {
-    if (caught_) return false;
-    try {
-      return waiter_.pause();
-    } catch (...) {
-      caught_ = std::current_exception();
-      return false;
-    }
-  }
-  bool check() override {
-    if (caught_) return false;
-    try {
-      return waiter_.check();
-    } catch (...) {
-      caught_ = std::current_exception();
-      return false;
-    }
-  }
+  bool pause() override { return guarded([this] { return waiter_.pause(); }); }
+  bool check() override { return guarded([this] { return waiter_.check(); }); }
   void rethrow() const {
     if (caught_) std::rethrow_exception(caught_);
   }
 
  private:
+  template <class F>
+  bool guarded(F&& f) {
+    if (caught_) return false;
+    try {
+      return f();
+    } catch (...) {
+      caught_ = std::current_exception();
+      return false;
+    }
+  }
+
   Waiter waiter_;
   std::exception_ptr caught_;
 };

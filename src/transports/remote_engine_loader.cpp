@@ -17,6 +17,15 @@
 namespace symheap {
 namespace remote {
 
+std::string beside_core(const char* file) {
+  Dl_info info{};
+  if (!dladdr(reinterpret_cast<void*>(&beside_core), &info) || !info.dli_fname) return file;
+  char real[PATH_MAX];
+  std::string self = realpath(info.dli_fname, real) ? real : info.dli_fname;
+  size_t slash = self.rfind('/');
+  return (slash == std::string::npos ? std::string() : self.substr(0, slash + 1)) + file;
+}
+
 #ifdef SYMHEAP_MPI_ENGINE_FILE
 namespace {
 
@@ -29,19 +38,6 @@ bool mpi_is_loaded() {
                return name && std::strncmp(name, "libmpi.so", 9) == 0;
              },
              nullptr) != 0;
-}
-
-// The engine library sits in the folder of the file that holds this code
-// (the Python module, or a test executable), symlinks resolved.
-std::string engine_path() {
-  Dl_info info{};
-  if (!dladdr(reinterpret_cast<void*>(&mpi_is_loaded), &info) || !info.dli_fname)
-    return SYMHEAP_MPI_ENGINE_FILE;
-  char real[PATH_MAX];
-  std::string self = realpath(info.dli_fname, real) ? real : info.dli_fname;
-  size_t slash = self.rfind('/');
-  return (slash == std::string::npos ? std::string() : self.substr(0, slash + 1)) +
-         SYMHEAP_MPI_ENGINE_FILE;
 }
 
 }  // namespace
@@ -57,7 +53,7 @@ Engine* process_engine(std::string* why_not) {
                "remote traffic";
     return nullptr;
   }
-  std::string path = engine_path();
+  std::string path = beside_core(SYMHEAP_MPI_ENGINE_FILE);
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     const char* err = dlerror();

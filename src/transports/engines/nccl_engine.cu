@@ -301,13 +301,14 @@ void set_nonblocking(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
-// Moves `n` bytes over a non-blocking socket; polls `keep_going` between tries.
+// Moves `n` bytes over a non-blocking socket, out of `p` when sending, into it
+// when receiving; polls `keep_going` between tries.
 // 1: done; 0: gave up; -1: the connection failed (`why`).
 template <class KeepGoing>
-int send_all(int fd, const void* data, size_t n, KeepGoing keep_going, std::string* why) {
-  const char* p = static_cast<const char*>(data);
+int move_all(int fd, char* p, size_t n, bool sending, KeepGoing keep_going, std::string* why) {
   while (n > 0) {
-    ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t k = sending ? ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT)
+                        : ::recv(fd, p, n, MSG_DONTWAIT);
     if (k > 0) {
       p += k;
       n -= static_cast<size_t>(k);
@@ -317,31 +318,21 @@ int send_all(int fd, const void* data, size_t n, KeepGoing keep_going, std::stri
       if (!keep_going()) return 0;
       continue;
     }
-    *why = std::string("its connection failed: ") + (k < 0 ? strerror(errno) : "closed");
+    if (k == 0 && !sending) *why = "it closed its connection (its process died or finalized)";
+    else *why = std::string("its connection failed: ") + (k < 0 ? strerror(errno) : "closed");
     return -1;
   }
   return 1;
 }
 
 template <class KeepGoing>
+int send_all(int fd, const void* data, size_t n, KeepGoing keep_going, std::string* why) {
+  return move_all(fd, static_cast<char*>(const_cast<void*>(data)), n, true, keep_going, why);
+}
+
+template <class KeepGoing>
 int recv_all(int fd, void* data, size_t n, KeepGoing keep_going, std::string* why) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    ssize_t k = ::recv(fd, p, n, MSG_DONTWAIT);
-    if (k > 0) {
-      p += k;
-      n -= static_cast<size_t>(k);
-      continue;
-    }
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      if (!keep_going()) return 0;
-      continue;
-    }
-    *why = k == 0 ? "it closed its connection (its process died or finalized)"
-                  : std::string("its connection failed: ") + strerror(errno);
-    return -1;
-  }
-  return 1;
+  return move_all(fd, static_cast<char*>(data), n, false, keep_going, why);
 }
 
 std::string hex(const void* data, size_t n) {
