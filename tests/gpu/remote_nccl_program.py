@@ -339,14 +339,6 @@ def ep_across_nodes():
     torch.cuda.set_device(symheap.current_device())  # (the calls' current stream is there)
     base = dict(hidden=512, max_tokens_per_rank=64, num_experts=16, topk=4, dtype="bfloat16",
                 kernel="copy_engine")
-    # Off on GPUs unless asked for (it does not complete there yet): a clear refusal first.
-    try:
-        EpDispatchCombine(EpConfig(**base)).close()
-    except symheap.UnsupportedError as e:
-        assert "EP across nodes on CUDA is not available yet" in str(e), e
-    else:
-        raise AssertionError("EP across nodes on CUDA did not raise without SYMHEAP_EP_REMOTE_CUDA")
-    os.environ["SYMHEAP_EP_REMOTE_CUDA"] = "1"
     configs = [dict(base, max_recv_tokens=128), dict(base, layout="expert_major"),
                dict(base, dtype="float8_e4m3fn", scale_dim=128, layout="expert_major"),
                dict(base, dtype="float16", scale_dim=128, scale_dtype="float32"),
@@ -379,7 +371,6 @@ def ep_remote_bench(port, iters, tokens):
     me = symheap.my_pe()
     dev = torch.device("cuda", symheap.current_device())
     torch.cuda.set_device(dev)  # (ep_bench times the current stream, where the calls run)
-    os.environ["SYMHEAP_EP_REMOTE_CUDA"] = "1"  # off by default on GPUs (docs/ep.md)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=me,
                             world_size=2, device_id=dev)
     try:

@@ -66,16 +66,6 @@ int local_grid_blocks(PeState& s) {
   return kDefaultGridBlocks;
 }
 
-namespace {
-// EP across nodes on real GPUs (not the emulation) stays off unless asked for:
-// the path does not complete on GPUs yet.
-constexpr const char* kRemoteDevicePathEnv = "SYMHEAP_EP_REMOTE_CUDA";
-bool remote_device_path_enabled() {
-  const char* v = std::getenv(kRemoteDevicePathEnv);
-  return v && std::strcmp(v, "1") == 0;
-}
-}  // namespace
-
 int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes) {
   Geometry geo = make_geometry(cfg, s.n_pes);
   if (ws_bytes < geo.total)
@@ -99,12 +89,6 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
       throw Unsupported(s.no_path_message(p, "EpDispatchCombine (it needs every PE)") +
                         "; the remote transport cannot serve it: " + why);
   }
-  if (!remote_pes.empty() && on_cuda() && !remote_device_path_enabled())
-    throw Unsupported(s.no_path_message(remote_pes[0], "EpDispatchCombine (it needs every PE)") +
-                      "; EP across nodes on CUDA is not available yet: its copy-engine path "
-                      "passes under the kernels' host emulation but does not complete on GPUs "
-                      "(docs/ep.md); " + std::string(kRemoteDevicePathEnv) +
-                      "=1 turns it on for its own development");
   s.checked_offset(s.base() + ws_offset, geo.total, "ep workspace");
   auto op = std::make_shared<Op>();
   op->cfg = cfg;
