@@ -245,11 +245,16 @@ def main():
     parser.add_argument("--compare-backward", metavar="VALUE",
                         help="add forward+backward on the own path with SYMHEAP_ATTN_OWN_BACKWARD=VALUE "
                              "(e.g. pipelined_dq16)")
+    parser.add_argument("--decode-splits", metavar="LIST",
+                        help="with --decode: time the small-cache rows with each of these key-length "
+                             "splits instead (e.g. 0,1,2,4,8,16,32; 0 = the automatic choice)")
     parser.add_argument("--inner", type=int, default=1,
                         help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()
     if args.decode:
         import attn_decode_bench
+        if args.decode_splits:
+            return attn_decode_bench.splits_sweep([int(x) for x in args.decode_splits.split(",")])
         return attn_decode_bench.main(args.json, args.quick)
     global INNER
     INNER = max(1, args.inner)

@@ -8,6 +8,7 @@ medians of CUDA-event timed CUDA-graph replays (launch overhead excluded for
 both sides). Copy bandwidth counts the bytes read plus the bytes written.
 
     python bench/attn_bench.py --decode [--json out.json] [--quick]
+    python bench/attn_bench.py --decode --decode-splits 0,1,2,4,8,16,32   (split sweep)
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def copy_bandwidth(nbytes=2 << 30):
     return 2 * nbytes / (us * 1e-6)  # read + write
 
 
-def bench_case(B, L, copy_bw, reps):
+def make_case(B, L):
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_per_seq = L // BLOCK
     num_blocks = B * blocks_per_seq
@@ -65,6 +66,11 @@ def bench_case(B, L, copy_bw, reps):
     table = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32).view(B, blocks_per_seq)
     q = torch.randn((B, 1, HQ, D), device="cuda", dtype=torch.bfloat16, generator=gen)
     seqlens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, table, seqlens
+
+
+def bench_case(B, L, copy_bw, reps):
+    q, k_cache, v_cache, table, seqlens = make_case(B, L)
 
     def ours():
         return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
@@ -130,3 +136,24 @@ def main(json_path=None, quick=False):
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"copy_bw": copy_bw, "rows": rows}, f, indent=1)
+
+
+def splits_sweep(splits, batches=(1, 4, 16), caches=(1024, 4096, 16384)):
+    """Our time per call for each key-length split count (0: the automatic
+    choice) on the latency-bound rows, next to SDPA over the dense cache."""
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'batch':>5} {'cache':>6} | " + " ".join(f"{'auto' if n == 0 else n:>7}" for n in splits) +
+          f" | {'SDPA':>7}   (us per call)")
+    for B in batches:
+        for L in caches:
+            q, k_cache, v_cache, table, seqlens = make_case(B, L)
+            times = []
+            for n in splits:
+                times.append(graph_time_us(lambda: flash_attn_with_kvcache(
+                    q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, num_splits=n)))
+            kvcache_check()
+            kd = k_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
+            vd = v_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
+            qt = q.transpose(1, 2)
+            t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(qt, kd, vd, enable_gqa=True))
+            print(f"{B:>5} {L:>6} | " + " ".join(f"{t:7.1f}" for t in times) + f" | {t_sdpa:7.1f}")
