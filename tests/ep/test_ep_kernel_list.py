@@ -32,7 +32,7 @@ def test_every_ep_kernel_is_loaded_when_an_op_is_made():
     templates = {k.split("<")[0] for k in defined if "<" in k}
     needed = {k for k in defined if k not in templates}
     listed = _listed()
-    assert len(needed) >= 13, sorted(needed)  # the parse found the kernels
+    assert len(needed) >= 12, sorted(needed)  # the parse found the kernels
     missing = needed - listed
     assert not missing, f"kernels::for_each_kernel misses {sorted(missing)}"
     assert listed <= needed, f"for_each_kernel names unknown kernels {sorted(listed - needed)}"

@@ -32,6 +32,7 @@ class CudaRt {
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
     const char* pdl = std::getenv("SYMHEAP_EP_PDL");
     early_ = major >= 9 && !(pdl && std::strcmp(pdl, "0") == 0);
+    look_words_ = static_cast<size_t>(op.n_pes);
     const size_t words =
         kernels::kHostSegment0 + 4 * static_cast<size_t>(std::max(op.n_pes, op.cfg.num_experts));
     SYMHEAP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host), words * 4,
@@ -61,6 +62,8 @@ class CudaRt {
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
     if (host) cudaFreeHost(host);
+    if (look_host_) cudaFreeHost(look_host_);
+    if (look_) cudaStreamDestroy(look_);
     if (previous >= 0) cudaSetDevice(previous);
   }
 
@@ -109,12 +112,28 @@ class CudaRt {
   void stream_after_channels(StreamHandle stream) {
     cuda::copy_engine_end(*pe_, peers_, stream);
   }
+  // A host look at n <= n_pes device words, on a stream of its own that
+  // waits for no other work (the caller's stream may hold kernels a while).
+  void read_words(const uint64_t* words, uint64_t* out, size_t n) {
+    if (!look_) {
+      SYMHEAP_CUDA_CHECK(cudaStreamCreateWithFlags(&look_, cudaStreamNonBlocking));
+      SYMHEAP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&look_host_),
+                                       sizeof(uint64_t) * look_words_, cudaHostAllocPortable));
+    }
+    SYMHEAP_CUDA_CHECK(
+        cudaMemcpyAsync(look_host_, words, n * sizeof(uint64_t), cudaMemcpyDeviceToHost, look_));
+    SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(look_));
+    std::copy(look_host_, look_host_ + n, out);
+  }
 
  private:
   PeState* pe_;
   int device_;
   std::vector<int> peers_;  // every mapped PE: the copy engine's destinations
   bool early_ = false;  // launch_early uses programmatic dependent launch
+  cudaStream_t look_ = nullptr;  // read_words
+  uint64_t* look_host_ = nullptr;
+  size_t look_words_ = 0;
 
   template <class K>
   static void allow_shared(K kernel, size_t shared) {

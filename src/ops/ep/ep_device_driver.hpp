@@ -12,6 +12,7 @@
 //   copy(pe, dst, src, bytes)     a copy on the channel to `pe`
 //   signal(pe, flag)              adds 1 to `flag` after the channel's copies
 //   stream_after_channels(stream) the stream waits for every channel
+//   read_words(words, out, n)     the host reads n device words now
 //
 // Host synchronisation, by kernel:
 //   low_latency   never (fixed capacity; graph capturable);
@@ -26,12 +27,13 @@
 // sends after the stream's work, which waits for them; the cpu emulation:
 // messages, each kernel having ended before the next call). Dispatch: a
 // count_row kernel, then the row put to each of them with a signal on its
-// count flag, then a one-block wait for theirs before the packing grid (no
-// grid ever spins, holding the SMs, on bytes the network engine's kernels
-// must still land); the packed rows go as puts, the last with a signal on
-// the data flag. Combine: a one-block wait for their "consumed" flags, the
-// pack, this PE's status word and rows as puts with a signal on the combine
-// flag, a one-block wait for theirs, the sums, then the "consumed" flag.
+// count flag, then the host waits for theirs before the packing grid; the
+// packed rows go as puts, the last with a signal on the data flag, and the
+// host waits for theirs before the finish. Combine: the host waits for their
+// "consumed" flags, then the pack, this PE's status word and rows as puts
+// with a signal on the combine flag, a host wait for theirs, the sums, then
+// the "consumed" flag. No kernel ever spins on a word the network engine
+// must land (wait_remote_on_host says why).
 // Epochs of such an op are counted by the host too (the put's offsets
 // alternate with them).
 #pragma once
@@ -43,6 +45,7 @@
 #include "ops/ep/ep_device.hpp"
 #include "ops/ep/ep_kernels.cuh"
 #include "symheap/errors.hpp"
+#include "symheap/wait.hpp"
 #include "transports/remote_trace.hpp"
 #include "transports/transport.hpp"
 
@@ -140,6 +143,9 @@ class DeviceDriver final : public DeviceImpl {
     signal_all(s, op, g.off_data_flag);
     send_queued(s, op, g.off_data_flag, 1, SignalOp::Add, a.stream);
     rt_.stream_after_channels(a.stream);
+    if (remote(op))
+      wait_remote_on_host(s, op, g.off_data_flag, op.dispatch_epoch, kernels::kWaitData,
+                          op.dispatch_epoch);
     kernels::launch_finish_dispatch(rt_, p, abort, a.stream);
     if (remote(op)) trace(op, "dispatch %llu: rows sent, finish launched", op.dispatch_epoch);
     if (a.out_x) kernels::launch_collect(rt_, p, op.geo.grid_blocks, a.stream);
@@ -188,7 +194,7 @@ class DeviceDriver final : public DeviceImpl {
       p.flag_per_epoch = 1;
       const uint64_t epoch = remote(op) ? ++op.combine_epoch : 0;
       if (remote(op) && g.combine_sets == 1 && epoch > 1)  // their buffers, consumed
-        kernels::launch_wait_remote(rt_, p, g.off_freed_flag, epoch - 1, epoch, a.stream);
+        wait_remote_on_host(s, op, g.off_freed_flag, epoch - 1, kernels::kWaitFreed, epoch);
       kernels::launch_combine_pack(rt_, p, send_blocks(op), a.stream);
       rt_.sync(a.stream);
       if (remote(op)) trace(op, "combine %llu: plan read", op.combine_epoch);
@@ -216,8 +222,11 @@ class DeviceDriver final : public DeviceImpl {
       signal_all(s, op, g.off_combine_flag);
       send_queued(s, op, g.off_combine_flag, 1, SignalOp::Add, a.stream);
       rt_.stream_after_channels(a.stream);
-      if (remote(op)) kernels::launch_wait_remote(rt_, p, g.off_combine_flag, epoch, epoch, a.stream);
-      if (remote(op)) trace(op, "combine %llu: rows sent, wait launched", op.combine_epoch);
+      if (remote(op)) {
+        trace(op, "combine %llu: rows sent", op.combine_epoch);
+        wait_remote_on_host(s, op, g.off_combine_flag, epoch, kernels::kWaitCombine, epoch);
+        trace(op, "combine %llu: rows in", op.combine_epoch);
+      }
       p.reduce_pieces = row_pieces(op, op.cfg.max_tokens, g.combine_row_bytes);
       kernels::launch_combine_reduce(rt_, p, reduce_blocks(op), a.stream);
       if (remote(op)) trace(op, "combine %llu: sums launched", op.combine_epoch);
@@ -401,8 +410,8 @@ class DeviceDriver final : public DeviceImpl {
     for (int q : op.remote_pes) queue_put(op, q, row_off, ws_addr(s, op, op.my_pe, row_off), row_bytes);
     send_queued(s, op, g.off_count_flag, 1, SignalOp::Add, stream);
     trace(op, "dispatch %llu: count row sent", epoch);
-    kernels::launch_wait_remote(rt_, p, g.off_count_flag, epoch, epoch, stream);
-    trace(op, "dispatch %llu: count wait launched", epoch);
+    wait_remote_on_host(s, op, g.off_count_flag, epoch, kernels::kWaitCounts, epoch);
+    trace(op, "dispatch %llu: counts in", epoch);
   }
 
   // SYMHEAP_REMOTE_TRACE=1 (remote_trace.hpp): the host's steps of a call with
@@ -413,6 +422,49 @@ class DeviceDriver final : public DeviceImpl {
     char line[160];
     std::snprintf(line, sizeof line, fmt, static_cast<unsigned long long>(epoch));
     remote_trace_line("ep", op.my_pe, line);
+  }
+
+  // The error of a wait that timed out: `kind` names what PE `late` had to
+  // send (kernels::WaitKind), `seen` and `target` its flag here.
+  static TimeoutError late_peer(const Op& op, const std::string& what, int late, int32_t kind,
+                                uint64_t seen, uint64_t target) {
+    static const char* const kinds[] = {"", "routing counts", "dispatch rows",
+                                        "its combine buffer to be freed", "combine rows",
+                                        "the same dispatch to start there"};
+    std::string waited;
+    if (kind > 0 && kind < 6)
+      waited = " (" + std::string(kinds[kind]) + ": its flag here read " + std::to_string(seen) +
+               ", waited for " + std::to_string(target) + ")";
+    return TimeoutError(what + "timed out after " + std::to_string(op.timeout_s) +
+                        " s waiting for PE " + std::to_string(late) + waited +
+                        " (did every PE make the same call?); the op is unusable now");
+  }
+
+  // Waits on the host until the flag at `off_flags` here of every other-node
+  // PE reaches `target`. Never a kernel that spins on the GPU until the
+  // network engine lands a word: the engine may need this device idle first
+  // (NCCL connects a channel on its first use, and that waits for the device's
+  // running kernels), so such a kernel would hold up the very word it waits for.
+  void wait_remote_on_host(PeState& s, Op& op, size_t off_flags, uint64_t target, int32_t kind,
+                           uint64_t epoch) {
+    const auto* flags = reinterpret_cast<const uint64_t*>(ws_addr(s, op, op.my_pe, off_flags));
+    std::vector<uint64_t> seen(op.n_pes);
+    Waiter wait(&s, op.timeout_s);
+    for (;;) {
+      rt_.read_words(flags, seen.data(), seen.size());
+      int late = -1;
+      for (int q : op.remote_pes)
+        if (seen[q] < target) {
+          late = q;
+          break;
+        }
+      if (late < 0) return;
+      if (!wait.pause())
+        throw late_peer(op,
+                        "ep call (epoch " + std::to_string(epoch) + ") on PE " +
+                            std::to_string(op.my_pe) + " failed: ",
+                        late, kind, seen[late], target);
+    }
   }
 
   static void raise_own(const Op& op, int32_t status, int32_t detail, const char* call) {
@@ -433,18 +485,8 @@ class DeviceDriver final : public DeviceImpl {
     std::string what = "ep call (device epoch " + std::to_string(epoch) + ") on PE " +
                        std::to_string(op.my_pe) + " failed: ";
     if (status == kPeerTimeout) {
-      static const char* const kinds[] = {"", "routing counts", "dispatch rows",
-                                          "its combine buffer to be freed", "combine rows",
-                                          "the same dispatch to start there"};
-      const int32_t kind = h[kernels::kHostWait];
-      std::string waited;
-      if (kind > 0 && kind < 6)
-        waited = " (" + std::string(kinds[kind]) + ": its flag here read " +
-                 std::to_string(h[kernels::kHostSeen]) + ", waited for " +
-                 std::to_string(h[kernels::kHostTarget]) + ")";
-      throw TimeoutError(what + "timed out after " + std::to_string(op.timeout_s) +
-                         " s waiting for PE " + std::to_string(detail) + waited +
-                         " (did every PE make the same call?); the op is unusable now");
+      throw late_peer(op, what, detail, h[kernels::kHostWait], h[kernels::kHostSeen],
+                      h[kernels::kHostTarget]);
     }
     if (status == kRecvOverflow)
       throw InvalidArgument(

@@ -104,6 +104,9 @@ class EmuRt {
   }
   void signal(int, uint64_t* flag) { __atomic_fetch_add(flag, 1, __ATOMIC_RELEASE); }
   void stream_after_channels(StreamHandle) {}
+  void read_words(const uint64_t* words, uint64_t* out, size_t n) {
+    for (size_t i = 0; i < n; ++i) out[i] = __atomic_load_n(words + i, __ATOMIC_ACQUIRE);
+  }
 
  private:
   std::vector<int32_t> mirror_;

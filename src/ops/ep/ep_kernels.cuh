@@ -39,9 +39,8 @@
 //                  then (after the host's copies) sum;
 //   collect        (after a dispatch, when the caller owns the outputs) the
 //                  rows within the counts, from the receive buffer to them;
-//   count_row / wait_remote   (copy engine, PEs on other nodes) this PE's
-//                  count row for the host to put there, and a one-block wait
-//                  for what the host's puts from there set (ep_remote.cuh);
+//   count_row      (copy engine, PEs on other nodes) this PE's count row for
+//                  the host to put there (ep_remote.cuh);
 //   redispatch_store / redispatch_pull   combine's reverse through a handle
 //                  (intranode, low_latency): each PE stores its rows into its
 //                  own combine buffer, then each pulls the rows it received.
@@ -82,7 +81,6 @@ void for_each_kernel(F&& f) {
   f(redispatch_store_kernel);
   f(redispatch_pull_kernel);
   f(count_row_kernel);
-  f(wait_remote_kernel);
 }
 
 }  // namespace symheap::ep::EP_DEVICE_NS::kernels

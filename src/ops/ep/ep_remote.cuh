@@ -4,11 +4,8 @@
 //   count_row    one block: this PE's count row over every token, published
 //                (tagged) into every mapped PE, this one included; the host
 //                then puts it to the other nodes with a signal on their
-//                count flags;
-//   wait_remote  one block: waits until the flags that other nodes' PEs set
-//                through the remote transport reach a target, so that the
-//                grids after it never spin (holding every SM) on bytes that
-//                the network engine's kernels still have to land here.
+//                count flags (the host waits for theirs: no kernel spins on
+//                a word the network engine lands, ep_device_driver.hpp).
 #pragma once
 #include "ops/ep/ep_dispatch.cuh"
 
@@ -43,22 +40,6 @@ void launch_count_row(Rt& rt, const Params& p, StreamHandle stream) {
   const size_t shared =
       (static_cast<size_t>(p.cfg.num_experts) + p.n_pes + scratch) * sizeof(int32_t);
   rt.launch(count_row_kernel, 1, kThreads, shared, stream, p);
-}
-
-// A timeout is recorded (naming the late PE) like any wait's; the grids
-// after it then see the error word and give up at once. It never releases
-// the next kernel early (release_next_kernel): that grid's blocks would take
-// the SMs while it waits.
-__global__ void __launch_bounds__(32) wait_remote_kernel(Params p, uint64_t off_flags,
-                                                         uint64_t target, uint64_t epoch) {
-  if (threadIdx.x == 0) wait_all(p, off_flags, target, epoch, true);
-}
-
-template <class Rt>
-void launch_wait_remote(Rt& rt, const Params& p, size_t off_flags, uint64_t target,
-                        uint64_t epoch, StreamHandle stream) {
-  rt.launch(wait_remote_kernel, 1, 32, 0, stream, p, static_cast<uint64_t>(off_flags), target,
-            epoch);
 }
 
 }  // namespace symheap::ep::EP_DEVICE_NS::kernels
