@@ -633,10 +633,10 @@ struct Plan {
 
 struct SmemReady {};
 
-// CTAs of the attention kernel resident on the whole device (one wave). Also
+// The device's SM count, the number of attention CTAs a call aims for. Also
 // raises the kernel's dynamic shared-memory limit, once per device.
 template <class T, int DB>
-int full_grid(int device) {
+int sm_count(int device) {
   const std::string name = std::string("attention.kvcache.") +
                            (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
   Runtime::instance().device_caches(device).get<SmemReady>(name + ".smem", [&] {
@@ -648,16 +648,16 @@ int full_grid(int device) {
   });
   return ::symheap::cuda::kernel_info(device, name.c_str(), attention_kernel<T, DB>, kThreads,
                                       Tile<DB>::kSmem)
-      ->full_grid();
+      ->sm_count;
 }
 
 template <class T>
-int full_grid(int device, int db) {
+int sm_count(int device, int db) {
   switch (db) {
-    case 32: return full_grid<T, 32>(device);
-    case 64: return full_grid<T, 64>(device);
-    case 128: return full_grid<T, 128>(device);
-    default: return full_grid<T, 256>(device);
+    case 32: return sm_count<T, 32>(device);
+    case 64: return sm_count<T, 64>(device);
+    case 128: return sm_count<T, 128>(device);
+    default: return sm_count<T, 256>(device);
   }
 }
 
@@ -669,14 +669,17 @@ Plan make_plan(const CacheArgs& a, int device) {
   pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + kVectors - 1) / kVectors));
   const int64_t base = static_cast<int64_t>(a.batch) * a.heads_kv * pl.mtiles;
   const int64_t useful = std::max<int64_t>(1, (a.capacity + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
-  // About one wave of resident CTAs (this also readies the kernel's shared memory).
-  const int64_t target = a.q.dtype == DType::F16 ? full_grid<__half>(device, pl.db)
-                                                  : full_grid<__nv_bfloat16>(device, pl.db);
+  // About one CTA per SM (this also readies the kernel's shared memory): the
+  // kernel is bound by its own instruction stream, and on H100 a second CTA per
+  // SM made every latency-bound row slower (bench/RESULTS.md, the decode split
+  // sweep), while fewer CTAs leave SMs idle.
+  const int64_t target = a.q.dtype == DType::F16 ? sm_count<__half>(device, pl.db)
+                                                  : sm_count<__nv_bfloat16>(device, pl.db);
   int64_t splits;
   if (a.num_splits > 0) {
     splits = a.num_splits;
   } else {
-    splits = std::min(useful, std::max<int64_t>(1, target / base));  // whole waves
+    splits = std::min(useful, std::max<int64_t>(1, target / base));
   }
   pl.splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
