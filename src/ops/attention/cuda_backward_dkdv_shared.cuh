@@ -12,8 +12,10 @@
 //    keys x DB / 2 columns per warp, so the dK and dV accumulators keep their
 //    size (2 x 64 registers at head dim 128).
 // 112 ldmatrix and 32 shared stores per warp and tile instead of 144 ldmatrix
-// (240 bytes of shared memory per mma instead of 288), two barriers instead
-// of one. Selected by $SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dkdv_shared.
+// (240 bytes of shared memory per mma instead of 288), and one more barrier,
+// of the two warps of a key group only (they alone exchange P^T and dS^T), so
+// the other warps keep the tensor cores busy meanwhile. Selected by
+// $SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dkdv_shared.
 #pragma once
 
 #include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
@@ -41,6 +43,19 @@ struct SharedDkvConfig {
   static_assert(kBlockM <= kThreads, "one thread per query row loads the tile's lse and delta");
   static_assert(kSmem <= 227 * 1024, "shared memory of one CTA on sm_90");
 };
+
+namespace pipelined {
+
+// Barrier 1 + kg of the two warps of key group kg (warps kg and kg + 4):
+// orders their shared-memory accesses like __syncthreads does for the CTA.
+// (The id is a register, so ptxas reserves all 16 barriers of the CTA; they
+// belong to the CTA, occupancy does not depend on them. Immediate ids behind
+// a switch cost 8 more bytes of spills.)
+__device__ __forceinline__ void pair_barrier(int kg) {
+  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + kg) : "memory");
+}
+
+}  // namespace pipelined
 
 template <class T, int DB>
 __global__ void __launch_bounds__(SharedDkvConfig<DB>::kThreads)
@@ -238,7 +253,9 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB>::kThreads)
         }
       }
     }
-    __syncthreads();  // P^T and dS^T of the whole tile are in shared memory
+    // P^T and dS^T of this warp's 32 keys (all BM rows) are in shared memory:
+    // the two warps of the key group wrote them and only they read them.
+    pair_barrier(kg);
 
     // dV += P^T dO and dK += dS^T Q: 32 keys x DB / 2 columns of this warp,
     // over the tile's BM rows.
@@ -274,9 +291,10 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB>::kThreads)
   }
   cp_async_wait<0>();
 
-  // sK and sV are read only before the last tile's second barrier, which every
-  // warp has passed: each warp stages its 32 keys x DB / 2 columns there,
-  // swizzled, and writes them out with 16-byte stores.
+  // The rows of sK and sV of a key group are read only by its two warps,
+  // before the last tile's pair barrier, which both have passed: each warp
+  // stages its 32 keys x DB / 2 columns there, swizzled, and writes them out
+  // with 16-byte stores.
   const int warp_rows = min(C::kWarpKeys, cols - key_row0);
   auto store = [&](T* s_stage, const float (*acc)[CT][4], T* out, int64_t row_stride) {
 #pragma unroll
