@@ -14,8 +14,9 @@
 // 112 ldmatrix and 32 shared stores per warp and tile instead of 144 ldmatrix
 // (240 bytes of shared memory per mma instead of 288), and one more barrier,
 // of the two warps of a key group only (they alone exchange P^T and dS^T), so
-// the other warps keep the tensor cores busy meanwhile. Selected by
-// $SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dkdv_shared.
+// the other warps keep the tensor cores busy meanwhile. The default at head
+// dim 128 without logit features; $SYMHEAP_ATTN_OWN_BACKWARD =
+// pipelined_dkdv_unshared runs the pipelined kernel instead.
 #pragma once
 
 #include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
