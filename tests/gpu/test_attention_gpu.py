@@ -750,7 +750,7 @@ def test_pipelined_backward_dkdv_shared(kernel, opts, Sq, Sk, dtype, monkeypatch
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
-def test_pipelined_backward_dkdv_shared_varlen(opts, monkeypatch):
+def test_pipelined_backward_dkdv_unshared_varlen(opts, monkeypatch):
     """Packed sequences, some empty on either side, on the 64-row dK/dV kernel
     without shared fragments (the default one runs in the varlen test of the
     pipelined backward)."""
