@@ -100,12 +100,14 @@ def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
         _core.attention_own_forward_kernel(64)
 
 
-@pytest.mark.parametrize("env", [None, "auto", "basic", "pipelined_dq16", "pipelined_dkdv32"])
+@pytest.mark.parametrize("env", [None, "auto", "basic", "pipelined_dq16", "pipelined_dkdv32",
+                                 "pipelined_dkdv_unshared"])
 def test_own_backward_kernel_choice(monkeypatch, env):
     """The backward's kernels (dQ and dK/dV): pipelined for head dims 64, 128
     and 256 unless SYMHEAP_ATTN_OWN_BACKWARD forces the basic ones (or the
-    pipelined ones with the 16-row dQ kernel, or with the 32-row dK/dV
-    kernel); a bad value names the variable."""
+    pipelined ones with the 16-row dQ kernel, the 32-row dK/dV kernel or the
+    64-row dK/dV kernel without shared fragments); a bad value names the
+    variable."""
     from symheap import _core
     name = _core.attention_own_backward_env
     assert name == "SYMHEAP_ATTN_OWN_BACKWARD"
@@ -114,10 +116,11 @@ def test_own_backward_kernel_choice(monkeypatch, env):
     else:
         monkeypatch.setenv(name, env)
     for d in (32, 64, 96, 128, 192, 256):
-        pipelined = env if env in ("pipelined_dq16", "pipelined_dkdv32") else "pipelined"
+        variants = ("pipelined_dq16", "pipelined_dkdv32", "pipelined_dkdv_unshared")
+        pipelined = env if env in variants else "pipelined"
         want = pipelined if d in (64, 128, 256) and env != "basic" else "basic"
         assert _core.attention_own_backward_kernel(d) == want, d
     monkeypatch.setenv(name, "fast")
     with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_BACKWARD must be 'auto', 'basic', "
-                       "'pipelined_dq16' or 'pipelined_dkdv32'"):
+                       "'pipelined_dq16', 'pipelined_dkdv32' or 'pipelined_dkdv_unshared'"):
         _core.attention_own_backward_kernel(64)

@@ -581,7 +581,9 @@ def own_backward(monkeypatch, kernel):
     """Forces the own kernels and the backward kernels ("auto" = pipelined
     where they serve, "basic", "pipelined_dq16" = pipelined with the 16-row
     dQ kernel, "pipelined_dkdv32" = with the dK/dV kernel of 32-row query
-    tiles), and checks the choice is what the test expects."""
+    tiles, "pipelined_dkdv_unshared" = with the dK/dV kernel of 64-row tiles
+    whose warps each read every Q/dO fragment), and checks the choice is what
+    the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_backward_env, kernel)
     for d in PIPELINED_DIMS:
@@ -622,8 +624,10 @@ PIPELINED_BACKWARD_OPTS = {
 @pytest.mark.parametrize("name", list(PIPELINED_BACKWARD_OPTS))
 def test_pipelined_backward_matches_basic(name, Sq, Sk, dtype, D, monkeypatch):
     """The own backwards on the same call (8 query heads over 2 kv heads):
-    basic, pipelined, pipelined with the 16-row dQ kernel and with the
-    32-row dK/dV kernel; every gradient
+    basic, pipelined (at head dim 128 without logit features: the dK/dV
+    kernel of shared Q/dO fragments), pipelined with the 16-row dQ kernel,
+    with the 32-row dK/dV kernel and with the 64-row one without shared
+    fragments; every gradient
     (dbias included) of each within the rule against the fp32 reference, and
     the pipelined ones close to the basic one."""
     make_kw, opts = PIPELINED_BACKWARD_OPTS[name]
@@ -636,7 +640,7 @@ def test_pipelined_backward_matches_basic(name, Sq, Sk, dtype, D, monkeypatch):
         inputs.append(kw["bias"])
     dout = torch.randn(case["q"].shape, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
     grads = {}
-    kernels = ("basic", "auto", "pipelined_dq16", "pipelined_dkdv32")
+    kernels = ("basic", "auto", "pipelined_dq16", "pipelined_dkdv32", "pipelined_dkdv_unshared")
     for kernel in kernels:
         own_backward(monkeypatch, kernel)
         out = flash_attn_func(case["q"], case["k"], case["v"], **kw)
@@ -660,11 +664,11 @@ def test_pipelined_backward_matches_basic(name, Sq, Sk, dtype, D, monkeypatch):
 @pytest.mark.parametrize("D", PIPELINED_DIMS)
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20)),
                                   dict(softcap=3.0, dropout_p=0.1, seed=(2, 3))])
-def test_pipelined_backward_varlen_with_empty_sequences(D, opts, monkeypatch):
+def test_pipelined_backward_varlen_with_empty_sequences(D, opts, monkeypatch, kernel="auto"):
     """Packed sequences (some empty on the query or the key side), 4 query
     heads over 2 kv heads: dq, dk, dv against each sequence alone through the
     fp32 reference."""
-    own_backward(monkeypatch, "auto")
+    own_backward(monkeypatch, kernel)
     gen = torch.Generator().manual_seed(D + 1)
     lq = torch.tensor([0, 130, 1, 257, 64, 0, 999, 3])
     lk = torch.tensor([5, 129, 0, 300, 64, 7, 1000, 200])
@@ -723,3 +727,47 @@ def test_pipelined_backward_large_and_multi_block(monkeypatch):
     for D in PIPELINED_DIMS:
         case = gpu_case(B=1, Sq=1531, Sk=4099, Hq=4, Hkv=1, D=D, seed=D)
         check_case(case, causal=True)
+
+
+# ---- the dK/dV kernel whose warps share Q/dO fragments (head dim 128 without
+# logit features, cuda_backward_dkdv_shared.cuh; the default there): more
+# edges at that head dim, each also on the kernel it replaced
+# (SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dkdv_unshared).
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Sq,Sk", [(1000, 300), (300, 1000), (127, 129), (1, 257), (1531, 4099)])
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(100, 3)),
+                                  dict(window_size=(-1, 40)), dict(window_size=(64, -1))])
+@pytest.mark.parametrize("kernel", ["auto", "pipelined_dkdv_unshared"])
+def test_pipelined_backward_dkdv_shared(kernel, opts, Sq, Sk, dtype, monkeypatch):
+    """GQA (4 query heads over 2 kv heads), causal with Sq != Sk both ways
+    (whole query and key blocks seeing nothing), windows on either side,
+    lengths that are not multiples of the 64-row or 128-key tiles, many tiles
+    per CTA: dq, dk, dv against the fp32 reference."""
+    own_backward(monkeypatch, kernel)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=128, dtype=dtype, seed=Sq + 7 * Sk)
+    check_case(case, **opts)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
+def test_pipelined_backward_dkdv_unshared_varlen(opts, monkeypatch):
+    """Packed sequences, some empty on either side, on the 64-row dK/dV kernel
+    without shared fragments (the default one runs in the varlen test of the
+    pipelined backward)."""
+    test_pipelined_backward_varlen_with_empty_sequences(128, opts, monkeypatch,
+                                                        kernel="pipelined_dkdv_unshared")
+
+
+def test_pipelined_backward_dkdv_shared_deterministic(monkeypatch):
+    """No atomics in the shared-fragment kernel: two runs of the same GQA call
+    without logit features (test_pipelined_backward_deterministic has a bias)
+    give bit-identical gradients."""
+    own_backward(monkeypatch, "auto")
+    case = gpu_case(B=2, Sq=700, Sk=900, Hq=8, Hkv=2, D=128, seed=5)
+    inputs = [case["q"], case["k"], case["v"]]
+    runs = []
+    for _ in range(2):
+        out = flash_attn_func(case["q"], case["k"], case["v"], causal=True, **case["kwargs"])
+        runs.append(torch.autograd.grad(out, inputs, torch.ones_like(out)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -246,6 +246,7 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
   cuda::BackwardVariant variant;
   variant.dq16 = std::strcmp(kernel, kOwnBackwardDq16) == 0;
   variant.dkdv32 = std::strcmp(kernel, kOwnBackwardDkdv32) == 0;
+  variant.dkdv_unshared = std::strcmp(kernel, kOwnBackwardDkdvUnshared) == 0;
   const bool pipelined_backward = std::strcmp(kernel, "basic") != 0;
   if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k, pipelined_backward, variant);
   else cuda::run_backward_bf16(l, k, pipelined_backward, variant);

@@ -10,6 +10,7 @@
 #include "backends/cuda_util.cuh"
 #include "ops/attention/cuda_backward.cuh"
 #include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
+#include "ops/attention/cuda_backward_dkdv_shared.cuh"
 #include "ops/attention/cuda_backward_dq_pipelined.cuh"
 #include "ops/attention/cuda_forward.cuh"
 #include "ops/attention/cuda_forward_pipelined.cuh"
@@ -23,10 +24,14 @@ void ensure_smem(int device, const void* kernel, size_t smem, const std::string&
 
 // Layouts of the pipelined backward other than the default, to time against
 // it ($SYMHEAP_ATTN_OWN_BACKWARD): the dQ kernel of 16-row warps at every head
-// dim (dq16); the dK/dV kernel of 32-row query tiles at head dim 128 (dkdv32).
+// dim (dq16); at head dim 128 without logit features, the dK/dV kernel of
+// 32-row query tiles (dkdv32) or that of 64-row tiles whose warps each read
+// every Q/dO fragment (dkdv_unshared), the layouts before the shared-fragment
+// kernel.
 struct BackwardVariant {
   bool dq16 = false;
   bool dkdv32 = false;
+  bool dkdv_unshared = false;
 };
 
 struct Launch {
@@ -115,14 +120,26 @@ void dkdv_pipelined(const Launch& l, const KArgs& p) {
   }
 }
 
-// The dK/dV kernel of the default query tile (kDkvRowTile), or with 32-row
-// tiles at head dim 128 without features, the layout before 64-row tiles
-// (`dkdv32`: SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dkdv32).
+template <class T, int DB>
+void dkdv_shared(const Launch& l, const KArgs& p) {
+  using C = SharedDkvConfig<DB>;
+  static ReadyDevices ready{0};
+  const dim3 grid(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch);
+  launch(l, attention_bwd_dkdv_shared_kernel<T, DB>, grid, C::kThreads, C::kSmem, p, "dkdv_shared", DB,
+         ready);
+}
+
+// The dK/dV kernel: at head dim 128 without features the one whose warps
+// share Q/dO fragments (cuda_backward_dkdv_shared.cuh), or the pipelined one
+// of 32-row tiles (`dkdv32`: SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dkdv32) or
+// of 64-row tiles (`dkdv_unshared`: = pipelined_dkdv_unshared); elsewhere the
+// pipelined one of the default query tile (kDkvRowTile).
 template <class T, int DB, bool kFeatures>
-void dkdv_pipelined(const Launch& l, const KArgs& p, bool dkdv32) {
+void dkdv_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant) {
   constexpr int kRows = kDkvRowTile<DB, kFeatures>;
-  if constexpr (DB == 128 && kRows != 32) {
-    if (dkdv32) return dkdv_pipelined<T, DB, 32, kFeatures>(l, p);
+  if constexpr (DB == 128 && !kFeatures) {
+    if (variant.dkdv32) return dkdv_pipelined<T, DB, 32, kFeatures>(l, p);
+    if (!variant.dkdv_unshared) return dkdv_shared<T, DB>(l, p);
   }
   dkdv_pipelined<T, DB, kRows, kFeatures>(l, p);
 }
@@ -141,8 +158,8 @@ void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant
     else dq_pipelined<T, DB, false>(l, p, variant.dq16);
   }
   if (p.seqlen_k > 0) {
-    if (features) dkdv_pipelined<T, DB, true>(l, p, variant.dkdv32);
-    else dkdv_pipelined<T, DB, false>(l, p, variant.dkdv32);
+    if (features) dkdv_pipelined<T, DB, true>(l, p, variant);
+    else dkdv_pipelined<T, DB, false>(l, p, variant);
   }
 }
 

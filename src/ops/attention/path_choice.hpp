@@ -47,17 +47,21 @@ inline bool pipelined_forward_serves(int head_dim) {
 const char* own_forward_kernel(int head_dim);
 
 // The own CUDA backward's kernels, "pipelined" (cuda_backward_dq_pipelined.cuh
-// and cuda_backward_dkdv_pipelined.cuh, the head dims of the pipelined
-// forward) or "basic" (cuda_backward.cuh); $SYMHEAP_ATTN_OWN_BACKWARD = "basic"
-// forces the basic ones, = "pipelined_dq16" the pipelined ones with the dQ
-// kernel of 16-row warps at every head dim, = "pipelined_dkdv32" with the
-// dK/dV kernel of 32-row query tiles at head dim 128 (to compare them with the
+// and cuda_backward_dkdv_pipelined.cuh, at head dim 128 without logit
+// features cuda_backward_dkdv_shared.cuh; the head dims of the pipelined
+// forward) or "basic" (cuda_backward.cuh); $SYMHEAP_ATTN_OWN_BACKWARD =
+// "basic" forces the basic ones, = "pipelined_dq16" the pipelined ones with
+// the dQ kernel of 16-row warps at every head dim, = "pipelined_dkdv32" with
+// the dK/dV kernel of 32-row query tiles at head dim 128, =
+// "pipelined_dkdv_unshared" with the dK/dV kernel of 64-row tiles whose warps
+// each read every Q/dO fragment at head dim 128 (to compare them with the
 // default layouts; "basic" where the pipelined kernels do not serve). "auto",
 // empty or unset: the default rule; another value is InvalidArgument. delta
 // (rowsum(dout * out)) has one kernel.
 inline constexpr const char* kOwnBackwardEnv = "SYMHEAP_ATTN_OWN_BACKWARD";
 inline constexpr const char* kOwnBackwardDq16 = "pipelined_dq16";
 inline constexpr const char* kOwnBackwardDkdv32 = "pipelined_dkdv32";
+inline constexpr const char* kOwnBackwardDkdvUnshared = "pipelined_dkdv_unshared";
 const char* own_backward_kernel(int head_dim);
 
 // Bytes the XLA handlers add to a call's scratch result for cuDNN's workspace
