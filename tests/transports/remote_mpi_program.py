@@ -356,6 +356,71 @@ def ep_device_across_nodes(seed, timeout):
     symheap.barrier_all(timeout=timeout)
 
 
+def _dispatch_outputs(out):
+    """Every output of a dispatch and its handle, copied."""
+    fields = [getattr(out, f) for f in ("x", "scales", "topk_idx", "topk_weights", "src_info",
+                                        "num_recv_tokens", "expert_counts")]
+    fields += [getattr(out.handle, f) for f in ("send_rows", "summary")]
+    return [f.clone() for f in fields if f is not None]
+
+
+def ep_device_forwarding(seed, timeout):
+    """The device kernels (host emulation, one PE per process) on 2 nodes x 2
+    PEs with kernel='copy_engine', forwarding inside nodes (a token bound for
+    several PEs of the other node crosses once, to the forwarder there, which
+    stores it into its node's receive buffers) and per PE: every routing
+    pattern of the EP tests checked against the references (poisoned first),
+    dispatch's rows the same bits both ways; with every token bound for every
+    PE, every dispatch output and the handle the same bits both ways, and
+    fewer bytes across nodes when forwarded."""
+    import torch
+    from symheap import _core
+    from symheap.ep import EpConfig, EpDispatchCombine
+    progs = _ep_programs()
+    me, n = symheap.my_pe(), symheap.n_pes()
+    base = dict(hidden=32, max_tokens_per_rank=6, num_experts=4 * n, topk=3, dtype="bfloat16",
+                kernel="copy_engine")
+    configs = [dict(base, dtype="float16", scale_dim=16, scale_dtype="bfloat16",
+                    max_recv_tokens=n * 6),
+               dict(base, dtype="float8_e4m3fn", scale_dim=8, layout="expert_major")]
+    L, T = 2, 8
+    cfg = EpConfig(hidden=256, max_tokens_per_rank=T, num_experts=L * n, topk=n,
+                   dtype="bfloat16", scale_dim=128, scale_dtype="float32", kernel="copy_engine")
+    gen = torch.Generator().manual_seed(seed + me)
+    x = torch.randn(T, cfg.hidden, generator=gen).to(torch.bfloat16)
+    scales = torch.rand(T, 2, generator=gen)
+    idx = torch.tensor([[p * L + (t + p) % L for p in range(n)] for t in range(T)])
+    w = torch.rand(T, n, generator=gen)
+    os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "1"
+    digests, sent, outputs = [], [], []
+    try:
+        for on in (True, False):
+            _forwarding(on)
+            digests.append(progs.many_configs(configs, combine_digest=False))
+            with EpDispatchCombine(cfg) as ep:
+                symheap.barrier_all(timeout=timeout)
+                before = _core.bytes_across_nodes()
+                out = ep.dispatch(x, idx, w, scales)
+                sent.append(_core.bytes_across_nodes() - before)
+                outputs.append(_dispatch_outputs(out))
+                y = progs.identity_experts(cfg, out, torch.device("cpu"))
+                progs.check_combine(cfg, ep.combine(y, out.handle), x, idx, w, scales, me)
+                symheap.barrier_all(timeout=timeout)
+    finally:
+        os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "0"
+        _forwarding(True)
+    assert digests[0] == digests[1], "forwarded and per-PE dispatches received different rows"
+    for got, want in zip(*outputs):
+        progs.assert_same_bits(got, want, f"PE {me} forwarded vs per-PE dispatch")
+    remote_pes = n // 2
+    # per PE: every token's row crosses once per remote PE; forwarded: once
+    assert sent[1] > remote_pes * T * cfg.hidden * 2, sent
+    assert sent[0] < sent[1] * (1.0 / remote_pes + 0.15), sent
+    sys.stdout.write(f"DEVICE-BYTES pe {me}: forwarded {sent[0]} per-PE {sent[1]}\n")
+    sys.stdout.flush()
+    symheap.barrier_all(timeout=timeout)
+
+
 def ep_bytes(seed, timeout):
     """Every token goes to every PE: forwarded, a token crosses to the other
     node once instead of once per PE there, and its sum comes back once.
@@ -505,7 +570,7 @@ PIDS = []
 SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer, "killed": killed_peer,
              "funneled": funneled, "ep": ep_across_nodes, "ep_bytes": ep_bytes,
              "ep_frozen": ep_frozen_node, "refused": refused,
-             "ep_device": ep_device_across_nodes}
+             "ep_device": ep_device_across_nodes, "ep_device_fwd": ep_device_forwarding}
 COMM = None
 
 

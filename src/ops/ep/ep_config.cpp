@@ -1,7 +1,10 @@
 #include "ops/ep/ep_config.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
+#include "ops/ep/ep_op.hpp"
 #include "symheap/errors.hpp"
 #include "symheap/runtime.hpp"
 
@@ -20,7 +23,20 @@ bool spans_nodes() {
   }
   return false;
 }
+// Whether an op of the calling thread's PE forwards inside nodes (ep_op.hpp).
+bool layout_forwards() {
+  try {
+    return node_layout(*Runtime::instance().current()).forward;
+  } catch (const std::exception&) {
+  }
+  return false;
+}
 }  // namespace
+
+bool emulate_device() {
+  const char* v = std::getenv("SYMHEAP_EP_EMULATE_DEVICE");
+  return v && *v && std::strcmp(v, "0") != 0;
+}
 
 size_t dtype_size(DType t) {
   switch (t) {
@@ -199,10 +215,13 @@ Geometry make_geometry(const Config& c, int n_pes) {
                              : static_cast<size_t>(g.combine_rows) * kMaxPieces * 8);
   g.off_route_totals = take(2 * (n + c.num_experts + 1) * 4);
   g.off_dest_sums = take(token_major ? 2 * n * (n + 1) * 8 : 0);
-  // Only the cpu implementation forwards (the kernels send each row to its
-  // PE), and only jobs across nodes need the regions.
-  const bool forwards = Runtime::instance().backend_name() == "cpu" && spans_nodes();
-  g.off_fwd_flag = take(forwards ? n * 8 : 0);
+  // Only jobs across nodes need the forwarding regions: the cpu
+  // implementation's records, or the device path's (copy_engine, only when
+  // the op forwards: they hold n * max_tokens rows).
+  const bool device_path = Runtime::instance().backend_name() != "cpu" || emulate_device();
+  const bool forwards = !device_path && spans_nodes();
+  g.fwd_on_device = device_path && c.kernel == Kernel::CopyEngine && layout_forwards();
+  g.off_fwd_flag = take(forwards || g.fwd_on_device ? n * 8 : 0);
   g.off_fwd_count = take(forwards ? n * 4 : 0);
   g.off_plan_flag = take(forwards ? n * 8 : 0);
   g.off_plan_count = take(forwards ? n * 4 : 0);
@@ -230,6 +249,16 @@ Geometry make_geometry(const Config& c, int n_pes) {
     g.row_rec_bytes = g.row_rec_row_at + align_up(g.combine_row_bytes, 16);
   }
   g.off_row_rec = take(n * static_cast<size_t>(c.max_tokens) * g.row_rec_bytes);
+  {
+    const bool f = g.fwd_on_device;
+    const size_t by_token = n * static_cast<size_t>(c.max_tokens);
+    const size_t by_row = n * static_cast<size_t>(g.combine_rows);
+    g.off_fwd_x = take(f ? by_token * g.row_bytes : 0);
+    g.off_fwd_scales = take(f ? by_token * g.scale_row_bytes : 0);
+    g.off_fwd_idx = take(f && token_major ? by_row * c.topk * 4 : 0);
+    g.off_fwd_w = take(f ? by_row * (token_major ? c.topk : 1) * 4 : 0);
+    g.off_fwd_meta = take(f ? by_row * kMetaWords * 4 : 0);
+  }
   g.off_scratch_pos = take(static_cast<size_t>(c.max_tokens) * g.send_cols * 4);
   const size_t rows = static_cast<size_t>(g.recv_rows);
   g.off_recv_x = take(rows * g.row_bytes);

@@ -131,6 +131,14 @@ struct Geometry {
   size_t off_fwd_flag = 0, off_fwd_count = 0, off_fwd_rec = 0;
   size_t fwd_rec_bytes = 0, fwd_x_at = 0, fwd_scales_at = 0;
   int32_t fwd_header_words = 0;
+  // Forwarding on the device path (copy_engine across nodes, when the op
+  // forwards; see ep_device_driver.hpp): per source PE, its epoch (off_fwd_flag
+  // above), the rows of its tokens bound for this node, by token,
+  // [n][max_tokens] rows and scales, and what per-PE sending puts beside
+  // each row, by the source's staging row: [n][combine_rows] ids (token-major),
+  // weights and metadata.
+  bool fwd_on_device = false;
+  size_t off_fwd_x = 0, off_fwd_scales = 0, off_fwd_idx = 0, off_fwd_w = 0, off_fwd_meta = 0;
   // Combine's reverse: per source PE, the epoch of its reduction plan (uint64
   // [n]), its record count (int32 [n]) and records [n][max_tokens]
   // [plan_words] (token, combine row per send column, float weight per
@@ -213,6 +221,10 @@ struct HandleLayout {
   int64_t weights = -1;       // expert-major: float32 [max_tokens][topk]; else -1
   int64_t words = 0;          // total
 };
+
+// Whether the EP ops of this process run the device kernels' host emulation
+// on the cpu backend (SYMHEAP_EP_EMULATE_DEVICE, read when an op is made).
+bool emulate_device();
 
 void validate_config(const Config& c);
 Geometry make_geometry(const Config& c, int n_pes);

@@ -10,6 +10,8 @@
 //   zero_async(ptr, bytes, stream)
 //   channels_after(stream)        copy-engine channels wait for the stream's work
 //   copy(pe, dst, src, bytes)     a copy on the channel to `pe`
+//   read(host, src, bytes, stream) device bytes into host memory, after the
+//                                 stream's work (synchronous)
 //   signal(pe, flag)              adds 1 to `flag` after the channel's copies
 //   stream_after_channels(stream) the stream waits for every channel
 //
@@ -118,11 +120,17 @@ class DeviceDriver final : public DeviceImpl {
     const int64_t num_recv = h[kernels::kHostNumRecv];
     const bool tm = op.cfg.layout == Layout::TokenMajor;
     const size_t K = static_cast<size_t>(op.cfg.topk);
+    const bool fwd = remote(op) && op.nodes.forward;
+    if (fwd) forwarded_.assign(op.nodes.pes_of.size(), std::vector<int64_t>());
     rt_.channels_after(a.stream);
     for (int i = 0, n = h[kernels::kHostSegments]; i < n; ++i) {
       volatile int32_t* seg = h + kernels::kHostSegment0 + 4 * i;
       const int pe = seg[0];
       const int64_t from = seg[1], to = seg[2], rows = seg[3];
+      if (fwd && !s.peers[pe].base) {  // to this PE's forwarder on pe's node
+        forward_segment(s, op, pe, from, rows, a.stream);
+        continue;
+      }
       auto move = [&](size_t src_off, size_t dst_off, size_t row_bytes) {
         if (!row_bytes) return;
         const char* src = ws_addr(s, op, op.my_pe, src_off) + from * row_bytes;
@@ -138,7 +146,13 @@ class DeviceDriver final : public DeviceImpl {
       move(g.off_stage_meta, g.off_recv_meta, kMetaWords * 4);
     }
     signal_all(s, op, g.off_data_flag);
-    send_queued(s, op, g.off_data_flag, 1, SignalOp::Add, a.stream);
+    if (fwd) {
+      queue_forwarded_rows(s, op);
+      send_queued(s, op, g.off_fwd_flag, 1, SignalOp::Add, a.stream, forwarders(op));
+      forward_received(s, op, p, abort != 0, a.stream);
+    } else {
+      send_queued(s, op, g.off_data_flag, 1, SignalOp::Add, a.stream, op.remote_pes);
+    }
     rt_.stream_after_channels(a.stream);
     kernels::launch_finish_dispatch(rt_, p, abort, a.stream);
     if (remote(op)) trace(op, "dispatch %llu: rows sent, finish launched", op.dispatch_epoch);
@@ -214,7 +228,7 @@ class DeviceDriver final : public DeviceImpl {
           rt_.copy(pe, ws_addr(s, op, pe, g.off_combine_buf) + to * crb, src, rows * crb);
       }
       signal_all(s, op, g.off_combine_flag);
-      send_queued(s, op, g.off_combine_flag, 1, SignalOp::Add, a.stream);
+      send_queued(s, op, g.off_combine_flag, 1, SignalOp::Add, a.stream, op.remote_pes);
       rt_.stream_after_channels(a.stream);
       if (remote(op)) kernels::launch_wait_remote(rt_, p, g.off_combine_flag, epoch, epoch, a.stream);
       if (remote(op)) trace(op, "combine %llu: rows sent, wait launched", op.combine_epoch);
@@ -222,7 +236,7 @@ class DeviceDriver final : public DeviceImpl {
       kernels::launch_combine_reduce(rt_, p, reduce_blocks(op), a.stream);
       if (remote(op)) trace(op, "combine %llu: sums launched", op.combine_epoch);
       if (remote(op) && g.combine_sets == 1)  // this PE consumed their rows
-        send_queued(s, op, g.off_freed_flag, epoch, SignalOp::Set, a.stream);
+        send_queued(s, op, g.off_freed_flag, epoch, SignalOp::Set, a.stream, op.remote_pes);
     }
     if (ce && op.board)
       op.board->publish_and_wait(1, "ep combine", op.my_pe, ++op.queued_combines,
@@ -367,15 +381,16 @@ class DeviceDriver final : public DeviceImpl {
     if (bytes) queued_[pe].push_back(Put{dst_off, src, bytes});
   }
 
-  // Sends each other-node PE its queued puts on `stream`, the last with a
-  // signal on this PE's word at `flag_off` there (with no puts, 8 bytes to
-  // its payload word carry the signal): the flag follows every byte.
+  // Sends each PE of `to` (other nodes' PEs) its queued puts on `stream`,
+  // the last with a signal on this PE's word at `flag_off` there (with no
+  // puts, 8 bytes to its payload word carry the signal): the flag follows
+  // every byte.
   void send_queued(PeState& s, Op& op, size_t flag_off, uint64_t value, SignalOp sig,
-                   StreamHandle stream) {
+                   StreamHandle stream, const std::vector<int>& to) {
     std::vector<std::vector<Put>> batch;
     batch.swap(queued_);  // (nothing stays queued if a put throws)
     batch.resize(op.n_pes);
-    for (int q : op.remote_pes) {
+    for (int q : to) {
       std::vector<Put>& puts = batch[q];
       if (puts.empty()) puts.push_back(Put{payload_off(op), payload(s, op), 8});
       Transport& t = s.transports->select(q);
@@ -399,10 +414,127 @@ class DeviceDriver final : public DeviceImpl {
     const size_t row_off = g.off_count_rows + (epoch & 1) * op.n_pes * row_bytes +
                            static_cast<size_t>(op.my_pe) * row_bytes;
     for (int q : op.remote_pes) queue_put(op, q, row_off, ws_addr(s, op, op.my_pe, row_off), row_bytes);
-    send_queued(s, op, g.off_count_flag, 1, SignalOp::Add, stream);
+    send_queued(s, op, g.off_count_flag, 1, SignalOp::Add, stream, op.remote_pes);
     trace(op, "dispatch %llu: count row sent", epoch);
     kernels::launch_wait_remote(rt_, p, g.off_count_flag, epoch, epoch, stream);
     trace(op, "dispatch %llu: count wait launched", epoch);
+  }
+
+  // ---- Forwarding inside a node (dispatch; Op::nodes.forward)
+  //
+  // What per-PE sending puts into a PE of another node goes to this PE's
+  // forwarder there instead: the ids, weights and metadata of each segment
+  // at the forwarder's rows [this PE][staging row], and each token's row
+  // (and scales) once per node, at [this PE][token]; one signal on the
+  // forwarder's fwd flag follows them. The forwarder waits for that flag
+  // (a one-block kernel), forward_rows_kernel stores the rows into its
+  // node's receive buffers where per-PE sending would have put them, and
+  // its copy-engine channels raise the source's data flag on each PE of the
+  // node after that kernel, as a source's own channels do.
+
+  std::vector<std::vector<int64_t>> forwarded_;  // per node: staging row of each token, or -1
+  std::vector<int32_t> staged_meta_;             // this call's staging metadata, read back
+
+  // This PE's forwarder on every other node.
+  static std::vector<int> forwarders(const Op& op) {
+    const NodeLayout& nl = op.nodes;
+    std::vector<int> out;
+    for (int node = 0; node < static_cast<int>(nl.pes_of.size()); ++node)
+      if (node != nl.node_of[op.my_pe]) out.push_back(nl.forwarder(op.my_pe, node));
+    return out;
+  }
+
+  // Staging rows [from, from + rows) bound for `pe` (another node): their
+  // ids, weights and metadata to the forwarder; their tokens' rows later,
+  // once per token (queue_forwarded_rows).
+  void forward_segment(PeState& s, Op& op, int pe, int64_t from, int64_t rows,
+                       StreamHandle stream) {
+    const Geometry& g = op.geo;
+    const bool tm = op.cfg.layout == Layout::TokenMajor;
+    const size_t K = static_cast<size_t>(op.cfg.topk);
+    const int node = op.nodes.node_of[pe], f = op.nodes.forwarder(op.my_pe, node);
+    const int64_t at = static_cast<int64_t>(op.my_pe) * g.combine_rows + from;
+    auto put = [&](size_t stage_off, size_t fwd_off, size_t row_bytes) {
+      queue_put(op, f, fwd_off + at * row_bytes,
+                ws_addr(s, op, op.my_pe, stage_off) + from * row_bytes, rows * row_bytes);
+    };
+    if (tm) put(g.off_stage_idx, g.off_fwd_idx, K * 4);
+    put(g.off_stage_w, g.off_fwd_w, (tm ? K : 1) * 4);
+    put(g.off_stage_meta, g.off_fwd_meta, kMetaWords * 4);
+    // The tokens of these rows (their metadata, read back once per call).
+    if (staged_meta_.empty()) {
+      staged_meta_.resize(static_cast<size_t>(g.combine_rows) * kMetaWords);
+      rt_.read(staged_meta_.data(), ws_addr(s, op, op.my_pe, g.off_stage_meta),
+               staged_meta_.size() * 4, stream);
+    }
+    std::vector<int64_t>& row_of = forwarded_[node];
+    if (row_of.empty()) row_of.assign(op.cfg.max_tokens, -1);
+    for (int64_t r = from; r < from + rows && r < g.combine_rows; ++r) {
+      const int32_t t = staged_meta_[r * kMetaWords + kMetaToken];
+      if (t >= 0 && t < op.cfg.max_tokens && row_of[t] < 0) row_of[t] = r;
+    }
+  }
+
+  // Each token's row and scales once per node, from one of its staging rows,
+  // adjacent tokens with adjacent staging rows in one put.
+  void queue_forwarded_rows(PeState& s, Op& op) {
+    const Geometry& g = op.geo;
+    const int64_t cap = op.cfg.max_tokens;
+    for (int node = 0; node < static_cast<int>(forwarded_.size()); ++node) {
+      const std::vector<int64_t>& row_of = forwarded_[node];
+      if (row_of.empty()) continue;
+      const int f = op.nodes.forwarder(op.my_pe, node);
+      auto put = [&](int64_t t0, int64_t r0, int64_t k) {
+        const int64_t at = static_cast<int64_t>(op.my_pe) * cap + t0;
+        queue_put(op, f, g.off_fwd_x + at * g.row_bytes,
+                  ws_addr(s, op, op.my_pe, g.off_stage_x) + r0 * g.row_bytes, k * g.row_bytes);
+        if (g.scale_row_bytes)
+          queue_put(op, f, g.off_fwd_scales + at * g.scale_row_bytes,
+                    ws_addr(s, op, op.my_pe, g.off_stage_scales) + r0 * g.scale_row_bytes,
+                    k * g.scale_row_bytes);
+      };
+      int64_t t0 = -1, r0 = -1, k = 0;
+      for (int64_t t = 0; t < cap; ++t) {
+        const int64_t r = row_of[t];
+        if (r < 0) continue;
+        if (k > 0 && t == t0 + k && r == r0 + k) {
+          ++k;
+          continue;
+        }
+        if (k > 0) put(t0, r0, k);
+        t0 = t, r0 = r, k = 1;
+      }
+      if (k > 0) put(t0, r0, k);
+    }
+    forwarded_.clear();
+    staged_meta_.clear();
+  }
+
+  // As the forwarder of sources on other nodes: waits for each one's puts,
+  // stores its rows into this node's receive buffers (unless the call
+  // aborted: every PE decided so from the same counts), then raises that
+  // source's data flag on every PE of this node from the copy-engine channels.
+  void forward_received(PeState& s, Op& op, const kernels::Params& p, bool abort,
+                        StreamHandle stream) {
+    const Geometry& g = op.geo;
+    const NodeLayout& nl = op.nodes;
+    const int my_node = nl.node_of[op.my_pe];
+    std::vector<int> sources;
+    for (int src = 0; src < op.n_pes; ++src)
+      if (nl.node_of[src] != my_node && nl.forwarder(src, my_node) == op.my_pe)
+        sources.push_back(src);
+    if (sources.empty()) return;
+    const uint64_t epoch = op.dispatch_epoch;
+    const int blocks = blocks_for(op, g.combine_rows, kernels::kWarpsPerBlock);
+    for (int src : sources) {
+      kernels::launch_wait_remote(rt_, p, g.off_fwd_flag, epoch, epoch, stream, src);
+      if (!abort) kernels::launch_forward_rows(rt_, p, src, blocks, stream);
+    }
+    trace(op, "dispatch %llu: forwarding launched", epoch);
+    rt_.channels_after(stream);
+    for (int src : sources)
+      for (int d : nl.pes_of[my_node])
+        rt_.signal(d, reinterpret_cast<uint64_t*>(ws_addr(s, op, d, g.off_data_flag)) + src);
   }
 
   // SYMHEAP_REMOTE_TRACE=1 (remote_trace.hpp): the host's steps of a call with
@@ -435,10 +567,11 @@ class DeviceDriver final : public DeviceImpl {
     if (status == kPeerTimeout) {
       static const char* const kinds[] = {"", "routing counts", "dispatch rows",
                                           "its combine buffer to be freed", "combine rows",
-                                          "the same dispatch to start there"};
+                                          "the same dispatch to start there",
+                                          "its rows to forward inside this node"};
       const int32_t kind = h[kernels::kHostWait];
       std::string waited;
-      if (kind > 0 && kind < 6)
+      if (kind > 0 && kind < 7)
         waited = " (" + std::string(kinds[kind]) + ": its flag here read " +
                  std::to_string(h[kernels::kHostSeen]) + ", waited for " +
                  std::to_string(h[kernels::kHostTarget]) + ")";

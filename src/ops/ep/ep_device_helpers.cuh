@@ -88,17 +88,18 @@ __device__ inline void record_error(const Params& p, int32_t status, int32_t det
 }
 
 // One thread waits until flags[q] >= target for every PE q (with
-// remote_only, every PE the kernels do not store into). After a timeout
+// remote_only, every PE the kernels do not store into; with only >= 0,
+// PE `only` alone). After a timeout
 // (recorded, naming the first late PE) it returns false at once, and so do
 // later waits, so a broken job fails fast instead of hanging.
 __device__ inline bool wait_all(const Params& p, size_t off_flags, uint64_t target,
-                                uint64_t epoch, bool remote_only = false) {
+                                uint64_t epoch, bool remote_only = false, int only = -1) {
   const uint64_t* flags = at<uint64_t>(p, p.my_pe, off_flags);
   const uint64_t* err = local_word(p, kErrorWord);
   if (dev::load_relaxed(err) == kPeerTimeout) return false;
   const uint64_t start = dev::global_timer_ns();
   for (int q = 0; q < p.n_pes; ++q) {
-    if (remote_only && stores_reach(p, q)) continue;
+    if ((remote_only && stores_reach(p, q)) || (only >= 0 && q != only)) continue;
     unsigned spins = 0;
     uint64_t seen;
     while ((seen = dev::load_relaxed(flags + q)) < target) {  // cheap polls; an acquire below
@@ -106,7 +107,9 @@ __device__ inline bool wait_all(const Params& p, size_t off_flags, uint64_t targ
       if ((++spins & 1023u) == 0) {
         if (dev::load_relaxed(err) == kPeerTimeout) return false;
         if (dev::global_timer_ns() - start > p.timeout_ns) {
-          const int32_t kind = off_flags == p.geo.off_count_flag  ? kWaitCounts
+          const int32_t kind = p.geo.fwd_on_device && off_flags == p.geo.off_fwd_flag
+                                   ? kWaitForward
+                               : off_flags == p.geo.off_count_flag  ? kWaitCounts
                                : off_flags == p.geo.off_data_flag  ? kWaitData
                                : off_flags == p.geo.off_freed_flag ? kWaitFreed
                                : off_flags == p.geo.off_entered    ? kWaitEntered

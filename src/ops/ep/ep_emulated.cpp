@@ -103,6 +103,9 @@ class EmuRt {
     std::atomic_thread_fence(std::memory_order_release);
   }
   void signal(int, uint64_t* flag) { __atomic_fetch_add(flag, 1, __ATOMIC_RELEASE); }
+  void read(void* host, const void* src, size_t bytes, StreamHandle) {
+    std::memcpy(host, src, bytes);
+  }
   void stream_after_channels(StreamHandle) {}
 
  private:

@@ -6,7 +6,7 @@
 //                then puts it to the other nodes with a signal on their
 //                count flags;
 //   wait_remote  one block: waits until the flags that other nodes' PEs set
-//                through the remote transport reach a target, so that the
+//                through the remote transport (or one of them) reach a target, so that the
 //                grids after it never spin (holding every SM) on bytes that
 //                the network engine's kernels still have to land here.
 #pragma once
@@ -49,16 +49,18 @@ void launch_count_row(Rt& rt, const Params& p, StreamHandle stream) {
 // after it then see the error word and give up at once. It never releases
 // the next kernel early (release_next_kernel): that grid's blocks would take
 // the SMs while it waits.
+// only >= 0: PE `only`'s flag alone (a source this PE forwards for).
 __global__ void __launch_bounds__(32) wait_remote_kernel(Params p, uint64_t off_flags,
-                                                         uint64_t target, uint64_t epoch) {
-  if (threadIdx.x == 0) wait_all(p, off_flags, target, epoch, true);
+                                                         uint64_t target, uint64_t epoch,
+                                                         int32_t only) {
+  if (threadIdx.x == 0) wait_all(p, off_flags, target, epoch, true, only);
 }
 
 template <class Rt>
 void launch_wait_remote(Rt& rt, const Params& p, size_t off_flags, uint64_t target,
-                        uint64_t epoch, StreamHandle stream) {
+                        uint64_t epoch, StreamHandle stream, int32_t only = -1) {
   rt.launch(wait_remote_kernel, 1, 32, 0, stream, p, static_cast<uint64_t>(off_flags), target,
-            epoch);
+            epoch, only);
 }
 
 }  // namespace symheap::ep::EP_DEVICE_NS::kernels
