@@ -127,7 +127,8 @@ struct Geometry {
   // many it sent (int32 [n]), and its records [n][max_tokens][fwd_rec_bytes]:
   // int32 header [fwd_header_words] (token, destination row and combine row
   // per send column, expert ids [topk], float weights [topk]), then the row
-  // at fwd_x_at and its scales at fwd_scales_at. Empty on cuda and on one node.
+  // at fwd_x_at and its scales at fwd_scales_at. Empty on the device path
+  // (whose regions follow) and on one node.
   size_t off_fwd_flag = 0, off_fwd_count = 0, off_fwd_rec = 0;
   size_t fwd_rec_bytes = 0, fwd_x_at = 0, fwd_scales_at = 0;
   int32_t fwd_header_words = 0;

@@ -35,7 +35,9 @@
 // pack, this PE's status word and rows as puts with a signal on the combine
 // flag, a one-block wait for theirs, the sums, then the "consumed" flag.
 // Epochs of such an op are counted by the host too (the put's offsets
-// alternate with them).
+// alternate with them). With forwarding inside a node (Op::nodes.forward),
+// a dispatch's rows for another node go once per token to this PE's
+// forwarder there (see "Forwarding inside a node" below).
 #pragma once
 #include <algorithm>
 #include <cstdio>
