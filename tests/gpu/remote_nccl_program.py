@@ -359,13 +359,16 @@ def ep_forwarding(barrier):
     """symheap.ep (kernel='copy_engine') on 2 nodes x 2 PEs (a node's PEs share
     its GPU, threads of its process): forwarding inside each node (a token
     bound for both PEs of the other node crosses once, to the forwarder
-    there, which stores it into its node's receive buffers) and per PE
+    there, which stores it into its node's receive buffers; combine sums a
+    token's rows there and one row crosses back) and per PE
     (SYMHEAP_EP_HIERARCHICAL=0). Every routing pattern of the EP tests checked
     against the references both ways, in both layouts, fp8 with scales, a
-    receive bound and hidden 7168 x 1024 tokens, top-8 of 256: the received
-    rows the same bits both ways; with every token bound for every PE, all
-    dispatch outputs and the handle the same bits, and fewer bytes across
-    nodes forwarded. Returns (digests per way, bytes per way)."""
+    receive bound and hidden 7168 x 1024 tokens, top-8 of 256 (combine's sums,
+    forwarded summed inside the node, against the fp32 reference each way):
+    the received rows the same bits both ways; with every token bound for
+    every PE, all dispatch outputs and the handle the same bits, and fewer
+    bytes across nodes forwarded, in dispatch and in combine. Returns (digests
+    per way, dispatch bytes per way, combine bytes per way)."""
     import sys
     import symheap
     from symheap import _core
@@ -391,7 +394,7 @@ def ep_forwarding(barrier):
     scales = torch.rand(T, cfg.hidden // 128, generator=gen).to(dev)
     idx = torch.tensor([[p * L + (t + p) % L for p in range(n)] for t in range(T)], device=dev)
     w = torch.rand(T, n, generator=gen).to(dev)
-    digests, sent, outputs = [], [], []
+    digests, sent, sent_back, outputs = [], [], [], []
     for on in (True, False):
         if barrier.wait(60) == 0:  # the environment is the process's: one thread sets it
             os.environ["SYMHEAP_EP_HIERARCHICAL"] = "1" if on else "0"
@@ -409,7 +412,13 @@ def ep_forwarding(barrier):
                 out.num_recv_tokens, out.expert_counts, out.handle.send_rows,
                 out.handle.summary)])
             y = progs.identity_experts(cfg, out, dev)
-            progs.check_combine(cfg, ep.combine(y, out.handle), x, idx, w, scales, me)
+            symheap.barrier_all()
+            torch.cuda.synchronize()
+            before = _core.bytes_across_nodes()
+            res = ep.combine(y, out.handle)
+            torch.cuda.synchronize()
+            sent_back.append(_core.bytes_across_nodes() - before)
+            progs.check_combine(cfg, res, x, idx, w, scales, me)
             symheap.barrier_all()
     if barrier.wait(60) == 0:
         os.environ["SYMHEAP_EP_HIERARCHICAL"] = "1"
@@ -419,8 +428,11 @@ def ep_forwarding(barrier):
     # per PE: every token's row crosses once per PE of the other node; forwarded: once
     assert sent[1] > 2 * T * cfg.hidden * 2, sent
     assert sent[0] < sent[1] * 0.6, sent
+    # combine: a token's rows on the other node are summed there and come back once
+    assert sent_back[1] > 2 * T * cfg.hidden * 2, sent_back
+    assert sent_back[0] < sent_back[1] * 0.6, sent_back
     symheap.barrier_all()
-    return digests, sent
+    return digests, sent, sent_back
 
 
 def ep_remote_bench(port, iters, tokens):

@@ -372,7 +372,9 @@ def ep_device_forwarding(seed, timeout):
     pattern of the EP tests checked against the references (poisoned first),
     dispatch's rows the same bits both ways; with every token bound for every
     PE, every dispatch output and the handle the same bits both ways, and
-    fewer bytes across nodes when forwarded."""
+    fewer bytes across nodes when forwarded, for dispatch and for combine
+    (whose sums, added in another order when forwarded, are checked against
+    the fp32 reference each way)."""
     import torch
     from symheap import _core
     from symheap.ep import EpConfig, EpDispatchCombine
@@ -392,7 +394,7 @@ def ep_device_forwarding(seed, timeout):
     idx = torch.tensor([[p * L + (t + p) % L for p in range(n)] for t in range(T)])
     w = torch.rand(T, n, generator=gen)
     os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "1"
-    digests, sent, outputs = [], [], []
+    digests, sent, sent_back, outputs = [], [], [], []
     try:
         for on in (True, False):
             _forwarding(on)
@@ -404,7 +406,11 @@ def ep_device_forwarding(seed, timeout):
                 sent.append(_core.bytes_across_nodes() - before)
                 outputs.append(_dispatch_outputs(out))
                 y = progs.identity_experts(cfg, out, torch.device("cpu"))
-                progs.check_combine(cfg, ep.combine(y, out.handle), x, idx, w, scales, me)
+                symheap.barrier_all(timeout=timeout)
+                before = _core.bytes_across_nodes()
+                res = ep.combine(y, out.handle)
+                sent_back.append(_core.bytes_across_nodes() - before)
+                progs.check_combine(cfg, res, x, idx, w, scales, me)
                 symheap.barrier_all(timeout=timeout)
     finally:
         os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "0"
@@ -416,7 +422,11 @@ def ep_device_forwarding(seed, timeout):
     # per PE: every token's row crosses once per remote PE; forwarded: once
     assert sent[1] > remote_pes * T * cfg.hidden * 2, sent
     assert sent[0] < sent[1] * (1.0 / remote_pes + 0.15), sent
-    sys.stdout.write(f"DEVICE-BYTES pe {me}: forwarded {sent[0]} per-PE {sent[1]}\n")
+    # combine: each token's rows on the other node come back once, summed there
+    assert sent_back[1] > remote_pes * T * cfg.hidden * 2, sent_back
+    assert sent_back[0] < sent_back[1] * (1.0 / remote_pes + 0.15), sent_back
+    sys.stdout.write(f"DEVICE-BYTES pe {me}: forwarded {sent[0]} per-PE {sent[1]}; "
+                     f"combine forwarded {sent_back[0]} per-PE {sent_back[1]}\n")
     sys.stdout.flush()
     symheap.barrier_all(timeout=timeout)
 

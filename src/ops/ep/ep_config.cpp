@@ -223,9 +223,10 @@ Geometry make_geometry(const Config& c, int n_pes) {
   g.fwd_on_device = device_path && c.kernel == Kernel::CopyEngine && layout_forwards();
   g.off_fwd_flag = take(forwards || g.fwd_on_device ? n * 8 : 0);
   g.off_fwd_count = take(forwards ? n * 4 : 0);
-  g.off_plan_flag = take(forwards ? n * 8 : 0);
-  g.off_plan_count = take(forwards ? n * 4 : 0);
-  g.off_stage_flag = take(forwards ? n * 8 : 0);
+  const bool sums = forwards || g.fwd_on_device;  // combine sums inside nodes
+  g.off_plan_flag = take(sums ? n * 8 : 0);
+  g.off_plan_count = take(sums ? n * 4 : 0);
+  g.off_stage_flag = take(sums ? n * 8 : 0);
   // Each dispatch block's counts and done word carry the call's epoch, which
   // restarts at 1 in every op: zeroed with the flags, so that a new op on the
   // heap range of a closed one never reads that op's words as its own.
@@ -240,10 +241,16 @@ Geometry make_geometry(const Config& c, int n_pes) {
     g.fwd_rec_bytes = g.fwd_scales_at + align_up(g.scale_row_bytes, 16);
   }
   g.off_fwd_rec = take(n * static_cast<size_t>(c.max_tokens) * g.fwd_rec_bytes);
-  g.plan_words = forwards ? 1 + 2 * g.send_cols : 0;
+  g.plan_words = sums ? 1 + 2 * g.send_cols : 0;
   g.off_plan_rec = take(n * static_cast<size_t>(c.max_tokens) * g.plan_words * 4);
-  g.off_stage_rows = take(forwards ? n * combine_bytes : 0);
-  g.off_partial = take(forwards ? n * static_cast<size_t>(c.max_tokens) * g.combine_row_bytes : 0);
+  g.off_stage_rows = take(sums ? n * combine_bytes : 0);
+  g.off_partial = take(sums ? n * static_cast<size_t>(c.max_tokens) * g.combine_row_bytes : 0);
+  {  // the device path's combine: plans to send, and the reduction's own handle view
+    const bool f = g.fwd_on_device;
+    g.off_plan_out = take(f ? n * (4 + static_cast<size_t>(c.max_tokens) * g.plan_words) * 4 : 0);
+    g.off_fwd_send = take(f ? static_cast<size_t>(c.max_tokens) * g.send_cols * 4 : 0);
+    g.off_fwd_weights = take(f && !token_major ? static_cast<size_t>(c.max_tokens) * c.topk * 4 : 0);
+  }
   if (forwards) {
     g.row_rec_row_at = align_up(static_cast<size_t>(g.send_cols) * 4, 16);
     g.row_rec_bytes = g.row_rec_row_at + align_up(g.combine_row_bytes, 16);

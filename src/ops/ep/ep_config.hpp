@@ -149,6 +149,14 @@ struct Geometry {
   size_t off_plan_flag = 0, off_plan_count = 0, off_plan_rec = 0, off_stage_flag = 0;
   size_t off_stage_rows = 0, off_partial = 0;
   int32_t plan_words = 0;
+  // The device path (fwd_on_device) shares the plan and staging regions; its
+  // forwarder writes the partial sums it sends into off_partial [source]
+  // [record] before they cross. A source stages its plans there per node
+  // (off_plan_out [n][4 + max_tokens * plan_words] int32: the count, then
+  // the records), and its reduction reads the handle's send table and
+  // weights as rewritten for forwarding: a token's rows on another node
+  // become one row, the partial sum, weight 1 (off_fwd_send, off_fwd_weights).
+  size_t off_plan_out = 0, off_fwd_send = 0, off_fwd_weights = 0;
   // Redispatch's forwarded records [n][max_tokens][row_rec_bytes]: int32
   // combine row per send column, then at row_rec_row_at the row (combine
   // dtype); counts and flags share the plan's words.
@@ -199,6 +207,17 @@ inline int64_t summary_words(int n_pes, int local_experts, int slot_words) {
 constexpr int64_t summary_counts_at(int n_pes) { return 4 * static_cast<int64_t>(n_pes); }
 constexpr int64_t slot_bits_at(int n_pes, int local_experts) {
   return 4 * static_cast<int64_t>(n_pes) + local_experts + 4;
+}
+
+// The PE that holds column j (combine row crow) of one of a PE's tokens:
+// token-major, PE j; expert-major, the PE whose range of the combine rows
+// holds it (they are in destination order: summary[4q + 3] is its first).
+inline int holder_of(bool token_major, int n_pes, const int32_t* summary, int j, int32_t crow) {
+  if (token_major) return j;
+  int q = 0;
+  for (int p = 0; p < n_pes; ++p)
+    if (summary[4 * p + 3] <= crow) q = p;
+  return q;
 }
 
 // Fields of one received row's metadata (int32 [recv_rows][4]).

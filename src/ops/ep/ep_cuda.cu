@@ -111,6 +111,11 @@ class CudaRt {
         cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, as_stream(stream)));
     SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
   }
+  void write(void* dst, const void* host, size_t bytes, StreamHandle stream) {
+    SYMHEAP_CUDA_CHECK(
+        cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, as_stream(stream)));
+    SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+  }
   void stream_after_channels(StreamHandle stream) {
     cuda::copy_engine_end(*pe_, peers_, stream);
   }

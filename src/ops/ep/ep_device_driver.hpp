@@ -12,6 +12,7 @@
 //   copy(pe, dst, src, bytes)     a copy on the channel to `pe`
 //   read(host, src, bytes, stream) device bytes into host memory, after the
 //                                 stream's work (synchronous)
+//   write(dst, host, bytes, stream) host bytes into device memory, likewise
 //   signal(pe, flag)              adds 1 to `flag` after the channel's copies
 //   stream_after_channels(stream) the stream waits for every channel
 //
@@ -37,10 +38,12 @@
 // Epochs of such an op are counted by the host too (the put's offsets
 // alternate with them). With forwarding inside a node (Op::nodes.forward),
 // a dispatch's rows for another node go once per token to this PE's
-// forwarder there (see "Forwarding inside a node" below).
+// forwarder there, and combine's rows of a source on another node are summed
+// by its forwarder here (see "Forwarding inside a node" below).
 #pragma once
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -211,28 +214,50 @@ class DeviceDriver final : public DeviceImpl {
       volatile int32_t* h = mirror();
       const size_t crb = g.combine_row_bytes;
       const bool tm = op.cfg.layout == Layout::TokenMajor;
+      const bool fwd = remote(op) && op.nodes.forward;
+      if (fwd) make_combine_plans(s, op, a, a.stream);  // (while the stream is idle)
       rt_.channels_after(a.stream);
       // Other nodes' PEs read this PE's status (the pack wrote it into its
       // own entry here) before its rows, as mapped PEs do.
       const size_t status_off =
           g.off_combine_status + (g.combine_sets == 2 ? (epoch & 1) : 0) * op.n_pes * 4 + op.my_pe * 4;
+      // (forwarding: those this PE forwards for get it with their sums)
+      const std::vector<int> sources = fwd ? forwarded_sources(op) : std::vector<int>();
+      std::vector<int> direct;
       for (int q : op.remote_pes)
-        queue_put(op, q, status_off, ws_addr(s, op, op.my_pe, status_off), 4);
+        if (std::find(sources.begin(), sources.end(), q) == sources.end()) direct.push_back(q);
+      for (int q : direct) queue_put(op, q, status_off, ws_addr(s, op, op.my_pe, status_off), 4);
       for (int i = 0, n = h[kernels::kHostSegments]; i < n; ++i) {
         volatile int32_t* seg = h + kernels::kHostSegment0 + 4 * i;
         const int pe = seg[0];
         const int64_t from = seg[1], to = seg[2], rows = seg[3];
         const char* src = tm ? static_cast<const char*>(a.expert_out) + from * crb
                              : ws_addr(s, op, op.my_pe, g.off_stage_combine) + from * crb;
-        if (!s.peers[pe].base)
+        if (fwd && !s.peers[pe].base) {  // to pe's forwarder here, which sums them
+          const int f = op.nodes.forwarder(pe, op.nodes.node_of[op.my_pe]);
+          rt_.copy(f, ws_addr(s, op, f, g.off_stage_rows) + (pe * g.combine_rows + to) * crb,
+                   src, rows * crb);
+        } else if (!s.peers[pe].base) {
           queue_put(op, pe, g.off_combine_buf + to * crb, src, rows * crb);
-        else
+        } else {
           rt_.copy(pe, ws_addr(s, op, pe, g.off_combine_buf) + to * crb, src, rows * crb);
+        }
       }
       signal_all(s, op, g.off_combine_flag);
-      send_queued(s, op, g.off_combine_flag, 1, SignalOp::Add, a.stream, op.remote_pes);
+      send_queued(s, op, g.off_combine_flag, 1, SignalOp::Add, a.stream, direct);
+      if (fwd) {
+        for (int f : combine_forwarders_here(op))  // after the rows this PE staged there
+          rt_.signal(f, reinterpret_cast<uint64_t*>(ws_addr(s, op, f, g.off_stage_flag)) + op.my_pe);
+        send_combine_plans(s, op, a.stream);
+        send_sums(s, op, p, sources, epoch, status_off, a.stream);
+      }
       rt_.stream_after_channels(a.stream);
       if (remote(op)) kernels::launch_wait_remote(rt_, p, g.off_combine_flag, epoch, epoch, a.stream);
+      if (fwd) {  // the reduction reads the handle as rewritten for the sums from other nodes
+        p.handle_send_rows = reinterpret_cast<const int32_t*>(ws_addr(s, op, op.my_pe, g.off_fwd_send));
+        if (!tm)
+          p.combine_weights = reinterpret_cast<const float*>(ws_addr(s, op, op.my_pe, g.off_fwd_weights));
+      }
       if (remote(op)) trace(op, "combine %llu: rows sent, wait launched", op.combine_epoch);
       p.reduce_pieces = row_pieces(op, op.cfg.max_tokens, g.combine_row_bytes);
       kernels::launch_combine_reduce(rt_, p, reduce_blocks(op), a.stream);
@@ -539,6 +564,177 @@ class DeviceDriver final : public DeviceImpl {
         rt_.signal(d, reinterpret_cast<uint64_t*>(ws_addr(s, op, d, g.off_data_flag)) + src);
   }
 
+  // ---- Forwarding inside a node (combine)
+  //
+  // A row of a source on another node goes to the source's forwarder on this
+  // node (a copy into its staging rows [source][combine row], then a signal
+  // on its stage flag from the channel), not across. The source sends each
+  // forwarder a plan (per token with rows there: those combine rows and
+  // their weights); the forwarder waits for its node's staged rows and the
+  // plans, sums each token's rows (forward_sums_kernel) and puts one row per
+  // token back into the source's combine buffer, at the row of the token's
+  // first column there, after its status word, with a signal on its combine
+  // flag there. The source's reduction reads the handle's send table and
+  // weights rewritten by the host: that row with weight 1, the token's other
+  // rows on that node none.
+
+  // Sources on other nodes whose forwarder on this node is this PE.
+  static std::vector<int> forwarded_sources(const Op& op) {
+    const NodeLayout& nl = op.nodes;
+    const int my_node = nl.node_of[op.my_pe];
+    std::vector<int> out;
+    for (int src = 0; src < op.n_pes; ++src)
+      if (nl.node_of[src] != my_node && nl.forwarder(src, my_node) == op.my_pe) out.push_back(src);
+    return out;
+  }
+
+  // PEs of this node that forward for a source on another node.
+  static std::vector<int> combine_forwarders_here(const Op& op) {
+    const NodeLayout& nl = op.nodes;
+    const int my_node = nl.node_of[op.my_pe];
+    std::vector<int> out;
+    for (int src = 0; src < op.n_pes; ++src) {
+      if (nl.node_of[src] == my_node) continue;
+      const int f = nl.forwarder(src, my_node);
+      if (std::find(out.begin(), out.end(), f) == out.end()) out.push_back(f);
+    }
+    return out;
+  }
+
+  // As a source: its plans (in off_plan_out, one per other node) and the
+  // rewritten send table and weights, from the handle (read back to the
+  // host; the stream must have no work left: a copy from or to pageable
+  // memory waits for it).
+  void make_combine_plans(PeState& s, Op& op, const CombineArgs& a, StreamHandle stream) {
+    const Geometry& g = op.geo;
+    const Config& c = op.cfg;
+    const NodeLayout& nl = op.nodes;
+    const bool tm = c.layout == Layout::TokenMajor;
+    const int S = g.send_cols, K = c.topk, n = op.n_pes, W = g.plan_words;
+    const int my_node = nl.node_of[op.my_pe];
+    const int64_t cap = c.max_tokens;
+    const int64_t T = a.status == kOk && a.num_tokens > 0 && a.num_tokens <= cap ? a.num_tokens : 0;
+    std::vector<int32_t> rows(static_cast<size_t>(cap) * S, -1), summary(4 * n, 0);
+    std::vector<float> w(tm ? 0 : static_cast<size_t>(cap) * K, 0.0f);
+    if (T > 0) {
+      rt_.read(rows.data(), a.send_rows, static_cast<size_t>(T) * S * 4, stream);
+      if (!tm) {
+        rt_.read(w.data(), a.weights, static_cast<size_t>(T) * K * 4, stream);
+        rt_.read(summary.data(), a.recv_summary, summary.size() * 4, stream);
+      }
+    }
+    const size_t plan_ints = 4 + static_cast<size_t>(cap) * W;
+    std::vector<std::vector<int32_t>> plan(nl.pes_of.size(), std::vector<int32_t>(4, 0));
+    std::vector<int32_t> rec(W);
+    for (int64_t t = 0; t < T; ++t)
+      for (int node = 0; node < static_cast<int>(nl.pes_of.size()); ++node) {
+        if (node == my_node) continue;
+        std::fill(rec.begin(), rec.end(), -1);
+        int first = -1;
+        for (int j = 0; j < S; ++j) {
+          const int32_t crow = rows[t * S + j];
+          if (crow < 0 || crow >= g.combine_rows ||  // (an edited handle: the kernels report it)
+              nl.node_of[holder_of(tm, n, summary.data(), j, crow)] != node)
+            continue;
+          const float wj = tm ? 1.0f : w[t * K + j];
+          rec[1 + j] = crow;
+          std::memcpy(&rec[1 + S + j], &wj, 4);
+          if (first < 0) first = j;
+        }
+        if (first < 0) continue;
+        rec[0] = static_cast<int32_t>(t);
+        plan[node].insert(plan[node].end(), rec.begin(), rec.end());
+        ++plan[node][0];
+        for (int j = 0; j < S; ++j)  // the sum lands at the first column's row
+          if (j != first && rec[1 + j] >= 0) rows[t * S + j] = -1;
+        if (!tm) w[t * K + first] = 1.0f;
+      }
+    rt_.write(ws_addr(s, op, op.my_pe, g.off_fwd_send), rows.data(), rows.size() * 4, stream);
+    if (!tm) rt_.write(ws_addr(s, op, op.my_pe, g.off_fwd_weights), w.data(), w.size() * 4, stream);
+    plan_records_.assign(nl.pes_of.size(), 0);
+    for (int node = 0; node < static_cast<int>(nl.pes_of.size()); ++node) {
+      if (node == my_node) continue;
+      rt_.write(ws_addr(s, op, op.my_pe, g.off_plan_out + node * plan_ints * 4), plan[node].data(),
+                plan[node].size() * 4, stream);
+      plan_records_[node] = plan[node][0];
+    }
+  }
+
+  std::vector<int32_t> plan_records_;  // per node: records of this call's plan there
+
+  // The plans to this PE's forwarders, through the remote transport, with a
+  // signal on their plan flags.
+  void send_combine_plans(PeState& s, Op& op, StreamHandle stream) {
+    const Geometry& g = op.geo;
+    const NodeLayout& nl = op.nodes;
+    const int W = g.plan_words;
+    const int64_t cap = op.cfg.max_tokens;
+    const size_t plan_ints = 4 + static_cast<size_t>(cap) * W;
+    for (int node = 0; node < static_cast<int>(nl.pes_of.size()); ++node) {
+      if (node == nl.node_of[op.my_pe]) continue;
+      const int f = nl.forwarder(op.my_pe, node);
+      const char* out = ws_addr(s, op, op.my_pe, g.off_plan_out + node * plan_ints * 4);
+      queue_put(op, f, g.off_plan_count + static_cast<size_t>(op.my_pe) * 4, out, 4);
+      queue_put(op, f, g.off_plan_rec + static_cast<size_t>(op.my_pe) * cap * W * 4, out + 16,
+                static_cast<size_t>(plan_records_[node]) * W * 4);
+    }
+    send_queued(s, op, g.off_plan_flag, 1, SignalOp::Add, stream, forwarders(op));
+  }
+
+  // As the forwarder of `sources`: waits (one-block kernels) for this node's
+  // staged rows and their plans, reads the plans, sums, and sends each
+  // source this PE's status word and the sums, then a signal on this PE's
+  // combine flag there.
+  void send_sums(PeState& s, Op& op, const kernels::Params& p, const std::vector<int>& sources,
+                 uint64_t epoch, size_t status_off, StreamHandle stream) {
+    if (sources.empty()) return;
+    const Geometry& g = op.geo;
+    const int W = g.plan_words, S = g.send_cols;
+    const int64_t cap = op.cfg.max_tokens;
+    const size_t crb = g.combine_row_bytes;
+    for (int d : op.nodes.pes_of[op.nodes.node_of[op.my_pe]])
+      kernels::launch_wait_remote(rt_, p, g.off_stage_flag, epoch, epoch, stream, d);
+    for (int src : sources) kernels::launch_wait_remote(rt_, p, g.off_plan_flag, epoch, epoch, stream, src);
+    rt_.sync(stream);  // (each wait is bounded by the op's timeout)
+    trace(op, "combine %llu: rows to sum and plans here", epoch);
+    if (mirror()[kernels::kHostStatus] == kPeerTimeout) raise_recorded(s, op, stream);
+    std::vector<int32_t> plan;
+    for (int src : sources) {
+      int32_t records = 0;
+      rt_.read(&records, ws_addr(s, op, op.my_pe, g.off_plan_count + static_cast<size_t>(src) * 4), 4,
+               stream);
+      records = std::clamp<int32_t>(records, 0, static_cast<int32_t>(cap));
+      plan.resize(static_cast<size_t>(records) * W);
+      if (records)
+        rt_.read(plan.data(), ws_addr(s, op, op.my_pe, g.off_plan_rec + src * cap * W * 4),
+                 plan.size() * 4, stream);
+      if (records)
+        kernels::launch_forward_sums(rt_, p, src, records,
+                                     blocks_for(op, records, kernels::kWarpsPerBlock), stream);
+      queue_put(op, src, status_off, ws_addr(s, op, op.my_pe, status_off), 4);
+      const char* sums = ws_addr(s, op, op.my_pe, g.off_partial + src * cap * crb);
+      int64_t i0 = 0, row0 = -1, k = 0;  // sums of adjacent rows there in one put
+      auto put = [&] {
+        if (k) queue_put(op, src, g.off_combine_buf + row0 * crb, sums + i0 * crb, k * crb);
+      };
+      for (int64_t i = 0; i < records; ++i) {
+        const int32_t* rec = plan.data() + i * W;
+        int64_t row = -1;
+        for (int j = 0; j < S && row < 0; ++j)
+          if (rec[1 + j] >= 0 && rec[1 + j] < g.combine_rows) row = rec[1 + j];
+        if (row < 0) continue;
+        if (k && i == i0 + k && row == row0 + k) {
+          ++k;
+          continue;
+        }
+        put();
+        i0 = i, row0 = row, k = 1;
+      }
+      put();
+    }
+    send_queued(s, op, g.off_combine_flag, 1, SignalOp::Add, stream, sources);
+  }
+
   // SYMHEAP_REMOTE_TRACE=1 (remote_trace.hpp): the host's steps of a call with
   // other nodes' PEs (a launch that blocks shows as a gap before its line), next
   // to the remote engine's lines.
@@ -570,10 +766,12 @@ class DeviceDriver final : public DeviceImpl {
       static const char* const kinds[] = {"", "routing counts", "dispatch rows",
                                           "its combine buffer to be freed", "combine rows",
                                           "the same dispatch to start there",
-                                          "its rows to forward inside this node"};
+                                          "its rows to forward inside this node",
+                                          "its rows to sum for a PE of another node",
+                                          "its combine plan"};
       const int32_t kind = h[kernels::kHostWait];
       std::string waited;
-      if (kind > 0 && kind < 7)
+      if (kind > 0 && kind < 9)
         waited = " (" + std::string(kinds[kind]) + ": its flag here read " +
                  std::to_string(h[kernels::kHostSeen]) + ", waited for " +
                  std::to_string(h[kernels::kHostTarget]) + ")";

@@ -107,8 +107,10 @@ __device__ inline bool wait_all(const Params& p, size_t off_flags, uint64_t targ
       if ((++spins & 1023u) == 0) {
         if (dev::load_relaxed(err) == kPeerTimeout) return false;
         if (dev::global_timer_ns() - start > p.timeout_ns) {
-          const int32_t kind = p.geo.fwd_on_device && off_flags == p.geo.off_fwd_flag
-                                   ? kWaitForward
+          const bool fwd = p.geo.fwd_on_device;
+          const int32_t kind = fwd && off_flags == p.geo.off_fwd_flag     ? kWaitForward
+                               : fwd && off_flags == p.geo.off_stage_flag ? kWaitStaged
+                               : fwd && off_flags == p.geo.off_plan_flag  ? kWaitPlan
                                : off_flags == p.geo.off_count_flag  ? kWaitCounts
                                : off_flags == p.geo.off_data_flag  ? kWaitData
                                : off_flags == p.geo.off_freed_flag ? kWaitFreed

@@ -106,6 +106,9 @@ class EmuRt {
   void read(void* host, const void* src, size_t bytes, StreamHandle) {
     std::memcpy(host, src, bytes);
   }
+  void write(void* dst, const void* host, size_t bytes, StreamHandle) {
+    std::memcpy(dst, host, bytes);
+  }
   void stream_after_channels(StreamHandle) {}
 
  private:

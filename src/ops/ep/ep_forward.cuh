@@ -5,7 +5,12 @@
 // (ids, weights, metadata) to its forwarder here; once they landed,
 // forward_rows stores each row into its destination's receive buffer on
 // this node, at the row per-PE sending would have put it there.
+// Combine: this node's PEs copy the rows of such a source's tokens into its
+// forwarder's staging rows; the source sends a plan per token (its combine
+// rows there, their weights); forward_sums adds each token's rows, and the
+// host puts the sums back to the source, one row per token.
 #pragma once
+#include "ops/ep/ep_combine.cuh"
 #include "ops/ep/ep_dispatch.cuh"
 
 namespace symheap::ep::EP_DEVICE_NS::kernels {
@@ -83,6 +88,50 @@ void launch_forward_rows(Rt& rt, const Params& p, int32_t src, int blocks, Strea
   const size_t cols = p.cfg.layout == Layout::TokenMajor ? p.n_pes : p.cfg.num_experts;
   const size_t shared = (2 * cols + (cols & 1)) * sizeof(int32_t) + cols * sizeof(int64_t);
   rt.launch(forward_rows_kernel, blocks, kThreads, shared, stream, p, src);
+}
+
+// The partial sums of `records` tokens of `src` (a source on another node
+// this PE forwards for). Record i of its plan [token, combine row per column
+// (-1: none here), weight per column] names rows this node's PEs staged
+// here; their weighted sum in fp32, rounded to the combine dtype, goes to
+// row i of this PE's partials for src, which the host puts back to src.
+__global__ void __launch_bounds__(kThreads) forward_sums_kernel(Params p, int32_t src,
+                                                                int32_t records) {
+  const Geometry& g = p.geo;
+  if (dev::load_relaxed(local_word(p, kErrorWord)) == kPeerTimeout) return;  // a wait gave up
+  const int S = g.send_cols;
+  const DType dt = g.combine_dtype;
+  const size_t crb = g.combine_row_bytes;
+  const int64_t vecs = static_cast<int64_t>(crb / 16), cap = p.cfg.max_tokens;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int32_t* plans = at<int32_t>(p, p.my_pe, g.off_plan_rec) + src * cap * g.plan_words;
+  const char* staged = at<char>(p, p.my_pe, g.off_stage_rows) + src * g.combine_rows * crb;
+  char* partial = at<char>(p, p.my_pe, g.off_partial) + src * cap * crb;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+       i < records && i < cap; i += warps) {
+    const int32_t* rec = plans + i * g.plan_words;
+    int4* out = reinterpret_cast<int4*>(partial + i * crb);
+    for (int64_t c = lane; c < vecs; c += 32) {
+      float acc[8] = {};
+      for (int j = 0; j < S; ++j) {
+        const int32_t crow = rec[1 + j];
+        if (crow < 0 || crow >= g.combine_rows) continue;
+        const float w = __int_as_float(rec[1 + S + j]);
+        float f[8];
+        const int m =
+            unpack16(__ldcg(reinterpret_cast<const int4*>(staged + crow * crb) + c), dt, f);
+        for (int k = 0; k < m; ++k) acc[k] += w * f[k];
+      }
+      out[c] = pack16(acc, dt);
+    }
+  }
+}
+
+template <class Rt>
+void launch_forward_sums(Rt& rt, const Params& p, int32_t src, int32_t records, int blocks,
+                         StreamHandle stream) {
+  rt.launch(forward_sums_kernel, blocks, kThreads, 0, stream, p, src, records);
 }
 
 }  // namespace symheap::ep::EP_DEVICE_NS::kernels

@@ -42,9 +42,11 @@
 //   count_row / wait_remote   (copy engine, PEs on other nodes) this PE's
 //                  count row for the host to put there, and a one-block wait
 //                  for what the host's puts from there set (ep_remote.cuh);
-//   forward_rows   (copy engine, forwarding inside a node) the rows a source
-//                  on another node put here once, into this node's PEs'
-//                  receive buffers (ep_forward.cuh);
+//   forward_rows / forward_sums   (copy engine, forwarding inside a node)
+//                  the rows a source on another node put here once, into
+//                  this node's PEs' receive buffers; combine's sums of its
+//                  tokens' rows on this node, sent back as one row each
+//                  (ep_forward.cuh);
 //   redispatch_store / redispatch_pull   combine's reverse through a handle
 //                  (intranode, low_latency): each PE stores its rows into its
 //                  own combine buffer, then each pulls the rows it received.
@@ -88,6 +90,7 @@ void for_each_kernel(F&& f) {
   f(count_row_kernel);
   f(wait_remote_kernel);
   f(forward_rows_kernel);
+  f(forward_sums_kernel);
 }
 
 }  // namespace symheap::ep::EP_DEVICE_NS::kernels

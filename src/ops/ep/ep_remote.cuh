@@ -6,9 +6,10 @@
 //                then puts it to the other nodes with a signal on their
 //                count flags;
 //   wait_remote  one block: waits until the flags that other nodes' PEs set
-//                through the remote transport (or one of them) reach a target, so that the
-//                grids after it never spin (holding every SM) on bytes that
-//                the network engine's kernels still have to land here.
+//                through the remote transport (or one given PE's) reach a
+//                target, so that the grids after it never spin (holding
+//                every SM) on bytes that the network engine's kernels still
+//                have to land here.
 #pragma once
 #include "ops/ep/ep_dispatch.cuh"
 
@@ -49,11 +50,12 @@ void launch_count_row(Rt& rt, const Params& p, StreamHandle stream) {
 // after it then see the error word and give up at once. It never releases
 // the next kernel early (release_next_kernel): that grid's blocks would take
 // the SMs while it waits.
-// only >= 0: PE `only`'s flag alone (a source this PE forwards for).
+// only >= 0: PE `only`'s flag alone (forwarding: a source of another node,
+// or a PE of this node whose copies raise it).
 __global__ void __launch_bounds__(32) wait_remote_kernel(Params p, uint64_t off_flags,
                                                          uint64_t target, uint64_t epoch,
                                                          int32_t only) {
-  if (threadIdx.x == 0) wait_all(p, off_flags, target, epoch, true, only);
+  if (threadIdx.x == 0) wait_all(p, off_flags, target, epoch, only < 0, only);
 }
 
 template <class Rt>
