@@ -355,9 +355,9 @@ def ep_across_nodes():
     return digests
 
 
-def ep_forwarding(barrier):
+def ep_forwarding():
     """symheap.ep (kernel='copy_engine') on 2 nodes x 2 PEs (a node's PEs share
-    its GPU, threads of its process): forwarding inside each node (a token
+    its GPU, a process each): forwarding inside each node (a token
     bound for both PEs of the other node crosses once, to the forwarder
     there, which stores it into its node's receive buffers; combine sums a
     token's rows there and one row crosses back) and per PE
@@ -381,11 +381,11 @@ def ep_forwarding(barrier):
     me, n = symheap.my_pe(), symheap.n_pes()
     base = dict(hidden=512, max_tokens_per_rank=64, num_experts=16, topk=4, dtype="bfloat16",
                 kernel="copy_engine")
-    configs = [dict(base, max_recv_tokens=192), dict(base, layout="expert_major"),
+    configs = [dict(base, max_recv_tokens=n * 64), dict(base, layout="expert_major"),
                dict(base, dtype="float8_e4m3fn", scale_dim=128, layout="expert_major"),
                dict(base, dtype="float16", scale_dim=128, scale_dtype="float32"),
                dict(hidden=7168, max_tokens_per_rank=1024, num_experts=256, topk=8,
-                    dtype="bfloat16", kernel="copy_engine", max_recv_tokens=3072)]
+                    dtype="bfloat16", kernel="copy_engine", max_recv_tokens=n * 1024)]
     L, T = 2, 64
     cfg = EpConfig(hidden=1024, max_tokens_per_rank=T, num_experts=L * n, topk=n,
                    dtype="bfloat16", scale_dim=128, scale_dtype="float32", kernel="copy_engine")
@@ -396,9 +396,7 @@ def ep_forwarding(barrier):
     w = torch.rand(T, n, generator=gen).to(dev)
     digests, sent, sent_back, outputs = [], [], [], []
     for on in (True, False):
-        if barrier.wait(60) == 0:  # the environment is the process's: one thread sets it
-            os.environ["SYMHEAP_EP_HIERARCHICAL"] = "1" if on else "0"
-        barrier.wait(60)
+        os.environ["SYMHEAP_EP_HIERARCHICAL"] = "1" if on else "0"  # read by the ops made next
         digests.append(progs.many_configs(configs, combine_digest=False))
         with EpDispatchCombine(cfg) as ep:
             symheap.barrier_all()
@@ -418,10 +416,9 @@ def ep_forwarding(barrier):
             res = ep.combine(y, out.handle)
             torch.cuda.synchronize()
             sent_back.append(_core.bytes_across_nodes() - before)
-            progs.check_combine(cfg, res, x, idx, w, scales, me)
+            progs.check_combine(cfg, res, x.cpu(), idx.cpu(), w.cpu(), scales.cpu(), me)
             symheap.barrier_all()
-    if barrier.wait(60) == 0:
-        os.environ["SYMHEAP_EP_HIERARCHICAL"] = "1"
+    os.environ["SYMHEAP_EP_HIERARCHICAL"] = "1"
     assert digests[0] == digests[1], "forwarded and per-PE dispatches received different rows"
     for got, want in zip(*outputs):
         progs.assert_same_bits(got.cpu(), want.cpu(), f"PE {me} forwarded vs per-PE dispatch")
@@ -507,46 +504,36 @@ def _child(rank, uids, steps, timeout, heap_size, out):
         out.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def _child_of_two_pes(rank, uid, step, timeout, heap_size, out):
-    """Process `rank` (node NODES[rank], GPU `rank`) with two PE threads on its GPU."""
-    import threading
-    os.environ.update(forced_network_env(rank))
+def _child_pe_of_node(pe, uid, step, timeout, heap_size, out):
+    """PE `pe` in a process of its own, on node NODES[pe // 2] and its GPU."""
+    node = pe // 2
+    os.environ.update(forced_network_env(node))
     os.environ.setdefault("NCCL_DEBUG", "WARN")
     os.environ["SYMHEAP_BACKEND"] = "cuda"
-    import symheap
-    barrier = threading.Barrier(2)
-
-    def pe(t):
-        r = 2 * rank + t
+    try:
+        import symheap
+        symheap.init(pe, 4, uid, device=node, heap_size=heap_size, timeout=timeout)
         try:
-            symheap.init(r, 4, uid, device=rank, heap_size=heap_size, timeout=timeout)
-            try:
-                out.put((r, True, globals()[step](barrier)))
-            finally:
-                symheap.finalize()
-        except BaseException as e:  # noqa: BLE001 - reported to the parent with the PE
-            barrier.abort()
-            out.put((r, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-    threads = [threading.Thread(target=pe, args=(t,), daemon=True) for t in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+            result = globals()[step]()
+        finally:
+            symheap.finalize()
+        out.put((pe, True, result))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with the PE
+        out.put((pe, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
 def run_two_nodes_of_two_pes(step, timeout=30.0, heap_size="1G", wait_s=300.0):
-    """Runs scenario `step` on 4 PEs: 2 processes (GPU 0 and 1, nodes "node-a"
-    and "node-b") of 2 PE threads on that GPU, so that a node's PEs share its
-    GPU and every pair of PEs on different nodes spans both GPUs (NCCL will
-    not pair two ranks on one GPU). Returns {PE: result}; raises with every
-    PE's error otherwise."""
+    """Runs scenario `step` on 4 PEs, one process each: PEs 0 and 1 on node
+    "node-a" and GPU 0, PEs 2 and 3 on "node-b" and GPU 1, so that a node's
+    PEs share its GPU (CUDA IPC between them) and every pair of PEs on
+    different nodes spans both GPUs (NCCL will not pair two ranks on one
+    GPU). Returns {PE: result}; raises with every PE's error otherwise."""
     import symheap
     ctx = mp.get_context("spawn")
     uid = symheap.get_unique_id()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_child_of_two_pes, args=(r, uid, step, timeout, heap_size, out))
-             for r in range(2)]
+    procs = [ctx.Process(target=_child_pe_of_node, args=(pe, uid, step, timeout, heap_size, out))
+             for pe in range(4)]
     for p in procs:
         p.start()
     results, errors = {}, {}

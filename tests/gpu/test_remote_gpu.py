@@ -81,7 +81,7 @@ def test_two_nodes_of_two_pes_sharing_gpus():
 @pytest.mark.two_gpus
 def test_ep_forwarding_inside_nodes_through_nccl():
     """symheap.ep (kernel='copy_engine') on 2 nodes x 2 PEs, a node's two PEs
-    threads of its process on its GPU: forwarding inside each node (a token
+    processes on its GPU: forwarding inside each node (a token
     crosses once per node, to the forwarder there, which stores it into its
     node's receive buffers; combine sums there, one row crosses back) against
     per-PE sending (SYMHEAP_EP_HIERARCHICAL=0): every routing pattern checked

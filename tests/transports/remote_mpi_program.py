@@ -431,6 +431,51 @@ def ep_device_forwarding(seed, timeout):
     symheap.barrier_all(timeout=timeout)
 
 
+def ep_device_forwarding_late_pe(seed, timeout):
+    """The forwarders' waits on the device path (host emulation, 2 nodes x 2
+    PEs, one PE per process): PE 3 skips a combine. Within the timeout PE 2,
+    which sums the rows of PE 0's tokens on node 1, raises TimeoutError naming
+    PE 3 (whose rows it waited for), PE 1, which sums for PE 3, names PE 3
+    (whose plan it waited for), and PE 0 times out too; then every PE closes
+    the op and the job finishes."""
+    import torch
+    from symheap.ep import EpConfig, EpDispatchCombine
+    progs = _ep_programs()
+    me, n = symheap.my_pe(), symheap.n_pes()
+    cfg = EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=2 * n, topk=n,
+                   kernel="copy_engine")
+    os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "1"  # (read when the op is made)
+    try:
+        ep = EpDispatchCombine(cfg)
+    finally:
+        os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "0"
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    idx = torch.tensor([[2 * p for p in range(n)]] * 4)  # every token to every PE
+    out = ep.dispatch(x, idx, torch.ones(4, n))
+    y = progs.identity_experts(cfg, out, torch.device("cpu"))
+    symheap.barrier_all(timeout=timeout)
+    if me == 3:
+        time.sleep(timeout + 3)  # no combine here
+    else:
+        t0 = time.monotonic()
+        try:
+            ep.combine(y, out.handle)
+        except TimeoutError as e:
+            text = str(e)
+        else:
+            raise AssertionError("a combine without PE 3 returned")
+        assert time.monotonic() - t0 <= timeout + 3, time.monotonic() - t0
+        why = {1: "its combine plan", 2: "its rows to sum for a PE of another node"}
+        if me in why:
+            assert f"waiting for PE 3 ({why[me]}" in text, text
+        else:
+            assert re.search(r"waiting for PE [23]\b", text), text
+        sys.stdout.write(f"EP-LATE-ERROR pe {me}: {text}\n")  # one write: a line of its own
+        sys.stdout.flush()
+    ep.close()
+    symheap.barrier_all(timeout=60)
+
+
 def ep_bytes(seed, timeout):
     """Every token goes to every PE: forwarded, a token crosses to the other
     node once instead of once per PE there, and its sum comes back once.
@@ -580,7 +625,8 @@ PIDS = []
 SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer, "killed": killed_peer,
              "funneled": funneled, "ep": ep_across_nodes, "ep_bytes": ep_bytes,
              "ep_frozen": ep_frozen_node, "refused": refused,
-             "ep_device": ep_device_across_nodes, "ep_device_fwd": ep_device_forwarding}
+             "ep_device": ep_device_across_nodes, "ep_device_fwd": ep_device_forwarding,
+             "ep_device_fwd_late": ep_device_forwarding_late_pe}
 COMM = None
 
 

@@ -126,7 +126,10 @@ class DeviceDriver final : public DeviceImpl {
     const bool tm = op.cfg.layout == Layout::TokenMajor;
     const size_t K = static_cast<size_t>(op.cfg.topk);
     const bool fwd = remote(op) && op.nodes.forward;
-    if (fwd) forwarded_.assign(op.nodes.pes_of.size(), std::vector<int64_t>());
+    if (fwd) {  // (this call's, whatever an earlier call left)
+      forwarded_.assign(op.nodes.pes_of.size(), std::vector<int64_t>());
+      staged_meta_.clear();
+    }
     rt_.channels_after(a.stream);
     for (int i = 0, n = h[kernels::kHostSegments]; i < n; ++i) {
       volatile int32_t* seg = h + kernels::kHostSegment0 + 4 * i;
@@ -545,11 +548,7 @@ class DeviceDriver final : public DeviceImpl {
                         StreamHandle stream) {
     const Geometry& g = op.geo;
     const NodeLayout& nl = op.nodes;
-    const int my_node = nl.node_of[op.my_pe];
-    std::vector<int> sources;
-    for (int src = 0; src < op.n_pes; ++src)
-      if (nl.node_of[src] != my_node && nl.forwarder(src, my_node) == op.my_pe)
-        sources.push_back(src);
+    const std::vector<int> sources = forwarded_sources(op);
     if (sources.empty()) return;
     const uint64_t epoch = op.dispatch_epoch;
     const int blocks = blocks_for(op, g.combine_rows, kernels::kWarpsPerBlock);
@@ -560,7 +559,7 @@ class DeviceDriver final : public DeviceImpl {
     trace(op, "dispatch %llu: forwarding launched", epoch);
     rt_.channels_after(stream);
     for (int src : sources)
-      for (int d : nl.pes_of[my_node])
+      for (int d : nl.pes_of[nl.node_of[op.my_pe]])
         rt_.signal(d, reinterpret_cast<uint64_t*>(ws_addr(s, op, d, g.off_data_flag)) + src);
   }
 
