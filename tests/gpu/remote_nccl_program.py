@@ -355,6 +355,83 @@ def ep_across_nodes():
     return digests
 
 
+def ep_forwarding():
+    """symheap.ep (kernel='copy_engine') on 2 nodes x 2 PEs (a node's PEs share
+    its GPU, a process each): forwarding inside each node (a token
+    bound for both PEs of the other node crosses once, to the forwarder
+    there, which stores it into its node's receive buffers; combine sums a
+    token's rows there and one row crosses back) and per PE
+    (SYMHEAP_EP_HIERARCHICAL=0). Every routing pattern of the EP tests checked
+    against the references both ways, in both layouts, fp8 with scales, a
+    receive bound and hidden 7168 x 1024 tokens, top-8 of 256 (combine's sums,
+    forwarded summed inside the node, against the fp32 reference each way):
+    the received rows the same bits both ways; with every token bound for
+    every PE, all dispatch outputs and the handle the same bits, and fewer
+    bytes across nodes forwarded, in dispatch and in combine. Returns (digests
+    per way, dispatch bytes per way, combine bytes per way)."""
+    import sys
+    import symheap
+    from symheap import _core
+    from symheap.ep import EpConfig, EpDispatchCombine
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ep"))
+    import test_ep_programs as progs
+    import torch
+    dev = torch.device("cuda", symheap.current_device())
+    torch.cuda.set_device(dev)  # (the calls' current stream is there)
+    me, n = symheap.my_pe(), symheap.n_pes()
+    base = dict(hidden=512, max_tokens_per_rank=64, num_experts=16, topk=4, dtype="bfloat16",
+                kernel="copy_engine")
+    configs = [dict(base, max_recv_tokens=n * 64), dict(base, layout="expert_major"),
+               dict(base, dtype="float8_e4m3fn", scale_dim=128, layout="expert_major"),
+               dict(base, dtype="float16", scale_dim=128, scale_dtype="float32"),
+               dict(hidden=7168, max_tokens_per_rank=1024, num_experts=256, topk=8,
+                    dtype="bfloat16", kernel="copy_engine", max_recv_tokens=n * 1024)]
+    L, T = 2, 64
+    cfg = EpConfig(hidden=1024, max_tokens_per_rank=T, num_experts=L * n, topk=n,
+                   dtype="bfloat16", scale_dim=128, scale_dtype="float32", kernel="copy_engine")
+    gen = torch.Generator().manual_seed(1234 + me)
+    x = torch.randn(T, cfg.hidden, generator=gen).to(torch.bfloat16).to(dev)
+    scales = torch.rand(T, cfg.hidden // 128, generator=gen).to(dev)
+    idx = torch.tensor([[p * L + (t + p) % L for p in range(n)] for t in range(T)], device=dev)
+    w = torch.rand(T, n, generator=gen).to(dev)
+    digests, sent, sent_back, outputs = [], [], [], []
+    for on in (True, False):
+        os.environ["SYMHEAP_EP_HIERARCHICAL"] = "1" if on else "0"  # read by the ops made next
+        digests.append(progs.many_configs(configs, combine_digest=False))
+        with EpDispatchCombine(cfg) as ep:
+            symheap.barrier_all()
+            torch.cuda.synchronize()
+            before = _core.bytes_across_nodes()
+            out = ep.dispatch(x, idx, w, scales)
+            torch.cuda.synchronize()
+            sent.append(_core.bytes_across_nodes() - before)
+            outputs.append([f.clone() for f in (
+                out.x, out.scales, out.topk_idx, out.topk_weights, out.src_info,
+                out.num_recv_tokens, out.expert_counts, out.handle.send_rows,
+                out.handle.summary)])
+            y = progs.identity_experts(cfg, out, dev)
+            symheap.barrier_all()
+            torch.cuda.synchronize()
+            before = _core.bytes_across_nodes()
+            res = ep.combine(y, out.handle)
+            torch.cuda.synchronize()
+            sent_back.append(_core.bytes_across_nodes() - before)
+            progs.check_combine(cfg, res, x.cpu(), idx.cpu(), w.cpu(), scales.cpu(), me)
+            symheap.barrier_all()
+    os.environ["SYMHEAP_EP_HIERARCHICAL"] = "1"
+    assert digests[0] == digests[1], "forwarded and per-PE dispatches received different rows"
+    for got, want in zip(*outputs):
+        progs.assert_same_bits(got.cpu(), want.cpu(), f"PE {me} forwarded vs per-PE dispatch")
+    # per PE: every token's row crosses once per PE of the other node; forwarded: once
+    assert sent[1] > 2 * T * cfg.hidden * 2, sent
+    assert sent[0] < sent[1] * 0.6, sent
+    # combine: a token's rows on the other node are summed there and come back once
+    assert sent_back[1] > 2 * T * cfg.hidden * 2, sent_back
+    assert sent_back[0] < sent_back[1] * 0.6, sent_back
+    symheap.barrier_all()
+    return digests, sent, sent_back
+
+
 def ep_remote_bench(port, iters, tokens):
     """bench/ep_bench.py's case (tokens, copy_engine, bf16, token-major, receive
     bound) between the two nodes, with its NCCL reference on the same
@@ -425,6 +502,61 @@ def _child(rank, uids, steps, timeout, heap_size, out):
         out.put((rank, True, results))
     except BaseException as e:  # noqa: BLE001 - reported to the parent with the rank
         out.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _child_pe_of_node(pe, uid, step, timeout, heap_size, out):
+    """PE `pe` in a process of its own, on node NODES[pe // 2] and its GPU."""
+    node = pe // 2
+    os.environ.update(forced_network_env(node))
+    os.environ.setdefault("NCCL_DEBUG", "WARN")
+    os.environ["SYMHEAP_BACKEND"] = "cuda"
+    try:
+        import symheap
+        symheap.init(pe, 4, uid, device=node, heap_size=heap_size, timeout=timeout)
+        try:
+            result = globals()[step]()
+        finally:
+            symheap.finalize()
+        out.put((pe, True, result))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with the PE
+        out.put((pe, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_two_nodes_of_two_pes(step, timeout=30.0, heap_size="1G", wait_s=300.0):
+    """Runs scenario `step` on 4 PEs, one process each: PEs 0 and 1 on node
+    "node-a" and GPU 0, PEs 2 and 3 on "node-b" and GPU 1, so that a node's
+    PEs share its GPU (CUDA IPC between them) and every pair of PEs on
+    different nodes spans both GPUs (NCCL will not pair two ranks on one
+    GPU). Returns {PE: result}; raises with every PE's error otherwise."""
+    import symheap
+    ctx = mp.get_context("spawn")
+    uid = symheap.get_unique_id()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_child_pe_of_node, args=(pe, uid, step, timeout, heap_size, out))
+             for pe in range(4)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    deadline = time.monotonic() + wait_s
+    try:
+        while len(results) + len(errors) < 4:
+            try:
+                pe, ok, value = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            (results if ok else errors)[pe] = value
+    finally:
+        for p in procs:
+            p.join(10 if len(results) == 4 else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if errors or len(results) < 4:
+        lines = [f"PE {r}: {m}" for r, m in sorted(errors.items())]
+        lines += [f"PE {r}: no result within {wait_s} s" for r in range(4)
+                  if r not in results and r not in errors]
+        raise RuntimeError("\n".join(lines))
+    return results
 
 
 def run_two_nodes(steps, timeout=20.0, heap_size="256M", wait_s=300.0, ranks_expected=(0, 1)):

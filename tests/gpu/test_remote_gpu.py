@@ -76,3 +76,22 @@ def test_two_nodes_of_two_pes_sharing_gpus():
     """PEs of different nodes on one GPU: NCCL will not connect them, init
     goes on and every remote call raises the error naming the peer and NCCL."""
     remote.check_two_nodes(remote.run_two_nodes())
+
+
+@pytest.mark.two_gpus
+def test_ep_forwarding_inside_nodes_through_nccl():
+    """symheap.ep (kernel='copy_engine') on 2 nodes x 2 PEs, a node's two PEs
+    processes on its GPU: forwarding inside each node (a token
+    crosses once per node, to the forwarder there, which stores it into its
+    node's receive buffers; combine sums there, one row crosses back) against
+    per-PE sending (SYMHEAP_EP_HIERARCHICAL=0): every routing pattern checked
+    against the references both ways, in both layouts, fp8 with scales and
+    hidden 7168 x 1024 tokens, top-8 of 256; the received rows and, with
+    every token bound for every PE, every dispatch output the same bits both
+    ways, and fewer bytes across nodes forwarded, in dispatch and combine."""
+    results = prog.run_two_nodes_of_two_pes("ep_forwarding", timeout=60.0, heap_size="2G",
+                                            wait_s=240.0)
+    for pe in range(4):
+        digests, sent, sent_back = results[pe]
+        assert len(digests) == 2 and len(digests[0]) == 5, digests
+        assert sent[0] < sent[1] and sent_back[0] < sent_back[1], (sent, sent_back)

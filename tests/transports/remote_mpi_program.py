@@ -356,6 +356,126 @@ def ep_device_across_nodes(seed, timeout):
     symheap.barrier_all(timeout=timeout)
 
 
+def _dispatch_outputs(out):
+    """Every output of a dispatch and its handle, copied."""
+    fields = [getattr(out, f) for f in ("x", "scales", "topk_idx", "topk_weights", "src_info",
+                                        "num_recv_tokens", "expert_counts")]
+    fields += [getattr(out.handle, f) for f in ("send_rows", "summary")]
+    return [f.clone() for f in fields if f is not None]
+
+
+def ep_device_forwarding(seed, timeout):
+    """The device kernels (host emulation, one PE per process) on 2 nodes x 2
+    PEs with kernel='copy_engine', forwarding inside nodes (a token bound for
+    several PEs of the other node crosses once, to the forwarder there, which
+    stores it into its node's receive buffers) and per PE: every routing
+    pattern of the EP tests checked against the references (poisoned first),
+    dispatch's rows the same bits both ways; with every token bound for every
+    PE, every dispatch output and the handle the same bits both ways, and
+    fewer bytes across nodes when forwarded, for dispatch and for combine
+    (whose sums, added in another order when forwarded, are checked against
+    the fp32 reference each way)."""
+    import torch
+    from symheap import _core
+    from symheap.ep import EpConfig, EpDispatchCombine
+    progs = _ep_programs()
+    me, n = symheap.my_pe(), symheap.n_pes()
+    base = dict(hidden=32, max_tokens_per_rank=6, num_experts=4 * n, topk=3, dtype="bfloat16",
+                kernel="copy_engine")
+    configs = [dict(base, dtype="float16", scale_dim=16, scale_dtype="bfloat16",
+                    max_recv_tokens=n * 6),
+               dict(base, dtype="float8_e4m3fn", scale_dim=8, layout="expert_major")]
+    L, T = 2, 8
+    cfg = EpConfig(hidden=256, max_tokens_per_rank=T, num_experts=L * n, topk=n,
+                   dtype="bfloat16", scale_dim=128, scale_dtype="float32", kernel="copy_engine")
+    gen = torch.Generator().manual_seed(seed + me)
+    x = torch.randn(T, cfg.hidden, generator=gen).to(torch.bfloat16)
+    scales = torch.rand(T, 2, generator=gen)
+    idx = torch.tensor([[p * L + (t + p) % L for p in range(n)] for t in range(T)])
+    w = torch.rand(T, n, generator=gen)
+    os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "1"
+    digests, sent, sent_back, outputs = [], [], [], []
+    try:
+        for on in (True, False):
+            _forwarding(on)
+            digests.append(progs.many_configs(configs, combine_digest=False))
+            with EpDispatchCombine(cfg) as ep:
+                symheap.barrier_all(timeout=timeout)
+                before = _core.bytes_across_nodes()
+                out = ep.dispatch(x, idx, w, scales)
+                sent.append(_core.bytes_across_nodes() - before)
+                outputs.append(_dispatch_outputs(out))
+                y = progs.identity_experts(cfg, out, torch.device("cpu"))
+                symheap.barrier_all(timeout=timeout)
+                before = _core.bytes_across_nodes()
+                res = ep.combine(y, out.handle)
+                sent_back.append(_core.bytes_across_nodes() - before)
+                progs.check_combine(cfg, res, x, idx, w, scales, me)
+                symheap.barrier_all(timeout=timeout)
+    finally:
+        os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "0"
+        _forwarding(True)
+    assert digests[0] == digests[1], "forwarded and per-PE dispatches received different rows"
+    for got, want in zip(*outputs):
+        progs.assert_same_bits(got, want, f"PE {me} forwarded vs per-PE dispatch")
+    remote_pes = n // 2
+    # per PE: every token's row crosses once per remote PE; forwarded: once
+    assert sent[1] > remote_pes * T * cfg.hidden * 2, sent
+    assert sent[0] < sent[1] * (1.0 / remote_pes + 0.15), sent
+    # combine: each token's rows on the other node come back once, summed there
+    assert sent_back[1] > remote_pes * T * cfg.hidden * 2, sent_back
+    assert sent_back[0] < sent_back[1] * (1.0 / remote_pes + 0.15), sent_back
+    sys.stdout.write(f"DEVICE-BYTES pe {me}: forwarded {sent[0]} per-PE {sent[1]}; "
+                     f"combine forwarded {sent_back[0]} per-PE {sent_back[1]}\n")
+    sys.stdout.flush()
+    symheap.barrier_all(timeout=timeout)
+
+
+def ep_device_forwarding_late_pe(seed, timeout):
+    """The forwarders' waits on the device path (host emulation, 2 nodes x 2
+    PEs, one PE per process): PE 3 skips a combine. Within the timeout PE 2,
+    which sums the rows of PE 0's tokens on node 1, raises TimeoutError naming
+    PE 3 (whose rows it waited for), PE 1, which sums for PE 3, names PE 3
+    (whose plan it waited for), and PE 0 times out too; then every PE closes
+    the op and the job finishes."""
+    import torch
+    from symheap.ep import EpConfig, EpDispatchCombine
+    progs = _ep_programs()
+    me, n = symheap.my_pe(), symheap.n_pes()
+    cfg = EpConfig(hidden=32, max_tokens_per_rank=4, num_experts=2 * n, topk=n,
+                   kernel="copy_engine")
+    os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "1"  # (read when the op is made)
+    try:
+        ep = EpDispatchCombine(cfg)
+    finally:
+        os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "0"
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    idx = torch.tensor([[2 * p for p in range(n)]] * 4)  # every token to every PE
+    out = ep.dispatch(x, idx, torch.ones(4, n))
+    y = progs.identity_experts(cfg, out, torch.device("cpu"))
+    symheap.barrier_all(timeout=timeout)
+    if me == 3:
+        time.sleep(timeout + 3)  # no combine here
+    else:
+        t0 = time.monotonic()
+        try:
+            ep.combine(y, out.handle)
+        except TimeoutError as e:
+            text = str(e)
+        else:
+            raise AssertionError("a combine without PE 3 returned")
+        assert time.monotonic() - t0 <= timeout + 3, time.monotonic() - t0
+        why = {1: "its combine plan", 2: "its rows to sum for a PE of another node"}
+        if me in why:
+            assert f"waiting for PE 3 ({why[me]}" in text, text
+        else:
+            assert re.search(r"waiting for PE [23]\b", text), text
+        sys.stdout.write(f"EP-LATE-ERROR pe {me}: {text}\n")  # one write: a line of its own
+        sys.stdout.flush()
+    ep.close()
+    symheap.barrier_all(timeout=60)
+
+
 def ep_bytes(seed, timeout):
     """Every token goes to every PE: forwarded, a token crosses to the other
     node once instead of once per PE there, and its sum comes back once.
@@ -505,7 +625,8 @@ PIDS = []
 SCENARIOS = {"rma": rma, "bad_input": bad_input, "frozen": frozen_peer, "killed": killed_peer,
              "funneled": funneled, "ep": ep_across_nodes, "ep_bytes": ep_bytes,
              "ep_frozen": ep_frozen_node, "refused": refused,
-             "ep_device": ep_device_across_nodes}
+             "ep_device": ep_device_across_nodes, "ep_device_fwd": ep_device_forwarding,
+             "ep_device_fwd_late": ep_device_forwarding_late_pe}
 COMM = None
 
 

@@ -273,3 +273,23 @@ def test_ep_device_kernels_across_unequal_nodes_under_mpirun():
     stores and the copy engine, the other node the remote transport."""
     run_mpi_program("ep_device", 20, survivors=(0, 1, 2), pes_per_node=1, nodes=(0, 0, 1),
                     env={"SYMHEAP_TEST_EP_QUICK": "1"})
+
+
+def test_ep_device_kernels_forwarding_inside_nodes_under_mpirun():
+    """The device kernels on 2 nodes x 2 PEs (4 processes): forwarding
+    inside nodes (kernel='copy_engine': a token crosses once per node, to the
+    forwarder there) gives dispatch outputs bit for bit those of per-PE
+    sending in every routing pattern, checked against references, and sends
+    fewer bytes across nodes."""
+    out = run_mpi_program("ep_device_fwd", 20, survivors=(0, 1, 2, 3), pes_per_node=1,
+                          nodes=(0, 0, 1, 1))
+    assert len(re.findall(r"DEVICE-BYTES pe \d: forwarded \d+ per-PE \d+", out)) == 4, out[-6000:]
+
+
+def test_ep_device_kernels_forwarding_late_pe_under_mpirun():
+    """The forwarders' waits on the device path are bounded: PE 3 skips a
+    combine; the others raise TimeoutError within the 3 s timeout, the
+    forwarders naming PE 3 and what they waited for; the job then finishes."""
+    out = run_mpi_program("ep_device_fwd_late", 3, survivors=(0, 1, 2, 3), pes_per_node=1,
+                          nodes=(0, 0, 1, 1))
+    assert len(re.findall(r"EP-LATE-ERROR pe [012]: .*?timed out after", out)) == 3, out[-6000:]

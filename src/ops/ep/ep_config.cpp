@@ -1,7 +1,10 @@
 #include "ops/ep/ep_config.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
+#include "ops/ep/ep_op.hpp"
 #include "symheap/errors.hpp"
 #include "symheap/runtime.hpp"
 
@@ -20,7 +23,20 @@ bool spans_nodes() {
   }
   return false;
 }
+// Whether an op of the calling thread's PE forwards inside nodes (ep_op.hpp).
+bool layout_forwards() {
+  try {
+    return node_layout(*Runtime::instance().current()).forward;
+  } catch (const std::exception&) {
+  }
+  return false;
+}
 }  // namespace
+
+bool emulate_device() {
+  const char* v = std::getenv("SYMHEAP_EP_EMULATE_DEVICE");
+  return v && *v && std::strcmp(v, "0") != 0;
+}
 
 size_t dtype_size(DType t) {
   switch (t) {
@@ -199,14 +215,18 @@ Geometry make_geometry(const Config& c, int n_pes) {
                              : static_cast<size_t>(g.combine_rows) * kMaxPieces * 8);
   g.off_route_totals = take(2 * (n + c.num_experts + 1) * 4);
   g.off_dest_sums = take(token_major ? 2 * n * (n + 1) * 8 : 0);
-  // Only the cpu implementation forwards (the kernels send each row to its
-  // PE), and only jobs across nodes need the regions.
-  const bool forwards = Runtime::instance().backend_name() == "cpu" && spans_nodes();
-  g.off_fwd_flag = take(forwards ? n * 8 : 0);
+  // Only jobs across nodes need the forwarding regions: the cpu
+  // implementation's records, or the device path's (copy_engine, only when
+  // the op forwards: they hold n * max_tokens rows).
+  const bool device_path = Runtime::instance().backend_name() != "cpu" || emulate_device();
+  const bool forwards = !device_path && spans_nodes();
+  g.fwd_on_device = device_path && c.kernel == Kernel::CopyEngine && layout_forwards();
+  g.off_fwd_flag = take(forwards || g.fwd_on_device ? n * 8 : 0);
   g.off_fwd_count = take(forwards ? n * 4 : 0);
-  g.off_plan_flag = take(forwards ? n * 8 : 0);
-  g.off_plan_count = take(forwards ? n * 4 : 0);
-  g.off_stage_flag = take(forwards ? n * 8 : 0);
+  const bool sums = forwards || g.fwd_on_device;  // combine sums inside nodes
+  g.off_plan_flag = take(sums ? n * 8 : 0);
+  g.off_plan_count = take(sums ? n * 4 : 0);
+  g.off_stage_flag = take(sums ? n * 8 : 0);
   // Each dispatch block's counts and done word carry the call's epoch, which
   // restarts at 1 in every op: zeroed with the flags, so that a new op on the
   // heap range of a closed one never reads that op's words as its own.
@@ -221,15 +241,31 @@ Geometry make_geometry(const Config& c, int n_pes) {
     g.fwd_rec_bytes = g.fwd_scales_at + align_up(g.scale_row_bytes, 16);
   }
   g.off_fwd_rec = take(n * static_cast<size_t>(c.max_tokens) * g.fwd_rec_bytes);
-  g.plan_words = forwards ? 1 + 2 * g.send_cols : 0;
+  g.plan_words = sums ? 1 + 2 * g.send_cols : 0;
   g.off_plan_rec = take(n * static_cast<size_t>(c.max_tokens) * g.plan_words * 4);
-  g.off_stage_rows = take(forwards ? n * combine_bytes : 0);
-  g.off_partial = take(forwards ? n * static_cast<size_t>(c.max_tokens) * g.combine_row_bytes : 0);
+  g.off_stage_rows = take(sums ? n * combine_bytes : 0);
+  g.off_partial = take(sums ? n * static_cast<size_t>(c.max_tokens) * g.combine_row_bytes : 0);
+  {  // the device path's combine: plans to send, and the reduction's own handle view
+    const bool f = g.fwd_on_device;
+    g.off_plan_out = take(f ? n * (4 + static_cast<size_t>(c.max_tokens) * g.plan_words) * 4 : 0);
+    g.off_fwd_send = take(f ? static_cast<size_t>(c.max_tokens) * g.send_cols * 4 : 0);
+    g.off_fwd_weights = take(f && !token_major ? static_cast<size_t>(c.max_tokens) * c.topk * 4 : 0);
+  }
   if (forwards) {
     g.row_rec_row_at = align_up(static_cast<size_t>(g.send_cols) * 4, 16);
     g.row_rec_bytes = g.row_rec_row_at + align_up(g.combine_row_bytes, 16);
   }
   g.off_row_rec = take(n * static_cast<size_t>(c.max_tokens) * g.row_rec_bytes);
+  {
+    const bool f = g.fwd_on_device;
+    const size_t by_token = n * static_cast<size_t>(c.max_tokens);
+    const size_t by_row = n * static_cast<size_t>(g.combine_rows);
+    g.off_fwd_x = take(f ? by_token * g.row_bytes : 0);
+    g.off_fwd_scales = take(f ? by_token * g.scale_row_bytes : 0);
+    g.off_fwd_idx = take(f && token_major ? by_row * c.topk * 4 : 0);
+    g.off_fwd_w = take(f ? by_row * (token_major ? c.topk : 1) * 4 : 0);
+    g.off_fwd_meta = take(f ? by_row * kMetaWords * 4 : 0);
+  }
   g.off_scratch_pos = take(static_cast<size_t>(c.max_tokens) * g.send_cols * 4);
   const size_t rows = static_cast<size_t>(g.recv_rows);
   g.off_recv_x = take(rows * g.row_bytes);

@@ -127,10 +127,19 @@ struct Geometry {
   // many it sent (int32 [n]), and its records [n][max_tokens][fwd_rec_bytes]:
   // int32 header [fwd_header_words] (token, destination row and combine row
   // per send column, expert ids [topk], float weights [topk]), then the row
-  // at fwd_x_at and its scales at fwd_scales_at. Empty on cuda and on one node.
+  // at fwd_x_at and its scales at fwd_scales_at. Empty on the device path
+  // (whose regions follow) and on one node.
   size_t off_fwd_flag = 0, off_fwd_count = 0, off_fwd_rec = 0;
   size_t fwd_rec_bytes = 0, fwd_x_at = 0, fwd_scales_at = 0;
   int32_t fwd_header_words = 0;
+  // Forwarding on the device path (copy_engine across nodes, when the op
+  // forwards; see ep_device_driver.hpp): per source PE, its epoch (off_fwd_flag
+  // above), the rows of its tokens bound for this node, by token,
+  // [n][max_tokens] rows and scales, and what per-PE sending puts beside
+  // each row, by the source's staging row: [n][combine_rows] ids (token-major),
+  // weights and metadata.
+  bool fwd_on_device = false;
+  size_t off_fwd_x = 0, off_fwd_scales = 0, off_fwd_idx = 0, off_fwd_w = 0, off_fwd_meta = 0;
   // Combine's reverse: per source PE, the epoch of its reduction plan (uint64
   // [n]), its record count (int32 [n]) and records [n][max_tokens]
   // [plan_words] (token, combine row per send column, float weight per
@@ -140,6 +149,14 @@ struct Geometry {
   size_t off_plan_flag = 0, off_plan_count = 0, off_plan_rec = 0, off_stage_flag = 0;
   size_t off_stage_rows = 0, off_partial = 0;
   int32_t plan_words = 0;
+  // The device path (fwd_on_device) shares the plan and staging regions; its
+  // forwarder writes the partial sums it sends into off_partial [source]
+  // [record] before they cross. A source stages its plans there per node
+  // (off_plan_out [n][4 + max_tokens * plan_words] int32: the count, then
+  // the records), and its reduction reads the handle's send table and
+  // weights as rewritten for forwarding: a token's rows on another node
+  // become one row, the partial sum, weight 1 (off_fwd_send, off_fwd_weights).
+  size_t off_plan_out = 0, off_fwd_send = 0, off_fwd_weights = 0;
   // Redispatch's forwarded records [n][max_tokens][row_rec_bytes]: int32
   // combine row per send column, then at row_rec_row_at the row (combine
   // dtype); counts and flags share the plan's words.
@@ -192,6 +209,17 @@ constexpr int64_t slot_bits_at(int n_pes, int local_experts) {
   return 4 * static_cast<int64_t>(n_pes) + local_experts + 4;
 }
 
+// The PE that holds column j (combine row crow) of one of a PE's tokens:
+// token-major, PE j; expert-major, the PE whose range of the combine rows
+// holds it (they are in destination order: summary[4q + 3] is its first).
+inline int holder_of(bool token_major, int n_pes, const int32_t* summary, int j, int32_t crow) {
+  if (token_major) return j;
+  int q = 0;
+  for (int p = 0; p < n_pes; ++p)
+    if (summary[4 * p + 3] <= crow) q = p;
+  return q;
+}
+
 // Fields of one received row's metadata (int32 [recv_rows][4]).
 enum MetaField : int { kMetaSrcPe = 0, kMetaToken = 1, kMetaSlot = 2, kMetaCombineRow = 3 };
 constexpr int kMetaWords = 4;
@@ -213,6 +241,10 @@ struct HandleLayout {
   int64_t weights = -1;       // expert-major: float32 [max_tokens][topk]; else -1
   int64_t words = 0;          // total
 };
+
+// Whether the EP ops of this process run the device kernels' host emulation
+// on the cpu backend (SYMHEAP_EP_EMULATE_DEVICE, read when an op is made).
+bool emulate_device();
 
 void validate_config(const Config& c);
 Geometry make_geometry(const Config& c, int n_pes);

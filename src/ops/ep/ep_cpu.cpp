@@ -154,17 +154,6 @@ void wait_all(const PeState& s, const Op& op, const uint64_t* flags, uint64_t ta
   wait_for(s, op, flags, target, all, call, what);
 }
 
-// The PE that holds column j (combine row crow) of one of this PE's tokens:
-// token-major, PE j; expert-major, the PE whose range of this PE's combine
-// rows holds it (they are in destination order: summary [4q + 3]).
-int holder_of(bool token_major, int n, const int32_t* summary, int j, int32_t crow) {
-  if (token_major) return j;
-  int q = 0;
-  for (int p = 0; p < n; ++p)
-    if (summary[4 * p + 3] <= crow) q = p;
-  return q;
-}
-
 std::string call_name(const char* what, uint64_t epoch) {
   return std::string("ep ") + what + " #" + std::to_string(epoch);
 }

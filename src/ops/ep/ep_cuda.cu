@@ -109,6 +109,16 @@ class CudaRt {
   void signal(int pe, uint64_t* flag) {
     cuda::copy_engine_signal(*pe_, pe, flag, 1, SignalOp::Add);
   }
+  void read(void* host, const void* src, size_t bytes, StreamHandle stream) {
+    SYMHEAP_CUDA_CHECK(
+        cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, as_stream(stream)));
+    SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+  }
+  void write(void* dst, const void* host, size_t bytes, StreamHandle stream) {
+    SYMHEAP_CUDA_CHECK(
+        cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, as_stream(stream)));
+    SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+  }
   void stream_after_channels(StreamHandle stream) {
     cuda::copy_engine_end(*pe_, peers_, stream);
   }

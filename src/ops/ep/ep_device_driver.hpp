@@ -10,6 +10,9 @@
 //   zero_async(ptr, bytes, stream)
 //   channels_after(stream)        copy-engine channels wait for the stream's work
 //   copy(pe, dst, src, bytes)     a copy on the channel to `pe`
+//   read(host, src, bytes, stream) device bytes into host memory, after the
+//                                 stream's work (synchronous)
+//   write(dst, host, bytes, stream) host bytes into device memory, likewise
 //   signal(pe, flag)              adds 1 to `flag` after the channel's copies
 //   stream_after_channels(stream) the stream waits for every channel
 //   read_words(words, out, n)     the host reads n device words now
@@ -35,10 +38,14 @@
 // the "consumed" flag. No kernel ever spins on a word the network engine
 // must land (wait_remote_on_host says why).
 // Epochs of such an op are counted by the host too (the put's offsets
-// alternate with them).
+// alternate with them). With forwarding inside a node (Op::nodes.forward),
+// a dispatch's rows for another node go once per token to this PE's
+// forwarder there, and combine's rows of a source on another node are summed
+// by its forwarder here (see "Forwarding inside a node" below).
 #pragma once
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -121,11 +128,20 @@ class DeviceDriver final : public DeviceImpl {
     const int64_t num_recv = h[kernels::kHostNumRecv];
     const bool tm = op.cfg.layout == Layout::TokenMajor;
     const size_t K = static_cast<size_t>(op.cfg.topk);
+    const bool fwd = remote(op) && op.nodes.forward;
+    if (fwd) {  // (this call's, whatever an earlier call left)
+      forwarded_.assign(op.nodes.pes_of.size(), std::vector<int64_t>());
+      staged_meta_.clear();
+    }
     rt_.channels_after(a.stream);
     for (int i = 0, n = h[kernels::kHostSegments]; i < n; ++i) {
       volatile int32_t* seg = h + kernels::kHostSegment0 + 4 * i;
       const int pe = seg[0];
       const int64_t from = seg[1], to = seg[2], rows = seg[3];
+      if (fwd && !s.peers[pe].base) {  // to this PE's forwarder on pe's node
+        forward_segment(s, op, pe, from, rows, a.stream);
+        continue;
+      }
       auto move = [&](size_t src_off, size_t dst_off, size_t row_bytes) {
         if (!row_bytes) return;
         const char* src = ws_addr(s, op, op.my_pe, src_off) + from * row_bytes;
@@ -141,7 +157,13 @@ class DeviceDriver final : public DeviceImpl {
       move(g.off_stage_meta, g.off_recv_meta, kMetaWords * 4);
     }
     signal_all(s, op, g.off_data_flag);
-    send_queued(s, op, g.off_data_flag, 1, SignalOp::Add, a.stream);
+    if (fwd) {
+      queue_forwarded_rows(s, op);
+      send_queued(s, op, g.off_fwd_flag, 1, SignalOp::Add, a.stream, forwarders(op));
+      forward_received(s, op, p, abort != 0, a.stream);
+    } else {
+      send_queued(s, op, g.off_data_flag, 1, SignalOp::Add, a.stream, op.remote_pes);
+    }
     rt_.stream_after_channels(a.stream);
     if (remote(op))
       wait_remote_on_host(s, op, g.off_data_flag, op.dispatch_epoch, kernels::kWaitData,
@@ -201,37 +223,59 @@ class DeviceDriver final : public DeviceImpl {
       volatile int32_t* h = mirror();
       const size_t crb = g.combine_row_bytes;
       const bool tm = op.cfg.layout == Layout::TokenMajor;
+      const bool fwd = remote(op) && op.nodes.forward;
+      if (fwd) make_combine_plans(s, op, a, a.stream);  // (while the stream is idle)
       rt_.channels_after(a.stream);
       // Other nodes' PEs read this PE's status (the pack wrote it into its
       // own entry here) before its rows, as mapped PEs do.
       const size_t status_off =
           g.off_combine_status + (g.combine_sets == 2 ? (epoch & 1) : 0) * op.n_pes * 4 + op.my_pe * 4;
+      // (forwarding: those this PE forwards for get it with their sums)
+      const std::vector<int> sources = fwd ? forwarded_sources(op) : std::vector<int>();
+      std::vector<int> direct;
       for (int q : op.remote_pes)
-        queue_put(op, q, status_off, ws_addr(s, op, op.my_pe, status_off), 4);
+        if (std::find(sources.begin(), sources.end(), q) == sources.end()) direct.push_back(q);
+      for (int q : direct) queue_put(op, q, status_off, ws_addr(s, op, op.my_pe, status_off), 4);
       for (int i = 0, n = h[kernels::kHostSegments]; i < n; ++i) {
         volatile int32_t* seg = h + kernels::kHostSegment0 + 4 * i;
         const int pe = seg[0];
         const int64_t from = seg[1], to = seg[2], rows = seg[3];
         const char* src = tm ? static_cast<const char*>(a.expert_out) + from * crb
                              : ws_addr(s, op, op.my_pe, g.off_stage_combine) + from * crb;
-        if (!s.peers[pe].base)
+        if (fwd && !s.peers[pe].base) {  // to pe's forwarder here, which sums them
+          const int f = op.nodes.forwarder(pe, op.nodes.node_of[op.my_pe]);
+          rt_.copy(f, ws_addr(s, op, f, g.off_stage_rows) + (pe * g.combine_rows + to) * crb,
+                   src, rows * crb);
+        } else if (!s.peers[pe].base) {
           queue_put(op, pe, g.off_combine_buf + to * crb, src, rows * crb);
-        else
+        } else {
           rt_.copy(pe, ws_addr(s, op, pe, g.off_combine_buf) + to * crb, src, rows * crb);
+        }
       }
       signal_all(s, op, g.off_combine_flag);
-      send_queued(s, op, g.off_combine_flag, 1, SignalOp::Add, a.stream);
+      send_queued(s, op, g.off_combine_flag, 1, SignalOp::Add, a.stream, direct);
+      if (fwd) {
+        for (int f : combine_forwarders_here(op))  // after the rows this PE staged there
+          rt_.signal(f, reinterpret_cast<uint64_t*>(ws_addr(s, op, f, g.off_stage_flag)) + op.my_pe);
+        send_combine_plans(s, op, a.stream);
+        send_sums(s, op, p, sources, epoch, status_off, a.stream);
+      }
       rt_.stream_after_channels(a.stream);
       if (remote(op)) {
         trace(op, "combine %llu: rows sent", op.combine_epoch);
         wait_remote_on_host(s, op, g.off_combine_flag, epoch, kernels::kWaitCombine, epoch);
         trace(op, "combine %llu: rows in", op.combine_epoch);
       }
+      if (fwd) {  // the reduction reads the handle as rewritten for the sums from other nodes
+        p.handle_send_rows = reinterpret_cast<const int32_t*>(ws_addr(s, op, op.my_pe, g.off_fwd_send));
+        if (!tm)
+          p.combine_weights = reinterpret_cast<const float*>(ws_addr(s, op, op.my_pe, g.off_fwd_weights));
+      }
       p.reduce_pieces = row_pieces(op, op.cfg.max_tokens, g.combine_row_bytes);
       kernels::launch_combine_reduce(rt_, p, reduce_blocks(op), a.stream);
       if (remote(op)) trace(op, "combine %llu: sums launched", op.combine_epoch);
       if (remote(op) && g.combine_sets == 1)  // this PE consumed their rows
-        send_queued(s, op, g.off_freed_flag, epoch, SignalOp::Set, a.stream);
+        send_queued(s, op, g.off_freed_flag, epoch, SignalOp::Set, a.stream, op.remote_pes);
     }
     if (ce && op.board)
       op.board->publish_and_wait(1, "ep combine", op.my_pe, ++op.queued_combines,
@@ -376,15 +420,16 @@ class DeviceDriver final : public DeviceImpl {
     if (bytes) queued_[pe].push_back(Put{dst_off, src, bytes});
   }
 
-  // Sends each other-node PE its queued puts on `stream`, the last with a
-  // signal on this PE's word at `flag_off` there (with no puts, 8 bytes to
-  // its payload word carry the signal): the flag follows every byte.
+  // Sends each PE of `to` (other nodes' PEs) its queued puts on `stream`,
+  // the last with a signal on this PE's word at `flag_off` there (with no
+  // puts, 8 bytes to its payload word carry the signal): the flag follows
+  // every byte.
   void send_queued(PeState& s, Op& op, size_t flag_off, uint64_t value, SignalOp sig,
-                   StreamHandle stream) {
+                   StreamHandle stream, const std::vector<int>& to) {
     std::vector<std::vector<Put>> batch;
     batch.swap(queued_);  // (nothing stays queued if a put throws)
     batch.resize(op.n_pes);
-    for (int q : op.remote_pes) {
+    for (int q : to) {
       std::vector<Put>& puts = batch[q];
       if (puts.empty()) puts.push_back(Put{payload_off(op), payload(s, op), 8});
       Transport& t = s.transports->select(q);
@@ -408,10 +453,294 @@ class DeviceDriver final : public DeviceImpl {
     const size_t row_off = g.off_count_rows + (epoch & 1) * op.n_pes * row_bytes +
                            static_cast<size_t>(op.my_pe) * row_bytes;
     for (int q : op.remote_pes) queue_put(op, q, row_off, ws_addr(s, op, op.my_pe, row_off), row_bytes);
-    send_queued(s, op, g.off_count_flag, 1, SignalOp::Add, stream);
+    send_queued(s, op, g.off_count_flag, 1, SignalOp::Add, stream, op.remote_pes);
     trace(op, "dispatch %llu: count row sent", epoch);
     wait_remote_on_host(s, op, g.off_count_flag, epoch, kernels::kWaitCounts, epoch);
     trace(op, "dispatch %llu: counts in", epoch);
+  }
+
+  // ---- Forwarding inside a node (dispatch; Op::nodes.forward)
+  //
+  // What per-PE sending puts into a PE of another node goes to this PE's
+  // forwarder there instead: the ids, weights and metadata of each segment
+  // at the forwarder's rows [this PE][staging row], and each token's row
+  // (and scales) once per node, at [this PE][token]; one signal on the
+  // forwarder's fwd flag follows them. The forwarder waits for that flag
+  // (on the host), forward_rows_kernel stores the rows into its
+  // node's receive buffers where per-PE sending would have put them, and
+  // its copy-engine channels raise the source's data flag on each PE of the
+  // node after that kernel, as a source's own channels do.
+
+  std::vector<std::vector<int64_t>> forwarded_;  // per node: staging row of each token, or -1
+  std::vector<int32_t> staged_meta_;             // this call's staging metadata, read back
+
+  // This PE's forwarder on every other node.
+  static std::vector<int> forwarders(const Op& op) {
+    const NodeLayout& nl = op.nodes;
+    std::vector<int> out;
+    for (int node = 0; node < static_cast<int>(nl.pes_of.size()); ++node)
+      if (node != nl.node_of[op.my_pe]) out.push_back(nl.forwarder(op.my_pe, node));
+    return out;
+  }
+
+  // Staging rows [from, from + rows) bound for `pe` (another node): their
+  // ids, weights and metadata to the forwarder; their tokens' rows later,
+  // once per token (queue_forwarded_rows).
+  void forward_segment(PeState& s, Op& op, int pe, int64_t from, int64_t rows,
+                       StreamHandle stream) {
+    const Geometry& g = op.geo;
+    const bool tm = op.cfg.layout == Layout::TokenMajor;
+    const size_t K = static_cast<size_t>(op.cfg.topk);
+    const int node = op.nodes.node_of[pe], f = op.nodes.forwarder(op.my_pe, node);
+    const int64_t at = static_cast<int64_t>(op.my_pe) * g.combine_rows + from;
+    auto put = [&](size_t stage_off, size_t fwd_off, size_t row_bytes) {
+      queue_put(op, f, fwd_off + at * row_bytes,
+                ws_addr(s, op, op.my_pe, stage_off) + from * row_bytes, rows * row_bytes);
+    };
+    if (tm) put(g.off_stage_idx, g.off_fwd_idx, K * 4);
+    put(g.off_stage_w, g.off_fwd_w, (tm ? K : 1) * 4);
+    put(g.off_stage_meta, g.off_fwd_meta, kMetaWords * 4);
+    // The tokens of these rows (their metadata, read back once per call).
+    if (staged_meta_.empty()) {
+      staged_meta_.resize(static_cast<size_t>(g.combine_rows) * kMetaWords);
+      rt_.read(staged_meta_.data(), ws_addr(s, op, op.my_pe, g.off_stage_meta),
+               staged_meta_.size() * 4, stream);
+    }
+    std::vector<int64_t>& row_of = forwarded_[node];
+    if (row_of.empty()) row_of.assign(op.cfg.max_tokens, -1);
+    for (int64_t r = from; r < from + rows && r < g.combine_rows; ++r) {
+      const int32_t t = staged_meta_[r * kMetaWords + kMetaToken];
+      if (t >= 0 && t < op.cfg.max_tokens && row_of[t] < 0) row_of[t] = r;
+    }
+  }
+
+  // Each token's row and scales once per node, from one of its staging rows,
+  // adjacent tokens with adjacent staging rows in one put.
+  void queue_forwarded_rows(PeState& s, Op& op) {
+    const Geometry& g = op.geo;
+    const int64_t cap = op.cfg.max_tokens;
+    for (int node = 0; node < static_cast<int>(forwarded_.size()); ++node) {
+      const std::vector<int64_t>& row_of = forwarded_[node];
+      if (row_of.empty()) continue;
+      const int f = op.nodes.forwarder(op.my_pe, node);
+      auto put = [&](int64_t t0, int64_t r0, int64_t k) {
+        const int64_t at = static_cast<int64_t>(op.my_pe) * cap + t0;
+        queue_put(op, f, g.off_fwd_x + at * g.row_bytes,
+                  ws_addr(s, op, op.my_pe, g.off_stage_x) + r0 * g.row_bytes, k * g.row_bytes);
+        if (g.scale_row_bytes)
+          queue_put(op, f, g.off_fwd_scales + at * g.scale_row_bytes,
+                    ws_addr(s, op, op.my_pe, g.off_stage_scales) + r0 * g.scale_row_bytes,
+                    k * g.scale_row_bytes);
+      };
+      int64_t t0 = -1, r0 = -1, k = 0;
+      for (int64_t t = 0; t < cap; ++t) {
+        const int64_t r = row_of[t];
+        if (r < 0) continue;
+        if (k > 0 && t == t0 + k && r == r0 + k) {
+          ++k;
+          continue;
+        }
+        if (k > 0) put(t0, r0, k);
+        t0 = t, r0 = r, k = 1;
+      }
+      if (k > 0) put(t0, r0, k);
+    }
+    forwarded_.clear();
+    staged_meta_.clear();
+  }
+
+  // As the forwarder of sources on other nodes: waits for each one's puts,
+  // stores its rows into this node's receive buffers (unless the call
+  // aborted: every PE decided so from the same counts), then raises that
+  // source's data flag on every PE of this node from the copy-engine channels.
+  void forward_received(PeState& s, Op& op, const kernels::Params& p, bool abort,
+                        StreamHandle stream) {
+    const Geometry& g = op.geo;
+    const NodeLayout& nl = op.nodes;
+    const std::vector<int> sources = forwarded_sources(op);
+    if (sources.empty()) return;
+    const uint64_t epoch = op.dispatch_epoch;
+    const int blocks = blocks_for(op, g.combine_rows, kernels::kWarpsPerBlock);
+    for (int src : sources) {
+      wait_on_host(s, op, g.off_fwd_flag, epoch, kernels::kWaitForward, epoch, {src});
+      if (!abort) kernels::launch_forward_rows(rt_, p, src, blocks, stream);
+    }
+    trace(op, "dispatch %llu: forwarding launched", epoch);
+    rt_.channels_after(stream);
+    for (int src : sources)
+      for (int d : nl.pes_of[nl.node_of[op.my_pe]])
+        rt_.signal(d, reinterpret_cast<uint64_t*>(ws_addr(s, op, d, g.off_data_flag)) + src);
+  }
+
+  // ---- Forwarding inside a node (combine)
+  //
+  // A row of a source on another node goes to the source's forwarder on this
+  // node (a copy into its staging rows [source][combine row], then a signal
+  // on its stage flag from the channel), not across. The source sends each
+  // forwarder a plan (per token with rows there: those combine rows and
+  // their weights); the forwarder waits for its node's staged rows and the
+  // plans, sums each token's rows (forward_sums_kernel) and puts one row per
+  // token back into the source's combine buffer, at the row of the token's
+  // first column there, after its status word, with a signal on its combine
+  // flag there. The source's reduction reads the handle's send table and
+  // weights rewritten by the host: that row with weight 1, the token's other
+  // rows on that node none.
+
+  // Sources on other nodes whose forwarder on this node is this PE.
+  static std::vector<int> forwarded_sources(const Op& op) {
+    const NodeLayout& nl = op.nodes;
+    const int my_node = nl.node_of[op.my_pe];
+    std::vector<int> out;
+    for (int src = 0; src < op.n_pes; ++src)
+      if (nl.node_of[src] != my_node && nl.forwarder(src, my_node) == op.my_pe) out.push_back(src);
+    return out;
+  }
+
+  // PEs of this node that forward for a source on another node.
+  static std::vector<int> combine_forwarders_here(const Op& op) {
+    const NodeLayout& nl = op.nodes;
+    const int my_node = nl.node_of[op.my_pe];
+    std::vector<int> out;
+    for (int src = 0; src < op.n_pes; ++src) {
+      if (nl.node_of[src] == my_node) continue;
+      const int f = nl.forwarder(src, my_node);
+      if (std::find(out.begin(), out.end(), f) == out.end()) out.push_back(f);
+    }
+    return out;
+  }
+
+  // As a source: its plans (in off_plan_out, one per other node) and the
+  // rewritten send table and weights, from the handle (read back to the
+  // host; the stream must have no work left: a copy from or to pageable
+  // memory waits for it).
+  void make_combine_plans(PeState& s, Op& op, const CombineArgs& a, StreamHandle stream) {
+    const Geometry& g = op.geo;
+    const Config& c = op.cfg;
+    const NodeLayout& nl = op.nodes;
+    const bool tm = c.layout == Layout::TokenMajor;
+    const int S = g.send_cols, K = c.topk, n = op.n_pes, W = g.plan_words;
+    const int my_node = nl.node_of[op.my_pe];
+    const int64_t cap = c.max_tokens;
+    const int64_t T = a.status == kOk && a.num_tokens > 0 && a.num_tokens <= cap ? a.num_tokens : 0;
+    std::vector<int32_t> rows(static_cast<size_t>(cap) * S, -1), summary(4 * n, 0);
+    std::vector<float> w(tm ? 0 : static_cast<size_t>(cap) * K, 0.0f);
+    if (T > 0) {
+      rt_.read(rows.data(), a.send_rows, static_cast<size_t>(T) * S * 4, stream);
+      if (!tm) {
+        rt_.read(w.data(), a.weights, static_cast<size_t>(T) * K * 4, stream);
+        rt_.read(summary.data(), a.recv_summary, summary.size() * 4, stream);
+      }
+    }
+    const size_t plan_ints = 4 + static_cast<size_t>(cap) * W;
+    std::vector<std::vector<int32_t>> plan(nl.pes_of.size(), std::vector<int32_t>(4, 0));
+    std::vector<int32_t> rec(W);
+    for (int64_t t = 0; t < T; ++t)
+      for (int node = 0; node < static_cast<int>(nl.pes_of.size()); ++node) {
+        if (node == my_node) continue;
+        std::fill(rec.begin(), rec.end(), -1);
+        int first = -1;
+        for (int j = 0; j < S; ++j) {
+          const int32_t crow = rows[t * S + j];
+          if (crow < 0 || crow >= g.combine_rows ||  // (an edited handle: the kernels report it)
+              nl.node_of[holder_of(tm, n, summary.data(), j, crow)] != node)
+            continue;
+          const float wj = tm ? 1.0f : w[t * K + j];
+          rec[1 + j] = crow;
+          std::memcpy(&rec[1 + S + j], &wj, 4);
+          if (first < 0) first = j;
+        }
+        if (first < 0) continue;
+        rec[0] = static_cast<int32_t>(t);
+        plan[node].insert(plan[node].end(), rec.begin(), rec.end());
+        ++plan[node][0];
+        for (int j = 0; j < S; ++j)  // the sum lands at the first column's row
+          if (j != first && rec[1 + j] >= 0) rows[t * S + j] = -1;
+        if (!tm) w[t * K + first] = 1.0f;
+      }
+    rt_.write(ws_addr(s, op, op.my_pe, g.off_fwd_send), rows.data(), rows.size() * 4, stream);
+    if (!tm) rt_.write(ws_addr(s, op, op.my_pe, g.off_fwd_weights), w.data(), w.size() * 4, stream);
+    plan_records_.assign(nl.pes_of.size(), 0);
+    for (int node = 0; node < static_cast<int>(nl.pes_of.size()); ++node) {
+      if (node == my_node) continue;
+      rt_.write(ws_addr(s, op, op.my_pe, g.off_plan_out + node * plan_ints * 4), plan[node].data(),
+                plan[node].size() * 4, stream);
+      plan_records_[node] = plan[node][0];
+    }
+  }
+
+  std::vector<int32_t> plan_records_;  // per node: records of this call's plan there
+
+  // The plans to this PE's forwarders, through the remote transport, with a
+  // signal on their plan flags.
+  void send_combine_plans(PeState& s, Op& op, StreamHandle stream) {
+    const Geometry& g = op.geo;
+    const NodeLayout& nl = op.nodes;
+    const int W = g.plan_words;
+    const int64_t cap = op.cfg.max_tokens;
+    const size_t plan_ints = 4 + static_cast<size_t>(cap) * W;
+    for (int node = 0; node < static_cast<int>(nl.pes_of.size()); ++node) {
+      if (node == nl.node_of[op.my_pe]) continue;
+      const int f = nl.forwarder(op.my_pe, node);
+      const char* out = ws_addr(s, op, op.my_pe, g.off_plan_out + node * plan_ints * 4);
+      queue_put(op, f, g.off_plan_count + static_cast<size_t>(op.my_pe) * 4, out, 4);
+      queue_put(op, f, g.off_plan_rec + static_cast<size_t>(op.my_pe) * cap * W * 4, out + 16,
+                static_cast<size_t>(plan_records_[node]) * W * 4);
+    }
+    send_queued(s, op, g.off_plan_flag, 1, SignalOp::Add, stream, forwarders(op));
+  }
+
+  // As the forwarder of `sources`: waits (on the host) for this node's
+  // staged rows and their plans, reads the plans, sums, and sends each
+  // source this PE's status word and the sums, then a signal on this PE's
+  // combine flag there.
+  void send_sums(PeState& s, Op& op, const kernels::Params& p, const std::vector<int>& sources,
+                 uint64_t epoch, size_t status_off, StreamHandle stream) {
+    if (sources.empty()) return;
+    const Geometry& g = op.geo;
+    const int W = g.plan_words, S = g.send_cols;
+    const int64_t cap = op.cfg.max_tokens;
+    const size_t crb = g.combine_row_bytes;
+    wait_on_host(s, op, g.off_stage_flag, epoch, kernels::kWaitStaged, epoch,
+                 op.nodes.pes_of[op.nodes.node_of[op.my_pe]]);
+    wait_on_host(s, op, g.off_plan_flag, epoch, kernels::kWaitPlan, epoch, sources);
+    rt_.sync(stream);
+    trace(op, "combine %llu: rows to sum and plans here", epoch);
+    if (mirror()[kernels::kHostStatus] == kPeerTimeout) raise_recorded(s, op, stream);
+    std::vector<int32_t> plan;
+    for (int src : sources) {
+      int32_t records = 0;
+      rt_.read(&records, ws_addr(s, op, op.my_pe, g.off_plan_count + static_cast<size_t>(src) * 4), 4,
+               stream);
+      records = std::clamp<int32_t>(records, 0, static_cast<int32_t>(cap));
+      plan.resize(static_cast<size_t>(records) * W);
+      if (records)
+        rt_.read(plan.data(), ws_addr(s, op, op.my_pe, g.off_plan_rec + src * cap * W * 4),
+                 plan.size() * 4, stream);
+      if (records)
+        kernels::launch_forward_sums(rt_, p, src, records,
+                                     blocks_for(op, records, kernels::kWarpsPerBlock), stream);
+      queue_put(op, src, status_off, ws_addr(s, op, op.my_pe, status_off), 4);
+      const char* sums = ws_addr(s, op, op.my_pe, g.off_partial + src * cap * crb);
+      int64_t i0 = 0, row0 = -1, k = 0;  // sums of adjacent rows there in one put
+      auto put = [&] {
+        if (k) queue_put(op, src, g.off_combine_buf + row0 * crb, sums + i0 * crb, k * crb);
+      };
+      for (int64_t i = 0; i < records; ++i) {
+        const int32_t* rec = plan.data() + i * W;
+        int64_t row = -1;
+        for (int j = 0; j < S && row < 0; ++j)
+          if (rec[1 + j] >= 0 && rec[1 + j] < g.combine_rows) row = rec[1 + j];
+        if (row < 0) continue;
+        if (k && i == i0 + k && row == row0 + k) {
+          ++k;
+          continue;
+        }
+        put();
+        i0 = i, row0 = row, k = 1;
+      }
+      put();
+    }
+    send_queued(s, op, g.off_combine_flag, 1, SignalOp::Add, stream, sources);
   }
 
   // SYMHEAP_REMOTE_TRACE=1 (remote_trace.hpp): the host's steps of a call with
@@ -430,9 +759,12 @@ class DeviceDriver final : public DeviceImpl {
                                 uint64_t seen, uint64_t target) {
     static const char* const kinds[] = {"", "routing counts", "dispatch rows",
                                         "its combine buffer to be freed", "combine rows",
-                                        "the same dispatch to start there"};
+                                        "the same dispatch to start there",
+                                        "its rows to forward inside this node",
+                                        "its rows to sum for a PE of another node",
+                                        "its combine plan"};
     std::string waited;
-    if (kind > 0 && kind < 6)
+    if (kind > 0 && kind < 9)
       waited = " (" + std::string(kinds[kind]) + ": its flag here read " + std::to_string(seen) +
                ", waited for " + std::to_string(target) + ")";
     return TimeoutError(what + "timed out after " + std::to_string(op.timeout_s) +
@@ -447,13 +779,20 @@ class DeviceDriver final : public DeviceImpl {
   // running kernels), so such a kernel would hold up the very word it waits for.
   void wait_remote_on_host(PeState& s, Op& op, size_t off_flags, uint64_t target, int32_t kind,
                            uint64_t epoch) {
+    wait_on_host(s, op, off_flags, target, kind, epoch, op.remote_pes);
+  }
+  // As wait_remote_on_host, for the flags of `pes` here. Forwarding waits so
+  // for its node's PEs too: their words come after their hosts' own waits
+  // for other nodes.
+  void wait_on_host(PeState& s, Op& op, size_t off_flags, uint64_t target, int32_t kind,
+                    uint64_t epoch, const std::vector<int>& pes) {
     const auto* flags = reinterpret_cast<const uint64_t*>(ws_addr(s, op, op.my_pe, off_flags));
     std::vector<uint64_t> seen(op.n_pes);
     Waiter wait(&s, op.timeout_s);
     for (;;) {
       rt_.read_words(flags, seen.data(), seen.size());
       int late = -1;
-      for (int q : op.remote_pes)
+      for (int q : pes)
         if (seen[q] < target) {
           late = q;
           break;

@@ -103,6 +103,12 @@ class EmuRt {
     std::atomic_thread_fence(std::memory_order_release);
   }
   void signal(int, uint64_t* flag) { __atomic_fetch_add(flag, 1, __ATOMIC_RELEASE); }
+  void read(void* host, const void* src, size_t bytes, StreamHandle) {
+    std::memcpy(host, src, bytes);
+  }
+  void write(void* dst, const void* host, size_t bytes, StreamHandle) {
+    std::memcpy(dst, host, bytes);
+  }
   void stream_after_channels(StreamHandle) {}
   void read_words(const uint64_t* words, uint64_t* out, size_t n) {
     for (size_t i = 0; i < n; ++i) out[i] = __atomic_load_n(words + i, __ATOMIC_ACQUIRE);

@@ -41,6 +41,11 @@
 //                  rows within the counts, from the receive buffer to them;
 //   count_row      (copy engine, PEs on other nodes) this PE's count row for
 //                  the host to put there (ep_remote.cuh);
+//   forward_rows / forward_sums   (copy engine, forwarding inside a node)
+//                  the rows a source on another node put here once, into
+//                  this node's PEs' receive buffers; combine's sums of its
+//                  tokens' rows on this node, sent back as one row each
+//                  (ep_forward.cuh);
 //   redispatch_store / redispatch_pull   combine's reverse through a handle
 //                  (intranode, low_latency): each PE stores its rows into its
 //                  own combine buffer, then each pulls the rows it received.
@@ -57,6 +62,7 @@
 #include "ops/ep/ep_combine.cuh"
 #include "ops/ep/ep_dispatch.cuh"
 #include "ops/ep/ep_dispatch_slots.cuh"
+#include "ops/ep/ep_forward.cuh"
 #include "ops/ep/ep_redispatch.cuh"
 #include "ops/ep/ep_remote.cuh"
 
@@ -81,6 +87,8 @@ void for_each_kernel(F&& f) {
   f(redispatch_store_kernel);
   f(redispatch_pull_kernel);
   f(count_row_kernel);
+  f(forward_rows_kernel);
+  f(forward_sums_kernel);
 }
 
 }  // namespace symheap::ep::EP_DEVICE_NS::kernels

@@ -28,11 +28,6 @@ std::shared_ptr<Registry> registry_of(PeState& s) {
 
 bool on_cuda() { return std::string(Runtime::instance().backend().name()) == "cuda"; }
 
-bool emulate_device() {
-  const char* v = std::getenv("SYMHEAP_EP_EMULATE_DEVICE");
-  return v && *v && std::strcmp(v, "0") != 0;
-}
-
 }  // namespace
 
 NodeLayout node_layout(const PeState& s) {
@@ -100,7 +95,9 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
   op->ws_offset = ws_offset;
   op->timeout_s = s.timeout_s;
   op->nodes = node_layout(s);
-  op->nodes.forward &= host_rows && geo.fwd_rec_bytes > 0;
+  // The cpu implementation forwards host rows; the device path forwards
+  // (copy_engine) when the geometry holds its regions.
+  op->nodes.forward &= host_rows ? geo.fwd_rec_bytes > 0 : geo.fwd_on_device;
   if (!host_rows) op->remote_pes = remote_pes;
   {
     DeviceGuard guard(s.device);

@@ -84,9 +84,10 @@ struct RedispatchArgs {
 };
 
 // Which PEs share a node (the peer table's node ids), and whether the op
-// forwards inside nodes (ep_cpu.cpp): a row bound for several PEs of another
-// node crosses once, to the forwarder there, which stores it into each
-// destination; combine sums there and sends one row back.
+// forwards inside nodes (ep_cpu.cpp; the device path: ep_device_driver.hpp):
+// a row bound for several PEs of another node crosses once, to the
+// forwarder there, which stores it into each destination; combine sums
+// there and sends one row back.
 struct NodeLayout {
   std::vector<int> node_of;                // PE -> node index (nodes by first PE)
   std::vector<int> local_index;            // PE -> rank among the PEs of its node

@@ -54,7 +54,8 @@ enum HostWord : int {
 
 // What a wait was for (kHostWait).
 enum WaitKind : int32_t { kWaitNone = 0, kWaitCounts = 1, kWaitData = 2, kWaitFreed = 3,
-                          kWaitCombine = 4, kWaitEntered = 5 };
+                          kWaitCombine = 4, kWaitEntered = 5, kWaitForward = 6,
+                          kWaitStaged = 7, kWaitPlan = 8 };
 
 // A launch's arguments, identical for every thread. Fields used only by
 // dispatch or only by combine are left zero by the other.
