@@ -401,8 +401,14 @@ class EpOp {
     if (!output_.type) throw StateError("EpOp.set_front_end was not called before dispatch");
     using S = SlotClass;
     py::object rows_shape = fixed_rows_;
-    if (rows_shape.is_none())
-      rows_shape = py::make_tuple(std::max<int64_t>(rows, 0), cfg_.hidden);
+    if (rows_shape.is_none()) {  // the count the host knows: the last call's tuple if it fits
+      const int64_t n = std::max<int64_t>(rows, 0);
+      if (!last_rows_shape_ || last_rows_ != n) {
+        last_rows_shape_ = py::make_tuple(n, cfg_.hidden);
+        last_rows_ = n;
+      }
+      rows_shape = last_rows_shape_;
+    }
     py::object h = handle_.make();
     handle_.init(h, S::kOpId, id_obj_);
     handle_.init(h, S::kLayout, layout_str_);
@@ -654,6 +660,8 @@ class EpOp {
              combine_dtype_ = TorchDType::Other;
   SlotClass handle_, output_;
   py::object device_obj_, fixed_rows_, layout_str_, id_obj_, stream_handle_;
+  py::object last_rows_shape_;  // (rows, hidden) of the last dispatch, when rows vary
+  int64_t last_rows_ = -1;
   bool closed_ = false;
   // Handle storage and combine outputs, recycled once the caller let go of them.
   bindings::TensorPool storage_pool_{TorchDType::I32, -1, 0}, out_pool_{TorchDType::I32, -1, 0};
