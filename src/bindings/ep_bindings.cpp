@@ -143,6 +143,18 @@ struct SlotClass {
         throw py::type_error(std::string(py::str(type)) + "." + name + " is not a slot");
       offsets.push_back(reinterpret_cast<PyMemberDescrObject*>(d.ptr())->d_member->offset);
     }
+    // Every slot the class itself declares (those above and the ones set on first use).
+    for (py::handle name : py::reinterpret_borrow<py::iterable>(type.attr("__slots__"))) {
+      py::object d = type.attr("__dict__")[name];
+      if (Py_IS_TYPE(d.ptr(), &PyMemberDescr_Type))
+        every.push_back(reinterpret_cast<PyMemberDescrObject*>(d.ptr())->d_member->offset);
+    }
+  }
+  std::vector<Py_ssize_t> every;
+  // Unsets every slot of an instance of exactly this class.
+  void clear(PyObject* obj) const {
+    for (Py_ssize_t off : every)
+      Py_CLEAR(*reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + off));
   }
   // A new instance, every slot unset (object.__new__, no __init__).
   py::object make() const {
@@ -409,7 +421,18 @@ class EpOp {
       }
       rows_shape = last_rows_shape_;
     }
-    py::object h = handle_.make();
+    py::object o, h;
+    take_recycled(&o, &h);
+    if (!o) {
+      h = handle_.make();
+      o = output_.make();
+      if (recycled_.size() < kPooled) {
+        recycled_.push_back(o);
+      } else {  // every one kept by its caller: forget one in turn
+        recycled_[recycle_next_] = o;
+        recycle_next_ = (recycle_next_ + 1) % kPooled;
+      }
+    }
     handle_.init(h, S::kOpId, id_obj_);
     handle_.init(h, S::kLayout, layout_str_);
     handle_.init(h, S::kNumTokens, py::int_(num_tokens));
@@ -417,11 +440,28 @@ class EpOp {
     handle_.init(h, S::kDevice, device_obj_);
     handle_.init(h, S::kStorage, std::move(storage));
     handle_.init(h, S::kOp, owner);
-    py::object o = output_.make();
     output_.init(o, S::kHandle, std::move(h));
     output_.init(o, S::kOwner, owner);
     output_.init(o, S::kRows, py::int_(rows));
     return o;
+  }
+
+  // A DispatchOutput this op made whose caller let go of it and of its handle
+  // (only the pool holds either; neither class takes weak references), both
+  // emptied: made again in place, the two objects cost no allocation, no
+  // deallocation and no reference to their (shared) classes.
+  void take_recycled(py::object* o, py::object* h) {
+    const auto* handle_type = reinterpret_cast<PyTypeObject*>(handle_.type.ptr());
+    for (py::object& e : recycled_) {
+      if (Py_REFCNT(e.ptr()) != 1) continue;
+      PyObject* handle = output_.get(e, SlotClass::kHandle).ptr();
+      if (!handle || Py_TYPE(handle) != handle_type || Py_REFCNT(handle) != 1) continue;
+      *h = py::reinterpret_borrow<py::object>(handle);
+      output_.clear(e.ptr());
+      handle_.clear(h->ptr());
+      *o = e;
+      return;
+    }
   }
 
   template <class T>
@@ -660,6 +700,8 @@ class EpOp {
              combine_dtype_ = TorchDType::Other;
   SlotClass handle_, output_;
   py::object device_obj_, fixed_rows_, layout_str_, id_obj_, stream_handle_;
+  std::vector<py::object> recycled_;  // outputs this op made (take_recycled)
+  size_t recycle_next_ = 0;
   py::object last_rows_shape_;  // (rows, hidden) of the last dispatch, when rows vary
   int64_t last_rows_ = -1;
   bool closed_ = false;
