@@ -221,6 +221,7 @@ class EpOp {
 
   void destroy() {
     closed_ = true;
+    recycled_.clear();  // they refer to the front-end object, which refers to this op
     auto s = Runtime::instance().slot_of_rank(job_, rank_);
     if (!s || s->generation != generation_) return;
     py::gil_scoped_release nogil;
