@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdio>
@@ -79,7 +80,21 @@ PyObject* empty(const int64_t* shape, int ndim, int dtype, int device) {
 int64_t storage_uses(PyObject* tensor) {
   const at::Tensor* t = plain(tensor);
   if (!t || !t->has_storage()) return -1;
-  return static_cast<int64_t>(t->storage().use_count());
+  try {
+    // Counted with the storage's Python object alive, as torch's Python API
+    // counts: once made, that object stays (owned by the storage) and holds
+    // a reference, so the count must not depend on whether anyone made it.
+    PyObject* s = THPStorage_Wrap(t->storage());
+    if (!s) {
+      PyErr_Clear();
+      return -1;
+    }
+    const int64_t uses = static_cast<int64_t>(t->storage().use_count());
+    Py_DECREF(s);
+    return uses;
+  } catch (...) {
+    return -1;
+  }
 }
 
 int requires_grad(PyObject* tensor) {
