@@ -248,7 +248,7 @@ class EagerAttention {
   py::object output(TensorPool& pool, bool pooled, const std::vector<int64_t>& shape,
                     TorchDType dtype, int device, uintptr_t stream, uintptr_t* data = nullptr) {
     if (pooled) return pool.take(shape, stream, data);
-    py::object t = bindings::torch_empty(shape, kwargs_of(dtype, device));
+    py::object t = bindings::torch_empty(shape, dtype, device, kwargs_of(dtype, device));
     if (data) *data = bindings::tensor_data_ptr(t);
     return t;
   }

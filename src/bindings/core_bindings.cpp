@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings/registry.hpp"
+#include "bindings/torch_tensor.hpp"
 #include "symheap/errors.hpp"
 #include "symheap/runtime.hpp"
 #include "symheap/wait.hpp"
@@ -127,6 +128,16 @@ SYMHEAP_BINDINGS(core) {
   });
 
   m.def("backend_name", [] { return rt().backend_name(); });
+  m.def("torch_reader", &bindings::torch_reader,
+        "How the ops read torch tensors: \"torch C++ API (<library>)\" or \"Python C API: "
+        "<why>\" (imports torch).");
+  m.def("torch_tensor_fields", [](py::handle t, bool make_contiguous) -> py::object {
+    const bindings::TensorRef r = bindings::read_tensor(t, make_contiguous, true);
+    if (!r.is_tensor) return py::none();
+    return py::make_tuple(r.ptr, r.dtype_str(), r.shape, r.strides, r.device, r.contiguous);
+  }, py::arg("tensor"), py::arg("make_contiguous"),
+        "(data_ptr, dtype, shape, strides, device, contiguous) as the ops read a tensor; None "
+        "for anything else.");
   m.def("select_backend", [](const std::string& name) { rt().select_backend(name); });
   m.def("device_count", [] { return rt().backend().device_count(); });
   m.def("current_device", [] { return rt().current_device(); });

@@ -143,6 +143,18 @@ struct SlotClass {
         throw py::type_error(std::string(py::str(type)) + "." + name + " is not a slot");
       offsets.push_back(reinterpret_cast<PyMemberDescrObject*>(d.ptr())->d_member->offset);
     }
+    // Every slot the class itself declares (those above and the ones set on first use).
+    for (py::handle name : py::reinterpret_borrow<py::iterable>(type.attr("__slots__"))) {
+      py::object d = type.attr("__dict__")[name];
+      if (Py_IS_TYPE(d.ptr(), &PyMemberDescr_Type))
+        every.push_back(reinterpret_cast<PyMemberDescrObject*>(d.ptr())->d_member->offset);
+    }
+  }
+  std::vector<Py_ssize_t> every;
+  // Unsets every slot of an instance of exactly this class.
+  void clear(PyObject* obj) const {
+    for (Py_ssize_t off : every)
+      Py_CLEAR(*reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + off));
   }
   // A new instance, every slot unset (object.__new__, no __init__).
   py::object make() const {
@@ -208,6 +220,8 @@ class EpOp {
   int64_t id() const { return id_; }
 
   void destroy() {
+    closed_ = true;
+    recycled_.clear();  // they refer to the front-end object, which refers to this op
     auto s = Runtime::instance().slot_of_rank(job_, rank_);
     if (!s || s->generation != generation_) return;
     py::gil_scoped_release nogil;
@@ -225,16 +239,20 @@ class EpOp {
   // What dispatch's results are made of on the Python side: the output
   // class, the handle's torch device and its rows_shape when fixed (None
   // when it is the count the host knows).
-  void set_front_end(py::object output_type, py::object device, py::object fixed_rows) {
+  // `stream_handle` turns a stream= argument into a raw handle.
+  void set_front_end(py::object output_type, py::object device, py::object fixed_rows,
+                     py::object stream_handle) {
     output_ = SlotClass(std::move(output_type), {"handle", "_owner", "_rows"});
     device_obj_ = std::move(device);
     fixed_rows_ = std::move(fixed_rows);
+    stream_handle_ = std::move(stream_handle);
   }
 
   // Returns the DispatchOutput (its fields made on first use by `owner`, the
   // EpDispatchCombine) with its EpHandle, both built here.
   py::object dispatch(py::handle owner, py::handle x, py::handle topk_idx,
                       py::handle topk_weights, py::handle scales, py::handle stream) {
+    check_open();
     DispatchInputs in{bindings::read_tensor(x), bindings::read_tensor(topk_idx),
                       bindings::read_tensor(topk_weights), bindings::read_tensor(scales)};
     const uintptr_t h = stream_of(stream);
@@ -278,6 +296,7 @@ class EpOp {
   // Returns `out` (allocated here when None).
   py::object combine(py::handle expert_out, py::handle handle, py::handle topk_weights,
                      py::handle out, py::handle stream) {
+    check_open();
     CombineInputs in = read_combine(expert_out, handle, topk_weights, out);
     const uintptr_t h = stream_of(stream);
     py::object result = py::reinterpret_borrow<py::object>(out);
@@ -395,9 +414,26 @@ class EpOp {
     if (!output_.type) throw StateError("EpOp.set_front_end was not called before dispatch");
     using S = SlotClass;
     py::object rows_shape = fixed_rows_;
-    if (rows_shape.is_none())
-      rows_shape = py::make_tuple(std::max<int64_t>(rows, 0), cfg_.hidden);
-    py::object h = handle_.make();
+    if (rows_shape.is_none()) {  // the count the host knows: the last call's tuple if it fits
+      const int64_t n = std::max<int64_t>(rows, 0);
+      if (!last_rows_shape_ || last_rows_ != n) {
+        last_rows_shape_ = py::make_tuple(n, cfg_.hidden);
+        last_rows_ = n;
+      }
+      rows_shape = last_rows_shape_;
+    }
+    py::object o, h;
+    take_recycled(&o, &h);
+    if (!o) {
+      h = handle_.make();
+      o = output_.make();
+      if (recycled_.size() < kPooled) {
+        recycled_.push_back(o);
+      } else {  // every one kept by its caller: forget one in turn
+        recycled_[recycle_next_] = o;
+        recycle_next_ = (recycle_next_ + 1) % kPooled;
+      }
+    }
     handle_.init(h, S::kOpId, id_obj_);
     handle_.init(h, S::kLayout, layout_str_);
     handle_.init(h, S::kNumTokens, py::int_(num_tokens));
@@ -405,11 +441,28 @@ class EpOp {
     handle_.init(h, S::kDevice, device_obj_);
     handle_.init(h, S::kStorage, std::move(storage));
     handle_.init(h, S::kOp, owner);
-    py::object o = output_.make();
     output_.init(o, S::kHandle, std::move(h));
     output_.init(o, S::kOwner, owner);
     output_.init(o, S::kRows, py::int_(rows));
     return o;
+  }
+
+  // A DispatchOutput this op made whose caller let go of it and of its handle
+  // (only the pool holds either; neither class takes weak references), both
+  // emptied: made again in place, the two objects cost no allocation, no
+  // deallocation and no reference to their (shared) classes.
+  void take_recycled(py::object* o, py::object* h) {
+    const auto* handle_type = reinterpret_cast<PyTypeObject*>(handle_.type.ptr());
+    for (py::object& e : recycled_) {
+      if (Py_REFCNT(e.ptr()) != 1) continue;
+      PyObject* handle = output_.get(e, SlotClass::kHandle).ptr();
+      if (!handle || Py_TYPE(handle) != handle_type || Py_REFCNT(handle) != 1) continue;
+      *h = py::reinterpret_borrow<py::object>(handle);
+      output_.clear(e.ptr());
+      handle_.clear(h->ptr());
+      *o = e;
+      return;
+    }
   }
 
   template <class T>
@@ -431,9 +484,21 @@ class EpOp {
     return ep::find(std::move(slot), rank_, id_, s);
   }
 
+  // A raw handle as given, or any stream object through the front end's
+  // converter; None: torch's current stream of this PE's device.
   uintptr_t stream_of(py::handle stream) const {
-    if (!stream.is_none()) return stream.cast<uintptr_t>();
-    return on_cuda_ ? bindings::torch_current_stream(torch_device_) : 0;
+    if (stream.is_none()) return on_cuda_ ? bindings::torch_current_stream(torch_device_) : 0;
+    if (PyLong_CheckExact(stream.ptr())) {
+      const unsigned long long h = PyLong_AsUnsignedLongLong(stream.ptr());
+      if (!PyErr_Occurred()) return h;
+      PyErr_Clear();  // negative or too large: the converter says so
+    }
+    if (!stream_handle_) return stream.cast<uintptr_t>();
+    return stream_handle_(stream).cast<uintptr_t>();
+  }
+
+  void check_open() const {
+    if (closed_) throw StateError("this EpDispatchCombine is closed");
   }
 
   std::string device_str() const {
@@ -635,42 +700,118 @@ class EpOp {
   TorchDType x_dtype_ = TorchDType::Other, scale_dtype_ = TorchDType::Other,
              combine_dtype_ = TorchDType::Other;
   SlotClass handle_, output_;
-  py::object device_obj_, fixed_rows_, layout_str_, id_obj_;
+  py::object device_obj_, fixed_rows_, layout_str_, id_obj_, stream_handle_;
+  std::vector<py::object> recycled_;  // outputs this op made (take_recycled)
+  size_t recycle_next_ = 0;
+  py::object last_rows_shape_;  // (rows, hidden) of the last dispatch, when rows vary
+  int64_t last_rows_ = -1;
+  bool closed_ = false;
   // Handle storage and combine outputs, recycled once the caller let go of them.
   bindings::TensorPool storage_pool_{TorchDType::I32, -1, 0}, out_pool_{TorchDType::I32, -1, 0};
 };
 
-// dispatch and combine as plain CPython functions taking their arguments by
-// position (the front end passes them all): pybind11's argument dispatcher is
-// skipped, a sizable share of what a call does under the GIL. Each function's
-// `self` is a capsule of the EpOp that keeps its Python object alive.
-constexpr const char* kOpCapsule = "symheap.EpOp";
+// dispatch and combine as plain CPython functions with the signatures of
+// EpDispatchCombine.dispatch / .combine, which the front end sets on each op
+// as its own attributes: a call goes from the caller's code straight here,
+// past pybind11's argument dispatcher and any Python frame (a sizable share of
+// what a call does under the GIL, and the function objects a Python method
+// would share between the PE threads' calls). Each function's `self` is a
+// capsule of the EpOp (kept alive) and a weak reference to the front end's
+// object, which holds the functions: no reference cycle.
+struct FastCalls {
+  py::object op;         // the EpOp's Python object
+  EpOp* ep = nullptr;
+  py::object owner_ref;  // weakref to the EpDispatchCombine
+};
+constexpr const char* kOpCapsule = "symheap.EpOp.calls";
 
-EpOp* op_of(PyObject* capsule) {
-  return static_cast<EpOp*>(PyCapsule_GetPointer(capsule, kOpCapsule));
+FastCalls* calls_of(PyObject* capsule) {
+  return static_cast<FastCalls*>(PyCapsule_GetPointer(capsule, kOpCapsule));
 }
 
-bool expect_args(const char* name, Py_ssize_t nargs, Py_ssize_t want) {
-  if (nargs == want) return true;
-  PyErr_Format(PyExc_TypeError, "EpOp.%s takes %zd positional arguments, got %zd", name, want,
-               nargs);
-  return false;
+// Binds METH_FASTCALL | METH_KEYWORDS arguments to the parameters `names`
+// (the first `positional` may come by position, the first `required` must
+// come), as Python binds a def's; unset ones stay null. False with Python's
+// own TypeError set.
+bool bind_args(const char* fn, std::initializer_list<const char*> names, int positional,
+               int required, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames,
+               PyObject** out) {
+  const int n = static_cast<int>(names.size());
+  const char* const* name = names.begin();
+  if (nargs > positional) {
+    PyErr_Format(PyExc_TypeError,
+                 "EpDispatchCombine.%s() takes from %d to %d positional arguments but %zd "
+                 "were given",
+                 fn, required + 1, positional + 1, nargs + 1);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < nargs; ++i) out[i] = args[i];
+  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t k = 0; k < nkw; ++k) {
+    PyObject* key = PyTuple_GET_ITEM(kwnames, k);
+    int at = -1;
+    for (int i = 0; i < n && at < 0; ++i)
+      if (PyUnicode_CompareWithASCIIString(key, name[i]) == 0) at = i;
+    if (at < 0) {
+      PyErr_Format(PyExc_TypeError, "EpDispatchCombine.%s() got an unexpected keyword argument '%U'",
+                   fn, key);
+      return false;
+    }
+    if (out[at]) {
+      PyErr_Format(PyExc_TypeError, "EpDispatchCombine.%s() got multiple values for argument '%s'",
+                   fn, name[at]);
+      return false;
+    }
+    out[at] = args[nargs + k];
+  }
+  std::string missing;
+  int count = 0;
+  for (int i = 0; i < required; ++i)
+    if (!out[i]) {
+      missing += std::string(missing.empty() ? "" : ", ") + "'" + name[i] + "'";
+      ++count;
+    }
+  if (count) {
+    PyErr_Format(PyExc_TypeError, "EpDispatchCombine.%s() missing %d required argument%s: %s", fn,
+                 count, count == 1 ? "" : "s", missing.c_str());
+    return false;
+  }
+  for (int i = 0; i < n; ++i)
+    if (!out[i]) out[i] = Py_None;
+  return true;
 }
 
-PyObject* fast_dispatch(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
-  if (!expect_args("dispatch", nargs, 6)) return nullptr;
+// The op's front-end object (borrowed).
+PyObject* owner_of(const FastCalls& f) {
+  PyObject* owner = PyWeakref_GetObject(f.owner_ref.ptr());
+  if (!owner) throw py::error_already_set();
+  if (owner == Py_None) throw StateError("this EpDispatchCombine is gone");
+  return owner;
+}
+
+PyObject* fast_dispatch(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
+                        PyObject* kwnames) {
+  PyObject* a[5] = {};
+  if (!bind_args("dispatch", {"x", "topk_idx", "topk_weights", "scales", "stream"}, 4, 3, args,
+                 nargs, kwnames, a))
+    return nullptr;
   try {
-    return op_of(self)->dispatch(a[0], a[1], a[2], a[3], a[4], a[5]).release().ptr();
+    FastCalls* f = calls_of(self);
+    return f->ep->dispatch(owner_of(*f), a[0], a[1], a[2], a[3], a[4]).release().ptr();
   } catch (...) {
     bindings::set_python_error(std::current_exception());
     return nullptr;
   }
 }
 
-PyObject* fast_combine(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
-  if (!expect_args("combine", nargs, 5)) return nullptr;
+PyObject* fast_combine(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
+                       PyObject* kwnames) {
+  PyObject* a[5] = {};
+  if (!bind_args("combine", {"expert_out", "handle", "topk_weights", "out", "stream"}, 3, 2, args,
+                 nargs, kwnames, a))
+    return nullptr;
   try {
-    return op_of(self)->combine(a[0], a[1], a[2], a[3], a[4]).release().ptr();
+    return calls_of(self)->ep->combine(a[0], a[1], a[2], a[3], a[4]).release().ptr();
   } catch (...) {
     bindings::set_python_error(std::current_exception());
     return nullptr;
@@ -678,23 +819,28 @@ PyObject* fast_combine(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
 }
 
 PyMethodDef kFastDispatch{"dispatch", reinterpret_cast<PyCFunction>(fast_dispatch),
-                          METH_FASTCALL,
-                          "dispatch(owner, x, topk_idx, topk_weights, scales, stream)"};
-PyMethodDef kFastCombine{"combine", reinterpret_cast<PyCFunction>(fast_combine), METH_FASTCALL,
-                         "combine(expert_out, handle, topk_weights, out, stream)"};
+                          METH_FASTCALL | METH_KEYWORDS,
+                          "dispatch(x, topk_idx, topk_weights, scales=None, *, stream=None): "
+                          "see EpDispatchCombine.dispatch"};
+PyMethodDef kFastCombine{"combine", reinterpret_cast<PyCFunction>(fast_combine),
+                         METH_FASTCALL | METH_KEYWORDS,
+                         "combine(expert_out, handle, topk_weights=None, *, out=None, "
+                         "stream=None): see EpDispatchCombine.combine"};
 
-// (dispatch, combine) bound to the EpOp `self`.
-py::tuple fast_calls(py::object self) {
-  EpOp* op = self.cast<EpOp*>();
-  PyObject* capsule = PyCapsule_New(op, kOpCapsule, [](PyObject* c) {
-    Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(c)));
+// (dispatch, combine) of the EpOp `self` for the front-end object `owner`.
+py::tuple fast_calls(py::object self, py::handle owner) {
+  auto* f = new FastCalls{self, self.cast<EpOp*>(), py::none()};
+  PyObject* capsule = PyCapsule_New(f, kOpCapsule, [](PyObject* c) {
+    delete static_cast<FastCalls*>(PyCapsule_GetPointer(c, kOpCapsule));
   });
-  if (!capsule) throw py::error_already_set();
-  py::object keep = py::reinterpret_steal<py::object>(capsule);
-  if (PyCapsule_SetContext(capsule, self.inc_ref().ptr()) != 0) {
-    self.dec_ref();
+  if (!capsule) {
+    delete f;
     throw py::error_already_set();
   }
+  py::object keep = py::reinterpret_steal<py::object>(capsule);
+  PyObject* ref = PyWeakref_NewRef(owner.ptr(), nullptr);
+  if (!ref) throw py::error_already_set();
+  f->owner_ref = py::reinterpret_steal<py::object>(ref);
   PyObject* d = PyCFunction_New(&kFastDispatch, capsule);
   if (!d) throw py::error_already_set();
   py::object dispatch = py::reinterpret_steal<py::object>(d);
@@ -773,7 +919,7 @@ SYMHEAP_BINDINGS(ep) {
       .def("destroy", &EpOp::destroy)
       .def("check", &EpOp::check, py::arg("stream"), py::arg("sync"))
       .def("set_front_end", &EpOp::set_front_end, py::arg("output_type"), py::arg("device"),
-           py::arg("fixed_rows"))
+           py::arg("fixed_rows"), py::arg("stream_handle"))
       .def("dispatch", &EpOp::dispatch, py::arg("owner"), py::arg("x"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("scales"), py::arg("stream"))
       .def("combine", &EpOp::combine, py::arg("expert_out"), py::arg("handle"),
@@ -781,7 +927,7 @@ SYMHEAP_BINDINGS(ep) {
       .def("redispatch", &EpOp::redispatch, py::arg("rows"), py::arg("handle"),
            py::arg("stream"))
       .def("expose_storage", &EpOp::expose_storage, py::arg("storage"))
-      .def("fast_calls", &fast_calls,
-           "(dispatch, combine): the two calls as functions taking every argument by position")
+      .def("fast_calls", &fast_calls, py::arg("owner"),
+           "(dispatch, combine) for the EpDispatchCombine `owner`, with its methods' signatures")
       .def_property_readonly("has_redispatch", &EpOp::has_redispatch);
 }

@@ -1,6 +1,13 @@
 #include "bindings/torch_tensor.hpp"
 
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <cstring>
+
 #include "symheap/errors.hpp"
+#include "torch_native/torch_native.hpp"
+#include "transports/remote_engine_loader.hpp"
 
 namespace symheap::bindings {
 
@@ -41,7 +48,46 @@ struct Torch {
   PyObject* m_data_ptr = nullptr;
   PyObject* m_get_device = nullptr;
   PyObject* m_is_contiguous = nullptr;
+  // torch's C++ API (libsymheap_torch.so) where it loaded, else null; `how`
+  // says which reader is in use and why.
+  const torch_native::Api* native = nullptr;
+  std::string how;
 };
+
+// Opens libsymheap_torch.so (torch is imported, so the torch libraries it
+// links are loaded) unless SYMHEAP_TORCH_NATIVE=0; null, with the reason in
+// `how`, where it is absent or built against another torch.
+const torch_native::Api* open_native(const std::string& torch_version, std::string* how) {
+  const char* env = std::getenv("SYMHEAP_TORCH_NATIVE");
+  if (env && std::strcmp(env, "0") == 0) {
+    *how = "Python C API: SYMHEAP_TORCH_NATIVE=0";
+    return nullptr;
+  }
+#ifdef SYMHEAP_TORCH_NATIVE_FILE
+  const std::string path = remote::beside_core(SYMHEAP_TORCH_NATIVE_FILE);
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    const char* err = dlerror();
+    *how = "Python C API: cannot load " + path + ": " + (err ? err : "unknown error");
+    return nullptr;
+  }
+  auto open = reinterpret_cast<torch_native::OpenFn>(dlsym(lib, torch_native::kOpenSymbol));
+  if (!open) {
+    *how = "Python C API: " + path + " has no " + torch_native::kOpenSymbol + ": rebuild symheap";
+    return nullptr;  // the library stays loaded: closing it buys nothing
+  }
+  char why[256] = {};
+  const torch_native::Api* api = open(torch_native::kAbi, torch_version.c_str(), why, sizeof why);
+  *how = api ? "torch C++ API (" + path + ")"
+             : "Python C API: " + path + " does not fit: " + why + "; rebuild symheap";
+  return api;
+#else
+  (void)torch_version;
+  *how = "Python C API: symheap was built without the torch C++ reader (torch was not "
+         "importable when it was built)";
+  return nullptr;
+#endif
+}
 
 const Torch& torch_api() {
   static Torch* t = nullptr;
@@ -86,6 +132,7 @@ const Torch& torch_api() {
   made->m_data_ptr = method("data_ptr");
   made->m_get_device = method("get_device");
   made->m_is_contiguous = method("is_contiguous");
+  made->native = open_native(py::str(torch.attr("__version__")), &made->how);
   t = made;
   return *t;
 }
@@ -134,6 +181,24 @@ std::vector<int64_t> int_tuple(const py::object& t) {
   return out;
 }
 
+// `n` into `r` (its strides too with `strides`).
+void from_native(const torch_native::Tensor& n, TensorRef& r, bool strides) {
+  r.ptr = n.ptr;
+  r.dtype = static_cast<TorchDType>(n.dtype);
+  r.device = n.device;
+  r.contiguous = n.contiguous != 0;
+  r.shape.assign(n.shape, n.shape + n.ndim);
+  if (strides) r.strides.assign(n.strides, n.strides + n.ndim);
+}
+
+// Reads `obj` through torch's C++ API where it is loaded and takes it.
+bool read_native(const Torch& T, py::handle obj, TensorRef& r, bool strides) {
+  torch_native::Tensor n;
+  if (!T.native || !T.native->read(obj.ptr(), &n)) return false;
+  from_native(n, r, strides);
+  return true;
+}
+
 void read_fields(const Torch& T, py::handle obj, TensorRef& r) {
   const py::object dtype = get_field(T, obj, T.get_dtype, T.s_dtype);
   PyObject* dt = dtype.ptr();
@@ -156,6 +221,7 @@ bool integer_dtype(TorchDType t) { return t == TorchDType::I32 || t == TorchDTyp
 // References to a tensor's storage (its own and its views'), or -1 when
 // torch cannot tell.
 int64_t storage_uses(const Torch& T, py::handle tensor) {
+  if (T.native) return T.native->storage_uses(tensor.ptr());
   if (!T.storage_use_count) return -1;
   py::object storage = call_method(tensor, T.s_untyped_storage);
   py::object n = py::handle(T.storage_use_count)(get_attr(storage, T.s_cdata));
@@ -198,6 +264,7 @@ TensorRef read_tensor(py::handle obj, bool make_contiguous, bool want_strides) {
     return r;
   }
   r.is_tensor = true;
+  if (read_native(T, obj, r, want_strides) && (r.contiguous || !make_contiguous)) return r;
   read_fields(T, obj, r);
   if (!r.contiguous && make_contiguous) {
     r.keep = call_method(obj, T.s_contiguous);
@@ -212,6 +279,7 @@ TensorRef read_address(py::handle tensor) {
   const Torch& T = torch_api();
   TensorRef r;
   r.present = r.is_tensor = true;
+  if (read_native(T, tensor, r, true)) return r;
   r.ptr = PyLong_AsUnsignedLongLong(call_method(tensor, T.s_data_ptr).ptr());
   r.device = static_cast<int>(PyLong_AsLong(call_method(tensor, T.s_get_device).ptr()));
   r.strides = int_tuple(call_method(tensor, T.s_stride));
@@ -225,6 +293,7 @@ TensorRef read_layout(py::handle obj) {
   const Torch& T = torch_api();
   if (!PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(T.tensor_type))) return r;
   r.is_tensor = true;
+  if (read_native(T, obj, r, true)) return r;
   PyObject* dt = get_attr(obj, T.s_dtype).ptr();
   for (int i = 1; i < kDTypes; ++i)
     if (dt == T.dtypes[i]) r.dtype = static_cast<TorchDType>(i);
@@ -245,20 +314,35 @@ bool call_flag(PyObject* fn) {
 }
 }  // namespace
 
-bool torch_grad_enabled() { return call_flag(torch_api().is_grad_enabled); }
+bool torch_grad_enabled() {
+  const Torch& T = torch_api();
+  return T.native ? T.native->grad_enabled() != 0 : call_flag(T.is_grad_enabled);
+}
 
-bool torch_inference_mode() { return call_flag(torch_api().is_inference_mode_enabled); }
+bool torch_inference_mode() {
+  const Torch& T = torch_api();
+  return T.native ? T.native->inference_mode() != 0 : call_flag(T.is_inference_mode_enabled);
+}
 
 bool requires_grad(py::handle tensor) {
-  return get_attr(tensor, torch_api().s_requires_grad).ptr() == Py_True;
+  const Torch& T = torch_api();
+  const int native = T.native ? T.native->requires_grad(tensor.ptr()) : -1;
+  if (native >= 0) return native != 0;
+  return get_attr(tensor, T.s_requires_grad).ptr() == Py_True;
 }
 
 uintptr_t tensor_data_ptr(py::handle tensor) {
-  return PyLong_AsUnsignedLongLong(call_method(tensor, torch_api().s_data_ptr).ptr());
+  const Torch& T = torch_api();
+  TensorRef r;
+  if (read_native(T, tensor, r, false)) return r.ptr;
+  return PyLong_AsUnsignedLongLong(call_method(tensor, T.s_data_ptr).ptr());
 }
+
+std::string torch_reader() { return torch_api().how; }
 
 uintptr_t torch_current_stream(int device) {
   const Torch& T = torch_api();
+  if (T.native && T.native->current_stream) return T.native->current_stream(device);
   if (T.raw_stream) {
     py::object s = py::reinterpret_steal<py::object>(
         PyObject_CallOneArg(T.raw_stream, py::int_(device).ptr()));
@@ -269,8 +353,14 @@ uintptr_t torch_current_stream(int device) {
   return s.attr("cuda_stream").cast<uintptr_t>();
 }
 
-py::object torch_empty(const std::vector<int64_t>& shape, const py::dict& kwargs) {
+py::object torch_empty(const std::vector<int64_t>& shape, TorchDType dtype, int device,
+                       const py::dict& kwargs) {
   const Torch& T = torch_api();
+  if (T.native) {
+    PyObject* r = T.native->empty(shape.data(), static_cast<int>(shape.size()),
+                                  static_cast<int>(dtype), device);
+    if (r) return py::reinterpret_steal<py::object>(r);
+  }
   py::tuple size(shape.size());
   for (size_t i = 0; i < shape.size(); ++i) size[i] = py::int_(shape[i]);
   PyObject* r = PyObject_Call(T.empty, py::make_tuple(size).ptr(), kwargs.ptr());
@@ -297,7 +387,7 @@ py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream,
     if (e.stream != stream || e.shape != shape || Py_REFCNT(e.tensor.ptr()) != 1) continue;
     if (!internal_ && e.exposed) {
       if (e.idle_uses < 0 || storage_uses(T, e.tensor) != e.idle_uses) continue;
-      if (!integer_dtype(dtype_) && get_attr(e.tensor, T.s_requires_grad).ptr() == Py_True) {
+      if (!integer_dtype(dtype_) && requires_grad(e.tensor)) {
         // Its last holder made it an autograd leaf: not a fresh output any more.
         entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(i--));
         continue;
@@ -307,7 +397,7 @@ py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream,
     return e.tensor;
   }
   if (!kwargs_) kwargs_ = empty_kwargs(dtype_, device_);
-  py::object t = torch_empty(shape, kwargs_);
+  py::object t = torch_empty(shape, dtype_, device_, kwargs_);
   const uintptr_t addr = tensor_data_ptr(t);
   if (data) *data = addr;
   if (capacity_ == 0) return t;

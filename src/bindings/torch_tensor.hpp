@@ -1,10 +1,12 @@
-// A minimal C-level reader of torch tensors for the bindings, without linking
-// torch: a tensor's address, dtype, shape, strides and device are read through
-// the Python C API (torch dtypes are singletons, so a dtype is one pointer
-// compare), under the GIL, into plain data that the rest of a call uses with
-// the GIL released (on a plain torch.Tensor through torch's C getters and
-// methods, found once, with no attribute lookup). Also: torch's current
-// stream of a device and a cached torch.empty, both looked up once per process.
+// The bindings' reader of torch tensors: a tensor's address, dtype, shape,
+// strides and device, read under the GIL into plain data that the rest of a
+// call uses with the GIL released. Nothing here links torch: where
+// libsymheap_torch.so was built and fits the running torch, the fields come
+// through torch's C++ API (src/torch_native/torch_native.hpp, a few ns each);
+// otherwise through the Python C API (torch dtypes are singletons, so a dtype
+// is one pointer compare; on a plain torch.Tensor through torch's C getters
+// and methods, found once, with no attribute lookup). Also: torch's current
+// stream of a device and torch.empty, both looked up once per process.
 #pragma once
 #include <pybind11/pybind11.h>
 
@@ -63,6 +65,9 @@ bool requires_grad(py::handle tensor);
 // The address of a tensor known to be one (a tensor this call allocated).
 uintptr_t tensor_data_ptr(py::handle tensor);
 
+// Which reader is in use: "torch C++ API (<library>)" or "Python C API: <why>".
+std::string torch_reader();
+
 // "(4, 2)" for a shape given as numbers.
 std::string shape_repr(const std::vector<int64_t>& shape);
 
@@ -70,9 +75,11 @@ std::string shape_repr(const std::vector<int64_t>& shape);
 // torch has no CUDA); the lookup function is resolved once.
 uintptr_t torch_current_stream(int device);
 
-// torch.empty(shape, dtype=dtype, device=device), with the callable resolved
-// once; `kwargs` comes from empty_kwargs() and is kept by the caller.
-py::object torch_empty(const std::vector<int64_t>& shape, const py::dict& kwargs);
+// torch.empty(shape, dtype=dtype, device=device): through torch's C++ API
+// where it is loaded, else torch.empty with the callable resolved once;
+// `kwargs` comes from empty_kwargs(dtype, device) and is kept by the caller.
+py::object torch_empty(const std::vector<int64_t>& shape, TorchDType dtype, int device,
+                       const py::dict& kwargs);
 py::dict empty_kwargs(TorchDType dtype, int device);
 
 // Outputs a call hands out fresh, without an allocation per call: a tensor

@@ -189,10 +189,16 @@ class EpDispatchCombine:
             self._fixed_rows = (g["recv_rows"], config.hidden)
         else:
             self._fixed_rows = None  # the host knows the count: outputs keep that many rows
-        op.set_front_end(DispatchOutput, self._torch_device, self._fixed_rows)
+        op.set_front_end(DispatchOutput, self._torch_device, self._fixed_rows, stream_handle)
         self._op = op
-        # The two hot calls as plain functions of the core (positional arguments).
-        self._dispatch_call, self._combine_call = op.fast_calls()
+        # The two hot calls as plain functions of the core with the signatures of
+        # dispatch and combine below; set as this object's own attributes (unless a
+        # subclass overrides the methods), a call goes straight to the core.
+        self._dispatch_call, self._combine_call = op.fast_calls(self)
+        if type(self).dispatch is EpDispatchCombine.dispatch:
+            self.dispatch = self._dispatch_call
+        if type(self).combine is EpDispatchCombine.combine:
+            self.combine = self._combine_call
 
     # ----------------------------------------------------------- properties
 
@@ -226,9 +232,9 @@ class EpDispatchCombine:
         # and builds the DispatchOutput: its EpHandle holds op_id, layout,
         # num_tokens, rows_shape, device, the handle's one storage tensor
         # (_storage) and _op (self); the output holds handle, _owner (self) and
-        # _rows (rows received, or -1).
-        return call(self, x, topk_idx, topk_weights, scales,
-                    None if stream is None else stream_handle(stream))
+        # _rows (rows received, or -1). (Unless a subclass overrides this method,
+        # calls on an open op reach that core call directly: see __init__.)
+        return call(x, topk_idx, topk_weights, scales, stream=stream)
 
     def combine(self, expert_out, handle: EpHandle, topk_weights=None, *, out=None,
                 stream=None):
@@ -246,8 +252,7 @@ class EpDispatchCombine:
         call = self._combine_call
         if call is None:
             raise SymheapError("this EpDispatchCombine is closed")
-        return call(expert_out, handle, topk_weights, out,
-                    None if stream is None else stream_handle(stream))
+        return call(expert_out, handle, topk_weights, out=out, stream=stream)
 
     @property
     def has_redispatch(self) -> bool:
@@ -292,6 +297,8 @@ class EpDispatchCombine:
         if op is None:
             return
         self._op = self._dispatch_call = self._combine_call = None
+        self.__dict__.pop("dispatch", None)  # the methods now say the op is closed
+        self.__dict__.pop("combine", None)
         try:
             op.check(None, True)
         finally:

@@ -1,0 +1,97 @@
+"""EpDispatchCombine.dispatch / combine as the core's own functions: keyword
+arguments, Python's argument errors, stream= conversion, use after close, and a
+subclass that overrides the methods."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import symheap  # noqa: E402
+from symheap.ep import EpConfig, EpDispatchCombine  # noqa: E402
+from symheap.testing import run_threads  # noqa: E402
+
+import test_ep_programs as progs  # noqa: E402
+
+
+def _config():
+    return EpConfig(hidden=16, max_tokens_per_rank=5, num_experts=8, topk=2, dtype="float32",
+                    layout="expert_major")
+
+
+def _errors(calls):
+    got = []
+    for call in calls:
+        try:
+            call()
+            got.append(None)
+        except Exception as e:  # noqa: BLE001 - the type and message are the result
+            got.append(f"{type(e).__name__}: {e}")
+    return got
+
+
+def keyword_calls():
+    cfg = _config()
+    me, n = symheap.my_pe(), symheap.n_pes()
+    inputs = [progs.make_inputs(cfg, n, r, 11, "random", "full") for r in range(n)]
+    x, idx, w, scales = inputs[me]
+    ep = EpDispatchCombine(cfg)
+    out = ep.dispatch(topk_weights=w, topk_idx=idx, x=x, stream=0)
+    progs.check_dispatch(cfg, ep, out, inputs, me, n)
+    y = progs.identity_experts(cfg, out, x.device)
+    res = torch.full((x.shape[0], cfg.hidden), float("nan"))
+    got = ep.combine(y, handle=out.handle, topk_weights=w * 2, out=res, stream=None)
+    assert got is res
+    progs.check_combine(cfg, res, x, idx, w, scales, me, weight_scale=2.0)
+    # Argument errors are raised before the call starts, on this PE alone.
+    errors = _errors([lambda: ep.dispatch(x, idx),
+                      lambda: ep.dispatch(x, idx, w, None, 0),
+                      lambda: ep.dispatch(x, idx, w, bogus=1),
+                      lambda: ep.dispatch(x, idx, w, x=x),
+                      lambda: ep.combine(y),
+                      lambda: ep.dispatch(x, idx, w, stream=True),
+                      lambda: ep.dispatch(x, idx, w, stream=-1)])
+    progs.run_once(cfg, ep, 12)  # still in step with the other PEs
+    dispatch = ep.dispatch
+    ep.close()
+    errors += _errors([lambda: dispatch(x, idx, w), lambda: ep.dispatch(x, idx, w),
+                       lambda: ep.combine(y, out.handle)])
+    return errors
+
+
+def test_keyword_calls_and_argument_errors():
+    for errors in run_threads(keyword_calls, 2):
+        assert errors == [
+            "TypeError: EpDispatchCombine.dispatch() missing 1 required argument: 'topk_weights'",
+            "TypeError: EpDispatchCombine.dispatch() takes from 4 to 5 positional arguments but 6 "
+            "were given",
+            "TypeError: EpDispatchCombine.dispatch() got an unexpected keyword argument 'bogus'",
+            "TypeError: EpDispatchCombine.dispatch() got multiple values for argument 'x'",
+            "TypeError: EpDispatchCombine.combine() missing 1 required argument: 'handle'",
+            "TypeError: stream must be a stream object or a raw handle, not a bool",
+            "ValueError: a raw stream handle cannot be negative, got -1",
+            "SymheapError: this EpDispatchCombine is closed",
+            "SymheapError: this EpDispatchCombine is closed",
+            "SymheapError: this EpDispatchCombine is closed"]
+
+
+class CountingOp(EpDispatchCombine):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.calls = []
+
+    def dispatch(self, *args, **kwargs):
+        self.calls.append("dispatch")
+        return super().dispatch(*args, **kwargs)
+
+    def combine(self, *args, **kwargs):
+        self.calls.append("combine")
+        return super().combine(*args, **kwargs)
+
+
+def overridden_calls():
+    with CountingOp(_config()) as ep:
+        progs.run_once(ep.config, ep, 13)
+        return ep.calls
+
+
+def test_subclass_methods_are_called():
+    assert run_threads(overridden_calls, 2) == [["dispatch", "combine"]] * 2
