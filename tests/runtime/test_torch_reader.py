@@ -44,8 +44,9 @@ print(json.dumps(out))
 
 def _probe(native: bool):
     env = dict(os.environ, SYMHEAP_TORCH_NATIVE="1" if native else "0")
-    src = os.path.join(os.path.dirname(__file__), "..", "..", "python")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    # The symheap this process imported (installed, or the source tree with its build).
+    here = os.path.dirname(os.path.dirname(os.path.abspath(_core.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
