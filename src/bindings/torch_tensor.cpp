@@ -1,6 +1,5 @@
 #include "bindings/torch_tensor.hpp"
 
-#include <dlfcn.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -64,17 +63,12 @@ const torch_native::Api* open_native(const std::string& torch_version, std::stri
     return nullptr;
   }
 #ifdef SYMHEAP_TORCH_NATIVE_FILE
-  const std::string path = remote::beside_core(SYMHEAP_TORCH_NATIVE_FILE);
-  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!lib) {
-    const char* err = dlerror();
-    *how = "Python C API: cannot load " + path + ": " + (err ? err : "unknown error");
-    return nullptr;
-  }
-  auto open = reinterpret_cast<torch_native::OpenFn>(dlsym(lib, torch_native::kOpenSymbol));
+  std::string path, failed;
+  auto open = reinterpret_cast<torch_native::OpenFn>(remote::symbol_beside_core(
+      SYMHEAP_TORCH_NATIVE_FILE, torch_native::kOpenSymbol, "the torch reader", &failed, &path));
   if (!open) {
-    *how = "Python C API: " + path + " has no " + torch_native::kOpenSymbol + ": rebuild symheap";
-    return nullptr;  // the library stays loaded: closing it buys nothing
+    *how = "Python C API: " + failed;
+    return nullptr;
   }
   char why[256] = {};
   const torch_native::Api* api = open(torch_native::kAbi, torch_version.c_str(), why, sizeof why);

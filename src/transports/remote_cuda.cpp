@@ -9,7 +9,6 @@
 // operation raises the error that says what is missing and how to get it.
 #ifdef SYMHEAP_WITH_CUDA
 #include <cuda_runtime.h>
-#include <dlfcn.h>
 
 #include <cstdio>
 #include <exception>
@@ -32,18 +31,9 @@ remote::DeviceEngine* device_engine(std::string* why_not) {
   static remote::DeviceEngine* engine = nullptr;
   std::lock_guard<std::mutex> lock(mu);
   if (engine) return engine;
-  std::string path = remote::beside_core(SYMHEAP_NCCL_ENGINE_FILE);
-  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!lib) {
-    const char* err = dlerror();
-    *why_not = "cannot load the NCCL engine " + path + ": " + (err ? err : "unknown error");
-    return nullptr;
-  }
-  auto open = reinterpret_cast<remote::DeviceOpenFn>(dlsym(lib, remote::kDeviceOpenSymbol));
-  if (!open) {
-    *why_not = path + " has no " + remote::kDeviceOpenSymbol + ": rebuild symheap";
-    return nullptr;
-  }
+  auto open = reinterpret_cast<remote::DeviceOpenFn>(remote::symbol_beside_core(
+      SYMHEAP_NCCL_ENGINE_FILE, remote::kDeviceOpenSymbol, "the NCCL engine", why_not));
+  if (!open) return nullptr;
   std::string why;
   engine = open(remote::kDeviceEngineAbi, &why);
   if (!engine) *why_not = "the NCCL engine is unavailable: " + why;

@@ -26,6 +26,21 @@ std::string beside_core(const char* file) {
   return (slash == std::string::npos ? std::string() : self.substr(0, slash + 1)) + file;
 }
 
+void* symbol_beside_core(const char* file, const char* symbol, const std::string& what,
+                         std::string* why_not, std::string* path) {
+  const std::string where = beside_core(file);
+  if (path) *path = where;
+  void* lib = dlopen(where.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    const char* err = dlerror();
+    *why_not = "cannot load " + what + " " + where + ": " + (err ? err : "unknown error");
+    return nullptr;
+  }
+  void* found = dlsym(lib, symbol);
+  if (!found) *why_not = where + " has no " + symbol + ": rebuild symheap";
+  return found;  // (the library stays loaded: closing it buys nothing)
+}
+
 #ifdef SYMHEAP_MPI_ENGINE_FILE
 namespace {
 
@@ -53,18 +68,9 @@ Engine* process_engine(std::string* why_not) {
                "remote traffic";
     return nullptr;
   }
-  std::string path = beside_core(SYMHEAP_MPI_ENGINE_FILE);
-  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!lib) {
-    const char* err = dlerror();
-    *why_not = "cannot load the MPI engine " + path + ": " + (err ? err : "unknown error");
-    return nullptr;
-  }
-  auto open = reinterpret_cast<OpenFn>(dlsym(lib, kOpenSymbol));
-  if (!open) {
-    *why_not = path + " has no " + kOpenSymbol + ": rebuild symheap";
-    return nullptr;  // the library stays loaded: closing it buys nothing
-  }
+  auto open = reinterpret_cast<OpenFn>(
+      symbol_beside_core(SYMHEAP_MPI_ENGINE_FILE, kOpenSymbol, "the MPI engine", why_not));
+  if (!open) return nullptr;
   std::string why;
   engine = open(kEngineAbi, &why);
   if (!engine) *why_not = "the MPI engine is unavailable: " + why;

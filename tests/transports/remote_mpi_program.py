@@ -504,10 +504,7 @@ def ep_bytes(seed, timeout):
             before = _core.bytes_across_nodes()
             out = ep.dispatch(x, idx, w, scales)
             sent.append(_core.bytes_across_nodes() - before)
-            outputs.append([getattr(out, f).clone() for f in
-                            ("x", "scales", "topk_idx", "topk_weights", "src_info",
-                             "num_recv_tokens", "expert_counts")] +
-                           [getattr(out.handle, f).clone() for f in ("send_rows", "summary")])
+            outputs.append(_dispatch_outputs(out))
             y = progs.identity_experts(cfg, out, torch.device("cpu"))
             symheap.barrier_all(timeout=timeout)
             before = _core.bytes_across_nodes()
