@@ -3,14 +3,17 @@ same bytes, 1 MiB to 1 GiB, on 2 GPUs of one host made two nodes with every
 byte forced onto NCCL's socket transport over loopback (the setup of
 docs/transports.md, tests/gpu/remote_nccl_program.py).
 
-    python bench/remote_bw.py [--max-mib 1024] [--iters 20]
+    python bench/remote_bw.py [--max-mib 1024] [--iters 20] [--rounds 5]
 
-Prints one row per size and a summary line: the ratio symheap / NCCL at each
-size (the target is >= 0.9).
+The two are timed in alternating rounds (symheap, NCCL, symheap, ...) of
+--iters transfers each. Prints one row per size (best and median round of
+each) and a summary line: the ratio of the best rounds symheap / NCCL at
+each size (the target is >= 0.9), and the ratio of the medians.
 """
 import argparse
 import os
 import socket
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,6 +30,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-mib", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     import torch
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
@@ -38,17 +42,23 @@ def main():
         sizes.append(nb)
         nb *= 4
     heap = f"{max(sizes) // (1 << 20) + 64}M"
-    results = prog.run_two_nodes([("bandwidth", (sizes, args.iters, free_port()), True)],
-                                 timeout=120.0, heap_size=heap, wait_s=540.0)
+    task = ("bandwidth", (sizes, args.iters, free_port(), args.rounds), True)
+    results = prog.run_two_nodes([task], timeout=120.0, heap_size=heap, wait_s=540.0)
     rows = results[0][0]
-    print(f"{'bytes':>12} {'iters':>6} {'symheap put GB/s':>17} {'NCCL send/recv GB/s':>20} "
-          f"{'ratio':>6}")
-    ratios = []
+    print(f"{args.rounds} alternating rounds per size; GB/s of the best round (median round)")
+    print(f"{'bytes':>12} {'iters':>6} {'symheap put GB/s':>20} {'NCCL send/recv GB/s':>20} "
+          f"{'ratio':>6} {'(medians)':>9}")
+    best, medians = [], []
     for nb, n_it, sym, nccl in rows:
-        ratios.append(sym / nccl)
-        print(f"{nb:>12} {n_it:>6} {sym:>17.2f} {nccl:>20.2f} {sym / nccl:>6.2f}")
-    print("summary: remote put / NCCL send-recv (forced socket network, loopback): " +
-          ", ".join(f"{nb >> 20} MiB {r:.2f}x" for (nb, *_), r in zip(rows, ratios)))
+        best.append(max(sym) / max(nccl))
+        medians.append(statistics.median(sym) / statistics.median(nccl))
+        print(f"{nb:>12} {n_it:>6} {max(sym):>10.2f} ({statistics.median(sym):>6.2f}) "
+              f"{max(nccl):>10.2f} ({statistics.median(nccl):>6.2f}) {best[-1]:>6.2f} "
+              f"({medians[-1]:>6.2f})")
+    print("summary: remote put / NCCL send-recv (forced socket network, loopback), "
+          "best rounds: " +
+          ", ".join(f"{nb >> 20} MiB {r:.2f}x" for (nb, *_), r in zip(rows, best)) +
+          "; medians: " + ", ".join(f"{r:.2f}x" for r in medians))
 
 
 if __name__ == "__main__":

@@ -263,11 +263,13 @@ def lost_peer(how: str):
         return (f"{type(e).__name__}: {e}", time.monotonic() - t0)
 
 
-def bandwidth(sizes, iters, port):
+def bandwidth(sizes, iters, port, rounds=2):
     """PE 0 -> PE 1: symheap puts then quiet, against torch.distributed's NCCL
     send/recv of the same bytes (then a 1-byte answer once they are received),
-    on the same forced-network setup. Rows of (bytes, iterations, symheap GB/s,
-    NCCL GB/s), as PE 0 timed them."""
+    on the same forced-network setup. The two are timed in alternating rounds,
+    so a drift of the loopback's speed during the run reaches both alike. Rows
+    of (bytes, iterations, symheap GB/s per round, NCCL GB/s per round), as
+    PE 0 timed them."""
     import torch
     import torch.distributed as dist
     import symheap
@@ -314,9 +316,11 @@ def bandwidth(sizes, iters, port):
         n_it = max(2, min(iters, (8 << 30) // nb))
         timed_symheap(nb, 1)  # warm-up
         timed_nccl(nb, 1)
-        t_sym = min(timed_symheap(nb, n_it) for _ in range(2))
-        t_nccl = min(timed_nccl(nb, n_it) for _ in range(2))
-        rows.append((nb, n_it, n_it * nb / t_sym / 1e9, n_it * nb / t_nccl / 1e9))
+        sym, nccl = [], []
+        for _ in range(rounds):
+            sym.append(n_it * nb / timed_symheap(nb, n_it) / 1e9)
+            nccl.append(n_it * nb / timed_nccl(nb, n_it) / 1e9)
+        rows.append((nb, n_it, sym, nccl))
     symheap.barrier_all()
     symheap.free(dst)
     dist.destroy_process_group()
