@@ -172,6 +172,21 @@ void backward_dq_fused(const Launch& l, const KArgs& p) {
   }
 }
 
+// The dK/dV kernel: at head dim 128 without features the one whose warps
+// share Q/dO fragments (cuda_backward_dkdv_shared.cuh), or the pipelined one
+// of 32-row tiles (`dkdv32`: SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dkdv32) or
+// of 64-row tiles (`dkdv_unshared`: = pipelined_dkdv_unshared); elsewhere the
+// pipelined one of the default query tile (kDkvRowTile).
+template <class T, int DB, bool kFeatures>
+void dkdv_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant) {
+  constexpr int kRows = kDkvRowTile<DB, kFeatures>;
+  if constexpr (DB == 128 && !kFeatures) {
+    if (variant.dkdv32) return dkdv_pipelined<T, DB, 32, kFeatures>(l, p);
+    if (!variant.dkdv_unshared) return dkdv_shared<T, DB>(l, p);
+  }
+  dkdv_pipelined<T, DB, kRows, kFeatures>(l, p);
+}
+
 // The pipelined dQ and dK/dV kernels (head dims 64, 128 and 256, exactly);
 // the logit features are compiled in only when the call uses one.
 template <class T, int DB>
