@@ -77,7 +77,8 @@ const char* own_backward_kernel(int head_dim);
 // (result shapes are fixed at trace time, before any graph exists): 1 MiB
 // forward; backward an fp32 dQ, two fp32 statistics per query row and 1 MiB.
 // 0 where cuDNN never runs (varlen, float32, padded head dims). A graph that
-// needs more than this runs on the own kernels (or raises when forced).
+// needs more than this runs on the own kernels (or raises when forced). The
+// own backward's fused dQ takes its fp32 accumulator from the same bytes.
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward);
 
 }  // namespace symheap::attention
