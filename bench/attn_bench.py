@@ -21,8 +21,9 @@ and forward+backward, as a column next to symheap's path; --compare-backward V
 adds forward+backward with SYMHEAP_ATTN_OWN_BACKWARD=V on the own path (e.g.
 pipelined_dq16: the dQ kernel of 16-row warps; pipelined_dkdv32: the dK/dV
 kernel of 32-row query tiles at head dim 128; pipelined_dkdv_unshared: the
-dK/dV kernel of 64-row tiles without shared Q/dO fragments, head dim 128) as a
-column; --kernel-times lists
+dK/dV kernel of 64-row tiles without shared Q/dO fragments, head dim 128;
+pipelined_dq_separate: dQ by its own kernel instead of fused into the dK/dV
+kernel, head dim 128) as a column; --kernel-times lists
 the device time of each attention kernel per call (torch profiler), of the
 --compare-backward variant too.
 """

@@ -269,7 +269,13 @@ Call prepare(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary a
       a.dbias = ws;
     }
     c.delta = piece(ScratchLayout::DELTA);
-    c.delta_bytes = (c.layout.bytes[ScratchLayout::DELTA] + 255) / 256 * 256;
+    // The own backward's workspace: delta and, when no dbias piece follows
+    // it, the rest of the scratch result (cuDNN's reserve, room for an fp32
+    // dQ: the fused dQ's accumulator; without it the dQ kernel runs).
+    static_assert(ScratchLayout::DELTA + 1 == ScratchLayout::DBIAS && ScratchLayout::DBIAS + 1 == ScratchLayout::COUNT,
+                  "delta is the last piece but dbias");
+    c.delta_bytes = want_dbias ? (c.layout.bytes[ScratchLayout::DELTA] + 255) / 256 * 256
+                               : c.scratch_bytes - c.layout.offset[ScratchLayout::DELTA];
   }
   c.padded = pad;
   return c;

@@ -58,6 +58,15 @@ def test_larger_shapes_cuda(dtype, D, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_pipelined_backward_dq_fused_xla(dtype, causal):
+    """The own backward at head dim 128 without logit features fuses dQ into
+    the dK/dV kernel: its fp32 accumulator is the scratch result's tail."""
+    case = make_case(128, B=2, Sq=197, Sk=333, Hq=6, Hkv=2, D=128, dtype=dtype)
+    compare(case, dtype, causal=causal, backend="own")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("D", [24, 20, 64])
 @pytest.mark.parametrize("options", [
     {"causal": True},

@@ -113,7 +113,9 @@ class _Options(NamedTuple):
     has_bias: bool
     has_mask: bool
     has_alibi: bool
-    cudnn_scratch: bool  # the scratch result sets aside cuDNN's workspace (CUDA path may be cuDNN)
+    # The scratch result sets aside cuDNN's workspace (on CUDA; the own backward
+    # takes its fused dQ's fp32 accumulator from it).
+    cudnn_scratch: bool
 
 
 def _attrs(o: _Options) -> dict:
@@ -262,7 +264,7 @@ def _call(q, k, v, *, varlen, cu_q=None, cu_k=None, max_seqlen_q=0, max_seqlen_k
     o = _Options(varlen, _as_int(max_seqlen_q, "max_seqlen_q"), _as_int(max_seqlen_k, "max_seqlen_k"),
                  bool(causal), window, scale, float(softcap), dropout_p, s, off, bool(deterministic),
                  "" if backend is None else backend, bias is not None, mask is not None, alibi_slopes is not None,
-                 on_gpu and path != "own")
+                 on_gpu)
     _plan(o, q, k, v, bias, mask, alibi_slopes, cu_q, cu_k)  # errors at trace time
     _register_targets()
     # Under shard_map every operand varies over the same mesh axes; marking an

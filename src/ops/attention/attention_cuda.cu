@@ -212,19 +212,45 @@ void forward_cuda(const Args& a, int device, void* stream) {
   else cuda::run_forward_bf16(l, k, pipelined);
 }
 
+namespace {
 // delta (rowsum(dout * out)), one float per query row and head, sized from
 // the shapes alone (the packed row count for varlen; cu_seqlens is not read).
-size_t backward_cuda_workspace_bytes(const Args& a) {
+size_t delta_bytes(const Args& a) {
   const size_t bytes = static_cast<size_t>(query_rows(a)) * a.heads_q * sizeof(float);
   return (bytes + 255) / 256 * 256;
+}
+
+// The fp32 dQ accumulator of the fused backward: a float per dq element.
+size_t dq_accum_bytes(const Args& a) {
+  return static_cast<size_t>(query_rows(a)) * a.heads_q * a.head_dim * sizeof(float);
+}
+
+// Whether the backward computes dQ inside the dK/dV kernel (head dim 128
+// without logit features, SYMHEAP_ATTN_OWN_BACKWARD unset/auto with
+// kDqFusedByDefault, or = pipelined_dq_fused); never when the call asks for
+// a deterministic backward (its atomics have no fixed order).
+bool backward_fuses_dq(const Args& a, const cuda::KArgs& k, const char* kernel) {
+  if (a.deterministic || a.head_dim != 128 || cuda::logit_features(k)) return false;
+  if (std::strcmp(kernel, kOwnBackwardDqFused) == 0) return true;
+  return kDqFusedByDefault && std::strcmp(kernel, "pipelined") == 0;
+}
+}  // namespace
+
+// delta, then (when dQ is fused into the dK/dV kernel) its fp32 accumulator.
+size_t backward_cuda_workspace_bytes(const Args& a) {
+  const bool fused = backward_fuses_dq(a, kernel_args(a), own_backward_kernel(a.head_dim));
+  return delta_bytes(a) + (fused ? dq_accum_bytes(a) : 0);
 }
 
 void backward_cuda(const Args& a, int device, void* stream, void* workspace, size_t bytes) {
   validate(a, true);
   validate_cuda(a, true);
-  const size_t need = backward_cuda_workspace_bytes(a);
+  // delta at least; with room for the fp32 dQ accumulator too (what
+  // backward_cuda_workspace_bytes asks for) dQ may be fused, else the dQ
+  // kernel runs.
+  const size_t need = delta_bytes(a);
   require(bytes >= need && (need == 0 || workspace != nullptr), [&] {
-    return "the backward workspace has " + std::to_string(bytes) + " bytes; it needs " +
+    return "the backward workspace has " + std::to_string(bytes) + " bytes; it needs at least " +
            std::to_string(need) + " (backward_cuda_workspace_bytes)";
   });
   require(reinterpret_cast<uintptr_t>(workspace) % 16 == 0, "the workspace must be 16-byte aligned");
@@ -244,6 +270,13 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
   }
   const char* kernel = own_backward_kernel(a.head_dim);
   cuda::BackwardVariant variant;
+  variant.dq_fused = backward_fuses_dq(a, k, kernel) && bytes >= need + dq_accum_bytes(a);
+  if (variant.dq_fused) {
+    k.dq_accum = reinterpret_cast<float*>(static_cast<char*>(workspace) + need);
+    k.dqa_sh = a.head_dim;
+    k.dqa_sr = static_cast<int64_t>(a.heads_q) * a.head_dim;
+    k.dqa_sb = a.varlen() ? 0 : k.dqa_sr * a.seqlen_q;
+  }
   variant.dq16 = std::strcmp(kernel, kOwnBackwardDq16) == 0;
   variant.dkdv32 = std::strcmp(kernel, kOwnBackwardDkdv32) == 0;
   variant.dkdv_unshared = std::strcmp(kernel, kOwnBackwardDkdvUnshared) == 0;

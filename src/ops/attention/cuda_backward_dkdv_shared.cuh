@@ -17,13 +17,23 @@
 // the other warps keep the tensor cores busy meanwhile. The default at head
 // dim 128 without logit features; $SYMHEAP_ATTN_OWN_BACKWARD =
 // pipelined_dkdv_unshared runs the pipelined kernel instead.
+//
+// kFuseDq (the default where the call is not deterministic): the kernel also
+// computes dQ += dS K, so the separate dQ kernel (which recomputes S and dP)
+// does not run. dS^T of the whole tile (128 keys x 64 rows) is in shared
+// memory once every warp has written its part, i.e. after the next tile's
+// first barrier: dS^T is double-buffered, and the dQ product of tile it - 1
+// runs right after that barrier, on a 2 x 4 warp grid of 32 rows x 32
+// columns per warp (32 fp32 accumulators, transient). Each warp adds its
+// slice to an fp32 workspace with vector atomics (red.global.add.v2.f32);
+// attention_bwd_dq_convert_kernel writes dQ in the tensor's dtype after.
 #pragma once
 
 #include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
 
 namespace symheap::attention::cuda {
 
-template <int DB>
+template <int DB, bool kFuseDq = false>
 struct SharedDkvConfig {
   static_assert(DB == 128, "the shared-fragment dK/dV kernel serves head dim 128");
   static constexpr int kBlockN = 128;  // keys per CTA
@@ -34,10 +44,15 @@ struct SharedDkvConfig {
   static constexpr int kWarpRows = kBlockM / 2;          // S^T, dP^T: 2 row halves
   static constexpr int kWarpCols = DB / 2;               // dV, dK: 2 column halves
   static_assert(kBlockN / kWarpKeys * 2 == kWarps, "a 4 x 2 warp grid");
-  // K, V; two buffers each of Q and dO; P^T and dS^T (keys x rows); then two
-  // buffers each of the tile's lse (log2 units) and delta.
+  // dQ += dS K (kFuseDq): a 2 x 4 grid of 32 query rows x DB / 4 columns.
+  static constexpr int kDqWarpRows = kBlockM / 2;
+  static constexpr int kDqWarpCols = DB / 4;
+  static constexpr int kDsBuffers = kFuseDq ? 2 : 1;
+  // K, V; two buffers each of Q and dO; P^T and dS^T (keys x rows; dS^T
+  // twice when dQ is fused); then two buffers each of the tile's lse (log2
+  // units) and delta.
   static constexpr size_t kSmemTiles =
-      sizeof(uint16_t) * (DB * (2 * kBlockN + 4 * kBlockM) + 2 * kBlockN * kBlockM);
+      sizeof(uint16_t) * (DB * (2 * kBlockN + 4 * kBlockM) + (1 + kDsBuffers) * kBlockN * kBlockM);
   static constexpr size_t kSmem = kSmemTiles + sizeof(float) * 4 * kBlockM;
   static_assert((kBlockM * DB / 8) % kThreads == 0 && (kBlockN * DB / 8) % kThreads == 0,
                 "load_tile: whole rounds of 16-byte copies per thread");
@@ -58,11 +73,11 @@ __device__ __forceinline__ void pair_barrier(int kg) {
 
 }  // namespace pipelined
 
-template <class T, int DB>
-__global__ void __launch_bounds__(SharedDkvConfig<DB>::kThreads)
+template <class T, int DB, bool kFuseDq>
+__global__ void __launch_bounds__(SharedDkvConfig<DB, kFuseDq>::kThreads)
     attention_bwd_dkdv_shared_kernel(const KArgs p) {
   using namespace pipelined;
-  using C = SharedDkvConfig<DB>;
+  using C = SharedDkvConfig<DB, kFuseDq>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;
   constexpr int KT = C::kWarpKeys / 16;  // 16-key mma tiles of a warp
   constexpr int RT = C::kWarpRows / 8;   // 8-row mma tiles of a warp (S^T, dP^T)
@@ -74,7 +89,7 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB>::kThreads)
   T* sQ = sV + BN * DB;       // two buffers of BM x DB
   T* sdO = sQ + 2 * BM * DB;  // two buffers of BM x DB
   T* sP = sdO + 2 * BM * DB;  // P^T: BN x BM
-  T* sdS = sP + BN * BM;      // dS^T: BN x BM
+  T* sdS = sP + BN * BM;      // dS^T: BN x BM (two buffers with kFuseDq)
   float* sLse = reinterpret_cast<float*>(smem_raw + C::kSmemTiles);  // two buffers of BM
   float* sDelta = sLse + 2 * BM;                                    // two buffers of BM
 
@@ -168,6 +183,57 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB>::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_dv[mt][ct][e] = acc_dk[mt][ct][e] = 0.0f;
 
+  // dQ += dS K of tile `done` (kFuseDq), once every warp's dS^T of it is in
+  // s_ds: 32 query rows (q_row0, as in S^T) x DB / 4 columns of this warp,
+  // over the block's BN keys. dS as A through ldmatrix.trans of dS^T (the
+  // lane addresses of the B fragments: keys b_row, row chunk b_chunk), K as
+  // B through ldmatrix.trans (keys bt_row, column chunk bt_chunk), as dO and
+  // Q in dV and dK. Rows past the sequence add nothing (dS is 0 there, and
+  // the workspace ends with the sequence).
+  constexpr int DQ_RT = C::kDqWarpRows / 16, DQ_CT = C::kDqWarpCols / 8;
+  const int dq_chunk0 = kg * DQ_CT;  // this warp's first 16-byte column chunk of dQ
+  auto dq_product = [&](int done, const T* s_ds) {
+    float acc[DQ_RT][DQ_CT][4];
+#pragma unroll
+    for (int rt = 0; rt < DQ_RT; ++rt)
+#pragma unroll
+      for (int ct = 0; ct < DQ_CT; ++ct)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[rt][ct][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t da[DQ_RT][4];
+#pragma unroll
+      for (int rt = 0; rt < DQ_RT; ++rt)
+        ldsm_x4_trans(da[rt], smem_addr(s_ds + swizzle<BM>(kk * 16 + b_row, (q_row0 + rt * 16) / 8 + b_chunk)));
+#pragma unroll
+      for (int d2 = 0; d2 < DQ_CT / 2; ++d2) {
+        uint32_t kf[4];
+        ldsm_x4_trans(kf, smem_addr(sK + swizzle<DB>(kk * 16 + bt_row, dq_chunk0 + 2 * d2 + bt_chunk)));
+#pragma unroll
+        for (int rt = 0; rt < DQ_RT; ++rt) {
+          mma<T>(acc[rt][2 * d2], da[rt], kf);
+          mma<T>(acc[rt][2 * d2 + 1], da[rt], kf + 2);
+        }
+      }
+    }
+    const int hq = tile_head(done), m0 = tile_row0(done);
+    float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh + dq_chunk0 * 8 + 2 * t;
+#pragma unroll
+    for (int rt = 0; rt < DQ_RT; ++rt) {
+      const int r = q_row0 + rt * 16 + g;
+#pragma unroll
+      for (int ct = 0; ct < DQ_CT; ++ct) {
+        if (m0 + r < seq.sq)
+          atomicAdd(reinterpret_cast<float2*>(out + r * p.dqa_sr + ct * 8),
+                    make_float2(acc[rt][ct][0], acc[rt][ct][1]));
+        if (m0 + r + 8 < seq.sq)
+          atomicAdd(reinterpret_cast<float2*>(out + (r + 8) * p.dqa_sr + ct * 8),
+                    make_float2(acc[rt][ct][2], acc[rt][ct][3]));
+      }
+    }
+  };
+
   for (int it = 0; it < n_tiles; ++it) {
     const int buf = it & 1;
     const T* sQb = sQ + buf * BM * DB;
@@ -183,6 +249,11 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB>::kThreads)
       if (threadIdx.x < BM) read_stats(it + 1, &next_lse2, &next_delta);
     }
     cp_async_commit();  // possibly empty: keeps the group count uniform
+    // The previous tile's dS^T is complete (the barrier above); the S^T/dP^T
+    // stores below go to the other buffer.
+    T* const sdSb = sdS + (kFuseDq ? buf * BN * BM : 0);
+    if constexpr (kFuseDq)
+      if (it > 0) dq_product(it - 1, sdS + (buf ^ 1) * BN * BM);
     const int hq = tile_head(it), m0 = tile_row0(it);
 
     // S^T = K Q^T and dP^T = V dO^T: 32 keys x 32 query rows of this warp.
@@ -247,9 +318,9 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB>::kThreads)
               Pack<T>::two(s[mt][nt][0], s[mt][nt][1]);
           *reinterpret_cast<uint32_t*>(sP + swizzle<BM>(row + 8, chunk) + 2 * t) =
               Pack<T>::two(s[mt][nt][2], s[mt][nt][3]);
-          *reinterpret_cast<uint32_t*>(sdS + swizzle<BM>(row, chunk) + 2 * t) =
+          *reinterpret_cast<uint32_t*>(sdSb + swizzle<BM>(row, chunk) + 2 * t) =
               Pack<T>::two(dp[mt][nt][0], dp[mt][nt][1]);
-          *reinterpret_cast<uint32_t*>(sdS + swizzle<BM>(row + 8, chunk) + 2 * t) =
+          *reinterpret_cast<uint32_t*>(sdSb + swizzle<BM>(row + 8, chunk) + 2 * t) =
               Pack<T>::two(dp[mt][nt][2], dp[mt][nt][3]);
         }
       }
@@ -266,7 +337,7 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB>::kThreads)
 #pragma unroll
       for (int mt = 0; mt < KT; ++mt) {
         ldsm_x4(pa[mt], smem_addr(sP + swizzle<BM>(key_row0 + mt * 16 + a_row, 2 * kk + a_chunk)));
-        ldsm_x4(sa[mt], smem_addr(sdS + swizzle<BM>(key_row0 + mt * 16 + a_row, 2 * kk + a_chunk)));
+        ldsm_x4(sa[mt], smem_addr(sdSb + swizzle<BM>(key_row0 + mt * 16 + a_row, 2 * kk + a_chunk)));
       }
 #pragma unroll
       for (int d2 = 0; d2 < CT / 2; ++d2) {
@@ -291,11 +362,17 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB>::kThreads)
     }
   }
   cp_async_wait<0>();
+  if constexpr (kFuseDq) {
+    __syncthreads();  // the last tile's dS^T, from every warp
+    dq_product(n_tiles - 1, sdS + ((n_tiles - 1) & 1) * BN * BM);
+    __syncthreads();  // every warp has read sK, which the staging below overwrites
+  }
 
-  // The rows of sK and sV of a key group are read only by its two warps,
-  // before the last tile's pair barrier, which both have passed: each warp
-  // stages its 32 keys x DB / 2 columns there, swizzled, and writes them out
-  // with 16-byte stores.
+  // The rows of sK and sV of a key group are read only by its two warps
+  // (and, with kFuseDq, by every warp before the barrier above), before the
+  // last tile's pair barrier, which both have passed: each warp stages its
+  // 32 keys x DB / 2 columns there, swizzled, and writes them out with
+  // 16-byte stores.
   const int warp_rows = min(C::kWarpKeys, cols - key_row0);
   auto store = [&](T* s_stage, const float (*acc)[CT][4], T* out, int64_t row_stride) {
 #pragma unroll
@@ -322,6 +399,27 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB>::kThreads)
   };
   store(sK, acc_dk, dk, p.dk_sr);
   store(sV, acc_dv, dv, p.dv_sr);
+}
+
+// dQ from the fp32 workspace of the fused kernel (rows x heads_q x d, the
+// rows packed for varlen, as the dq tensor): 8 columns per thread.
+template <class T>
+__global__ void attention_bwd_dq_convert_kernel(const KArgs p, int64_t rows) {
+  const int chunks = p.d / 8;
+  const int64_t work = rows * p.heads_q * chunks;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < work;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int c = static_cast<int>(idx % chunks);
+    const int64_t rh = idx / chunks, r = rh / p.heads_q;
+    const int h = static_cast<int>(rh % p.heads_q);
+    const int64_t b = p.cu_q ? 0 : r / p.seqlen_q, i = p.cu_q ? r : r % p.seqlen_q;
+    const float* src = p.dq_accum + b * p.dqa_sb + i * p.dqa_sr + h * p.dqa_sh + c * 8;
+    const float4 x = *reinterpret_cast<const float4*>(src);
+    const float4 y = *reinterpret_cast<const float4*>(src + 4);
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_sb + i * p.dq_sr + h * p.dq_sh + c * 8) =
+        make_uint4(Pack<T>::two(x.x, x.y), Pack<T>::two(x.z, x.w), Pack<T>::two(y.x, y.y),
+                   Pack<T>::two(y.z, y.w));
+  }
 }
 
 }  // namespace symheap::attention::cuda

@@ -28,6 +28,10 @@ struct KArgs {
   int64_t lse_sb, lse_sh;
   float* delta;  // backward workspace: rowsum(dout * out), laid out like lse
   int64_t delta_sb, delta_sh;
+  // Backward workspace of the dK/dV kernel that also accumulates dQ (fp32,
+  // rows x heads_q x d, zeroed before it runs); null on the other paths.
+  float* dq_accum;
+  int64_t dqa_sb, dqa_sr, dqa_sh;
   int batch, heads_q, heads_kv, group, d, seqlen_q, seqlen_k;
   int64_t total_q, total_k;
   const int32_t* cu_q;

@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -27,12 +28,22 @@ void ensure_smem(int device, const void* kernel, size_t smem, const std::string&
 // dim (dq16); at head dim 128 without logit features, the dK/dV kernel of
 // 32-row query tiles (dkdv32) or that of 64-row tiles whose warps each read
 // every Q/dO fragment (dkdv_unshared), the layouts before the shared-fragment
-// kernel.
+// kernel. `dq_fused`: at head dim 128 without logit features, the
+// shared-fragment dK/dV kernel also computes dQ (fp32 atomics into
+// KArgs::dq_accum) and the dQ kernel does not run (backward_fuses_dq in
+// attention_cuda.cu decides).
 struct BackwardVariant {
   bool dq16 = false;
   bool dkdv32 = false;
   bool dkdv_unshared = false;
+  bool dq_fused = false;
 };
+
+// Whether a call uses a logit feature (bias, mask, ALiBi, softcap, dropout):
+// the pipelined kernels compile them in only then.
+inline bool logit_features(const KArgs& p) {
+  return p.bias || p.mask || p.alibi || p.softcap > 0 || p.dropout;
+}
 
 struct Launch {
   int device;
@@ -120,13 +131,45 @@ void dkdv_pipelined(const Launch& l, const KArgs& p) {
   }
 }
 
-template <class T, int DB>
+template <class T, int DB, bool kFuseDq = false>
 void dkdv_shared(const Launch& l, const KArgs& p) {
-  using C = SharedDkvConfig<DB>;
+  using C = SharedDkvConfig<DB, kFuseDq>;
   static ReadyDevices ready{0};
   const dim3 grid(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch);
-  launch(l, attention_bwd_dkdv_shared_kernel<T, DB>, grid, C::kThreads, C::kSmem, p, "dkdv_shared", DB,
-         ready);
+  launch(l, attention_bwd_dkdv_shared_kernel<T, DB, kFuseDq>, grid, C::kThreads, C::kSmem, p,
+         kFuseDq ? "dkdv_shared_dq" : "dkdv_shared", DB, ready);
+}
+
+// Rows of the dq tensor (packed rows for varlen).
+inline int64_t dq_rows(const KArgs& p) {
+  return p.cu_q ? p.total_q : static_cast<int64_t>(p.batch) * p.seqlen_q;
+}
+
+// The backward with dQ fused into the dK/dV kernel (head dim 128, no logit
+// features): the fp32 workspace zeroed on the stream, delta, dK/dV + dQ,
+// then dQ converted into its dtype.
+template <class T>
+void backward_dq_fused(const Launch& l, const KArgs& p) {
+  constexpr int DB = 128;
+  static ReadyDevices ready_delta{0};
+  const int64_t rows = dq_rows(p);
+  if (p.seqlen_q > 0 && rows > 0) {
+    ::symheap::cuda::check(
+        cudaMemsetAsync(p.dq_accum, 0, static_cast<size_t>(rows) * p.heads_q * DB * sizeof(float), l.stream),
+        "attention: zeroing the dQ workspace", __FILE__, __LINE__);
+    launch(l, attention_bwd_delta_kernel<T>,
+           dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
+           p, "delta", 0, ready_delta);
+  }
+  if (p.seqlen_k > 0) dkdv_shared<T, DB, true>(l, p);
+  if (p.seqlen_q > 0 && rows > 0) {
+    constexpr int kThreads = 256;
+    const int64_t work = rows * p.heads_q * (DB / 8);
+    const auto grid = static_cast<unsigned>(std::min<int64_t>((work + kThreads - 1) / kThreads, 1 << 20));
+    attention_bwd_dq_convert_kernel<T><<<grid, kThreads, 0, l.stream>>>(p, rows);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) ::symheap::cuda::check(err, "attention kernel dq_convert", __FILE__, __LINE__);
+  }
 }
 
 // The dK/dV kernel: at head dim 128 without features the one whose warps
@@ -149,7 +192,10 @@ void dkdv_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant) {
 template <class T, int DB>
 void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant) {
   static ReadyDevices ready_delta{0};
-  const bool features = p.bias || p.mask || p.alibi || p.softcap > 0 || p.dropout;
+  const bool features = logit_features(p);
+  if constexpr (DB == 128) {
+    if (variant.dq_fused && !features) return backward_dq_fused<T>(l, p);
+  }
   if (p.seqlen_q > 0) {
     launch(l, attention_bwd_delta_kernel<T>,
            dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
@@ -204,7 +250,7 @@ void forward_pipelined(const Launch& l, const KArgs& p) {
 template <class T>
 void run_forward(const Launch& l, const KArgs& p, bool pipelined) {
   if (pipelined && pipelined_forward_serves(p.d)) {
-    const bool features = p.bias || p.mask || p.alibi || p.softcap > 0 || p.dropout;
+    const bool features = logit_features(p);
     if (p.d == 64)
       return features ? forward_pipelined<T, 64, true>(l, p) : forward_pipelined<T, 64, false>(l, p);
     if (p.d == 128)

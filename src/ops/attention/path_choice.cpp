@@ -89,7 +89,8 @@ const char* own_kernel(const char* env_name, int head_dim, std::initializer_list
 const char* own_forward_kernel(int head_dim) { return own_kernel(kOwnForwardEnv, head_dim); }
 const char* own_backward_kernel(int head_dim) {
   return own_kernel(kOwnBackwardEnv, head_dim,
-                    {kOwnBackwardDq16, kOwnBackwardDkdv32, kOwnBackwardDkdvUnshared});
+                    {kOwnBackwardDq16, kOwnBackwardDkdv32, kOwnBackwardDkdvUnshared, kOwnBackwardDqFused,
+                     kOwnBackwardDqSeparate});
 }
 
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward) {

@@ -55,20 +55,30 @@ const char* own_forward_kernel(int head_dim);
 // the dK/dV kernel of 32-row query tiles at head dim 128, =
 // "pipelined_dkdv_unshared" with the dK/dV kernel of 64-row tiles whose warps
 // each read every Q/dO fragment at head dim 128 (to compare them with the
-// default layouts; "basic" where the pipelined kernels do not serve). "auto",
-// empty or unset: the default rule; another value is InvalidArgument. delta
-// (rowsum(dout * out)) has one kernel.
+// default layouts; "basic" where the pipelined kernels do not serve),
+// = "pipelined_dq_fused" with dQ computed inside the shared-fragment dK/dV
+// kernel (fp32 atomics, no separate dQ kernel) at head dim 128 without logit
+// features, = "pipelined_dq_separate" with the separate dQ kernel there.
+// "auto", empty or unset: the default rule; another value is
+// InvalidArgument. delta (rowsum(dout * out)) has one kernel.
 inline constexpr const char* kOwnBackwardEnv = "SYMHEAP_ATTN_OWN_BACKWARD";
 inline constexpr const char* kOwnBackwardDq16 = "pipelined_dq16";
 inline constexpr const char* kOwnBackwardDkdv32 = "pipelined_dkdv32";
 inline constexpr const char* kOwnBackwardDkdvUnshared = "pipelined_dkdv_unshared";
+inline constexpr const char* kOwnBackwardDqFused = "pipelined_dq_fused";
+inline constexpr const char* kOwnBackwardDqSeparate = "pipelined_dq_separate";
+// Whether the default ("pipelined") backward fuses dQ into the dK/dV kernel
+// at head dim 128 without logit features. Never for deterministic calls:
+// the fp32 atomics of the fused dQ have no fixed order.
+inline constexpr bool kDqFusedByDefault = true;
 const char* own_backward_kernel(int head_dim);
 
 // Bytes the XLA handlers add to a call's scratch result for cuDNN's workspace
 // (result shapes are fixed at trace time, before any graph exists): 1 MiB
 // forward; backward an fp32 dQ, two fp32 statistics per query row and 1 MiB.
 // 0 where cuDNN never runs (varlen, float32, padded head dims). A graph that
-// needs more than this runs on the own kernels (or raises when forced).
+// needs more than this runs on the own kernels (or raises when forced). The
+// own backward's fused dQ takes its fp32 accumulator from the same bytes.
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward);
 
 }  // namespace symheap::attention
