@@ -9,6 +9,7 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
                                [--hdims 64,128] [--seqlens 1024,2048,4096,8192]
                                [--fwd-only] [--compare-basic] [--group 4] [--kernel-times]
                                [--compare-backward pipelined_dq16]
+                               [--compare-forward pipelined_previous]
     python bench/attn_bench.py --decode [--json out.json] [--quick]   (KV-cache decode)
 
 --backend picks symheap's path (as flash_attn_func's backend=); --grid full
@@ -23,7 +24,10 @@ pipelined_dq16: the dQ kernel of 16-row warps; pipelined_dkdv32: the dK/dV
 kernel of 32-row query tiles at head dim 128; pipelined_dkdv_unshared: the
 dK/dV kernel of 64-row tiles without shared Q/dO fragments, head dim 128;
 pipelined_dq_separate: dQ by its own kernel instead of fused into the dK/dV
-kernel, head dim 128) as a column; --kernel-times lists
+kernel, head dim 128) as a column; --compare-forward V adds the forward with
+SYMHEAP_ATTN_OWN_FORWARD=V on the own path (e.g. pipelined_previous: the
+pipelined forward with the softmax before the lean one) as a column, with its
+output's max difference from symheap's; --kernel-times lists
 the device time of each attention kernel per call (torch profiler), of the
 --compare-backward variant too.
 """
@@ -140,7 +144,7 @@ def kernel_times_ms(fn, reps=3):
 
 
 def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_basic=False,
-                kernel_times=False, compare_backward=None):
+                kernel_times=False, compare_backward=None, compare_forward=None):
     B, H = 16384 // S, 2048 // D
     gen = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda h=H: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
@@ -188,6 +192,10 @@ def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_ba
             out = flash_attn_func(q, k, v, causal=causal, backend="own")
             torch.autograd.grad(out, (q, k, v), dout)
 
+    def ours_forward_variant():
+        with own_kernels(forward=compare_forward):
+            return flash_attn_func(q, k, v, causal=causal, backend="own")
+
     cases = {"symheap": (ours_fwd, ours_fwd_bwd),
              "sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION, False), sdpa(SDPBackend.FLASH_ATTENTION, True)),
              "sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION, False), sdpa(SDPBackend.CUDNN_ATTENTION, True))}
@@ -195,6 +203,8 @@ def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_ba
         cases["own_basic"] = (ours_basic_fwd, ours_basic_fwd_bwd)
     if compare_backward and not fwd_only:
         cases["own_variant"] = (ours_variant_fwd, ours_variant_fwd_bwd)
+    if compare_forward:
+        cases["own_fwd_variant"] = (ours_forward_variant, None)
     for name, (fwd, fwd_bwd) in cases.items():
         try:
             t_f = time_ms(fwd, reps=reps)
@@ -209,6 +219,8 @@ def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_ba
         ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa).transpose(1, 2)
         out = flash_attn_func(q, k, v, causal=causal, backend=backend)
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+        if compare_forward:
+            row["max_abs_diff_fwd_variant"] = (ours_forward_variant().float() - out.float()).abs().max().item()
     if kernel_times:
         row["kernel_ms"] = kernel_times_ms(ours_fwd if fwd_only else ours_fwd_bwd)
         if "own_variant" in cases:
@@ -248,6 +260,9 @@ def main():
     parser.add_argument("--compare-backward", metavar="VALUE",
                         help="add forward+backward on the own path with SYMHEAP_ATTN_OWN_BACKWARD=VALUE "
                              "(e.g. pipelined_dq16)")
+    parser.add_argument("--compare-forward", metavar="VALUE",
+                        help="add the forward on the own path with SYMHEAP_ATTN_OWN_FORWARD=VALUE "
+                             "(e.g. pipelined_previous)")
     parser.add_argument("--decode-splits", metavar="LIST",
                         help="with --decode: time the small-cache rows with each of these key-length "
                              "splits instead (e.g. 0,1,2,4,8,16,32; 0 = the automatic choice)")
@@ -283,7 +298,8 @@ def main():
             rows.append(bench_shape(D, causal, S, reps=5 if args.quick else 10, backend=args.backend,
                                     group=group, fwd_only=args.fwd_only,
                                     compare_basic=args.compare_basic, kernel_times=args.kernel_times,
-                                    compare_backward=args.compare_backward))
+                                    compare_backward=args.compare_backward,
+                                    compare_forward=args.compare_forward))
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
             print(f"hdim {D} causal {causal} S {S}: {type(e).__name__}: {e}"[:300], flush=True)
         torch.cuda.empty_cache()
@@ -312,6 +328,18 @@ def main():
               f"{ratio(r, 'fwd_tflops')} / {ratio(r, 'fwd_bwd_tflops')} | "
               f"{basic(r):>21} | {variant(r):>15} | "
               f"{r['max_abs_diff_vs_sdpa']:.2e} / {r.get('max_abs_grad_diff_vs_sdpa', float('nan')):.2e}")
+    if args.compare_forward:
+        print(f"forward with SYMHEAP_ATTN_OWN_FORWARD={args.compare_forward} (own path), TFLOP/s:")
+        print(f"{'hdim':>4} {'causal':>6} {'seq':>6} {'kvh':>4} | {'symheap':>7} | {'variant':>7} | "
+              f"{'symheap/variant':>15} | {'symheap/flash':>13} | max|diff| variant vs symheap")
+        for r in rows:
+            ok = "fwd_tflops" in r["symheap"] and "fwd_tflops" in r.get("own_fwd_variant", {})
+            speedup = f"{r['symheap']['fwd_tflops'] / r['own_fwd_variant']['fwd_tflops']:15.2f}" if ok else "            n/a"
+            vs_flash = (f"{r['symheap']['fwd_tflops'] / r['sdpa_flash']['fwd_tflops']:13.2f}"
+                        if "fwd_tflops" in r["symheap"] and "fwd_tflops" in r["sdpa_flash"] else "          n/a")
+            print(f"{r['hdim']:>4} {str(r['causal']):>6} {r['seqlen']:>6} {r['kv_heads']:>4} | "
+                  f"{fmt(r, 'symheap', 'fwd_tflops'):>7} | {fmt(r, 'own_fwd_variant', 'fwd_tflops'):>7} | "
+                  f"{speedup} | {vs_flash} | {r.get('max_abs_diff_fwd_variant', float('nan')):.2e}")
     for r in rows:
         if r.get("kernel_ms"):
             print(f"kernels, hdim {r['hdim']} causal {r['causal']} seq {r['seqlen']} (ms per call): " +

@@ -77,10 +77,11 @@ def test_repeat_calls_with_changing_options_match_the_reference(monkeypatch):
     assert (out - attention_reference(q2, k[:1], v[:1], causal=True)[0]).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("env", [None, "", "auto", "basic"])
+@pytest.mark.parametrize("env", [None, "", "auto", "basic", "pipelined_previous"])
 def test_own_forward_kernel_choice(monkeypatch, env):
     """The own CUDA forward kernel per (padded) head dim: the pipelined kernel
-    for 64, 128 and 256, the basic one elsewhere or when the variable forces it."""
+    for 64, 128 and 256 (with the softmax before the lean one when the variable
+    asks for it), the basic one elsewhere or when the variable forces it."""
     from symheap import _core
     name = _core.attention_own_forward_env
     assert name == "SYMHEAP_ATTN_OWN_FORWARD"
@@ -89,14 +90,15 @@ def test_own_forward_kernel_choice(monkeypatch, env):
     else:
         monkeypatch.setenv(name, env)
     for d in (8, 32, 56, 64, 72, 96, 120, 128, 136, 192, 256):
-        want = "pipelined" if d in (64, 128, 256) and env != "basic" else "basic"
+        pipelined = env if env == "pipelined_previous" else "pipelined"
+        want = pipelined if d in (64, 128, 256) and env != "basic" else "basic"
         assert _core.attention_own_forward_kernel(d) == want, d
 
 
 def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
     from symheap import _core
     monkeypatch.setenv("SYMHEAP_ATTN_OWN_FORWARD", "fast")
-    with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_FORWARD must be 'auto' or 'basic'"):
+    with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_FORWARD must be 'auto', 'basic' or 'pipelined_previous'"):
         _core.attention_own_forward_kernel(64)
 
 

@@ -422,6 +422,8 @@ def test_pooled_outputs_are_not_reused_while_held(path, monkeypatch):
 # cuda_forward_pipelined.cuh). Lengths that are not multiples of its tiles
 # (128 query rows, 32 or 64 keys), causal with Sq != Sk, GQA, windows, every logit
 # feature, varlen with empty sequences, and the basic kernel on the same calls.
+# Without logit features and for a positive scale the kernel runs its lean
+# softmax; "pipelined_previous" forces the softmax before it (checked too).
 
 PIPELINED_DIMS = [64, 128, 256]
 RAGGED = [(1, 1), (17, 17), (1, 1000), (17, 129), (127, 129), (129, 127), (1000, 1000),
@@ -430,11 +432,12 @@ RAGGED = [(1, 1), (17, 17), (1, 1000), (17, 129), (127, 129), (129, 127), (1000,
 
 def own_forward(monkeypatch, kernel):
     """Forces the own kernels and the forward kernel ("auto" = pipelined
-    where it serves, "basic"), and checks the choice is what the test expects."""
+    where it serves, "basic", "pipelined_previous" = pipelined with the softmax
+    before the lean one), and checks the choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_forward_env, kernel)
     for d in PIPELINED_DIMS:
-        assert _core.attention_own_forward_kernel(d) == ("basic" if kernel == "basic" else "pipelined")
+        assert _core.attention_own_forward_kernel(d) == ("pipelined" if kernel == "auto" else kernel)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -447,6 +450,18 @@ def test_pipelined_lengths(dtype, D, Sq, Sk, causal, monkeypatch):
     check_case(case, causal=causal)
 
 
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("Sq,Sk", [(1, 1000), (127, 129), (1000, 1000), (1000, 17), (257, 1000)])
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(37, 11)),
+                                  dict(softmax_scale=0.31)])
+def test_pipelined_previous_softmax(D, Sq, Sk, opts, monkeypatch):
+    """The forward with the softmax before the lean one, forced, against the
+    fp32 reference (the default runs the lean one in the tests above)."""
+    own_forward(monkeypatch, "pipelined_previous")
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=D, dtype=torch.bfloat16, seed=Sq * 5 + Sk + D)
+    check_case(case, check_grads=False, **opts)
+
+
 PIPELINED_OPTS = {
     "gqa": (dict(Hkv=1), dict()),
     "gqa2": (dict(Hkv=2), dict(causal=True)),
@@ -454,6 +469,7 @@ PIPELINED_OPTS = {
     "window_left_causal": (dict(), dict(window_size=(200, 0))),
     "window_right": (dict(), dict(window_size=(-1, 70))),
     "scale": (dict(), dict(softmax_scale=0.31)),
+    "scale_negative": (dict(), dict(softmax_scale=-0.25)),  # not the lean softmax
 }
 PIPELINED_FEATURES = {**{k: v for k, v in FEATURES.items() if k not in ("window", "mqa")},
                       **PIPELINED_OPTS}
@@ -531,7 +547,7 @@ def test_pipelined_matches_basic_kernel(dtype, D, opts, monkeypatch):
     kw = dict(case["kwargs"], **{k: v for k, v in opts.items() if k not in ("bias", "mask")})
     q, k, v = (case[n].detach() for n in ("q", "k", "v"))
     runs = {}
-    for kernel in ("basic", "auto"):
+    for kernel in ("basic", "auto", "pipelined_previous"):
         own_forward(monkeypatch, kernel)
         out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
         runs[kernel] = (out.float(), lse)
@@ -541,11 +557,12 @@ def test_pipelined_matches_basic_kernel(dtype, D, opts, monkeypatch):
     ref, _ = attention_reference(q, k, v, upcast=True, **ref_kw)
     low, _ = attention_reference(q, k, v, upcast=False, **ref_kw)
     tol = 4 * max_err(low, ref) + 1e-5 * max(1.0, ref.float().abs().max().item())
-    assert max_err(runs["auto"][0], runs["basic"][0]) <= tol
-    lse_a, lse_b = runs["auto"][1], runs["basic"][1]
-    assert torch.equal(torch.isfinite(lse_a), torch.isfinite(lse_b))
-    fin = torch.isfinite(lse_a)
-    assert (lse_a[fin] - lse_b[fin]).abs().max().item() < 1e-3 * max(1.0, lse_a[fin].abs().max().item())
+    for kernel in ("auto", "pipelined_previous"):
+        assert max_err(runs[kernel][0], runs["basic"][0]) <= tol, kernel
+        lse_a, lse_b = runs[kernel][1], runs["basic"][1]
+        assert torch.equal(torch.isfinite(lse_a), torch.isfinite(lse_b)), kernel
+        fin = torch.isfinite(lse_a)
+        assert (lse_a[fin] - lse_b[fin]).abs().max().item() < 1e-3 * max(1.0, lse_a[fin].abs().max().item())
 
 
 def test_pipelined_large_and_multi_block(monkeypatch):

@@ -207,9 +207,11 @@ void forward_cuda(const Args& a, int device, void* stream) {
   const cuda::Launch l{device, static_cast<cudaStream_t>(stream),
                        a.q.dtype == DType::F16 ? "f16" : "bf16"};
   const cuda::KArgs k = kernel_args(a);
-  const bool pipelined = std::strcmp(own_forward_kernel(a.head_dim), "pipelined") == 0;
-  if (a.q.dtype == DType::F16) cuda::run_forward_f16(l, k, pipelined);
-  else cuda::run_forward_bf16(l, k, pipelined);
+  const char* kernel = own_forward_kernel(a.head_dim);
+  const bool previous = std::strcmp(kernel, kOwnForwardPrevious) == 0;
+  const bool pipelined = previous || std::strcmp(kernel, "pipelined") == 0;
+  if (a.q.dtype == DType::F16) cuda::run_forward_f16(l, k, pipelined, previous);
+  else cuda::run_forward_bf16(l, k, pipelined, previous);
 }
 
 namespace {

@@ -10,6 +10,10 @@
 // kFeatures compiles in the logit rule of LogitCtx (bias, bool mask, ALiBi,
 // softcap, dropout); without it only the causal/window/length mask remains,
 // and only on key tiles that cross a boundary.
+// kLean (without kFeatures, for a positive scale only) trims the softmax:
+// the row max is taken of the raw scores, the scale folds into the one FFMA
+// before each exp2 (scale * s - max), and the output accumulator is rescaled
+// only when some row max of the warp moved (exact: the factor is 1 otherwise).
 #pragma once
 #include "ops/attention/cuda_common.cuh"
 
@@ -106,10 +110,11 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, 
 
 }  // namespace pipelined
 
-template <class T, int DB, bool kFeatures>
+template <class T, int DB, bool kFeatures, bool kLean = false>
 __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
                                   PipelinedFwdConfig<DB, kFeatures>::kMinBlocks)
     attention_fwd_pipelined_kernel(const KArgs p) {
+  static_assert(!(kLean && kFeatures), "the lean softmax has no logit features");
   using namespace pipelined;
   using C = PipelinedFwdConfig<DB, kFeatures>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads, MT = C::kRowTiles;
@@ -225,7 +230,7 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
       }
     }
 
-    // Logits in log2 units; -inf where hidden.
+    // Logits in log2 units (raw scores for kLean); -inf where hidden.
     if constexpr (kFeatures) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -238,12 +243,14 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
                 logit(p, s[mt][nt][e], row(mt, e >> 1), n0 + nt * 8 + 2 * t + (e & 1), &dcap) * kLog2e;
           }
     } else if (n0 >= last.lo && n0 + BN <= first.hi) {
+      if constexpr (!kLean) {  // the lean softmax scales inside its FFMA
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
+          for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale_log2;
+            for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale_log2;
+      }
     } else {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -257,11 +264,52 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
 #pragma unroll
             for (int e = 2 * h; e < 2 * h + 2; ++e) {
               const int j = n0 + nt * 8 + 2 * t + (e & 1);
-              s[mt][nt][e] = j >= r.lo && j < r.hi ? s[mt][nt][e] * scale_log2 : -INFINITY;
+              const float v = kLean ? s[mt][nt][e] : s[mt][nt][e] * scale_log2;
+              s[mt][nt][e] = j >= r.lo && j < r.hi ? v : -INFINITY;
             }
         }
     }
 
+    if constexpr (kLean) {
+      // Scores are raw here (scale > 0, so the max commutes with it).
+      float neg_base[MT][2], rescale[MT][2];
+      bool moved = false;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float tile_max = -INFINITY;
+#pragma unroll
+          for (int nt = 0; nt < BN / 8; ++nt)
+            tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+          const float m_new = fmaxf(row_max[mt][h], quad_max(tile_max) * scale_log2);
+          const float base = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet
+          moved |= m_new != row_max[mt][h];
+          rescale[mt][h] = exp2_fast(row_max[mt][h] - base);
+          row_sum[mt][h] *= rescale[mt][h];
+          row_max[mt][h] = m_new;
+          neg_base[mt][h] = -base;
+        }
+      // Warp-uniform branch; where no row max moved every factor is 1 (or
+      // the row has seen nothing and its accumulator is still zero).
+      if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int dt = 0; dt < DB / 8; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= rescale[mt][e >> 1];
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[mt][nt][e] = exp2_fast(fmaf(s[mt][nt][e], scale_log2, neg_base[mt][e >> 1]));
+            row_sum[mt][e >> 1] += s[mt][nt][e];
+          }
+    } else {
     // Online softmax: new running max, rescale what was summed so far.
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -301,6 +349,8 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
           }
         }
       }
+    }
+
     }
 
     cp_async_wait<1>();  // V tile `it` has landed

@@ -235,27 +235,37 @@ void backward_bucket(const Launch& l, const KArgs& p) {
   }
 }
 
-template <class T, int DB, bool kFeatures>
+template <class T, int DB, bool kFeatures, bool kLean = false>
 void forward_pipelined(const Launch& l, const KArgs& p) {
   using C = PipelinedFwdConfig<DB, kFeatures>;
   static ReadyDevices ready{0};
-  launch(l, attention_fwd_pipelined_kernel<T, DB, kFeatures>,
+  launch(l, attention_fwd_pipelined_kernel<T, DB, kFeatures, kLean>,
          dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::kSmem, p,
-         kFeatures ? "fwd_pipelined_features" : "fwd_pipelined", DB, ready);
+         kFeatures ? "fwd_pipelined_features" : kLean ? "fwd_pipelined_lean" : "fwd_pipelined", DB, ready);
+}
+
+// Without logit features: the lean softmax where the scale is positive (its
+// max of raw scores needs that; and not so small that scale * log2(e) would
+// round to 0 and turn a masked -inf into NaN) unless `previous` asks for the
+// softmax before it.
+template <class T, int DB>
+void forward_pipelined_plain(const Launch& l, const KArgs& p, bool previous) {
+  if (!previous && p.scale > 1e-30f) forward_pipelined<T, DB, false, true>(l, p);
+  else forward_pipelined<T, DB, false>(l, p);
 }
 
 // `pipelined`: the call runs on the pipelined kernel (own_forward_kernel in
-// path_choice.cpp decides). The logit features are compiled in only when the
-// call uses one.
+// path_choice.cpp decides; `previous`: its softmax before the lean one). The
+// logit features are compiled in only when the call uses one.
 template <class T>
-void run_forward(const Launch& l, const KArgs& p, bool pipelined) {
+void run_forward(const Launch& l, const KArgs& p, bool pipelined, bool previous) {
   if (pipelined && pipelined_forward_serves(p.d)) {
     const bool features = logit_features(p);
     if (p.d == 64)
-      return features ? forward_pipelined<T, 64, true>(l, p) : forward_pipelined<T, 64, false>(l, p);
+      return features ? forward_pipelined<T, 64, true>(l, p) : forward_pipelined_plain<T, 64>(l, p, previous);
     if (p.d == 128)
-      return features ? forward_pipelined<T, 128, true>(l, p) : forward_pipelined<T, 128, false>(l, p);
-    return features ? forward_pipelined<T, 256, true>(l, p) : forward_pipelined<T, 256, false>(l, p);
+      return features ? forward_pipelined<T, 128, true>(l, p) : forward_pipelined_plain<T, 128>(l, p, previous);
+    return features ? forward_pipelined<T, 256, true>(l, p) : forward_pipelined_plain<T, 256>(l, p, previous);
   }
   switch (head_dim_bucket(p.d)) {
     case 32: return forward_bucket<T, 32>(l, p);
@@ -287,9 +297,9 @@ void run_backward(const Launch& l, const KArgs& p, bool pipelined, BackwardVaria
 }
 
 // Defined in attention_cuda_f16.cu and attention_cuda_bf16.cu.
-void run_forward_f16(const Launch& l, const KArgs& p, bool pipelined);
+void run_forward_f16(const Launch& l, const KArgs& p, bool pipelined, bool previous);
 void run_backward_f16(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant);
-void run_forward_bf16(const Launch& l, const KArgs& p, bool pipelined);
+void run_forward_bf16(const Launch& l, const KArgs& p, bool pipelined, bool previous);
 void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant);
 
 }  // namespace symheap::attention::cuda

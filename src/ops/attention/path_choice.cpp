@@ -86,7 +86,9 @@ const char* own_kernel(const char* env_name, int head_dim, std::initializer_list
 }
 }  // namespace
 
-const char* own_forward_kernel(int head_dim) { return own_kernel(kOwnForwardEnv, head_dim); }
+const char* own_forward_kernel(int head_dim) {
+  return own_kernel(kOwnForwardEnv, head_dim, {kOwnForwardPrevious});
+}
 const char* own_backward_kernel(int head_dim) {
   return own_kernel(kOwnBackwardEnv, head_dim,
                     {kOwnBackwardDq16, kOwnBackwardDkdv32, kOwnBackwardDkdvUnshared, kOwnBackwardDqFused,

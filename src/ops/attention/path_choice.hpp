@@ -33,8 +33,12 @@ Path choose_path(const std::optional<std::string>& requested, bool on_cuda);
 // 128-row tiles, cp.async double buffering, ldmatrix, swizzled shared memory)
 // serves the head dims below, "basic" (cuda_forward.cuh) every other one.
 // $SYMHEAP_ATTN_OWN_FORWARD = "basic" forces the basic kernel everywhere (to
-// compare the two); unset, empty or "auto" is the default rule.
+// compare the two), = "pipelined_previous" the pipelined kernel with its
+// softmax before the lean one (kLean in cuda_forward_pipelined.cuh, the
+// default without logit features for a positive scale); unset, empty or
+// "auto" is the default rule.
 inline constexpr const char* kOwnForwardEnv = "SYMHEAP_ATTN_OWN_FORWARD";
+inline constexpr const char* kOwnForwardPrevious = "pipelined_previous";
 
 // Head dims (as the CUDA path runs them, padded to a multiple of 8) the
 // pipelined forward kernel is compiled for.
@@ -42,8 +46,8 @@ inline bool pipelined_forward_serves(int head_dim) {
   return head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 
-// "pipelined" or "basic" for a call of this head dim, reading
-// $SYMHEAP_ATTN_OWN_FORWARD; another value of it is InvalidArgument.
+// "pipelined", "pipelined_previous" or "basic" for a call of this head dim,
+// reading $SYMHEAP_ATTN_OWN_FORWARD; another value of it is InvalidArgument.
 const char* own_forward_kernel(int head_dim);
 
 // The own CUDA backward's kernels, "pipelined" (cuda_backward_dq_pipelined.cuh
