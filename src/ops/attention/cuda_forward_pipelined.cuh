@@ -10,10 +10,13 @@
 // kFeatures compiles in the logit rule of LogitCtx (bias, bool mask, ALiBi,
 // softcap, dropout); without it only the causal/window/length mask remains,
 // and only on key tiles that cross a boundary.
-// kLean (without kFeatures, for a positive scale only) trims the softmax:
-// the row max is taken of the raw scores, the scale folds into the one FFMA
-// before each exp2 (scale * s - max), and the output accumulator is rescaled
-// only when some row max of the warp moved (exact: the factor is 1 otherwise).
+// kLean (without kFeatures, for a positive scale only) trims the softmax and
+// the addressing: the row max is taken of the raw scores, the scale folds
+// into the one FFMA before each exp2 (scale * s - base), a row's base (its
+// running max) moves only when a tile's max passes it by more than 2^8 and
+// the output accumulator is rescaled only when some base of the warp moved
+// (the factor is 1 otherwise); ldmatrix addresses are a lane base XOR the
+// chunk pair, tile loads step their addresses.
 #pragma once
 #include "ops/attention/cuda_common.cuh"
 
@@ -108,6 +111,31 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, 
   }
 }
 
+// load_tile with the addresses stepped, not recomputed per round: NT is a
+// multiple of the chunks per row, so every round keeps the thread's chunk
+// and moves its row by kStep (a multiple of 8: the swizzle does not change).
+template <class T, int ROWS, int DB, int NT>
+__device__ __forceinline__ void load_tile_stepped(T* s, const T* g, int64_t row_stride, int valid_rows) {
+  constexpr int kChunks = DB / 8, kStep = NT / kChunks;
+  static_assert(NT % kChunks == 0 && kStep % 8 == 0 && ROWS % kStep == 0, "whole rows per round");
+  const int r0 = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
+  const T* src = g + r0 * row_stride + c * 8;
+  const uint32_t dst = smem_addr(s + swizzle<DB>(r0, c));
+#pragma unroll
+  for (int it = 0; it < ROWS / kStep; ++it) {
+    const bool ok = r0 + it * kStep < valid_rows;
+    cp_async16(dst + it * kStep * DB * sizeof(T), ok ? src + it * kStep * row_stride : g, ok);
+  }
+}
+
+// Byte offset, in a swizzled row r, of 16-byte chunk 2 kk + x (x in {0, 1}):
+// 2 kk + x == 2 kk ^ x, so the swizzled chunk is (x ^ (r & 7)) ^ 2 kk and the
+// offset is lane_off ^ (kk << 5) with lane_off = (x ^ (r & 7)) << 4 fixed per
+// lane (and it stays inside the row: both terms are below DB / 8 chunks).
+__device__ __forceinline__ uint32_t chunk_pair_offset(uint32_t lane_off, int kk) {
+  return lane_off ^ static_cast<uint32_t>(kk << 5);
+}
+
 }  // namespace pipelined
 
 template <class T, int DB, bool kFeatures, bool kLean = false>
@@ -119,6 +147,7 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
   using C = PipelinedFwdConfig<DB, kFeatures>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads, MT = C::kRowTiles;
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  constexpr float kStaleMax = 8.0f;  // kLean: log2 headroom over a row's base
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BM * DB;      // two buffers of BN x DB
@@ -158,6 +187,15 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
 
   // This warp's Q rows as A fragments (lane addresses for ldmatrix).
   const int q_row = warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8, q_chunk = lane >> 4;
+  // kLean: each lane's ldmatrix row addresses (bytes) and chunk offsets
+  // (chunk_pair_offset); row k of a tile is k * DB * sizeof(T) further.
+  constexpr uint32_t kRowBytes = DB * sizeof(T);
+  const uint32_t q_lane = smem_addr(sQ) + q_row * kRowBytes;
+  const uint32_t q_off = (q_chunk ^ (q_row & 7)) << 4;
+  const uint32_t k_lane = smem_addr(sK) + ((lane & 7) + (lane >> 4) * 8) * kRowBytes;
+  const uint32_t k_off = (((lane >> 3) & 1) ^ (lane & 7)) << 4;
+  const uint32_t v_lane = smem_addr(sV) + ((lane & 7) + ((lane >> 3) & 1) * 8) * kRowBytes;
+  const uint32_t v_off = ((lane >> 4) ^ (lane & 7)) << 4;
   uint32_t qf[MT][C::kQInRegisters ? DB / 16 : 1][4];
   if constexpr (C::kQInRegisters) {
 #pragma unroll
@@ -195,9 +233,14 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
       cp_async_wait<1>();  // K tile `it` has landed (V tile `it` may still fly)
       __syncthreads();     // ... for every thread; and K tile it-1 is consumed
     }
-    if (has_next)
-      load_tile<T, BN, DB, NT>(sK + (buf ^ 1) * BN * DB, k + (n0 + BN) * p.k_sr, p.k_sr,
-                               seq.sk - n0 - BN);
+    if (has_next) {
+      if constexpr (kLean)
+        load_tile_stepped<T, BN, DB, NT>(sK + (buf ^ 1) * BN * DB, k + (n0 + BN) * p.k_sr, p.k_sr,
+                                         seq.sk - n0 - BN);
+      else
+        load_tile<T, BN, DB, NT>(sK + (buf ^ 1) * BN * DB, k + (n0 + BN) * p.k_sr, p.k_sr,
+                                 seq.sk - n0 - BN);
+    }
     cp_async_commit();  // possibly empty: keeps the group count uniform
 
     // S = Q K^T for this warp's rows x BN keys; each K fragment serves MT tiles.
@@ -211,14 +254,21 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
       uint32_t qs[MT][4];
       if constexpr (!C::kQInRegisters) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          ldsm_x4(qs[mt], smem_addr(sQ + swizzle<DB>(q_row + 16 * mt, 2 * kk + q_chunk)));
+        for (int mt = 0; mt < MT; ++mt) {
+          if constexpr (kLean)
+            ldsm_x4(qs[mt], q_lane + 16 * mt * kRowBytes + chunk_pair_offset(q_off, kk));
+          else
+            ldsm_x4(qs[mt], smem_addr(sQ + swizzle<DB>(q_row + 16 * mt, 2 * kk + q_chunk)));
+        }
       }
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t kf[4];
-        ldsm_x4(kf, smem_addr(sKb + swizzle<DB>(np * 16 + (lane & 7) + (lane >> 4) * 8,
-                                                2 * kk + ((lane >> 3) & 1))));
+        if constexpr (kLean)
+          ldsm_x4(kf, k_lane + (buf * BN + np * 16) * kRowBytes + chunk_pair_offset(k_off, kk));
+        else
+          ldsm_x4(kf, smem_addr(sKb + swizzle<DB>(np * 16 + (lane & 7) + (lane >> 4) * 8,
+                                                  2 * kk + ((lane >> 3) & 1))));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           const uint32_t* a;
@@ -282,7 +332,11 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
 #pragma unroll
           for (int nt = 0; nt < BN / 8; ++nt)
             tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-          const float m_new = fmaxf(row_max[mt][h], quad_max(tile_max) * scale_log2);
+          // The base moves only when the tile's max passes it by more than
+          // kStaleMax (the first visible key always does): any base gives the
+          // same out and lse, and P <= 2^kStaleMax fits 16-bit P and fp32 sums.
+          const float tile_m = quad_max(tile_max) * scale_log2;
+          const float m_new = tile_m > row_max[mt][h] + kStaleMax ? tile_m : row_max[mt][h];
           const float base = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet
           moved |= m_new != row_max[mt][h];
           rescale[mt][h] = exp2_fast(row_max[mt][h] - base);
@@ -290,7 +344,7 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
           row_max[mt][h] = m_new;
           neg_base[mt][h] = -base;
         }
-      // Warp-uniform branch; where no row max moved every factor is 1 (or
+      // Warp-uniform branch; where no row's base moved every factor is 1 (or
       // the row has seen nothing and its accumulator is still zero).
       if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
@@ -355,9 +409,14 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
 
     cp_async_wait<1>();  // V tile `it` has landed
     __syncthreads();     // ... for every thread; and V tile it-1 is consumed
-    if (has_next)
-      load_tile<T, BN, DB, NT>(sV + (buf ^ 1) * BN * DB, v + (n0 + BN) * p.v_sr, p.v_sr,
-                               seq.sk - n0 - BN);
+    if (has_next) {
+      if constexpr (kLean)
+        load_tile_stepped<T, BN, DB, NT>(sV + (buf ^ 1) * BN * DB, v + (n0 + BN) * p.v_sr, p.v_sr,
+                                         seq.sk - n0 - BN);
+      else
+        load_tile<T, BN, DB, NT>(sV + (buf ^ 1) * BN * DB, v + (n0 + BN) * p.v_sr, p.v_sr,
+                                 seq.sk - n0 - BN);
+    }
     cp_async_commit();
 
     // acc += P V, P straight from the score registers, V through
@@ -370,8 +429,11 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
 #pragma unroll
       for (int dp = 0; dp < DB / 16; ++dp) {
         uint32_t vf[4];
-        ldsm_x4_trans(vf, smem_addr(sVb + swizzle<DB>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                      2 * dp + (lane >> 4))));
+        if constexpr (kLean)
+          ldsm_x4_trans(vf, v_lane + (buf * BN + kk * 16) * kRowBytes + chunk_pair_offset(v_off, dp));
+        else
+          ldsm_x4_trans(vf, smem_addr(sVb + swizzle<DB>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                        2 * dp + (lane >> 4))));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma<T>(acc[mt][2 * dp], a[mt], vf);
