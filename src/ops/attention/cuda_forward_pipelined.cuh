@@ -13,7 +13,7 @@
 // kLean (without kFeatures, for a positive scale only) trims the softmax and
 // the addressing: the row max is taken of the raw scores, the scale folds
 // into the one FFMA before each exp2 (scale * s - base), a row's base (its
-// running max) moves only when a tile's max passes it by more than 2^8 and
+// running max) moves only when a tile's max exceeds it by a factor over 2^8, and
 // the output accumulator is rescaled only when some base of the warp moved
 // (the factor is 1 otherwise); ldmatrix addresses are a lane base XOR the
 // chunk pair, tile loads step their addresses.
@@ -147,7 +147,6 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
   using C = PipelinedFwdConfig<DB, kFeatures>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads, MT = C::kRowTiles;
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
-  constexpr float kStaleMax = 8.0f;  // kLean: log2 headroom over a row's base
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BM * DB;      // two buffers of BN x DB
@@ -322,6 +321,7 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
 
     if constexpr (kLean) {
       // Scores are raw here (scale > 0, so the max commutes with it).
+      constexpr float kStaleMax = 8.0f;  // log2 headroom over a row's base
       float neg_base[MT][2], rescale[MT][2];
       bool moved = false;
 #pragma unroll
@@ -364,47 +364,46 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
             row_sum[mt][e >> 1] += s[mt][nt][e];
           }
     } else {
-    // Online softmax: new running max, rescale what was summed so far.
+      // Online softmax: new running max, rescale what was summed so far.
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      float base[2];
+      for (int mt = 0; mt < MT; ++mt) {
+        float base[2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float tile_max = -INFINITY;
+        for (int h = 0; h < 2; ++h) {
+          float tile_max = -INFINITY;
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-          tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        const float m_new = fmaxf(row_max[mt][h], quad_max(tile_max));
-        base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
-        const float rescale = exp2_fast(row_max[mt][h] - base[h]);
-        row_max[mt][h] = m_new;
-        row_sum[mt][h] *= rescale;
+          for (int nt = 0; nt < BN / 8; ++nt)
+            tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+          const float m_new = fmaxf(row_max[mt][h], quad_max(tile_max));
+          base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
+          const float rescale = exp2_fast(row_max[mt][h] - base[h]);
+          row_max[mt][h] = m_new;
+          row_sum[mt][h] *= rescale;
 #pragma unroll
-        for (int dt = 0; dt < DB / 8; ++dt) {
-          acc[mt][dt][2 * h] *= rescale;
-          acc[mt][dt][2 * h + 1] *= rescale;
+          for (int dt = 0; dt < DB / 8; ++dt) {
+            acc[mt][dt][2 * h] *= rescale;
+            acc[mt][dt][2 * h + 1] *= rescale;
+          }
         }
-      }
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[mt][nt][e] = exp2_fast(s[mt][nt][e] - base[e >> 1]);
-          row_sum[mt][e >> 1] += s[mt][nt][e];
-        }
-        if constexpr (kFeatures) {
-          if (p.dropout) {
-            const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
-            const detail::U32x4 lo_bits = dropout_quad(p, bh, row(mt, 0), j0);
-            const detail::U32x4 hi_bits = dropout_quad(p, bh, row(mt, 1), j0);
+          for (int e = 0; e < 4; ++e) {
+            s[mt][nt][e] = exp2_fast(s[mt][nt][e] - base[e >> 1]);
+            row_sum[mt][e >> 1] += s[mt][nt][e];
+          }
+          if constexpr (kFeatures) {
+            if (p.dropout) {
+              const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
+              const detail::U32x4 lo_bits = dropout_quad(p, bh, row(mt, 0), j0);
+              const detail::U32x4 hi_bits = dropout_quad(p, bh, row(mt, 1), j0);
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              s[mt][nt][e] *= dropout_keep(p, (e >> 1) ? hi_bits : lo_bits, j0 + (e & 1));
+              for (int e = 0; e < 4; ++e)
+                s[mt][nt][e] *= dropout_keep(p, (e >> 1) ? hi_bits : lo_bits, j0 + (e & 1));
+            }
           }
         }
       }
-    }
-
     }
 
     cp_async_wait<1>();  // V tile `it` has landed
