@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -512,6 +514,340 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   }
 }
 
+// ---------------------------------------------------------------- attention, keys on M
+
+// The default attention kernel. With one new token and GQA group 4 a CTA has
+// only 4 real query vectors, so the previous kernel (query vectors on the m16
+// rows of the products) wasted 3/4 of every MMA and of the softmax work. Here
+// the products are transposed: S^T = K Q^T puts 16 keys on the M rows and 8
+// query vectors on the N columns, and O^T += V^T P^T takes V^T from the tile
+// by ldmatrix.trans and P^T, the score registers, as the B operand after an
+// in-register 8x8 transpose (movmatrix). Per 16 keys a warp issues 8 + 8 MMAs
+// at head dim 128 (was 16 + 16) and holds 4 logits per thread (was 8).
+//
+// A CTA has kWarps warps (8 up to head dim 128: two per scheduler to hide the
+// latency of the products and the shuffles), each owning 16 keys of every
+// 16 * kWarps-key tile with its own online softmax; the warps merge once, at
+// the end of the split. Tiles stream through kStages cp.async stages. Only a
+// warp whose keys reach an edge of the split or of a visible range masks.
+constexpr int kKmVectors = 8;  // query vectors (row, head) per CTA: the n8 columns
+
+template <int DB>
+struct KeysMajor {
+  static constexpr int kWarps = DB <= 128 ? 8 : 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kTileKeys = 16 * kWarps;
+  static constexpr int kLd = DB + 8;  // padded rows: conflict-free ldmatrix
+  static constexpr int kStages = DB <= 64 ? 4 : 3;
+  static constexpr int kStageElems = 2 * kTileKeys * kLd;  // K then V
+  static constexpr int kChunksPerThread = kTileKeys * DB / 8 / kThreads;
+  static constexpr int kRowStride = kThreads / (DB / 8);  // rows between a thread's chunks
+  static constexpr size_t kPipeBytes =
+      sizeof(uint16_t) * (kStages * kStageElems + kKmVectors * kLd);
+  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kKmVectors * (DB + 2);
+  static constexpr size_t kSmem = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  static_assert(kTileKeys * DB / 8 % kThreads == 0, "whole chunks per thread");
+  static_assert(kTileKeys <= kThreads, "one row lookup per thread");
+};
+
+// The 8x8 b16 matrix whose fragments (row lane / 4, columns 2 (lane % 4) + 0..1)
+// the warp holds, transposed, in the same fragment layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+template <class T, int DB>
+__global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(const Params p) {
+  using C = KeysMajor<DB>;
+  constexpr int TN = C::kTileKeys, LD = C::kLd, NT = C::kThreads, NV = kKmVectors;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* stages = reinterpret_cast<T*>(smem_raw);
+  T* sQ = stages + C::kStages * C::kStageElems;
+  const int split = blockIdx.x, b = blockIdx.z;
+  const int hk = blockIdx.y / p.mtiles, v0 = (blockIdx.y % p.mtiles) * NV;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The combine kernel may be scheduled now: it waits for this grid's end.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  const QSeq qs = query_seq(p, b);
+  const int n_vec = qs.sq * p.group;
+  if (v0 >= n_vec) return;  // the combine reads no vector of this tile
+  // Query vector v of the tile is row v / group of head hk * group + v % group.
+  // Its loads are in flight together with the sequence's length.
+  constexpr int kQChunks = (NV * (DB / 8) + NT - 1) / NT;
+  uint4 q_raw[kQChunks];
+#pragma unroll
+  for (int n = 0; n < kQChunks; ++n) {
+    const int idx = threadIdx.x + n * NT;
+    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8, vec = v0 + r;
+    q_raw[n] = make_uint4(0, 0, 0, 0);
+    if (idx < NV * (DB / 8) && vec < n_vec && c < p.d)
+      q_raw[n] = load16(p.q, b * p.q_sb + (qs.q0 + vec / p.group) * p.q_sr +
+                                 (hk * p.group + vec % p.group) * p.q_sh + c);
+  }
+  const int len = length_before(p, b);
+  const int sk = len + p.s_new;
+  bool bad = len < 0 || len > p.capacity - p.s_new;
+  if (bad && split == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+    record_error(p, len < 0 ? kBadLength : kNoRoom, b, len);
+#pragma unroll
+  for (int n = 0; n < kQChunks; ++n) {
+    const int idx = threadIdx.x + n * NT;
+    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8;
+    if (idx < NV * (DB / 8))
+      *reinterpret_cast<uint4*>(sQ + r * LD + c) = bad ? make_uint4(0, 0, 0, 0) : q_raw[n];
+  }
+  // This thread's two query vectors (columns 2t, 2t + 1 of the n8 tile):
+  // visible keys and ALiBi. open_lo and open_hi bound the keys every real
+  // vector of the CTA sees (a vector past n_vec bounds nothing: its results
+  // are never written).
+  int lo[2], hi[2], diag[2], open_lo = 0, open_hi = INT_MAX;
+  float slope[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int vec = v0 + 2 * t + h, i = vec / p.group;
+    const bool valid = vec < n_vec && !bad;
+    const detail::KeyRange vis = detail::visible_keys(i, qs.sq, sk, p.win_left, p.win_right);
+    lo[h] = valid ? vis.lo : 0;
+    hi[h] = valid ? vis.hi : 0;
+    if (vec < n_vec) {
+      open_lo = max(open_lo, lo[h]);
+      open_hi = min(open_hi, hi[h]);
+    }
+    diag[h] = i + sk - qs.sq;
+    slope[h] = p.alibi && valid ? p.alibi[b * p.alibi_sb + hk * p.group + vec % p.group] : 0.0f;
+  }
+  const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
+  // Keys any vector of the CTA sees (visible ranges grow with the row), cut
+  // into `splits` ranges of whole tiles.
+  int span_lo = 0, span_hi = 0;
+  {
+    const int last = min(n_vec, v0 + NV) - 1;
+    if (!bad) {
+      span_lo = detail::visible_keys(v0 / p.group, qs.sq, sk, p.win_left, p.win_right).lo;
+      span_hi = detail::visible_keys(last / p.group, qs.sq, sk, p.win_left, p.win_right).hi;
+    }
+    if (span_hi < span_lo) span_hi = span_lo;
+  }
+  const int aligned_lo = span_lo / TN * TN;
+  const int per_split = ((span_hi - aligned_lo + p.splits - 1) / p.splits + TN - 1) / TN * TN;
+  const int k_lo = max(span_lo, aligned_lo + split * per_split);
+  const int k_hi = min(span_hi, aligned_lo + (split + 1) * per_split);
+  const int t_begin = k_lo / TN * TN;
+  const int n_tiles = k_hi > k_lo ? (k_hi - t_begin + TN - 1) / TN : 0;
+
+  // This thread's 16-byte chunks of a tile: rows chunk_row0 + r * kRowStride.
+  const int chunk_row0 = threadIdx.x / (DB / 8), chunk_col = (threadIdx.x % (DB / 8)) * 8;
+  const T* kbase = static_cast<const T*>(p.k) + hk * p.k_sh + chunk_col;
+  const T* vbase = static_cast<const T*>(p.v) + hk * p.v_sh + chunk_col;
+  // Where each row of a tile lives ({K, V} element offsets; -1: no row, zero
+  // fill), found once per row by the first TN threads in two slots (the tile
+  // being issued and the next one): one 16-byte shared load per row issued.
+  __shared__ longlong2 row_off[2][TN];
+  auto lookup = [&](int tile) {
+    if (threadIdx.x < TN) {
+      const int j = t_begin + tile * TN + threadIdx.x;
+      long long ko = -1, vo = -1;
+      if (tile < n_tiles && j >= k_lo && j < k_hi) {
+        int block = b, row = j;
+        if (p.table) {
+          const int col = p.block_shift >= 0 ? j >> p.block_shift : j / p.block_size;
+          block = __ldg(p.table + b * p.table_stride + col);
+          row = p.block_shift >= 0 ? j & (p.block_size - 1) : j % p.block_size;
+          if (block < 0 || block >= p.num_blocks) {
+            if (!bad) record_error(p, kBadBlock, b, block);
+            bad = true;
+            block = -1;
+          }
+        }
+        if (block >= 0) {
+          ko = block * p.k_sb + row * p.k_sr;
+          vo = block * p.v_sb + row * p.v_sr;
+        }
+      }
+      row_off[tile & 1][threadIdx.x] = make_longlong2(ko, vo);
+    }
+  };
+  const bool col_ok = chunk_col < p.d;
+  auto issue = [&](int tile) {
+    if (tile < n_tiles) {
+      T* sk_ = stages + (tile % C::kStages) * C::kStageElems;
+      T* sv_ = sk_ + TN * LD;
+#pragma unroll
+      for (int r = 0; r < C::kChunksPerThread; ++r) {
+        const int row = chunk_row0 + r * C::kRowStride;
+        const longlong2 off = row_off[tile & 1][row];
+        const bool fill = off.x >= 0 && col_ok;
+        cp_async16(sk_ + row * LD + chunk_col, kbase + (fill ? off.x : 0), fill);
+        cp_async16(sv_ + row * LD + chunk_col, vbase + (fill ? off.y : 0), fill);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // acc[mt]: O^T rows (dims) mt * 16 + g + 8 (e >> 1), column (vector) 2t + (e & 1).
+  float acc[DB / 16][4];
+#pragma unroll
+  for (int mt = 0; mt < DB / 16; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+  // Per vector h (column 2t + h): the warp's running maximum, and this
+  // lane's part of the running sum (summed over the warp at the end).
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) {
+    lookup(s);
+    __syncthreads();
+    issue(s);
+    __syncthreads();  // slot s & 1 is read before tile s + 2 is looked up
+  }
+  lookup(C::kStages - 1);
+  // Q^T as the B operand (dims x vectors), in registers for every tile (sQ
+  // is visible after the prologue's barriers).
+  uint32_t q_frag[DB / 16][2];
+#pragma unroll
+  for (int kk = 0; kk < DB / 16; ++kk) attention::cuda::load_b(q_frag[kk], sQ, LD, 0, kk * 16, lane);
+  // ldmatrix lane addresses inside the warp's 16 keys: K as A (keys x dims,
+  // matrix m = lane / 8 at keys 8 (m & 1), dims 8 (m >> 1)) and V^T as A via
+  // .trans (dims x keys, matrix m at dims 8 (m & 1), keys 8 (m >> 1)).
+  const int k_lane = (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+  const int v_lane = (warp * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8;
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    cp_async_wait<C::kStages - 2>();
+    // This tile landed for every thread, the previous tile is consumed, and
+    // the row slot of the tile to issue is written.
+    __syncthreads();
+    issue(tile + C::kStages - 1);
+    lookup(tile + C::kStages);  // the other row slot: read after the next barrier
+    const T* sK = stages + (tile % C::kStages) * C::kStageElems;
+    const T* sV = sK + TN * LD;
+    const int j0 = t_begin + tile * TN + warp * 16;  // this warp's 16 keys
+
+    // S^T = K Q^T, two accumulation chains (even / odd dims blocks).
+    float s[4] = {0, 0, 0, 0}, s_odd[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int kk = 0; kk < DB / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, sK + k_lane + kk * 16);
+      attention::cuda::mma<T>(kk & 1 ? s_odd : s, a, q_frag[kk]);
+    }
+    // Logit (key j0 + g + 8 (e >> 1), vector 2t + (e & 1)).
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = e & 1, j = j0 + g + 8 * (e >> 1);
+      float x = (s[e] + s_odd[e]) * p.scale;
+      if (p.softcap > 0.0f) x = p.softcap * tanhf(x * inv_softcap);
+      if (slope[h] != 0.0f) x -= slope[h] * fabsf(static_cast<float>(diag[h] - j));
+      s[e] = x;
+    }
+    const bool inside = j0 >= k_lo && j0 + 16 <= k_hi && j0 >= open_lo && j0 + 16 <= open_hi;
+    if (!__all_sync(0xffffffffu, inside)) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e & 1, j = j0 + g + 8 * (e >> 1);
+        if (j < k_lo || j >= k_hi || j < lo[h] || j >= hi[h]) s[e] = -INFINITY;
+      }
+    }
+    // The maximum of each column over the warp's 16 keys: lanes of one t.
+    float rescale[2], base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = fmaxf(s[h], s[h + 2]);
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+      const float m_new = fmaxf(row_max[h], m);
+      rescale[h] = row_max[h] == -INFINITY ? 0.0f : __expf(row_max[h] - m_new);
+      base[h] = m_new == -INFINITY ? 0.0f : m_new;
+      row_max[h] = m_new;
+      row_sum[h] *= rescale[h];
+    }
+    // Once the running maxima settle, most tiles leave the output as it is.
+    if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
+#pragma unroll
+      for (int mt = 0; mt < DB / 16; ++mt) {
+        acc[mt][0] *= rescale[0];
+        acc[mt][1] *= rescale[1];
+        acc[mt][2] *= rescale[0];
+        acc[mt][3] *= rescale[1];
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float pr = __expf(s[e] - base[e & 1]);
+      row_sum[e & 1] += pr;
+      s[e] = pr;
+    }
+    // P^T (keys x vectors) as the B operand: each 8-key half packed in the
+    // C layout is the transpose of the B fragment, so movmatrix turns it.
+    uint32_t pb[2];
+    pb[0] = movmatrix_trans(attention::cuda::Pack<T>::two(s[0], s[1]));
+    pb[1] = movmatrix_trans(attention::cuda::Pack<T>::two(s[2], s[3]));
+#pragma unroll
+    for (int mt = 0; mt < DB / 16; ++mt) {
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, sV + v_lane + mt * 16);
+      attention::cuda::mma<T>(acc[mt], a, pb);
+    }
+  }
+  cp_async_wait<0>();
+  bad = __syncthreads_or(bad);  // also: the stages are free, the merge reuses the memory
+
+  // Merge the warps (each saw different keys of every vector) through shared memory.
+  float* s_acc = reinterpret_cast<float*>(smem_raw);  // [warp][vector][DB]
+  float* s_max = s_acc + C::kWarps * NV * DB;          // [warp][vector]
+  float* s_sum = s_max + C::kWarps * NV;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = row_sum[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+    const int r = 2 * t + h;
+#pragma unroll
+    for (int mt = 0; mt < DB / 16; ++mt) {
+      s_acc[(warp * NV + r) * DB + mt * 16 + g] = acc[mt][h];
+      s_acc[(warp * NV + r) * DB + mt * 16 + g + 8] = acc[mt][h + 2];
+    }
+    if (g == 0) {
+      s_max[warp * NV + r] = row_max[h];
+      s_sum[warp * NV + r] = sum;
+    }
+  }
+  __syncthreads();
+  const float nan = __int_as_float(0x7fffffff);
+  for (int idx = threadIdx.x; idx < NV * DB; idx += NT) {
+    const int m = idx / DB, c = idx % DB, vec = v0 + m;
+    if (vec >= n_vec || c >= p.d) continue;
+    float gmax = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < C::kWarps; ++w) gmax = fmaxf(gmax, s_max[w * NV + m]);
+    float sum = 0.0f, o = 0.0f;
+    if (gmax != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < C::kWarps; ++w) {
+        const float mw = s_max[w * NV + m];
+        const float f = mw == -INFINITY ? 0.0f : __expf(mw - gmax);
+        sum += s_sum[w * NV + m] * f;
+        o += s_acc[(w * NV + m) * DB + c] * f;
+      }
+    }
+    const float out = bad ? nan : sum > 0.0f ? o / sum : 0.0f;
+    const float lse = bad ? nan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
+    const int i = vec / p.group, hq = hk * p.group + vec % p.group;
+    if (p.splits == 1) {
+      static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] = from_float<T>(out);
+      if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = lse;
+    } else {
+      const int64_t v = split * p.vectors + (qs.flat0 + i) * p.heads_q + hq;
+      p.part_out[v * p.d + c] = out;
+      if (c == 0) p.part_lse[v] = lse;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- combine
 
 // One CTA per (query row x head, sequence): out = sum_s w_s o_s / sum_s w_s
@@ -625,8 +961,23 @@ void raise_recorded(ErrorWord& w, int device) {
 
 int head_dim_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
+// Which attention kernel a call runs: the keys-major kernel, or with
+// $SYMHEAP_DECODE_KERNEL = "previous" the query-major one it replaced (to
+// compare the two in one process). Read on every call, so a CUDA graph keeps
+// the kernel of its capture.
+constexpr const char* kKernelEnv = "SYMHEAP_DECODE_KERNEL";
+
+bool previous_kernel_forced() {
+  const char* env = std::getenv(kKernelEnv);
+  if (!env || !*env || std::strcmp(env, "auto") == 0) return false;
+  if (std::strcmp(env, "previous") == 0) return true;
+  throw InvalidArgument(std::string("attention (kv cache): ") + kKernelEnv +
+                        " must be 'auto' or 'previous', got '" + env + "'");
+}
+
 struct Plan {
   int device, db, mtiles, splits;
+  bool previous;  // the query-major kernel (attention_kernel) instead of keys_major_kernel
   int64_t vectors;
   size_t bytes;
 };
@@ -636,28 +987,28 @@ struct SmemReady {};
 // The device's SM count, the number of attention CTAs a call aims for. Also
 // raises the kernel's dynamic shared-memory limit, once per device.
 template <class T, int DB>
-int sm_count(int device) {
-  const std::string name = std::string("attention.kvcache.") +
+int sm_count(int device, bool previous) {
+  const std::string name = std::string(previous ? "attention.kvcache." : "attention.kvcache.km.") +
                            (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
+  auto kernel = previous ? attention_kernel<T, DB> : keys_major_kernel<T, DB>;
+  const size_t smem = previous ? Tile<DB>::kSmem : KeysMajor<DB>::kSmem;
+  const int threads = previous ? kThreads : KeysMajor<DB>::kThreads;
   Runtime::instance().device_caches(device).get<SmemReady>(name + ".smem", [&] {
     ::symheap::cuda::ScopedDevice on(device);
-    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<T, DB>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(Tile<DB>::kSmem)));
+    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
     return std::make_shared<SmemReady>();
   });
-  return ::symheap::cuda::kernel_info(device, name.c_str(), attention_kernel<T, DB>, kThreads,
-                                      Tile<DB>::kSmem)
-      ->sm_count;
+  return ::symheap::cuda::kernel_info(device, name.c_str(), kernel, threads, smem)->sm_count;
 }
 
 template <class T>
-int sm_count(int device, int db) {
+int sm_count(int device, int db, bool previous) {
   switch (db) {
-    case 32: return sm_count<T, 32>(device);
-    case 64: return sm_count<T, 64>(device);
-    case 128: return sm_count<T, 128>(device);
-    default: return sm_count<T, 256>(device);
+    case 32: return sm_count<T, 32>(device, previous);
+    case 64: return sm_count<T, 64>(device, previous);
+    case 128: return sm_count<T, 128>(device, previous);
+    default: return sm_count<T, 256>(device, previous);
   }
 }
 
@@ -665,16 +1016,18 @@ Plan make_plan(const CacheArgs& a, int device) {
   Plan pl{};
   pl.device = device;
   pl.db = head_dim_bucket(a.head_dim);
+  pl.previous = previous_kernel_forced();
   const int64_t n_vec = static_cast<int64_t>(a.seqlen_q) * a.group();
-  pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + kVectors - 1) / kVectors));
+  const int per_cta = pl.previous ? kVectors : kKmVectors;
+  pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + per_cta - 1) / per_cta));
   const int64_t base = static_cast<int64_t>(a.batch) * a.heads_kv * pl.mtiles;
   const int64_t useful = std::max<int64_t>(1, (a.capacity + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
   // About one CTA per SM (this also readies the kernel's shared memory): the
   // kernel is bound by its own instruction stream, and on H100 a second CTA per
   // SM made every latency-bound row slower (bench/RESULTS.md, the decode split
   // sweep), while fewer CTAs leave SMs idle.
-  const int64_t target = a.q.dtype == DType::F16 ? sm_count<__half>(device, pl.db)
-                                                  : sm_count<__nv_bfloat16>(device, pl.db);
+  const int64_t target = a.q.dtype == DType::F16 ? sm_count<__half>(device, pl.db, pl.previous)
+                                                  : sm_count<__nv_bfloat16>(device, pl.db, pl.previous);
   int64_t splits;
   if (a.num_splits > 0) {
     splits = a.num_splits;
@@ -760,9 +1113,14 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
 
 template <class T, int DB>
 void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
-  attention_kernel<T, DB><<<dim3(pl.splits, p.heads_kv * pl.mtiles, p.batch), kThreads,
-                            Tile<DB>::kSmem, stream>>>(p);
-  SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
+  const dim3 grid(pl.splits, p.heads_kv * pl.mtiles, p.batch);
+  if (pl.previous) {
+    attention_kernel<T, DB><<<grid, kThreads, Tile<DB>::kSmem, stream>>>(p);
+    SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
+  } else {
+    keys_major_kernel<T, DB><<<grid, KeysMajor<DB>::kThreads, KeysMajor<DB>::kSmem, stream>>>(p);
+    SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.keys_major_kernel");
+  }
 }
 
 template <class T>
