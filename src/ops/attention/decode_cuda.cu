@@ -550,6 +550,24 @@ struct KeysMajor {
   static_assert(kTileKeys <= kThreads, "one row lookup per thread");
 };
 
+// What a missing cache row reads (zero K and V; 16-byte chunks at any column
+// of the widest head dim), so a tile's copies need no per-row size.
+__device__ __align__(16) uint4 zero_row[256 * sizeof(uint16_t) / sizeof(uint4)];
+
+// cp.async of `bytes` (16 or 0: zero fill) from global to shared memory.
+__device__ __forceinline__ void cp_async16_bytes(void* smem, const void* gmem, int bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(bytes));
+}
+
+// 2^x, flushing denormal results to zero (no range fix-up around MUFU.EX2).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // The 8x8 b16 matrix whose fragments (row lane / 4, columns 2 (lane % 4) + 0..1)
 // the warp holds, transposed, in the same fragment layout.
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
@@ -641,16 +659,18 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
 
   // This thread's 16-byte chunks of a tile: rows chunk_row0 + r * kRowStride.
   const int chunk_row0 = threadIdx.x / (DB / 8), chunk_col = (threadIdx.x % (DB / 8)) * 8;
-  const T* kbase = static_cast<const T*>(p.k) + hk * p.k_sh + chunk_col;
-  const T* vbase = static_cast<const T*>(p.v) + hk * p.v_sh + chunk_col;
-  // Where each row of a tile lives ({K, V} element offsets; -1: no row, zero
-  // fill), found once per row by the first TN threads in two slots (the tile
-  // being issued and the next one): one 16-byte shared load per row issued.
-  __shared__ longlong2 row_off[2][TN];
+  const T* khead = static_cast<const T*>(p.k) + hk * p.k_sh;
+  const T* vhead = static_cast<const T*>(p.v) + hk * p.v_sh;
+  // Where each row of a tile lives ({K, V} addresses; zero_row where the
+  // tile has no row), found once per row by the first TN threads in two slots
+  // (the tile being issued and the next one): issuing a row costs one
+  // 16-byte shared load and two 64-bit adds.
+  __shared__ ulonglong2 row_src[2][TN];
   auto lookup = [&](int tile) {
     if (threadIdx.x < TN) {
       const int j = t_begin + tile * TN + threadIdx.x;
-      long long ko = -1, vo = -1;
+      const T* ks = reinterpret_cast<const T*>(zero_row);
+      const T* vs = ks;
       if (tile < n_tiles && j >= k_lo && j < k_hi) {
         int block = b, row = j;
         if (p.table) {
@@ -664,25 +684,29 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
           }
         }
         if (block >= 0) {
-          ko = block * p.k_sb + row * p.k_sr;
-          vo = block * p.v_sb + row * p.v_sr;
+          ks = khead + block * p.k_sb + row * p.k_sr;
+          vs = vhead + block * p.v_sb + row * p.v_sr;
         }
       }
-      row_off[tile & 1][threadIdx.x] = make_longlong2(ko, vo);
+      row_src[tile & 1][threadIdx.x] =
+          make_ulonglong2(reinterpret_cast<uintptr_t>(ks), reinterpret_cast<uintptr_t>(vs));
     }
   };
+  // A chunk past the head dim is zero filled from an address inside the row.
   const bool col_ok = chunk_col < p.d;
-  auto issue = [&](int tile) {
+  const int col_bytes = col_ok ? chunk_col * static_cast<int>(sizeof(T)) : 0;
+  const int copy_bytes = col_ok ? 16 : 0;
+  auto issue = [&](int tile, int stage) {
     if (tile < n_tiles) {
-      T* sk_ = stages + (tile % C::kStages) * C::kStageElems;
+      T* sk_ = stages + stage * C::kStageElems + chunk_row0 * LD + chunk_col;
       T* sv_ = sk_ + TN * LD;
 #pragma unroll
       for (int r = 0; r < C::kChunksPerThread; ++r) {
-        const int row = chunk_row0 + r * C::kRowStride;
-        const longlong2 off = row_off[tile & 1][row];
-        const bool fill = off.x >= 0 && col_ok;
-        cp_async16(sk_ + row * LD + chunk_col, kbase + (fill ? off.x : 0), fill);
-        cp_async16(sv_ + row * LD + chunk_col, vbase + (fill ? off.y : 0), fill);
+        const ulonglong2 src = row_src[tile & 1][chunk_row0 + r * C::kRowStride];
+        cp_async16_bytes(sk_ + r * C::kRowStride * LD,
+                         reinterpret_cast<const char*>(src.x) + col_bytes, copy_bytes);
+        cp_async16_bytes(sv_ + r * C::kRowStride * LD,
+                         reinterpret_cast<const char*>(src.y) + col_bytes, copy_bytes);
       }
     }
     cp_async_commit();
@@ -700,7 +724,7 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
   for (int s = 0; s < C::kStages - 1; ++s) {
     lookup(s);
     __syncthreads();
-    issue(s);
+    issue(s, s);
     __syncthreads();  // slot s & 1 is read before tile s + 2 is looked up
   }
   lookup(C::kStages - 1);
@@ -714,14 +738,17 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
   // .trans (dims x keys, matrix m at dims 8 (m & 1), keys 8 (m >> 1)).
   const int k_lane = (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
   const int v_lane = (warp * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8;
+  constexpr float kLog2e = 1.4426950408889634f;
+  int stage = 0;  // tile % kStages; the stage issued is the one before it
   for (int tile = 0; tile < n_tiles; ++tile) {
     cp_async_wait<C::kStages - 2>();
     // This tile landed for every thread, the previous tile is consumed, and
     // the row slot of the tile to issue is written.
     __syncthreads();
-    issue(tile + C::kStages - 1);
+    issue(tile + C::kStages - 1, stage == 0 ? C::kStages - 1 : stage - 1);
     lookup(tile + C::kStages);  // the other row slot: read after the next barrier
-    const T* sK = stages + (tile % C::kStages) * C::kStageElems;
+    const T* sK = stages + stage * C::kStageElems;
+    stage = stage + 1 == C::kStages ? 0 : stage + 1;
     const T* sV = sK + TN * LD;
     const int j0 = t_begin + tile * TN + warp * 16;  // this warp's 16 keys
 
@@ -759,8 +786,8 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
       const float m_new = fmaxf(row_max[h], m);
-      rescale[h] = row_max[h] == -INFINITY ? 0.0f : __expf(row_max[h] - m_new);
-      base[h] = m_new == -INFINITY ? 0.0f : m_new;
+      rescale[h] = row_max[h] == -INFINITY ? 0.0f : exp2_ftz((row_max[h] - m_new) * kLog2e);
+      base[h] = m_new == -INFINITY ? 0.0f : m_new * kLog2e;  // in log2 units
       row_max[h] = m_new;
       row_sum[h] *= rescale[h];
     }
@@ -776,7 +803,7 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float pr = __expf(s[e] - base[e & 1]);
+      const float pr = exp2_ftz(fmaf(s[e], kLog2e, -base[e & 1]));
       row_sum[e & 1] += pr;
       s[e] = pr;
     }
