@@ -2,14 +2,16 @@
 // cache at each sequence's length), a split-K attention kernel, and a combine
 // kernel that merges the splits by their log-sum-exp.
 //
-// The attention kernel runs one CTA per (key split, kv head x 16 query
-// vectors, sequence). The query vectors are (query row, head) pairs of one
-// kv-head group, so each K/V row is read once for all of them; K/V tiles
-// stream through shared memory by cp.async and the products run on the
-// tensor cores (see attention_kernel). Lengths and block ids are read on the
-// device only: a bad one is recorded in a host-mapped word (raised by the next
-// call or by cache_check_cuda) and the sequence gets NaN outputs, with no
-// access out of bounds and no write to the cache.
+// An attention kernel runs one CTA per (key split, kv head x query vectors,
+// sequence). The query vectors are (query row, head) pairs of one kv-head
+// group, so each K/V row is read once for all of them; K/V tiles stream
+// through shared memory by cp.async and the products run on the tensor cores.
+// keys_major_kernel (8 vectors per CTA, keys on the MMA rows) serves decode;
+// attention_kernel (16 vectors per CTA on the MMA rows) serves calls with
+// more vectors per kv head (use_previous_kernel). Lengths and block ids are
+// read on the device only: a bad one is recorded in a host-mapped word
+// (raised by the next call or by cache_check_cuda) and the sequence gets NaN
+// outputs, with no access out of bounds and no write to the cache.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -164,9 +166,10 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const Params p) {
   }
 }
 
-// ---------------------------------------------------------------- attention
+// ---------------------------------------------------------------- attention, queries on M
 
-// Keys are staged through shared memory in tiles of kTileKeys rows by
+// The query-major kernel (the default before keys_major_kernel; now for
+// calls with more than 8 query vectors per kv head). Keys are staged through shared memory in tiles of kTileKeys rows by
 // cp.async, Tile::kStages deep, so the loads of the next tiles are in flight
 // while one is computed. Each warp takes 16 keys of a tile: S = Q K^T and
 // O += P V on the tensor cores (mma.sync m16n8k16, fp32 accumulation), the 16
@@ -988,18 +991,23 @@ void raise_recorded(ErrorWord& w, int device) {
 
 int head_dim_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
-// Which attention kernel a call runs: the keys-major kernel, or with
-// $SYMHEAP_DECODE_KERNEL = "previous" the query-major one it replaced (to
-// compare the two in one process). Read on every call, so a CUDA graph keeps
+// Which attention kernel a call runs. The keys-major kernel where one CTA
+// holds every query vector of a kv head (decode: query rows x group <= 8);
+// with more vectors (several new rows, chunked prefill) the query-major one,
+// which reads each K/V tile once per 16 vectors rather than per 8.
+// $SYMHEAP_DECODE_KERNEL = "keys_major" or "previous" (the query-major
+// kernel) forces one of them (tests, and timing both in one process); unset,
+// empty or "auto" is the rule above. Read on every call, so a CUDA graph keeps
 // the kernel of its capture.
 constexpr const char* kKernelEnv = "SYMHEAP_DECODE_KERNEL";
 
-bool previous_kernel_forced() {
+bool use_previous_kernel(int64_t vectors_per_kv_head) {
   const char* env = std::getenv(kKernelEnv);
-  if (!env || !*env || std::strcmp(env, "auto") == 0) return false;
+  if (!env || !*env || std::strcmp(env, "auto") == 0) return vectors_per_kv_head > kKmVectors;
+  if (std::strcmp(env, "keys_major") == 0) return false;
   if (std::strcmp(env, "previous") == 0) return true;
   throw InvalidArgument(std::string("attention (kv cache): ") + kKernelEnv +
-                        " must be 'auto' or 'previous', got '" + env + "'");
+                        " must be 'auto', 'keys_major' or 'previous', got '" + env + "'");
 }
 
 struct Plan {
@@ -1043,8 +1051,8 @@ Plan make_plan(const CacheArgs& a, int device) {
   Plan pl{};
   pl.device = device;
   pl.db = head_dim_bucket(a.head_dim);
-  pl.previous = previous_kernel_forced();
   const int64_t n_vec = static_cast<int64_t>(a.seqlen_q) * a.group();
+  pl.previous = use_previous_kernel(n_vec);
   const int per_cta = pl.previous ? kVectors : kKmVectors;
   pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + per_cta - 1) / per_cta));
   const int64_t base = static_cast<int64_t>(a.batch) * a.heads_kv * pl.mtiles;

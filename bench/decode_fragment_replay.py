@@ -1,0 +1,249 @@
+"""Float64 replay of one CTA of the keys-major decode attention kernel
+(keys_major_kernel in src/ops/attention/decode_cuda.cu), lane by lane.
+
+Every index formula of the kernel that places data is written here as in the
+kernel: the chunk -> (row, column) map of the cp.async issue, the ldmatrix
+lane addresses of K (A operand of S^T = K Q^T) and V^T (.trans, A operand of
+O^T += V^T P^T), the Q^T B fragments, the m16n8k16 A/B/C layouts, the
+movmatrix transpose of P^T, the per-column maximum over lanes of one t, the
+edge masks, and the cross-warp merge through shared memory. The replay walks
+a few tiles of one split (edges inside the first and last tile, a window, 4
+real query vectors of 8) and compares with softmax(q k^T) v in float64.
+
+    python bench/decode_fragment_replay.py              # replay; then every mutation must fail
+    python bench/decode_fragment_replay.py --mutate k_lane
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+MUTATIONS = ("k_lane", "v_lane", "no_movmatrix", "q_frag", "max_lanes", "merge_index",
+             "issue_rows", "logit_key")
+
+
+def ldmatrix_x4(smem, addr, trans):
+    """Per lane 4 registers of 2 elements: lane i gives the row address of
+    matrix i // 8, row i % 8; thread (g, t) receives row g, columns 2t, 2t+1
+    of each matrix (of its transpose with .trans)."""
+    mats = [np.stack([smem[addr[8 * m + r]:addr[8 * m + r] + 8] for r in range(8)]) for m in range(4)]
+    if trans:
+        mats = [x.T for x in mats]
+    return [[(mats[m][lane >> 2, 2 * (lane & 3)], mats[m][lane >> 2, 2 * (lane & 3) + 1]) for m in range(4)]
+            for lane in range(32)]
+
+
+def movmatrix(frag):
+    """frag[lane] = (M[g][2t], M[g][2t+1]) -> the same layout of M^T."""
+    m = np.zeros((8, 8))
+    for lane in range(32):
+        m[lane >> 2, 2 * (lane & 3)], m[lane >> 2, 2 * (lane & 3) + 1] = frag[lane]
+    m = m.T
+    return [(m[lane >> 2, 2 * (lane & 3)], m[lane >> 2, 2 * (lane & 3) + 1]) for lane in range(32)]
+
+
+def mma(c, a, b):
+    """D (16x8) += A (16x16) B (16x8) from per-lane fragments (cuda_common.cuh layout)."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for h, (r, k) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+            A[r, k], A[r, k + 1] = a[lane][h]
+        B[2 * t, g], B[2 * t + 1, g] = b[lane][0]
+        B[2 * t + 8, g], B[2 * t + 9, g] = b[lane][1]
+    D = A @ B
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        c[lane] += np.array([D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]])
+
+
+def replay(mut=None, DB=128, d=128, warps=8, seed=0):
+    rng = np.random.default_rng(seed)
+    NV, TN, LD, NT = 8, 16 * warps, DB + 8, 32 * warps
+    group, sq = 4, 1
+    n_vec = sq * group
+    sk = 5 * TN - 37                          # keys in the cache
+    k_lo, k_hi = 19, sk                       # the split's keys: edges inside the first and last tile
+    win_left = sk - 3 * TN                    # a window: one more edge for every vector
+    K = rng.standard_normal((sk, d))
+    V = rng.standard_normal((sk, d))
+    Q = rng.standard_normal((NV, d))
+    Q[n_vec:] = 0.0                           # vectors past n_vec are zero (never written)
+    scale = d ** -0.5
+    vis_lo = max(0, sk - 1 - win_left)        # visible keys of the one query row
+    sQ = np.zeros(NV * LD)
+    for v in range(NV):
+        sQ[v * LD:v * LD + d] = Q[v]
+    t_begin = k_lo // TN * TN
+    n_tiles = (k_hi - t_begin + TN - 1) // TN
+    open_lo, open_hi = vis_lo, sk
+
+    # Q^T as the B operand: load_b(q_frag[kk], sQ, LD, 0, kk * 16, lane).
+    q_frag = []
+    for kk in range(DB // 16):
+        per_lane = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            col = kk * 16 + 2 * t
+            if mut == "q_frag":
+                g, t = t, g
+                col = kk * 16 + 2 * t
+            per_lane.append(((sQ[g * LD + col], sQ[g * LD + col + 1]),
+                             (sQ[g * LD + col + 8], sQ[g * LD + col + 9])))
+        q_frag.append(per_lane)
+
+    acc = [[np.zeros(4) for _ in range(32)] for _ in range(warps)]  # [warp][lane][mt*4+e] below
+    acc = [[[np.zeros(4) for _ in range(DB // 16)] for _ in range(32)] for _ in range(warps)]
+    row_max = np.full((warps, 32, 2), -np.inf)
+    row_sum = np.zeros((warps, 32, 2))
+    for tile in range(n_tiles):
+        # The issue: thread tid copies rows chunk_row0 + r * kRowStride, column chunk_col.
+        sK = np.full(TN * LD, np.nan)
+        sV = np.full(TN * LD, np.nan)
+        row_stride = NT // (DB // 8)
+        for tid in range(NT):
+            chunk_row0, chunk_col = tid // (DB // 8), (tid % (DB // 8)) * 8
+            if mut == "issue_rows":
+                chunk_row0 = tid % row_stride
+            for r in range(TN * DB // 8 // NT):
+                row = chunk_row0 + r * row_stride
+                j = t_begin + tile * TN + row
+                real = k_lo <= j < k_hi
+                for c in range(chunk_col, chunk_col + 8):
+                    ok = real and c < d
+                    sK[row * LD + c] = K[j, c] if ok else 0.0
+                    sV[row * LD + c] = V[j, c] if ok else 0.0
+        for warp in range(warps):
+            j0 = t_begin + tile * TN + warp * 16
+            k_addr, v_addr = [], []
+            for lane in range(32):
+                k_lane = (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8
+                v_lane = (warp * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8
+                if mut == "k_lane":
+                    k_lane = (warp * 16 + (lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8
+                if mut == "v_lane":
+                    v_lane = (warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + (lane >> 4) * 8
+                k_addr.append(k_lane)
+                v_addr.append(v_lane)
+            s = [np.zeros(4) for _ in range(32)]
+            s_odd = [np.zeros(4) for _ in range(32)]
+            for kk in range(DB // 16):
+                a = ldmatrix_x4(sK, [x + kk * 16 for x in k_addr], trans=False)
+                mma(s_odd if kk & 1 else s, a, q_frag[kk])
+            x = np.zeros((32, 4))
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for e in range(4):
+                    x[lane, e] = (s[lane][e] + s_odd[lane][e]) * scale
+            inside = all(j0 >= k_lo and j0 + 16 <= k_hi and j0 >= open_lo and j0 + 16 <= open_hi
+                         for _ in range(32))
+            if not inside:
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    for e in range(4):
+                        h, j = e & 1, j0 + g + 8 * (e >> 1)
+                        if mut == "logit_key":
+                            j = j0 + 2 * t + (e & 1) + 8 * (e >> 1)
+                        vec = 2 * t + h
+                        lo, hi = (vis_lo, sk) if vec < n_vec else (0, 0)
+                        if j < k_lo or j >= k_hi or j < lo or j >= hi:
+                            x[lane, e] = -np.inf
+            base = np.zeros((32, 2))
+            rescale = np.zeros((32, 2))
+            for h in range(2):
+                m = np.maximum(x[:, h], x[:, h + 2])
+                for off in ((4, 8, 16) if mut != "max_lanes" else (1, 2, 16)):
+                    m = np.maximum(m, m[np.arange(32) ^ off])
+                for lane in range(32):
+                    m_new = max(row_max[warp, lane, h], m[lane])
+                    old = row_max[warp, lane, h]
+                    rescale[lane, h] = 0.0 if old == -np.inf else np.exp(old - m_new)
+                    base[lane, h] = 0.0 if m_new == -np.inf else m_new
+                    row_max[warp, lane, h] = m_new
+                    row_sum[warp, lane, h] *= rescale[lane, h]
+            for lane in range(32):
+                for mt in range(DB // 16):
+                    acc[warp][lane][mt] *= rescale[lane, [0, 1, 0, 1]]
+            p = np.zeros((32, 4))
+            for lane in range(32):
+                for e in range(4):
+                    p[lane, e] = np.exp(x[lane, e] - base[lane, e & 1])
+                    row_sum[warp, lane, e & 1] += p[lane, e]
+            lo_half = [(p[lane, 0], p[lane, 1]) for lane in range(32)]
+            hi_half = [(p[lane, 2], p[lane, 3]) for lane in range(32)]
+            if mut != "no_movmatrix":
+                lo_half, hi_half = movmatrix(lo_half), movmatrix(hi_half)
+            pb = [(lo_half[lane], hi_half[lane]) for lane in range(32)]
+            for mt in range(DB // 16):
+                a = ldmatrix_x4(sV, [x + mt * 16 for x in v_addr], trans=True)
+                mma([acc[warp][lane][mt] for lane in range(32)], a, pb)
+
+    # The merge through shared memory, as the kernel indexes it.
+    s_acc = np.full(warps * NV * DB, np.nan)
+    s_max = np.full(warps * NV, np.nan)
+    s_sum = np.full(warps * NV, np.nan)
+    for warp in range(warps):
+        for h in range(2):
+            tot = row_sum[warp, :, h].copy()
+            for off in (4, 8, 16):
+                tot = tot + tot[np.arange(32) ^ off]
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                r = 2 * t + h
+                for mt in range(DB // 16):
+                    gg = t if mut == "merge_index" else g
+                    s_acc[(warp * NV + r) * DB + mt * 16 + gg] = acc[warp][lane][mt][h]
+                    s_acc[(warp * NV + r) * DB + mt * 16 + gg + 8] = acc[warp][lane][mt][h + 2]
+                if g == 0:
+                    s_max[warp * NV + r] = row_max[warp, lane, h]
+                    s_sum[warp * NV + r] = tot[lane]
+    out = np.full((NV, d), np.nan)
+    for idx in range(NV * DB):
+        m, c = idx // DB, idx % DB
+        if m >= n_vec or c >= d:
+            continue
+        gmax = max(s_max[w * NV + m] for w in range(warps))
+        tot = o = 0.0
+        for w in range(warps):
+            f = 0.0 if s_max[w * NV + m] == -np.inf else np.exp(s_max[w * NV + m] - gmax)
+            tot += s_sum[w * NV + m] * f
+            o += s_acc[(w * NV + m) * DB + c] * f
+        out[m, c] = o / tot
+
+    keys = np.arange(sk)
+    seen = (keys >= max(k_lo, vis_lo)) & (keys < k_hi)
+    logits = Q[:n_vec] @ K[seen].T * scale
+    w = np.exp(logits - logits.max(axis=1, keepdims=True))
+    ref = (w / w.sum(axis=1, keepdims=True)) @ V[seen]
+    return np.abs(out[:n_vec] - ref).max()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mutate", choices=MUTATIONS)
+    args = parser.parse_args()
+    cases = [dict(DB=128, d=128, warps=8), dict(DB=64, d=40, warps=8), dict(DB=256, d=256, warps=4)]
+    if args.mutate:
+        err = max(replay(args.mutate, **c) for c in cases[:1])
+        print(f"mutation {args.mutate}: max |err| {err:.3e}")
+        return 0
+    for c in cases:
+        err = replay(None, **c)
+        print(f"replay {c}: max |err| vs float64 reference {err:.3e}")
+        if not err < 1e-12:
+            print("FAILED")
+            return 1
+    for mut in MUTATIONS:
+        err = replay(mut, **cases[0])
+        caught = not err < 1e-6  # NaN (an unwritten element read) counts as caught
+        print(f"mutation {mut}: max |err| {err:.3e} -> {'caught' if caught else 'NOT CAUGHT'}")
+        if not caught:
+            return 1
+    print("ok: the layouts replay exactly and every mutation is caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
