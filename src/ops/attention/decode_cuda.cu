@@ -665,35 +665,42 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
   const T* khead = static_cast<const T*>(p.k) + hk * p.k_sh;
   const T* vhead = static_cast<const T*>(p.v) + hk * p.v_sh;
   // Where each row of a tile lives ({K, V} addresses; zero_row where the
-  // tile has no row), found once per row by the first TN threads in two slots
-  // (the tile being issued and the next one): issuing a row costs one
-  // 16-byte shared load and two 64-bit adds.
-  __shared__ ulonglong2 row_src[2][TN];
-  auto lookup = [&](int tile) {
-    if (threadIdx.x < TN) {
+  // tile has no row), found once per row by the first TN threads, in the slot
+  // of the tile's stage: issuing a row costs one 16-byte shared load and two
+  // 64-bit adds. Two steps, so that the prologue has the block-table loads of
+  // all its tiles in flight at once: row_block (thread threadIdx.x < TN's
+  // row of a tile: its block id as read, or kNoRow), then store_row.
+  __shared__ ulonglong2 row_src[C::kStages][TN];
+  constexpr long long kNoRow = -(1LL << 40);  // outside the range of an int32 block id
+  auto row_block = [&](int tile) -> long long {
+    const int j = t_begin + tile * TN + threadIdx.x;
+    if (threadIdx.x >= TN || tile >= n_tiles || j < k_lo || j >= k_hi) return kNoRow;
+    if (!p.table) return b;
+    const int col = p.block_shift >= 0 ? j >> p.block_shift : j / p.block_size;
+    return __ldg(p.table + b * p.table_stride + col);
+  };
+  auto store_row = [&](int tile, int slot, long long id) {
+    if (threadIdx.x >= TN) return;
+    const T* ks = reinterpret_cast<const T*>(zero_row);
+    const T* vs = ks;
+    if (id != kNoRow) {
       const int j = t_begin + tile * TN + threadIdx.x;
-      const T* ks = reinterpret_cast<const T*>(zero_row);
-      const T* vs = ks;
-      if (tile < n_tiles && j >= k_lo && j < k_hi) {
-        int block = b, row = j;
-        if (p.table) {
-          const int col = p.block_shift >= 0 ? j >> p.block_shift : j / p.block_size;
-          block = __ldg(p.table + b * p.table_stride + col);
-          row = p.block_shift >= 0 ? j & (p.block_size - 1) : j % p.block_size;
-          if (block < 0 || block >= p.num_blocks) {
-            if (!bad) record_error(p, kBadBlock, b, block);
-            bad = true;
-            block = -1;
-          }
-        }
-        if (block >= 0) {
-          ks = khead + block * p.k_sb + row * p.k_sr;
-          vs = vhead + block * p.v_sb + row * p.v_sr;
+      int block = static_cast<int>(id), row = j;
+      if (p.table) {
+        row = p.block_shift >= 0 ? j & (p.block_size - 1) : j % p.block_size;
+        if (block < 0 || block >= p.num_blocks) {
+          if (!bad) record_error(p, kBadBlock, b, block);
+          bad = true;
+          block = -1;
         }
       }
-      row_src[tile & 1][threadIdx.x] =
-          make_ulonglong2(reinterpret_cast<uintptr_t>(ks), reinterpret_cast<uintptr_t>(vs));
+      if (block >= 0) {
+        ks = khead + block * p.k_sb + row * p.k_sr;
+        vs = vhead + block * p.v_sb + row * p.v_sr;
+      }
     }
+    row_src[slot][threadIdx.x] =
+        make_ulonglong2(reinterpret_cast<uintptr_t>(ks), reinterpret_cast<uintptr_t>(vs));
   };
   // A chunk past the head dim is zero filled from an address inside the row.
   const bool col_ok = chunk_col < p.d;
@@ -705,7 +712,7 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
       T* sv_ = sk_ + TN * LD;
 #pragma unroll
       for (int r = 0; r < C::kChunksPerThread; ++r) {
-        const ulonglong2 src = row_src[tile & 1][chunk_row0 + r * C::kRowStride];
+        const ulonglong2 src = row_src[stage][chunk_row0 + r * C::kRowStride];
         cp_async16_bytes(sk_ + r * C::kRowStride * LD,
                          reinterpret_cast<const char*>(src.x) + col_bytes, copy_bytes);
         cp_async16_bytes(sv_ + r * C::kRowStride * LD,
@@ -723,14 +730,16 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
   // lane's part of the running sum (summed over the warp at the end).
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
+  {
+    long long ids[C::kStages];
 #pragma unroll
-  for (int s = 0; s < C::kStages - 1; ++s) {
-    lookup(s);
-    __syncthreads();
-    issue(s, s);
-    __syncthreads();  // slot s & 1 is read before tile s + 2 is looked up
+    for (int s = 0; s < C::kStages; ++s) ids[s] = row_block(s);
+#pragma unroll
+    for (int s = 0; s < C::kStages; ++s) store_row(s, s, ids[s]);
   }
-  lookup(C::kStages - 1);
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) issue(s, s);
   // Q^T as the B operand (dims x vectors), in registers for every tile (sQ
   // is visible after the prologue's barriers).
   uint32_t q_frag[DB / 16][2];
@@ -745,11 +754,11 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
   int stage = 0;  // tile % kStages; the stage issued is the one before it
   for (int tile = 0; tile < n_tiles; ++tile) {
     cp_async_wait<C::kStages - 2>();
-    // This tile landed for every thread, the previous tile is consumed, and
-    // the row slot of the tile to issue is written.
+    // This tile landed for every thread, the previous tile is consumed (so
+    // its row slot is free), and the row slot of the tile to issue is written.
     __syncthreads();
     issue(tile + C::kStages - 1, stage == 0 ? C::kStages - 1 : stage - 1);
-    lookup(tile + C::kStages);  // the other row slot: read after the next barrier
+    store_row(tile + C::kStages, stage, row_block(tile + C::kStages));  // read after the next barrier
     const T* sK = stages + stage * C::kStageElems;
     stage = stage + 1 == C::kStages ? 0 : stage + 1;
     const T* sV = sK + TN * LD;
