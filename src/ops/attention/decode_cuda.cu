@@ -217,6 +217,75 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
                : "r"(a));
 }
 
+// The keys one split of a CTA walks: [k_lo, k_hi), inside the keys any of
+// the CTA's vectors [v0, v0 + nv) sees (visible ranges grow with the row),
+// that span cut into `splits` ranges of whole tn-key tiles; t_begin is the
+// first key of the split's first tile.
+struct SplitKeys {
+  int k_lo, k_hi, t_begin, n_tiles;
+};
+
+template <int TN>
+__device__ __forceinline__ SplitKeys split_keys(const Params& p, const QSeq& qs, int sk, bool bad,
+                                                int v0, int nv, int n_vec, int split) {
+  int span_lo = 0, span_hi = 0;
+  const int last = min(n_vec, v0 + nv) - 1;
+  if (!bad) {
+    span_lo = detail::visible_keys(v0 / p.group, qs.sq, sk, p.win_left, p.win_right).lo;
+    span_hi = detail::visible_keys(last / p.group, qs.sq, sk, p.win_left, p.win_right).hi;
+  }
+  if (span_hi < span_lo) span_hi = span_lo;
+  const int aligned_lo = span_lo / TN * TN;
+  const int per_split = ((span_hi - aligned_lo + p.splits - 1) / p.splits + TN - 1) / TN * TN;
+  SplitKeys k;
+  k.k_lo = max(span_lo, aligned_lo + split * per_split);
+  k.k_hi = min(span_hi, aligned_lo + (split + 1) * per_split);
+  k.t_begin = k.k_lo / TN * TN;
+  k.n_tiles = k.k_hi > k.k_lo ? (k.k_hi - k.t_begin + TN - 1) / TN : 0;
+  return k;
+}
+
+// The end of an attention kernel: the warps' online-softmax states (each
+// warp saw different keys of every vector) are in shared memory, s_acc
+// [warp][vector][DB] and s_max, s_sum [warp][vector]; merges them and writes
+// the CTA's vectors (NaN for a bad sequence) to out and lse (one split) or to
+// the split's rows of the workspace.
+template <class T, int DB, int WARPS, int NV, int NT>
+__device__ __forceinline__ void merge_and_store(const Params& p, const float* s_acc,
+                                                const float* s_max, const float* s_sum, bool bad,
+                                                int b, int hk, int v0, int n_vec, const QSeq& qs,
+                                                int split) {
+  const float nan = __int_as_float(0x7fffffff);
+  for (int idx = threadIdx.x; idx < NV * DB; idx += NT) {
+    const int m = idx / DB, c = idx % DB, vec = v0 + m;
+    if (vec >= n_vec || c >= p.d) continue;
+    float gmax = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) gmax = fmaxf(gmax, s_max[w * NV + m]);
+    float sum = 0.0f, o = 0.0f;
+    if (gmax != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float mw = s_max[w * NV + m];
+        const float f = mw == -INFINITY ? 0.0f : __expf(mw - gmax);
+        sum += s_sum[w * NV + m] * f;
+        o += s_acc[(w * NV + m) * DB + c] * f;
+      }
+    }
+    const float out = bad ? nan : sum > 0.0f ? o / sum : 0.0f;
+    const float lse = bad ? nan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
+    const int i = vec / p.group, hq = hk * p.group + vec % p.group;
+    if (p.splits == 1) {
+      static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] = from_float<T>(out);
+      if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = lse;
+    } else {
+      const int64_t v = split * p.vectors + (qs.flat0 + i) * p.heads_q + hq;
+      p.part_out[v * p.d + c] = out;
+      if (c == 0) p.part_lse[v] = lse;
+    }
+  }
+}
+
 template <class T, int DB>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   using C = Tile<DB>;
@@ -279,23 +348,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     slope[h] = p.alibi && valid ? p.alibi[b * p.alibi_sb + hk * p.group + vec % p.group] : 0.0f;
   }
   const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
-  // Keys any vector of the CTA sees (visible ranges grow with the row), cut
-  // into `splits` ranges of whole tiles.
-  int span_lo = 0, span_hi = 0;
-  {
-    const int last = min(n_vec, v0 + kVectors) - 1;
-    if (!bad) {
-      span_lo = detail::visible_keys(v0 / p.group, qs.sq, sk, p.win_left, p.win_right).lo;
-      span_hi = detail::visible_keys(last / p.group, qs.sq, sk, p.win_left, p.win_right).hi;
-    }
-    if (span_hi < span_lo) span_hi = span_lo;
-  }
-  const int aligned_lo = span_lo / TN * TN;
-  const int per_split = ((span_hi - aligned_lo + p.splits - 1) / p.splits + TN - 1) / TN * TN;
-  const int k_lo = max(span_lo, aligned_lo + split * per_split);
-  const int k_hi = min(span_hi, aligned_lo + (split + 1) * per_split);
-  const int t_begin = k_lo / TN * TN;
-  const int n_tiles = k_hi > k_lo ? (k_hi - t_begin + TN - 1) / TN : 0;
+  const SplitKeys keys = split_keys<TN>(p, qs, sk, bad, v0, kVectors, n_vec, split);
+  const int k_lo = keys.k_lo, k_hi = keys.k_hi, t_begin = keys.t_begin, n_tiles = keys.n_tiles;
 
   // This thread's 16-byte chunks of a tile: rows chunk_row0 + r * kRowStride.
   const int chunk_row0 = threadIdx.x / (DB / 8), chunk_col = (threadIdx.x % (DB / 8)) * 8;
@@ -486,35 +540,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
   }
   __syncthreads();
-  const float nan = __int_as_float(0x7fffffff);
-  for (int idx = threadIdx.x; idx < kVectors * DB; idx += kThreads) {
-    const int m = idx / DB, c = idx % DB, vec = v0 + m;
-    if (vec >= n_vec || c >= p.d) continue;
-    float gmax = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) gmax = fmaxf(gmax, s_max[w * kVectors + m]);
-    float sum = 0.0f, o = 0.0f;
-    if (gmax != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float mw = s_max[w * kVectors + m];
-        const float f = mw == -INFINITY ? 0.0f : __expf(mw - gmax);
-        sum += s_sum[w * kVectors + m] * f;
-        o += s_acc[(w * kVectors + m) * DB + c] * f;
-      }
-    }
-    const float out = bad ? nan : sum > 0.0f ? o / sum : 0.0f;
-    const float lse = bad ? nan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
-    const int i = vec / p.group, hq = hk * p.group + vec % p.group;
-    if (p.splits == 1) {
-      static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] = from_float<T>(out);
-      if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = lse;
-    } else {
-      const int64_t v = split * p.vectors + (qs.flat0 + i) * p.heads_q + hq;
-      p.part_out[v * p.d + c] = out;
-      if (c == 0) p.part_lse[v] = lse;
-    }
-  }
+  merge_and_store<T, DB, kWarps, kVectors, kThreads>(p, s_acc, s_max, s_sum, bad, b, hk, v0, n_vec, qs, split);
 }
 
 // ---------------------------------------------------------------- attention, keys on M
@@ -642,23 +668,8 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
     slope[h] = p.alibi && valid ? p.alibi[b * p.alibi_sb + hk * p.group + vec % p.group] : 0.0f;
   }
   const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
-  // Keys any vector of the CTA sees (visible ranges grow with the row), cut
-  // into `splits` ranges of whole tiles.
-  int span_lo = 0, span_hi = 0;
-  {
-    const int last = min(n_vec, v0 + NV) - 1;
-    if (!bad) {
-      span_lo = detail::visible_keys(v0 / p.group, qs.sq, sk, p.win_left, p.win_right).lo;
-      span_hi = detail::visible_keys(last / p.group, qs.sq, sk, p.win_left, p.win_right).hi;
-    }
-    if (span_hi < span_lo) span_hi = span_lo;
-  }
-  const int aligned_lo = span_lo / TN * TN;
-  const int per_split = ((span_hi - aligned_lo + p.splits - 1) / p.splits + TN - 1) / TN * TN;
-  const int k_lo = max(span_lo, aligned_lo + split * per_split);
-  const int k_hi = min(span_hi, aligned_lo + (split + 1) * per_split);
-  const int t_begin = k_lo / TN * TN;
-  const int n_tiles = k_hi > k_lo ? (k_hi - t_begin + TN - 1) / TN : 0;
+  const SplitKeys keys = split_keys<TN>(p, qs, sk, bad, v0, NV, n_vec, split);
+  const int k_lo = keys.k_lo, k_hi = keys.k_hi, t_begin = keys.t_begin, n_tiles = keys.n_tiles;
 
   // This thread's 16-byte chunks of a tile: rows chunk_row0 + r * kRowStride.
   const int chunk_row0 = threadIdx.x / (DB / 8), chunk_col = (threadIdx.x % (DB / 8)) * 8;
@@ -856,35 +867,7 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
     }
   }
   __syncthreads();
-  const float nan = __int_as_float(0x7fffffff);
-  for (int idx = threadIdx.x; idx < NV * DB; idx += NT) {
-    const int m = idx / DB, c = idx % DB, vec = v0 + m;
-    if (vec >= n_vec || c >= p.d) continue;
-    float gmax = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < C::kWarps; ++w) gmax = fmaxf(gmax, s_max[w * NV + m]);
-    float sum = 0.0f, o = 0.0f;
-    if (gmax != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < C::kWarps; ++w) {
-        const float mw = s_max[w * NV + m];
-        const float f = mw == -INFINITY ? 0.0f : __expf(mw - gmax);
-        sum += s_sum[w * NV + m] * f;
-        o += s_acc[(w * NV + m) * DB + c] * f;
-      }
-    }
-    const float out = bad ? nan : sum > 0.0f ? o / sum : 0.0f;
-    const float lse = bad ? nan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
-    const int i = vec / p.group, hq = hk * p.group + vec % p.group;
-    if (p.splits == 1) {
-      static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] = from_float<T>(out);
-      if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = lse;
-    } else {
-      const int64_t v = split * p.vectors + (qs.flat0 + i) * p.heads_q + hq;
-      p.part_out[v * p.d + c] = out;
-      if (c == 0) p.part_lse[v] = lse;
-    }
-  }
+  merge_and_store<T, DB, C::kWarps, NV, NT>(p, s_acc, s_max, s_sum, bad, b, hk, v0, n_vec, qs, split);
 }
 
 // ---------------------------------------------------------------- combine
