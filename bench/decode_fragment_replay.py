@@ -10,6 +10,9 @@ edge masks, and the cross-warp merge through shared memory. The replay walks
 a few tiles of one split (edges inside the first and last tile, a window, 4
 real query vectors of 8) and compares with softmax(q k^T) v in float64.
 
+The order of its pipeline (row-address slots, cp.async stages and groups,
+barriers) is replayed too, for 3 and 4 stages.
+
     python bench/decode_fragment_replay.py              # replay; then every mutation must fail
     python bench/decode_fragment_replay.py --mutate k_lane
 """
@@ -22,6 +25,67 @@ import numpy as np
 
 MUTATIONS = ("k_lane", "v_lane", "no_movmatrix", "q_frag", "max_lanes", "merge_index",
              "issue_rows", "logit_key")
+PIPELINE_MUTATIONS = ("store_slot", "issue_stage", "wait_depth")
+
+
+def pipeline(stages, n_tiles, mut=None):
+    """The kernel's order of row-slot writes (store_row), copies (issue) and
+    reads (the tile's products) between barriers, replayed for n_tiles tiles:
+    the problems found (a slot or stage read while another tile's data is in
+    it, or written in the segment where another warp reads it)."""
+    S = stages
+    slot = [None] * S        # tile whose row addresses the slot holds
+    stage = [None] * S       # tile whose copies the stage holds
+    landed = set()           # copy groups complete (group = tile issued)
+    issued = []              # tiles in commit order (one group each)
+    problems = []
+    segment = {"read_slots": set(), "written_slots": set(), "read_stages": set(), "written_stages": set()}
+
+    def barrier():
+        for k in segment:
+            segment[k] = set()
+
+    def store_row(tile, sl):
+        if sl in segment["read_slots"]:
+            problems.append(f"slot {sl} written in the segment it is read (tile {tile})")
+        slot[sl] = tile
+        segment["written_slots"].add(sl)
+
+    def issue(tile, st):
+        if tile < n_tiles:
+            if st in segment["read_stages"]:
+                problems.append(f"stage {st} overwritten in the segment it is read (tile {tile})")
+            if slot[st] != tile:   # the kernel reads row_src[stage]
+                problems.append(f"tile {tile} issued from the row slot of tile {slot[st]}")
+            if st in segment["written_slots"]:
+                problems.append(f"slot {st} read in the segment it is written (tile {tile})")
+            segment["read_slots"].add(st)
+            stage[st] = tile
+            segment["written_stages"].add(st)
+        issued.append(tile)
+
+    def wait(pending):
+        done = issued[:max(0, len(issued) - pending)]
+        landed.update(done)
+
+    for s_ in range(S):                                  # store_row(s, s, ids[s])
+        store_row(s_, (s_ + 1) % S if mut == "store_slot" else s_)
+    barrier()
+    for s_ in range(S - 1):
+        issue(s_, s_)
+    st = 0
+    for tile in range(n_tiles):
+        wait(S - 1 if mut == "wait_depth" else S - 2)
+        barrier()
+        write = (st - 1) % S if mut != "issue_stage" else st
+        issue(tile + S - 1, write)
+        store_row(tile + S, (st + 1) % S if mut == "store_slot" else st)
+        if stage[st] != tile or tile not in landed:
+            problems.append(f"tile {tile} computed from stage {st} holding tile {stage[st]}"
+                            f"{'' if tile in landed else ' before its copies landed'}")
+        segment["read_stages"].add(st)
+        st = st + 1 if st + 1 < S else 0
+    return problems
 
 
 def ldmatrix_x4(smem, addr, trans):
@@ -239,6 +303,18 @@ def main():
         err = replay(mut, **cases[0])
         caught = not err < 1e-6  # NaN (an unwritten element read) counts as caught
         print(f"mutation {mut}: max |err| {err:.3e} -> {'caught' if caught else 'NOT CAUGHT'}")
+        if not caught:
+            return 1
+    for S in (3, 4):
+        for n in range(0, 9):
+            found = pipeline(S, n)
+            if found:
+                print(f"pipeline, {S} stages, {n} tiles: {found[0]}")
+                return 1
+    print("pipeline: row slots, stages and copy groups in order for 3 and 4 stages, 0-8 tiles")
+    for mut in PIPELINE_MUTATIONS:
+        caught = bool(pipeline(3, 6, mut))
+        print(f"pipeline mutation {mut}: {'caught' if caught else 'NOT CAUGHT'}")
         if not caught:
             return 1
     print("ok: the layouts replay exactly and every mutation is caught")
