@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 MUTATIONS = ("k_lane", "v_lane", "no_movmatrix", "q_frag", "max_lanes", "merge_index",
-             "issue_rows", "logit_key")
+             "issue_rows", "logit_key", "block_vector")
 PIPELINE_MUTATIONS = ("store_slot", "issue_stage", "wait_depth")
 
 
@@ -123,11 +123,13 @@ def mma(c, a, b):
         c[lane] += np.array([D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]])
 
 
-def replay(mut=None, DB=128, d=128, warps=8, seed=0):
+def replay(mut=None, DB=128, d=128, warps=8, NB=1, sq=1, seed=0):
+    """Max |error| of one CTA's outputs (NB n8 blocks of query vectors, sq
+    query rows of GQA group 4, causal with a left window) against float64."""
     rng = np.random.default_rng(seed)
-    NV, TN, LD, NT = 8, 16 * warps, DB + 8, 32 * warps
-    group, sq = 4, 1
-    n_vec = sq * group
+    NV, TN, LD, NT = 8 * NB, 16 * warps, DB + 8, 32 * warps
+    group = 4
+    n_vec = min(sq * group, NV)
     sk = 5 * TN - 37                          # keys in the cache
     k_lo, k_hi = 19, sk                       # the split's keys: edges inside the first and last tile
     win_left = sk - 3 * TN                    # a window: one more edge for every vector
@@ -136,32 +138,40 @@ def replay(mut=None, DB=128, d=128, warps=8, seed=0):
     Q = rng.standard_normal((NV, d))
     Q[n_vec:] = 0.0                           # vectors past n_vec are zero (never written)
     scale = d ** -0.5
-    vis_lo = max(0, sk - 1 - win_left)        # visible keys of the one query row
+
+    def visible(vec):                         # causal, window (win_left, 0): detail::visible_keys
+        diag = vec // group + sk - sq
+        return max(0, diag - win_left), min(sk, diag + 1)
+
     sQ = np.zeros(NV * LD)
     for v in range(NV):
         sQ[v * LD:v * LD + d] = Q[v]
     t_begin = k_lo // TN * TN
     n_tiles = (k_hi - t_begin + TN - 1) // TN
-    open_lo, open_hi = vis_lo, sk
+    open_lo = max(visible(v)[0] for v in range(n_vec))
+    open_hi = min(visible(v)[1] for v in range(n_vec))
 
-    # Q^T as the B operand: load_b(q_frag[kk], sQ, LD, 0, kk * 16, lane).
-    q_frag = []
-    for kk in range(DB // 16):
-        per_lane = []
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            col = kk * 16 + 2 * t
-            if mut == "q_frag":
-                g, t = t, g
-                col = kk * 16 + 2 * t
-            per_lane.append(((sQ[g * LD + col], sQ[g * LD + col + 1]),
-                             (sQ[g * LD + col + 8], sQ[g * LD + col + 9])))
-        q_frag.append(per_lane)
+    # Q^T as the B operand: load_b(q_frag[n][kk], sQ, LD, 8 n, kk * 16, lane).
+    q_frag = [[None] * (DB // 16) for _ in range(NB)]
+    for n in range(NB):
+        for kk in range(DB // 16):
+            per_lane = []
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                if mut == "q_frag":
+                    g, t = t, g
+                row, col = 8 * n + g, kk * 16 + 2 * t
+                per_lane.append(((sQ[row * LD + col], sQ[row * LD + col + 1]),
+                                 (sQ[row * LD + col + 8], sQ[row * LD + col + 9])))
+            q_frag[n][kk] = per_lane
 
-    acc = [[np.zeros(4) for _ in range(32)] for _ in range(warps)]  # [warp][lane][mt*4+e] below
-    acc = [[[np.zeros(4) for _ in range(DB // 16)] for _ in range(32)] for _ in range(warps)]
-    row_max = np.full((warps, 32, 2), -np.inf)
-    row_sum = np.zeros((warps, 32, 2))
+    def vector(n, t, h):                      # the CTA vector of a thread's u = 2 n + h
+        return 8 * n + 2 * t + h if mut != "block_vector" else 2 * t + h + 8 * (1 - n) * (NB - 1)
+
+    acc = [[[[np.zeros(4) for _ in range(DB // 16)] for _ in range(32)] for _ in range(NB)]
+           for _ in range(warps)]             # [warp][n][lane][mt]
+    row_max = np.full((warps, 32, 2 * NB), -np.inf)
+    row_sum = np.zeros((warps, 32, 2 * NB))
     for tile in range(n_tiles):
         # The issue: thread tid copies rows chunk_row0 + r * kRowStride, column chunk_col.
         sK = np.full(TN * LD, np.nan)
@@ -191,77 +201,85 @@ def replay(mut=None, DB=128, d=128, warps=8, seed=0):
                     v_lane = (warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + (lane >> 4) * 8
                 k_addr.append(k_lane)
                 v_addr.append(v_lane)
-            s = [np.zeros(4) for _ in range(32)]
-            s_odd = [np.zeros(4) for _ in range(32)]
+            s = [[np.zeros(4) for _ in range(32)] for _ in range(NB)]
+            s_odd = [[np.zeros(4) for _ in range(32)] for _ in range(NB)]
             for kk in range(DB // 16):
                 a = ldmatrix_x4(sK, [x + kk * 16 for x in k_addr], trans=False)
-                mma(s_odd if kk & 1 else s, a, q_frag[kk])
-            x = np.zeros((32, 4))
-            for lane in range(32):
-                g, t = lane >> 2, lane & 3
-                for e in range(4):
-                    x[lane, e] = (s[lane][e] + s_odd[lane][e]) * scale
-            inside = all(j0 >= k_lo and j0 + 16 <= k_hi and j0 >= open_lo and j0 + 16 <= open_hi
-                         for _ in range(32))
-            if not inside:
+                for n in range(NB):
+                    mma(s_odd[n] if kk & 1 else s[n], a, q_frag[n][kk])
+            x = np.zeros((NB, 32, 4))
+            for n in range(NB):
                 for lane in range(32):
-                    g, t = lane >> 2, lane & 3
                     for e in range(4):
-                        h, j = e & 1, j0 + g + 8 * (e >> 1)
-                        if mut == "logit_key":
-                            j = j0 + 2 * t + (e & 1) + 8 * (e >> 1)
-                        vec = 2 * t + h
-                        lo, hi = (vis_lo, sk) if vec < n_vec else (0, 0)
-                        if j < k_lo or j >= k_hi or j < lo or j >= hi:
-                            x[lane, e] = -np.inf
-            base = np.zeros((32, 2))
-            rescale = np.zeros((32, 2))
-            for h in range(2):
-                m = np.maximum(x[:, h], x[:, h + 2])
+                        x[n, lane, e] = (s[n][lane][e] + s_odd[n][lane][e]) * scale
+            inside = j0 >= k_lo and j0 + 16 <= k_hi and j0 >= open_lo and j0 + 16 <= open_hi
+            if not inside:
+                for n in range(NB):
+                    for lane in range(32):
+                        g, t = lane >> 2, lane & 3
+                        for e in range(4):
+                            j = j0 + g + 8 * (e >> 1)
+                            if mut == "logit_key":
+                                j = j0 + 2 * t + (e & 1) + 8 * (e >> 1)
+                            vec = vector(n, t, e & 1)
+                            lo, hi = visible(vec) if vec < n_vec else (0, 0)
+                            if j < k_lo or j >= k_hi or j < lo or j >= hi:
+                                x[n, lane, e] = -np.inf
+            rescale = np.zeros((32, 2 * NB))
+            base = np.zeros((32, 2 * NB))
+            for u in range(2 * NB):
+                n, h = u >> 1, u & 1
+                m = np.maximum(x[n, :, h], x[n, :, h + 2])
                 for off in ((4, 8, 16) if mut != "max_lanes" else (1, 2, 16)):
                     m = np.maximum(m, m[np.arange(32) ^ off])
                 for lane in range(32):
-                    m_new = max(row_max[warp, lane, h], m[lane])
-                    old = row_max[warp, lane, h]
-                    rescale[lane, h] = 0.0 if old == -np.inf else np.exp(old - m_new)
-                    base[lane, h] = 0.0 if m_new == -np.inf else m_new
-                    row_max[warp, lane, h] = m_new
-                    row_sum[warp, lane, h] *= rescale[lane, h]
-            for lane in range(32):
-                for mt in range(DB // 16):
-                    acc[warp][lane][mt] *= rescale[lane, [0, 1, 0, 1]]
-            p = np.zeros((32, 4))
-            for lane in range(32):
-                for e in range(4):
-                    p[lane, e] = np.exp(x[lane, e] - base[lane, e & 1])
-                    row_sum[warp, lane, e & 1] += p[lane, e]
-            lo_half = [(p[lane, 0], p[lane, 1]) for lane in range(32)]
-            hi_half = [(p[lane, 2], p[lane, 3]) for lane in range(32)]
-            if mut != "no_movmatrix":
-                lo_half, hi_half = movmatrix(lo_half), movmatrix(hi_half)
-            pb = [(lo_half[lane], hi_half[lane]) for lane in range(32)]
+                    old = row_max[warp, lane, u]
+                    m_new = max(old, m[lane])
+                    rescale[lane, u] = 0.0 if old == -np.inf else np.exp(old - m_new)
+                    base[lane, u] = 0.0 if m_new == -np.inf else m_new
+                    row_max[warp, lane, u] = m_new
+                    row_sum[warp, lane, u] *= rescale[lane, u]
+            for n in range(NB):
+                for lane in range(32):
+                    for mt in range(DB // 16):
+                        acc[warp][n][lane][mt] *= rescale[lane, [2 * n, 2 * n + 1, 2 * n, 2 * n + 1]]
+            pb = []
+            for n in range(NB):
+                p = np.zeros((32, 4))
+                for lane in range(32):
+                    for e in range(4):
+                        u = 2 * n + (e & 1)
+                        p[lane, e] = np.exp(x[n, lane, e] - base[lane, u])
+                        row_sum[warp, lane, u] += p[lane, e]
+                lo_half = [(p[lane, 0], p[lane, 1]) for lane in range(32)]
+                hi_half = [(p[lane, 2], p[lane, 3]) for lane in range(32)]
+                if mut != "no_movmatrix":
+                    lo_half, hi_half = movmatrix(lo_half), movmatrix(hi_half)
+                pb.append([(lo_half[lane], hi_half[lane]) for lane in range(32)])
             for mt in range(DB // 16):
-                a = ldmatrix_x4(sV, [x + mt * 16 for x in v_addr], trans=True)
-                mma([acc[warp][lane][mt] for lane in range(32)], a, pb)
+                a = ldmatrix_x4(sV, [x_ + mt * 16 for x_ in v_addr], trans=True)
+                for n in range(NB):
+                    mma([acc[warp][n][lane][mt] for lane in range(32)], a, pb[n])
 
     # The merge through shared memory, as the kernel indexes it.
     s_acc = np.full(warps * NV * DB, np.nan)
     s_max = np.full(warps * NV, np.nan)
     s_sum = np.full(warps * NV, np.nan)
     for warp in range(warps):
-        for h in range(2):
-            tot = row_sum[warp, :, h].copy()
+        for u in range(2 * NB):
+            n, h = u >> 1, u & 1
+            tot = row_sum[warp, :, u].copy()
             for off in (4, 8, 16):
                 tot = tot + tot[np.arange(32) ^ off]
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
-                r = 2 * t + h
+                r = vector(n, t, h)
                 for mt in range(DB // 16):
                     gg = t if mut == "merge_index" else g
-                    s_acc[(warp * NV + r) * DB + mt * 16 + gg] = acc[warp][lane][mt][h]
-                    s_acc[(warp * NV + r) * DB + mt * 16 + gg + 8] = acc[warp][lane][mt][h + 2]
+                    s_acc[(warp * NV + r) * DB + mt * 16 + gg] = acc[warp][n][lane][mt][h]
+                    s_acc[(warp * NV + r) * DB + mt * 16 + gg + 8] = acc[warp][n][lane][mt][h + 2]
                 if g == 0:
-                    s_max[warp * NV + r] = row_max[warp, lane, h]
+                    s_max[warp * NV + r] = row_max[warp, lane, u]
                     s_sum[warp * NV + r] = tot[lane]
     out = np.full((NV, d), np.nan)
     for idx in range(NV * DB):
@@ -276,21 +294,25 @@ def replay(mut=None, DB=128, d=128, warps=8, seed=0):
             o += s_acc[(w * NV + m) * DB + c] * f
         out[m, c] = o / tot
 
-    keys = np.arange(sk)
-    seen = (keys >= max(k_lo, vis_lo)) & (keys < k_hi)
-    logits = Q[:n_vec] @ K[seen].T * scale
-    w = np.exp(logits - logits.max(axis=1, keepdims=True))
-    ref = (w / w.sum(axis=1, keepdims=True)) @ V[seen]
-    return np.abs(out[:n_vec] - ref).max()
+    errs = []  # np.max, not max(): a NaN (an element never written) must come through
+    for vec in range(n_vec):
+        lo, hi = visible(vec)
+        keys = np.arange(max(lo, k_lo), min(hi, k_hi))
+        logits = K[keys] @ Q[vec] * scale
+        w = np.exp(logits - logits.max())
+        ref = (w / w.sum()) @ V[keys]
+        errs.append(np.abs(out[vec] - ref).max())
+    return np.max(errs)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mutate", choices=MUTATIONS)
     args = parser.parse_args()
-    cases = [dict(DB=128, d=128, warps=8), dict(DB=64, d=40, warps=8), dict(DB=256, d=256, warps=4)]
+    cases = [dict(DB=128, d=128, warps=8, NB=2, sq=3), dict(DB=128, d=128, warps=8),
+             dict(DB=64, d=40, warps=8, NB=2, sq=5), dict(DB=256, d=256, warps=4, sq=2)]
     if args.mutate:
-        err = max(replay(args.mutate, **c) for c in cases[:1])
+        err = replay(args.mutate, **cases[0])
         print(f"mutation {args.mutate}: max |err| {err:.3e}")
         return 0
     for c in cases:

@@ -102,8 +102,9 @@ def test_decode_head_dims_and_splits(dtype, D, num_splits):
 
 @pytest.mark.parametrize("Sq", [2, 3, 5])
 def test_query_tiles_and_tile_edges(Sq):
-    """Several query rows of a GQA group over more than one CTA's vectors, with
-    cache lengths on, before and after key-tile edges, causal and windowed."""
+    """Several query rows of a GQA group (8, 12, 20 vectors per kv head: one or two
+    n8 blocks, one or two CTAs of them), with cache lengths on, before and after
+    key-tile edges, causal and windowed."""
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(Sq)
     Hq, Hkv, D = 8, 2, 128

@@ -6,12 +6,13 @@
 // sequence). The query vectors are (query row, head) pairs of one kv-head
 // group, so each K/V row is read once for all of them; K/V tiles stream
 // through shared memory by cp.async and the products run on the tensor cores.
-// keys_major_kernel (8 vectors per CTA, keys on the MMA rows) serves decode;
-// attention_kernel (16 vectors per CTA on the MMA rows) serves calls with
-// more vectors per kv head (use_previous_kernel). Lengths and block ids are
-// read on the device only: a bad one is recorded in a host-mapped word
-// (raised by the next call or by cache_check_cuda) and the sequence gets NaN
-// outputs, with no access out of bounds and no write to the cache.
+// keys_major_kernel (keys on the MMA rows, 8 or 16 query vectors per CTA on
+// its columns) runs every call; attention_kernel (16 vectors per CTA on the
+// MMA rows), the kernel it replaced, runs when SYMHEAP_DECODE_KERNEL asks for
+// it (previous_kernel_forced). Lengths and block ids are read on the device
+// only: a bad one is recorded in a host-mapped word (raised by the next call
+// or by cache_check_cuda) and the sequence gets NaN outputs, with no access
+// out of bounds and no write to the cache.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -168,8 +169,8 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const Params p) {
 
 // ---------------------------------------------------------------- attention, queries on M
 
-// The query-major kernel (the default before keys_major_kernel; now for
-// calls with more than 8 query vectors per kv head). Keys are staged through shared memory in tiles of kTileKeys rows by
+// The query-major kernel (the default before keys_major_kernel; kept to
+// compare the two: SYMHEAP_DECODE_KERNEL=previous). Keys are staged through shared memory in tiles of kTileKeys rows by
 // cp.async, Tile::kStages deep, so the loads of the next tiles are in flight
 // while one is computed. Each warp takes 16 keys of a tile: S = Q K^T and
 // O += P V on the tensor cores (mma.sync m16n8k16, fp32 accumulation), the 16
@@ -559,10 +560,20 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
 // 16 * kWarps-key tile with its own online softmax; the warps merge once, at
 // the end of the split. Tiles stream through kStages cp.async stages. Only a
 // warp whose keys reach an edge of the split or of a visible range masks.
-constexpr int kKmVectors = 8;  // query vectors (row, head) per CTA: the n8 columns
+//
+// NB n8 blocks of query vectors per CTA: 1 (8 vectors) where a kv head has at
+// most 8, else 2 (16 vectors, each K/V fragment feeding two MMAs, as the
+// query-major kernel reads K/V once per 16 vectors); 1 at head dim 256
+// (registers).
+constexpr int kKmBlockVectors = 8;  // query vectors (row, head) of one n8 block
 
-template <int DB>
+inline int keys_major_blocks(int64_t vectors_per_kv_head, int db) {
+  return vectors_per_kv_head > kKmBlockVectors && db <= 128 ? 2 : 1;
+}
+
+template <int DB, int NB>
 struct KeysMajor {
+  static constexpr int kVectors = kKmBlockVectors * NB;
   static constexpr int kWarps = DB <= 128 ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTileKeys = 16 * kWarps;
@@ -572,8 +583,8 @@ struct KeysMajor {
   static constexpr int kChunksPerThread = kTileKeys * DB / 8 / kThreads;
   static constexpr int kRowStride = kThreads / (DB / 8);  // rows between a thread's chunks
   static constexpr size_t kPipeBytes =
-      sizeof(uint16_t) * (kStages * kStageElems + kKmVectors * kLd);
-  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kKmVectors * (DB + 2);
+      sizeof(uint16_t) * (kStages * kStageElems + kVectors * kLd);
+  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kVectors * (DB + 2);
   static constexpr size_t kSmem = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
   static_assert(kTileKeys * DB / 8 % kThreads == 0, "whole chunks per thread");
   static_assert(kTileKeys <= kThreads, "one row lookup per thread");
@@ -605,10 +616,10 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return y;
 }
 
-template <class T, int DB>
-__global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(const Params p) {
-  using C = KeysMajor<DB>;
-  constexpr int TN = C::kTileKeys, LD = C::kLd, NT = C::kThreads, NV = kKmVectors;
+template <class T, int DB, int NB>
+__global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1) keys_major_kernel(const Params p) {
+  using C = KeysMajor<DB, NB>;
+  constexpr int TN = C::kTileKeys, LD = C::kLd, NT = C::kThreads, NV = C::kVectors;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* stages = reinterpret_cast<T*>(smem_raw);
   T* sQ = stages + C::kStages * C::kStageElems;
@@ -647,15 +658,15 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
     if (idx < NV * (DB / 8))
       *reinterpret_cast<uint4*>(sQ + r * LD + c) = bad ? make_uint4(0, 0, 0, 0) : q_raw[n];
   }
-  // This thread's two query vectors (columns 2t, 2t + 1 of the n8 tile):
-  // visible keys and ALiBi. open_lo and open_hi bound the keys every real
-  // vector of the CTA sees (a vector past n_vec bounds nothing: its results
-  // are never written).
-  int lo[2], hi[2], diag[2], open_lo = 0, open_hi = INT_MAX;
-  float slope[2];
+  // This thread's query vectors u = 2 n + h (column 2t + h of n8 block n,
+  // vector 8 n + 2t + h of the CTA): visible keys and ALiBi. open_lo and
+  // open_hi bound the keys every real vector of the CTA sees (a vector past
+  // n_vec bounds nothing: its results are never written).
+  int lo[2 * NB], hi[2 * NB], diag[2 * NB], open_lo = 0, open_hi = INT_MAX;
+  float slope[2 * NB];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int vec = v0 + 2 * t + h, i = vec / p.group;
+  for (int h = 0; h < 2 * NB; ++h) {
+    const int vec = v0 + 8 * (h >> 1) + 2 * t + (h & 1), i = vec / p.group;
     const bool valid = vec < n_vec && !bad;
     const detail::KeyRange vis = detail::visible_keys(i, qs.sq, sk, p.win_left, p.win_right);
     lo[h] = valid ? vis.lo : 0;
@@ -733,13 +744,18 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
     cp_async_commit();
   };
 
-  // acc[mt]: O^T rows (dims) mt * 16 + g + 8 (e >> 1), column (vector) 2t + (e & 1).
-  float acc[DB / 16][4];
+  // acc[n][mt]: O^T rows (dims) mt * 16 + g + 8 (e >> 1), column 2t + (e & 1)
+  // of n8 block n.
+  float acc[NB][DB / 16][4];
 #pragma unroll
-  for (int mt = 0; mt < DB / 16; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
-  // Per vector h (column 2t + h): the warp's running maximum, and this
-  // lane's part of the running sum (summed over the warp at the end).
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  for (int n = 0; n < NB; ++n)
+#pragma unroll
+    for (int mt = 0; mt < DB / 16; ++mt) acc[n][mt][0] = acc[n][mt][1] = acc[n][mt][2] = acc[n][mt][3] = 0.0f;
+  // Per vector u: the warp's running maximum, and this lane's part of the
+  // running sum (summed over the warp at the end).
+  float row_max[2 * NB], row_sum[2 * NB];
+#pragma unroll
+  for (int u = 0; u < 2 * NB; ++u) row_max[u] = -INFINITY, row_sum[u] = 0.0f;
 
   {
     long long ids[C::kStages];
@@ -753,9 +769,12 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
   for (int s = 0; s < C::kStages - 1; ++s) issue(s, s);
   // Q^T as the B operand (dims x vectors), in registers for every tile (sQ
   // is visible after the prologue's barriers).
-  uint32_t q_frag[DB / 16][2];
+  uint32_t q_frag[NB][DB / 16][2];
 #pragma unroll
-  for (int kk = 0; kk < DB / 16; ++kk) attention::cuda::load_b(q_frag[kk], sQ, LD, 0, kk * 16, lane);
+  for (int n = 0; n < NB; ++n)
+#pragma unroll
+    for (int kk = 0; kk < DB / 16; ++kk)
+      attention::cuda::load_b(q_frag[n][kk], sQ, LD, 8 * n, kk * 16, lane);
   // ldmatrix lane addresses inside the warp's 16 keys: K as A (keys x dims,
   // matrix m = lane / 8 at keys 8 (m & 1), dims 8 (m >> 1)) and V^T as A via
   // .trans (dims x keys, matrix m at dims 8 (m & 1), keys 8 (m >> 1)).
@@ -775,71 +794,92 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
     const T* sV = sK + TN * LD;
     const int j0 = t_begin + tile * TN + warp * 16;  // this warp's 16 keys
 
-    // S^T = K Q^T, two accumulation chains (even / odd dims blocks).
-    float s[4] = {0, 0, 0, 0}, s_odd[4] = {0, 0, 0, 0};
+    // S^T = K Q^T, two accumulation chains per n8 block (even / odd dims
+    // blocks); each K fragment feeds the NB blocks.
+    float s[NB][4], s_odd[NB][4];
+#pragma unroll
+    for (int n = 0; n < NB; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = s_odd[n][e] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < DB / 16; ++kk) {
       uint32_t a[4];
       ldmatrix_x4(a, sK + k_lane + kk * 16);
-      attention::cuda::mma<T>(kk & 1 ? s_odd : s, a, q_frag[kk]);
-    }
-    // Logit (key j0 + g + 8 (e >> 1), vector 2t + (e & 1)).
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int h = e & 1, j = j0 + g + 8 * (e >> 1);
-      float x = (s[e] + s_odd[e]) * p.scale;
-      if (p.softcap > 0.0f) x = p.softcap * tanhf(x * inv_softcap);
-      if (slope[h] != 0.0f) x -= slope[h] * fabsf(static_cast<float>(diag[h] - j));
-      s[e] = x;
+      for (int n = 0; n < NB; ++n) attention::cuda::mma<T>(kk & 1 ? s_odd[n] : s[n], a, q_frag[n][kk]);
     }
+    // Logit (key j0 + g + 8 (e >> 1), vector u = 2 n + (e & 1)).
+#pragma unroll
+    for (int n = 0; n < NB; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int u = 2 * n + (e & 1), j = j0 + g + 8 * (e >> 1);
+        float x = (s[n][e] + s_odd[n][e]) * p.scale;
+        if (p.softcap > 0.0f) x = p.softcap * tanhf(x * inv_softcap);
+        if (slope[u] != 0.0f) x -= slope[u] * fabsf(static_cast<float>(diag[u] - j));
+        s[n][e] = x;
+      }
     const bool inside = j0 >= k_lo && j0 + 16 <= k_hi && j0 >= open_lo && j0 + 16 <= open_hi;
     if (!__all_sync(0xffffffffu, inside)) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int h = e & 1, j = j0 + g + 8 * (e >> 1);
-        if (j < k_lo || j >= k_hi || j < lo[h] || j >= hi[h]) s[e] = -INFINITY;
-      }
+      for (int n = 0; n < NB; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int u = 2 * n + (e & 1), j = j0 + g + 8 * (e >> 1);
+          if (j < k_lo || j >= k_hi || j < lo[u] || j >= hi[u]) s[n][e] = -INFINITY;
+        }
     }
     // The maximum of each column over the warp's 16 keys: lanes of one t.
-    float rescale[2], base[2];
+    float rescale[2 * NB], base[2 * NB];
+    bool moved = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float m = fmaxf(s[h], s[h + 2]);
+    for (int u = 0; u < 2 * NB; ++u) {
+      const int n = u >> 1, h = u & 1;
+      float m = fmaxf(s[n][h], s[n][h + 2]);
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-      const float m_new = fmaxf(row_max[h], m);
-      rescale[h] = row_max[h] == -INFINITY ? 0.0f : exp2_ftz((row_max[h] - m_new) * kLog2e);
-      base[h] = m_new == -INFINITY ? 0.0f : m_new * kLog2e;  // in log2 units
-      row_max[h] = m_new;
-      row_sum[h] *= rescale[h];
+      const float m_new = fmaxf(row_max[u], m);
+      rescale[u] = row_max[u] == -INFINITY ? 0.0f : exp2_ftz((row_max[u] - m_new) * kLog2e);
+      base[u] = m_new == -INFINITY ? 0.0f : m_new * kLog2e;  // in log2 units
+      row_max[u] = m_new;
+      row_sum[u] *= rescale[u];
+      moved |= rescale[u] != 1.0f;
     }
     // Once the running maxima settle, most tiles leave the output as it is.
-    if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
+    if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-      for (int mt = 0; mt < DB / 16; ++mt) {
-        acc[mt][0] *= rescale[0];
-        acc[mt][1] *= rescale[1];
-        acc[mt][2] *= rescale[0];
-        acc[mt][3] *= rescale[1];
+      for (int n = 0; n < NB; ++n)
+#pragma unroll
+        for (int mt = 0; mt < DB / 16; ++mt) {
+          acc[n][mt][0] *= rescale[2 * n];
+          acc[n][mt][1] *= rescale[2 * n + 1];
+          acc[n][mt][2] *= rescale[2 * n];
+          acc[n][mt][3] *= rescale[2 * n + 1];
+        }
+    }
+    // P^T (keys x vectors) as the B operand: each 8-key half of an n8 block,
+    // packed in the C layout, is the transpose of the B fragment, so
+    // movmatrix turns it.
+    uint32_t pb[NB][2];
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int u = 2 * n + (e & 1);
+        const float pr = exp2_ftz(fmaf(s[n][e], kLog2e, -base[u]));
+        row_sum[u] += pr;
+        s[n][e] = pr;
       }
+      pb[n][0] = movmatrix_trans(attention::cuda::Pack<T>::two(s[n][0], s[n][1]));
+      pb[n][1] = movmatrix_trans(attention::cuda::Pack<T>::two(s[n][2], s[n][3]));
     }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float pr = exp2_ftz(fmaf(s[e], kLog2e, -base[e & 1]));
-      row_sum[e & 1] += pr;
-      s[e] = pr;
-    }
-    // P^T (keys x vectors) as the B operand: each 8-key half packed in the
-    // C layout is the transpose of the B fragment, so movmatrix turns it.
-    uint32_t pb[2];
-    pb[0] = movmatrix_trans(attention::cuda::Pack<T>::two(s[0], s[1]));
-    pb[1] = movmatrix_trans(attention::cuda::Pack<T>::two(s[2], s[3]));
 #pragma unroll
     for (int mt = 0; mt < DB / 16; ++mt) {
       uint32_t a[4];
       ldmatrix_x4_trans(a, sV + v_lane + mt * 16);
-      attention::cuda::mma<T>(acc[mt], a, pb);
+#pragma unroll
+      for (int n = 0; n < NB; ++n) attention::cuda::mma<T>(acc[n][mt], a, pb[n]);
     }
   }
   cp_async_wait<0>();
@@ -850,19 +890,20 @@ __global__ void __launch_bounds__(KeysMajor<DB>::kThreads, 1) keys_major_kernel(
   float* s_max = s_acc + C::kWarps * NV * DB;          // [warp][vector]
   float* s_sum = s_max + C::kWarps * NV;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = row_sum[h];
+  for (int u = 0; u < 2 * NB; ++u) {
+    const int n = u >> 1, h = u & 1;
+    float sum = row_sum[u];
     sum += __shfl_xor_sync(0xffffffffu, sum, 4);
     sum += __shfl_xor_sync(0xffffffffu, sum, 8);
     sum += __shfl_xor_sync(0xffffffffu, sum, 16);
-    const int r = 2 * t + h;
+    const int r = 8 * n + 2 * t + h;
 #pragma unroll
     for (int mt = 0; mt < DB / 16; ++mt) {
-      s_acc[(warp * NV + r) * DB + mt * 16 + g] = acc[mt][h];
-      s_acc[(warp * NV + r) * DB + mt * 16 + g + 8] = acc[mt][h + 2];
+      s_acc[(warp * NV + r) * DB + mt * 16 + g] = acc[n][mt][h];
+      s_acc[(warp * NV + r) * DB + mt * 16 + g + 8] = acc[n][mt][h + 2];
     }
     if (g == 0) {
-      s_max[warp * NV + r] = row_max[h];
+      s_max[warp * NV + r] = row_max[u];
       s_sum[warp * NV + r] = sum;
     }
   }
@@ -983,20 +1024,18 @@ void raise_recorded(ErrorWord& w, int device) {
 
 int head_dim_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
-// Which attention kernel a call runs. The keys-major kernel where one CTA
-// holds every query vector of a kv head (decode: query rows x group <= 8);
-// with more vectors (several new rows, chunked prefill) the query-major one,
-// which reads each K/V tile once per 16 vectors rather than per 8.
-// $SYMHEAP_DECODE_KERNEL = "keys_major" or "previous" (the query-major
-// kernel) forces one of them (tests, and timing both in one process); unset,
-// empty or "auto" is the rule above. Read on every call, so a CUDA graph keeps
-// the kernel of its capture.
+// Which attention kernel a call runs: the keys-major one (keys_major_kernel,
+// with 1 or 2 n8 blocks of query vectors: keys_major_blocks), or with
+// $SYMHEAP_DECODE_KERNEL = "previous" the query-major one it replaced (to
+// compare the two in one process; "keys_major", "auto", empty or unset: the
+// default). Read on every call, so a CUDA graph keeps the kernel of its
+// capture.
 constexpr const char* kKernelEnv = "SYMHEAP_DECODE_KERNEL";
 
-bool use_previous_kernel(int64_t vectors_per_kv_head) {
+bool previous_kernel_forced() {
   const char* env = std::getenv(kKernelEnv);
-  if (!env || !*env || std::strcmp(env, "auto") == 0) return vectors_per_kv_head > kKmVectors;
-  if (std::strcmp(env, "keys_major") == 0) return false;
+  if (!env || !*env || std::strcmp(env, "auto") == 0 || std::strcmp(env, "keys_major") == 0)
+    return false;
   if (std::strcmp(env, "previous") == 0) return true;
   throw InvalidArgument(std::string("attention (kv cache): ") + kKernelEnv +
                         " must be 'auto', 'keys_major' or 'previous', got '" + env + "'");
@@ -1005,6 +1044,7 @@ bool use_previous_kernel(int64_t vectors_per_kv_head) {
 struct Plan {
   int device, db, mtiles, splits;
   bool previous;  // the query-major kernel (attention_kernel) instead of keys_major_kernel
+  int nb;         // keys_major_kernel's n8 blocks of query vectors per CTA
   int64_t vectors;
   size_t bytes;
 };
@@ -1013,13 +1053,8 @@ struct SmemReady {};
 
 // The device's SM count, the number of attention CTAs a call aims for. Also
 // raises the kernel's dynamic shared-memory limit, once per device.
-template <class T, int DB>
-int sm_count(int device, bool previous) {
-  const std::string name = std::string(previous ? "attention.kvcache." : "attention.kvcache.km.") +
-                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
-  auto kernel = previous ? attention_kernel<T, DB> : keys_major_kernel<T, DB>;
-  const size_t smem = previous ? Tile<DB>::kSmem : KeysMajor<DB>::kSmem;
-  const int threads = previous ? kThreads : KeysMajor<DB>::kThreads;
+template <class Kernel>
+int ready_kernel(int device, const std::string& name, Kernel kernel, int threads, size_t smem) {
   Runtime::instance().device_caches(device).get<SmemReady>(name + ".smem", [&] {
     ::symheap::cuda::ScopedDevice on(device);
     SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1029,13 +1064,29 @@ int sm_count(int device, bool previous) {
   return ::symheap::cuda::kernel_info(device, name.c_str(), kernel, threads, smem)->sm_count;
 }
 
+template <class T, int DB>
+int sm_count(int device, const Plan& pl) {
+  const std::string suffix =
+      std::string(std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
+  if (pl.previous)
+    return ready_kernel(device, "attention.kvcache." + suffix, attention_kernel<T, DB>, kThreads,
+                        Tile<DB>::kSmem);
+  if constexpr (DB <= 128) {
+    if (pl.nb == 2)
+      return ready_kernel(device, "attention.kvcache.km2." + suffix, keys_major_kernel<T, DB, 2>,
+                          KeysMajor<DB, 2>::kThreads, KeysMajor<DB, 2>::kSmem);
+  }
+  return ready_kernel(device, "attention.kvcache.km1." + suffix, keys_major_kernel<T, DB, 1>,
+                      KeysMajor<DB, 1>::kThreads, KeysMajor<DB, 1>::kSmem);
+}
+
 template <class T>
-int sm_count(int device, int db, bool previous) {
-  switch (db) {
-    case 32: return sm_count<T, 32>(device, previous);
-    case 64: return sm_count<T, 64>(device, previous);
-    case 128: return sm_count<T, 128>(device, previous);
-    default: return sm_count<T, 256>(device, previous);
+int sm_count(int device, const Plan& pl) {
+  switch (pl.db) {
+    case 32: return sm_count<T, 32>(device, pl);
+    case 64: return sm_count<T, 64>(device, pl);
+    case 128: return sm_count<T, 128>(device, pl);
+    default: return sm_count<T, 256>(device, pl);
   }
 }
 
@@ -1044,8 +1095,9 @@ Plan make_plan(const CacheArgs& a, int device) {
   pl.device = device;
   pl.db = head_dim_bucket(a.head_dim);
   const int64_t n_vec = static_cast<int64_t>(a.seqlen_q) * a.group();
-  pl.previous = use_previous_kernel(n_vec);
-  const int per_cta = pl.previous ? kVectors : kKmVectors;
+  pl.previous = previous_kernel_forced();
+  pl.nb = keys_major_blocks(n_vec, pl.db);
+  const int per_cta = pl.previous ? kVectors : kKmBlockVectors * pl.nb;
   pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + per_cta - 1) / per_cta));
   const int64_t base = static_cast<int64_t>(a.batch) * a.heads_kv * pl.mtiles;
   const int64_t useful = std::max<int64_t>(1, (a.capacity + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
@@ -1053,8 +1105,8 @@ Plan make_plan(const CacheArgs& a, int device) {
   // kernel is bound by its own instruction stream, and on H100 a second CTA per
   // SM made every latency-bound row slower (bench/RESULTS.md, the decode split
   // sweep), while fewer CTAs leave SMs idle.
-  const int64_t target = a.q.dtype == DType::F16 ? sm_count<__half>(device, pl.db, pl.previous)
-                                                  : sm_count<__nv_bfloat16>(device, pl.db, pl.previous);
+  const int64_t target =
+      a.q.dtype == DType::F16 ? sm_count<__half>(device, pl) : sm_count<__nv_bfloat16>(device, pl);
   int64_t splits;
   if (a.num_splits > 0) {
     splits = a.num_splits;
@@ -1144,10 +1196,19 @@ void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
   if (pl.previous) {
     attention_kernel<T, DB><<<grid, kThreads, Tile<DB>::kSmem, stream>>>(p);
     SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
-  } else {
-    keys_major_kernel<T, DB><<<grid, KeysMajor<DB>::kThreads, KeysMajor<DB>::kSmem, stream>>>(p);
-    SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.keys_major_kernel");
+    return;
   }
+  if constexpr (DB <= 128) {
+    if (pl.nb == 2) {
+      using C = KeysMajor<DB, 2>;
+      keys_major_kernel<T, DB, 2><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+      SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.keys_major_kernel");
+      return;
+    }
+  }
+  using C = KeysMajor<DB, 1>;
+  keys_major_kernel<T, DB, 1><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.keys_major_kernel");
 }
 
 template <class T>
