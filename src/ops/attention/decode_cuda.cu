@@ -170,9 +170,9 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const Params p) {
 // ---------------------------------------------------------------- attention, queries on M
 
 // The query-major kernel (the default before keys_major_kernel; kept to
-// compare the two: SYMHEAP_DECODE_KERNEL=previous). Keys are staged through shared memory in tiles of kTileKeys rows by
-// cp.async, Tile::kStages deep, so the loads of the next tiles are in flight
-// while one is computed. Each warp takes 16 keys of a tile: S = Q K^T and
+// compare the two: SYMHEAP_DECODE_KERNEL=previous). Keys are staged through
+// shared memory in tiles of kTileKeys rows by cp.async, Tile::kStages deep,
+// so the loads of the next tiles are in flight while one is computed. Each warp takes 16 keys of a tile: S = Q K^T and
 // O += P V on the tensor cores (mma.sync m16n8k16, fp32 accumulation), the 16
 // rows of Q being the CTA's query vectors, with an online softmax per row.
 constexpr int kTileKeys = 64;
@@ -541,7 +541,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
   }
   __syncthreads();
-  merge_and_store<T, DB, kWarps, kVectors, kThreads>(p, s_acc, s_max, s_sum, bad, b, hk, v0, n_vec, qs, split);
+  merge_and_store<T, DB, kWarps, kVectors, kThreads>(p, s_acc, s_max, s_sum, bad, b, hk, v0, n_vec,
+                                                     qs, split);
 }
 
 // ---------------------------------------------------------------- attention, keys on M
@@ -617,7 +618,8 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 }
 
 template <class T, int DB, int NB>
-__global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1) keys_major_kernel(const Params p) {
+__global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
+    keys_major_kernel(const Params p) {
   using C = KeysMajor<DB, NB>;
   constexpr int TN = C::kTileKeys, LD = C::kLd, NT = C::kThreads, NV = C::kVectors;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -750,7 +752,8 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1) keys_major_ker
 #pragma unroll
   for (int n = 0; n < NB; ++n)
 #pragma unroll
-    for (int mt = 0; mt < DB / 16; ++mt) acc[n][mt][0] = acc[n][mt][1] = acc[n][mt][2] = acc[n][mt][3] = 0.0f;
+    for (int mt = 0; mt < DB / 16; ++mt)
+      acc[n][mt][0] = acc[n][mt][1] = acc[n][mt][2] = acc[n][mt][3] = 0.0f;
   // Per vector u: the warp's running maximum, and this lane's part of the
   // running sum (summed over the warp at the end).
   float row_max[2 * NB], row_sum[2 * NB];
@@ -788,7 +791,8 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1) keys_major_ker
     // its row slot is free), and the row slot of the tile to issue is written.
     __syncthreads();
     issue(tile + C::kStages - 1, stage == 0 ? C::kStages - 1 : stage - 1);
-    store_row(tile + C::kStages, stage, row_block(tile + C::kStages));  // read after the next barrier
+    // The next barrier orders this slot's write before its read.
+    store_row(tile + C::kStages, stage, row_block(tile + C::kStages));
     const T* sK = stages + stage * C::kStageElems;
     stage = stage + 1 == C::kStages ? 0 : stage + 1;
     const T* sV = sK + TN * LD;
@@ -806,7 +810,8 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1) keys_major_ker
       uint32_t a[4];
       ldmatrix_x4(a, sK + k_lane + kk * 16);
 #pragma unroll
-      for (int n = 0; n < NB; ++n) attention::cuda::mma<T>(kk & 1 ? s_odd[n] : s[n], a, q_frag[n][kk]);
+      for (int n = 0; n < NB; ++n)
+        attention::cuda::mma<T>(kk & 1 ? s_odd[n] : s[n], a, q_frag[n][kk]);
     }
     // Logit (key j0 + g + 8 (e >> 1), vector u = 2 n + (e & 1)).
 #pragma unroll
@@ -908,7 +913,8 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1) keys_major_ker
     }
   }
   __syncthreads();
-  merge_and_store<T, DB, C::kWarps, NV, NT>(p, s_acc, s_max, s_sum, bad, b, hk, v0, n_vec, qs, split);
+  merge_and_store<T, DB, C::kWarps, NV, NT>(p, s_acc, s_max, s_sum, bad, b, hk, v0, n_vec, qs,
+                                            split);
 }
 
 // ---------------------------------------------------------------- combine
