@@ -172,9 +172,10 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const Params p) {
 // The query-major kernel (the default before keys_major_kernel; kept to
 // compare the two: SYMHEAP_DECODE_KERNEL=previous). Keys are staged through
 // shared memory in tiles of kTileKeys rows by cp.async, Tile::kStages deep,
-// so the loads of the next tiles are in flight while one is computed. Each warp takes 16 keys of a tile: S = Q K^T and
-// O += P V on the tensor cores (mma.sync m16n8k16, fp32 accumulation), the 16
-// rows of Q being the CTA's query vectors, with an online softmax per row.
+// so the loads of the next tiles are in flight while one is computed. Each
+// warp takes 16 keys of a tile: S = Q K^T and O += P V on the tensor cores
+// (mma.sync m16n8k16, fp32 accumulation), the 16 rows of Q being the CTA's
+// query vectors, with an online softmax per row.
 constexpr int kTileKeys = 64;
 constexpr int kVectors = 16;  // query vectors (row, head) per CTA
 
