@@ -603,6 +603,8 @@ __device__ __forceinline__ void cp_async16_bytes(void* smem, const void* gmem, i
                "r"(bytes));
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 // 2^x, flushing denormal results to zero (no range fix-up around MUFU.EX2).
 __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
@@ -784,7 +786,6 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
   // .trans (dims x keys, matrix m at dims 8 (m & 1), keys 8 (m >> 1)).
   const int k_lane = (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
   const int v_lane = (warp * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8;
-  constexpr float kLog2e = 1.4426950408889634f;
   int stage = 0;  // tile % kStages; the stage issued is the one before it
   for (int tile = 0; tile < n_tiles; ++tile) {
     cp_async_wait<C::kStages - 2>();
@@ -921,14 +922,12 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
 // ---------------------------------------------------------------- combine
 
 // One CTA per (query row x head, sequence): out = sum_s w_s o_s / sum_s w_s
-// with w_s = exp(lse_s - max lse); any NaN split makes the result NaN. The
-// weights go through shared memory so the column loads are independent.
+// with w_s = exp(lse_s - max lse); any NaN split makes the result NaN. Each
+// thread merges its column over the splits in one pass with a running
+// maximum, so no load waits for another: one round trip to memory (the
+// split's lse is the same address for every thread of the CTA).
 template <class T>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
-  __shared__ float weight[kMaxSplits];
-  __shared__ float total;
-  __shared__ float lse_max;
-  __shared__ int any_nan;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent of the attention kernel: the
   // partial results are complete and visible once this returns.
@@ -939,46 +938,43 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
   const int i = vec / p.heads_q, hq = vec % p.heads_q;
   if (i >= qs.sq) return;
   const int64_t v = (qs.flat0 + i) * p.heads_q + hq;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    float gmax = -INFINITY;
-    bool nan = false;
-    for (int s = lane; s < p.splits; s += 32) {
-      const float x = p.part_lse[s * p.vectors + v];
-      nan |= x != x;
-      gmax = fmaxf(gmax, x);
-    }
-    nan = __any_sync(0xffffffffu, nan);
-#pragma unroll
-    for (int off = 16; off >= 1; off /= 2) gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, off));
-    float sum = 0.0f;
-    for (int s = lane; s < p.splits; s += 32) {
-      const float x = p.part_lse[s * p.vectors + v];
-      const float w = gmax == -INFINITY || x == -INFINITY ? 0.0f : __expf(x - gmax);
-      weight[s] = w;
-      sum += w;
-    }
-#pragma unroll
-    for (int off = 16; off >= 1; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) {
-      total = sum;
-      lse_max = gmax;
-      any_nan = nan;
-    }
-  }
-  __syncthreads();
   const float qnan = __int_as_float(0x7fffffff);
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
   T* out = static_cast<T*>(p.out) + b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh;
-  for (int c = threadIdx.x; c < p.d; c += kThreads) {
-    float o = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < p.splits; ++s) o += weight[s] * p.part_out[(s * p.vectors + v) * p.d + c];
-    out[c] = from_float<T>(any_nan ? qnan : o * inv);
+  for (int c0 = 0; c0 < p.d; c0 += kThreads) {
+    const int c = c0 + threadIdx.x;
+    const bool in_row = c < p.d;
+    const int64_t col = in_row ? c : 0;  // a thread past the row reads column 0, unused
+    float m = -INFINITY, total = 0.0f, o = 0.0f;
+    bool nan = false;
+    constexpr int kBatch = 8;
+    for (int s0 = 0; s0 < p.splits; s0 += kBatch) {
+      // Every load of a batch first (predicated, no branch), then the merge.
+      float xs[kBatch], ys[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int s = s0 + k;
+        xs[k] = s < p.splits ? p.part_lse[s * p.vectors + v] : -INFINITY;
+        ys[k] = s < p.splits ? p.part_out[(s * p.vectors + v) * p.d + col] : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const float x = xs[k];
+        nan |= x != x;
+        const bool live = x != -INFINITY && x == x;  // an empty split has lse -inf
+        const float m_new = live ? fmaxf(m, x) : m;
+        // exp2 of -inf is 0: the running sums are 0 until the first live split.
+        const float f = m_new == m ? 1.0f : exp2_ftz((m - m_new) * kLog2e);
+        const float w = live ? exp2_ftz((x - m_new) * kLog2e) : 0.0f;
+        total = total * f + w;
+        o = o * f + (live ? w * ys[k] : 0.0f);
+        m = m_new;
+      }
+    }
+    if (in_row) out[c] = from_float<T>(nan ? qnan : total > 0.0f ? o / total : 0.0f);
+    if (c == 0)
+      p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] =
+          nan ? qnan : total > 0.0f ? m + __logf(total) : -INFINITY;
   }
-  if (threadIdx.x == 0)
-    p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] =
-        any_nan ? qnan : total > 0.0f ? lse_max + __logf(total) : -INFINITY;
 }
 
 // ---------------------------------------------------------------- host side
