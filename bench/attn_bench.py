@@ -10,7 +10,7 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
                                [--fwd-only] [--compare-basic] [--group 4] [--kernel-times]
                                [--compare-backward pipelined_dq16]
                                [--compare-forward pipelined_previous]
-    python bench/attn_bench.py --decode [--json out.json] [--quick]   (KV-cache decode)
+    python bench/attn_bench.py --decode [--json out.json] [--quick] [--decode-compare previous]   (KV-cache decode)
 
 --backend picks symheap's path (as flash_attn_func's backend=); --grid full
 runs head dims 64, 128, 256 x S 512 .. 16k x causal or not; --hdims/--seqlens
@@ -266,14 +266,18 @@ def main():
     parser.add_argument("--decode-splits", metavar="LIST",
                         help="with --decode: time the small-cache rows with each of these key-length "
                              "splits instead (e.g. 0,1,2,4,8,16,32; 0 = the automatic choice)")
+    parser.add_argument("--decode-compare", metavar="NAME",
+                        help="with --decode: also time each row with SYMHEAP_DECODE_KERNEL=NAME "
+                             "(e.g. previous) in the same process")
     parser.add_argument("--inner", type=int, default=1,
                         help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()
     if args.decode:
         import attn_decode_bench
         if args.decode_splits:
-            return attn_decode_bench.splits_sweep([int(x) for x in args.decode_splits.split(",")])
-        return attn_decode_bench.main(args.json, args.quick)
+            return attn_decode_bench.splits_sweep([int(x) for x in args.decode_splits.split(",")],
+                                                  compare=args.decode_compare)
+        return attn_decode_bench.main(args.json, args.quick, compare=args.decode_compare)
     global INNER
     INNER = max(1, args.inner)
     torch.backends.cuda.matmul.allow_tf32 = False

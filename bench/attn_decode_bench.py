@@ -9,10 +9,17 @@ both sides). Copy bandwidth counts the bytes read plus the bytes written.
 
     python bench/attn_bench.py --decode [--json out.json] [--quick]
     python bench/attn_bench.py --decode --decode-splits 0,1,2,4,8,16,32   (split sweep)
+    python bench/attn_bench.py --decode --decode-compare previous   (also the previous kernel)
+
+--decode-compare NAME also times each row (each split count in the sweep) with
+SYMHEAP_DECODE_KERNEL=NAME, in the same process: the kernel is chosen when a
+call's graph is captured.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 
 import torch
@@ -50,6 +57,23 @@ def graph_time_us(fn, calls=20, reps=7):
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def decode_kernel(name):
+    """Calls made (graphs captured) inside run SYMHEAP_DECODE_KERNEL=name (None: as set)."""
+    if name is None:
+        yield
+        return
+    old = os.environ.get("SYMHEAP_DECODE_KERNEL")
+    os.environ["SYMHEAP_DECODE_KERNEL"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["SYMHEAP_DECODE_KERNEL"]
+        else:
+            os.environ["SYMHEAP_DECODE_KERNEL"] = old
+
+
 def copy_bandwidth(nbytes=2 << 30):
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -69,7 +93,7 @@ def make_case(B, L):
     return q, k_cache, v_cache, table, seqlens
 
 
-def bench_case(B, L, copy_bw, reps):
+def bench_case(B, L, copy_bw, reps, compare=None):
     q, k_cache, v_cache, table, seqlens = make_case(B, L)
 
     def ours():
@@ -79,10 +103,15 @@ def bench_case(B, L, copy_bw, reps):
     row = {"batch": B, "cache": L, "kv_bytes": kv_bytes}
     t = graph_time_us(ours, reps=reps)
     kvcache_check()
+    out = ours()
+    if compare:
+        with decode_kernel(compare):
+            row["compare_us"] = graph_time_us(ours, reps=reps)
+            kvcache_check()
+            row["compare_max_abs_diff"] = (ours().float() - out.float()).abs().max().item()
     row["symheap_us"] = t
     row["symheap_GBps"] = kv_bytes / (t * 1e-6) / 1e9
     row["fraction_of_copy_bw"] = kv_bytes / (t * 1e-6) / copy_bw
-    out = ours()
     # SDPA over the same cache gathered dense: (B, Hkv, L, D), GQA inside SDPA.
     kd = k_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
     vd = v_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
@@ -101,7 +130,7 @@ def bench_case(B, L, copy_bw, reps):
     return row
 
 
-def main(json_path=None, quick=False):
+def main(json_path=None, quick=False, compare=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     copy_bw = copy_bandwidth()
@@ -115,10 +144,11 @@ def main(json_path=None, quick=False):
             if kv_bytes > MAX_CACHE_BYTES:
                 rows.append({"batch": B, "cache": L, "skipped": f"K+V {kv_bytes >> 30} GiB"})
                 continue
-            rows.append(bench_case(B, L, copy_bw, reps=3 if quick else 7))
+            rows.append(bench_case(B, L, copy_bw, reps=3 if quick else 7, compare=compare))
             torch.cuda.empty_cache()
+    cmp_head = f" | {compare + ' us':>12} {'ours/' + compare:>8}" if compare else ""
     print(f"{'batch':>5} {'cache':>7} | {'symheap us':>10} {'GB/s':>6} {'of copy':>7} | "
-          f"{'SDPA us':>8} {'speedup':>7} | max|diff|")
+          f"{'SDPA us':>8} {'speedup':>7} | max|diff|" + cmp_head)
     worst = None
     for r in rows:
         if "skipped" in r:
@@ -126,8 +156,11 @@ def main(json_path=None, quick=False):
             continue
         sd = f"{r['sdpa_us']:8.1f} {r['speedup_vs_sdpa']:6.2f}x" if "sdpa_us" in r else "     n/a        "
         diff = f"{r['max_abs_diff_vs_sdpa']:.2e}" if "max_abs_diff_vs_sdpa" in r else "n/a"
+        cmp = ""
+        if "compare_us" in r:
+            cmp = f" | {r['compare_us']:12.1f} {r['symheap_us'] / r['compare_us']:7.2f}x"
         print(f"{r['batch']:>5} {r['cache']:>7} | {r['symheap_us']:10.1f} {r['symheap_GBps']:6.0f} "
-              f"{100 * r['fraction_of_copy_bw']:6.1f}% | {sd} | {diff}")
+              f"{100 * r['fraction_of_copy_bw']:6.1f}% | {sd} | {diff}" + cmp)
         if r["cache"] * r["batch"] >= 65536:  # large enough to be bandwidth-bound
             worst = r if worst is None or r["fraction_of_copy_bw"] < worst["fraction_of_copy_bw"] else worst
     if worst:
@@ -138,22 +171,29 @@ def main(json_path=None, quick=False):
             json.dump({"copy_bw": copy_bw, "rows": rows}, f, indent=1)
 
 
-def splits_sweep(splits, batches=(1, 4, 16), caches=(1024, 4096, 16384)):
+def splits_sweep(splits, batches=(1, 4, 16), caches=(1024, 4096, 16384), compare=None):
     """Our time per call for each key-length split count (0: the automatic
-    choice) on the latency-bound rows, next to SDPA over the dense cache."""
+    choice) on the latency-bound rows, next to SDPA over the dense cache; with
+    `compare`, a second line per row with SYMHEAP_DECODE_KERNEL=compare."""
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'batch':>5} {'cache':>6} | " + " ".join(f"{'auto' if n == 0 else n:>7}" for n in splits) +
-          f" | {'SDPA':>7}   (us per call)")
+    print(f"{'batch':>5} {'cache':>6} {'kernel':>8} | " +
+          " ".join(f"{'auto' if n == 0 else n:>7}" for n in splits) + f" | {'SDPA':>7}   (us per call)")
     for B in batches:
         for L in caches:
             q, k_cache, v_cache, table, seqlens = make_case(B, L)
-            times = []
-            for n in splits:
-                times.append(graph_time_us(lambda: flash_attn_with_kvcache(
-                    q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, num_splits=n)))
-            kvcache_check()
+            lines = []
+            for kernel in [None] + ([compare] if compare else []):
+                times = []
+                with decode_kernel(kernel):
+                    for n in splits:
+                        times.append(graph_time_us(lambda: flash_attn_with_kvcache(
+                            q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, num_splits=n)))
+                    kvcache_check()
+                lines.append((kernel or "default", times))
             kd = k_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
             vd = v_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
             qt = q.transpose(1, 2)
             t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(qt, kd, vd, enable_gqa=True))
-            print(f"{B:>5} {L:>6} | " + " ".join(f"{t:7.1f}" for t in times) + f" | {t_sdpa:7.1f}")
+            for kernel, times in lines:
+                print(f"{B:>5} {L:>6} {kernel:>8} | " + " ".join(f"{t:7.1f}" for t in times) +
+                      f" | {t_sdpa:7.1f}")

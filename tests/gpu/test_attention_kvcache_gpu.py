@@ -1,7 +1,8 @@
 """Attention over KV caches on CUDA, float16 and bfloat16: the cpu test grid
 (dense and paged caches, appended rows, every feature), forced key-length
 splits (the log-sum-exp combine), a long cache, device-recorded errors, and a
-decode step captured in a CUDA graph."""
+decode step captured in a CUDA graph; every test through both attention
+kernels (SYMHEAP_DECODE_KERNEL = keys_major and previous)."""
 import os
 import sys
 
@@ -22,6 +23,13 @@ pytestmark = pytest.mark.skipif(
 
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = {torch.bfloat16: 2.5e-2, torch.float16: 4e-3}
+
+
+@pytest.fixture(autouse=True, params=["keys_major", "previous"])
+def decode_kernel(request, monkeypatch):
+    """The attention kernel of every call in the test ($SYMHEAP_DECODE_KERNEL)."""
+    monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", request.param)
+    return request.param
 
 
 def max_err(x, ref):
@@ -90,6 +98,32 @@ def test_decode(dtype, layout, feature, s_new):
 def test_decode_head_dims_and_splits(dtype, D, num_splits):
     setup = setup_decode(layout=16, feature="all", s_new=2, Sq=4, dtype=dtype, D=D, seed=D)
     run_and_check(*setup, tol=TOL[dtype], num_splits=num_splits)
+
+
+@pytest.mark.parametrize("Sq", [2, 3, 5])
+def test_query_tiles_and_tile_edges(Sq):
+    """Several query rows of a GQA group (8, 12, 20 vectors per kv head: one or two
+    n8 blocks, one or two CTAs of them), with cache lengths on, before and after
+    key-tile edges, causal and windowed."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(Sq)
+    Hq, Hkv, D = 8, 2, 128
+    lengths = [127, 128, 129, 255, 256 + 7]
+    cache = Cache(B=len(lengths), capacity=600, Hkv=Hkv, D=D, dtype=dtype, device="cuda", gen=gen,
+                  lengths=lengths, block_size=16)
+    q = torch.randn((len(lengths), Sq, Hq, D), generator=gen).to(device="cuda", dtype=dtype)
+    new = tuple(torch.randn((len(lengths), Sq, Hkv, D), generator=gen).to(device="cuda", dtype=dtype)
+                for _ in range(2))
+    for opts in (dict(causal=True), dict(causal=True, window_size=(100, 0))):
+        run_and_check(cache, lengths, q, new, Hq, opts, tol=TOL[dtype])
+        lengths = [n + Sq for n in lengths]
+
+
+def test_unknown_kernel_name_is_rejected(monkeypatch):
+    setup = setup_decode(layout=16, feature="plain", s_new=0, dtype=torch.bfloat16, seed=3)
+    monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="SYMHEAP_DECODE_KERNEL"):
+        run_and_check(*setup, tol=TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

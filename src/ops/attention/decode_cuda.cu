@@ -2,14 +2,17 @@
 // cache at each sequence's length), a split-K attention kernel, and a combine
 // kernel that merges the splits by their log-sum-exp.
 //
-// The attention kernel runs one CTA per (key split, kv head x 16 query
-// vectors, sequence). The query vectors are (query row, head) pairs of one
-// kv-head group, so each K/V row is read once for all of them; K/V tiles
-// stream through shared memory by cp.async and the products run on the
-// tensor cores (see attention_kernel). Lengths and block ids are read on the
-// device only: a bad one is recorded in a host-mapped word (raised by the next
-// call or by cache_check_cuda) and the sequence gets NaN outputs, with no
-// access out of bounds and no write to the cache.
+// An attention kernel runs one CTA per (key split, kv head x query vectors,
+// sequence). The query vectors are (query row, head) pairs of one kv-head
+// group, so each K/V row is read once for all of them; K/V tiles stream
+// through shared memory by cp.async and the products run on the tensor cores.
+// keys_major_kernel (keys on the MMA rows, 8 or 16 query vectors per CTA on
+// its columns) runs every call; attention_kernel (16 vectors per CTA on the
+// MMA rows), the kernel it replaced, runs when SYMHEAP_DECODE_KERNEL asks for
+// it (previous_kernel_forced). Lengths and block ids are read on the device
+// only: a bad one is recorded in a host-mapped word (raised by the next call
+// or by cache_check_cuda) and the sequence gets NaN outputs, with no access
+// out of bounds and no write to the cache.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -17,6 +20,8 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -162,13 +167,15 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const Params p) {
   }
 }
 
-// ---------------------------------------------------------------- attention
+// ---------------------------------------------------------------- attention, queries on M
 
-// Keys are staged through shared memory in tiles of kTileKeys rows by
-// cp.async, Tile::kStages deep, so the loads of the next tiles are in flight
-// while one is computed. Each warp takes 16 keys of a tile: S = Q K^T and
-// O += P V on the tensor cores (mma.sync m16n8k16, fp32 accumulation), the 16
-// rows of Q being the CTA's query vectors, with an online softmax per row.
+// The query-major kernel (the default before keys_major_kernel; kept to
+// compare the two: SYMHEAP_DECODE_KERNEL=previous). Keys are staged through
+// shared memory in tiles of kTileKeys rows by cp.async, Tile::kStages deep,
+// so the loads of the next tiles are in flight while one is computed. Each
+// warp takes 16 keys of a tile: S = Q K^T and O += P V on the tensor cores
+// (mma.sync m16n8k16, fp32 accumulation), the 16 rows of Q being the CTA's
+// query vectors, with an online softmax per row.
 constexpr int kTileKeys = 64;
 constexpr int kVectors = 16;  // query vectors (row, head) per CTA
 
@@ -210,6 +217,75 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
+}
+
+// The keys one split of a CTA walks: [k_lo, k_hi), inside the keys any of
+// the CTA's vectors [v0, v0 + nv) sees (visible ranges grow with the row),
+// that span cut into `splits` ranges of whole tn-key tiles; t_begin is the
+// first key of the split's first tile.
+struct SplitKeys {
+  int k_lo, k_hi, t_begin, n_tiles;
+};
+
+template <int TN>
+__device__ __forceinline__ SplitKeys split_keys(const Params& p, const QSeq& qs, int sk, bool bad,
+                                                int v0, int nv, int n_vec, int split) {
+  int span_lo = 0, span_hi = 0;
+  const int last = min(n_vec, v0 + nv) - 1;
+  if (!bad) {
+    span_lo = detail::visible_keys(v0 / p.group, qs.sq, sk, p.win_left, p.win_right).lo;
+    span_hi = detail::visible_keys(last / p.group, qs.sq, sk, p.win_left, p.win_right).hi;
+  }
+  if (span_hi < span_lo) span_hi = span_lo;
+  const int aligned_lo = span_lo / TN * TN;
+  const int per_split = ((span_hi - aligned_lo + p.splits - 1) / p.splits + TN - 1) / TN * TN;
+  SplitKeys k;
+  k.k_lo = max(span_lo, aligned_lo + split * per_split);
+  k.k_hi = min(span_hi, aligned_lo + (split + 1) * per_split);
+  k.t_begin = k.k_lo / TN * TN;
+  k.n_tiles = k.k_hi > k.k_lo ? (k.k_hi - k.t_begin + TN - 1) / TN : 0;
+  return k;
+}
+
+// The end of an attention kernel: the warps' online-softmax states (each
+// warp saw different keys of every vector) are in shared memory, s_acc
+// [warp][vector][DB] and s_max, s_sum [warp][vector]; merges them and writes
+// the CTA's vectors (NaN for a bad sequence) to out and lse (one split) or to
+// the split's rows of the workspace.
+template <class T, int DB, int WARPS, int NV, int NT>
+__device__ __forceinline__ void merge_and_store(const Params& p, const float* s_acc,
+                                                const float* s_max, const float* s_sum, bool bad,
+                                                int b, int hk, int v0, int n_vec, const QSeq& qs,
+                                                int split) {
+  const float nan = __int_as_float(0x7fffffff);
+  for (int idx = threadIdx.x; idx < NV * DB; idx += NT) {
+    const int m = idx / DB, c = idx % DB, vec = v0 + m;
+    if (vec >= n_vec || c >= p.d) continue;
+    float gmax = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) gmax = fmaxf(gmax, s_max[w * NV + m]);
+    float sum = 0.0f, o = 0.0f;
+    if (gmax != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float mw = s_max[w * NV + m];
+        const float f = mw == -INFINITY ? 0.0f : __expf(mw - gmax);
+        sum += s_sum[w * NV + m] * f;
+        o += s_acc[(w * NV + m) * DB + c] * f;
+      }
+    }
+    const float out = bad ? nan : sum > 0.0f ? o / sum : 0.0f;
+    const float lse = bad ? nan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
+    const int i = vec / p.group, hq = hk * p.group + vec % p.group;
+    if (p.splits == 1) {
+      static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] = from_float<T>(out);
+      if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = lse;
+    } else {
+      const int64_t v = split * p.vectors + (qs.flat0 + i) * p.heads_q + hq;
+      p.part_out[v * p.d + c] = out;
+      if (c == 0) p.part_lse[v] = lse;
+    }
+  }
 }
 
 template <class T, int DB>
@@ -274,23 +350,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     slope[h] = p.alibi && valid ? p.alibi[b * p.alibi_sb + hk * p.group + vec % p.group] : 0.0f;
   }
   const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
-  // Keys any vector of the CTA sees (visible ranges grow with the row), cut
-  // into `splits` ranges of whole tiles.
-  int span_lo = 0, span_hi = 0;
-  {
-    const int last = min(n_vec, v0 + kVectors) - 1;
-    if (!bad) {
-      span_lo = detail::visible_keys(v0 / p.group, qs.sq, sk, p.win_left, p.win_right).lo;
-      span_hi = detail::visible_keys(last / p.group, qs.sq, sk, p.win_left, p.win_right).hi;
-    }
-    if (span_hi < span_lo) span_hi = span_lo;
-  }
-  const int aligned_lo = span_lo / TN * TN;
-  const int per_split = ((span_hi - aligned_lo + p.splits - 1) / p.splits + TN - 1) / TN * TN;
-  const int k_lo = max(span_lo, aligned_lo + split * per_split);
-  const int k_hi = min(span_hi, aligned_lo + (split + 1) * per_split);
-  const int t_begin = k_lo / TN * TN;
-  const int n_tiles = k_hi > k_lo ? (k_hi - t_begin + TN - 1) / TN : 0;
+  const SplitKeys keys = split_keys<TN>(p, qs, sk, bad, v0, kVectors, n_vec, split);
+  const int k_lo = keys.k_lo, k_hi = keys.k_hi, t_begin = keys.t_begin, n_tiles = keys.n_tiles;
 
   // This thread's 16-byte chunks of a tile: rows chunk_row0 + r * kRowStride.
   const int chunk_row0 = threadIdx.x / (DB / 8), chunk_col = (threadIdx.x % (DB / 8)) * 8;
@@ -481,48 +542,392 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
   }
   __syncthreads();
-  const float nan = __int_as_float(0x7fffffff);
-  for (int idx = threadIdx.x; idx < kVectors * DB; idx += kThreads) {
-    const int m = idx / DB, c = idx % DB, vec = v0 + m;
-    if (vec >= n_vec || c >= p.d) continue;
-    float gmax = -INFINITY;
+  merge_and_store<T, DB, kWarps, kVectors, kThreads>(p, s_acc, s_max, s_sum, bad, b, hk, v0, n_vec,
+                                                     qs, split);
+}
+
+// ---------------------------------------------------------------- attention, keys on M
+
+// The default attention kernel. With one new token and GQA group 4 a CTA has
+// only 4 real query vectors, so the previous kernel (query vectors on the m16
+// rows of the products) wasted 3/4 of every MMA and of the softmax work. Here
+// the products are transposed: S^T = K Q^T puts 16 keys on the M rows and 8
+// query vectors on the N columns, and O^T += V^T P^T takes V^T from the tile
+// by ldmatrix.trans and P^T, the score registers, as the B operand after an
+// in-register 8x8 transpose (movmatrix). Per 16 keys a warp issues 8 + 8 MMAs
+// at head dim 128 (was 16 + 16) and holds 4 logits per thread (was 8).
+//
+// A CTA has kWarps warps (8 up to head dim 128: two per scheduler to hide the
+// latency of the products and the shuffles), each owning 16 keys of every
+// 16 * kWarps-key tile with its own online softmax; the warps merge once, at
+// the end of the split. Tiles stream through kStages cp.async stages. Only a
+// warp whose keys reach an edge of the split or of a visible range masks.
+//
+// NB n8 blocks of query vectors per CTA: 1 (8 vectors) where a kv head has at
+// most 8, else 2 (16 vectors, each K/V fragment feeding two MMAs, as the
+// query-major kernel reads K/V once per 16 vectors); 1 at head dim 256
+// (registers).
+constexpr int kKmBlockVectors = 8;  // query vectors (row, head) of one n8 block
+
+inline int keys_major_blocks(int64_t vectors_per_kv_head, int db) {
+  return vectors_per_kv_head > kKmBlockVectors && db <= 128 ? 2 : 1;
+}
+
+template <int DB, int NB>
+struct KeysMajor {
+  static constexpr int kVectors = kKmBlockVectors * NB;
+  static constexpr int kWarps = DB <= 128 ? 8 : 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kTileKeys = 16 * kWarps;
+  static constexpr int kLd = DB + 8;  // padded rows: conflict-free ldmatrix
+  static constexpr int kStages = DB <= 64 ? 4 : 3;
+  static constexpr int kStageElems = 2 * kTileKeys * kLd;  // K then V
+  static constexpr int kChunksPerThread = kTileKeys * DB / 8 / kThreads;
+  static constexpr int kRowStride = kThreads / (DB / 8);  // rows between a thread's chunks
+  static constexpr size_t kPipeBytes =
+      sizeof(uint16_t) * (kStages * kStageElems + kVectors * kLd);
+  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kVectors * (DB + 2);
+  static constexpr size_t kSmem = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  static_assert(kTileKeys * DB / 8 % kThreads == 0, "whole chunks per thread");
+  static_assert(kTileKeys <= kThreads, "one row lookup per thread");
+};
+
+// What a missing cache row reads (zero K and V; 16-byte chunks at any column
+// of the widest head dim), so a tile's copies need no per-row size.
+__device__ __align__(16) uint4 zero_row[256 * sizeof(uint16_t) / sizeof(uint4)];
+
+// cp.async of `bytes` (16 or 0: zero fill) from global to shared memory.
+__device__ __forceinline__ void cp_async16_bytes(void* smem, const void* gmem, int bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(bytes));
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x, flushing denormal results to zero (no range fix-up around MUFU.EX2).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The 8x8 b16 matrix whose fragments (row lane / 4, columns 2 (lane % 4) + 0..1)
+// the warp holds, transposed, in the same fragment layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+template <class T, int DB, int NB>
+__global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
+    keys_major_kernel(const Params p) {
+  using C = KeysMajor<DB, NB>;
+  constexpr int TN = C::kTileKeys, LD = C::kLd, NT = C::kThreads, NV = C::kVectors;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* stages = reinterpret_cast<T*>(smem_raw);
+  T* sQ = stages + C::kStages * C::kStageElems;
+  const int split = blockIdx.x, b = blockIdx.z;
+  const int hk = blockIdx.y / p.mtiles, v0 = (blockIdx.y % p.mtiles) * NV;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The combine kernel may be scheduled now: it waits for this grid's end.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  const QSeq qs = query_seq(p, b);
+  const int n_vec = qs.sq * p.group;
+  if (v0 >= n_vec) return;  // the combine reads no vector of this tile
+  // Query vector v of the tile is row v / group of head hk * group + v % group.
+  // Its loads are in flight together with the sequence's length.
+  constexpr int kQChunks = (NV * (DB / 8) + NT - 1) / NT;
+  uint4 q_raw[kQChunks];
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) gmax = fmaxf(gmax, s_max[w * kVectors + m]);
-    float sum = 0.0f, o = 0.0f;
-    if (gmax != -INFINITY) {
+  for (int n = 0; n < kQChunks; ++n) {
+    const int idx = threadIdx.x + n * NT;
+    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8, vec = v0 + r;
+    q_raw[n] = make_uint4(0, 0, 0, 0);
+    if (idx < NV * (DB / 8) && vec < n_vec && c < p.d)
+      q_raw[n] = load16(p.q, b * p.q_sb + (qs.q0 + vec / p.group) * p.q_sr +
+                                 (hk * p.group + vec % p.group) * p.q_sh + c);
+  }
+  const int len = length_before(p, b);
+  const int sk = len + p.s_new;
+  bool bad = len < 0 || len > p.capacity - p.s_new;
+  if (bad && split == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+    record_error(p, len < 0 ? kBadLength : kNoRoom, b, len);
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float mw = s_max[w * kVectors + m];
-        const float f = mw == -INFINITY ? 0.0f : __expf(mw - gmax);
-        sum += s_sum[w * kVectors + m] * f;
-        o += s_acc[(w * kVectors + m) * DB + c] * f;
+  for (int n = 0; n < kQChunks; ++n) {
+    const int idx = threadIdx.x + n * NT;
+    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8;
+    if (idx < NV * (DB / 8))
+      *reinterpret_cast<uint4*>(sQ + r * LD + c) = bad ? make_uint4(0, 0, 0, 0) : q_raw[n];
+  }
+  // This thread's query vectors u = 2 n + h (column 2t + h of n8 block n,
+  // vector 8 n + 2t + h of the CTA): visible keys and ALiBi. open_lo and
+  // open_hi bound the keys every real vector of the CTA sees (a vector past
+  // n_vec bounds nothing: its results are never written).
+  int lo[2 * NB], hi[2 * NB], diag[2 * NB], open_lo = 0, open_hi = INT_MAX;
+  float slope[2 * NB];
+#pragma unroll
+  for (int h = 0; h < 2 * NB; ++h) {
+    const int vec = v0 + 8 * (h >> 1) + 2 * t + (h & 1), i = vec / p.group;
+    const bool valid = vec < n_vec && !bad;
+    const detail::KeyRange vis = detail::visible_keys(i, qs.sq, sk, p.win_left, p.win_right);
+    lo[h] = valid ? vis.lo : 0;
+    hi[h] = valid ? vis.hi : 0;
+    if (vec < n_vec) {
+      open_lo = max(open_lo, lo[h]);
+      open_hi = min(open_hi, hi[h]);
+    }
+    diag[h] = i + sk - qs.sq;
+    slope[h] = p.alibi && valid ? p.alibi[b * p.alibi_sb + hk * p.group + vec % p.group] : 0.0f;
+  }
+  const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
+  const SplitKeys keys = split_keys<TN>(p, qs, sk, bad, v0, NV, n_vec, split);
+  const int k_lo = keys.k_lo, k_hi = keys.k_hi, t_begin = keys.t_begin, n_tiles = keys.n_tiles;
+
+  // This thread's 16-byte chunks of a tile: rows chunk_row0 + r * kRowStride.
+  const int chunk_row0 = threadIdx.x / (DB / 8), chunk_col = (threadIdx.x % (DB / 8)) * 8;
+  const T* khead = static_cast<const T*>(p.k) + hk * p.k_sh;
+  const T* vhead = static_cast<const T*>(p.v) + hk * p.v_sh;
+  // Where each row of a tile lives ({K, V} addresses; zero_row where the
+  // tile has no row), found once per row by the first TN threads, in the slot
+  // of the tile's stage: issuing a row costs one 16-byte shared load and two
+  // 64-bit adds. Two steps, so that the prologue has the block-table loads of
+  // all its tiles in flight at once: row_block (thread threadIdx.x < TN's
+  // row of a tile: its block id as read, or kNoRow), then store_row.
+  __shared__ ulonglong2 row_src[C::kStages][TN];
+  constexpr long long kNoRow = -(1LL << 40);  // outside the range of an int32 block id
+  auto row_block = [&](int tile) -> long long {
+    const int j = t_begin + tile * TN + threadIdx.x;
+    if (threadIdx.x >= TN || tile >= n_tiles || j < k_lo || j >= k_hi) return kNoRow;
+    if (!p.table) return b;
+    const int col = p.block_shift >= 0 ? j >> p.block_shift : j / p.block_size;
+    return __ldg(p.table + b * p.table_stride + col);
+  };
+  auto store_row = [&](int tile, int slot, long long id) {
+    if (threadIdx.x >= TN) return;
+    const T* ks = reinterpret_cast<const T*>(zero_row);
+    const T* vs = ks;
+    if (id != kNoRow) {
+      const int j = t_begin + tile * TN + threadIdx.x;
+      int block = static_cast<int>(id), row = j;
+      if (p.table) {
+        row = p.block_shift >= 0 ? j & (p.block_size - 1) : j % p.block_size;
+        if (block < 0 || block >= p.num_blocks) {
+          if (!bad) record_error(p, kBadBlock, b, block);
+          bad = true;
+          block = -1;
+        }
+      }
+      if (block >= 0) {
+        ks = khead + block * p.k_sb + row * p.k_sr;
+        vs = vhead + block * p.v_sb + row * p.v_sr;
       }
     }
-    const float out = bad ? nan : sum > 0.0f ? o / sum : 0.0f;
-    const float lse = bad ? nan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
-    const int i = vec / p.group, hq = hk * p.group + vec % p.group;
-    if (p.splits == 1) {
-      static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] = from_float<T>(out);
-      if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = lse;
-    } else {
-      const int64_t v = split * p.vectors + (qs.flat0 + i) * p.heads_q + hq;
-      p.part_out[v * p.d + c] = out;
-      if (c == 0) p.part_lse[v] = lse;
+    row_src[slot][threadIdx.x] =
+        make_ulonglong2(reinterpret_cast<uintptr_t>(ks), reinterpret_cast<uintptr_t>(vs));
+  };
+  // A chunk past the head dim is zero filled from an address inside the row.
+  const bool col_ok = chunk_col < p.d;
+  const int col_bytes = col_ok ? chunk_col * static_cast<int>(sizeof(T)) : 0;
+  const int copy_bytes = col_ok ? 16 : 0;
+  auto issue = [&](int tile, int stage) {
+    if (tile < n_tiles) {
+      T* sk_ = stages + stage * C::kStageElems + chunk_row0 * LD + chunk_col;
+      T* sv_ = sk_ + TN * LD;
+#pragma unroll
+      for (int r = 0; r < C::kChunksPerThread; ++r) {
+        const ulonglong2 src = row_src[stage][chunk_row0 + r * C::kRowStride];
+        cp_async16_bytes(sk_ + r * C::kRowStride * LD,
+                         reinterpret_cast<const char*>(src.x) + col_bytes, copy_bytes);
+        cp_async16_bytes(sv_ + r * C::kRowStride * LD,
+                         reinterpret_cast<const char*>(src.y) + col_bytes, copy_bytes);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // acc[n][mt]: O^T rows (dims) mt * 16 + g + 8 (e >> 1), column 2t + (e & 1)
+  // of n8 block n.
+  float acc[NB][DB / 16][4];
+#pragma unroll
+  for (int n = 0; n < NB; ++n)
+#pragma unroll
+    for (int mt = 0; mt < DB / 16; ++mt)
+      acc[n][mt][0] = acc[n][mt][1] = acc[n][mt][2] = acc[n][mt][3] = 0.0f;
+  // Per vector u: the warp's running maximum, and this lane's part of the
+  // running sum (summed over the warp at the end).
+  float row_max[2 * NB], row_sum[2 * NB];
+#pragma unroll
+  for (int u = 0; u < 2 * NB; ++u) row_max[u] = -INFINITY, row_sum[u] = 0.0f;
+
+  {
+    long long ids[C::kStages];
+#pragma unroll
+    for (int s = 0; s < C::kStages; ++s) ids[s] = row_block(s);
+#pragma unroll
+    for (int s = 0; s < C::kStages; ++s) store_row(s, s, ids[s]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) issue(s, s);
+  // Q^T as the B operand (dims x vectors), in registers for every tile (sQ
+  // is visible after the prologue's barriers).
+  uint32_t q_frag[NB][DB / 16][2];
+#pragma unroll
+  for (int n = 0; n < NB; ++n)
+#pragma unroll
+    for (int kk = 0; kk < DB / 16; ++kk)
+      attention::cuda::load_b(q_frag[n][kk], sQ, LD, 8 * n, kk * 16, lane);
+  // ldmatrix lane addresses inside the warp's 16 keys: K as A (keys x dims,
+  // matrix m = lane / 8 at keys 8 (m & 1), dims 8 (m >> 1)) and V^T as A via
+  // .trans (dims x keys, matrix m at dims 8 (m & 1), keys 8 (m >> 1)).
+  const int k_lane = (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+  const int v_lane = (warp * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8;
+  int stage = 0;  // tile % kStages; the stage issued is the one before it
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    cp_async_wait<C::kStages - 2>();
+    // This tile landed for every thread, the previous tile is consumed (so
+    // its row slot is free), and the row slot of the tile to issue is written.
+    __syncthreads();
+    issue(tile + C::kStages - 1, stage == 0 ? C::kStages - 1 : stage - 1);
+    // The next barrier orders this slot's write before its read.
+    store_row(tile + C::kStages, stage, row_block(tile + C::kStages));
+    const T* sK = stages + stage * C::kStageElems;
+    stage = stage + 1 == C::kStages ? 0 : stage + 1;
+    const T* sV = sK + TN * LD;
+    const int j0 = t_begin + tile * TN + warp * 16;  // this warp's 16 keys
+
+    // S^T = K Q^T, two accumulation chains per n8 block (even / odd dims
+    // blocks); each K fragment feeds the NB blocks.
+    float s[NB][4], s_odd[NB][4];
+#pragma unroll
+    for (int n = 0; n < NB; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = s_odd[n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < DB / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, sK + k_lane + kk * 16);
+#pragma unroll
+      for (int n = 0; n < NB; ++n)
+        attention::cuda::mma<T>(kk & 1 ? s_odd[n] : s[n], a, q_frag[n][kk]);
+    }
+    // Logit (key j0 + g + 8 (e >> 1), vector u = 2 n + (e & 1)).
+#pragma unroll
+    for (int n = 0; n < NB; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int u = 2 * n + (e & 1), j = j0 + g + 8 * (e >> 1);
+        float x = (s[n][e] + s_odd[n][e]) * p.scale;
+        if (p.softcap > 0.0f) x = p.softcap * tanhf(x * inv_softcap);
+        if (slope[u] != 0.0f) x -= slope[u] * fabsf(static_cast<float>(diag[u] - j));
+        s[n][e] = x;
+      }
+    const bool inside = j0 >= k_lo && j0 + 16 <= k_hi && j0 >= open_lo && j0 + 16 <= open_hi;
+    if (!__all_sync(0xffffffffu, inside)) {
+#pragma unroll
+      for (int n = 0; n < NB; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int u = 2 * n + (e & 1), j = j0 + g + 8 * (e >> 1);
+          if (j < k_lo || j >= k_hi || j < lo[u] || j >= hi[u]) s[n][e] = -INFINITY;
+        }
+    }
+    // The maximum of each column over the warp's 16 keys: lanes of one t.
+    float rescale[2 * NB], base[2 * NB];
+    bool moved = false;
+#pragma unroll
+    for (int u = 0; u < 2 * NB; ++u) {
+      const int n = u >> 1, h = u & 1;
+      float m = fmaxf(s[n][h], s[n][h + 2]);
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+      const float m_new = fmaxf(row_max[u], m);
+      rescale[u] = row_max[u] == -INFINITY ? 0.0f : exp2_ftz((row_max[u] - m_new) * kLog2e);
+      base[u] = m_new == -INFINITY ? 0.0f : m_new * kLog2e;  // in log2 units
+      row_max[u] = m_new;
+      row_sum[u] *= rescale[u];
+      moved |= rescale[u] != 1.0f;
+    }
+    // Once the running maxima settle, most tiles leave the output as it is.
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int n = 0; n < NB; ++n)
+#pragma unroll
+        for (int mt = 0; mt < DB / 16; ++mt) {
+          acc[n][mt][0] *= rescale[2 * n];
+          acc[n][mt][1] *= rescale[2 * n + 1];
+          acc[n][mt][2] *= rescale[2 * n];
+          acc[n][mt][3] *= rescale[2 * n + 1];
+        }
+    }
+    // P^T (keys x vectors) as the B operand: each 8-key half of an n8 block,
+    // packed in the C layout, is the transpose of the B fragment, so
+    // movmatrix turns it.
+    uint32_t pb[NB][2];
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int u = 2 * n + (e & 1);
+        const float pr = exp2_ftz(fmaf(s[n][e], kLog2e, -base[u]));
+        row_sum[u] += pr;
+        s[n][e] = pr;
+      }
+      pb[n][0] = movmatrix_trans(attention::cuda::Pack<T>::two(s[n][0], s[n][1]));
+      pb[n][1] = movmatrix_trans(attention::cuda::Pack<T>::two(s[n][2], s[n][3]));
+    }
+#pragma unroll
+    for (int mt = 0; mt < DB / 16; ++mt) {
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, sV + v_lane + mt * 16);
+#pragma unroll
+      for (int n = 0; n < NB; ++n) attention::cuda::mma<T>(acc[n][mt], a, pb[n]);
     }
   }
+  cp_async_wait<0>();
+  bad = __syncthreads_or(bad);  // also: the stages are free, the merge reuses the memory
+
+  // Merge the warps (each saw different keys of every vector) through shared memory.
+  float* s_acc = reinterpret_cast<float*>(smem_raw);  // [warp][vector][DB]
+  float* s_max = s_acc + C::kWarps * NV * DB;          // [warp][vector]
+  float* s_sum = s_max + C::kWarps * NV;
+#pragma unroll
+  for (int u = 0; u < 2 * NB; ++u) {
+    const int n = u >> 1, h = u & 1;
+    float sum = row_sum[u];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+    const int r = 8 * n + 2 * t + h;
+#pragma unroll
+    for (int mt = 0; mt < DB / 16; ++mt) {
+      s_acc[(warp * NV + r) * DB + mt * 16 + g] = acc[n][mt][h];
+      s_acc[(warp * NV + r) * DB + mt * 16 + g + 8] = acc[n][mt][h + 2];
+    }
+    if (g == 0) {
+      s_max[warp * NV + r] = row_max[u];
+      s_sum[warp * NV + r] = sum;
+    }
+  }
+  __syncthreads();
+  merge_and_store<T, DB, C::kWarps, NV, NT>(p, s_acc, s_max, s_sum, bad, b, hk, v0, n_vec, qs,
+                                            split);
 }
 
 // ---------------------------------------------------------------- combine
 
 // One CTA per (query row x head, sequence): out = sum_s w_s o_s / sum_s w_s
-// with w_s = exp(lse_s - max lse); any NaN split makes the result NaN. The
-// weights go through shared memory so the column loads are independent.
+// with w_s = exp(lse_s - max lse); any NaN split makes the result NaN. Each
+// thread merges its column over the splits in one pass with a running
+// maximum, so no load waits for another: one round trip to memory (the
+// split's lse is the same address for every thread of the CTA).
 template <class T>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
-  __shared__ float weight[kMaxSplits];
-  __shared__ float total;
-  __shared__ float lse_max;
-  __shared__ int any_nan;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent of the attention kernel: the
   // partial results are complete and visible once this returns.
@@ -533,46 +938,43 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
   const int i = vec / p.heads_q, hq = vec % p.heads_q;
   if (i >= qs.sq) return;
   const int64_t v = (qs.flat0 + i) * p.heads_q + hq;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    float gmax = -INFINITY;
-    bool nan = false;
-    for (int s = lane; s < p.splits; s += 32) {
-      const float x = p.part_lse[s * p.vectors + v];
-      nan |= x != x;
-      gmax = fmaxf(gmax, x);
-    }
-    nan = __any_sync(0xffffffffu, nan);
-#pragma unroll
-    for (int off = 16; off >= 1; off /= 2) gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, off));
-    float sum = 0.0f;
-    for (int s = lane; s < p.splits; s += 32) {
-      const float x = p.part_lse[s * p.vectors + v];
-      const float w = gmax == -INFINITY || x == -INFINITY ? 0.0f : __expf(x - gmax);
-      weight[s] = w;
-      sum += w;
-    }
-#pragma unroll
-    for (int off = 16; off >= 1; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) {
-      total = sum;
-      lse_max = gmax;
-      any_nan = nan;
-    }
-  }
-  __syncthreads();
   const float qnan = __int_as_float(0x7fffffff);
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
   T* out = static_cast<T*>(p.out) + b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh;
-  for (int c = threadIdx.x; c < p.d; c += kThreads) {
-    float o = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < p.splits; ++s) o += weight[s] * p.part_out[(s * p.vectors + v) * p.d + c];
-    out[c] = from_float<T>(any_nan ? qnan : o * inv);
+  for (int c0 = 0; c0 < p.d; c0 += kThreads) {
+    const int c = c0 + threadIdx.x;
+    const bool in_row = c < p.d;
+    const int64_t col = in_row ? c : 0;  // a thread past the row reads column 0, unused
+    float m = -INFINITY, total = 0.0f, o = 0.0f;
+    bool nan = false;
+    constexpr int kBatch = 8;
+    for (int s0 = 0; s0 < p.splits; s0 += kBatch) {
+      // Every load of a batch first (predicated, no branch), then the merge.
+      float xs[kBatch], ys[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int s = s0 + k;
+        xs[k] = s < p.splits ? p.part_lse[s * p.vectors + v] : -INFINITY;
+        ys[k] = s < p.splits ? p.part_out[(s * p.vectors + v) * p.d + col] : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const float x = xs[k];
+        nan |= x != x;
+        const bool live = x != -INFINITY && x == x;  // an empty split has lse -inf
+        const float m_new = live ? fmaxf(m, x) : m;
+        // exp2 of -inf is 0: the running sums are 0 until the first live split.
+        const float f = m_new == m ? 1.0f : exp2_ftz((m - m_new) * kLog2e);
+        const float w = live ? exp2_ftz((x - m_new) * kLog2e) : 0.0f;
+        total = total * f + w;
+        o = o * f + (live ? w * ys[k] : 0.0f);
+        m = m_new;
+      }
+    }
+    if (in_row) out[c] = from_float<T>(nan ? qnan : total > 0.0f ? o / total : 0.0f);
+    if (c == 0)
+      p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] =
+          nan ? qnan : total > 0.0f ? m + __logf(total) : -INFINITY;
   }
-  if (threadIdx.x == 0)
-    p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] =
-        any_nan ? qnan : total > 0.0f ? lse_max + __logf(total) : -INFINITY;
 }
 
 // ---------------------------------------------------------------- host side
@@ -625,8 +1027,27 @@ void raise_recorded(ErrorWord& w, int device) {
 
 int head_dim_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
+// Which attention kernel a call runs: the keys-major one (keys_major_kernel,
+// with 1 or 2 n8 blocks of query vectors: keys_major_blocks), or with
+// $SYMHEAP_DECODE_KERNEL = "previous" the query-major one it replaced (to
+// compare the two in one process; "keys_major", "auto", empty or unset: the
+// default). Read on every call, so a CUDA graph keeps the kernel of its
+// capture.
+constexpr const char* kKernelEnv = "SYMHEAP_DECODE_KERNEL";
+
+bool previous_kernel_forced() {
+  const char* env = std::getenv(kKernelEnv);
+  if (!env || !*env || std::strcmp(env, "auto") == 0 || std::strcmp(env, "keys_major") == 0)
+    return false;
+  if (std::strcmp(env, "previous") == 0) return true;
+  throw InvalidArgument(std::string("attention (kv cache): ") + kKernelEnv +
+                        " must be 'auto', 'keys_major' or 'previous', got '" + env + "'");
+}
+
 struct Plan {
   int device, db, mtiles, splits;
+  bool previous;  // the query-major kernel (attention_kernel) instead of keys_major_kernel
+  int nb;         // keys_major_kernel's n8 blocks of query vectors per CTA
   int64_t vectors;
   size_t bytes;
 };
@@ -635,29 +1056,40 @@ struct SmemReady {};
 
 // The device's SM count, the number of attention CTAs a call aims for. Also
 // raises the kernel's dynamic shared-memory limit, once per device.
-template <class T, int DB>
-int sm_count(int device) {
-  const std::string name = std::string("attention.kvcache.") +
-                           (std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
+template <class Kernel>
+int ready_kernel(int device, const std::string& name, Kernel kernel, int threads, size_t smem) {
   Runtime::instance().device_caches(device).get<SmemReady>(name + ".smem", [&] {
     ::symheap::cuda::ScopedDevice on(device);
-    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<T, DB>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(Tile<DB>::kSmem)));
+    SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
     return std::make_shared<SmemReady>();
   });
-  return ::symheap::cuda::kernel_info(device, name.c_str(), attention_kernel<T, DB>, kThreads,
-                                      Tile<DB>::kSmem)
-      ->sm_count;
+  return ::symheap::cuda::kernel_info(device, name.c_str(), kernel, threads, smem)->sm_count;
+}
+
+template <class T, int DB>
+int sm_count(int device, const Plan& pl) {
+  const std::string suffix =
+      std::string(std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
+  if (pl.previous)
+    return ready_kernel(device, "attention.kvcache." + suffix, attention_kernel<T, DB>, kThreads,
+                        Tile<DB>::kSmem);
+  if constexpr (DB <= 128) {
+    if (pl.nb == 2)
+      return ready_kernel(device, "attention.kvcache.km2." + suffix, keys_major_kernel<T, DB, 2>,
+                          KeysMajor<DB, 2>::kThreads, KeysMajor<DB, 2>::kSmem);
+  }
+  return ready_kernel(device, "attention.kvcache.km1." + suffix, keys_major_kernel<T, DB, 1>,
+                      KeysMajor<DB, 1>::kThreads, KeysMajor<DB, 1>::kSmem);
 }
 
 template <class T>
-int sm_count(int device, int db) {
-  switch (db) {
-    case 32: return sm_count<T, 32>(device);
-    case 64: return sm_count<T, 64>(device);
-    case 128: return sm_count<T, 128>(device);
-    default: return sm_count<T, 256>(device);
+int sm_count(int device, const Plan& pl) {
+  switch (pl.db) {
+    case 32: return sm_count<T, 32>(device, pl);
+    case 64: return sm_count<T, 64>(device, pl);
+    case 128: return sm_count<T, 128>(device, pl);
+    default: return sm_count<T, 256>(device, pl);
   }
 }
 
@@ -666,15 +1098,18 @@ Plan make_plan(const CacheArgs& a, int device) {
   pl.device = device;
   pl.db = head_dim_bucket(a.head_dim);
   const int64_t n_vec = static_cast<int64_t>(a.seqlen_q) * a.group();
-  pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + kVectors - 1) / kVectors));
+  pl.previous = previous_kernel_forced();
+  pl.nb = keys_major_blocks(n_vec, pl.db);
+  const int per_cta = pl.previous ? kVectors : kKmBlockVectors * pl.nb;
+  pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + per_cta - 1) / per_cta));
   const int64_t base = static_cast<int64_t>(a.batch) * a.heads_kv * pl.mtiles;
   const int64_t useful = std::max<int64_t>(1, (a.capacity + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
   // About one CTA per SM (this also readies the kernel's shared memory): the
   // kernel is bound by its own instruction stream, and on H100 a second CTA per
   // SM made every latency-bound row slower (bench/RESULTS.md, the decode split
   // sweep), while fewer CTAs leave SMs idle.
-  const int64_t target = a.q.dtype == DType::F16 ? sm_count<__half>(device, pl.db)
-                                                  : sm_count<__nv_bfloat16>(device, pl.db);
+  const int64_t target =
+      a.q.dtype == DType::F16 ? sm_count<__half>(device, pl) : sm_count<__nv_bfloat16>(device, pl);
   int64_t splits;
   if (a.num_splits > 0) {
     splits = a.num_splits;
@@ -760,9 +1195,23 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
 
 template <class T, int DB>
 void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
-  attention_kernel<T, DB><<<dim3(pl.splits, p.heads_kv * pl.mtiles, p.batch), kThreads,
-                            Tile<DB>::kSmem, stream>>>(p);
-  SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
+  const dim3 grid(pl.splits, p.heads_kv * pl.mtiles, p.batch);
+  if (pl.previous) {
+    attention_kernel<T, DB><<<grid, kThreads, Tile<DB>::kSmem, stream>>>(p);
+    SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
+    return;
+  }
+  if constexpr (DB <= 128) {
+    if (pl.nb == 2) {
+      using C = KeysMajor<DB, 2>;
+      keys_major_kernel<T, DB, 2><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+      SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.keys_major_kernel");
+      return;
+    }
+  }
+  using C = KeysMajor<DB, 1>;
+  keys_major_kernel<T, DB, 1><<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.keys_major_kernel");
 }
 
 template <class T>
