@@ -4,8 +4,11 @@ ldmatrix row address of Q, K and V for every fragment (a lane base plus
 `chunk_pair_offset`, an XOR with the chunk pair, instead of the swizzle
 recomputed), and the cp.async destinations, source rows and zero-fill flags
 of `load_tile_stepped` against `load_tile`, at head dims 64, 128 and 256 with
-their tile shapes. No GPU is needed: this checks the index algebra the
-kernel's expressions encode (the GPU tests check the kernel)."""
+their tile shapes; and its softmax recurrence (a row's base moved only past
+2^8, the accumulator rescaled only then) in float32 against the exact
+softmax. No GPU is needed: this checks the algebra the kernel's expressions
+encode (the GPU tests check the kernel)."""
+import numpy as np
 import pytest
 
 ELEM = 2  # bytes of a bf16 / fp16 element
@@ -106,3 +109,68 @@ def test_stepped_tile_loads_match_load_tile(DB, MT, BN, NT):
         want = tile_loads(DB, BN, NT, valid_rows)
         assert stepped_loads(DB, BN, NT, valid_rows) == want, valid_rows
         assert stepped_loads(DB, BN, NT, valid_rows, step_bytes=DB * ELEM) != want, valid_rows
+
+
+def lean_softmax_rows(s, v, scale, tile, rescale_acc=True, P=np.float32):
+    """The kLean recurrence per row over key tiles (float32 like the kernel;
+    masked scores are -inf): raw max, base moved only when the tile's max
+    passes it by more than 8 (log2), accumulator rescaled only then (not at
+    all with rescale_acc=False, a mutation), p = 2^(s * scale * log2 e - base).
+    Returns out, lse and the largest p."""
+    c = P(scale * np.log2(np.e))
+    rows, keys = s.shape
+    base = np.full(rows, -np.inf, P)
+    total = np.zeros(rows, P)
+    acc = np.zeros((rows, v.shape[1]), P)
+    p_max = P(0)
+    for n0 in range(0, keys, tile):
+        st = s[:, n0:n0 + tile].astype(P)
+        tile_m = st.max(axis=1) * c
+        new = np.where(tile_m > base + P(8), tile_m, base)
+        b = np.where(new == -np.inf, P(0), new)
+        with np.errstate(invalid="ignore"):
+            factor = np.exp2(base - b)
+        moved = new != base
+        total *= factor
+        if moved.any() and rescale_acc:  # the warp vote: rows that did not move have factor 1
+            acc *= factor[:, None]
+        base = new
+        p = np.exp2(st * c - b[:, None])
+        p_max = max(p_max, p.max())
+        total += p.sum(axis=1)
+        acc += p @ v[n0:n0 + tile].astype(P)
+    out = np.where(total[:, None] > 0, acc / np.where(total > 0, total, 1)[:, None], 0)
+    lse = np.where(total > 0, base * P(np.log(2)) + np.log(np.where(total > 0, total, 1)), -np.inf)
+    return out, lse, p_max
+
+
+@pytest.mark.parametrize("tile", [32, 64])
+def test_stale_base_softmax_matches_the_exact_one(tile):
+    """Rows with growing scores (the base moves several times), a row whose
+    first visible key comes late, a fully masked row and plain random rows,
+    against the float64 softmax: out and lse agree to float32 rounding."""
+    rng = np.random.default_rng(tile)
+    rows, keys, d = 6, 300, 16
+    s = rng.standard_normal((rows, keys)) * 3
+    s[0] += np.linspace(0, 60, keys)          # the max keeps climbing
+    s[1, :170] = -np.inf                       # nothing visible until key 170
+    s[2, :] = -np.inf                          # no visible key
+    s[3, 250] = 40.0                           # one late outlier
+    v = rng.standard_normal((keys, d))
+    scale = 0.7
+    out, lse, p_max = lean_softmax_rows(s, v, scale, tile)
+    assert p_max <= 2.0 ** 8 * (1 + 1e-6)
+    with np.errstate(invalid="ignore"):
+        m = np.max(s, axis=1, keepdims=True)
+        w = np.exp((s - m) * scale)
+    for r in range(rows):
+        if np.isneginf(m[r, 0]):
+            assert np.all(out[r] == 0) and lse[r] == -np.inf
+            continue
+        want = w[r] @ v / w[r].sum()
+        want_lse = m[r, 0] * scale + np.log(w[r].sum())
+        assert np.abs(out[r] - want).max() < 1e-5 * max(1.0, np.abs(want).max()), r
+        assert abs(lse[r] - want_lse) < 1e-5 * max(1.0, abs(want_lse)), r
+    # without the accumulator's rescale the climbing row must come out wrong
+    bad, _, _ = lean_softmax_rows(s, v, scale, tile, rescale_acc=False)
+    assert np.abs(bad[0] - out[0]).max() > 1e-2
