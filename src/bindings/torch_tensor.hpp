@@ -48,6 +48,21 @@ struct TensorRef {
 // non-contiguous tensor is replaced by its contiguous copy (kept in `keep`).
 TensorRef read_tensor(py::handle obj, bool make_contiguous = true, bool want_strides = false);
 
+// A tensor argument read in two steps, so that a call holds the GIL only for
+// what needs it: `defer` (GIL held) reads None, non-tensors and anything the
+// C++ reader cannot take as read_tensor does, and leaves a plain torch.Tensor
+// for `finish`, which reads it through torch's C++ API without the GIL (the
+// caller keeps the object alive: a call's arguments are). `finish` returns
+// false where that read fails or a non-contiguous tensor needs its copy: the
+// caller then reads it with read_tensor(obj, make_contiguous) under the GIL.
+struct DeferredTensor {
+  PyObject* obj = nullptr;  // to read in finish; null: `ref` is read
+  bool make_contiguous = true;
+  TensorRef ref;
+};
+void defer(py::handle obj, DeferredTensor& out, bool make_contiguous = true);
+bool finish(DeferredTensor& t);
+
 // Only the address, device and strides of a tensor known to be one (its
 // shape and dtype checked before): the cheapest read.
 TensorRef read_address(py::handle tensor);
@@ -74,6 +89,9 @@ std::string shape_repr(const std::vector<int64_t>& shape);
 // torch's current CUDA stream of `device` for the calling thread (0 where
 // torch has no CUDA); the lookup function is resolved once.
 uintptr_t torch_current_stream(int device);
+// Whether torch_current_stream runs without the GIL (through torch's C++
+// API); GIL held.
+bool torch_current_stream_without_gil();
 
 // torch.empty(shape, dtype=dtype, device=device): through torch's C++ API
 // where it is loaded, else torch.empty with the callable resolved once;
