@@ -23,8 +23,8 @@ class PeCallGil {
   // a thread that claims it earlier would find the GIL still held and sleep
   // on CPython's condition variable, the wait the turns exist to avoid.
   PeCallGil() {
-    released_at_ = now_ns();
     state_ = PyEval_SaveThread();
+    released_at_ = now_ns();
     between_calls_since().store(0, std::memory_order_release);
   }
   // Takes the GIL back.
