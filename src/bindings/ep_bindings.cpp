@@ -1,8 +1,9 @@
 // Python bindings of the expert-parallel op core.
 //
-// One entry per user call: dispatch and combine read their torch tensors
-// through torch_tensor.hpp (under the GIL, the only Python work), then check
-// the arguments, find the op's PE and run the call with the GIL released, so
+// One entry per user call: dispatch and combine take their arguments under
+// the GIL (the only Python work; a plain torch.Tensor is only checked for its
+// class there and read through torch_tensor.hpp after the release), then
+// check them, find the op's PE and run the call with the GIL released, so
 // PEs driven by other threads of the process make progress. The checks and
 // their messages live here, once. Ops are addressed by (job, rank, id), the
 // way any thread (an XLA FFI worker included) finds them: a call from a
@@ -597,7 +598,6 @@ class EpOp {
     return std::nullopt;
   }
 
-  // Reads what combine needs from Python objects (GIL held).
   // Reads a dispatch's handle into `in` (GIL held).
   void read_handle(py::handle handle, CombineInputs& in) {
     // A real subtype check (not isinstance, which a proxy's __class__ can

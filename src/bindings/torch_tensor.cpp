@@ -371,11 +371,6 @@ uintptr_t torch_current_stream(int device) {
   return s.attr("cuda_stream").cast<uintptr_t>();
 }
 
-bool torch_current_stream_without_gil() {
-  const Torch& T = torch_api();
-  return T.native && T.native->current_stream;
-}
-
 py::object torch_empty(const std::vector<int64_t>& shape, TorchDType dtype, int device,
                        const py::dict& kwargs) {
   const Torch& T = torch_api();

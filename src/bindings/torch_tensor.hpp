@@ -89,9 +89,6 @@ std::string shape_repr(const std::vector<int64_t>& shape);
 // torch's current CUDA stream of `device` for the calling thread (0 where
 // torch has no CUDA); the lookup function is resolved once.
 uintptr_t torch_current_stream(int device);
-// Whether torch_current_stream runs without the GIL (through torch's C++
-// API); GIL held.
-bool torch_current_stream_without_gil();
 
 // torch.empty(shape, dtype=dtype, device=device): through torch's C++ API
 // where it is loaded, else torch.empty with the callable resolved once;
