@@ -145,3 +145,22 @@ def fallback_reads(layout):
 def test_non_contiguous_and_subclass_arguments(layout):
     for error in run_threads(fallback_reads, 2, args=(layout,)):
         assert error is not None and error.startswith("out must be a contiguous float32 tensor")
+
+
+def calls_after_finalize():
+    """An op whose PE was finalized refuses calls (the op holds its PE weakly:
+    no per-call look-up in the runtime's map); close() then says why it cannot
+    free the op's buffers."""
+    cfg = _config()
+    ep = EpDispatchCombine(cfg)
+    progs.run_once(cfg, ep, 19)
+    me, n = symheap.my_pe(), symheap.n_pes()
+    x, idx, w, _ = progs.make_inputs(cfg, n, me, 19, "random", "full")
+    symheap.finalize()
+    return _errors([lambda: ep.dispatch(x, idx, w), lambda: ep.check(), ep.close])
+
+
+def test_calls_after_finalize_are_refused():
+    for errors in run_threads(calls_after_finalize, 2, finalize=False):
+        assert errors[:2] == ["SymheapError: this EpDispatchCombine's PE was finalized"] * 2
+        assert errors[2].startswith("SymheapError: ")
