@@ -12,16 +12,25 @@ Figures, per PE (the slowest PE reported):
   best      the same over the fastest block of 10 pairs (what an idle machine
             gives; on a loaded one the mean includes time the PEs were not running);
   gpu b2b   (cuda) CUDA events over 30 back-to-back dispatch + combine pairs.
+With --gil, also the time each call holds the GIL (a separate pass after the
+timed loop): the call's wall time less the time the core spent in it with the
+GIL released (its wait for the GIL back counted as released), per dispatch, per
+combine, and per pair of the loop (the loop's own Python work included). In
+threads the PEs' GIL-held parts run one at a time, so a pair takes about
+2G + C there against G + C in processes (G held, C released).
 
 Cases. cuda: EP low_latency 128 tokens and intranode 4096 tokens with
 max_recv_tokens given (7168 bf16, top-8 of 256), and attention forward
 (B=1, S=128, H=8, D=64 bf16, causal) against torch SDPA in the same run, in one
 thread and in one thread per GPU at once. cpu: a dispatch + combine pair of 8
-tokens x 16 float32 (top-2 of 8 experts), i.e. the per-call overhead, and
+tokens x 16 float32 (top-2 of 8 experts), i.e. the per-call overhead, in each
+layout (token_major as intranode and as low_latency, token_slots,
+expert_major), and
 attention forward (B=1, S=4, H=8, D=64 float32, causal) against SDPA, in one
 thread and in 2 threads at once.
 
     python bench/host_overhead.py [--iters 200] [--pes 2] [--skip-8] [--backend cpu]
+                                  [--gil] [--cases low_latency,...]
 """
 from __future__ import annotations
 
@@ -36,23 +45,29 @@ try:  # the installed package; else the source tree (with its built extension)
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-CUDA_CASES = [  # (name, tokens, hidden, experts, topk, dtype, kernel, max_recv given)
-    ("low_latency 128", 128, 7168, 256, 8, "bfloat16", "low_latency", False),
-    ("intranode 4096", 4096, 7168, 256, 8, "bfloat16", "intranode", True),
+CUDA_CASES = [  # (name, tokens, hidden, experts, topk, dtype, kernel, max_recv given, layout)
+    ("low_latency 128", 128, 7168, 256, 8, "bfloat16", "low_latency", False, "token_major"),
+    ("intranode 4096", 4096, 7168, 256, 8, "bfloat16", "intranode", True, "token_major"),
 ]
-CPU_CASES = [("cpu pair 8x16", 8, 16, 8, 2, "float32", "intranode", False)]
+CPU_CASES = [("cpu pair 8x16 intranode", 8, 16, 8, 2, "float32", "intranode", False, "token_major"),
+             ("cpu pair 8x16 low_latency", 8, 16, 8, 2, "float32", "low_latency", False,
+              "token_major"),
+             ("cpu pair 8x16 token_slots", 8, 16, 8, 2, "float32", "intranode", False,
+              "token_slots"),
+             ("cpu pair 8x16 expert_major", 8, 16, 8, 2, "float32", "intranode", False,
+              "expert_major")]
 GPU_B2B_CALLS = 30
 BLOCK = 10  # pairs per timed block; "best" is the fastest block (a loaded machine's floor)
 
 
-def ep_program(case, iters):
+def ep_program(case, iters, gil=False):
     """One PE's measurement; returns a dict of microseconds."""
     import torch
 
     import symheap
     from symheap import ep as ep_mod
 
-    _, tokens, hidden, experts, topk, dtype, kernel, bounded = case
+    _, tokens, hidden, experts, topk, dtype, kernel, bounded, layout = case
     rank, world = symheap.my_pe(), symheap.n_pes()
     on_cuda = symheap.backend() == "cuda"
     device = torch.device("cuda", symheap.current_device()) if on_cuda else torch.device("cpu")
@@ -63,7 +78,7 @@ def ep_program(case, iters):
     w = (torch.rand(tokens, topk, generator=g) + 0.1).to(device)
     x = torch.randn(tokens, hidden, generator=g).to(getattr(torch, dtype)).to(device)
     cfg = ep_mod.EpConfig(hidden=hidden, max_tokens_per_rank=tokens, num_experts=experts,
-                          topk=topk, dtype=dtype, kernel=kernel,
+                          topk=topk, dtype=dtype, kernel=kernel, layout=layout,
                           max_recv_tokens=world * tokens if bounded else None)
     with ep_mod.EpDispatchCombine(cfg) as ep:
         out = ep.dispatch(x, idx, w)
@@ -103,6 +118,8 @@ def ep_program(case, iters):
         res = {"dispatch": t_disp / calls * 1e6, "combine": t_comb / calls * 1e6,
                "pair": loop / calls * 1e6, "median": block_times[len(block_times) // 2] / BLOCK * 1e6,
                "best": block_times[0] / BLOCK * 1e6}
+        if gil:
+            res.update(gil_held_times(ep, x, idx, w, y, calls))
         if on_cuda:
             symheap.barrier_all()
             torch.cuda.synchronize()
@@ -116,6 +133,38 @@ def ep_program(case, iters):
             ep.check()
         symheap.barrier_all()
     return res
+
+
+def gil_held_times(ep, x, idx, w, y, calls):
+    """GIL-held time (us): wall time less the core's GIL-free time, per pair
+    over a plain loop, then per call (each call's timestamps taken outside it)."""
+    import symheap
+    from symheap import _core
+
+    released, clock = _core.pe_call_released_ns, time.perf_counter
+    symheap.barrier_all()
+    start, r_start = clock(), released()
+    for _ in range(calls):
+        o = ep.dispatch(x, idx, w)
+        ep.combine(y, o.handle)
+    loop, r_loop = clock() - start, (released() - r_start) * 1e-9
+    symheap.barrier_all()
+    held_d = held_c = 0.0
+    for _ in range(calls):
+        r0 = released()
+        t0 = clock()
+        o = ep.dispatch(x, idx, w)
+        t1 = clock()
+        r1 = released()
+        t1b = clock()  # the combine's interval starts here
+        ep.combine(y, o.handle)
+        t2 = clock()
+        r2 = released()
+        held_d += (t1 - t0) - (r1 - r0) * 1e-9
+        held_c += (t2 - t1b) - (r2 - r1) * 1e-9
+    ep.check()
+    return {"gil_dispatch": held_d / calls * 1e6, "gil_combine": held_c / calls * 1e6,
+            "gil_pair": (loop - r_loop) / calls * 1e6, "free_pair": r_loop / calls * 1e6}
 
 
 def attention_host_times(device_index, iters, barrier=None):
@@ -166,6 +215,10 @@ def fmt(r):
          f"  median-block pair {r['median']:7.1f}  best-block pair {r['best']:7.1f}")
     if "gpu_b2b" in r:
         s += f"  gpu b2b/pair {r['gpu_b2b']:7.1f}"
+    if "gil_pair" in r:
+        s += (f"\n  {'':<12} GIL held: dispatch {r['gil_dispatch']:5.2f}  combine "
+              f"{r['gil_combine']:5.2f}  pair (a plain loop) {r['gil_pair']:5.2f}; "
+              f"released per pair {r['free_pair']:5.2f}")
     return s
 
 
@@ -176,6 +229,11 @@ def main():
     ap.add_argument("--skip-8", action="store_true", help="skip the 8 PE threads row")
     ap.add_argument("--backend", default=None, help="cpu or cuda (default: what is present)")
     ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--gil", action="store_true",
+                    help="also measure the GIL-held time per call (a separate pass)")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated: only the EP cases whose name has one of these "
+                         "words (e.g. low_latency,expert_major)")
     args = ap.parse_args()
     if args.backend:
         os.environ["SYMHEAP_BACKEND"] = args.backend
@@ -186,6 +244,9 @@ def main():
     on_cuda = backend == "cuda"
     ndev = symheap.device_count()
     cases = CUDA_CASES if on_cuda else CPU_CASES
+    if args.cases:
+        wanted = args.cases.split(",")
+        cases = [c for c in cases if set(c[0].split()) & set(wanted)]
     wide = min(8, ndev) if on_cuda else 8
     print(f"# backend {backend}, {ndev} device(s), iters {args.iters}; times in us per call "
           f"(slowest PE)", flush=True)
@@ -193,14 +254,14 @@ def main():
     for case in cases:
         print(f"\n## EP {case[0]}")
         rows = [(f"{args.pes} processes", lambda n=args.pes: run_processes(
-                    ep_program, n, args=(case, args.iters), env=env, spread_devices=True)),
+                    ep_program, n, args=(case, args.iters, args.gil), env=env, spread_devices=True)),
                 (f"{args.pes} threads", lambda n=args.pes: run_threads(
-                    ep_program, n, args=(case, args.iters)))]
+                    ep_program, n, args=(case, args.iters, args.gil)))]
         if not args.skip_8 and wide != args.pes:
             rows += [(f"{wide} processes", lambda n=wide: run_processes(
-                         ep_program, n, args=(case, args.iters), env=env, spread_devices=True)),
+                         ep_program, n, args=(case, args.iters, args.gil), env=env, spread_devices=True)),
                      (f"{wide} threads", lambda n=wide: run_threads(
-                         ep_program, n, args=(case, args.iters)))]
+                         ep_program, n, args=(case, args.iters, args.gil)))]
         figures = {}
         for label, fn in rows:
             figures[label] = slowest(fn())

@@ -1,8 +1,9 @@
 // Python bindings of the expert-parallel op core.
 //
-// One entry per user call: dispatch and combine read their torch tensors
-// through torch_tensor.hpp (under the GIL, the only Python work), then check
-// the arguments, find the op's PE and run the call with the GIL released, so
+// One entry per user call: dispatch and combine take their arguments under
+// the GIL (the only Python work; a plain torch.Tensor is only checked for its
+// class there and read through torch_tensor.hpp after the release), then
+// check them, find the op's PE and run the call with the GIL released, so
 // PEs driven by other threads of the process make progress. The checks and
 // their messages live here, once. Ops are addressed by (job, rank, id), the
 // way any thread (an XLA FFI worker included) finds them: a call from a
@@ -203,8 +204,11 @@ class EpOp {
     job_ = s->job;
     rank_ = s->my_pe;
     generation_ = s->generation;
+    pe_ = s;
+    op_ = ep::find(*s, id_);
     geo_ = ep::make_geometry(cfg_, s->n_pes);
     hl_ = ep::handle_layout(cfg_, geo_);
+    words_shape_ = {hl_.words};
     on_cuda_ = Runtime::instance().backend_name() == "cuda";
     torch_device_ = on_cuda_ ? s->device : -1;
     x_dtype_ = torch_dtype(cfg_.dtype);
@@ -253,14 +257,18 @@ class EpOp {
   py::object dispatch(py::handle owner, py::handle x, py::handle topk_idx,
                       py::handle topk_weights, py::handle scales, py::handle stream) {
     check_open();
-    DispatchInputs in{bindings::read_tensor(x), bindings::read_tensor(topk_idx),
-                      bindings::read_tensor(topk_weights), bindings::read_tensor(scales)};
+    // Plain tensors are read once the GIL is released (finish_reads).
+    bindings::DeferredTensor args[4];
+    const py::handle objs[4] = {x, topk_idx, topk_weights, scales};
+    for (int i = 0; i < 4; ++i) bindings::defer(objs[i], args[i]);
     const uintptr_t h = stream_of(stream);
     uintptr_t base = 0;
-    py::object storage = storage_pool_.take({hl_.words}, h, &base);
+    py::object storage = storage_pool_.take(words_shape_, h, &base);
     int64_t n = 0, num_tokens = 0;
     {
       bindings::PeCallGil nogil;
+      finish_reads(nogil, args, objs, 4);
+      const DispatchInputs in{args[0].ref, args[1].ref, args[2].ref, args[3].ref};
       const Check problem = check_dispatch(in);
       num_tokens = problem ? 0 : in.x.shape[0];
       ep::DispatchArgs a;
@@ -297,10 +305,19 @@ class EpOp {
   py::object combine(py::handle expert_out, py::handle handle, py::handle topk_weights,
                      py::handle out, py::handle stream) {
     check_open();
-    CombineInputs in = read_combine(expert_out, handle, topk_weights, out);
+    // Plain tensors are read once the GIL is released (finish_reads); `out`
+    // as given (a non-contiguous one is refused, not copied).
+    bindings::DeferredTensor args[3];
+    const py::handle objs[3] = {expert_out, topk_weights, out};
+    bindings::defer(expert_out, args[0]);
+    bindings::defer(topk_weights, args[1]);
+    bindings::defer(out, args[2], false);
+    CombineInputs in;
+    read_handle(handle, in);
     const uintptr_t h = stream_of(stream);
     py::object result = py::reinterpret_borrow<py::object>(out);
-    if (out.is_none() && in.num_tokens >= 0) {
+    const bool made_out = out.is_none() && in.num_tokens >= 0;
+    if (made_out) {
       // Made here: its dtype, shape and device are known, only the address is read.
       result = out_pool_.take({in.num_tokens, cfg_.hidden}, h, &in.out.ptr);
       in.out.present = in.out.is_tensor = in.out.contiguous = true;
@@ -310,6 +327,10 @@ class EpOp {
     }
     {
       bindings::PeCallGil nogil;
+      finish_reads(nogil, args, objs, 3);
+      in.expert_out = std::move(args[0].ref);
+      in.w = std::move(args[1].ref);
+      if (!made_out) in.out = std::move(args[2].ref);
       const Check problem = check_combine(in);
       const bool ok = !problem;
       ep::CombineArgs a;
@@ -344,14 +365,17 @@ class EpOp {
   // receive buffer's shape: recv_rows rows, of which the handle's rows_shape
   // are the caller's; rows nothing landed in are zeros).
   py::object redispatch(py::handle rows, py::handle handle, py::handle stream) {
+    bindings::DeferredTensor arg;  // this call's input rows, read without the GIL
+    bindings::defer(rows, arg);
     CombineInputs in;
-    in.expert_out = bindings::read_tensor(rows);  // this call's input rows
     read_handle(handle, in);
     const uintptr_t h = stream_of(stream);
     uintptr_t out = 0;
     py::object result = out_pool_.take({geo_.recv_rows, cfg_.hidden}, h, &out);
     {
       bindings::PeCallGil nogil;
+      finish_reads(nogil, &arg, &rows, 1);
+      in.expert_out = std::move(arg.ref);
       Check problem = check_handle(in, false);
       if (!problem)
         problem = check_tensor("rows", in.expert_out, {combine_dtype_},
@@ -390,8 +414,21 @@ class EpOp {
 
  private:
   struct DispatchInputs {
-    TensorRef x, idx, w, scales;
+    const TensorRef &x, &idx, &w, &scales;
   };
+
+  // The reads `defer` left for after the GIL's release; one that needs
+  // Python (a non-contiguous tensor's copy, a tensor the C++ reader does not
+  // take) is read with the GIL taken back for it.
+  static void finish_reads(bindings::PeCallGil& nogil, bindings::DeferredTensor* args,
+                           const py::handle* objs, int n) {
+    for (int i = 0; i < n; ++i)
+      if (!bindings::finish(args[i]))
+        nogil.with_gil([&] {
+          args[i].ref = bindings::read_tensor(objs[i], args[i].make_contiguous);
+          args[i].obj = nullptr;
+        });
+  }
   // The handle's four tensors: each from the handle's one storage, unless
   // the caller replaced it (then read and checked on its own).
   enum Part { kSendRows = 0, kRecvMeta = 1, kSummary = 2, kWeights = 3 };
@@ -475,13 +512,20 @@ class EpOp {
   }
   bool expert_major() const { return cfg_.layout == ep::Layout::ExpertMajor; }
 
-  // One look-up of the PE per call: the runtime's map is shared by every PE
-  // thread of the process.
+  // The op and its PE as found when it was made: a call takes no lock that
+  // other PE threads take (the runtime's rank map and the PE's op registry
+  // both have one). A PE being finalized is seen here or by the core call
+  // (which counts itself in the PE's calls in flight first).
   std::shared_ptr<ep::Op> find(std::shared_ptr<PeState>* s) const {
-    auto slot = Runtime::instance().slot_of_rank(job_, rank_);
-    if (slot && slot->generation != generation_)
+    std::shared_ptr<PeState> pe = pe_.lock();
+    if (!pe || pe->closing.load(std::memory_order_acquire))
       throw StateError("this EpDispatchCombine's PE was finalized");
-    return ep::find(std::move(slot), rank_, id_, s);
+    std::shared_ptr<ep::Op> op = op_.lock();
+    if (!op)
+      throw StateError("ep: this EpDispatchCombine was closed (op " + std::to_string(id_) +
+                       " of PE " + std::to_string(rank_) + ")");
+    *s = std::move(pe);
+    return op;
   }
 
   // A raw handle as given, or any stream object through the front end's
@@ -554,17 +598,6 @@ class EpOp {
     return std::nullopt;
   }
 
-  // Reads what combine needs from Python objects (GIL held).
-  CombineInputs read_combine(py::handle expert_out, py::handle handle, py::handle topk_weights,
-                             py::handle out) {
-    CombineInputs in;
-    in.expert_out = bindings::read_tensor(expert_out);
-    in.w = bindings::read_tensor(topk_weights);
-    in.out = bindings::read_tensor(out, false);
-    read_handle(handle, in);
-    return in;
-  }
-
   // Reads a dispatch's handle into `in` (GIL held).
   void read_handle(py::handle handle, CombineInputs& in) {
     // A real subtype check (not isinstance, which a proxy's __class__ can
@@ -610,10 +643,10 @@ class EpOp {
       }
     if (py::handle st = field(S::kStorage)) {
       TensorRef& r = in.storage;
-      if (storage_pool_.holds(st, {hl_.words}, &r.ptr)) {  // the one dispatch made: known
+      if (storage_pool_.holds(st, words_shape_, &r.ptr)) {  // the one dispatch made: known
         r.present = r.is_tensor = r.contiguous = true;
         r.dtype = TorchDType::I32;
-        r.shape = {hl_.words};
+        r.shape = words_shape_;
         r.device = torch_device_;
       } else {
         r = bindings::read_tensor(st, false);
@@ -690,11 +723,14 @@ class EpOp {
   ep::Config cfg_;
   ep::Geometry geo_;
   ep::HandleLayout hl_;
+  std::vector<int64_t> words_shape_;  // the handle storage's shape
   std::string layout_name_;
   uint64_t job_ = 0;
   int rank_ = -1;
   int64_t id_ = 0;
   uint64_t generation_ = 0;
+  std::weak_ptr<PeState> pe_;
+  std::weak_ptr<ep::Op> op_;
   bool on_cuda_ = false;
   int torch_device_ = -1;
   TorchDType x_dtype_ = TorchDType::Other, scale_dtype_ = TorchDType::Other,
@@ -876,6 +912,10 @@ SYMHEAP_BINDINGS(ep) {
                             "'expert_major'), got '" + layout + "'");
     ep::validate_config(config_from(cfg));
   });
+  m.def("pe_call_released_ns", [] { return bindings::PeCallGil::released_ns(); },
+        "Nanoseconds the calling thread spent in EP calls with the GIL released (its wait "
+        "for the GIL back included), cumulative: a call's wall time less its share is the "
+        "time it held the GIL.");
   m.def("ep_local_grid_blocks", [] {
     auto s = Runtime::instance().current();
     return ep::local_grid_blocks(*s);

@@ -24,6 +24,7 @@ class PeCallGil {
   // on CPython's condition variable, the wait the turns exist to avoid.
   PeCallGil() {
     state_ = PyEval_SaveThread();
+    released_at_ = now_ns();
     between_calls_since().store(0, std::memory_order_release);
   }
   // Takes the GIL back.
@@ -40,10 +41,34 @@ class PeCallGil {
       if (i > 64) sched_yield();
     }
     PyEval_RestoreThread(state_);
-    since.store(now_ns(), std::memory_order_release);
+    const int64_t back = now_ns();
+    since.store(back, std::memory_order_release);
+    released_ns() += back - released_at_;
+  }
+  // Runs `f` with the GIL (a rare step of a call that needs Python: the
+  // GIL is taken the usual way, outside the turns).
+  template <class F>
+  void with_gil(F&& f) {
+    PyEval_RestoreThread(state_);
+    try {
+      f();
+    } catch (...) {
+      state_ = PyEval_SaveThread();
+      throw;
+    }
+    state_ = PyEval_SaveThread();
   }
   PeCallGil(const PeCallGil&) = delete;
   PeCallGil& operator=(const PeCallGil&) = delete;
+
+  // Nanoseconds the calling thread has spent in such calls without the GIL,
+  // from the release to the GIL back in hand (its wait for the GIL
+  // included), since the thread started: a call's wall time less this is
+  // the time it held the GIL (bench/host_overhead.py --gil).
+  static int64_t& released_ns() {
+    thread_local int64_t ns = 0;
+    return ns;
+  }
 
  private:
   static constexpr int64_t kSpinNs = 200000;
@@ -59,6 +84,7 @@ class PeCallGil {
         .count();
   }
   PyThreadState* state_;
+  int64_t released_at_;
 };
 
 }  // namespace symheap::bindings

@@ -269,6 +269,30 @@ TensorRef read_tensor(py::handle obj, bool make_contiguous, bool want_strides) {
   return r;
 }
 
+void defer(py::handle obj, DeferredTensor& out, bool make_contiguous) {
+  const Torch& T = torch_api();
+  out.make_contiguous = make_contiguous;
+  if (T.native && plain_tensor(T, obj)) {
+    out.obj = obj.ptr();
+    return;
+  }
+  out.obj = nullptr;
+  out.ref = read_tensor(obj, make_contiguous);
+}
+
+bool finish(DeferredTensor& t) {
+  if (!t.obj) return true;
+  TensorRef& r = t.ref;
+  torch_native::Tensor n;
+  // torch_api() was resolved by defer; T.native is set once and never changes.
+  if (!torch_api().native->read(t.obj, &n) || (!n.contiguous && t.make_contiguous))
+    return false;
+  r.present = r.is_tensor = true;
+  from_native(n, r, false);
+  t.obj = nullptr;
+  return true;
+}
+
 TensorRef read_address(py::handle tensor) {
   const Torch& T = torch_api();
   TensorRef r;

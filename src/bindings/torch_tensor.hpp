@@ -48,6 +48,21 @@ struct TensorRef {
 // non-contiguous tensor is replaced by its contiguous copy (kept in `keep`).
 TensorRef read_tensor(py::handle obj, bool make_contiguous = true, bool want_strides = false);
 
+// A tensor argument read in two steps, so that a call holds the GIL only for
+// what needs it: `defer` (GIL held) reads None, non-tensors and anything the
+// C++ reader cannot take as read_tensor does, and leaves a plain torch.Tensor
+// for `finish`, which reads it through torch's C++ API without the GIL (the
+// caller keeps the object alive: a call's arguments are). `finish` returns
+// false where that read fails or a non-contiguous tensor needs its copy: the
+// caller then reads it with read_tensor(obj, make_contiguous) under the GIL.
+struct DeferredTensor {
+  PyObject* obj = nullptr;  // to read in finish; null: `ref` is read
+  bool make_contiguous = true;
+  TensorRef ref;
+};
+void defer(py::handle obj, DeferredTensor& out, bool make_contiguous = true);
+bool finish(DeferredTensor& t);
+
 // Only the address, device and strides of a tensor known to be one (its
 // shape and dtype checked before): the cheapest read.
 TensorRef read_address(py::handle tensor);

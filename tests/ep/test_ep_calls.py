@@ -95,3 +95,72 @@ def overridden_calls():
 
 def test_subclass_methods_are_called():
     assert run_threads(overridden_calls, 2) == [["dispatch", "combine"]] * 2
+
+
+class TaggedTensor(torch.Tensor):
+    """A tensor subclass: the ops read it the Python way, not through torch's C++ API."""
+
+
+def _strided(t):
+    """``t`` as a non-contiguous view (every other column of a wider tensor)."""
+    wide = torch.full((t.shape[0], 2 * t.shape[1]), float("nan") if t.is_floating_point() else -7,
+                      dtype=t.dtype)
+    wide[:, ::2] = t
+    view = wide[:, ::2]
+    assert not view.is_contiguous()
+    return view
+
+
+def fallback_reads(layout):
+    """Arguments a call reads with the GIL taken back part-way: non-contiguous
+    tensors (copied) and a tensor subclass, in dispatch and combine; a
+    non-contiguous ``out`` is refused, not copied."""
+    cfg = EpConfig(hidden=16, max_tokens_per_rank=5, num_experts=8, topk=2, dtype="float32",
+                   layout=layout)
+    me, n = symheap.my_pe(), symheap.n_pes()
+    inputs = [progs.make_inputs(cfg, n, r, 17, "random", "full") for r in range(n)]
+    x, idx, w, scales = inputs[me]
+    with EpDispatchCombine(cfg) as ep:
+        out = ep.dispatch(_strided(x), _strided(idx), w.as_subclass(TaggedTensor))
+        progs.check_dispatch(cfg, ep, out, inputs, me, n)
+        y = progs.identity_experts(cfg, out, x.device)
+        y_arg = (y.as_subclass(TaggedTensor) if me == 0
+                 else y.transpose(0, -1).contiguous().transpose(0, -1))
+        if layout == "expert_major":
+            got = ep.combine(y_arg, out.handle, _strided(w))
+        else:
+            got = ep.combine(y_arg, out.handle)
+        progs.check_combine(cfg, got, x, idx, w, scales, me)
+        bad_out = torch.empty(cfg.hidden, x.shape[0]).t()
+        try:
+            ep.combine(y, out.handle, out=bad_out)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        progs.run_once(cfg, ep, 18)  # still in step with the other PEs
+        return error
+
+
+@pytest.mark.parametrize("layout", ["token_major", "expert_major"])
+def test_non_contiguous_and_subclass_arguments(layout):
+    for error in run_threads(fallback_reads, 2, args=(layout,)):
+        assert error is not None and error.startswith("out must be a contiguous float32 tensor")
+
+
+def calls_after_finalize():
+    """An op whose PE was finalized refuses calls (the op holds its PE weakly:
+    no per-call look-up in the runtime's map); close() then says why it cannot
+    free the op's buffers."""
+    cfg = _config()
+    ep = EpDispatchCombine(cfg)
+    progs.run_once(cfg, ep, 19)
+    me, n = symheap.my_pe(), symheap.n_pes()
+    x, idx, w, _ = progs.make_inputs(cfg, n, me, 19, "random", "full")
+    symheap.finalize()
+    return _errors([lambda: ep.dispatch(x, idx, w), lambda: ep.check(), ep.close])
+
+
+def test_calls_after_finalize_are_refused():
+    for errors in run_threads(calls_after_finalize, 2, finalize=False):
+        assert errors[:2] == ["SymheapError: this EpDispatchCombine's PE was finalized"] * 2
+        assert errors[2].startswith("SymheapError: ")
