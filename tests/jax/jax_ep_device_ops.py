@@ -4,6 +4,7 @@ the torch front end: the core counts them in both runtimes, so the CUDA kernels'
 emulation (SYMHEAP_EP_EMULATE_DEVICE=1, one PE) gives the numbers a GPU run issues.
 
     python jax_ep_device_ops.py jax '{"seed": 1}'   # prints one JSON line: {layout: counts}
+    python jax_ep_device_ops.py shard_map '{"seed": 1, "n": 2}'   # n devices, one process
 
 (the torch side is ``torch_counts``, run through symheap.testing.run_processes). The jax
 side also checks every result against a numpy reference, twice: a call where every token
@@ -19,16 +20,19 @@ import numpy as np
 
 HIDDEN, TOKENS, EXPERTS, TOPK = 64, 40, 8, 3
 LAYOUTS = {
-    "intranode": dict(kernel="intranode", max_recv_tokens=TOKENS),
+    "intranode": dict(kernel="intranode"),  # max_recv_tokens: every row of every PE
     "low_latency": dict(kernel="low_latency"),
     "expert_major": dict(kernel="low_latency", layout="expert_major"),
 }
 
 
-def config(layout: str):
+def config(layout: str, n: int = 1):
     from symheap.ep import EpConfig
+    kw = dict(LAYOUTS[layout])
+    if kw["kernel"] == "intranode":
+        kw["max_recv_tokens"] = n * TOKENS
     return EpConfig(hidden=HIDDEN, max_tokens_per_rank=TOKENS, num_experts=EXPERTS, topk=TOPK,
-                    dtype="bfloat16", **LAYOUTS[layout])
+                    dtype="bfloat16", **kw)
 
 
 def routing(rng, drops: bool):
@@ -40,8 +44,9 @@ def routing(rng, drops: bool):
     return idx, w
 
 
-def delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in after}
+def delta(after, before):
+    """after - before per kind (None: the cpu implementation, which counts none)."""
+    return None if after is None else {k: after[k] - before[k] for k in after}
 
 
 def check_jax(layout, x, idx, w, d, y):
@@ -109,6 +114,69 @@ def jax_counts(seed: int) -> dict:
     return out
 
 
+def shard_map_counts(seed: int, n: int) -> dict:
+    """Every local device a PE (n of them, one process), dispatch then combine under
+    shard_map: each PE's device operations per call, and combine(dispatch(x).x) checked
+    (token-major: each token's row once per PE it reached; expert-major: weighted)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import symheap.jax as shj
+    from symheap import _core
+    shj.init(jax.devices()[:n])
+    mesh = shj.make_mesh("pe")
+    sharded = NamedSharding(mesh, P("pe"))
+    rng = np.random.default_rng(seed)
+
+    def smap(f):
+        if hasattr(jax, "shard_map"):
+            return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("pe"), out_specs=P("pe"),
+                                         check_vma=False))
+        from jax.experimental.shard_map import shard_map
+        return jax.jit(shard_map(f, mesh=mesh, in_specs=P("pe"), out_specs=P("pe"),
+                                 check_rep=False))
+
+    out = {}
+    try:
+        for layout in LAYOUTS:
+            op = shj.EpDispatchCombine(config(layout, n))
+            job, op_id = op._key
+
+            def rows_and_handle(x, i, w, op=op):
+                d = op.dispatch(x, i, w)
+                return d.x, d.handle
+
+            dispatch = smap(rows_and_handle)
+            combine = smap(lambda rows, h, op=op: op.combine(rows, h))
+            x = rng.standard_normal((n * TOKENS, HIDDEN), dtype=np.float32).astype(jnp.bfloat16)
+            routes = [routing(rng, drops=True) for _ in range(n)]
+            idx = np.concatenate([r[0] for r in routes])
+            w = np.concatenate([r[1] for r in routes])
+            args = [jax.device_put(a, sharded) for a in (x, idx, w)]
+            jax.block_until_ready(combine(*dispatch(*args)))  # (compiled before counting)
+            counts = lambda: [_core.ep_device_ops(job, pe, op_id) for pe in range(n)]  # noqa
+            c0 = counts()
+            rows, handle = jax.block_until_ready(dispatch(*args))
+            c1 = counts()
+            y = jax.block_until_ready(combine(rows, handle))
+            c2 = counts()
+            xf = np.asarray(x).astype(np.float32)
+            if layout == "expert_major":
+                ref = xf * np.where(idx >= 0, w, 0).sum(axis=1, keepdims=True)
+            else:
+                L = EXPERTS // n
+                reached = [(np.where(idx >= 0, idx // L, -1) == pe).any(axis=1) for pe in range(n)]
+                ref = xf * np.sum(reached, axis=0)[:, None]
+            got = np.asarray(y).astype(np.float32)
+            assert np.allclose(got, ref, rtol=2e-2, atol=5e-2), (layout, np.abs(got - ref).max())
+            out[layout] = [{"dispatch": delta(c1[pe], c0[pe]), "combine": delta(c2[pe], c1[pe])}
+                           for pe in range(n)]
+            op.close()
+    finally:
+        shj.finalize()
+    return out
+
+
 def torch_counts() -> dict:
     """One PE of symheap.testing.run_processes: the torch front end's counts."""
     import torch
@@ -137,4 +205,6 @@ if __name__ == "__main__":
     args = json.loads(sys.argv[2])
     if sys.argv[1] == "jax":
         print("COUNTS " + json.dumps(jax_counts(args["seed"])))
-        print("OK device ops")
+    elif sys.argv[1] == "shard_map":
+        print("COUNTS " + json.dumps(shard_map_counts(args["seed"], args["n"])))
+    print("OK device ops")

@@ -234,7 +234,7 @@ __device__ __forceinline__ uint64_t out_word(uint64_t epoch, const void* a) {
 // Ticket 0, when the op's peers write its outputs: this call's output
 // addresses (null unless it publishes them) onto every PE's board, first
 // thing, so peers that have this PE's counts find them at once.
-__device__ inline void publish_outputs(const Params& p, uint64_t epoch) {
+__device__ inline void post_output_addresses(const Params& p, uint64_t epoch) {
   const bool on = p.publish_outputs != 0;
   const void* field[kOutFields] = {on ? p.out_x : nullptr, on ? p.out_scales : nullptr,
                                    on ? p.out_idx : nullptr, on ? p.out_w : nullptr,
@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     if (ticket == static_cast<int>(gridDim.x) - 1) *tickets = 0;  // every block has its ticket
   }
   __syncthreads();
-  if (p.peers_write_outputs && !pack && ticket == 0) publish_outputs(p, epoch);
+  if (p.peers_write_outputs && !pack && ticket == 0) post_output_addresses(p, epoch);
   // (a spare ticket 0 takes the empty range at T)
   const int64_t slot = ticket - p.spare_ticket0;
   const int64_t t0 = slot < 0 ? p.num_tokens : imin(slot * p.tokens_per_block, p.num_tokens);
@@ -434,13 +434,22 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     finish_counts(p, epoch, tm, abort, scratch, cache);  // (an abort reads no cell)
     if (p.publish_outputs && !pack) fill_output_defaults(p, tm);
   }
-  // Where each peer's rows go: its published outputs, or its receive buffer.
+  // Where rows go when not into a receive buffer: this PE's outputs, and
+  // each peer's published ones (null: its receive buffer).
+  __shared__ char* self_out[kOutFields];
   __shared__ char* peer_out[kMaxOutPeers][kOutFields];
+  if (threadIdx.x == 0) {
+    self_out[kOutX] = p.out_x;
+    self_out[kOutScales] = p.out_scales;
+    self_out[kOutIdx] = reinterpret_cast<char*>(p.out_idx);
+    self_out[kOutW] = reinterpret_cast<char*>(p.out_w);
+    self_out[kOutMeta] = reinterpret_cast<char*>(p.out_meta);
+  }
   if (p.peers_write_outputs && !pack) {
     const int q = static_cast<int>(threadIdx.x);
     if (!abort && q < n && q != p.my_pe) read_outputs(p, epoch, q, peer_out[q]);
-    __syncthreads();
   }
+  __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = static_cast<int>(blockDim.x >> 5);
   const int64_t T = abort ? 0 : p.num_tokens;
@@ -479,9 +488,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     // when it published them; else into its receive buffer (collect_kernel
     // copies them out there when its caller owns the outputs).
     char* const* out = nullptr;
-    char* const self_out[kOutFields] = {p.out_x, p.out_scales, reinterpret_cast<char*>(p.out_idx),
-                                        reinterpret_cast<char*>(p.out_w),
-                                        reinterpret_cast<char*>(p.out_meta)};
     if (!pack && d == p.my_pe && p.out_x && (tm || p.publish_outputs)) out = self_out;
     else if (!pack && d != p.my_pe && p.peers_write_outputs && peer_out[d][kOutX]) out = peer_out[d];
     const bool direct = out != nullptr;
