@@ -538,29 +538,7 @@ def run_two_nodes_of_two_pes(step, timeout=30.0, heap_size="1G", wait_s=300.0):
     out = ctx.Queue()
     procs = [ctx.Process(target=_child_pe_of_node, args=(pe, uid, step, timeout, heap_size, out))
              for pe in range(4)]
-    for p in procs:
-        p.start()
-    results, errors = {}, {}
-    deadline = time.monotonic() + wait_s
-    try:
-        while len(results) + len(errors) < 4:
-            try:
-                pe, ok, value = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            (results if ok else errors)[pe] = value
-    finally:
-        for p in procs:
-            p.join(10 if len(results) == 4 else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    if errors or len(results) < 4:
-        lines = [f"PE {r}: {m}" for r, m in sorted(errors.items())]
-        lines += [f"PE {r}: no result within {wait_s} s" for r in range(4)
-                  if r not in results and r not in errors]
-        raise RuntimeError("\n".join(lines))
-    return results
+    return _gather(procs, out, range(4), wait_s)
 
 
 def run_two_nodes(steps, timeout=20.0, heap_size="256M", wait_s=300.0, ranks_expected=(0, 1)):
@@ -573,6 +551,14 @@ def run_two_nodes(steps, timeout=20.0, heap_size="256M", wait_s=300.0, ranks_exp
     out = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, uids, steps, timeout, heap_size, out))
              for r in range(2)]
+    return _gather(procs, out, ranks_expected, wait_s)
+
+
+def _gather(procs, out, ranks_expected, wait_s):
+    """Starts `procs` (process r is PE r) and collects (PE, ok, value) from
+    queue `out` until every PE of `ranks_expected` reported or `wait_s`
+    passed; returns {PE: result} or raises with every PE's error. A PE
+    expected to report finishes on its own; the others are killed."""
     for p in procs:
         p.start()
     results, errors = {}, {}
@@ -586,7 +572,6 @@ def run_two_nodes(steps, timeout=20.0, heap_size="256M", wait_s=300.0, ranks_exp
             (results if ok else errors)[rank] = value
     finally:
         for r, p in enumerate(procs):
-            # a rank expected to report finishes on its own; the others are killed
             p.join(10 if r in ranks_expected and r in results else 0.5)
             if p.is_alive():
                 p.kill()

@@ -364,6 +364,30 @@ def _dispatch_outputs(out):
     return [f.clone() for f in fields if f is not None]
 
 
+def _counted_round_trip(ep, cfg, args, sent, sent_back, outputs, timeout):
+    """One dispatch of `args` (x, topk_idx, topk_weights, scales) and the
+    combine of its rows through identity experts, checked against the fp32
+    reference; appends the bytes each sent across nodes to `sent` and
+    `sent_back`, and dispatch's outputs (copied) to `outputs`. Returns the
+    dispatch's output."""
+    import torch
+    from symheap import _core
+    progs = _ep_programs()
+    symheap.barrier_all(timeout=timeout)
+    before = _core.bytes_across_nodes()
+    out = ep.dispatch(*args)
+    sent.append(_core.bytes_across_nodes() - before)
+    outputs.append(_dispatch_outputs(out))
+    y = progs.identity_experts(cfg, out, torch.device("cpu"))
+    symheap.barrier_all(timeout=timeout)
+    before = _core.bytes_across_nodes()
+    res = ep.combine(y, out.handle)
+    sent_back.append(_core.bytes_across_nodes() - before)
+    progs.check_combine(cfg, res, *args, symheap.my_pe())
+    symheap.barrier_all(timeout=timeout)
+    return out
+
+
 def ep_device_forwarding(seed, timeout):
     """The device kernels (host emulation, one PE per process) on 2 nodes x 2
     PEs with kernel='copy_engine', forwarding inside nodes (a token bound for
@@ -376,7 +400,6 @@ def ep_device_forwarding(seed, timeout):
     (whose sums, added in another order when forwarded, are checked against
     the fp32 reference each way)."""
     import torch
-    from symheap import _core
     from symheap.ep import EpConfig, EpDispatchCombine
     progs = _ep_programs()
     me, n = symheap.my_pe(), symheap.n_pes()
@@ -400,18 +423,8 @@ def ep_device_forwarding(seed, timeout):
             _forwarding(on)
             digests.append(progs.many_configs(configs, combine_digest=False))
             with EpDispatchCombine(cfg) as ep:
-                symheap.barrier_all(timeout=timeout)
-                before = _core.bytes_across_nodes()
-                out = ep.dispatch(x, idx, w, scales)
-                sent.append(_core.bytes_across_nodes() - before)
-                outputs.append(_dispatch_outputs(out))
-                y = progs.identity_experts(cfg, out, torch.device("cpu"))
-                symheap.barrier_all(timeout=timeout)
-                before = _core.bytes_across_nodes()
-                res = ep.combine(y, out.handle)
-                sent_back.append(_core.bytes_across_nodes() - before)
-                progs.check_combine(cfg, res, x, idx, w, scales, me)
-                symheap.barrier_all(timeout=timeout)
+                _counted_round_trip(ep, cfg, (x, idx, w, scales), sent, sent_back, outputs,
+                                    timeout)
     finally:
         os.environ["SYMHEAP_EP_EMULATE_DEVICE"] = "0"
         _forwarding(True)
@@ -500,18 +513,8 @@ def ep_bytes(seed, timeout):
     for on in (True, False):
         _forwarding(on)
         with EpDispatchCombine(cfg) as ep:
-            symheap.barrier_all(timeout=timeout)
-            before = _core.bytes_across_nodes()
-            out = ep.dispatch(x, idx, w, scales)
-            sent.append(_core.bytes_across_nodes() - before)
-            outputs.append(_dispatch_outputs(out))
-            y = progs.identity_experts(cfg, out, torch.device("cpu"))
-            symheap.barrier_all(timeout=timeout)
-            before = _core.bytes_across_nodes()
-            res = ep.combine(y, out.handle)
-            sent_back.append(_core.bytes_across_nodes() - before)
-            progs.check_combine(cfg, res, x, idx, w, scales, me)
-            symheap.barrier_all(timeout=timeout)
+            out = _counted_round_trip(ep, cfg, (x, idx, w, scales), sent, sent_back, outputs,
+                                      timeout)
             before = _core.bytes_across_nodes()
             back = ep.redispatch(grads[me], out.handle)
             sent_again.append(_core.bytes_across_nodes() - before)
