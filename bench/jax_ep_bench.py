@@ -10,7 +10,8 @@ per dispatch+combine pair, mean over back-to-back calls of one jitted program.
     python bench/jax_ep_bench.py [--iters 20] [--gpus N] [--parts]
     python bench/jax_ep_bench.py --smoke     # tiny shapes on the cpu platform (a check)
 
---parts adds, per size, a `parts` line for each program shape: dispatch alone (it
+--parts adds, per size, the device operations one pair issues on each PE (kernel
+launches and any memset, copy, stream wait or host sync), and a `parts` line for each program shape: dispatch alone (it
 returns the handle; the received rows stay inside the program), combine alone (of one dispatch's rows and
 handle, again and again), the pair, and a pair within one call of 8 chained pairs (per
 pair: what the device takes once per-call costs are spread), each with the host time
@@ -229,6 +230,16 @@ def main():
               f"{t_ours:.1f} us (shard_map), {t_threads:.1f} us (threads); all_to_all padded "
               f"{t_ref:.1f} us; speedup {t_ref / t_ours:.2f}x")
         if a.parts:
+            # what one pair issues on each device (kernels, memsets, copies, ...): the
+            # torch path's graph replays two kernels per pair
+            from symheap import _core
+            job, op_id = op._key
+            ops = lambda: [_core.ep_device_ops(job, pe, op_id) for pe in range(n)]  # noqa: E731
+            before = ops()
+            jax.block_until_ready(f_ours(x, idx_s, w_s))
+            per_pe = [None if b is None else {k: c[k] - b[k] for k in c if c[k] != b[k]}
+                      for b, c in zip(before, ops())]
+            print(f"device ops {tokens} tokens {kernel}, one pair, per PE: {per_pe}")
             for shape, res in time_parts(op, mesh, x, idx_s, w_s, a.iters).items():
                 print(f"parts {tokens} tokens {kernel} {shape}: " + ", ".join(
                     f"{name} {t:.1f} us (host {h:.1f})" for name, t, h in res))

@@ -20,6 +20,7 @@
 #include "bindings/gil_handoff.hpp"
 #include "bindings/registry.hpp"
 #include "bindings/torch_tensor.hpp"
+#include "ops/ep/ep_device.hpp"
 #include "ops/ep/ep_op.hpp"
 #include "symheap/errors.hpp"
 
@@ -926,12 +927,12 @@ SYMHEAP_BINDINGS(ep) {
   });
   // Ops by (job, rank, id), the way the XLA FFI front end (symheap.jax) holds them:
   // its handlers take every buffer from XLA, so it needs no EpOp.
-  m.def("ep_create", [](const py::dict& cfg, size_t ws_offset, size_t ws_bytes) {
+  m.def("ep_create", [](const py::dict& cfg, size_t ws_offset, size_t ws_bytes, bool caller_outputs) {
     auto s = Runtime::instance().current();
     ep::Config c = config_from(cfg);
     py::gil_scoped_release nogil;
-    return ep::create(*s, c, ws_offset, ws_bytes);
-  });
+    return ep::create(*s, c, ws_offset, ws_bytes, caller_outputs);
+  }, py::arg("cfg"), py::arg("ws_offset"), py::arg("ws_bytes"), py::arg("caller_outputs") = false);
   m.def("ep_destroy", [](uint64_t job, int rank, int64_t id) {
     auto s = Runtime::instance().slot_of_rank(job, rank);
     if (!s) return;
@@ -943,6 +944,20 @@ SYMHEAP_BINDINGS(ep) {
     auto op = ep::find(job, rank, id, &s);
     py::gil_scoped_release nogil;
     ep::check(*s, *op, stream, sync);
+  });
+  // Device operations the op's calls issued so far (None: the cpu implementation).
+  m.def("ep_device_ops", [](uint64_t job, int rank, int64_t id) -> py::object {
+    std::shared_ptr<PeState> s;
+    auto op = ep::find(job, rank, id, &s);
+    if (!op->impl) return py::none();
+    const ep::DeviceOps o = op->impl->device_ops();
+    py::dict d;
+    d["launches"] = o.launches;
+    d["memsets"] = o.memsets;
+    d["copies"] = o.copies;
+    d["stream_waits"] = o.stream_waits;
+    d["host_syncs"] = o.host_syncs;
+    return d;
   });
   // XLA runs the op's calls on its own streams, which the front end cannot name:
   // before the op's memory is freed, wait for everything the PE's device runs.

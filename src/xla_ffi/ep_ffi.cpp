@@ -4,10 +4,12 @@
 // PE of XLA's device. Operands and results come in a fixed order (see
 // python/symheap/jax/_ep.py); absent ones are zero-size placeholders.
 //
-// Every result is written by the core straight into XLA's buffers: dispatch
-// stores the rows a PE sends itself there and copies only the rows peers
-// stored into its symmetric receive buffer (those within the counts; see
-// ep::DispatchArgs::out_x), ordered on XLA's stream.
+// Every result is written by the core straight into XLA's buffers: with every
+// PE in this process the dispatch kernels of all PEs store their rows there
+// (the op is created with caller_outputs; see ep::Op::peers_write_outputs);
+// otherwise dispatch stores the rows a PE sends itself there and copies only
+// the rows peers stored into its symmetric receive buffer (those within the
+// counts; see ep::DispatchArgs::out_x), ordered on XLA's stream.
 #include <cstdlib>
 #include <cstring>
 #include <string>

@@ -15,14 +15,17 @@ PROGRAM = os.path.join(HERE, os.pardir, "jax", "jax_programs.py")
 LAYOUTS = ["token_slots", "expert_major", "low_latency", "intranode", "fp8"]
 
 
-def run(name: str, xla_flags: str = "", **kwargs) -> str:
+DEVICE_OPS = os.path.join(HERE, os.pardir, "jax", "jax_ep_device_ops.py")
+
+
+def run(name: str, xla_flags: str = "", program: str = PROGRAM, **kwargs) -> str:
     env = dict(os.environ)
     env.pop("JAX_PLATFORMS", None)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # leave room for the symmetric heaps
     env["XLA_FLAGS"] = xla_flags
     env["SYMHEAP_BACKEND"] = "cuda"
     kwargs.setdefault("seed", random.SystemRandom().randrange(1 << 30))
-    proc = subprocess.run([sys.executable, PROGRAM, name, json.dumps(kwargs)], env=env,
+    proc = subprocess.run([sys.executable, program, name, json.dumps(kwargs)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-6000:]
@@ -58,6 +61,20 @@ def test_command_buffers_on():
     run("threads", xla_flags=flags, n=2, layouts=["token_slots", "low_latency"], grad=False,
         iters=4)
     run("shard_map_ep", xla_flags=flags, n=2, layouts=["expert_major"], grad=False)
+
+
+def test_peers_store_into_xla_results_two_gpus():
+    # Both GPUs in one process (shard_map): each PE's dispatch is the one kernel the torch
+    # path runs (the peers store their rows straight into XLA's results: no collect
+    # kernel, memset, copy or host sync), combine one kernel too, and combine(dispatch(x).x)
+    # is right. Two launches per dispatch here means XLA's buffers were not plain device
+    # memory and the call fell back to the collect kernel (docs/jax.md).
+    out = run("shard_map", program=DEVICE_OPS, n=2)
+    counts = json.loads(out.split("COUNTS ", 1)[1].splitlines()[0])
+    one_kernel = {"launches": 1, "memsets": 0, "copies": 0, "stream_waits": 0, "host_syncs": 0}
+    for layout, pes in counts.items():
+        for pe, calls in enumerate(pes):
+            assert calls == {"dispatch": one_kernel, "combine": one_kernel}, (layout, pe, calls)
 
 
 def test_large_batches_two_gpus():

@@ -123,3 +123,26 @@ def test_ops_in_turn_emulated_under_jax_distributed():
     outs = [finish(p) for p in procs]
     for p, out in enumerate(outs):
         assert f"OK distributed {p} [{p}]" in out, out[-3000:]
+
+
+def test_jax_issues_the_device_operations_of_the_torch_path():
+    """One PE on the CUDA kernels' host emulation (the core counts what both runtimes
+    issue): per layout, a dispatch and a combine inside jit issue exactly the kernels,
+    memsets, copies, stream waits and host syncs that the torch front end's do. The
+    received rows go straight into XLA's results (no copy after the dispatch kernel),
+    and the results match a numpy reference (jax_ep_device_ops.check_jax)."""
+    pytest.importorskip("torch")
+    from symheap.testing import run_processes
+    import jax_ep_device_ops as prog
+    emulate = {"SYMHEAP_EP_EMULATE_DEVICE": "1", "SYMHEAP_TIMEOUT": "20"}
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "jax_ep_device_ops.py"), "jax",
+                             json.dumps({"seed": seed()})], env={**env(1), **emulate},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = finish(proc)
+    jax_ops = json.loads(out.split("COUNTS ", 1)[1].splitlines()[0])
+    torch_ops = run_processes(prog.torch_counts, 1, env=emulate, timeout=240)[0]
+    assert jax_ops == torch_ops, (jax_ops, torch_ops)
+    for layout, calls in jax_ops.items():  # one kernel each, nothing else
+        assert calls["dispatch"] == {"launches": 1, "memsets": 0, "copies": 0,
+                                     "stream_waits": 0, "host_syncs": 0}, (layout, calls)
+        assert calls["combine"]["launches"] == 1, (layout, calls)

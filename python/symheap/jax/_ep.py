@@ -318,7 +318,8 @@ def _create_on_pe(core_cfg, geo):
     buf = malloc(geo["total"], align=4096)
     error, op_id = "", None
     try:
-        op_id = _core.ep_create(core_cfg, buf.offset, buf.nbytes)
+        # every dispatch hands the core XLA's result buffers (see ep_ffi.cpp)
+        op_id = _core.ep_create(core_cfg, buf.offset, buf.nbytes, caller_outputs=True)
     except Exception as e:  # every PE learns it, so none waits on this one
         error = f"PE {pe.rank}: {type(e).__name__}: {e}"
     got = pe.bootstrap.allgather_json([error, op_id], "ep.create")

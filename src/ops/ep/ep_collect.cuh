@@ -1,5 +1,6 @@
 // Received rows into caller-owned outputs (DispatchArgs::out_*, what the XLA
-// front end passes): launched after a dispatch kernel on the same stream,
+// front end passes) when the peers did not store them there themselves
+// (Params::publish_outputs): launched after a dispatch kernel on the same stream,
 // once every row has landed in the receive buffer (a dispatch kernel ends
 // only then). Copies only the rows within the counts, and skips those the
 // dispatch kernel stored there itself (token-major rows a PE sends to

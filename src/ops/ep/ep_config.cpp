@@ -215,6 +215,7 @@ Geometry make_geometry(const Config& c, int n_pes) {
                              : static_cast<size_t>(g.combine_rows) * kMaxPieces * 8);
   g.off_route_totals = take(2 * (n + c.num_experts + 1) * 4);
   g.off_dest_sums = take(token_major ? 2 * n * (n + 1) * 8 : 0);
+  g.off_out_board = take(n <= kMaxOutPeers ? n * kOutFields * 8 : 0);
   // Only jobs across nodes need the forwarding regions: the cpu
   // implementation's records, or the device path's (copy_engine, only when
   // the op forwards: they hold n * max_tokens rows).

@@ -111,6 +111,12 @@ struct Geometry {
   // once it counts every block of the grid (no wait for PE q's ticket 0).
   // uint64 [2][n][n + 1], two sets by call parity.
   size_t off_dest_sums = 0;
+  // Dispatch with outputs published to peers (device, one process; see
+  // Op::peers_write_outputs): where PE i's receive outputs of its current
+  // call lie, uint64 [n][kOutFields], each field (epoch & kOutTagMask) <<
+  // kOutTagShift | address >> 4 (address 0: PE i's rows from this PE go to
+  // its receive buffer).
+  size_t off_out_board = 0;
   // This PE's routing scratch (device): the rank of every (token, column)
   // among this PE's (small calls) or its dispatch block's rows to its
   // destination or expert [max_tokens, send_cols].
@@ -187,6 +193,13 @@ enum LocalWord : int {
 constexpr int kMetaHelpers = 6;
 static_assert(kMetaHelp + kMetaHelpers <= kSendNext, "local words");
 
+
+// The fields of a dispatch's published outputs (Geometry::off_out_board).
+enum OutField : int { kOutX = 0, kOutScales = 1, kOutIdx = 2, kOutW = 3, kOutMeta = 4, kOutFields = 5 };
+constexpr int kOutTagShift = 44;  // addresses below 2^48, 16-byte aligned
+constexpr uint64_t kOutTagMask = (uint64_t{1} << (64 - kOutTagShift)) - 1;
+// Most PEs whose dispatch outputs peers store into directly.
+constexpr int kMaxOutPeers = 16;
 
 // Most warps that share one row in a call of few rows (cuda kernels).
 constexpr int kMaxPieces = 8;

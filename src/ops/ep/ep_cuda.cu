@@ -1,7 +1,10 @@
 // The CUDA runtime of the device driver (ep_device_driver.hpp): launches on
 // the caller's stream, a host-mapped mirror for errors and copy plans, and
 // the copy-engine transport's channels (src/transports/copy_engine.cu).
+#include <cuda.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include <cstdlib>
 #include <cstring>
@@ -98,6 +101,25 @@ class CudaRt {
   void sync(StreamHandle stream) {
     SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
   }
+  // Plain device memory of this GPU (cudaMalloc / cuMemAlloc, which the peer
+  // access enabled between the job's GPUs covers; pool and VMM allocations
+  // would need grants of their own), 16-byte aligned, below 2^48 (the board's
+  // encoding). Addresses found so are remembered: callers reuse their buffers.
+  bool peers_can_store(const void* ptr) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(ptr);
+    if (a % 16 != 0 || (a >> 48) != 0) return false;
+    if (std::find(storable_.begin(), storable_.end(), a) != storable_.end()) return true;
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    if (attr.type != cudaMemoryTypeDevice || attr.device != device_ || !plain_allocation(ptr))
+      return false;
+    if (storable_.size() >= 256) storable_.clear();
+    storable_.push_back(a);
+    return true;
+  }
   void zero_async(void* p, size_t bytes, StreamHandle stream) {
     SYMHEAP_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, as_stream(stream)));
   }
@@ -144,6 +166,34 @@ class CudaRt {
   cudaStream_t look_ = nullptr;  // read_words
   uint64_t* look_host_ = nullptr;
   size_t look_words_ = 0;
+
+  std::vector<uintptr_t> storable_;  // peers_can_store's answers
+
+  // CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE (through the runtime's
+  // driver entry point: the library does not link the driver API).
+  static bool plain_allocation(const void* ptr) {
+    using Get = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+    static const Get get = [] {
+      void* fn = nullptr;
+      cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+      cudaError_t err =
+          cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &fn, 12000, cudaEnableDefault, &found);
+#else
+      cudaError_t err = cudaGetDriverEntryPoint("cuPointerGetAttribute", &fn, cudaEnableDefault, &found);
+#endif
+      if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+        cudaGetLastError();
+        fn = nullptr;
+      }
+      return reinterpret_cast<Get>(fn);
+    }();
+    int plain = 0;
+    return get &&
+           get(&plain, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+               static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(ptr))) == CUDA_SUCCESS &&
+           plain != 0;
+  }
 
   template <class K>
   static void allow_shared(K kernel, size_t shared) {

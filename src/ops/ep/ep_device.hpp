@@ -7,8 +7,19 @@
 
 namespace symheap::ep {
 
+// Device operations an op's calls issued so far (both runtimes count alike,
+// so the cpu suite can compare what two front ends issue for one layout).
+struct DeviceOps {
+  uint64_t launches = 0;      // kernels
+  uint64_t memsets = 0;       // async zeroing
+  uint64_t copies = 0;        // copies (copy-engine channels, host reads and writes)
+  uint64_t stream_waits = 0;  // cross-stream orderings (copy-engine channels)
+  uint64_t host_syncs = 0;    // the host waits for the stream
+};
+
 class DeviceImpl {
  public:
+  virtual DeviceOps device_ops() const = 0;
   virtual ~DeviceImpl() = default;
   virtual int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a) = 0;
   virtual void combine(PeState& s, Op& op, const CombineArgs& a) = 0;

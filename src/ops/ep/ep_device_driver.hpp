@@ -6,6 +6,8 @@
 //   launch(kernel, grid, block, shared_bytes, stream, args...)
 //   launch_early(...)             as launch; the kernel may start while the
 //                                 previous one on the stream ends
+//   peers_can_store(ptr)          the kernels of this op's other PEs may store at
+//                                 `ptr` (memory a caller gave)
 //   sync(stream)                  waits for the stream
 //   zero_async(ptr, bytes, stream)
 //   channels_after(stream)        copy-engine channels wait for the stream's work
@@ -58,11 +60,69 @@
 
 namespace symheap::ep::EP_DEVICE_NS {
 
+// Rt with every device operation counted (DeviceImpl::device_ops).
+template <class Rt>
+class CountedRt : public Rt {
+ public:
+  template <class... A>
+  explicit CountedRt(A&&... args) : Rt(std::forward<A>(args)...) {}
+  DeviceOps ops;
+
+  template <class... KA, class... A>
+  void launch(void (*kernel)(KA...), int grid, int block, size_t shared, StreamHandle stream,
+              A&&... args) {
+    ++ops.launches;
+    Rt::launch(kernel, grid, block, shared, stream, std::forward<A>(args)...);
+  }
+  template <class... KA, class... A>
+  void launch_early(void (*kernel)(KA...), int grid, int block, size_t shared,
+                    StreamHandle stream, A&&... args) {
+    ++ops.launches;
+    Rt::launch_early(kernel, grid, block, shared, stream, std::forward<A>(args)...);
+  }
+  void sync(StreamHandle stream) {
+    ++ops.host_syncs;
+    Rt::sync(stream);
+  }
+  void zero_async(void* p, size_t bytes, StreamHandle stream) {
+    ++ops.memsets;
+    Rt::zero_async(p, bytes, stream);
+  }
+  void channels_after(StreamHandle stream) {
+    ++ops.stream_waits;
+    Rt::channels_after(stream);
+  }
+  void copy(int pe, void* dst, const void* src, size_t bytes) {
+    ++ops.copies;
+    Rt::copy(pe, dst, src, bytes);
+  }
+  void read(void* host, const void* src, size_t bytes, StreamHandle stream) {
+    ++ops.copies;
+    ++ops.host_syncs;
+    Rt::read(host, src, bytes, stream);
+  }
+  void write(void* dst, const void* host, size_t bytes, StreamHandle stream) {
+    ++ops.copies;
+    ++ops.host_syncs;
+    Rt::write(dst, host, bytes, stream);
+  }
+  void signal(int pe, uint64_t* flag) {
+    ++ops.copies;
+    Rt::signal(pe, flag);
+  }
+  void stream_after_channels(StreamHandle stream) {
+    ++ops.stream_waits;
+    Rt::stream_after_channels(stream);
+  }
+};
+
 template <class Rt>
 class DeviceDriver final : public DeviceImpl {
  public:
   template <class... A>
   explicit DeviceDriver(A&&... args) : rt_(std::forward<A>(args)...) {}
+
+  DeviceOps device_ops() const override { return rt_.ops; }
 
   int64_t dispatch(PeState& s, Op& op, const DispatchArgs& a) override {
     const Geometry& g = op.geo;
@@ -92,6 +152,8 @@ class DeviceDriver final : public DeviceImpl {
     p.out_idx = a.out_idx;
     p.out_w = a.out_w;
     p.out_meta = a.out_meta;
+    p.peers_write_outputs = op.peers_write_outputs ? 1 : 0;
+    p.publish_outputs = op.peers_write_outputs && status == kOk && publishable(op, a) ? 1 : 0;
     const bool ce = op.cfg.kernel == Kernel::CopyEngine;
     const int blocks = dispatch_blocks(op);
     p.flag_per_epoch = ce ? 1 : blocks;
@@ -108,7 +170,7 @@ class DeviceDriver final : public DeviceImpl {
       kernels::launch_dispatch(rt_, p, blocks, a.stream);
     if (remote(op)) trace(op, "dispatch %llu: packing grid launched", op.dispatch_epoch);
     if (!ce) {
-      if (a.out_x) kernels::launch_collect(rt_, p, op.geo.grid_blocks, a.stream);
+      if (a.out_x && !p.publish_outputs) kernels::launch_collect(rt_, p, op.geo.grid_blocks, a.stream);
       if (g.padded_output) {
         raise_own(op, status, detail, "dispatch");
         raise_recorded(s, op, a.stream);
@@ -319,9 +381,21 @@ class DeviceDriver final : public DeviceImpl {
   }
 
  private:
-  Rt rt_;
+  CountedRt<Rt> rt_;
 
   volatile int32_t* mirror() { return rt_.host; }
+
+  // Whether this call's outputs can be published to the peers: every one the
+  // layout needs is given, and the peers' kernels can store into each
+  // (Rt::peers_can_store: plain device memory of this GPU, 16-byte aligned).
+  bool publishable(const Op& op, const DispatchArgs& a) {
+    const bool tm = op.cfg.layout == Layout::TokenMajor;
+    const void* need[] = {a.out_x, op.geo.scale_row_bytes ? a.out_scales : a.out_x, a.out_w,
+                          tm ? a.out_idx : a.out_x, tm ? a.out_meta : a.out_x};
+    for (const void* ptr : need)
+      if (!ptr || !rt_.peers_can_store(ptr)) return false;
+    return true;
+  }
 
   static int blocks_for(const Op& op, int64_t items, int per_block) {
     int64_t b = (items + per_block - 1) / per_block;

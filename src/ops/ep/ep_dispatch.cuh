@@ -224,6 +224,75 @@ __device__ inline void finish_dispatch(const Params& p, uint64_t epoch, unsigned
   if (threadIdx.x == 0) *local_word(p, kDispatchEpoch) = epoch;
 }
 
+// ------------------------------------------------------------ published outputs
+
+// A board word (Geometry::off_out_board): the call's epoch and an address.
+__device__ __forceinline__ uint64_t out_word(uint64_t epoch, const void* a) {
+  return ((epoch & kOutTagMask) << kOutTagShift) | (reinterpret_cast<uint64_t>(a) >> 4);
+}
+
+// Ticket 0, when the op's peers write its outputs: this call's output
+// addresses (null unless it publishes them) onto every PE's board, first
+// thing, so peers that have this PE's counts find them at once.
+__device__ inline void post_output_addresses(const Params& p, uint64_t epoch) {
+  const bool on = p.publish_outputs != 0;
+  const void* field[kOutFields] = {on ? p.out_x : nullptr, on ? p.out_scales : nullptr,
+                                   on ? p.out_idx : nullptr, on ? p.out_w : nullptr,
+                                   on ? p.out_meta : nullptr};
+  for (int i = threadIdx.x; i < p.n_pes * kOutFields; i += blockDim.x) {
+    const int q = i / kOutFields, f = i % kOutFields;
+    dev::store_relaxed(at<uint64_t>(p, q, p.geo.off_out_board) + p.my_pe * kOutFields + f,
+                       out_word(epoch, field[f]));
+  }
+}
+
+// One thread: PE q's output addresses of this call (null: its receive
+// buffer), once its words carry this epoch. A timeout is recorded (the call
+// raises) and leaves them null.
+__device__ inline void read_outputs(const Params& p, uint64_t epoch, int q, char** out) {
+  const uint64_t* words = at<uint64_t>(p, p.my_pe, p.geo.off_out_board) + q * kOutFields;
+  const uint64_t* err = local_word(p, kErrorWord);
+  const uint64_t start = dev::global_timer_ns();
+  const uint64_t tag = epoch & kOutTagMask;
+  unsigned spins = 0;
+  for (int f = 0; f < kOutFields; ++f) out[f] = nullptr;
+  for (int f = 0; f < kOutFields; ++f) {
+    uint64_t w;
+    while (((w = dev::load_relaxed(words + f)) >> kOutTagShift) != tag) {
+      spin_pause();
+      if ((++spins & 1023u) != 0) continue;
+      if (dev::load_relaxed(err) == kPeerTimeout) return;
+      if (dev::global_timer_ns() - start > p.timeout_ns) {
+        record_error(p, kPeerTimeout, q, p.my_pe, epoch, kWaitCounts, w >> kOutTagShift, tag);
+        return;
+      }
+    }
+    out[f] = reinterpret_cast<char*>((w & ((uint64_t{1} << kOutTagShift) - 1)) << 4);
+  }
+}
+
+// Ticket 0 of a call that published its outputs (no collect follows): the
+// defaults past the counts, as collect_kernel writes them (token-major ids
+// -1, weights 0, metadata -1; expert-major weights 0). After finish_counts.
+__device__ inline void fill_output_defaults(const Params& p, bool tm) {
+  const Geometry& g = p.geo;
+  const int64_t K = p.cfg.topk;
+  if (tm) {
+    const int64_t valid = *p.num_recv;
+    for (int64_t i = valid * K + threadIdx.x; i < g.recv_rows * K; i += blockDim.x) {
+      p.out_idx[i] = -1;
+      p.out_w[i] = 0.0f;
+    }
+    for (int64_t i = valid * kMetaWords + threadIdx.x; i < g.recv_rows * kMetaWords;
+         i += blockDim.x)
+      p.out_meta[i] = -1;
+  } else {
+    for (int64_t r = threadIdx.x; r < g.recv_rows; r += blockDim.x)
+      if (r % g.expert_cap >= p.expert_counts[r / g.expert_cap]) p.out_w[r] = 0.0f;
+  }
+  __syncthreads();
+}
+
 // The call's kind, when the host can tell, fixed at compile time: each
 // instance holds only the code its calls run (one kernel for every kind is
 // larger than an SM's instruction cache).
@@ -293,6 +362,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     if (ticket == static_cast<int>(gridDim.x) - 1) *tickets = 0;  // every block has its ticket
   }
   __syncthreads();
+  if (p.peers_write_outputs && !pack && ticket == 0) post_output_addresses(p, epoch);
   // (a spare ticket 0 takes the empty range at T)
   const int64_t slot = ticket - p.spare_ticket0;
   const int64_t t0 = slot < 0 ? p.num_tokens : imin(slot * p.tokens_per_block, p.num_tokens);
@@ -362,7 +432,24 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     if (threadIdx.x == 0 && must_report(p, plan))
       record_error(p, plan.abort_status, plan.abort_detail, plan.abort_pe, epoch);
     finish_counts(p, epoch, tm, abort, scratch, cache);  // (an abort reads no cell)
+    if (p.publish_outputs && !pack) fill_output_defaults(p, tm);
   }
+  // Where rows go when not into a receive buffer: this PE's outputs, and
+  // each peer's published ones (null: its receive buffer).
+  __shared__ char* self_out[kOutFields];
+  __shared__ char* peer_out[kMaxOutPeers][kOutFields];
+  if (threadIdx.x == 0) {
+    self_out[kOutX] = p.out_x;
+    self_out[kOutScales] = p.out_scales;
+    self_out[kOutIdx] = reinterpret_cast<char*>(p.out_idx);
+    self_out[kOutW] = reinterpret_cast<char*>(p.out_w);
+    self_out[kOutMeta] = reinterpret_cast<char*>(p.out_meta);
+  }
+  if (p.peers_write_outputs && !pack) {
+    const int q = static_cast<int>(threadIdx.x);
+    if (!abort && q < n && q != p.my_pe) read_outputs(p, epoch, q, peer_out[q]);
+  }
+  __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = static_cast<int>(blockDim.x >> 5);
   const int64_t T = abort ? 0 : p.num_tokens;
@@ -396,18 +483,23 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
     const int64_t r = pack ? crow
                       : tm   ? static_cast<int64_t>(base[d]) + rank
                              : static_cast<int64_t>(id % L) * g.expert_cap + base[id] + rank;
-    // Rows for this PE itself go straight into the caller's outputs when it
-    // gave them (collect_kernel copies only the peers' rows there).
-    const bool direct = tm && !pack && d == p.my_pe && p.out_x;
-    warp_copy_piece((direct ? p.out_x : target(d, off_x)) + r * g.row_bytes,
+    // Rows go straight into the destination's own outputs: this PE's when the
+    // caller gave them (token-major; any layout when published), a peer's
+    // when it published them; else into its receive buffer (collect_kernel
+    // copies them out there when its caller owns the outputs).
+    char* const* out = nullptr;
+    if (!pack && d == p.my_pe && p.out_x && (tm || p.publish_outputs)) out = self_out;
+    else if (!pack && d != p.my_pe && p.peers_write_outputs && peer_out[d][kOutX]) out = peer_out[d];
+    const bool direct = out != nullptr;
+    warp_copy_piece((direct ? out[kOutX] : target(d, off_x)) + r * g.row_bytes,
                     p.tokens + t * g.row_bytes, g.row_bytes, piece, P, lane);
     if (piece != 0) continue;
     if (g.scale_row_bytes)
-      warp_copy((direct ? p.out_scales : target(d, off_s)) + r * g.scale_row_bytes,
+      warp_copy((direct ? out[kOutScales] : target(d, off_s)) + r * g.scale_row_bytes,
                 p.token_scales + t * g.scale_row_bytes, g.scale_row_bytes, lane);
     if (tm) {
-      int32_t* idx = (direct ? p.out_idx : reinterpret_cast<int32_t*>(target(d, off_i))) + r * K;
-      float* w = (direct ? p.out_w : reinterpret_cast<float*>(target(d, off_w))) + r * K;
+      int32_t* idx = reinterpret_cast<int32_t*>(direct ? out[kOutIdx] : target(d, off_i)) + r * K;
+      float* w = reinterpret_cast<float*>(direct ? out[kOutW] : target(d, off_w)) + r * K;
       for (int k = lane; k < K; k += 32) {
         const int64_t e = topk_id(p, static_cast<int64_t>(t) * K + k);
         const bool local = kept_id(p, e) && static_cast<int32_t>(e) / L == d;
@@ -415,14 +507,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Params p) {
         w[k] = local ? p.topk_weights[static_cast<int64_t>(t) * K + k] : 0.0f;
       }
     } else if (lane == 0) {
-      reinterpret_cast<float*>(target(d, off_w))[r] = p.topk_weights[i];
+      reinterpret_cast<float*>(direct ? out[kOutW] : target(d, off_w))[r] = p.topk_weights[i];
     }
-    if (lane < kMetaWords) {
+    if (lane < kMetaWords) {  // (expert-major: into the receive buffer, for the handle's copy)
       const int32_t slot = tm ? -1 : i % S;
       const int32_t v = lane == kMetaSrcPe ? p.my_pe : lane == kMetaToken ? t
                                                   : lane == kMetaSlot ? slot : crow;
-      (direct ? p.out_meta
-              : reinterpret_cast<int32_t*>(target(d, off_m)))[r * kMetaWords + lane] = v;
+      reinterpret_cast<int32_t*>(direct && tm ? out[kOutMeta]
+                                              : target(d, off_m))[r * kMetaWords + lane] = v;
     }
   }
   // Peers wait for the rows: flag them first (thread 0 waits in the fence

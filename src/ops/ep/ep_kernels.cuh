@@ -37,8 +37,9 @@
 //                  (with two buffers, the last to start ends the call);
 //   combine_pack / combine_reduce   the copy engine's combine: stage and plan,
 //                  then (after the host's copies) sum;
-//   collect        (after a dispatch, when the caller owns the outputs) the
-//                  rows within the counts, from the receive buffer to them;
+//   collect        (after a dispatch, when the caller owns the outputs and
+//                  the peers did not store into them) the rows within the
+//                  counts, from the receive buffer to them;
 //   count_row      (copy engine, PEs on other nodes) this PE's count row for
 //                  the host to put there (ep_remote.cuh);
 //   forward_rows / forward_sums   (copy engine, forwarding inside a node)

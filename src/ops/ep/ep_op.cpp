@@ -61,7 +61,8 @@ int local_grid_blocks(PeState& s) {
   return kDefaultGridBlocks;
 }
 
-int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes) {
+int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes,
+               bool caller_outputs) {
   Geometry geo = make_geometry(cfg, s.n_pes);
   if (ws_bytes < geo.total)
     throw InvalidArgument("ep workspace of " + std::to_string(ws_bytes) + " bytes is smaller than the " +
@@ -99,6 +100,15 @@ int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes)
   // (copy_engine) when the geometry holds its regions.
   op->nodes.forward &= host_rows ? geo.fwd_rec_bytes > 0 : geo.fwd_on_device;
   if (!host_rows) op->remote_pes = remote_pes;
+  // (SYMHEAP_EP_PEERS_WRITE_OUTPUTS=0: rows land in the receive buffer first;
+  // a reference for comparing the two on a device. Set alike on every PE.)
+  const char* pw = std::getenv("SYMHEAP_EP_PEERS_WRITE_OUTPUTS");
+  bool one_process = s.n_pes <= kMaxOutPeers;
+  for (int p = 0; p < s.n_pes; ++p)
+    one_process &= s.peers[p].kind == PeerKind::Self || s.peers[p].kind == PeerKind::SameProcess;
+  op->peers_write_outputs = caller_outputs && !host_rows && one_process &&
+                            cfg.kernel != Kernel::CopyEngine && !cfg.token_slots &&
+                            !(pw && std::strcmp(pw, "0") == 0);
   {
     DeviceGuard guard(s.device);
     // The sync words start at zero on every PE before any PE writes them

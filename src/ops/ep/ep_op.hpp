@@ -123,6 +123,12 @@ struct Op {
   uint64_t dispatch_epoch = 0;
   uint64_t combine_epoch = 0;
   std::shared_ptr<class DeviceImpl> impl;  // CUDA (or its emulation); null: cpu implementation
+  // Device kernels (intranode, low_latency; not token_slots) of an op whose
+  // caller owns the receive outputs (DispatchArgs::out_*) and whose PEs all
+  // live in this process: each dispatch publishes its outputs' addresses to
+  // the peers (Geometry::off_out_board), which store their rows straight
+  // there, so no copy from the receive buffer follows (collect_kernel).
+  bool peers_write_outputs = false;
   // copy_engine on cuda with other PEs in this process (see
   // transports/copy_engine_issue_board.hpp): series 0 counts dispatches, 1 combines.
   std::shared_ptr<IssueBoard> board;
@@ -134,7 +140,10 @@ struct Op {
 
 // Creates the op on the calling thread's PE, zeroes its sync words, and
 // returns its id. The caller must barrier before any PE dispatches.
-int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes);
+// `caller_outputs`: every dispatch passes DispatchArgs::out_* (the same on
+// every PE; see Op::peers_write_outputs).
+int64_t create(PeState& s, const Config& cfg, size_t ws_offset, size_t ws_bytes,
+               bool caller_outputs = false);
 void destroy(PeState& s, int64_t id);
 std::shared_ptr<Op> find(uint64_t job, int rank, int64_t id, std::shared_ptr<PeState>* state);
 // As above, for the slot of (job, rank) the caller already looked up (or null).

@@ -98,7 +98,11 @@ struct Params {
   int32_t* recv_summary;       // the handle's summary
   float* saved_weights;        // received rows' weights
   // Caller-owned receive outputs (DispatchArgs::out_*), or null: dispatch
-  // stores the rows a PE sends itself there, collect_kernel the others.
+  // stores the rows a PE sends itself there (token-major), collect_kernel
+  // the others, unless this call publishes them: then every PE's dispatch
+  // stores its rows straight there, and no collect follows.
+  int32_t peers_write_outputs;  // Op::peers_write_outputs: read each peer's outputs off the board
+  int32_t publish_outputs;      // this call's outputs are on the board (and this PE's rows go there)
   char* out_x;
   char* out_scales;
   int32_t* out_idx;
