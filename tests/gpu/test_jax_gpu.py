@@ -67,8 +67,8 @@ def test_peers_store_into_xla_results_two_gpus():
     # Both GPUs in one process (shard_map): each PE's dispatch is the one kernel the torch
     # path runs (the peers store their rows straight into XLA's results: no collect
     # kernel, memset, copy or host sync), combine one kernel too, and combine(dispatch(x).x)
-    # is right. Two launches per dispatch here means XLA's buffers were not plain device
-    # memory and the call fell back to the collect kernel (docs/jax.md).
+    # is right. Two launches per dispatch here means the peers could not write XLA's
+    # buffers and the call fell back to the collect kernel (docs/jax.md).
     out = run("shard_map", program=DEVICE_OPS, n=2)
     counts = json.loads(out.split("COUNTS ", 1)[1].splitlines()[0])
     one_kernel = {"launches": 1, "memsets": 0, "copies": 0, "stream_waits": 0, "host_syncs": 0}

@@ -28,8 +28,13 @@ class CudaRt {
   int32_t* host_dev = nullptr;  // its device address
 
   CudaRt(PeState& s, Op& op) : pe_(&s), device_(s.device) {
-    for (int q = 0; q < op.n_pes; ++q)  // (other nodes' PEs: the remote transport)
+    for (int q = 0; q < op.n_pes; ++q) {  // (other nodes' PEs: the remote transport)
       if (s.peers[q].base) peers_.push_back(q);
+      const int d = s.peers[q].info.device;
+      if (s.peers[q].kind == PeerKind::SameProcess && d != device_ &&
+          std::find(peer_devices_.begin(), peer_devices_.end(), d) == peer_devices_.end())
+        peer_devices_.push_back(d);
+    }
     int major = 0;
     SYMHEAP_CUDA_CHECK(
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
@@ -101,23 +106,40 @@ class CudaRt {
   void sync(StreamHandle stream) {
     SYMHEAP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
   }
-  // Plain device memory of this GPU (cudaMalloc / cuMemAlloc, which the peer
-  // access enabled between the job's GPUs covers; pool and VMM allocations
-  // would need grants of their own), 16-byte aligned, below 2^48 (the board's
-  // encoding). Addresses found so are remembered: callers reuse their buffers.
+  // Memory of this GPU that the kernels of this op's other PEs may store
+  // into: 16-byte aligned, below 2^48 (the board's encoding), and either a
+  // plain allocation (cudaMalloc / cuMemAlloc: the peer access enabled between
+  // the job's GPUs covers it) or a mapping every peer GPU has read-write
+  // access to (VMM and pool memory need grants of their own; XLA maps its
+  // region with them). The allocations found so are remembered by range:
+  // callers reuse their buffers, and each look costs driver calls.
   bool peers_can_store(const void* ptr) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(ptr);
     if (a % 16 != 0 || (a >> 48) != 0) return false;
-    if (std::find(storable_.begin(), storable_.end(), a) != storable_.end()) return true;
+    for (const auto& [start, size] : storable_)
+      if (a >= start && a - start < size) return true;
     cudaPointerAttributes attr{};
     if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
       cudaGetLastError();
       return false;
     }
-    if (attr.type != cudaMemoryTypeDevice || attr.device != device_ || !plain_allocation(ptr))
+    if (attr.type != cudaMemoryTypeDevice || attr.device != device_) return false;
+    uint64_t start = 0, size = 0, plain = 0;
+    if (!pointer_attribute(ptr, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, &start) ||
+        !pointer_attribute(ptr, CU_POINTER_ATTRIBUTE_RANGE_SIZE, &size) ||
+        !pointer_attribute(ptr, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, &plain))
       return false;
-    if (storable_.size() >= 256) storable_.clear();
-    storable_.push_back(a);
+    if (!plain) {
+      for (int d : peer_devices_) {
+        ::symheap::cuda::ScopedDevice on(d);  // the flags are those of the current device
+        uint64_t flags = 0;
+        if (!pointer_attribute(ptr, CU_POINTER_ATTRIBUTE_ACCESS_FLAGS, &flags) ||
+            flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+          return false;
+      }
+    }
+    if (storable_.size() >= 64) storable_.clear();
+    storable_.emplace_back(static_cast<uintptr_t>(start), static_cast<uintptr_t>(size));
     return true;
   }
   void zero_async(void* p, size_t bytes, StreamHandle stream) {
@@ -167,11 +189,12 @@ class CudaRt {
   uint64_t* look_host_ = nullptr;
   size_t look_words_ = 0;
 
-  std::vector<uintptr_t> storable_;  // peers_can_store's answers
+  std::vector<int> peer_devices_;  // the other GPUs that drive PEs of this op in this process
+  std::vector<std::pair<uintptr_t, uintptr_t>> storable_;  // peers_can_store's ranges (start, size)
 
-  // CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE (through the runtime's
-  // driver entry point: the library does not link the driver API).
-  static bool plain_allocation(const void* ptr) {
+  // cuPointerGetAttribute through the runtime's driver entry point (the
+  // library does not link the driver API); false where it fails.
+  static bool pointer_attribute(const void* ptr, CUpointer_attribute which, uint64_t* out) {
     using Get = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
     static const Get get = [] {
       void* fn = nullptr;
@@ -188,11 +211,13 @@ class CudaRt {
       }
       return reinterpret_cast<Get>(fn);
     }();
-    int plain = 0;
-    return get &&
-           get(&plain, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-               static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(ptr))) == CUDA_SUCCESS &&
-           plain != 0;
+    // Each attribute read here is at most 8 bytes wide (an int, flags or an address).
+    unsigned long long value = 0;
+    if (!get || get(&value, which, static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(ptr))) !=
+                    CUDA_SUCCESS)
+      return false;
+    *out = value;
+    return true;
   }
 
   template <class K>
