@@ -266,3 +266,27 @@ def test_decode_step_in_a_cuda_graph(layout):
             assert (lse[b].cpu() - ref_lse[0]).abs().max().item() <= 2e-3
         lengths = [n + 1 for n in lengths]
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("pairs_per_sm", [2, 3])
+def test_auto_kernel_choice(pairs_per_sm, monkeypatch):
+    """Unforced, a call of at least 3 (sequence, kv head) pairs per SM runs the
+    query-major kernel, fewer the keys-major one: the output is bit for bit the
+    forced kernel's, and right against the reference."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(pairs_per_sm)
+    Hq, Hkv, D = 32, 8, 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B = -(-pairs_per_sm * sms // Hkv)
+    lengths = [int(n) for n in torch.randint(1, 200, (B,), generator=gen)]
+    cache = Cache(B=B, capacity=256, Hkv=Hkv, D=D, dtype=dtype, device="cuda", gen=gen,
+                  lengths=lengths, block_size=16)
+    q = torch.randn((B, 1, Hq, D), generator=gen).to(device="cuda", dtype=dtype)
+    outs = {}
+    for name in ("keys_major", "previous", "auto"):
+        monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", name)
+        outs[name], _ = run_and_check(cache, lengths, q, None, Hq, {}, tol=TOL[dtype])
+    assert not torch.equal(bits(outs["keys_major"]), bits(outs["previous"])), \
+        "the two kernels gave the same bits: this case cannot tell which one ran"
+    expected = "previous" if pairs_per_sm >= 3 else "keys_major"
+    assert torch.equal(bits(outs["auto"]), bits(outs[expected])), f"auto did not run {expected}"

@@ -7,12 +7,13 @@
 // group, so each K/V row is read once for all of them; K/V tiles stream
 // through shared memory by cp.async and the products run on the tensor cores.
 // keys_major_kernel (keys on the MMA rows, 8 or 16 query vectors per CTA on
-// its columns) runs every call; attention_kernel (16 vectors per CTA on the
-// MMA rows), the kernel it replaced, runs when SYMHEAP_DECODE_KERNEL asks for
-// it (previous_kernel_forced). Lengths and block ids are read on the device
-// only: a bad one is recorded in a host-mapped word (raised by the next call
-// or by cache_check_cuda) and the sequence gets NaN outputs, with no access
-// out of bounds and no write to the cache.
+// its columns) runs most calls; attention_kernel (16 vectors per CTA on the
+// MMA rows), the kernel it replaced, runs calls of many sequences x kv heads
+// (choose_previous) or when SYMHEAP_DECODE_KERNEL asks for it. Lengths and
+// block ids are read on the device only: a bad one is recorded in a
+// host-mapped word (raised by the next call or by cache_check_cuda) and the
+// sequence gets NaN outputs, with no access out of bounds and no write to
+// the cache.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -1028,20 +1029,40 @@ void raise_recorded(ErrorWord& w, int device) {
 int head_dim_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
 // Which attention kernel a call runs: the keys-major one (keys_major_kernel,
-// with 1 or 2 n8 blocks of query vectors: keys_major_blocks), or with
-// $SYMHEAP_DECODE_KERNEL = "previous" the query-major one it replaced (to
-// compare the two in one process; "keys_major", "auto", empty or unset: the
-// default). Read on every call, so a CUDA graph keeps the kernel of its
-// capture.
+// with 1 or 2 n8 blocks of query vectors: keys_major_blocks) or the
+// query-major one it replaced (attention_kernel). $SYMHEAP_DECODE_KERNEL =
+// "keys_major" or "previous" forces one (to compare the two in one process);
+// "auto", empty or unset: choose_previous decides. Read on every call, so a
+// CUDA graph keeps the kernel of its capture.
 constexpr const char* kKernelEnv = "SYMHEAP_DECODE_KERNEL";
+enum class KernelChoice { Auto, KeysMajor, Previous };
 
-bool previous_kernel_forced() {
+KernelChoice kernel_choice() {
   const char* env = std::getenv(kKernelEnv);
-  if (!env || !*env || std::strcmp(env, "auto") == 0 || std::strcmp(env, "keys_major") == 0)
-    return false;
-  if (std::strcmp(env, "previous") == 0) return true;
+  if (!env || !*env || std::strcmp(env, "auto") == 0) return KernelChoice::Auto;
+  if (std::strcmp(env, "keys_major") == 0) return KernelChoice::KeysMajor;
+  if (std::strcmp(env, "previous") == 0) return KernelChoice::Previous;
   throw InvalidArgument(std::string("attention (kv cache): ") + kKernelEnv +
                         " must be 'auto', 'keys_major' or 'previous', got '" + env + "'");
+}
+
+// With at least this many (sequence, kv head) pairs per SM, the CTAs run
+// unsplit in several waves, and the query-major kernel (less shared memory,
+// so more CTAs resident per SM) was the faster one on H100: 0.86x the time of
+// the keys-major one at batch 64 x 1k keys, 0.98-0.99x at batch 64-128 with
+// 4k-16k, while the keys-major one was 0.89-0.98x of it up to batch 16
+// (bench/RESULTS.md, the keys-major decode table).
+constexpr int64_t kPreviousPairsPerSm = 3;
+
+bool choose_previous(const CacheArgs& a, int device) {
+  switch (kernel_choice()) {
+    case KernelChoice::Previous: return true;
+    case KernelChoice::KeysMajor: return false;
+    case KernelChoice::Auto: break;
+  }
+  int sms = 0;
+  SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return static_cast<int64_t>(a.batch) * a.heads_kv >= kPreviousPairsPerSm * sms;
 }
 
 struct Plan {
@@ -1098,7 +1119,7 @@ Plan make_plan(const CacheArgs& a, int device) {
   pl.device = device;
   pl.db = head_dim_bucket(a.head_dim);
   const int64_t n_vec = static_cast<int64_t>(a.seqlen_q) * a.group();
-  pl.previous = previous_kernel_forced();
+  pl.previous = choose_previous(a, device);
   pl.nb = keys_major_blocks(n_vec, pl.db);
   const int per_cta = pl.previous ? kVectors : kKmBlockVectors * pl.nb;
   pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + per_cta - 1) / per_cta));
