@@ -293,7 +293,11 @@ def bandwidth(sizes, iters, port, rounds=2):
             for _ in range(n_it):
                 symheap.put(dst[:nb], src[:nb], 1)
             symheap.quiet()  # returns once every put landed at PE 1
-        return time.perf_counter() - t0
+        t = time.perf_counter() - t0
+        # PE 1 waits here too: else it enters the NCCL round's barrier while
+        # the puts still stream in, and that barrier's traffic shares their path.
+        symheap.barrier_all()
+        return t
 
     def timed_nccl(nb, n_it):
         dist.barrier()
