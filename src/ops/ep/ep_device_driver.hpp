@@ -387,7 +387,7 @@ class DeviceDriver final : public DeviceImpl {
 
   // Whether this call's outputs can be published to the peers: every one the
   // layout needs is given, and the peers' kernels can store into each
-  // (Rt::peers_can_store: plain device memory of this GPU, 16-byte aligned).
+  // (Rt::peers_can_store: memory of this GPU its peers may write, 16-byte aligned).
   bool publishable(const Op& op, const DispatchArgs& a) {
     const bool tm = op.cfg.layout == Layout::TokenMajor;
     const void* need[] = {a.out_x, op.geo.scale_row_bytes ? a.out_scales : a.out_x, a.out_w,
