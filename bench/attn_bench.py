@@ -22,9 +22,9 @@ and forward+backward, as a column next to symheap's path; --compare-backward V
 adds forward+backward with SYMHEAP_ATTN_OWN_BACKWARD=V on the own path (e.g.
 pipelined_dq16: the dQ kernel of 16-row warps; pipelined_dkdv32: the dK/dV
 kernel of 32-row query tiles at head dim 128; pipelined_dkdv_unshared: the
-dK/dV kernel of 64-row tiles without shared Q/dO fragments, head dim 128;
-pipelined_dq_separate: dQ by its own kernel instead of fused into the dK/dV
-kernel, head dim 128) as a column; --compare-forward V adds the forward with
+dK/dV kernel of 64-row tiles without shared Q/dO fragments, head dims 64 and
+128; pipelined_dq_separate: dQ by its own kernel instead of fused into the
+dK/dV kernel, head dims 64 and 128) as a column; --compare-forward V adds the forward with
 SYMHEAP_ATTN_OWN_FORWARD=V on the own path (e.g. pipelined_previous: the
 pipelined forward with the softmax before the lean one) as a column, with its
 output's max difference from symheap's; --kernel-times lists

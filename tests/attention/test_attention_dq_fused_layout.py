@@ -1,5 +1,5 @@
-"""The fused dQ of the shared-fragment dK/dV kernel (head dim 128, no logit
-features; src/ops/attention/cuda_backward_dkdv_shared.cuh, kFuseDq) replayed
+"""The fused dQ of the shared-fragment dK/dV kernel (head dims 64 and 128, no
+logit features; src/ops/attention/cuda_backward_dkdv_shared.cuh, kFuseDq) replayed
 in float64 on the cpu: the stores of dS^T from the S^T/dP^T accumulators into
 the swizzled, double-buffered shared tile, the lanes' ldmatrix(.trans)
 addresses on dS^T and K, the m16n8k16 A/B/C fragment layouts and the
@@ -11,9 +11,10 @@ algebra the kernel's expressions encode (the GPU tests check the kernel)."""
 import numpy as np
 import pytest
 
-BN, BM, DB = 128, 64, 128   # keys per CTA, query rows per tile, head dim
+BN, BM = 128, 64   # keys per CTA, query rows per tile
+HEAD_DIMS = [64, 128]
 WARP_KEYS, WARP_ROWS = 32, BM // 2
-DQ_ROWS, DQ_COLS = BM // 2, DB // 4   # the dQ warp grid: 2 x 4
+DQ_ROWS = BM // 2   # the dQ warp grid: 2 x 4 of DQ_ROWS x head dim / 4
 LANES = np.arange(32)
 G, T = LANES >> 2, LANES & 3
 
@@ -55,8 +56,11 @@ def replay(ds_tiles, k_block, sq, heads, m_tiles, mutate=None):
     """The kernel's dQ path for one CTA (batch 0, kv head 0, key block n0 =
     0): `ds_tiles[it]` is dS of tile it (BM rows x BN keys; 0 past the
     sequence, as the kernel's P), k_block the CTA's K rows (zero past the
-    keys). Returns the fp32 workspace (sq rows x heads x DB) as float64."""
+    keys; its width is the head dim DB). Returns the fp32 workspace (sq rows
+    x heads x DB) as float64."""
     mutate = mutate or set()
+    DB = k_block.shape[1]
+    DQ_COLS = DB // 4
     sK = np.zeros(BN * DB)
     for r in range(BN):
         for c in range(DB // 8):
@@ -135,7 +139,7 @@ def replay(ds_tiles, k_block, sq, heads, m_tiles, mutate=None):
     return accum.reshape(sq, heads, DB)
 
 
-def make_case(seed, sq=150, cols=100, heads=2):
+def make_case(seed, sq=150, cols=100, heads=2, DB=128):
     """dS of every (head, tile) (zero past sq or past the keys) and K."""
     rng = np.random.default_rng(seed)
     m_tiles = (sq + BM - 1) // BM
@@ -156,21 +160,23 @@ def make_case(seed, sq=150, cols=100, heads=2):
     return ds_tiles, k_block, want, m_tiles
 
 
+@pytest.mark.parametrize("DB", HEAD_DIMS)
 @pytest.mark.parametrize("seed,sq,cols", [(0, 150, 100), (1, 64, 128), (2, 200, 7)])
-def test_fused_dq_replay_equals_ds_k(seed, sq, cols):
-    ds_tiles, k_block, want, m_tiles = make_case(seed, sq, cols)
+def test_fused_dq_replay_equals_ds_k(seed, sq, cols, DB):
+    ds_tiles, k_block, want, m_tiles = make_case(seed, sq, cols, DB=DB)
     got = replay(ds_tiles, k_block, sq, 2, m_tiles)
     assert np.isfinite(got).all()
     assert np.abs(got - want).max() <= 1e-12 * max(1.0, np.abs(want).max())
 
 
+@pytest.mark.parametrize("DB", HEAD_DIMS)
 @pytest.mark.parametrize("mutation", ["dq_a_rows", "dq_a_plain", "k_unswizzled", "atomic_cols",
                                       "same_buffer", "single_buffer"])
-def test_fused_dq_replay_fails_when_a_layout_is_mutated(mutation):
+def test_fused_dq_replay_fails_when_a_layout_is_mutated(mutation, DB):
     """The check is sharp: each layout mutated (dS lane addresses, dS without
     .trans, K without the swizzle, the atomics' columns, reading the buffer
     being written, one dS^T buffer) gives a wrong dQ (or reads a NaN)."""
-    ds_tiles, k_block, want, m_tiles = make_case(3)
+    ds_tiles, k_block, want, m_tiles = make_case(3, DB=DB)
     with np.errstate(invalid="ignore"):
         got = replay(ds_tiles, k_block, 150, 2, m_tiles, mutate={mutation})
     assert not (np.abs(got - want).max() <= 1e-6 * np.abs(want).max())

@@ -600,8 +600,8 @@ def own_backward(monkeypatch, kernel):
     dQ kernel, "pipelined_dkdv32" = with the dK/dV kernel of 32-row query
     tiles, "pipelined_dkdv_unshared" = with the dK/dV kernel of 64-row tiles
     whose warps each read every Q/dO fragment, "pipelined_dq_fused" = dQ
-    inside the shared-fragment dK/dV kernel at head dim 128 without logit
-    features, "pipelined_dq_separate" = dQ by its own kernel there), and
+    inside the shared-fragment dK/dV kernel at head dims 64 and 128 without
+    logit features, "pipelined_dq_separate" = dQ by its own kernel there), and
     checks the choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_backward_env, kernel)
@@ -643,11 +643,11 @@ PIPELINED_BACKWARD_OPTS = {
 @pytest.mark.parametrize("name", list(PIPELINED_BACKWARD_OPTS))
 def test_pipelined_backward_matches_basic(name, Sq, Sk, dtype, D, monkeypatch):
     """The own backwards on the same call (8 query heads over 2 kv heads):
-    basic, pipelined (at head dim 128 without logit features: the dK/dV
-    kernel of shared Q/dO fragments), pipelined with the 16-row dQ kernel,
-    with the 32-row dK/dV kernel, with the 64-row one without shared
-    fragments, with dQ fused into the dK/dV kernel and with dQ by its own
-    kernel (both at head dim 128 without logit features); every gradient
+    basic, pipelined (at head dims 64 and 128 without logit features: the
+    dK/dV kernel of shared Q/dO fragments), pipelined with the 16-row dQ
+    kernel, with the 32-row dK/dV kernel (head dim 128), with the 64-row one
+    without shared fragments, with dQ fused into the dK/dV kernel and with dQ
+    by its own kernel (both at head dims 64 and 128 without logit features); every gradient
     (dbias included) of each within the rule against the fp32 reference, and
     the pipelined ones close to the basic one."""
     make_kw, opts = PIPELINED_BACKWARD_OPTS[name]
@@ -750,48 +750,54 @@ def test_pipelined_backward_large_and_multi_block(monkeypatch):
         check_case(case, causal=True)
 
 
-# ---- the dK/dV kernel whose warps share Q/dO fragments (head dim 128 without
-# logit features, cuda_backward_dkdv_shared.cuh; the default there, with dQ
-# fused into it unless the call is deterministic): more edges at that head
-# dim, each also with dQ fused and by its own kernel whatever the default
-# (SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dq_fused, pipelined_dq_separate) and
-# on the kernel it replaced (= pipelined_dkdv_unshared).
+# ---- the dK/dV kernel whose warps share Q/dO fragments (head dims 64 and 128
+# without logit features, cuda_backward_dkdv_shared.cuh; the default there,
+# with dQ fused into it unless the call is deterministic): more edges at those
+# head dims, each also with dQ fused and by its own kernel whatever the
+# default (SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dq_fused,
+# pipelined_dq_separate) and on the kernel it replaced (=
+# pipelined_dkdv_unshared).
+SHARED_DKDV_DIMS = [64, 128]
 
+
+@pytest.mark.parametrize("D", SHARED_DKDV_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Sq,Sk", [(1000, 300), (300, 1000), (127, 129), (1, 257), (1531, 4099)])
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(100, 3)),
                                   dict(window_size=(-1, 40)), dict(window_size=(64, -1))])
 @pytest.mark.parametrize("kernel", ["auto", "pipelined_dq_fused", "pipelined_dq_separate",
                                     "pipelined_dkdv_unshared"])
-def test_pipelined_backward_dkdv_shared(kernel, opts, Sq, Sk, dtype, monkeypatch):
+def test_pipelined_backward_dkdv_shared(kernel, opts, Sq, Sk, dtype, D, monkeypatch):
     """GQA (4 query heads over 2 kv heads), causal with Sq != Sk both ways
     (whole query and key blocks seeing nothing), windows on either side,
     lengths that are not multiples of the 64-row or 128-key tiles, many tiles
     per CTA: dq, dk, dv against the fp32 reference."""
     own_backward(monkeypatch, kernel)
-    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=128, dtype=dtype, seed=Sq + 7 * Sk)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=D, dtype=dtype, seed=Sq + 7 * Sk + D)
     check_case(case, **opts)
 
 
+@pytest.mark.parametrize("D", SHARED_DKDV_DIMS)
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
 @pytest.mark.parametrize("kernel", ["pipelined_dkdv_unshared", "pipelined_dq_fused", "pipelined_dq_separate"])
-def test_pipelined_backward_dkdv_variants_varlen(kernel, opts, monkeypatch):
+def test_pipelined_backward_dkdv_variants_varlen(kernel, opts, D, monkeypatch):
     """Packed sequences, some empty on either side, on the 64-row dK/dV kernel
     without shared fragments, with dQ fused into the shared-fragment kernel
     (atomics into the packed rows of the workspace) and with dQ by its own
     kernel (the default runs in the varlen test of the pipelined backward)."""
-    test_pipelined_backward_varlen_with_empty_sequences(128, opts, monkeypatch, kernel=kernel)
+    test_pipelined_backward_varlen_with_empty_sequences(D, opts, monkeypatch, kernel=kernel)
 
 
+@pytest.mark.parametrize("D", SHARED_DKDV_DIMS)
 @pytest.mark.parametrize("kernel", ["auto", "pipelined_dq_fused", "pipelined_dq_separate"])
-def test_pipelined_backward_dkdv_shared_deterministic(kernel, monkeypatch):
+def test_pipelined_backward_dkdv_shared_deterministic(kernel, D, monkeypatch):
     """deterministic=True keeps dQ out of the dK/dV kernel (its atomics have
     no fixed order) even where fused dQ is the default or forced: two runs of
     the same GQA call without logit features (test_pipelined_backward_deterministic
     has a bias) give bit-identical gradients, equal to those of the separate
     dQ kernel."""
     own_backward(monkeypatch, kernel)
-    case = gpu_case(B=2, Sq=700, Sk=900, Hq=8, Hkv=2, D=128, seed=5)
+    case = gpu_case(B=2, Sq=700, Sk=900, Hq=8, Hkv=2, D=D, seed=5)
     inputs = [case["q"], case["k"], case["v"]]
     runs = []
     for _ in range(2):
@@ -805,11 +811,12 @@ def test_pipelined_backward_dkdv_shared_deterministic(kernel, monkeypatch):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_pipelined_backward_dq_fused_many_key_blocks(monkeypatch):
+@pytest.mark.parametrize("D", SHARED_DKDV_DIMS)
+def test_pipelined_backward_dq_fused_many_key_blocks(D, monkeypatch):
     """Fused dQ: 33 key blocks add into each dQ row (fp32 atomics), GQA 4
     query heads over 1 kv head, against the fp32 reference and close to the
     separate dQ kernel (the same products; the sums differ in order)."""
-    case = gpu_case(B=1, Sq=700, Sk=4160, Hq=4, Hkv=1, D=128, seed=11)
+    case = gpu_case(B=1, Sq=700, Sk=4160, Hq=4, Hkv=1, D=D, seed=11)
     inputs = [case["q"], case["k"], case["v"]]
     grads = {}
     for kernel in ("pipelined_dq_separate", "pipelined_dq_fused"):

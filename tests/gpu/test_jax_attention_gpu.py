@@ -58,11 +58,12 @@ def test_larger_shapes_cuda(dtype, D, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_pipelined_backward_dq_fused_xla(dtype, causal):
-    """The own backward at head dim 128 without logit features fuses dQ into
-    the dK/dV kernel: its fp32 accumulator is the scratch result's tail."""
-    case = make_case(128, B=2, Sq=197, Sk=333, Hq=6, Hkv=2, D=128, dtype=dtype)
+def test_pipelined_backward_dq_fused_xla(dtype, D, causal):
+    """The own backward at head dims 64 and 128 without logit features fuses
+    dQ into the dK/dV kernel: its fp32 accumulator is the scratch result's tail."""
+    case = make_case(D, B=2, Sq=197, Sk=333, Hq=6, Hkv=2, D=D, dtype=dtype)
     compare(case, dtype, causal=causal, backend="own")
 
 

@@ -227,12 +227,12 @@ size_t dq_accum_bytes(const Args& a) {
   return static_cast<size_t>(query_rows(a)) * a.heads_q * a.head_dim * sizeof(float);
 }
 
-// Whether the backward computes dQ inside the dK/dV kernel (head dim 128
-// without logit features, SYMHEAP_ATTN_OWN_BACKWARD unset/auto with
+// Whether the backward computes dQ inside the dK/dV kernel (a head dim of
+// shared_dkdv_serves, no logit features, SYMHEAP_ATTN_OWN_BACKWARD unset/auto with
 // kDqFusedByDefault, or = pipelined_dq_fused); never when the call asks for
 // a deterministic backward (its atomics have no fixed order).
 bool backward_fuses_dq(const Args& a, const cuda::KArgs& k, const char* kernel) {
-  if (a.deterministic || a.head_dim != 128 || cuda::logit_features(k)) return false;
+  if (a.deterministic || !shared_dkdv_serves(a.head_dim) || cuda::logit_features(k)) return false;
   if (std::strcmp(kernel, kOwnBackwardDqFused) == 0) return true;
   return kDqFusedByDefault && std::strcmp(kernel, "pipelined") == 0;
 }

@@ -1,41 +1,48 @@
 // dK/dV kernel of the backward whose warps share the Q and dO fragments
-// (head dim 128, no logit features): the math and the CTA of
+// (head dims 64 and 128, no logit features): the math and the CTA of
 // attention_bwd_dkdv_pipelined_kernel (128 keys, 8 warps, 64-row query tiles
 // of every query head of the group double-buffered by cp.async, the same
 // swizzle), with another split of the work. There each warp owns 16 keys and
 // reads every Q and dO fragment of a tile twice (B of S^T and dP^T, then B of
-// dV and dK through .trans): 128 of its 144 ldmatrix per tile. Here
+// dV and dK through .trans): at head dim 128, 128 of its 144 ldmatrix per
+// tile. Here
 //  - S^T = K Q^T and dP^T = V dO^T run on a 4 x 2 warp grid, 32 keys x 32 query
 //    rows per warp (each fragment read serves two mma tiles), and P^T, dS^T go
 //    to shared memory as 16-bit tiles (the rounding of the register repack);
 //  - after a barrier, dV += P^T dO and dK += dS^T Q run on a 4 x 2 grid of 32
 //    keys x DB / 2 columns per warp, so the dK and dV accumulators keep their
-//    size (2 x 64 registers at head dim 128).
-// 112 ldmatrix and 32 shared stores per warp and tile instead of 144 ldmatrix
-// (240 bytes of shared memory per mma instead of 288), and one more barrier,
-// of the two warps of a key group only (they alone exchange P^T and dS^T), so
-// the other warps keep the tensor cores busy meanwhile. The default at head
-// dim 128 without logit features; $SYMHEAP_ATTN_OWN_BACKWARD =
-// pipelined_dkdv_unshared runs the pipelined kernel instead.
+//    size (2 x 64 registers at head dim 128, 2 x 32 at 64).
+// At head dim 128: 112 ldmatrix and 32 shared stores per warp and tile
+// instead of 144 ldmatrix (240 bytes of shared memory per mma instead of
+// 288), and one more barrier, of the two warps of a key group only (they
+// alone exchange P^T and dS^T), so the other warps keep the tensor cores busy
+// meanwhile. At head dim 64 the warp's K and V A fragments (32 keys, 64
+// registers) stay in registers, as the pipelined kernel keeps its 16 keys'
+// there: 48 ldmatrix and 32 shared stores per warp and tile against its 64
+// ldmatrix. The default at head dims 64 and 128 without logit features;
+// $SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dkdv_unshared runs the pipelined
+// kernel instead.
 //
 // kFuseDq (the default where the call is not deterministic): the kernel also
 // computes dQ += dS K, so the separate dQ kernel (which recomputes S and dP)
 // does not run. dS^T of the whole tile (128 keys x 64 rows) is in shared
 // memory once every warp has written its part, i.e. after the next tile's
 // first barrier: dS^T is double-buffered, and the dQ product of tile it - 1
-// runs right after that barrier, on a 2 x 4 warp grid of 32 rows x 32
-// columns per warp (32 fp32 accumulators, transient). Each warp adds its
+// runs right after that barrier, on a 2 x 4 warp grid of 32 rows x DB / 4
+// columns per warp (32 fp32 accumulators at head dim 128, 16 at 64;
+// transient). Each warp adds its
 // slice to an fp32 workspace with vector atomics (red.global.add.v2.f32);
 // attention_bwd_dq_convert_kernel writes dQ in the tensor's dtype after.
 #pragma once
 
 #include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
+#include "ops/attention/path_choice.hpp"
 
 namespace symheap::attention::cuda {
 
 template <int DB, bool kFuseDq = false>
 struct SharedDkvConfig {
-  static_assert(DB == 128, "the shared-fragment dK/dV kernel serves head dim 128");
+  static_assert(shared_dkdv_serves(DB), "a head dim of shared_dkdv_serves (path_choice.hpp)");
   static constexpr int kBlockN = 128;  // keys per CTA
   static constexpr int kBlockM = 64;   // query rows per tile
   static constexpr int kWarps = 8;
@@ -47,7 +54,14 @@ struct SharedDkvConfig {
   // dQ += dS K (kFuseDq): a 2 x 4 grid of 32 query rows x DB / 4 columns.
   static constexpr int kDqWarpRows = kBlockM / 2;
   static constexpr int kDqWarpCols = DB / 4;
+  // The column loops take 16 columns (two mma tiles, one ldmatrix.x4.trans)
+  // per step: 2 steps of dV / dK and 1 of dQ per warp at head dim 64.
+  static_assert(kWarpCols % 16 == 0 && kDqWarpCols % 16 == 0, "whole 16-column steps per warp");
   static constexpr int kDsBuffers = kFuseDq ? 2 : 1;
+  // The warp's K and V A fragments of S^T and dP^T (DB / 2 registers each)
+  // stay in registers at head dim 64, next to the 2 x 32 accumulators (no
+  // spills); at 128 they are re-read from shared memory per tile.
+  static constexpr bool kKVInRegisters = DB == 64;
   // K, V; two buffers each of Q and dO; P^T and dS^T (keys x rows; dS^T
   // twice when dQ is fused); then two buffers each of the tile's lse (log2
   // units) and delta.
@@ -234,6 +248,10 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB, kFuseDq>::kThreads)
     }
   };
 
+  // kKVInRegisters: the K and V A fragments of S^T and dP^T, read once (the
+  // first tile, after K and V have landed).
+  constexpr int KVR = C::kKVInRegisters ? DB / 16 : 1;
+  uint32_t kreg[KVR][KT][4], vreg[KVR][KT][4];
   for (int it = 0; it < n_tiles; ++it) {
     const int buf = it & 1;
     const T* sQb = sQ + buf * BM * DB;
@@ -254,6 +272,17 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB, kFuseDq>::kThreads)
     T* const sdSb = sdS + (kFuseDq ? buf * BN * BM : 0);
     if constexpr (kFuseDq)
       if (it > 0) dq_product(it - 1, sdS + (buf ^ 1) * BN * BM);
+    if constexpr (C::kKVInRegisters) {
+      if (it == 0) {
+#pragma unroll
+        for (int kk = 0; kk < DB / 16; ++kk)
+#pragma unroll
+          for (int mt = 0; mt < KT; ++mt) {
+            ldsm_x4(kreg[kk][mt], smem_addr(sK + swizzle<DB>(key_row0 + mt * 16 + a_row, 2 * kk + a_chunk)));
+            ldsm_x4(vreg[kk][mt], smem_addr(sV + swizzle<DB>(key_row0 + mt * 16 + a_row, 2 * kk + a_chunk)));
+          }
+      }
+    }
     const int hq = tile_head(it), m0 = tile_row0(it);
 
     // S^T = K Q^T and dP^T = V dO^T: 32 keys x 32 query rows of this warp.
@@ -267,11 +296,18 @@ __global__ void __launch_bounds__(SharedDkvConfig<DB, kFuseDq>::kThreads)
           for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < DB / 16; ++kk) {
-        uint32_t ak[KT][4], av[KT][4];
+        uint32_t ak_s[KT][4], av_s[KT][4];
+        uint32_t (*ak)[4] = ak_s;
+        uint32_t (*av)[4] = av_s;
+        if constexpr (C::kKVInRegisters) {
+          ak = kreg[kk];
+          av = vreg[kk];
+        } else {
 #pragma unroll
-        for (int mt = 0; mt < KT; ++mt) {
-          ldsm_x4(ak[mt], smem_addr(sK + swizzle<DB>(key_row0 + mt * 16 + a_row, 2 * kk + a_chunk)));
-          ldsm_x4(av[mt], smem_addr(sV + swizzle<DB>(key_row0 + mt * 16 + a_row, 2 * kk + a_chunk)));
+          for (int mt = 0; mt < KT; ++mt) {
+            ldsm_x4(ak_s[mt], smem_addr(sK + swizzle<DB>(key_row0 + mt * 16 + a_row, 2 * kk + a_chunk)));
+            ldsm_x4(av_s[mt], smem_addr(sV + swizzle<DB>(key_row0 + mt * 16 + a_row, 2 * kk + a_chunk)));
+          }
         }
 #pragma unroll
         for (int np = 0; np < RT / 2; ++np) {

@@ -25,11 +25,12 @@ void ensure_smem(int device, const void* kernel, size_t smem, const std::string&
 
 // Layouts of the pipelined backward other than the default, to time against
 // it ($SYMHEAP_ATTN_OWN_BACKWARD): the dQ kernel of 16-row warps at every head
-// dim (dq16); at head dim 128 without logit features, the dK/dV kernel of
-// 32-row query tiles (dkdv32) or that of 64-row tiles whose warps each read
-// every Q/dO fragment (dkdv_unshared), the layouts before the shared-fragment
-// kernel. `dq_fused`: at head dim 128 without logit features, the
-// shared-fragment dK/dV kernel also computes dQ (fp32 atomics into
+// dim (dq16); without logit features, at head dim 128 the dK/dV kernel of
+// 32-row query tiles (dkdv32), and at the head dims of shared_dkdv_serves
+// that of 64-row tiles whose warps each read every Q/dO fragment
+// (dkdv_unshared), the layouts before the shared-fragment kernel.
+// `dq_fused`: at the head dims of shared_dkdv_serves without logit features,
+// the shared-fragment dK/dV kernel also computes dQ (fp32 atomics into
 // KArgs::dq_accum) and the dQ kernel does not run (backward_fuses_dq in
 // attention_cuda.cu decides).
 struct BackwardVariant {
@@ -145,12 +146,11 @@ inline int64_t dq_rows(const KArgs& p) {
   return p.cu_q ? p.total_q : static_cast<int64_t>(p.batch) * p.seqlen_q;
 }
 
-// The backward with dQ fused into the dK/dV kernel (head dim 128, no logit
-// features): the fp32 workspace zeroed on the stream, delta, dK/dV + dQ,
-// then dQ converted into its dtype.
-template <class T>
+// The backward with dQ fused into the dK/dV kernel (the head dims of
+// shared_dkdv_serves, no logit features): the fp32 workspace zeroed on the
+// stream, delta, dK/dV + dQ, then dQ converted into its dtype.
+template <class T, int DB>
 void backward_dq_fused(const Launch& l, const KArgs& p) {
-  constexpr int DB = 128;
   static ReadyDevices ready_delta{0};
   const int64_t rows = dq_rows(p);
   if (p.seqlen_q > 0 && rows > 0) {
@@ -172,16 +172,18 @@ void backward_dq_fused(const Launch& l, const KArgs& p) {
   }
 }
 
-// The dK/dV kernel: at head dim 128 without features the one whose warps
-// share Q/dO fragments (cuda_backward_dkdv_shared.cuh), or the pipelined one
-// of 32-row tiles (`dkdv32`: SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dkdv32) or
-// of 64-row tiles (`dkdv_unshared`: = pipelined_dkdv_unshared); elsewhere the
-// pipelined one of the default query tile (kDkvRowTile).
+// The dK/dV kernel: at the head dims of shared_dkdv_serves without features
+// the one whose warps share Q/dO fragments (cuda_backward_dkdv_shared.cuh),
+// or the pipelined one of 64-row tiles (`dkdv_unshared`:
+// SYMHEAP_ATTN_OWN_BACKWARD = pipelined_dkdv_unshared) or, at head dim 128,
+// of 32-row tiles (`dkdv32`: = pipelined_dkdv32); elsewhere the pipelined one
+// of the default query tile (kDkvRowTile).
 template <class T, int DB, bool kFeatures>
 void dkdv_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant) {
   constexpr int kRows = kDkvRowTile<DB, kFeatures>;
-  if constexpr (DB == 128 && !kFeatures) {
-    if (variant.dkdv32) return dkdv_pipelined<T, DB, 32, kFeatures>(l, p);
+  if constexpr (shared_dkdv_serves(DB) && !kFeatures) {
+    if constexpr (DB == 128)
+      if (variant.dkdv32) return dkdv_pipelined<T, DB, 32, kFeatures>(l, p);
     if (!variant.dkdv_unshared) return dkdv_shared<T, DB>(l, p);
   }
   dkdv_pipelined<T, DB, kRows, kFeatures>(l, p);
@@ -193,8 +195,8 @@ template <class T, int DB>
 void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant) {
   static ReadyDevices ready_delta{0};
   const bool features = logit_features(p);
-  if constexpr (DB == 128) {
-    if (variant.dq_fused && !features) return backward_dq_fused<T>(l, p);
+  if constexpr (shared_dkdv_serves(DB)) {
+    if (variant.dq_fused && !features) return backward_dq_fused<T, DB>(l, p);
   }
   if (p.seqlen_q > 0) {
     launch(l, attention_bwd_delta_kernel<T>,

@@ -46,23 +46,30 @@ inline bool pipelined_forward_serves(int head_dim) {
   return head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 
+// Head dims (as above) the shared-fragment dK/dV kernel of the pipelined
+// backward (cuda_backward_dkdv_shared.cuh), with or without the fused dQ, is
+// compiled for; it runs there without logit features.
+constexpr bool shared_dkdv_serves(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
 // "pipelined", "pipelined_previous" or "basic" for a call of this head dim,
 // reading $SYMHEAP_ATTN_OWN_FORWARD; another value of it is InvalidArgument.
 const char* own_forward_kernel(int head_dim);
 
 // The own CUDA backward's kernels, "pipelined" (cuda_backward_dq_pipelined.cuh
-// and cuda_backward_dkdv_pipelined.cuh, at head dim 128 without logit
-// features cuda_backward_dkdv_shared.cuh; the head dims of the pipelined
-// forward) or "basic" (cuda_backward.cuh); $SYMHEAP_ATTN_OWN_BACKWARD =
-// "basic" forces the basic ones, = "pipelined_dq16" the pipelined ones with
-// the dQ kernel of 16-row warps at every head dim, = "pipelined_dkdv32" with
-// the dK/dV kernel of 32-row query tiles at head dim 128, =
-// "pipelined_dkdv_unshared" with the dK/dV kernel of 64-row tiles whose warps
-// each read every Q/dO fragment at head dim 128 (to compare them with the
-// default layouts; "basic" where the pipelined kernels do not serve),
+// and cuda_backward_dkdv_pipelined.cuh, at the head dims of
+// shared_dkdv_serves without logit features cuda_backward_dkdv_shared.cuh;
+// the head dims of the pipelined forward) or "basic" (cuda_backward.cuh);
+// $SYMHEAP_ATTN_OWN_BACKWARD = "basic" forces the basic ones, =
+// "pipelined_dq16" the pipelined ones with the dQ kernel of 16-row warps at
+// every head dim, = "pipelined_dkdv32" with the dK/dV kernel of 32-row query
+// tiles at head dim 128, = "pipelined_dkdv_unshared" with the dK/dV kernel
+// whose warps each read every Q/dO fragment (64-row tiles) where the
+// shared-fragment one is the default (to compare them with the default
+// layouts; "basic" where the pipelined kernels do not serve),
 // = "pipelined_dq_fused" with dQ computed inside the shared-fragment dK/dV
-// kernel (fp32 atomics, no separate dQ kernel) at head dim 128 without logit
-// features, = "pipelined_dq_separate" with the separate dQ kernel there.
+// kernel (fp32 atomics, no separate dQ kernel) at the head dims of
+// shared_dkdv_serves without logit features, = "pipelined_dq_separate" with
+// the separate dQ kernel there.
 // "auto", empty or unset: the default rule; another value is
 // InvalidArgument. delta (rowsum(dout * out)) has one kernel.
 inline constexpr const char* kOwnBackwardEnv = "SYMHEAP_ATTN_OWN_BACKWARD";
@@ -72,8 +79,8 @@ inline constexpr const char* kOwnBackwardDkdvUnshared = "pipelined_dkdv_unshared
 inline constexpr const char* kOwnBackwardDqFused = "pipelined_dq_fused";
 inline constexpr const char* kOwnBackwardDqSeparate = "pipelined_dq_separate";
 // Whether the default ("pipelined") backward fuses dQ into the dK/dV kernel
-// at head dim 128 without logit features. Never for deterministic calls:
-// the fp32 atomics of the fused dQ have no fixed order.
+// at the head dims of shared_dkdv_serves without logit features. Never for
+// deterministic calls: the fp32 atomics of the fused dQ have no fixed order.
 inline constexpr bool kDqFusedByDefault = true;
 const char* own_backward_kernel(int head_dim);
 
