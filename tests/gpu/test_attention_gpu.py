@@ -647,9 +647,9 @@ def test_pipelined_backward_matches_basic(name, Sq, Sk, dtype, D, monkeypatch):
     dK/dV kernel of shared Q/dO fragments), pipelined with the 16-row dQ
     kernel, with the 32-row dK/dV kernel (head dim 128), with the 64-row one
     without shared fragments, with dQ fused into the dK/dV kernel and with dQ
-    by its own kernel (both at head dims 64 and 128 without logit features); every gradient
-    (dbias included) of each within the rule against the fp32 reference, and
-    the pipelined ones close to the basic one."""
+    by its own kernel (both at head dims 64 and 128 without logit features);
+    every gradient (dbias included) of each within the rule against the fp32
+    reference, and the pipelined ones close to the basic one."""
     make_kw, opts = PIPELINED_BACKWARD_OPTS[name]
     make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
                    if isinstance(v, tuple) else v) for k, v in make_kw.items()}
