@@ -289,6 +289,41 @@ __device__ __forceinline__ void merge_and_store(const Params& p, const float* s_
   }
 }
 
+// The two halves of both attention kernels' query staging: the loads of the
+// CTA's query vectors [v0, v0 + NV) of kv head hk into registers (zeros past
+// n_vec and the head dim; query vector v is row v / group of head hk * group
+// + v % group), issued before the sequence's length is read so the two are in
+// flight together, then their stores into sQ (row r = vector v0 + r,
+// leading dimension LD; zeros for a sequence whose length is bad).
+template <int DB, int NV, int NT>
+struct QueryChunks {
+  static constexpr int kCount = (NV * (DB / 8) + NT - 1) / NT;  // 16-byte chunks per thread
+  uint4 raw[kCount];
+
+  __device__ __forceinline__ void load(const Params& p, int b, int hk, int v0, int n_vec,
+                                       const QSeq& qs) {
+#pragma unroll
+    for (int n = 0; n < kCount; ++n) {
+      const int idx = threadIdx.x + n * NT;
+      const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8, vec = v0 + r;
+      raw[n] = make_uint4(0, 0, 0, 0);
+      if (idx < NV * (DB / 8) && vec < n_vec && c < p.d)
+        raw[n] = load16(p.q, b * p.q_sb + (qs.q0 + vec / p.group) * p.q_sr +
+                                 (hk * p.group + vec % p.group) * p.q_sh + c);
+    }
+  }
+  template <class T, int LD>
+  __device__ __forceinline__ void store(T* sQ, bool bad) const {
+#pragma unroll
+    for (int n = 0; n < kCount; ++n) {
+      const int idx = threadIdx.x + n * NT;
+      const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8;
+      if (idx < NV * (DB / 8))
+        *reinterpret_cast<uint4*>(sQ + r * LD + c) = bad ? make_uint4(0, 0, 0, 0) : raw[n];
+    }
+  }
+};
+
 template <class T, int DB>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   using C = Tile<DB>;
@@ -306,31 +341,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const QSeq qs = query_seq(p, b);
   const int n_vec = qs.sq * p.group;
   if (v0 >= n_vec) return;  // the combine reads no vector of this tile
-  // Query vector v of the tile is row v / group of head hk * group + v % group.
-  // Its loads are in flight together with the sequence's length.
-  constexpr int kQChunks = (kVectors * (DB / 8) + kThreads - 1) / kThreads;
-  uint4 q_raw[kQChunks];
-#pragma unroll
-  for (int n = 0; n < kQChunks; ++n) {
-    const int idx = threadIdx.x + n * kThreads;
-    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8, vec = v0 + r;
-    q_raw[n] = make_uint4(0, 0, 0, 0);
-    if (idx < kVectors * (DB / 8) && vec < n_vec && c < p.d)
-      q_raw[n] = load16(p.q, b * p.q_sb + (qs.q0 + vec / p.group) * p.q_sr +
-                                 (hk * p.group + vec % p.group) * p.q_sh + c);
-  }
+  // The query loads are in flight together with the sequence's length.
+  QueryChunks<DB, kVectors, kThreads> q_chunks;
+  q_chunks.load(p, b, hk, v0, n_vec, qs);
   const int len = length_before(p, b);
   const int sk = len + p.s_new;
   bool bad = len < 0 || len > p.capacity - p.s_new;
   if (bad && split == 0 && blockIdx.y == 0 && threadIdx.x == 0)
     record_error(p, len < 0 ? kBadLength : kNoRoom, b, len);
-#pragma unroll
-  for (int n = 0; n < kQChunks; ++n) {
-    const int idx = threadIdx.x + n * kThreads;
-    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8;
-    if (idx < kVectors * (DB / 8))
-      *reinterpret_cast<uint4*>(sQ + r * LD + c) = bad ? make_uint4(0, 0, 0, 0) : q_raw[n];
-  }
+  q_chunks.template store<T, LD>(sQ, bad);
   // This thread's two rows (g, g + 8): visible keys and ALiBi. open_lo and
   // open_hi bound the keys both rows see (a row past the CTA's vectors
   // bounds nothing: its results are never written).
@@ -639,31 +658,15 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
   const QSeq qs = query_seq(p, b);
   const int n_vec = qs.sq * p.group;
   if (v0 >= n_vec) return;  // the combine reads no vector of this tile
-  // Query vector v of the tile is row v / group of head hk * group + v % group.
-  // Its loads are in flight together with the sequence's length.
-  constexpr int kQChunks = (NV * (DB / 8) + NT - 1) / NT;
-  uint4 q_raw[kQChunks];
-#pragma unroll
-  for (int n = 0; n < kQChunks; ++n) {
-    const int idx = threadIdx.x + n * NT;
-    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8, vec = v0 + r;
-    q_raw[n] = make_uint4(0, 0, 0, 0);
-    if (idx < NV * (DB / 8) && vec < n_vec && c < p.d)
-      q_raw[n] = load16(p.q, b * p.q_sb + (qs.q0 + vec / p.group) * p.q_sr +
-                                 (hk * p.group + vec % p.group) * p.q_sh + c);
-  }
+  // The query loads are in flight together with the sequence's length.
+  QueryChunks<DB, NV, NT> q_chunks;
+  q_chunks.load(p, b, hk, v0, n_vec, qs);
   const int len = length_before(p, b);
   const int sk = len + p.s_new;
   bool bad = len < 0 || len > p.capacity - p.s_new;
   if (bad && split == 0 && blockIdx.y == 0 && threadIdx.x == 0)
     record_error(p, len < 0 ? kBadLength : kNoRoom, b, len);
-#pragma unroll
-  for (int n = 0; n < kQChunks; ++n) {
-    const int idx = threadIdx.x + n * NT;
-    const int r = idx / (DB / 8), c = (idx % (DB / 8)) * 8;
-    if (idx < NV * (DB / 8))
-      *reinterpret_cast<uint4*>(sQ + r * LD + c) = bad ? make_uint4(0, 0, 0, 0) : q_raw[n];
-  }
+  q_chunks.template store<T, LD>(sQ, bad);
   // This thread's query vectors u = 2 n + h (column 2t + h of n8 block n,
   // vector 8 n + 2t + h of the CTA): visible keys and ALiBi. open_lo and
   // open_hi bound the keys every real vector of the CTA sees (a vector past
