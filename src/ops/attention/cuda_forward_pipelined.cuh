@@ -128,6 +128,16 @@ __device__ __forceinline__ void load_tile_stepped(T* s, const T* g, int64_t row_
   }
 }
 
+// A K or V tile of the main loop: the lean kernel's copies stepped through the
+// rows (load_tile_stepped), the previous one's by load_tile.
+template <class T, int ROWS, int DB, int NT, bool kStepped>
+__device__ __forceinline__ void load_next_tile(T* s, const T* g, int64_t row_stride, int valid_rows) {
+  if constexpr (kStepped)
+    load_tile_stepped<T, ROWS, DB, NT>(s, g, row_stride, valid_rows);
+  else
+    load_tile<T, ROWS, DB, NT>(s, g, row_stride, valid_rows);
+}
+
 // Byte offset, in a swizzled row r, of 16-byte chunk 2 kk + x (x in {0, 1}):
 // 2 kk + x == 2 kk ^ x, so the swizzled chunk is (x ^ (r & 7)) ^ 2 kk and the
 // offset is lane_off ^ (kk << 5) with lane_off = (x ^ (r & 7)) << 4 fixed per
@@ -232,14 +242,9 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
       cp_async_wait<1>();  // K tile `it` has landed (V tile `it` may still fly)
       __syncthreads();     // ... for every thread; and K tile it-1 is consumed
     }
-    if (has_next) {
-      if constexpr (kLean)
-        load_tile_stepped<T, BN, DB, NT>(sK + (buf ^ 1) * BN * DB, k + (n0 + BN) * p.k_sr, p.k_sr,
-                                         seq.sk - n0 - BN);
-      else
-        load_tile<T, BN, DB, NT>(sK + (buf ^ 1) * BN * DB, k + (n0 + BN) * p.k_sr, p.k_sr,
-                                 seq.sk - n0 - BN);
-    }
+    if (has_next)
+      load_next_tile<T, BN, DB, NT, kLean>(sK + (buf ^ 1) * BN * DB, k + (n0 + BN) * p.k_sr,
+                                           p.k_sr, seq.sk - n0 - BN);
     cp_async_commit();  // possibly empty: keeps the group count uniform
 
     // S = Q K^T for this warp's rows x BN keys; each K fragment serves MT tiles.
@@ -408,14 +413,9 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
 
     cp_async_wait<1>();  // V tile `it` has landed
     __syncthreads();     // ... for every thread; and V tile it-1 is consumed
-    if (has_next) {
-      if constexpr (kLean)
-        load_tile_stepped<T, BN, DB, NT>(sV + (buf ^ 1) * BN * DB, v + (n0 + BN) * p.v_sr, p.v_sr,
-                                         seq.sk - n0 - BN);
-      else
-        load_tile<T, BN, DB, NT>(sV + (buf ^ 1) * BN * DB, v + (n0 + BN) * p.v_sr, p.v_sr,
-                                 seq.sk - n0 - BN);
-    }
+    if (has_next)
+      load_next_tile<T, BN, DB, NT, kLean>(sV + (buf ^ 1) * BN * DB, v + (n0 + BN) * p.v_sr,
+                                           p.v_sr, seq.sk - n0 - BN);
     cp_async_commit();
 
     // acc += P V, P straight from the score registers, V through
