@@ -13,10 +13,14 @@ Figures (per rank, slowest rank reported):
               (DeepEP's convention; can exceed the link on 2 GPUs);
   nvlink      the same without rows a rank sends to itself.
 
-    python bench/ep_bench.py [--gpus 2] [--iters 20] [--quick] [--profile] [--cases 0,1]
+    python bench/ep_bench.py [--gpus 2] [--iters 20] [--quick] [--profile] [--cases 0,1] [--chain]
 
 --profile adds, per case, each GPU kernel's mean time on rank 0 (torch
 profiler, over the same calls as the timing: graph replays for low_latency).
+--chain adds, per bf16 case, the time of a pair within 8 dependent pairs (one CUDA
+graph for low_latency): each dispatch sends the rows the previous combine returned, so
+no call overlaps the one before it (the independent calls above may). This is the
+reference for bench/jax_ep_bench.py's chained pairs.
 --cases picks cases by their index in cases() (0: 4096 bf16 intranode,
 1: 128 bf16 low_latency token-major, ...).
 """
@@ -29,6 +33,7 @@ import sys
 import time
 
 HIDDEN, EXPERTS, TOPK, SCALE_DIM = 7168, 256, 8, 128
+CHAIN = 8  # --chain: dependent pairs per timed call
 
 
 def free_port() -> int:
@@ -160,7 +165,8 @@ def nccl_reference(torch, dist, x, scales, idx, w, world):
 
 # ------------------------------------------------------------ one case
 
-def run_case(torch, dist, symheap, ep_mod, case, iters, rank, world, device, profile=False):
+def run_case(torch, dist, symheap, ep_mod, case, iters, rank, world, device, profile=False,
+             chain=False):
     tokens, kernel, dtype, layout, bounded = case
     x32, idx, w = routing(torch, tokens, rank, device)
     fp8 = dtype == "float8_e4m3fn"
@@ -209,6 +215,18 @@ def run_case(torch, dist, symheap, ep_mod, case, iters, rank, world, device, pro
         d_us = timed(torch, dist, do_dispatch, iters)
         c_us = timed(torch, dist, do_combine, iters)
         ep.check()
+        chain_us = None
+        if chain and not fp8:
+            def do_chain():  # CHAIN dependent pairs: each dispatch sends the last combine's rows
+                rows = x
+                for _ in range(CHAIN):
+                    d = ep.dispatch(rows, idx, w)
+                    rows = ep.combine(d.x, d.handle)
+                return rows
+            if kernel == "low_latency":
+                do_chain = as_graph(torch, do_chain)
+            chain_us = timed(torch, dist, do_chain, max(1, iters // CHAIN)) / CHAIN
+            ep.check()
     row_bytes = HIDDEN * x.element_size() + (scales.shape[1] * 4 if fp8 else 0)
     nccl_d, nccl_c, _ = nccl_reference(torch, dist, x, scales, idx, w, world)
     nd_us = timed(torch, dist, nccl_d, iters)
@@ -216,6 +234,7 @@ def run_case(torch, dist, symheap, ep_mod, case, iters, rank, world, device, pro
     return dict(case=case, rows=n_recv, self_rows=self_rows, row_bytes=row_bytes,
                 combine_row_bytes=HIDDEN * 2, dispatch_us=d_us, combine_us=c_us,
                 nccl_dispatch_us=nd_us, nccl_combine_us=nc_us, max_rel_err=err, ok=ok,
+                chain_us=chain_us,
                 profile=prof)
 
 
@@ -230,13 +249,15 @@ def report(per):
     rb, crb = per[0]["row_bytes"], per[0]["combine_row_bytes"]
     name = f"{tokens}tok {dtype} {kernel} {layout}" + (" max_recv" if bounded else "") + \
         (" (cuda graph)" if kernel == "low_latency" else "")
+    chain = (f"; chained pair {slow('chain_us'):.1f} us" if per[0].get("chain_us") is not None
+             else "")
     return (f"summary ep {name}: dispatch {d:.1f} us (logical {rows * rb / d / 1e3:.0f} GB/s, "
             f"nvlink {cross * rb / d / 1e3:.0f} GB/s), combine {c:.1f} us (logical "
             f"{rows * crb / c / 1e3:.0f} GB/s, nvlink {cross * crb / c / 1e3:.0f} GB/s); "
             f"NCCL dispatch {nd:.1f} us, combine {nc:.1f} us; end-to-end speedup "
             f"{(nd + nc) / (d + c):.2f}x; rows/rank {rows}; check "
             f"{'ok' if all(p['ok'] for p in per) else 'FAILED'} "
-            f"(max rel err {max(p['max_rel_err'] for p in per):.3g})")
+            f"(max rel err {max(p['max_rel_err'] for p in per):.3g}){chain}")
 
 
 def worker(rank, world, port, args, queue):
@@ -255,7 +276,7 @@ def worker(rank, world, port, args, queue):
             t = time.time()
             try:
                 result = run_case(torch, dist, symheap, ep_mod, case, args.iters, rank, world,
-                                  torch.device("cuda", rank), args.profile)
+                                  torch.device("cuda", rank), args.profile, args.chain)
             except Exception as e:  # reported, then the remaining cases are skipped
                 result = dict(case=case, error=f"{type(e).__name__}: {e}")
             gathered = [None] * world
@@ -284,6 +305,9 @@ def main():
     ap.add_argument("--heap", default="3G")
     ap.add_argument("--quick", action="store_true", help="one large and one small case")
     ap.add_argument("--profile", action="store_true", help="each kernel's time on rank 0")
+    ap.add_argument("--chain", action="store_true",
+                    help=f"also time a pair within {CHAIN} dependent pairs (each dispatch sends "
+                         "the previous combine's output), as a model's layers do")
     ap.add_argument("--cases", type=lambda v: [int(i) for i in v.split(",")], default=None,
                     help="comma-separated indices into the case list (e.g. 1,2)")
     args = ap.parse_args()

@@ -15,8 +15,10 @@ launches and any memset, copy, stream wait or host sync), and a `parts` line for
 returns the handle; the received rows stay inside the program), combine alone (of one dispatch's rows and
 handle, again and again), the pair, and a pair within one call of 8 chained pairs (per
 pair: what the device takes once per-call costs are spread), each with the host time
-per call (the time to enqueue the calls, before waiting for the device): a host time
-close to the total says the host, not the GPU, sets the pace.
+per call (the time to enqueue the calls, before waiting for the device: a host time
+close to the total says the host, not the GPU, sets the pace) and the mean host time of
+one symheap handler call (the rest of the host time is XLA's and Python's). The torch
+reference for the chained pair is `python bench/ep_bench.py --cases 1,0 --chain`.
 """
 from __future__ import annotations
 
@@ -109,9 +111,22 @@ def time_threads(f, per_device_args, iters, host=None):
     return max(times)
 
 
+def handler_clock():
+    """(calls, host seconds) of every symheap EP handler so far, all threads."""
+    from symheap import _core
+    clocks = _core.xla_ep_handler_clocks().values()
+    return sum(c for c, _ in clocks), sum(t for _, t in clocks)
+
+
+def handler_us(before):
+    """Mean host us per handler call since ``before`` (a handler_clock())."""
+    calls, secs = handler_clock()
+    return (secs - before[1]) / max(calls - before[0], 1) * 1e6
+
+
 def time_parts(op, mesh, x, idx, w, iters):
     """Dispatch alone, combine alone and the pair, as shard_map and as one thread per
-    device: {shape: [(name, total us, host us)]}."""
+    device: {shape: [(name, total us, host us, handler us per call)]}."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -143,8 +158,8 @@ def time_parts(op, mesh, x, idx, w, iters):
     res = []
     for name, f, args in (("dispatch", f_d, (x, idx, w)), ("combine", f_c, (rows, handle)),
                           ("pair", f_p, (x, idx, w)), (CHAINED, f_k, (x, idx, w))):
-        host = []
-        res.append((name, time_it(f, args, iters, host), host[0]))
+        host, clock = [], handler_clock()
+        res.append((name, time_it(f, args, iters, host), host[0], handler_us(clock)))
     out["shard_map"] = res
     inputs = per_device(x, idx, w)
     j_d, j_c, j_p, j_k = jax.jit(dispatch), jax.jit(combine), jax.jit(pair), jax.jit(chain)
@@ -162,12 +177,12 @@ def time_parts(op, mesh, x, idx, w, iters):
     res = []
     for name, f, args in (("dispatch", j_d, inputs), ("combine", j_c, [list(g) for g in got]),
                           ("pair", j_p, inputs), (CHAINED, j_k, inputs)):
-        host = []
-        res.append((name, time_threads(f, args, iters, host), host[0]))
+        host, clock = [], handler_clock()
+        res.append((name, time_threads(f, args, iters, host), host[0], handler_us(clock)))
     out["threads"] = res
     # per pair in the chain
-    return {shape: [(name, t / CHAIN, h / CHAIN) if name == CHAINED else (name, t, h)
-                    for name, t, h in res] for shape, res in out.items()}
+    return {shape: [(name, t / CHAIN, h / CHAIN, k) if name == CHAINED else (name, t, h, k)
+                    for name, t, h, k in res] for shape, res in out.items()}
 
 
 def main():
@@ -242,7 +257,8 @@ def main():
             print(f"device ops {tokens} tokens {kernel}, one pair, per PE: {per_pe}")
             for shape, res in time_parts(op, mesh, x, idx_s, w_s, a.iters).items():
                 print(f"parts {tokens} tokens {kernel} {shape}: " + ", ".join(
-                    f"{name} {t:.1f} us (host {h:.1f})" for name, t, h in res))
+                    f"{name} {t:.1f} us (host {h:.1f}, {k:.1f} per handler call)"
+                    for name, t, h, k in res))
         op.close()
     shj.finalize()
 

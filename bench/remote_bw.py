@@ -3,12 +3,15 @@ same bytes, 1 MiB to 1 GiB, on 2 GPUs of one host made two nodes with every
 byte forced onto NCCL's socket transport over loopback (the setup of
 docs/transports.md, tests/gpu/remote_nccl_program.py).
 
-    python bench/remote_bw.py [--max-mib 1024] [--iters 20] [--rounds 5]
+    python bench/remote_bw.py [--max-mib 1024] [--iters 20] [--rounds 5] [--no-pin]
 
 The two are timed in alternating rounds (symheap, NCCL, symheap, ...) of
 --iters transfers each. Prints one row per size (best and median round of
 each) and a summary line: the ratio of the best rounds symheap / NCCL at
-each size (the target is >= 0.9), and the ratio of the medians.
+each size (the target is >= 0.9), and the ratio of the medians. Each
+process (its NCCL threads included) runs on its own half of the CPUs unless
+--no-pin: on loopback the network is the CPUs, and two nodes' socket threads
+sharing cores made single rounds swing by 2x.
 """
 import argparse
 import os
@@ -31,6 +34,8 @@ def main():
     ap.add_argument("--max-mib", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-pin", action="store_true",
+                    help="let both processes run on every CPU (default: each on its own half)")
     args = ap.parse_args()
     import torch
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
@@ -43,9 +48,12 @@ def main():
         nb *= 4
     heap = f"{max(sizes) // (1 << 20) + 64}M"
     task = ("bandwidth", (sizes, args.iters, free_port(), args.rounds), True)
-    results = prog.run_two_nodes([task], timeout=120.0, heap_size=heap, wait_s=540.0)
+    results = prog.run_two_nodes([task], timeout=120.0, heap_size=heap, wait_s=540.0,
+                                 pin=not args.no_pin)
     rows = results[0][0]
-    print(f"{args.rounds} alternating rounds per size; GB/s of the best round (median round)")
+    cpus = "every CPU" if args.no_pin else "each process on its own half of the CPUs"
+    print(f"{args.rounds} alternating rounds per size, {cpus}; GB/s of the best round "
+          "(median round)")
     print(f"{'bytes':>12} {'iters':>6} {'symheap put GB/s':>20} {'NCCL send/recv GB/s':>20} "
           f"{'ratio':>6} {'(medians)':>9}")
     best, medians = [], []

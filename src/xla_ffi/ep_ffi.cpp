@@ -10,6 +10,8 @@
 // otherwise dispatch stores the rows a PE sends itself there and copies only
 // the rows peers stored into its symmetric receive buffer (those within the
 // counts; see ep::DispatchArgs::out_x), ordered on XLA's stream.
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -316,32 +318,54 @@ void redispatch(void* stream, int32_t ordinal, uint64_t job, int64_t id,
 using Body = void (*)(void*, int32_t, uint64_t, int64_t, const ffi::RemainingArgs&,
                       const ffi::RemainingRets&);
 
-template <Body body>
+// Calls and host time of each handler since the process started, summed over
+// threads (bench/jax_ep_bench.py --parts: how much of a call's host time is
+// ours, how much XLA's).
+struct HandlerClock {
+  std::atomic<int64_t> calls{0}, ns{0};
+};
+enum HandlerId { kDispatchId, kCombineId, kRedispatchId, kHandlers };
+HandlerClock g_clocks[kHandlers];
+
+template <Body body, HandlerId which>
+ffi::Error timed(void* stream, int32_t ordinal, uint64_t job, int64_t id,
+                 const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ffi::Error e = guarded([&] { body(stream, ordinal, job, id, args, rets); });
+  g_clocks[which].ns.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count(),
+      std::memory_order_relaxed);
+  g_clocks[which].calls.fetch_add(1, std::memory_order_relaxed);
+  return e;
+}
+
+template <Body body, HandlerId which>
 ffi::Error on_cpu(int32_t ordinal, uint64_t job, int64_t id, ffi::RemainingArgs args,
                   ffi::RemainingRets rets) {
-  return guarded([&] { body(nullptr, ordinal, job, id, args, rets); });
+  return timed<body, which>(nullptr, ordinal, job, id, args, rets);
 }
 
 #ifdef SYMHEAP_WITH_CUDA
-template <Body body>
+template <Body body, HandlerId which>
 ffi::Error on_cuda(void* stream, int32_t ordinal, uint64_t job, int64_t id,
                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  return guarded([&] { body(stream, ordinal, job, id, args, rets); });
+  return timed<body, which>(stream, ordinal, job, id, args, rets);
 }
 #endif
 
 }  // namespace
 
-#define SYMHEAP_EP_CPU(symbol, body)                                                    \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, on_cpu<body>,                                   \
+#define SYMHEAP_EP_CPU(symbol, body, which)                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, (on_cpu<body, which>),                          \
                                 ffi::Ffi::Bind()                                        \
                                     .Ctx<ffi::DeviceOrdinal>()                          \
                                     .Attr<uint64_t>("job")                              \
                                     .Attr<int64_t>("op")                                \
                                     .RemainingArgs()                                    \
                                     .RemainingRets())
-#define SYMHEAP_EP_CUDA(symbol, body)                                                   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, on_cuda<body>,                                  \
+#define SYMHEAP_EP_CUDA(symbol, body, which)                                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, (on_cuda<body, which>),                         \
                                 ffi::Ffi::Bind()                                        \
                                     .Ctx<ffi::PlatformStream<void*>>()                  \
                                     .Ctx<ffi::DeviceOrdinal>()                          \
@@ -350,13 +374,52 @@ ffi::Error on_cuda(void* stream, int32_t ordinal, uint64_t job, int64_t id,
                                     .RemainingArgs()                                    \
                                     .RemainingRets())
 
-SYMHEAP_EP_CPU(kEpDispatchCpu, dispatch);
-SYMHEAP_EP_CPU(kEpCombineCpu, combine);
-SYMHEAP_EP_CPU(kEpRedispatchCpu, redispatch);
+SYMHEAP_EP_CPU(kEpDispatchCpu, dispatch, kDispatchId);
+SYMHEAP_EP_CPU(kEpCombineCpu, combine, kCombineId);
+SYMHEAP_EP_CPU(kEpRedispatchCpu, redispatch, kRedispatchId);
 #ifdef SYMHEAP_WITH_CUDA
-SYMHEAP_EP_CUDA(kEpDispatchCuda, dispatch);
-SYMHEAP_EP_CUDA(kEpCombineCuda, combine);
-SYMHEAP_EP_CUDA(kEpRedispatchCuda, redispatch);
+SYMHEAP_EP_CUDA(kEpDispatchCuda, dispatch, kDispatchId);
+SYMHEAP_EP_CUDA(kEpCombineCuda, combine, kCombineId);
+SYMHEAP_EP_CUDA(kEpRedispatchCuda, redispatch, kRedispatchId);
+// The same, claimed command-buffer compatible: with XLA's command buffers on
+// (the default), XLA records the launches into its CUDA graphs and replays
+// them without calling these handlers. Every op symheap.jax makes can be
+// replayed (no host synchronisation; epochs and parities live on the device),
+// and before each run XLA calls ep_initialize, which does the host's part of
+// a call: the op must still exist and be in step, and a kernel's recorded
+// error (a late PE, say) is raised there.
+#define SYMHEAP_EP_CUDA_REPLAYABLE(symbol, body, which)                                 \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, (on_cuda<body, which>),                         \
+                                ffi::Ffi::Bind()                                        \
+                                    .Ctx<ffi::PlatformStream<void*>>()                  \
+                                    .Ctx<ffi::DeviceOrdinal>()                          \
+                                    .Attr<uint64_t>("job")                              \
+                                    .Attr<int64_t>("op")                                \
+                                    .RemainingArgs()                                    \
+                                    .RemainingRets(),                                   \
+                                {ffi::Traits::kCmdBufferCompatible})
+SYMHEAP_EP_CUDA_REPLAYABLE(kEpDispatchCudaReplayable, dispatch, kDispatchId);
+SYMHEAP_EP_CUDA_REPLAYABLE(kEpCombineCudaReplayable, combine, kCombineId);
+SYMHEAP_EP_CUDA_REPLAYABLE(kEpRedispatchCudaReplayable, redispatch, kRedispatchId);
+
+ffi::Error ep_initialize(int32_t ordinal, uint64_t job, int64_t id) {
+  return guarded([&] {
+    Bound b = bind_op(ordinal, job, id, "ep call");
+    ep::ready(*b.s, *b.op);
+  });
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kEpInitializeCuda, ep_initialize,
+                              ffi::Ffi::BindInitialize()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<uint64_t>("job")
+                                  .Attr<int64_t>("op"));
+
+// SYMHEAP_JAX_EP_COMMAND_BUFFER=0 registers the handlers that XLA runs
+// outside its command buffers (a reference for comparing the two).
+bool replayable() {
+  const char* v = std::getenv("SYMHEAP_JAX_EP_COMMAND_BUFFER");
+  return !(v && std::strcmp(v, "0") == 0);
+}
 #endif
 
 }  // namespace symheap::xla_ffi
@@ -365,21 +428,41 @@ SYMHEAP_BINDINGS(xla_ep) {
   using namespace symheap::xla_ffi;
   m.def("xla_ep_targets", [] {
     pybind11::dict targets;
-    auto add = [&](const char* name, XLA_FFI_Handler* cpu, XLA_FFI_Handler* cuda) {
+    auto add = [&](const char* name, XLA_FFI_Handler* cpu, XLA_FFI_Handler* cuda,
+                   XLA_FFI_Handler* cuda_replayable) {
       pybind11::dict platforms;
       platforms["cpu"] = capsule(cpu);
-      if (cuda) platforms["CUDA"] = capsule(cuda);
+#ifdef SYMHEAP_WITH_CUDA
+      if (replayable()) {  // (a dict of stages: jax.ffi.register_ffi_target)
+        pybind11::dict stages;
+        stages["initialize"] = capsule(kEpInitializeCuda);
+        stages["execute"] = capsule(cuda_replayable);
+        platforms["CUDA"] = stages;
+      } else {
+        platforms["CUDA"] = capsule(cuda);
+      }
+#endif
       targets[name] = platforms;
     };
 #ifdef SYMHEAP_WITH_CUDA
-    add("symheap_ep_dispatch", kEpDispatchCpu, kEpDispatchCuda);
-    add("symheap_ep_combine", kEpCombineCpu, kEpCombineCuda);
-    add("symheap_ep_redispatch", kEpRedispatchCpu, kEpRedispatchCuda);
+    add("symheap_ep_dispatch", kEpDispatchCpu, kEpDispatchCuda, kEpDispatchCudaReplayable);
+    add("symheap_ep_combine", kEpCombineCpu, kEpCombineCuda, kEpCombineCudaReplayable);
+    add("symheap_ep_redispatch", kEpRedispatchCpu, kEpRedispatchCuda,
+        kEpRedispatchCudaReplayable);
 #else
-    add("symheap_ep_dispatch", kEpDispatchCpu, nullptr);
-    add("symheap_ep_combine", kEpCombineCpu, nullptr);
-    add("symheap_ep_redispatch", kEpRedispatchCpu, nullptr);
+    add("symheap_ep_dispatch", kEpDispatchCpu, nullptr, nullptr);
+    add("symheap_ep_combine", kEpCombineCpu, nullptr, nullptr);
+    add("symheap_ep_redispatch", kEpRedispatchCpu, nullptr, nullptr);
 #endif
     return targets;
+  });
+  m.def("xla_ep_handler_clocks", [] {
+    // {handler: (calls, host seconds)} since the process started, all threads.
+    pybind11::dict out;
+    const char* names[kHandlers] = {"dispatch", "combine", "redispatch"};
+    for (int i = 0; i < kHandlers; ++i)
+      out[names[i]] = pybind11::make_tuple(g_clocks[i].calls.load(),
+                                           static_cast<double>(g_clocks[i].ns.load()) * 1e-9);
+    return out;
   });
 }

@@ -487,7 +487,19 @@ def ep_remote_bench(port, iters, tokens):
 
 # ---------------------------------------------------------------- launcher
 
-def _child(rank, uids, steps, timeout, heap_size, out):
+def _pin_to_share(rank, ranks):
+    """Pins this process (and every thread it starts later, NCCL's proxy and
+    socket threads among them) to its own share of the CPUs it may use, so the
+    two nodes' network threads never take turns on one core."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // ranks
+    if share:
+        os.sched_setaffinity(0, cpus[rank * share:(rank + 1) * share])
+
+
+def _child(rank, uids, steps, timeout, heap_size, out, pin=False):
+    if pin:
+        _pin_to_share(rank, 2)
     os.environ.update(forced_network_env(rank))
     os.environ.setdefault("NCCL_DEBUG", "WARN")  # NCCL's own reasons, should anything fail
     os.environ["SYMHEAP_BACKEND"] = "cuda"
@@ -545,15 +557,17 @@ def run_two_nodes_of_two_pes(step, timeout=30.0, heap_size="1G", wait_s=300.0):
     return _gather(procs, out, range(4), wait_s)
 
 
-def run_two_nodes(steps, timeout=20.0, heap_size="256M", wait_s=300.0, ranks_expected=(0, 1)):
+def run_two_nodes(steps, timeout=20.0, heap_size="256M", wait_s=300.0, ranks_expected=(0, 1),
+                  pin=False):
     """Runs `steps` [(scenario, args, finalize)] in 2 processes (GPU 0 and 1,
     nodes "node-a" and "node-b"); returns {rank: result}; raises with every
-    rank's error otherwise. Processes still alive at the end are killed."""
+    rank's error otherwise. Processes still alive at the end are killed.
+    `pin`: each process runs on its own half of the CPUs."""
     import symheap
     ctx = mp.get_context("spawn")
     uids = [symheap.get_unique_id() for _ in steps]
     out = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, uids, steps, timeout, heap_size, out))
+    procs = [ctx.Process(target=_child, args=(r, uids, steps, timeout, heap_size, out, pin))
              for r in range(2)]
     return _gather(procs, out, ranks_expected, wait_s)
 

@@ -18,8 +18,9 @@ LAYOUTS = ["token_slots", "expert_major", "low_latency", "intranode", "fp8"]
 DEVICE_OPS = os.path.join(HERE, os.pardir, "jax", "jax_ep_device_ops.py")
 
 
-def run(name: str, xla_flags: str = "", program: str = PROGRAM, **kwargs) -> str:
-    env = dict(os.environ)
+def run(name: str, xla_flags: str = "", program: str = PROGRAM, extra_env=None,
+        **kwargs) -> str:
+    env = dict(os.environ, **(extra_env or {}))
     env.pop("JAX_PLATFORMS", None)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # leave room for the symmetric heaps
     env["XLA_FLAGS"] = xla_flags
@@ -53,14 +54,25 @@ def test_gradients_on_device():
 
 
 def test_command_buffers_on():
-    # No symheap handler claims command-buffer compatibility (each looks its PE and op
-    # up on the host at every call), so XLA must keep them outside its graphs and the
-    # results must stay right call after call.
+    # The EP handlers claim command-buffer compatibility: with every command type on and
+    # graphs of one call allowed, XLA records them into its graphs (the attention and
+    # barrier handlers stay outside) and the results must stay right call after call.
     flags = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS "
              "--xla_gpu_graph_min_graph_size=1")
     run("threads", xla_flags=flags, n=2, layouts=["token_slots", "low_latency"], grad=False,
         iters=4)
     run("shard_map_ep", xla_flags=flags, n=2, layouts=["expert_major"], grad=False)
+
+
+def test_chained_pairs_replayed_from_command_buffers():
+    # XLA's default flags: 8 dependent pairs in one shard_map program are graph replays
+    # after the first runs (no handler called), exact at every run; the cached program
+    # of a closed op, then of a finalized runtime, raises (ep_initialize, before the
+    # replay) instead of launching kernels on freed memory.
+    run("replayed_chain", n=2, replayed=True)
+    # and outside the command buffers (the handlers registered without the claim)
+    env = {"SYMHEAP_JAX_EP_COMMAND_BUFFER": "0"}
+    run("replayed_chain", n=2, replayed=False, extra_env=env)
 
 
 def test_peers_store_into_xla_results_two_gpus():

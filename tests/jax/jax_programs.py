@@ -53,6 +53,16 @@ def on_threads(fn, n):
     return results
 
 
+def raises(fn, exc, text):
+    """fn() must raise exc with `text` in its message; returns the message."""
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), f"{text!r} not in {e}"
+        return str(e)
+    raise AssertionError(f"no {exc.__name__} ({text})")
+
+
 # ------------------------------------------------------------ EP step
 
 def expert(cfg: EpConfig, n_pes: int, d):
@@ -295,7 +305,76 @@ def ops_in_turn(n, seed, tokens=1500, sequence=IN_TURN, heap_size=HEAP):
     print("OK ops_in_turn", n, tokens, "heap offsets", offsets)
 
 
-PROGRAMS = {"threads": threads, "shard_map_ep": shard_map_ep, "ops_in_turn": ops_in_turn}
+def _handler_calls():
+    from symheap import _core
+    return sum(c for c, _ in _core.xla_ep_handler_clocks().values())
+
+
+def replayed_chain(n, seed, layouts=("low_latency", "intranode"), pairs=8, runs=5,
+                   tokens=6, replayed=False):
+    """One shard_map program of `pairs` dependent pairs (each dispatch sends the rows the
+    last combine returned; identity experts, so a pair multiplies a token's row by the
+    number of PEs it went to: exact in bf16), run `runs` times: every run exact. With
+    `replayed` (XLA's command buffers on a GPU) the last runs are graph replays that call
+    no handler; else every run calls each handler once per PE. Then the cached program of
+    a closed op, and of a finalized runtime, raise."""
+    shj.init(jax.devices()[:n], heap_size=HEAP, timeout=20)
+    mesh = shj.make_mesh("pe")
+    sh = NamedSharding(mesh, P("pe"))
+    try:
+        for name in layouts:
+            cfg = config(n, name, tokens=tokens)
+            op = shj.EpDispatchCombine(cfg)
+
+            def chain(x, idx, w):
+                for _ in range(pairs):
+                    d = op.dispatch(x, idx, w)
+                    x = op.combine(d.x, d.handle)
+                return x
+
+            f = jax.jit(shard_map(chain, mesh, P("pe"), P("pe")))
+            inputs, xs, _ = pe_inputs(cfg, n, seed)
+            local = cfg.num_experts // n
+            want = []
+            for (_, idx, _), x in zip(inputs, xs):
+                dests = np.array([len({e // local for e in row if e >= 0}) for row in idx],
+                                 np.float32)
+                want.append(ref.to_f32(x) * dests[:, None] ** pairs)
+            want = np.concatenate(want)
+            args = [jax.device_put(np.concatenate(a), sh) for a in
+                    ([np.asarray(x) for x in xs], [i[1] for i in inputs], [i[2] for i in inputs])]
+            per_run = []
+            for _ in range(runs):
+                before = _handler_calls()
+                out = f(*args)
+                np.testing.assert_array_equal(ref.to_f32(out), want)
+                per_run.append(_handler_calls() - before)
+            if replayed:
+                assert per_run[-2:] == [0, 0], ("XLA called the handlers at every run: not "
+                                                "replayed from its command buffers", per_run)
+            else:
+                assert per_run == [2 * pairs * n] * runs, per_run
+            op.close()
+            msg = raises(lambda: jax.block_until_ready(f(*args)), Exception, "was closed")
+            print("OK replayed_chain", name, "handler calls per run", per_run, "closed:",
+                  msg[:80], flush=True)
+        op = shj.EpDispatchCombine(config(n, layouts[0], tokens=tokens))
+        g = jax.jit(shard_map(lambda x, idx, w: op.combine(*_rows_and_handle(op, x, idx, w)),
+                              mesh, P("pe"), P("pe")))
+        jax.block_until_ready(g(*args))
+    finally:
+        shj.finalize()
+    raises(lambda: jax.block_until_ready(g(*args)), Exception, "hosts no symheap PE")
+    print("OK replayed_chain", n, layouts)
+
+
+def _rows_and_handle(op, x, idx, w):
+    d = op.dispatch(x, idx, w)
+    return d.x, d.handle
+
+
+PROGRAMS = {"threads": threads, "shard_map_ep": shard_map_ep, "ops_in_turn": ops_in_turn,
+            "replayed_chain": replayed_chain}
 
 
 
@@ -542,14 +621,6 @@ def failures(seed):
     op = shj.EpDispatchCombine(cfg)
     inputs, xs, rs = pe_inputs(cfg, n, seed)
     x, idx, w = xs[0], inputs[0][1], inputs[0][2]
-
-    def raises(fn, exc, text):
-        try:
-            fn()
-        except exc as e:
-            assert text in str(e), f"{text!r} not in {e}"
-            return str(e)
-        raise AssertionError(f"no {exc.__name__} ({text})")
 
     raises(lambda: op.dispatch(x[:, :16], idx, w), ValueError, "x must have shape")
     raises(lambda: op.dispatch(x.astype(jnp.float32), idx, w), ValueError, "x must have dtype")

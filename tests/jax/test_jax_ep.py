@@ -72,6 +72,13 @@ def test_shard_map_eight_devices_and_permuted_mesh():
     finish(launch("shard_map_ep", 8, n=8, layouts=["token_slots", "expert_major"], seed=seed()))
 
 
+def test_chained_pairs_exact_and_closed_ops_raise():
+    # 8 dependent pairs in one shard_map program, five runs: exact every run, each run
+    # calls every handler once per PE (no command buffers on cpu; tests/gpu replays them),
+    # and the cached program of a closed op or a finalized runtime raises
+    finish(launch("replayed_chain", 2, n=2, seed=seed()))
+
+
 def test_failures_are_clean_errors():
     out = finish(launch("failures", 8, seed=seed()))
     assert "timed out" in out
