@@ -364,15 +364,16 @@ ffi::Error on_cuda(void* stream, int32_t ordinal, uint64_t job, int64_t id,
                                     .Attr<int64_t>("op")                                \
                                     .RemainingArgs()                                    \
                                     .RemainingRets())
-#define SYMHEAP_EP_CUDA(symbol, body, which)                                            \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, (on_cuda<body, which>),                         \
-                                ffi::Ffi::Bind()                                        \
-                                    .Ctx<ffi::PlatformStream<void*>>()                  \
-                                    .Ctx<ffi::DeviceOrdinal>()                          \
-                                    .Attr<uint64_t>("job")                              \
-                                    .Attr<int64_t>("op")                                \
-                                    .RemainingArgs()                                    \
-                                    .RemainingRets())
+#define SYMHEAP_EP_CUDA_BINDING                                                         \
+  ffi::Ffi::Bind()                                                                      \
+      .Ctx<ffi::PlatformStream<void*>>()                                                \
+      .Ctx<ffi::DeviceOrdinal>()                                                        \
+      .Attr<uint64_t>("job")                                                            \
+      .Attr<int64_t>("op")                                                              \
+      .RemainingArgs()                                                                  \
+      .RemainingRets()
+#define SYMHEAP_EP_CUDA(symbol, body, which) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, (on_cuda<body, which>), SYMHEAP_EP_CUDA_BINDING)
 
 SYMHEAP_EP_CPU(kEpDispatchCpu, dispatch, kDispatchId);
 SYMHEAP_EP_CPU(kEpCombineCpu, combine, kCombineId);
@@ -388,15 +389,8 @@ SYMHEAP_EP_CUDA(kEpRedispatchCuda, redispatch, kRedispatchId);
 // and before each run XLA calls ep_initialize, which does the host's part of
 // a call: the op must still exist and be in step, and a kernel's recorded
 // error (a late PE, say) is raised there.
-#define SYMHEAP_EP_CUDA_REPLAYABLE(symbol, body, which)                                 \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, (on_cuda<body, which>),                         \
-                                ffi::Ffi::Bind()                                        \
-                                    .Ctx<ffi::PlatformStream<void*>>()                  \
-                                    .Ctx<ffi::DeviceOrdinal>()                          \
-                                    .Attr<uint64_t>("job")                              \
-                                    .Attr<int64_t>("op")                                \
-                                    .RemainingArgs()                                    \
-                                    .RemainingRets(),                                   \
+#define SYMHEAP_EP_CUDA_REPLAYABLE(symbol, body, which)                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, (on_cuda<body, which>), SYMHEAP_EP_CUDA_BINDING, \
                                 {ffi::Traits::kCmdBufferCompatible})
 SYMHEAP_EP_CUDA_REPLAYABLE(kEpDispatchCudaReplayable, dispatch, kDispatchId);
 SYMHEAP_EP_CUDA_REPLAYABLE(kEpCombineCudaReplayable, combine, kCombineId);
