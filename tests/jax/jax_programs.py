@@ -354,7 +354,9 @@ def replayed_chain(n, seed, layouts=("low_latency", "intranode"), pairs=8, runs=
                                                 "replayed from its command buffers", per_run)
             else:
                 assert per_run == [2 * pairs * n] * runs, per_run
+            op.check()  # nothing recorded: returns
             op.close()
+            raises(op.check, Exception, "closed")
             msg = raises(lambda: jax.block_until_ready(f(*args)), Exception, "was closed")
             print("OK replayed_chain", name, "handler calls per run", per_run, "closed:",
                   msg[:80], flush=True)

@@ -156,6 +156,20 @@ class EpDispatchCombine:
         expert_out = self._check_combine(expert_out, handle)
         return self._combine_vjp(expert_out, handle)
 
+    def check(self) -> None:
+        """Waits for the work in flight on every local PE's device, then raises the first
+        error a device-side call of this op recorded there (a late PE, a bad expert id).
+        A call XLA replays from its command buffers raises its error at the program's next
+        run; this raises it now (e.g. after a job's last step)."""
+        self._check_open()
+
+        def check_pe(pe):
+            s = current_pe()
+            _core.ep_wait_device(s.job, s.rank)
+            _core.ep_check(s.job, s.rank, self._id, 0, True)
+
+        _rt.on_every_pe(check_pe, self._job.timeout)
+
     def close(self) -> None:
         """Collective: waits for the devices' work in flight (the op's last calls),
         then frees the symmetric buffers on every local PE. Idempotent."""
