@@ -18,9 +18,10 @@ Figures (per rank, slowest rank reported):
 --profile adds, per case, each GPU kernel's mean time on rank 0 (torch
 profiler, over the same calls as the timing: graph replays for low_latency).
 --chain adds, per bf16 case, the time of a pair within 8 dependent pairs (one CUDA
-graph for low_latency): each dispatch sends the rows the previous combine returned, so
-no call overlaps the one before it (the independent calls above may). This is the
-reference for bench/jax_ep_bench.py's chained pairs.
+graph for low_latency; iters / 8 timed chains, checked against x times each token's
+destination-PE count to the 8th): each dispatch sends the rows the previous combine
+returned, so no call overlaps the one before it (the independent calls above may). This
+is the reference for bench/jax_ep_bench.py's chained pairs.
 --cases picks cases by their index in cases() (0: 4096 bf16 intranode,
 1: 128 bf16 low_latency token-major, ...).
 """
@@ -223,9 +224,17 @@ def run_case(torch, dist, symheap, ep_mod, case, iters, rank, world, device, pro
                     d = ep.dispatch(rows, idx, w)
                     rows = ep.combine(d.x, d.handle)
                 return rows
+            # identity experts: each pair multiplies a row by its destination PEs' count
+            hit = torch.zeros(tokens, world, dtype=torch.bool, device=device)
+            hit.scatter_(1, idx // (EXPERTS // world), True)
+            want = x.float() * hit.sum(1, keepdim=True).float() ** CHAIN
+            got = do_chain().float()
+            chain_err = ((got - want).abs() / (want.abs() + 1e-2)).max().item()
+            ok = ok and chain_err < 0.05
+            err = max(err, chain_err)
             if kernel == "low_latency":
                 do_chain = as_graph(torch, do_chain)
-            chain_us = timed(torch, dist, do_chain, max(1, iters // CHAIN)) / CHAIN
+            chain_us = timed(torch, dist, do_chain, max(2, iters // CHAIN)) / CHAIN
             ep.check()
     row_bytes = HIDDEN * x.element_size() + (scales.shape[1] * 4 if fp8 else 0)
     nccl_d, nccl_c, _ = nccl_reference(torch, dist, x, scales, idx, w, world)

@@ -9,9 +9,9 @@ The two are timed in alternating rounds (symheap, NCCL, symheap, ...) of
 --iters transfers each. Prints one row per size (best and median round of
 each) and a summary line: the ratio of the best rounds symheap / NCCL at
 each size (the target is >= 0.9), and the ratio of the medians. Each
-process (its NCCL threads included) runs on its own half of the CPUs unless
---no-pin: on loopback the network is the CPUs, and two nodes' socket threads
-sharing cores made single rounds swing by 2x.
+process (its NCCL threads included) runs on its own half of the physical cores
+unless --no-pin: on loopback the network is the CPUs, and two nodes' socket
+threads sharing cores made single rounds swing by 2x.
 """
 import argparse
 import os
@@ -35,7 +35,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-pin", action="store_true",
-                    help="let both processes run on every CPU (default: each on its own half)")
+                    help="let both processes run on every CPU (default: each on its own half of the "
+                         "physical cores)")
     args = ap.parse_args()
     import torch
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
@@ -51,7 +52,7 @@ def main():
     results = prog.run_two_nodes([task], timeout=120.0, heap_size=heap, wait_s=540.0,
                                  pin=not args.no_pin)
     rows = results[0][0]
-    cpus = "every CPU" if args.no_pin else "each process on its own half of the CPUs"
+    cpus = "every CPU" if args.no_pin else "each process on its own half of the cores"
     print(f"{args.rounds} alternating rounds per size, {cpus}; GB/s of the best round "
           "(median round)")
     print(f"{'bytes':>12} {'iters':>6} {'symheap put GB/s':>20} {'NCCL send/recv GB/s':>20} "

@@ -945,6 +945,12 @@ SYMHEAP_BINDINGS(ep) {
     py::gil_scoped_release nogil;
     ep::check(*s, *op, stream, sync);
   });
+  // Raises if the op failed earlier (its calls would raise that at once).
+  m.def("ep_ready", [](uint64_t job, int rank, int64_t id) {
+    std::shared_ptr<PeState> s;
+    auto op = ep::find(job, rank, id, &s);
+    ep::ready(*s, *op);
+  });
   // Device operations the op's calls issued so far (None: the cpu implementation).
   m.def("ep_device_ops", [](uint64_t job, int rank, int64_t id) -> py::object {
     std::shared_ptr<PeState> s;

@@ -324,7 +324,7 @@ using Body = void (*)(void*, int32_t, uint64_t, int64_t, const ffi::RemainingArg
 struct HandlerClock {
   std::atomic<int64_t> calls{0}, ns{0};
 };
-enum HandlerId { kDispatchId, kCombineId, kRedispatchId, kHandlers };
+enum HandlerId { kDispatchId, kCombineId, kRedispatchId, kInitializeId, kHandlers };
 HandlerClock g_clocks[kHandlers];
 
 template <Body body, HandlerId which>
@@ -351,6 +351,29 @@ template <Body body, HandlerId which>
 ffi::Error on_cuda(void* stream, int32_t ordinal, uint64_t job, int64_t id,
                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
   return timed<body, which>(stream, ordinal, job, id, args, rets);
+}
+
+// The initialize stage of the replayable CUDA handlers (XLA calls it before
+// every run of a program, replays included).
+ffi::Error ep_initialize(int32_t ordinal, uint64_t job, int64_t id) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ffi::Error e = guarded([&] {
+    Bound b = bind_op(ordinal, job, id, "ep call");
+    ep::ready(*b.s, *b.op);
+  });
+  g_clocks[kInitializeId].ns.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count(),
+      std::memory_order_relaxed);
+  g_clocks[kInitializeId].calls.fetch_add(1, std::memory_order_relaxed);
+  return e;
+}
+
+// SYMHEAP_JAX_EP_COMMAND_BUFFER=0 registers the handlers that XLA runs
+// outside its command buffers (a reference for comparing the two).
+bool replayable() {
+  const char* v = std::getenv("SYMHEAP_JAX_EP_COMMAND_BUFFER");
+  return !(v && std::strcmp(v, "0") == 0);
 }
 #endif
 
@@ -386,9 +409,9 @@ SYMHEAP_EP_CUDA(kEpRedispatchCuda, redispatch, kRedispatchId);
 // (the default), XLA records the launches into its CUDA graphs and replays
 // them without calling these handlers. Every op symheap.jax makes can be
 // replayed (no host synchronisation; epochs and parities live on the device),
-// and before each run XLA calls ep_initialize, which does the host's part of
-// a call: the op must still exist and be in step, and a kernel's recorded
-// error (a late PE, say) is raised there.
+// and before each run XLA calls ep_initialize: the op must still exist and
+// not have failed (errors its kernels record are raised by check, close and
+// the calls XLA makes outside a replay; see ep::ready).
 #define SYMHEAP_EP_CUDA_REPLAYABLE(symbol, body, which)                                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, (on_cuda<body, which>), SYMHEAP_EP_CUDA_BINDING, \
                                 {ffi::Traits::kCmdBufferCompatible})
@@ -396,24 +419,12 @@ SYMHEAP_EP_CUDA_REPLAYABLE(kEpDispatchCudaReplayable, dispatch, kDispatchId);
 SYMHEAP_EP_CUDA_REPLAYABLE(kEpCombineCudaReplayable, combine, kCombineId);
 SYMHEAP_EP_CUDA_REPLAYABLE(kEpRedispatchCudaReplayable, redispatch, kRedispatchId);
 
-ffi::Error ep_initialize(int32_t ordinal, uint64_t job, int64_t id) {
-  return guarded([&] {
-    Bound b = bind_op(ordinal, job, id, "ep call");
-    ep::ready(*b.s, *b.op);
-  });
-}
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kEpInitializeCuda, ep_initialize,
                               ffi::Ffi::BindInitialize()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("job")
                                   .Attr<int64_t>("op"));
 
-// SYMHEAP_JAX_EP_COMMAND_BUFFER=0 registers the handlers that XLA runs
-// outside its command buffers (a reference for comparing the two).
-bool replayable() {
-  const char* v = std::getenv("SYMHEAP_JAX_EP_COMMAND_BUFFER");
-  return !(v && std::strcmp(v, "0") == 0);
-}
 #endif
 
 }  // namespace symheap::xla_ffi
@@ -453,7 +464,7 @@ SYMHEAP_BINDINGS(xla_ep) {
   m.def("xla_ep_handler_clocks", [] {
     // {handler: (calls, host seconds)} since the process started, all threads.
     pybind11::dict out;
-    const char* names[kHandlers] = {"dispatch", "combine", "redispatch"};
+    const char* names[kHandlers] = {"dispatch", "combine", "redispatch", "initialize"};
     for (int i = 0; i < kHandlers; ++i)
       out[names[i]] = pybind11::make_tuple(g_clocks[i].calls.load(),
                                            static_cast<double>(g_clocks[i].ns.load()) * 1e-9);

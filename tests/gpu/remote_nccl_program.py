@@ -489,12 +489,24 @@ def ep_remote_bench(port, iters, tokens):
 
 def _pin_to_share(rank, ranks):
     """Pins this process (and every thread it starts later, NCCL's proxy and
-    socket threads among them) to its own share of the CPUs it may use, so the
-    two nodes' network threads never take turns on one core."""
+    socket threads among them) to its own share of the physical cores it may
+    use (with their hyperthreads), so the two nodes' network threads never take
+    turns on one core."""
     cpus = sorted(os.sched_getaffinity(0))
-    share = len(cpus) // ranks
+
+    def core_of(cpu):
+        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(topo + "physical_package_id") as a, open(topo + "core_id") as b:
+                return int(a.read()), int(b.read())
+        except (OSError, ValueError):
+            return 0, cpu
+
+    cores = sorted({core_of(c) for c in cpus})
+    share = len(cores) // ranks
     if share:
-        os.sched_setaffinity(0, cpus[rank * share:(rank + 1) * share])
+        mine = set(cores[rank * share:(rank + 1) * share])
+        os.sched_setaffinity(0, [c for c in cpus if core_of(c) in mine])
 
 
 def _child(rank, uids, steps, timeout, heap_size, out, pin=False):
@@ -562,7 +574,7 @@ def run_two_nodes(steps, timeout=20.0, heap_size="256M", wait_s=300.0, ranks_exp
     """Runs `steps` [(scenario, args, finalize)] in 2 processes (GPU 0 and 1,
     nodes "node-a" and "node-b"); returns {rank: result}; raises with every
     rank's error otherwise. Processes still alive at the end are killed.
-    `pin`: each process runs on its own half of the CPUs."""
+    `pin`: each process runs on its own half of the physical cores."""
     import symheap
     ctx = mp.get_context("spawn")
     uids = [symheap.get_unique_id() for _ in steps]

@@ -306,18 +306,21 @@ def ops_in_turn(n, seed, tokens=1500, sequence=IN_TURN, heap_size=HEAP):
 
 
 def _handler_calls():
+    """Calls of the EP execute handlers so far (not of their initialize stage)."""
     from symheap import _core
-    return sum(c for c, _ in _core.xla_ep_handler_clocks().values())
+    return sum(c for name, (c, _) in _core.xla_ep_handler_clocks().items()
+               if name != "initialize")
 
 
 def replayed_chain(n, seed, layouts=("low_latency", "intranode"), pairs=8, runs=5,
                    tokens=6, replayed=False):
     """One shard_map program of `pairs` dependent pairs (each dispatch sends the rows the
     last combine returned; identity experts, so a pair multiplies a token's row by the
-    number of PEs it went to: exact in bf16), run `runs` times: every run exact. With
-    `replayed` (XLA's command buffers on a GPU) the last runs are graph replays that call
-    no handler; else every run calls each handler once per PE. Then the cached program of
-    a closed op, and of a finalized runtime, raise."""
+    number of PEs it went to, 1 or 2 here: exact in bf16), run `runs` times: every run
+    exact. With `replayed` (XLA's command buffers on a GPU) the last runs are graph
+    replays that call no handler; else every run calls each handler once per PE. Then the
+    cached program of a closed op, and of a finalized runtime, raise."""
+    assert n <= 2, "the exact reference needs destination counts that are powers of two"
     shj.init(jax.devices()[:n], heap_size=HEAP, timeout=20)
     mesh = shj.make_mesh("pe")
     sh = NamedSharding(mesh, P("pe"))
@@ -343,36 +346,35 @@ def replayed_chain(n, seed, layouts=("low_latency", "intranode"), pairs=8, runs=
             want = np.concatenate(want)
             args = [jax.device_put(np.concatenate(a), sh) for a in
                     ([np.asarray(x) for x in xs], [i[1] for i in inputs], [i[2] for i in inputs])]
-            per_run = []
-            for _ in range(runs):
-                before = _handler_calls()
-                out = f(*args)
-                np.testing.assert_array_equal(ref.to_f32(out), want)
-                per_run.append(_handler_calls() - before)
-            if replayed:
-                assert per_run[-2:] == [0, 0], ("XLA called the handlers at every run: not "
-                                                "replayed from its command buffers", per_run)
-            else:
-                assert per_run == [2 * pairs * n] * runs, per_run
+            per_run = _runs_of(f, args, want, runs, pairs * n, replayed)
             op.check()  # nothing recorded: returns
-            op.close()
-            raises(op.check, Exception, "closed")
-            msg = raises(lambda: jax.block_until_ready(f(*args)), Exception, "was closed")
-            print("OK replayed_chain", name, "handler calls per run", per_run, "closed:",
-                  msg[:80], flush=True)
-        op = shj.EpDispatchCombine(config(n, layouts[0], tokens=tokens))
-        g = jax.jit(shard_map(lambda x, idx, w: op.combine(*_rows_and_handle(op, x, idx, w)),
-                              mesh, P("pe"), P("pe")))
-        jax.block_until_ready(g(*args))
+            last = name == layouts[-1]
+            if not last:
+                op.close()
+                raises(op.check, Exception, "closed")
+                msg = raises(lambda: jax.block_until_ready(f(*args)), Exception, "was closed")
+                print("OK replayed_chain", name, "handler calls per run", per_run, "closed:",
+                      msg[:80], flush=True)
     finally:
         shj.finalize()
-    raises(lambda: jax.block_until_ready(g(*args)), Exception, "hosts no symheap PE")
-    print("OK replayed_chain", n, layouts)
+    # the last layout's program, replayed up to here: its initialize stage refuses
+    raises(lambda: jax.block_until_ready(f(*args)), Exception, "hosts no symheap PE")
+    print("OK replayed_chain", n, layouts, "last handler calls per run", per_run)
 
 
-def _rows_and_handle(op, x, idx, w):
-    d = op.dispatch(x, idx, w)
-    return d.x, d.handle
+def _runs_of(f, args, want, runs, calls_per_handler, replayed):
+    """Runs f(*args) `runs` times, each exact; returns the handler calls of each run."""
+    per_run = []
+    for _ in range(runs):
+        before = _handler_calls()
+        np.testing.assert_array_equal(ref.to_f32(f(*args)), want)
+        per_run.append(_handler_calls() - before)
+    if replayed:
+        assert per_run[-2:] == [0, 0], ("XLA called the handlers at every run: not replayed "
+                                        "from its command buffers", per_run)
+    else:
+        assert per_run == [2 * calls_per_handler] * runs, per_run
+    return per_run
 
 
 PROGRAMS = {"threads": threads, "shard_map_ep": shard_map_ep, "ops_in_turn": ops_in_turn,

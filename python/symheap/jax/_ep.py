@@ -159,14 +159,14 @@ class EpDispatchCombine:
     def check(self) -> None:
         """Waits for the work in flight on every local PE's device, then raises the first
         error a device-side call of this op recorded there (a late PE, a bad expert id).
-        A call XLA replays from its command buffers raises its error at the program's next
-        run; this raises it now (e.g. after a job's last step)."""
+        A call XLA replays from its command buffers raises nothing itself: this is where its
+        error shows (also at close()). Raises too if the op failed earlier."""
         self._check_open()
 
         def check_pe(pe):
             s = current_pe()
-            _core.ep_wait_device(s.job, s.rank)
-            _core.ep_check(s.job, s.rank, self._id, 0, True)
+            self._drain_and_check(s)
+            _core.ep_ready(s.job, s.rank, self._id)  # an op that failed earlier
 
         _rt.on_every_pe(check_pe, self._job.timeout)
 
@@ -187,8 +187,7 @@ class EpDispatchCombine:
                 # XLA may still run this op's calls on its streams: every PE waits for
                 # its device before free's barrier, so no kernel of the op outlives
                 # its memory (a later op gets the same heap range).
-                _core.ep_wait_device(s.job, s.rank)
-                _core.ep_check(s.job, s.rank, self._id, 0, True)
+                self._drain_and_check(s)
             finally:
                 _core.ep_destroy(s.job, s.rank, self._id)
                 free(self._bufs[job.local.index(pe)])
@@ -202,6 +201,12 @@ class EpDispatchCombine:
         self.close()
 
     # ----------------------------------------------------------- internals
+
+    def _drain_and_check(self, s) -> None:
+        """PE s (current_pe()): waits for its device, then raises what this op's
+        device-side calls recorded there."""
+        _core.ep_wait_device(s.job, s.rank)
+        _core.ep_check(s.job, s.rank, self._id, 0, True)
 
     def _check_open(self) -> None:
         if self._closed or _rt._job is not self._job:

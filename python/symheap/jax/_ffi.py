@@ -13,7 +13,8 @@ _registered = False
 
 def register_targets() -> None:
     """Registers every handler the module was built with (``_core.xla_*_targets()``:
-    {target name: {platform: capsule}}) for the platforms JAX has. Idempotent."""
+    {target name: {platform: capsule, or {stage: capsule}}}) for the platforms JAX has.
+    Idempotent."""
     global _registered
     if _registered:
         return

@@ -170,10 +170,12 @@ bool has_redispatch(const Op& op);
 // Raises the first error a device-side call recorded (cuda); nothing on cpu.
 // With sync, waits for the stream first.
 void check(PeState& s, Op& op, StreamHandle stream, bool sync);
-// What a call checks before it runs, without running one: raises if the op
-// failed earlier (as the call would) or a device-side call recorded an error
-// since the last call. For callers whose calls a CUDA graph replays without
-// the host (XLA's command buffers): they run this before every replay.
+// What a call checks on the host before it runs, without running one: raises
+// if the op failed earlier (as the call would). Errors that device-side calls
+// recorded are left to check(): one PE's host may see them before another's,
+// and a PE that refused to run while its peers ran would leave the op out of
+// step. For callers whose calls a CUDA graph replays without the host (XLA's
+// command buffers): they run this before every replay.
 void ready(PeState& s, Op& op);
 
 // The cpu implementation (the device one is in ep_device.hpp).
