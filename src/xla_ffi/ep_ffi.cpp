@@ -327,16 +327,20 @@ struct HandlerClock {
 enum HandlerId { kDispatchId, kCombineId, kRedispatchId, kInitializeId, kHandlers };
 HandlerClock g_clocks[kHandlers];
 
+// One call of handler `which` that began at t0.
+void tick(HandlerId which, std::chrono::steady_clock::time_point t0) {
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - t0).count();
+  g_clocks[which].ns.fetch_add(ns, std::memory_order_relaxed);
+  g_clocks[which].calls.fetch_add(1, std::memory_order_relaxed);
+}
+
 template <Body body, HandlerId which>
 ffi::Error timed(void* stream, int32_t ordinal, uint64_t job, int64_t id,
                  const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
   const auto t0 = std::chrono::steady_clock::now();
   ffi::Error e = guarded([&] { body(stream, ordinal, job, id, args, rets); });
-  g_clocks[which].ns.fetch_add(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
-          .count(),
-      std::memory_order_relaxed);
-  g_clocks[which].calls.fetch_add(1, std::memory_order_relaxed);
+  tick(which, t0);
   return e;
 }
 
@@ -361,11 +365,7 @@ ffi::Error ep_initialize(int32_t ordinal, uint64_t job, int64_t id) {
     Bound b = bind_op(ordinal, job, id, "ep call");
     ep::ready(*b.s, *b.op);
   });
-  g_clocks[kInitializeId].ns.fetch_add(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
-          .count(),
-      std::memory_order_relaxed);
-  g_clocks[kInitializeId].calls.fetch_add(1, std::memory_order_relaxed);
+  tick(kInitializeId, t0);
   return e;
 }
 
