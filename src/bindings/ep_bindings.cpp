@@ -927,7 +927,8 @@ SYMHEAP_BINDINGS(ep) {
   });
   // Ops by (job, rank, id), the way the XLA FFI front end (symheap.jax) holds them:
   // its handlers take every buffer from XLA, so it needs no EpOp.
-  m.def("ep_create", [](const py::dict& cfg, size_t ws_offset, size_t ws_bytes, bool caller_outputs) {
+  m.def("ep_create", [](const py::dict& cfg, size_t ws_offset, size_t ws_bytes,
+                        bool caller_outputs) {
     auto s = Runtime::instance().current();
     ep::Config c = config_from(cfg);
     py::gil_scoped_release nogil;

@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-
 #include <cstdlib>
 #include <cstring>
 #include <string>

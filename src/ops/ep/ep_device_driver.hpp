@@ -170,7 +170,8 @@ class DeviceDriver final : public DeviceImpl {
       kernels::launch_dispatch(rt_, p, blocks, a.stream);
     if (remote(op)) trace(op, "dispatch %llu: packing grid launched", op.dispatch_epoch);
     if (!ce) {
-      if (a.out_x && !p.publish_outputs) kernels::launch_collect(rt_, p, op.geo.grid_blocks, a.stream);
+      if (a.out_x && !p.publish_outputs)
+        kernels::launch_collect(rt_, p, op.geo.grid_blocks, a.stream);
       if (g.padded_output) {
         raise_own(op, status, detail, "dispatch");
         raise_recorded(s, op, a.stream);
