@@ -12,16 +12,16 @@ per dispatch+combine pair, mean over back-to-back calls of one jitted program.
     python bench/jax_ep_bench.py [--iters 20] [--gpus N] [--parts]
     python bench/jax_ep_bench.py --smoke     # tiny shapes on the cpu platform (a check)
 
---parts adds, per size, both baselines as a pair within one call of 8 chained pairs,
-the device operations one pair issues on each PE (kernel launches and any memset, copy,
-stream wait or host sync; CUDA only), and a `parts` line for each program shape:
-dispatch alone (it returns the handle; the received rows stay inside the program), combine alone (of one dispatch's rows and
-handle, again and again), the pair, and a pair within one call of 8 chained pairs (per
-pair: what the device takes once per-call costs are spread), each with the host time
-per call (the time to enqueue the calls, before waiting for the device: a host time
-close to the total says the host, not the GPU, sets the pace) and the mean host time of
-one symheap handler call (none where XLA replays its graphs; the handlers' initialize
-stage, which XLA calls before every run, is not in it). The torch
+--parts adds, per size, both baselines as a pair within one call of 8 chained pairs, the
+device operations one pair issues on each PE (kernel launches and any memset, copy, stream
+wait or host sync; None on the cpu platform), and a `parts` line for each program shape:
+dispatch alone (it returns the handle; the received rows stay inside the program), combine
+alone (of one dispatch's rows and handle, again and again), the pair, and a pair within
+one call of 8 chained pairs (per pair: what the device takes once per-call costs are
+spread), each with the host time per call (the time to enqueue the calls, before waiting
+for the device: a host time close to the total says the host, not the GPU, sets the pace)
+and the mean host time of one symheap handler call (none where XLA replays its graphs; the
+handlers' initialize stage, which XLA calls before every run, is not in it). The torch
 reference for the chained pair is `python bench/ep_bench.py --cases 1,0 --chain`.
 """
 from __future__ import annotations
@@ -305,16 +305,15 @@ def main():
             print(f"baselines {tokens} tokens {kernel}, {CHAINED}, us per pair: all_to_all "
                   f"one row per PE {c_ref:.1f}, one row per expert choice {c_choice:.1f}")
             # what one pair issues on each device (kernels, memsets, copies, ...): the
-            # torch path's graph replays two kernels per pair (counted on CUDA only)
+            # torch path's graph replays two kernels per pair
             from symheap import _core
-            if hasattr(_core, "ep_device_ops"):
-                job, op_id = op._key
-                ops = lambda: [_core.ep_device_ops(job, pe, op_id) for pe in range(n)]  # noqa: E731
-                before = ops()
-                jax.block_until_ready(f_ours(x, idx_s, w_s))
-                per_pe = [None if b is None else {k: c[k] - b[k] for k in c if c[k] != b[k]}
-                          for b, c in zip(before, ops())]
-                print(f"device ops {tokens} tokens {kernel}, one pair, per PE: {per_pe}")
+            job, op_id = op._key
+            ops = lambda: [_core.ep_device_ops(job, pe, op_id) for pe in range(n)]  # noqa: E731
+            before = ops()
+            jax.block_until_ready(f_ours(x, idx_s, w_s))
+            per_pe = [None if b is None else {k: c[k] - b[k] for k in c if c[k] != b[k]}
+                      for b, c in zip(before, ops())]
+            print(f"device ops {tokens} tokens {kernel}, one pair, per PE: {per_pe}")
             for shape, res in time_parts(op, mesh, x, idx_s, w_s, a.iters).items():
                 print(f"parts {tokens} tokens {kernel} {shape}: " + ", ".join(
                     f"{name} {t:.1f} us (host {h:.1f}, " +
