@@ -242,6 +242,8 @@ class Runtime {
   void release_peer_mappings(PeState& s);
   std::mutex mu_;
   std::unique_ptr<Backend> backend_;
+  std::atomic<Backend*> active_backend_{nullptr};  // backend_, read without mu_
+  std::vector<std::unique_ptr<Backend>> retired_backends_;  // replaced by select_backend
   std::unordered_map<int, std::shared_ptr<PeState>> slots_;
   std::map<std::pair<uint64_t, int>, int> rank_to_device_;
   std::unordered_map<int, std::unique_ptr<DeviceCaches>> device_caches_;

@@ -114,8 +114,13 @@ std::unique_ptr<Backend> make_backend(const std::string& requested) {
 }  // namespace
 
 Backend& Runtime::backend() {
+  // Every call of every PE thread reads it (device guards, host waits): no lock once made.
+  if (Backend* made = active_backend_.load(std::memory_order_acquire)) return *made;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!backend_) backend_ = make_backend("");
+  if (!backend_) {
+    backend_ = make_backend("");
+    active_backend_.store(backend_.get(), std::memory_order_release);
+  }
   return *backend_;
 }
 
@@ -123,7 +128,11 @@ void Runtime::select_backend(const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!slots_.empty())
     throw StateError("cannot switch backend while PEs are initialised; finalize them first");
-  backend_ = make_backend(name);
+  std::unique_ptr<Backend> made = make_backend(name);
+  // The one it replaces stays alive: a thread may still be using a reference to it.
+  if (backend_) retired_backends_.push_back(std::move(backend_));
+  backend_ = std::move(made);
+  active_backend_.store(backend_.get(), std::memory_order_release);
 }
 
 std::string Runtime::backend_name() { return backend().name(); }
