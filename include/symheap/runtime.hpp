@@ -233,7 +233,8 @@ class Runtime {
   // CUDA, the JAX device id on cpu, global across processes) -> local device
   // slot. Set by init_pe for the JAX front end; an entry goes with its PE.
   void map_xla_device(int ordinal, int device);
-  int device_of_xla(int ordinal);  // -1 when no PE of this process serves it
+  // The PE serving XLA device `ordinal`; null when no PE of this process does.
+  std::shared_ptr<PeState> slot_of_xla(int ordinal);
 
  private:
   Runtime() = default;

@@ -353,10 +353,12 @@ void Runtime::map_xla_device(int ordinal, int device) {
   xla_devices_[ordinal] = device;
 }
 
-int Runtime::device_of_xla(int ordinal) {
+std::shared_ptr<PeState> Runtime::slot_of_xla(int ordinal) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = xla_devices_.find(ordinal);
-  return it == xla_devices_.end() ? -1 : it->second;
+  if (it == xla_devices_.end()) return nullptr;
+  auto slot = slots_.find(it->second);
+  return slot == slots_.end() ? nullptr : slot->second;
 }
 
 // ---------------------------------------------------------------- DeviceGuard

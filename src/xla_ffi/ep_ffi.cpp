@@ -69,7 +69,7 @@ Bound bind_op(int32_t ordinal, uint64_t job, int64_t id, const char* what) {
     throw StateError(std::string(what) + ": this executable uses an EpDispatchCombine of an "
                      "earlier symheap.jax.init (finalized since); trace it again with a new op");
   std::shared_ptr<PeState> found;
-  b.op = ep::find(job, b.s->my_pe, id, &found);
+  b.op = ep::find(b.s, b.s->my_pe, id, &found);  // b.s is this job's slot: no second lookup
   return b;
 }
 

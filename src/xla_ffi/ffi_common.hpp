@@ -79,9 +79,7 @@ T attr(const ffi::Dictionary& attrs, const char* name) {
 // The PE that serves XLA device `ordinal`; throws StateError when none does
 // (never initialised, or finalized since the executable was compiled).
 inline std::shared_ptr<PeState> pe_of_xla_device(int32_t ordinal, const char* what) {
-  Runtime& rt = Runtime::instance();
-  int device = rt.device_of_xla(ordinal);
-  auto s = device < 0 ? nullptr : rt.slot(device);
+  auto s = Runtime::instance().slot_of_xla(ordinal);
   if (!s || s->peers.empty())
     throw StateError(std::string(what) + ": XLA device " + std::to_string(ordinal) +
                      " hosts no symheap PE (call symheap.jax.init() first; an executable "

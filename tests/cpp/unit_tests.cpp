@@ -284,14 +284,14 @@ void lifecycle() {
   EchoBootstrap boot;
   rt.init_pe(77, 3, 0, 1, 1 << 20, 5.0, boot, /*xla_ordinal=*/11);
   CHECK(rt.slot(3) != nullptr);
-  CHECK_EQ(rt.device_of_xla(11), 3);
+  CHECK(rt.slot_of_xla(11) == rt.slot(3));
   CHECK(rt.slot(3)->heap->export_handle.empty());  // the shared-memory name is dropped
   rt.finalize_pe(3, boot);
   const std::vector<std::string> steps = {"connect", "init", "init-connect", "finalize",
                                           "close 5.000000"};
   CHECK(boot.log == steps);
   CHECK(rt.slot(3) == nullptr);
-  CHECK_EQ(rt.device_of_xla(11), -1);
+  CHECK(rt.slot_of_xla(11) == nullptr);
   // A malformed record fails init cleanly: slot freed, bootstrap closed at once.
   for (const std::string& junk : {std::string("x"), std::string("99:short"),
                                   std::string("1:0"), std::string("1:01:01:a1:11:n1:h")}) {
