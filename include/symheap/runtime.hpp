@@ -248,6 +248,8 @@ class Runtime {
   std::unordered_map<int, std::shared_ptr<PeState>> slots_;
   std::map<std::pair<uint64_t, int>, int> rank_to_device_;
   std::unordered_map<int, std::unique_ptr<DeviceCaches>> device_caches_;
+  static constexpr int kFastDevices = 64;  // devices whose caches are found without mu_
+  std::atomic<DeviceCaches*> fast_device_caches_[kFastDevices] = {};
   std::unordered_map<int, int> xla_devices_;  // XLA device ordinal -> device slot
   uint64_t next_generation_ = 1;
 };

@@ -332,9 +332,15 @@ int Runtime::device_of_rank(uint64_t job, int rank) {
 }
 
 DeviceCaches& Runtime::device_caches(int device) {
+  // Every attention call looks its device's caches up: no lock once they exist.
+  const bool fast = device >= 0 && device < kFastDevices;
+  if (fast)
+    if (DeviceCaches* made = fast_device_caches_[device].load(std::memory_order_acquire))
+      return *made;
   std::lock_guard<std::mutex> lock(mu_);
   auto& entry = device_caches_[device];
   if (!entry) entry = std::make_unique<DeviceCaches>();
+  if (fast) fast_device_caches_[device].store(entry.get(), std::memory_order_release);
   return *entry;  // stable address: entries are never erased
 }
 
