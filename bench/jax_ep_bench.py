@@ -116,8 +116,8 @@ def time_threads(f, per_device_args, iters, host=None):
 
 
 def handler_clock():
-    """(calls, host seconds) of the symheap EP execute handlers so far, all threads
-    (their initialize stage is counted apart, under "initialize")."""
+    """(calls, host seconds) of the symheap EP execute handlers since the first read (it
+    starts the clocks), all threads (their initialize stage is counted apart)."""
     from symheap import _core
     clocks = [v for k, v in _core.xla_ep_handler_clocks().items() if k != "initialize"]
     return sum(c for c, _ in clocks), sum(t for _, t in clocks)

@@ -318,30 +318,34 @@ void redispatch(void* stream, int32_t ordinal, uint64_t job, int64_t id,
 using Body = void (*)(void*, int32_t, uint64_t, int64_t, const ffi::RemainingArgs&,
                       const ffi::RemainingRets&);
 
-// Calls and host time of each handler since the process started, summed over
-// threads (bench/jax_ep_bench.py --parts: how much of a call's host time is
-// ours, how much XLA's).
+// Calls and host time of each handler, summed over threads, from the first
+// time they are read (bench/jax_ep_bench.py --parts: how much of a call's host
+// time is ours, how much XLA's). Off until then: the counters are shared by
+// every device's thread, and a program that never reads them pays nothing.
 struct HandlerClock {
   std::atomic<int64_t> calls{0}, ns{0};
 };
 enum HandlerId { kDispatchId, kCombineId, kRedispatchId, kInitializeId, kHandlers };
 HandlerClock g_clocks[kHandlers];
+std::atomic<bool> g_clocks_on{false};
 
-// One call of handler `which` that began at t0.
-void tick(HandlerId which, std::chrono::steady_clock::time_point t0) {
+// Runs `f` as one call of handler `which`.
+template <class F>
+ffi::Error clocked(HandlerId which, F&& f) {
+  if (!g_clocks_on.load(std::memory_order_relaxed)) return guarded(std::forward<F>(f));
+  const auto t0 = std::chrono::steady_clock::now();
+  ffi::Error e = guarded(std::forward<F>(f));
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now() - t0).count();
   g_clocks[which].ns.fetch_add(ns, std::memory_order_relaxed);
   g_clocks[which].calls.fetch_add(1, std::memory_order_relaxed);
+  return e;
 }
 
 template <Body body, HandlerId which>
 ffi::Error timed(void* stream, int32_t ordinal, uint64_t job, int64_t id,
                  const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
-  const auto t0 = std::chrono::steady_clock::now();
-  ffi::Error e = guarded([&] { body(stream, ordinal, job, id, args, rets); });
-  tick(which, t0);
-  return e;
+  return clocked(which, [&] { body(stream, ordinal, job, id, args, rets); });
 }
 
 template <Body body, HandlerId which>
@@ -360,13 +364,10 @@ ffi::Error on_cuda(void* stream, int32_t ordinal, uint64_t job, int64_t id,
 // The initialize stage of the replayable CUDA handlers (XLA calls it before
 // every run of a program, replays included).
 ffi::Error ep_initialize(int32_t ordinal, uint64_t job, int64_t id) {
-  const auto t0 = std::chrono::steady_clock::now();
-  ffi::Error e = guarded([&] {
+  return clocked(kInitializeId, [&] {
     Bound b = bind_op(ordinal, job, id, "ep call");
     ep::ready(*b.s, *b.op);
   });
-  tick(kInitializeId, t0);
-  return e;
 }
 
 // SYMHEAP_JAX_EP_COMMAND_BUFFER=0 registers the handlers that XLA runs
@@ -462,7 +463,9 @@ SYMHEAP_BINDINGS(xla_ep) {
     return targets;
   });
   m.def("xla_ep_handler_clocks", [] {
-    // {handler: (calls, host seconds)} since the process started, all threads.
+    // {handler: (calls, host seconds)} since the first read, all threads (the
+    // first read turns the clocks on and returns zeros).
+    g_clocks_on.store(true, std::memory_order_relaxed);
     pybind11::dict out;
     const char* names[kHandlers] = {"dispatch", "combine", "redispatch", "initialize"};
     for (int i = 0; i < kHandlers; ++i)

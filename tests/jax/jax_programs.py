@@ -306,7 +306,8 @@ def ops_in_turn(n, seed, tokens=1500, sequence=IN_TURN, heap_size=HEAP):
 
 
 def _handler_calls():
-    """Calls of the EP execute handlers so far (not of their initialize stage)."""
+    """Calls of the EP execute handlers (not of their initialize stage) since the clocks
+    were first read; the first read starts them."""
     from symheap import _core
     return sum(c for name, (c, _) in _core.xla_ep_handler_clocks().items()
                if name != "initialize")
