@@ -26,6 +26,10 @@ $VPY -m pip install -q --upgrade pip >/dev/null
 $VPY -m pip install -q "torch==2.13.0" jax jaxlib numpy mpi4py pytest pytest-timeout \
   scikit-build-core pybind11 cmake ninja matplotlib
 
+# CUTLASS's headers (CuTe) for the Hopper attention kernel; only the headers are used,
+# so none of the wheel's Python dependencies (docs/attention.md says why this version).
+$VPY -m pip install -q --no-deps "nvidia-cutlass==4.2.0.0"
+
 say "building and installing symheap (CUDA sources too when nvcc is found)"
 $VPY -m pip install -q --no-build-isolation --no-deps . 
 $VPY -c "import symheap; print('[setup] symheap', symheap.__version__, 'backend:', symheap.backend())"

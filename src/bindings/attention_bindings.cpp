@@ -292,11 +292,16 @@ SYMHEAP_BINDINGS(attention) {
   }, py::arg("backend"), py::arg("on_cuda"));
   m.attr("attention_path_env") = kPathEnv;
   // The own CUDA forward kernel a call of this (padded) head dim runs:
-  // "pipelined" or "basic" ($SYMHEAP_ATTN_OWN_FORWARD can force "basic" or
-  // "pipelined_previous").
+  // "pipelined" or "basic" ($SYMHEAP_ATTN_OWN_FORWARD can force "basic",
+  // "pipelined_previous" or "hopper").
   m.def("attention_own_forward_kernel", [](int head_dim) { return std::string(own_forward_kernel(head_dim)); },
         py::arg("head_dim"));
   m.attr("attention_own_forward_env") = kOwnForwardEnv;
+  // The Hopper forward kernel: (built, "" or the reason it is not).
+  m.def("attention_hopper_forward_status", [] {
+    const std::string why = hopper_forward_unavailable_reason();
+    return std::make_pair(why.empty(), why);
+  });
   // The same for the backward kernels ($SYMHEAP_ATTN_OWN_BACKWARD).
   m.def("attention_own_backward_kernel", [](int head_dim) { return std::string(own_backward_kernel(head_dim)); },
         py::arg("head_dim"));

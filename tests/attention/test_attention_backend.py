@@ -3,6 +3,7 @@ clear errors for impossible or misspelt choices, and backends() reporting."""
 import pytest
 import torch
 
+from symheap import _core
 from symheap.attention import _plan, attention_reference, backends, flash_attn_func
 
 
@@ -49,6 +50,10 @@ def test_backends_reports_every_path():
     for name, (usable, detail) in info.items():
         assert isinstance(usable, bool) and isinstance(detail, str) and detail, name
     assert info["cpu"][0]
+    hopper, why = _core.attention_hopper_forward_status()
+    if not hopper:  # says what is missing, and the own path's line repeats it
+        assert "Hopper forward kernel" in why and "not built" in why
+        assert not info["own"][0] or why in info["own"][1]
     if not info["cudnn"][0]:  # the reason says what is missing
         assert "cuDNN" in info["cudnn"][1] or "cudnn" in info["cudnn"][1]
 
@@ -77,11 +82,12 @@ def test_repeat_calls_with_changing_options_match_the_reference(monkeypatch):
     assert (out - attention_reference(q2, k[:1], v[:1], causal=True)[0]).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("env", [None, "", "auto", "basic", "pipelined_previous"])
+@pytest.mark.parametrize("env", [None, "", "auto", "basic", "pipelined_previous", "hopper"])
 def test_own_forward_kernel_choice(monkeypatch, env):
     """The own CUDA forward kernel per (padded) head dim: the pipelined kernel
-    for 64, 128 and 256 (with the softmax before the lean one when the variable
-    asks for it), the basic one elsewhere or when the variable forces it."""
+    for 64, 128 and 256 (with the softmax before the lean one, or the Hopper
+    kernel, when the variable asks for it), the basic one elsewhere or when
+    the variable forces it."""
     from symheap import _core
     name = _core.attention_own_forward_env
     assert name == "SYMHEAP_ATTN_OWN_FORWARD"
@@ -90,7 +96,7 @@ def test_own_forward_kernel_choice(monkeypatch, env):
     else:
         monkeypatch.setenv(name, env)
     for d in (8, 32, 56, 64, 72, 96, 120, 128, 136, 192, 256):
-        pipelined = env if env == "pipelined_previous" else "pipelined"
+        pipelined = env if env in ("pipelined_previous", "hopper") else "pipelined"
         want = pipelined if d in (64, 128, 256) and env != "basic" else "basic"
         assert _core.attention_own_forward_kernel(d) == want, d
 
@@ -98,7 +104,7 @@ def test_own_forward_kernel_choice(monkeypatch, env):
 def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
     from symheap import _core
     monkeypatch.setenv("SYMHEAP_ATTN_OWN_FORWARD", "fast")
-    with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_FORWARD must be 'auto', 'basic' or 'pipelined_previous'"):
+    with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_FORWARD must be 'auto', 'basic', 'pipelined_previous' or 'hopper'"):
         _core.attention_own_forward_kernel(64)
 
 

@@ -430,10 +430,15 @@ RAGGED = [(1, 1), (17, 17), (1, 1000), (17, 129), (127, 129), (129, 127), (1000,
           (1000, 17), (257, 1000)]
 
 
+# The forward kernels of those head dims: the pipelined one (the default) and
+# the Hopper one (wgmma; cuda_forward_hopper.cuh).
+FORWARDS = ["auto", "hopper"]
+
+
 def own_forward(monkeypatch, kernel):
     """Forces the own kernels and the forward kernel ("auto" = pipelined
     where it serves, "basic", "pipelined_previous" = pipelined with the softmax
-    before the lean one), and checks the choice is what the test expects."""
+    before the lean one, "hopper"), and checks the choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_forward_env, kernel)
     for d in PIPELINED_DIMS:
@@ -444,8 +449,9 @@ def own_forward(monkeypatch, kernel):
 @pytest.mark.parametrize("D", PIPELINED_DIMS)
 @pytest.mark.parametrize("Sq,Sk", RAGGED)
 @pytest.mark.parametrize("causal", [False, True])
-def test_pipelined_lengths(dtype, D, Sq, Sk, causal, monkeypatch):
-    own_forward(monkeypatch, "auto")
+@pytest.mark.parametrize("fwd", FORWARDS)
+def test_pipelined_lengths(dtype, D, Sq, Sk, causal, monkeypatch, fwd):
+    own_forward(monkeypatch, fwd)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=4, D=D, dtype=dtype, seed=Sq * 3 + Sk + D)
     check_case(case, causal=causal)
 
@@ -479,8 +485,9 @@ PIPELINED_FEATURES = {**{k: v for k, v in FEATURES.items() if k not in ("window"
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", PIPELINED_DIMS)
 @pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000)])
-def test_pipelined_features(feature, dtype, D, Sq, Sk, monkeypatch):
-    own_forward(monkeypatch, "auto")
+@pytest.mark.parametrize("fwd", FORWARDS)
+def test_pipelined_features(feature, dtype, D, Sq, Sk, monkeypatch, fwd):
+    own_forward(monkeypatch, fwd)
     make_kw, opts = PIPELINED_FEATURES[feature]
     make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
                    if isinstance(v, tuple) else v) for k, v in make_kw.items()}
@@ -495,10 +502,11 @@ def test_pipelined_features(feature, dtype, D, Sq, Sk, monkeypatch):
 @pytest.mark.parametrize("D", PIPELINED_DIMS)
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20)),
                                   dict(softcap=3.0, dropout_p=0.1, seed=(2, 3))])
-def test_pipelined_varlen_with_empty_sequences(D, opts, monkeypatch):
+@pytest.mark.parametrize("fwd", FORWARDS)
+def test_pipelined_varlen_with_empty_sequences(D, opts, monkeypatch, fwd):
     """Packed sequences (some empty on the query or the key side) against
     each sequence alone through the fp32 reference."""
-    own_forward(monkeypatch, "auto")
+    own_forward(monkeypatch, fwd)
     gen = torch.Generator().manual_seed(D)
     lq = torch.tensor([0, 130, 1, 257, 64, 0, 999])
     lk = torch.tensor([5, 129, 0, 300, 64, 7, 1000])
@@ -547,7 +555,7 @@ def test_pipelined_matches_basic_kernel(dtype, D, opts, monkeypatch):
     kw = dict(case["kwargs"], **{k: v for k, v in opts.items() if k not in ("bias", "mask")})
     q, k, v = (case[n].detach() for n in ("q", "k", "v"))
     runs = {}
-    for kernel in ("basic", "auto", "pipelined_previous"):
+    for kernel in ("basic", "auto", "pipelined_previous", "hopper"):
         own_forward(monkeypatch, kernel)
         out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
         runs[kernel] = (out.float(), lse)
@@ -557,7 +565,7 @@ def test_pipelined_matches_basic_kernel(dtype, D, opts, monkeypatch):
     ref, _ = attention_reference(q, k, v, upcast=True, **ref_kw)
     low, _ = attention_reference(q, k, v, upcast=False, **ref_kw)
     tol = 4 * max_err(low, ref) + 1e-5 * max(1.0, ref.float().abs().max().item())
-    for kernel in ("auto", "pipelined_previous"):
+    for kernel in ("auto", "pipelined_previous", "hopper"):
         assert max_err(runs[kernel][0], runs["basic"][0]) <= tol, kernel
         lse_a, lse_b = runs[kernel][1], runs["basic"][1]
         assert torch.equal(torch.isfinite(lse_a), torch.isfinite(lse_b)), kernel
@@ -565,19 +573,21 @@ def test_pipelined_matches_basic_kernel(dtype, D, opts, monkeypatch):
         assert (lse_a[fin] - lse_b[fin]).abs().max().item() < 1e-3 * max(1.0, lse_a[fin].abs().max().item())
 
 
-def test_pipelined_large_and_multi_block(monkeypatch):
+@pytest.mark.parametrize("fwd", FORWARDS)
+def test_pipelined_large_and_multi_block(monkeypatch, fwd):
     """Several query blocks and many key tiles (the double buffer wraps many
     times), causal with Sq < Sk, both head dims in one run."""
-    own_forward(monkeypatch, "auto")
+    own_forward(monkeypatch, fwd)
     for D in PIPELINED_DIMS:
         case = gpu_case(B=1, Sq=1531, Sk=4099, Hq=4, Hkv=2, D=D, seed=D)
         check_case(case, causal=True, check_grads=False)
         check_case(case, check_grads=False)
 
 
-def test_pipelined_output_strides(monkeypatch):
+@pytest.mark.parametrize("fwd", FORWARDS)
+def test_pipelined_output_strides(monkeypatch, fwd):
     """q, k, v as views with row and head strides of a packed qkv tensor."""
-    own_forward(monkeypatch, "auto")
+    own_forward(monkeypatch, fwd)
     gen = torch.Generator().manual_seed(7)
     qkv = torch.randn(2, 300, 3, 4, 128, generator=gen).bfloat16().cuda()
     q, k, v = qkv.unbind(2)

@@ -229,8 +229,12 @@ def backends() -> dict:
     """Which attention paths this build and process can use:
     {name: (usable, detail)}, detail being a version or the reason it is not."""
     has_cuda = bool(getattr(_core, "attention_has_cuda", False))
+    hopper, why = _core.attention_hopper_forward_status()
+    own = ("CUDA kernels (sm_90a); Hopper forward kernel: " +
+           ("built (SYMHEAP_ATTN_OWN_FORWARD=hopper)" if hopper else why)) if has_cuda else \
+        "symheap was built without CUDA"
     return {
         "cpu": (True, "C++ kernels, float32/float16/bfloat16"),
-        "own": (has_cuda, "CUDA kernels (sm_90a)" if has_cuda else "symheap was built without CUDA"),
+        "own": (has_cuda, own),
         "cudnn": tuple(cudnn_status()),
     }

@@ -23,6 +23,7 @@ namespace {
 struct DeviceProps {
   int sm_count = 0;
   int smem_optin = 0;
+  int cc_major = 0, cc_minor = 0;
 };
 
 std::shared_ptr<DeviceProps> device_props(int device) {
@@ -33,12 +34,26 @@ std::shared_ptr<DeviceProps> device_props(int device) {
             cudaDeviceGetAttribute(&props->sm_count, cudaDevAttrMultiProcessorCount, device));
         SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&props->smem_optin,
                                                   cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+        SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&props->cc_major, cudaDevAttrComputeCapabilityMajor, device));
+        SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&props->cc_minor, cudaDevAttrComputeCapabilityMinor, device));
         return props;
       });
 }
 
 struct KernelReady {};
 }  // namespace
+
+// The Hopper forward kernel's sm_90a code runs on compute capability 9.0 only.
+void require_hopper(int device) {
+  const std::string why = hopper_forward_unavailable_reason();
+  if (!why.empty())
+    throw Unsupported(std::string("attention: ") + kOwnForwardEnv + "='" + kOwnForwardHopper + "' but " + why);
+  auto props = device_props(device);
+  if (props->cc_major != 9 || props->cc_minor != 0)
+    throw Unsupported(std::string("attention: ") + kOwnForwardEnv + "='" + kOwnForwardHopper +
+                      "' needs a compute capability 9.0 GPU (H100/H200); device " + std::to_string(device) +
+                      " is " + std::to_string(props->cc_major) + "." + std::to_string(props->cc_minor));
+}
 
 void ensure_smem(int device, const void* kernel, size_t smem, const std::string& key) {
   auto props = device_props(device);
@@ -208,6 +223,14 @@ void forward_cuda(const Args& a, int device, void* stream) {
                        a.q.dtype == DType::F16 ? "f16" : "bf16"};
   const cuda::KArgs k = kernel_args(a);
   const char* kernel = own_forward_kernel(a.head_dim);
+  if (std::strcmp(kernel, kOwnForwardHopper) == 0) {
+    cuda::require_hopper(device);
+#ifdef SYMHEAP_WITH_HOPPER_ATTN
+    if (a.q.dtype == DType::F16) cuda::run_forward_hopper_f16(l, k);
+    else cuda::run_forward_hopper_bf16(l, k);
+#endif
+    return;
+  }
   const bool previous = std::strcmp(kernel, kOwnForwardPrevious) == 0;
   const bool pipelined = previous || std::strcmp(kernel, "pipelined") == 0;
   if (a.q.dtype == DType::F16) cuda::run_forward_f16(l, k, pipelined, previous);

@@ -303,5 +303,10 @@ void run_forward_f16(const Launch& l, const KArgs& p, bool pipelined, bool previ
 void run_backward_f16(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant);
 void run_forward_bf16(const Launch& l, const KArgs& p, bool pipelined, bool previous);
 void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant);
+// Defined in attention_cuda_hopper_{f16,bf16}.cu, built with CUTLASS's headers
+// (SYMHEAP_WITH_HOPPER_ATTN); attention_cuda.cu checks the device first.
+void run_forward_hopper_f16(const Launch& l, const KArgs& p);
+void run_forward_hopper_bf16(const Launch& l, const KArgs& p);
+void require_hopper(int device);
 
 }  // namespace symheap::attention::cuda

@@ -86,8 +86,18 @@ const char* own_kernel(const char* env_name, int head_dim, std::initializer_list
 }
 }  // namespace
 
+std::string hopper_forward_unavailable_reason() {
+#ifdef SYMHEAP_WITH_HOPPER_ATTN
+  return "";
+#elif defined(SYMHEAP_HOPPER_MISSING)
+  return std::string("the Hopper forward kernel was not built: ") + SYMHEAP_HOPPER_MISSING;
+#else
+  return "the Hopper forward kernel was not built";
+#endif
+}
+
 const char* own_forward_kernel(int head_dim) {
-  return own_kernel(kOwnForwardEnv, head_dim, {kOwnForwardPrevious});
+  return own_kernel(kOwnForwardEnv, head_dim, {kOwnForwardPrevious, kOwnForwardHopper});
 }
 const char* own_backward_kernel(int head_dim) {
   return own_kernel(kOwnBackwardEnv, head_dim,

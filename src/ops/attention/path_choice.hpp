@@ -36,9 +36,16 @@ Path choose_path(const std::optional<std::string>& requested, bool on_cuda);
 // compare the two), = "pipelined_previous" the pipelined kernel with its
 // softmax before the lean one (kLean in cuda_forward_pipelined.cuh, the
 // default without logit features for a positive scale); unset, empty or
-// "auto" is the default rule.
+// "auto" is the default rule. = "hopper" runs the Hopper kernel
+// (cuda_forward_hopper.cuh: both products on wgmma) at the same head dims;
+// it needs sm_90 and a build with CUTLASS's headers (hopper_forward_unavailable_reason),
+// else the call raises Unsupported naming why.
 inline constexpr const char* kOwnForwardEnv = "SYMHEAP_ATTN_OWN_FORWARD";
 inline constexpr const char* kOwnForwardPrevious = "pipelined_previous";
+inline constexpr const char* kOwnForwardHopper = "hopper";
+
+// "" when the Hopper forward kernel is built in, else why not.
+std::string hopper_forward_unavailable_reason();
 
 // Head dims (as the CUDA path runs them, padded to a multiple of 8) the
 // pipelined forward kernel is compiled for.
@@ -51,7 +58,7 @@ inline bool pipelined_forward_serves(int head_dim) {
 // compiled for; it runs there without logit features.
 constexpr bool shared_dkdv_serves(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
-// "pipelined", "pipelined_previous" or "basic" for a call of this head dim,
+// "pipelined", "pipelined_previous", "hopper" or "basic" for a call of this head dim,
 // reading $SYMHEAP_ATTN_OWN_FORWARD; another value of it is InvalidArgument.
 const char* own_forward_kernel(int head_dim);
 

@@ -1,0 +1,6 @@
+// float16 instantiation of the Hopper forward kernel.
+#include "ops/attention/cuda_forward_hopper_launch.cuh"
+
+namespace symheap::attention::cuda {
+void run_forward_hopper_f16(const Launch& l, const KArgs& p) { run_forward_hopper<__half>(l, p); }
+}  // namespace symheap::attention::cuda

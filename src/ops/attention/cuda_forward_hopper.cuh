@@ -1,0 +1,349 @@
+// Hopper forward kernel (sm_90a; head dims 64, 128 and 256, exactly): both
+// products on the warpgroup tensor-core instructions (wgmma). One CTA per 128
+// query rows, two warpgroups of 64 rows each. S = Q K^T reads Q and K from
+// shared memory (128-byte swizzled, the layout wgmma's descriptors name);
+// O += P V takes P from registers (the fp32 accumulator of S converted in
+// place: the wgmma accumulator and register-operand layouts line up, as for
+// mma.sync) and V from shared memory, read transposed by the instruction.
+// K and V tiles stream through two shared-memory buffers each with cp.async
+// (tile j+1 loads while tile j is computed). The softmax, the masks and the
+// logit features are those of the pipelined kernel (cuda_forward_pipelined.cuh):
+// each thread holds rows g and g + 8 of its warp's 16, columns 2t, 2t + 1 of
+// every 8, exactly as there.
+// CuTe (CUTLASS's headers, the nvidia-cutlass wheel) builds the swizzled
+// layouts and the wgmma descriptors; nothing else of CUTLASS is used.
+#pragma once
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+
+#include "ops/attention/cuda_common.cuh"
+
+namespace symheap::attention::cuda {
+
+namespace hopper {
+template <class T>
+struct CuteType;
+template <>
+struct CuteType<__half> {
+  using type = cute::half_t;
+};
+template <>
+struct CuteType<__nv_bfloat16> {
+  using type = cute::bfloat16_t;
+};
+}  // namespace hopper
+
+template <class T, int DB>
+struct HopperFwdConfig {
+  static_assert(DB == 64 || DB == 128 || DB == 256, "the Hopper forward serves head dims 64, 128 and 256");
+  using E = typename hopper::CuteType<T>::type;
+  static constexpr int kBlockM = 128;
+  // 64 keys at head dim 256: the output accumulator then takes 128 registers
+  // a thread, the scores 32.
+  static constexpr int kBlockN = DB <= 128 ? 128 : 64;
+  static constexpr int kThreads = 256;  // two warpgroups of 64 query rows
+
+  using BM = cute::Int<kBlockM>;
+  using BN = cute::Int<kBlockN>;
+  using D = cute::Int<DB>;
+  // S (BM x BN) = Q (BM x DB) K^T; each warpgroup takes 64 rows.
+  using MmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, BN, D>>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  // O (BM x DB) += P (BM x BN, registers) V; V is stored keys x DB, so as
+  // the B operand (DB x keys) it is MN-major.
+  using MmaO = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<E, E, float, cute::Shape<cute::_64, D, BN>, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  using SmemQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BM, D>{}));
+  // K and V: two buffers each (the third mode).
+  using SmemKV =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BN, D, cute::_2>{}));
+  // V^T: the same bytes seen as DB x keys.
+  using SmemVt = decltype(cute::composition(
+      SmemKV{}, cute::make_ordered_layout(cute::Shape<D, BN, cute::_2>{},
+                                          cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  static constexpr int kQElems = cute::cosize_v<SmemQ>;
+  static constexpr int kKVElems = cute::cosize_v<SmemKV>;
+  // The swizzle repeats every 1024 bytes and is applied by the hardware to
+  // addresses: every tile starts 1024-byte aligned (the base is aligned in
+  // the kernel, hence the extra 1024).
+  static_assert((kQElems * sizeof(E)) % 1024 == 0 && (kKVElems * sizeof(E)) % 1024 == 0, "1024-byte tiles");
+  static constexpr size_t kSmem = sizeof(E) * (kQElems + 2 * kKVElems) + 1024;
+};
+
+namespace hopper {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronously; zeros when !valid (no read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Shared memory written through the generic proxy (cp.async, stores) made
+// visible to the async proxy that wgmma reads it through.
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ float exp2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Element (r, c) of a shared tile. The layouts' swizzle acts on byte
+// addresses, so an element's place comes through the tensor (which applies it
+// to the pointer), never from the layout's own offsets.
+template <class Tensor, class... Coord>
+__device__ __forceinline__ auto* at(Tensor& s, Coord... coord) {
+  return cute::raw_pointer_cast(&s(coord...));
+}
+
+// Rows [0, ROWS) of a global tile (row stride in elements, DB columns) into
+// the shared tile `s` (rows x DB); rows >= valid_rows become zeros. `g` must
+// point at a readable row.
+template <int ROWS, int DB, int NT, class E, class Tensor>
+__device__ __forceinline__ void load_tile(Tensor s, const E* g, int64_t row_stride, int valid_rows) {
+  constexpr int kChunks = DB / 8;
+  static_assert((ROWS * kChunks) % NT == 0, "whole tile rounds per thread");
+#pragma unroll
+  for (int it = 0; it < ROWS * kChunks / NT; ++it) {
+    const int idx = static_cast<int>(threadIdx.x) + it * NT;
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool ok = r < valid_rows;
+    cp_async16(smem_addr(at(s, r, c * 8)), ok ? g + r * row_stride + c * 8 : g, ok);
+  }
+}
+
+// One warpgroup product C (+)= A B, issued and waited for. kZeroInit: C = A B;
+// kRegA: A is a register fragment (else shared-memory descriptors).
+template <bool kZeroInit, bool kRegA, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA& a, const TB& b, TC& c) {
+  using namespace cute;
+  if constexpr (kRegA) warpgroup_fence_operand(a);
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegA) warpgroup_fence_operand(a);
+}
+
+}  // namespace hopper
+
+template <class T, int DB, bool kFeatures>
+__global__ void __launch_bounds__(256, 1) attention_fwd_hopper_kernel(const KArgs p) {
+  using namespace cute;
+  using namespace hopper;
+  using C = HopperFwdConfig<T, DB>;
+  using E = typename C::E;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  extern __shared__ unsigned char smem_raw[];
+  E* q_s = reinterpret_cast<E*>(smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024));
+  E* k_s = q_s + C::kQElems;
+  E* v_s = k_s + C::kKVElems;
+  Tensor sQ = make_tensor(make_smem_ptr(q_s), typename C::SmemQ{});
+  Tensor sK = make_tensor(make_smem_ptr(k_s), typename C::SmemKV{});
+  Tensor sV = make_tensor(make_smem_ptr(v_s), typename C::SmemKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(v_s), typename C::SmemVt{});
+
+  // The heaviest query blocks (the last ones under a causal mask) start first.
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * BM, hq = blockIdx.y, b = blockIdx.z;
+  const Seq seq = sequence(p, b);
+  if (m0 >= seq.sq) return;
+  const int hk = hq / p.group;
+  const int tid = threadIdx.x, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  const int rows = min(BM, seq.sq - m0);
+  const int warp_row0 = (tid / 32) * 16;  // this warp's first row (warpgroup w: rows 64 w ..)
+  auto row = [&](int h) { return m0 + warp_row0 + g + 8 * h; };
+
+  const E* q = static_cast<const E*>(p.q) + b * p.q_sb + (seq.q0 + m0) * p.q_sr + hq * p.q_sh;
+  const E* k = static_cast<const E*>(p.k) + b * p.k_sb + seq.k0 * p.k_sr + hk * p.k_sh;
+  const E* v = static_cast<const E*>(p.v) + b * p.v_sb + seq.k0 * p.v_sr + hk * p.v_sh;
+
+  // Key tiles [n_begin, n_end) hold every key some row of this block sees;
+  // a tile is "full" when every row sees every key of it.
+  const detail::KeyRange first = detail::visible_keys(m0, seq.sq, seq.sk, p.win_left, p.win_right);
+  const detail::KeyRange last = detail::visible_keys(m0 + rows - 1, seq.sq, seq.sk, p.win_left, p.win_right);
+  const int n_begin = first.lo / BN * BN, n_end = last.hi;
+
+  // Prologue: Q and the first K tile (group 0), the first V tile (group 1).
+  load_tile<BM, DB, NT>(sQ, q, p.q_sr, rows);
+  if (n_begin < n_end) load_tile<BN, DB, NT>(sK(_, _, 0), k + n_begin * p.k_sr, p.k_sr, seq.sk - n_begin);
+  cp_async_commit();
+  if (n_begin < n_end) load_tile<BN, DB, NT>(sV(_, _, 0), v + n_begin * p.v_sr, p.v_sr, seq.sk - n_begin);
+  cp_async_commit();
+
+  typename C::MmaS mma_s;
+  typename C::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // descriptors (MMA, 1, DB / 16)
+  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, 1, DB / 16, 2)
+  Tensor tOrVt = thr_o.partition_fragment_B(sVt); // (MMA, 1, BN / 16, 2)
+  // Accumulators: element 4 nt + 2 h + c is (row g + 8 h, column 8 nt + 2 t + c).
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<BM>, Int<BN>>{});
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<BM>, Int<DB>>{});
+  // P as the A operand: element i is element i of S (the layouts line up).
+  Tensor tOrP = make_tensor<E>(partition_shape_A(mma_o, Shape<Int<BM>, Int<BN>>{}));
+  static_assert(size(decltype(tSrS){}) == BN / 2 && size(decltype(tOrO){}) == DB / 2 &&
+                    size(decltype(tOrP){}) == BN / 2,
+                "one 64-row warpgroup tile per thread");
+  clear(tOrO);
+
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  const float scale_log2 = p.scale * kLog2e;
+  const LogitCtx logit(p, b, hq, seq);
+  const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
+
+  for (int n0 = n_begin, it = 0; n0 < n_end; n0 += BN, ++it) {
+    const int buf = it & 1;
+    const bool has_next = n0 + BN < n_end;
+    cp_async_wait<1>();  // K tile `it` (and Q) landed; V tile `it` may still fly
+    fence_async_shared();
+    __syncthreads();     // ... for every thread; and K tile it-1 is consumed
+    if (has_next)
+      load_tile<BN, DB, NT>(sK(_, _, buf ^ 1), k + (n0 + BN) * p.k_sr, p.k_sr, seq.sk - n0 - BN);
+    cp_async_commit();  // possibly empty: keeps the group count uniform
+
+    warpgroup_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, buf), tSrS);
+
+    // Logits in log2 units; -inf where hidden.
+    if constexpr (kFeatures) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) {
+        float dcap;
+        tSrS(i) = logit(p, tSrS(i), row((i >> 1) & 1), n0 + (i >> 2) * 8 + 2 * t + (i & 1), &dcap) * kLog2e;
+      }
+    } else if (n0 >= last.lo && n0 + BN <= first.hi) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) tSrS(i) *= scale_log2;
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const detail::KeyRange r = detail::visible_keys(row(h), seq.sq, seq.sk, p.win_left, p.win_right);
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int i = 4 * nt + 2 * h + c, j = n0 + nt * 8 + 2 * t + c;
+            tSrS(i) = j >= r.lo && j < r.hi ? tSrS(i) * scale_log2 : -INFINITY;
+          }
+      }
+    }
+
+    // Online softmax: new running max, rescale what was summed so far.
+    float base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) tile_max = fmaxf(tile_max, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
+      const float m_new = fmaxf(row_max[h], quad_max(tile_max));
+      base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
+      const float rescale = exp2_fast(row_max[h] - base[h]);
+      row_max[h] = m_new;
+      row_sum[h] *= rescale;
+#pragma unroll
+      for (int dt = 0; dt < DB / 8; ++dt) {
+        tOrO(4 * dt + 2 * h) *= rescale;
+        tOrO(4 * dt + 2 * h + 1) *= rescale;
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = exp2_fast(tSrS(4 * nt + e) - base[e >> 1]);
+        row_sum[e >> 1] += x;
+        tSrS(4 * nt + e) = x;
+      }
+      if constexpr (kFeatures) {
+        if (p.dropout) {
+          const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
+          const detail::U32x4 lo_bits = dropout_quad(p, bh, row(0), j0);
+          const detail::U32x4 hi_bits = dropout_quad(p, bh, row(1), j0);
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            tSrS(4 * nt + e) *= dropout_keep(p, (e >> 1) ? hi_bits : lo_bits, j0 + (e & 1));
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 2; i += 2) {
+      const uint32_t two = Pack<T>::two(tSrS(i), tSrS(i + 1));
+      tOrP(i) = reinterpret_cast<const E*>(&two)[0];
+      tOrP(i + 1) = reinterpret_cast<const E*>(&two)[1];
+    }
+
+    cp_async_wait<1>();  // V tile `it` landed
+    fence_async_shared();
+    __syncthreads();     // ... for every thread; and V tile it-1 is consumed
+    if (has_next)
+      load_tile<BN, DB, NT>(sV(_, _, buf ^ 1), v + (n0 + BN) * p.v_sr, p.v_sr, seq.sk - n0 - BN);
+    cp_async_commit();
+
+    warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+  }
+  cp_async_wait<0>();
+  // Without a key tile no barrier has passed since the Q load, and every
+  // thread copied rows of every warp: wait for all of them before the
+  // staging below overwrites those rows.
+  if (n_begin >= n_end) __syncthreads();
+
+  // Each warp stages its 16 rows of the output in its own rows of sQ (only
+  // its warpgroup's products read them, and those are done), then writes
+  // them out with 16-byte stores.
+  float inv[2], lse[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float sum = quad_sum(row_sum[h]);
+    inv[h] = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: zeros, not NaN
+    lse[h] = sum > 0.0f ? row_max[h] * kLn2 + __logf(sum) : -INFINITY;
+  }
+  if (t == 0) {
+    float* l = p.lse + b * p.lse_sb + hq * p.lse_sh + seq.q0;
+    if (row(0) < seq.sq) l[row(0)] = lse[0];
+    if (row(1) < seq.sq) l[row(1)] = lse[1];
+  }
+#pragma unroll
+  for (int dt = 0; dt < DB / 8; ++dt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<uint32_t*>(at(sQ, warp_row0 + g + 8 * h, dt * 8 + 2 * t)) =
+          Pack<T>::two(tOrO(4 * dt + 2 * h) * inv[h], tOrO(4 * dt + 2 * h + 1) * inv[h]);
+  __syncwarp();
+  const int warp_rows = min(16, rows - warp_row0);
+  if (warp_rows > 0) {
+    E* out = static_cast<E*>(p.out) + b * p.o_sb + (seq.q0 + m0 + warp_row0) * p.o_sr + hq * p.o_sh;
+    constexpr int kChunks = DB / 8;
+#pragma unroll
+    for (int it = 0; it < 16 * kChunks / 32; ++it) {
+      const int idx = lane + it * 32, r = idx / kChunks, c = idx % kChunks;
+      if (r < warp_rows)
+        *reinterpret_cast<uint4*>(out + r * p.o_sr + c * 8) =
+            *reinterpret_cast<const uint4*>(at(sQ, warp_row0 + r, c * 8));
+    }
+  }
+}
+
+}  // namespace symheap::attention::cuda
