@@ -82,11 +82,12 @@ def test_repeat_calls_with_changing_options_match_the_reference(monkeypatch):
     assert (out - attention_reference(q2, k[:1], v[:1], causal=True)[0]).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("env", [None, "", "auto", "basic", "pipelined_previous", "hopper"])
+@pytest.mark.parametrize("env", [None, "", "auto", "basic", "pipelined_previous", "hopper", "pipelined"])
 def test_own_forward_kernel_choice(monkeypatch, env):
-    """The own CUDA forward kernel per (padded) head dim: the pipelined kernel
-    for 64, 128 and 256 (with the softmax before the lean one, or the Hopper
-    kernel, when the variable asks for it), the basic one elsewhere or when
+    """The own CUDA forward kernel per (padded) head dim: for 64, 128 and 256
+    the Hopper kernel where it is built, else the pipelined one, or the one
+    the variable names (the pipelined kernel with the softmax before the lean
+    one, the Hopper or the pipelined kernel); the basic one elsewhere or when
     the variable forces it."""
     from symheap import _core
     name = _core.attention_own_forward_env
@@ -96,7 +97,8 @@ def test_own_forward_kernel_choice(monkeypatch, env):
     else:
         monkeypatch.setenv(name, env)
     for d in (8, 32, 56, 64, 72, 96, 120, 128, 136, 192, 256):
-        pipelined = env if env in ("pipelined_previous", "hopper") else "pipelined"
+        default = "hopper" if _core.attention_hopper_forward_status()[0] else "pipelined"
+        pipelined = env if env in ("pipelined_previous", "hopper", "pipelined") else default
         want = pipelined if d in (64, 128, 256) and env != "basic" else "basic"
         assert _core.attention_own_forward_kernel(d) == want, d
 
@@ -104,7 +106,7 @@ def test_own_forward_kernel_choice(monkeypatch, env):
 def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
     from symheap import _core
     monkeypatch.setenv("SYMHEAP_ATTN_OWN_FORWARD", "fast")
-    with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_FORWARD must be 'auto', 'basic', 'pipelined_previous' or 'hopper'"):
+    with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_FORWARD must be 'auto', 'basic', 'pipelined_previous', 'hopper' or 'pipelined'"):
         _core.attention_own_forward_kernel(64)
 
 

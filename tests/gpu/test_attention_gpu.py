@@ -430,19 +430,21 @@ RAGGED = [(1, 1), (17, 17), (1, 1000), (17, 129), (127, 129), (129, 127), (1000,
           (1000, 17), (257, 1000)]
 
 
-# The forward kernels of those head dims: the pipelined one (the default) and
-# the Hopper one (wgmma; cuda_forward_hopper.cuh).
-FORWARDS = ["auto", "hopper"]
+# The forward kernels of those head dims: the Hopper one (wgmma;
+# cuda_forward_hopper.cuh; the default where built) and the pipelined one.
+FORWARDS = ["hopper", "pipelined"]
+DEFAULT_FORWARD = "hopper" if _core.attention_hopper_forward_status()[0] else "pipelined"
 
 
 def own_forward(monkeypatch, kernel):
-    """Forces the own kernels and the forward kernel ("auto" = pipelined
-    where it serves, "basic", "pipelined_previous" = pipelined with the softmax
-    before the lean one, "hopper"), and checks the choice is what the test expects."""
+    """Forces the own kernels and the forward kernel ("auto" = the Hopper
+    kernel where built, else the pipelined one, "hopper", "pipelined", "basic",
+    "pipelined_previous" = pipelined with the softmax before the lean one), and
+    checks the choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_forward_env, kernel)
     for d in PIPELINED_DIMS:
-        assert _core.attention_own_forward_kernel(d) == ("pipelined" if kernel == "auto" else kernel)
+        assert _core.attention_own_forward_kernel(d) == (DEFAULT_FORWARD if kernel == "auto" else kernel)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -555,7 +557,7 @@ def test_pipelined_matches_basic_kernel(dtype, D, opts, monkeypatch):
     kw = dict(case["kwargs"], **{k: v for k, v in opts.items() if k not in ("bias", "mask")})
     q, k, v = (case[n].detach() for n in ("q", "k", "v"))
     runs = {}
-    for kernel in ("basic", "auto", "pipelined_previous", "hopper"):
+    for kernel in ("basic", "pipelined", "pipelined_previous", "hopper"):
         own_forward(monkeypatch, kernel)
         out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
         runs[kernel] = (out.float(), lse)
@@ -565,7 +567,7 @@ def test_pipelined_matches_basic_kernel(dtype, D, opts, monkeypatch):
     ref, _ = attention_reference(q, k, v, upcast=True, **ref_kw)
     low, _ = attention_reference(q, k, v, upcast=False, **ref_kw)
     tol = 4 * max_err(low, ref) + 1e-5 * max(1.0, ref.float().abs().max().item())
-    for kernel in ("auto", "pipelined_previous", "hopper"):
+    for kernel in ("pipelined", "pipelined_previous", "hopper"):
         assert max_err(runs[kernel][0], runs["basic"][0]) <= tol, kernel
         lse_a, lse_b = runs[kernel][1], runs["basic"][1]
         assert torch.equal(torch.isfinite(lse_a), torch.isfinite(lse_b)), kernel

@@ -6,8 +6,10 @@
 // place: the wgmma accumulator and register-operand layouts line up, as for
 // mma.sync) and V from shared memory, read transposed by the instruction.
 // K and V tiles stream through two shared-memory buffers each with cp.async
-// (tile j+1 loads while tile j is computed). The softmax, the masks and the
-// logit features are those of the pipelined kernel (cuda_forward_pipelined.cuh):
+// (tile j+1 loads while tile j is computed; one barrier a tile). The softmax
+// (kLean: its lean form without logit features and for a positive scale), the
+// masks and the logit features are those of the pipelined kernel
+// (cuda_forward_pipelined.cuh):
 // each thread holds rows g and g + 8 of its warp's 16, columns 2t, 2t + 1 of
 // every 8, exactly as there.
 // CuTe (CUTLASS's headers, the nvidia-cutlass wheel) builds the swizzled
@@ -149,8 +151,9 @@ __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA& a, const TB& b, TC&
 
 }  // namespace hopper
 
-template <class T, int DB, bool kFeatures>
+template <class T, int DB, bool kFeatures, bool kLean>
 __global__ void __launch_bounds__(256, 1) attention_fwd_hopper_kernel(const KArgs p) {
+  static_assert(!(kLean && kFeatures), "the lean softmax has no logit features");
   using namespace cute;
   using namespace hopper;
   using C = HopperFwdConfig<T, DB>;
@@ -186,11 +189,12 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_hopper_kernel(const KArg
   const detail::KeyRange last = detail::visible_keys(m0 + rows - 1, seq.sq, seq.sk, p.win_left, p.win_right);
   const int n_begin = first.lo / BN * BN, n_end = last.hi;
 
-  // Prologue: Q and the first K tile (group 0), the first V tile (group 1).
+  // Prologue: Q and the first K and V tiles.
   load_tile<BM, DB, NT>(sQ, q, p.q_sr, rows);
-  if (n_begin < n_end) load_tile<BN, DB, NT>(sK(_, _, 0), k + n_begin * p.k_sr, p.k_sr, seq.sk - n_begin);
-  cp_async_commit();
-  if (n_begin < n_end) load_tile<BN, DB, NT>(sV(_, _, 0), v + n_begin * p.v_sr, p.v_sr, seq.sk - n_begin);
+  if (n_begin < n_end) {
+    load_tile<BN, DB, NT>(sK(_, _, 0), k + n_begin * p.k_sr, p.k_sr, seq.sk - n_begin);
+    load_tile<BN, DB, NT>(sV(_, _, 0), v + n_begin * p.v_sr, p.v_sr, seq.sk - n_begin);
+  }
   cp_async_commit();
 
   typename C::MmaS mma_s;
@@ -218,16 +222,21 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_hopper_kernel(const KArg
   for (int n0 = n_begin, it = 0; n0 < n_end; n0 += BN, ++it) {
     const int buf = it & 1;
     const bool has_next = n0 + BN < n_end;
-    cp_async_wait<1>();  // K tile `it` (and Q) landed; V tile `it` may still fly
+    // One barrier a tile: the K and V tiles `it` (and Q) landed for every
+    // thread, and both warpgroups are done with tile it-1, whose buffers the
+    // next tile's copies take (they fly during this tile's products).
+    cp_async_wait<0>();
     fence_async_shared();
-    __syncthreads();     // ... for every thread; and K tile it-1 is consumed
-    if (has_next)
+    __syncthreads();
+    if (has_next) {
       load_tile<BN, DB, NT>(sK(_, _, buf ^ 1), k + (n0 + BN) * p.k_sr, p.k_sr, seq.sk - n0 - BN);
-    cp_async_commit();  // possibly empty: keeps the group count uniform
+      load_tile<BN, DB, NT>(sV(_, _, buf ^ 1), v + (n0 + BN) * p.v_sr, p.v_sr, seq.sk - n0 - BN);
+    }
+    cp_async_commit();
 
     warpgroup_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, buf), tSrS);
 
-    // Logits in log2 units; -inf where hidden.
+    // Logits in log2 units (raw scores for kLean); -inf where hidden.
     if constexpr (kFeatures) {
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) {
@@ -235,8 +244,10 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_hopper_kernel(const KArg
         tSrS(i) = logit(p, tSrS(i), row((i >> 1) & 1), n0 + (i >> 2) * 8 + 2 * t + (i & 1), &dcap) * kLog2e;
       }
     } else if (n0 >= last.lo && n0 + BN <= first.hi) {
+      if constexpr (!kLean) {  // the lean softmax scales inside its FFMA
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) tSrS(i) *= scale_log2;
+        for (int i = 0; i < BN / 2; ++i) tSrS(i) *= scale_log2;
+      }
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -246,45 +257,82 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_hopper_kernel(const KArg
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int i = 4 * nt + 2 * h + c, j = n0 + nt * 8 + 2 * t + c;
-            tSrS(i) = j >= r.lo && j < r.hi ? tSrS(i) * scale_log2 : -INFINITY;
+            const float x = kLean ? tSrS(i) : tSrS(i) * scale_log2;
+            tSrS(i) = j >= r.lo && j < r.hi ? x : -INFINITY;
           }
       }
     }
 
-    // Online softmax: new running max, rescale what was summed so far.
-    float base[2];
+    if constexpr (kLean) {
+      // The pipelined kernel's lean softmax (cuda_forward_pipelined.cuh): the
+      // max of raw scores (scale > 0), the scale inside the exp2's FFMA, and
+      // a row's base moves only when a tile's max passes it by 2^8, so the
+      // output is rescaled only when some base of the warp moved.
+      constexpr float kStaleMax = 8.0f;
+      float neg_base[2], rescale[2];
+      bool moved = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float tile_max = -INFINITY;
+      for (int h = 0; h < 2; ++h) {
+        float tile_max = -INFINITY;
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) tile_max = fmaxf(tile_max, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
-      const float m_new = fmaxf(row_max[h], quad_max(tile_max));
-      base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
-      const float rescale = exp2_fast(row_max[h] - base[h]);
-      row_max[h] = m_new;
-      row_sum[h] *= rescale;
-#pragma unroll
-      for (int dt = 0; dt < DB / 8; ++dt) {
-        tOrO(4 * dt + 2 * h) *= rescale;
-        tOrO(4 * dt + 2 * h + 1) *= rescale;
+        for (int nt = 0; nt < BN / 8; ++nt)
+          tile_max = fmaxf(tile_max, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
+        const float tile_m = quad_max(tile_max) * scale_log2;
+        const float m_new = tile_m > row_max[h] + kStaleMax ? tile_m : row_max[h];
+        const float base = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet
+        moved |= m_new != row_max[h];
+        rescale[h] = exp2_fast(row_max[h] - base);
+        row_sum[h] *= rescale[h];
+        row_max[h] = m_new;
+        neg_base[h] = -base;
       }
-    }
+      if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = exp2_fast(tSrS(4 * nt + e) - base[e >> 1]);
-        row_sum[e >> 1] += x;
-        tSrS(4 * nt + e) = x;
+        for (int i = 0; i < DB / 2; ++i) tOrO(i) *= rescale[(i >> 1) & 1];
       }
-      if constexpr (kFeatures) {
-        if (p.dropout) {
-          const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
-          const detail::U32x4 lo_bits = dropout_quad(p, bh, row(0), j0);
-          const detail::U32x4 hi_bits = dropout_quad(p, bh, row(1), j0);
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            tSrS(4 * nt + e) *= dropout_keep(p, (e >> 1) ? hi_bits : lo_bits, j0 + (e & 1));
+      for (int i = 0; i < BN / 2; ++i) {
+        const float x = exp2_fast(fmaf(tSrS(i), scale_log2, neg_base[(i >> 1) & 1]));
+        row_sum[(i >> 1) & 1] += x;
+        tSrS(i) = x;
+      }
+    } else {
+      // Online softmax: new running max, rescale what was summed so far.
+      float base[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+          tile_max = fmaxf(tile_max, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
+        const float m_new = fmaxf(row_max[h], quad_max(tile_max));
+        base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
+        const float rescale = exp2_fast(row_max[h] - base[h]);
+        row_max[h] = m_new;
+        row_sum[h] *= rescale;
+#pragma unroll
+        for (int dt = 0; dt < DB / 8; ++dt) {
+          tOrO(4 * dt + 2 * h) *= rescale;
+          tOrO(4 * dt + 2 * h + 1) *= rescale;
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x = exp2_fast(tSrS(4 * nt + e) - base[e >> 1]);
+          row_sum[e >> 1] += x;
+          tSrS(4 * nt + e) = x;
+        }
+        if constexpr (kFeatures) {
+          if (p.dropout) {
+            const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
+            const detail::U32x4 lo_bits = dropout_quad(p, bh, row(0), j0);
+            const detail::U32x4 hi_bits = dropout_quad(p, bh, row(1), j0);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              tSrS(4 * nt + e) *= dropout_keep(p, (e >> 1) ? hi_bits : lo_bits, j0 + (e & 1));
+          }
         }
       }
     }
@@ -294,13 +342,6 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_hopper_kernel(const KArg
       tOrP(i) = reinterpret_cast<const E*>(&two)[0];
       tOrP(i + 1) = reinterpret_cast<const E*>(&two)[1];
     }
-
-    cp_async_wait<1>();  // V tile `it` landed
-    fence_async_shared();
-    __syncthreads();     // ... for every thread; and V tile it-1 is consumed
-    if (has_next)
-      load_tile<BN, DB, NT>(sV(_, _, buf ^ 1), v + (n0 + BN) * p.v_sr, p.v_sr, seq.sk - n0 - BN);
-    cp_async_commit();
 
     warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
   }

@@ -7,22 +7,30 @@
 
 namespace symheap::attention::cuda {
 
-template <class T, int DB, bool kFeatures>
+template <class T, int DB, bool kFeatures, bool kLean>
 void forward_hopper(const Launch& l, const KArgs& p) {
   using C = HopperFwdConfig<T, DB>;
   static ReadyDevices ready{0};
-  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures>, dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch),
-         C::kThreads, C::kSmem, p, kFeatures ? "fwd_hopper_features" : "fwd_hopper", DB, ready);
+  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean>,
+         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::kSmem, p,
+         kFeatures ? "fwd_hopper_features" : kLean ? "fwd_hopper_lean" : "fwd_hopper", DB, ready);
 }
 
-// The head dims of pipelined_forward_serves; the logit features compiled in
-// only when the call uses one.
+// The logit features compiled in only when the call uses one; without them
+// the lean softmax for a positive scale (as forward_pipelined_plain decides).
+template <class T, int DB>
+void forward_hopper_bucket(const Launch& l, const KArgs& p) {
+  if (logit_features(p)) return forward_hopper<T, DB, true, false>(l, p);
+  if (p.scale > 1e-30f) return forward_hopper<T, DB, false, true>(l, p);
+  forward_hopper<T, DB, false, false>(l, p);
+}
+
+// The head dims of pipelined_forward_serves.
 template <class T>
 void run_forward_hopper(const Launch& l, const KArgs& p) {
-  const bool features = logit_features(p);
-  if (p.d == 64) return features ? forward_hopper<T, 64, true>(l, p) : forward_hopper<T, 64, false>(l, p);
-  if (p.d == 128) return features ? forward_hopper<T, 128, true>(l, p) : forward_hopper<T, 128, false>(l, p);
-  return features ? forward_hopper<T, 256, true>(l, p) : forward_hopper<T, 256, false>(l, p);
+  if (p.d == 64) return forward_hopper_bucket<T, 64>(l, p);
+  if (p.d == 128) return forward_hopper_bucket<T, 128>(l, p);
+  forward_hopper_bucket<T, 256>(l, p);
 }
 
 }  // namespace symheap::attention::cuda

@@ -97,7 +97,14 @@ std::string hopper_forward_unavailable_reason() {
 }
 
 const char* own_forward_kernel(int head_dim) {
-  return own_kernel(kOwnForwardEnv, head_dim, {kOwnForwardPrevious, kOwnForwardHopper});
+  const char* kernel =
+      own_kernel(kOwnForwardEnv, head_dim, {kOwnForwardPrevious, kOwnForwardHopper, kOwnForwardPipelined});
+  // The default where the pipelined kernel serves: the Hopper kernel, when built.
+  const char* env = std::getenv(kOwnForwardEnv);
+  const bool by_default = !env || !*env || std::strcmp(env, "auto") == 0;
+  if (by_default && std::strcmp(kernel, "pipelined") == 0 && hopper_forward_unavailable_reason().empty())
+    return kOwnForwardHopper;
+  return kernel;
 }
 const char* own_backward_kernel(int head_dim) {
   return own_kernel(kOwnBackwardEnv, head_dim,

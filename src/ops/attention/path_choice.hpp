@@ -36,13 +36,16 @@ Path choose_path(const std::optional<std::string>& requested, bool on_cuda);
 // compare the two), = "pipelined_previous" the pipelined kernel with its
 // softmax before the lean one (kLean in cuda_forward_pipelined.cuh, the
 // default without logit features for a positive scale); unset, empty or
-// "auto" is the default rule. = "hopper" runs the Hopper kernel
-// (cuda_forward_hopper.cuh: both products on wgmma) at the same head dims;
-// it needs sm_90 and a build with CUTLASS's headers (hopper_forward_unavailable_reason),
-// else the call raises Unsupported naming why.
+// "auto" is the default rule: at those head dims the Hopper kernel
+// (cuda_forward_hopper.cuh: both products on wgmma) where it is built
+// (hopper_forward_unavailable_reason), else the pipelined one. = "hopper" or
+// "pipelined" forces either there; the Hopper kernel needs compute
+// capability 9.0 and a build with CUTLASS's headers, else the call raises
+// Unsupported naming why.
 inline constexpr const char* kOwnForwardEnv = "SYMHEAP_ATTN_OWN_FORWARD";
 inline constexpr const char* kOwnForwardPrevious = "pipelined_previous";
 inline constexpr const char* kOwnForwardHopper = "hopper";
+inline constexpr const char* kOwnForwardPipelined = "pipelined";
 
 // "" when the Hopper forward kernel is built in, else why not.
 std::string hopper_forward_unavailable_reason();
