@@ -44,7 +44,12 @@ struct HopperFwdConfig {
   static constexpr int kBlockM = 128;
   // 64 keys at head dim 256: the output accumulator then takes 128 registers
   // a thread, the scores 32.
-  static constexpr int kBlockN = DB <= 128 ? 128 : 64;
+  // 64 keys at head dim 64 too: with 128 registers a thread at most, two CTAs
+  // share an SM, and one's softmax runs while the other's products do.
+  static constexpr int kBlockN = DB == 128 ? 128 : 64;
+  // CTAs per SM (the register cap of __launch_bounds__); the logit features
+  // would spill under 128 registers.
+  static constexpr int min_blocks(bool features) { return DB == 64 && !features ? 2 : 1; }
   static constexpr int kThreads = 256;  // two warpgroups of 64 query rows
 
   using BM = cute::Int<kBlockM>;
@@ -152,7 +157,8 @@ __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA& a, const TB& b, TC&
 }  // namespace hopper
 
 template <class T, int DB, bool kFeatures, bool kLean>
-__global__ void __launch_bounds__(256, 1) attention_fwd_hopper_kernel(const KArgs p) {
+__global__ void __launch_bounds__(256, HopperFwdConfig<T, DB>::min_blocks(kFeatures))
+    attention_fwd_hopper_kernel(const KArgs p) {
   static_assert(!(kLean && kFeatures), "the lean softmax has no logit features");
   using namespace cute;
   using namespace hopper;
