@@ -42,10 +42,10 @@ struct HopperFwdConfig {
   static_assert(DB == 64 || DB == 128 || DB == 256, "the Hopper forward serves head dims 64, 128 and 256");
   using E = typename hopper::CuteType<T>::type;
   static constexpr int kBlockM = 128;
-  // 64 keys at head dim 256: the output accumulator then takes 128 registers
-  // a thread, the scores 32.
-  // 64 keys at head dim 64 too: with 128 registers a thread at most, two CTAs
-  // share an SM, and one's softmax runs while the other's products do.
+  // Keys a tile: 128 at head dim 128; 64 at 256 (the output accumulator takes
+  // 128 registers a thread) and at 64, where a thread then needs at most 128
+  // registers, so two CTAs share an SM and one's softmax runs while the
+  // other's products do.
   static constexpr int kBlockN = DB == 128 ? 128 : 64;
   // CTAs per SM (the register cap of __launch_bounds__); the logit features
   // would spill under 128 registers.
@@ -157,7 +157,7 @@ __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA& a, const TB& b, TC&
 }  // namespace hopper
 
 template <class T, int DB, bool kFeatures, bool kLean>
-__global__ void __launch_bounds__(256, HopperFwdConfig<T, DB>::min_blocks(kFeatures))
+__global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdConfig<T, DB>::min_blocks(kFeatures))
     attention_fwd_hopper_kernel(const KArgs p) {
   static_assert(!(kLean && kFeatures), "the lean softmax has no logit features");
   using namespace cute;
