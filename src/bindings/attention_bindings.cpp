@@ -292,8 +292,8 @@ SYMHEAP_BINDINGS(attention) {
   }, py::arg("backend"), py::arg("on_cuda"));
   m.attr("attention_path_env") = kPathEnv;
   // The own CUDA forward kernel a call of this (padded) head dim runs:
-  // "pipelined" or "basic" ($SYMHEAP_ATTN_OWN_FORWARD can force "basic",
-  // "pipelined_previous" or "hopper").
+  // "hopper", "pipelined" or "basic" ($SYMHEAP_ATTN_OWN_FORWARD can force
+  // any of them, or "pipelined_previous").
   m.def("attention_own_forward_kernel", [](int head_dim) { return std::string(own_forward_kernel(head_dim)); },
         py::arg("head_dim"));
   m.attr("attention_own_forward_env") = kOwnForwardEnv;

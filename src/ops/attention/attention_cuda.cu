@@ -3,6 +3,7 @@
 // allocates device memory or synchronises with the host.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -43,16 +44,23 @@ std::shared_ptr<DeviceProps> device_props(int device) {
 struct KernelReady {};
 }  // namespace
 
-// The Hopper forward kernel's sm_90a code runs on compute capability 9.0 only.
+// The Hopper forward kernel is built in, and its sm_90a code runs on this
+// device (compute capability 9.0); checked once per device (ordinals below 64).
 void require_hopper(int device) {
   const std::string why = hopper_forward_unavailable_reason();
   if (!why.empty())
     throw Unsupported(std::string("attention: ") + kOwnForwardEnv + "='" + kOwnForwardHopper + "' but " + why);
+  static std::atomic<uint64_t> checked{0};
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (checked.load(std::memory_order_acquire) & bit) return;
   auto props = device_props(device);
   if (props->cc_major != 9 || props->cc_minor != 0)
-    throw Unsupported(std::string("attention: ") + kOwnForwardEnv + "='" + kOwnForwardHopper +
-                      "' needs a compute capability 9.0 GPU (H100/H200); device " + std::to_string(device) +
-                      " is " + std::to_string(props->cc_major) + "." + std::to_string(props->cc_minor));
+    throw Unsupported("attention: the Hopper forward kernel (" + std::string(kOwnForwardEnv) + "='" +
+                      kOwnForwardHopper + "', the default where built) needs a compute capability 9.0 GPU "
+                      "(H100/H200); device " + std::to_string(device) + " is " +
+                      std::to_string(props->cc_major) + "." + std::to_string(props->cc_minor) + "; set " +
+                      kOwnForwardEnv + "=pipelined");
+  checked.fetch_or(bit, std::memory_order_acq_rel);
 }
 
 void ensure_smem(int device, const void* kernel, size_t smem, const std::string& key) {

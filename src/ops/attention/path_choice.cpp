@@ -102,8 +102,11 @@ const char* own_forward_kernel(int head_dim) {
   // The default where the pipelined kernel serves: the Hopper kernel, when built.
   const char* env = std::getenv(kOwnForwardEnv);
   const bool by_default = !env || !*env || std::strcmp(env, "auto") == 0;
-  if (by_default && std::strcmp(kernel, "pipelined") == 0 && hopper_forward_unavailable_reason().empty())
-    return kOwnForwardHopper;
+#ifdef SYMHEAP_WITH_HOPPER_ATTN
+  if (by_default && std::strcmp(kernel, "pipelined") == 0) return kOwnForwardHopper;
+#else
+  (void)by_default;
+#endif
   return kernel;
 }
 const char* own_backward_kernel(int head_dim) {
