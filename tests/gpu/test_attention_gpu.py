@@ -613,8 +613,9 @@ def own_backward(monkeypatch, kernel):
     tiles, "pipelined_dkdv_unshared" = with the dK/dV kernel of 64-row tiles
     whose warps each read every Q/dO fragment, "pipelined_dq_fused" = dQ
     inside the shared-fragment dK/dV kernel at head dims 64 and 128 without
-    logit features, "pipelined_dq_separate" = dQ by its own kernel there), and
-    checks the choice is what the test expects."""
+    logit features, "pipelined_dq_separate" = dQ by its own kernel there,
+    "hopper" = the Hopper dK/dV kernel with dQ fused there), and checks the
+    choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_backward_env, kernel)
     for d in PIPELINED_DIMS:
@@ -778,7 +779,7 @@ SHARED_DKDV_DIMS = [64, 128]
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(100, 3)),
                                   dict(window_size=(-1, 40)), dict(window_size=(64, -1))])
 @pytest.mark.parametrize("kernel", ["auto", "pipelined_dq_fused", "pipelined_dq_separate",
-                                    "pipelined_dkdv_unshared"])
+                                    "pipelined_dkdv_unshared", "hopper"])
 def test_pipelined_backward_dkdv_shared(kernel, opts, Sq, Sk, dtype, D, monkeypatch):
     """GQA (4 query heads over 2 kv heads), causal with Sq != Sk both ways
     (whole query and key blocks seeing nothing), windows on either side,
@@ -791,7 +792,8 @@ def test_pipelined_backward_dkdv_shared(kernel, opts, Sq, Sk, dtype, D, monkeypa
 
 @pytest.mark.parametrize("D", SHARED_DKDV_DIMS)
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
-@pytest.mark.parametrize("kernel", ["pipelined_dkdv_unshared", "pipelined_dq_fused", "pipelined_dq_separate"])
+@pytest.mark.parametrize("kernel", ["pipelined_dkdv_unshared", "pipelined_dq_fused", "pipelined_dq_separate",
+                                    "hopper"])
 def test_pipelined_backward_dkdv_variants_varlen(kernel, opts, D, monkeypatch):
     """Packed sequences, some empty on either side, on the 64-row dK/dV kernel
     without shared fragments, with dQ fused into the shared-fragment kernel
