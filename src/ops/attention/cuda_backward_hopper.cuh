@@ -11,8 +11,9 @@
 //   dV += P^T dO and dK += dS^T Q   (P^T, dS^T from registers: the accumulator
 //                                    layout is the register-operand layout, as in
 //                                    the Hopper forward; dO, Q read transposed)
-//   dS^T to shared memory; after a barrier, dQ (64 rows x DB / 2 columns of this
-//   warpgroup) = dS K over the block's 128 keys, added with fp32 atomics.
+//   dS^T to shared memory; after a barrier, dQ (64 rows x 64 columns a
+//   warpgroup; the first alone at head dim 64) = dS K over the block's 128
+//   keys, added with fp32 atomics.
 // Shared memory: the 128-byte swizzled layouts of cuda_forward_hopper.cuh,
 // every element placed through a CuTe tensor (hopper::at).
 #pragma once
@@ -42,11 +43,14 @@ struct HopperDkvConfig {
   using MmaDkv = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<E, E, float, cute::Shape<cute::_64, D, BM>, K::K, K::MN>(), Warpgroups{}));
   // dQ (BM x DB) = dS (BM x BN; dS^T stored rows-contiguous, so MN-major as
-  // A) times K (BN x DB; MN-major as the B operand DB x BN); the two
-  // warpgroups take DB / 2 columns each.
+  // A) times K (BN x DB; MN-major as the B operand DB x BN). An MN-major
+  // operand with the 128-byte swizzle spans whole 64-element rows, so the
+  // two warpgroups split DB only where each takes 64 columns; at head dim 64
+  // the first warpgroup computes dQ alone.
+  static constexpr int kDqWarpgroups = DB / 64;
   using MmaDq = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, cute::Int<DB / 2>, BN>, K::MN, K::MN>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>{}));
+      cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, cute::_64, BN>, K::MN, K::MN>(),
+      cute::Layout<cute::Shape<cute::_1, cute::Int<kDqWarpgroups>, cute::_1>>{}));
 
   using SmemKV = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BN, D>{}));
   // K^T: the same bytes seen as DB x BN.
@@ -170,7 +174,7 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
   typename C::MmaDq mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
-  auto thr_dq = mma_dq.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid % (128 * C::kDqWarpgroups));  // dQ's warpgroups only
   Tensor tSrK = thr_sdp.partition_fragment_A(sK);    // (MMA, 1, DB / 16)
   Tensor tSrV = thr_sdp.partition_fragment_A(sV);
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, 1, DB / 16, 2)
@@ -188,10 +192,10 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
   Tensor tDrP = make_tensor<E>(partition_shape_A(mma_dkv, Shape<Int<BN>, Int<BM>>{}));
   Tensor tDrdS = make_tensor<E>(partition_shape_A(mma_dkv, Shape<Int<BN>, Int<BM>>{}));
   // dQ: element 4 nt + 2 h + c is (query row (tid % 128) / 32 * 16 + g + 8 h,
-  // column (tid / 128) * DB / 2 + 8 nt + 2 t + c).
+  // column (tid / 128) * 64 + 8 nt + 2 t + c).
   Tensor tQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<DB>>{});
   static_assert(size(decltype(tSrS){}) == BM / 2 && size(decltype(tDrdV){}) == DB / 2 &&
-                    size(decltype(tDrP){}) == BM / 2 && size(decltype(tQrdQ){}) == DB / 4,
+                    size(decltype(tDrP){}) == BM / 2 && size(decltype(tQrdQ){}) == 32,
                 "the per-thread shares of the warpgroup tiles");
   clear(tDrdV);
   clear(tDrdK);
@@ -203,7 +207,8 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
   const int full_lo = rows_seeing(n0 + BN - 1, shift, p.win_left, p.win_right).lo;
   const int full_hi = rows_seeing(n0, shift, p.win_left, p.win_right).hi;
   const float scale_log2 = p.scale * kLog2e;
-  const int dq_row0 = ((tid % 128) / 32) * 16 + g, dq_col0 = (tid / 128) * (DB / 2) + 2 * t;
+  const int dq_row0 = ((tid % 128) / 32) * 16 + g, dq_col0 = (tid / 128) * 64 + 2 * t;
+  const bool dq_warpgroup = tid < 128 * C::kDqWarpgroups;
 
   for (int it = 0; it < n_tiles; ++it) {
     const int buf = it & 1;
@@ -295,17 +300,19 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
     // dQ of this tile once both warpgroups' dS^T is in shared memory.
     fence_async_shared();
     __syncthreads();
-    warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);
-    float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh + dq_col0;
+    if (dq_warpgroup) {  // warpgroup-uniform
+      warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);
+      float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh + dq_col0;
 #pragma unroll
-    for (int nt = 0; nt < DB / 16; ++nt)
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = dq_row0 + 8 * h;
-        if (m0 + r < seq.sq)
-          atomicAdd(reinterpret_cast<float2*>(out + r * p.dqa_sr + nt * 8),
-                    make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1)));
-      }
+        for (int h = 0; h < 2; ++h) {
+          const int r = dq_row0 + 8 * h;
+          if (m0 + r < seq.sq)
+            atomicAdd(reinterpret_cast<float2*>(out + r * p.dqa_sr + nt * 8),
+                      make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1)));
+        }
+    }
 
     // The next tile's statistics (buffer buf ^ 1 was consumed before this
     // iteration's first barrier; the next one publishes them).
