@@ -1,0 +1,112 @@
+// Host checks of the layouts the Hopper forward kernel (cuda_forward_hopper.cuh)
+// relies on, through CuTe's own layout algebra: no GPU needed. For each element
+// type and head dim of HopperFwdConfig:
+//  1. placement: an element placed through a shared-memory tensor (the way the
+//     kernel's copies and output staging place it) lands where the 128-byte
+//     swizzle the wgmma descriptors name puts it (16-byte chunk c of row r of
+//     an 8-row atom at chunk c ^ (r % 8), atoms 1024 bytes apart, rows first);
+//  2. fragments: value i of a thread's S accumulator is the (row, key) of
+//     value i of its P operand for O += P V (so P is S converted element by
+//     element), and both, and the O accumulator, are the (row, column) the
+//     kernel's index arithmetic names (element 4 n + 2 h + c: row 16 w + g +
+//     8 h, column 8 n + 2 t + c).
+// Built when the Hopper kernel is (target symheap_hopper_layout_tests), run
+// by tests/attention/test_attention_hopper_layouts.py. Prints each failure
+// with its values; the exit status is the number of failed checks.
+#include <cstdint>
+#include <cstdio>
+
+#include "ops/attention/cuda_forward_hopper.cuh"
+
+namespace {
+
+int g_failed = 0, g_checks = 0;
+
+void check(bool ok, const char* what, int a, int b, int c, int d) {
+  ++g_checks;
+  if (!ok && g_failed++ < 20) std::printf("FAIL %s (%d, %d, %d, %d)\n", what, a, b, c, d);
+}
+
+// The canonical K-major 128-byte swizzled offset (bytes) of element (r, c) of
+// a rows x cols tile of 2-byte elements, buffer `stage`.
+long canonical_sw128(int r, int c, int rows, int cols, int stage) {
+  const long atom = (r / 8) + static_cast<long>(rows / 8) * ((c / 64) + static_cast<long>(cols / 64) * stage);
+  const int chunk = (c % 64) / 8;
+  return atom * 1024 + (r % 8) * 128 + ((chunk ^ (r % 8)) * 16) + (c % 8) * 2;
+}
+
+template <class Tensor>
+long byte_offset(Tensor& t, const void* base, int r, int c) {
+  return reinterpret_cast<const char*>(cute::raw_pointer_cast(&t(r, c))) - static_cast<const char*>(base);
+}
+template <class Tensor>
+long byte_offset(Tensor& t, const void* base, int r, int c, int s) {
+  return reinterpret_cast<const char*>(cute::raw_pointer_cast(&t(r, c, s))) - static_cast<const char*>(base);
+}
+
+template <class T, int DB>
+void check_config(const char* name) {
+  using namespace cute;
+  using C = symheap::attention::cuda::HopperFwdConfig<T, DB>;
+  using E = typename C::E;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN;
+  const int failed_before = g_failed, checks_before = g_checks;
+
+  // 1. Placement, over a 1024-byte aligned base (as the kernel aligns it).
+  alignas(1024) static unsigned char buf[1 << 20];
+  E* base = reinterpret_cast<E*>(buf);
+  Tensor sQ = make_tensor(make_smem_ptr(base), typename C::SmemQ{});
+  Tensor sKV = make_tensor(make_smem_ptr(base), typename C::SmemKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(base), typename C::SmemVt{});
+  for (int r = 0; r < BM; ++r)
+    for (int c = 0; c < DB; ++c)
+      check(byte_offset(sQ, base, r, c) == canonical_sw128(r, c, BM, DB, 0), "Q placement", DB, r, c, 0);
+  for (int s = 0; s < 2; ++s)
+    for (int r = 0; r < BN; ++r)
+      for (int c = 0; c < DB; ++c) {
+        const long want = canonical_sw128(r, c, BN, DB, s);
+        check(byte_offset(sKV, base, r, c, s) == want, "K/V placement", DB, r, c, s);
+        check(byte_offset(sVt, base, c, r, s) == want, "V^T is V transposed", DB, r, c, s);
+      }
+
+  // 2. Fragments: coordinates of every thread's values through identity tensors.
+  typename C::MmaS mma_s;
+  typename C::MmaO mma_o;
+  Tensor id_s = make_identity_tensor(Shape<Int<BM>, Int<BN>>{});
+  Tensor id_o = make_identity_tensor(Shape<Int<BM>, Int<DB>>{});
+  for (int tid = 0; tid < C::kThreads; ++tid) {
+    const int lane = tid % 32, g = lane / 4, t = lane % 4, row0 = (tid / 32) * 16;
+    Tensor s_coord = mma_s.get_thread_slice(tid).partition_C(id_s);
+    Tensor p_coord = mma_o.get_thread_slice(tid).partition_A(id_s);
+    Tensor o_coord = mma_o.get_thread_slice(tid).partition_C(id_o);
+    check(size(s_coord) == BN / 2 && size(p_coord) == BN / 2 && size(o_coord) == DB / 2, "fragment sizes", DB,
+          tid, int(size(s_coord)), int(size(p_coord)));
+    for (int i = 0; i < BN / 2; ++i) {
+      const int row = row0 + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t + (i & 1);
+      const auto s = s_coord(i), pa = p_coord(i);
+      check(get<0>(s) == row && get<1>(s) == col, "S accumulator coordinates", DB, tid, i, get<0>(s) * 1000 + get<1>(s));
+      check(get<0>(pa) == get<0>(s) && get<1>(pa) == get<1>(s), "P operand = S accumulator", DB, tid, i,
+            get<0>(pa) * 1000 + get<1>(pa));
+    }
+    for (int i = 0; i < DB / 2; ++i) {
+      const int row = row0 + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t + (i & 1);
+      const auto o = o_coord(i);
+      check(get<0>(o) == row && get<1>(o) == col, "O accumulator coordinates", DB, tid, i, get<0>(o) * 1000 + get<1>(o));
+    }
+  }
+  std::printf("%s %s head dim %d: %d checks\n", g_failed == failed_before ? "ok  " : "FAIL", name, DB,
+              g_checks - checks_before);
+}
+
+}  // namespace
+
+int main() {
+  check_config<__nv_bfloat16, 64>("bf16");
+  check_config<__nv_bfloat16, 128>("bf16");
+  check_config<__nv_bfloat16, 256>("bf16");
+  check_config<__half, 64>("f16");
+  check_config<__half, 128>("f16");
+  check_config<__half, 256>("f16");
+  std::printf("%d checks, %d failed\n", g_checks, g_failed);
+  return g_failed > 255 ? 255 : g_failed;
+}
