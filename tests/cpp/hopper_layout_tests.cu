@@ -122,6 +122,7 @@ void check_backward_config(const char* name) {
   Tensor sQ = make_tensor(make_smem_ptr(base), typename C::SmemQ{});
   Tensor sQt = make_tensor(make_smem_ptr(base), typename C::SmemQt{});
   Tensor sdS = make_tensor(make_smem_ptr(base), typename C::SmemDs{});
+  Tensor sdSt = make_tensor(make_smem_ptr(base), typename C::SmemDst{});
   for (int r = 0; r < BN; ++r)
     for (int c = 0; c < DB; ++c) {
       const long want = canonical_sw128(r, c, BN, DB, 0);
@@ -137,10 +138,13 @@ void check_backward_config(const char* name) {
       }
   for (int q = 0; q < BM; ++q)
     for (int k = 0; k < BN; ++k)
-      check(byte_offset(sdS, base, q, k) == canonical_sw128_mn(q, k), "bwd dS placement", DB, q, k, 0);
+      check(byte_offset(sdS, base, q, k) == canonical_sw128_mn(q, k) &&
+                byte_offset(sdSt, base, k, q) == canonical_sw128_mn(q, k),
+            "bwd dS (and dS^T) placement", DB, q, k, 0);
 
   typename C::MmaSdP mma_sdp;
   typename C::MmaDkv mma_dkv;
+  typename C::MmaDk mma_dk;
   typename C::MmaDq mma_dq;
   Tensor id_s = make_identity_tensor(Shape<Int<BN>, Int<BM>>{});
   Tensor id_kv = make_identity_tensor(Shape<Int<BN>, Int<DB>>{});
@@ -150,6 +154,7 @@ void check_backward_config(const char* name) {
     Tensor s_coord = mma_sdp.get_thread_slice(tid).partition_C(id_s);
     Tensor p_coord = mma_dkv.get_thread_slice(tid).partition_A(id_s);
     Tensor kv_coord = mma_dkv.get_thread_slice(tid).partition_C(id_kv);
+    Tensor dk_coord = mma_dk.get_thread_slice(tid).partition_C(id_kv);
     check(size(s_coord) == BM / 2 && size(p_coord) == BM / 2 && size(kv_coord) == DB / 2, "bwd fragment sizes",
           DB, tid, int(size(s_coord)), int(size(kv_coord)));
     for (int i = 0; i < BM / 2; ++i) {
@@ -162,7 +167,9 @@ void check_backward_config(const char* name) {
     for (int i = 0; i < DB / 2; ++i) {
       const int key = key0 + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t + (i & 1);
       const auto o = kv_coord(i);
-      check(get<0>(o) == key && get<1>(o) == col, "bwd dV/dK coordinates", DB, tid, i, get<0>(o) * 1000 + get<1>(o));
+      const auto d = dk_coord(i);
+      check(get<0>(o) == key && get<1>(o) == col && get<0>(d) == key && get<1>(d) == col, "bwd dV/dK coordinates",
+            DB, tid, i, get<0>(d) * 1000 + get<1>(d));
     }
     if (tid < 128 * C::kDqWarpgroups) {
       Tensor q_coord = mma_dq.get_thread_slice(tid).partition_C(id_q);

@@ -8,10 +8,12 @@
 // converts after.
 // Per tile, each warpgroup:
 //   S^T = K Q^T and dP^T = V dO^T   (64 keys x 64 rows; K, V, Q, dO in shared memory)
-//   dV += P^T dO and dK += dS^T Q   (P^T, dS^T from registers: the accumulator
-//                                    layout is the register-operand layout, as in
-//                                    the Hopper forward; dO, Q read transposed)
-//   dS^T to shared memory; after a barrier, dQ (64 rows x 64 columns a
+//   dS^T to shared memory
+//   dV += P^T dO and dK += dS^T Q   (P^T from registers: the accumulator layout
+//                                    is the register-operand layout, as in the
+//                                    Hopper forward; dS^T from shared memory; dO,
+//                                    Q read transposed)
+//   after a barrier, dQ (64 rows x 64 columns a
 //   warpgroup; the first alone at head dim 64) = dS K over the block's 128
 //   keys, added with fp32 atomics.
 // Shared memory: the 128-byte swizzled layouts of cuda_forward_hopper.cuh,
@@ -21,6 +23,13 @@
 #include "ops/attention/cuda_forward_hopper.cuh"
 
 namespace symheap::attention::cuda {
+
+namespace hopper {
+// The 128 threads of warpgroup `wg` (barrier ids 1 and 2; __syncthreads takes 0).
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+}
+}  // namespace hopper
 
 template <class T, int DB>
 struct HopperDkvConfig {
@@ -42,6 +51,10 @@ struct HopperDkvConfig {
   // as the B operand DB x BM).
   using MmaDkv = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<E, E, float, cute::Shape<cute::_64, D, BM>, K::K, K::MN>(), Warpgroups{}));
+  // dK (BN x DB) += dS^T (shared memory: sdS seen as BN x BM, K-major) times
+  // Q (MN-major as the B operand DB x BM): dS^T takes no registers.
+  using MmaDk = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, D, BM>, K::K, K::MN>(), Warpgroups{}));
   // dQ (BM x DB) = dS (BM x BN; dS^T stored rows-contiguous, so MN-major as
   // A) times K (BN x DB; MN-major as the B operand DB x BN). An MN-major
   // operand with the 128-byte swizzle spans whole 64-element rows, so the
@@ -65,6 +78,9 @@ struct HopperDkvConfig {
   // dS as BM x BN with the rows contiguous (64 of them: one MN-major atom).
   using SmemDs =
       decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{}, cute::Shape<BM, BN>{}));
+  // dS^T: the same bytes seen as BN x BM.
+  using SmemDst = decltype(cute::composition(
+      SmemDs{}, cute::make_ordered_layout(cute::Shape<BN, BM>{}, cute::Step<cute::_2, cute::_1>{})));
 
   static constexpr int kKVElems = cute::cosize_v<SmemKV>;
   static constexpr int kQElems = cute::cosize_v<SmemQ>;
@@ -105,6 +121,7 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
   Tensor sQt = make_tensor(make_smem_ptr(q_s), typename C::SmemQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(do_s), typename C::SmemQt{});
   Tensor sdS = make_tensor(make_smem_ptr(ds_s), typename C::SmemDs{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ds_s), typename C::SmemDst{});
 
   const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
   const Seq seq = sequence(p, b);
@@ -171,26 +188,28 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
 
   typename C::MmaSdP mma_sdp;
   typename C::MmaDkv mma_dkv;
+  typename C::MmaDk mma_dk;
   typename C::MmaDq mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid % (128 * C::kDqWarpgroups));  // dQ's warpgroups only
-  Tensor tSrK = thr_sdp.partition_fragment_A(sK);    // (MMA, 1, DB / 16)
+  auto thr_dk = mma_dk.get_thread_slice(tid);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, 1, DB / 16)
   Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, 1, DB / 16, 2)
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, 1, DB / 16, 2)
   Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-  Tensor tDrdOt = thr_dkv.partition_fragment_B(sdOt); // (MMA, 1, BM / 16, 2)
-  Tensor tDrQt = thr_dkv.partition_fragment_B(sQt);
-  Tensor tQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, 1, BN / 16)
-  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);   // (MMA, 1, BN / 16)
+  Tensor tDrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, 1, BM / 16, 2)
+  Tensor tKrdSt = thr_dk.partition_fragment_A(sdSt);   // (MMA, 1, BM / 16)
+  Tensor tKrQt = thr_dk.partition_fragment_B(sQt);     // (MMA, 1, BM / 16, 2)
+  Tensor tQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, 1, BN / 16)
+  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);     // (MMA, 1, BN / 16)
   // Accumulators: element 4 nt + 2 h + c is (key key_row(h), column 8 nt + 2 t + c).
   Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
   Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
   Tensor tDrdV = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<DB>>{});
-  Tensor tDrdK = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<DB>>{});
+  Tensor tDrdK = partition_fragment_C(mma_dk, Shape<Int<BN>, Int<DB>>{});
   // P^T and dS^T as A operands: element i is element i of S^T / dP^T.
   Tensor tDrP = make_tensor<E>(partition_shape_A(mma_dkv, Shape<Int<BN>, Int<BM>>{}));
-  Tensor tDrdS = make_tensor<E>(partition_shape_A(mma_dkv, Shape<Int<BN>, Int<BM>>{}));
   // dQ: element 4 nt + 2 h + c is (query row (tid % 128) / 32 * 16 + g + 8 h,
   // column (tid / 128) * 64 + 8 nt + 2 t + c).
   Tensor tQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<DB>>{});
@@ -272,30 +291,29 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
       const uint32_t dd = Pack<T>::two(tSrdP(i), tSrdP(i + 1));
       tDrP(i) = reinterpret_cast<const E*>(&pp)[0];
       tDrP(i + 1) = reinterpret_cast<const E*>(&pp)[1];
-      tDrdS(i) = reinterpret_cast<const E*>(&dd)[0];
-      tDrdS(i + 1) = reinterpret_cast<const E*>(&dd)[1];
-      // dS^T into shared memory for dQ: (query row, key) of sdS.
+      // dS^T into shared memory for dK and dQ: (query row, key) of sdS.
       const int nt = i / 4, h = (i >> 1) & 1;
-      *at(sdS, nt * 8 + 2 * t, key_row(h)) = tDrdS(i);
-      *at(sdS, nt * 8 + 2 * t + 1, key_row(h)) = tDrdS(i + 1);
+      *at(sdS, nt * 8 + 2 * t, key_row(h)) = reinterpret_cast<const E*>(&dd)[0];
+      *at(sdS, nt * 8 + 2 * t + 1, key_row(h)) = reinterpret_cast<const E*>(&dd)[1];
     }
 
-    // dV += P^T dO and dK += dS^T Q, both issued before either is waited for.
+    // dV += P^T dO and dK += dS^T Q, both issued before either is waited for;
+    // dK reads this warpgroup's rows of dS^T, which only its threads wrote.
+    fence_async_shared();
+    warpgroup_barrier(tid / 128);
     warpgroup_fence_operand(tDrP);
-    warpgroup_fence_operand(tDrdS);
     warpgroup_fence_operand(tDrdV);
     warpgroup_fence_operand(tDrdK);
     warpgroup_arrive();
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tDrP); ++kb) gemm(mma_dkv, tDrP(_, _, kb), tDrdOt(_, _, kb, buf), tDrdV);
     CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tDrdS); ++kb) gemm(mma_dkv, tDrdS(_, _, kb), tDrQt(_, _, kb, buf), tDrdK);
+    for (int kb = 0; kb < size<2>(tKrdSt); ++kb) gemm(mma_dk, tKrdSt(_, _, kb), tKrQt(_, _, kb, buf), tDrdK);
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tDrdV);
     warpgroup_fence_operand(tDrdK);
     warpgroup_fence_operand(tDrP);
-    warpgroup_fence_operand(tDrdS);
 
     // dQ of this tile once both warpgroups' dS^T is in shared memory.
     fence_async_shared();
