@@ -123,6 +123,7 @@ def call(row):
     return flash_attn_func(q, k, v, backend=BACKEND, **row["opts"])
 
 
+@torch.no_grad()
 def reference(row):
     """fp32 reference output of the row's call."""
     q, k, v = row["q"], row["k"], row["v"]
