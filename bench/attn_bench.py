@@ -12,6 +12,8 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
                                [--compare-forward pipelined_previous]
     python bench/attn_bench.py --decode [--json out.json] [--quick] [--decode-compare previous]   (KV-cache decode)
 
+Rows with features (bias with its gradient, window, softcap, GQA, varlen): bench/attn_feature_bench.py.
+
 --backend picks symheap's path (as flash_attn_func's backend=); --grid full
 runs head dims 64, 128, 256 x S 512 .. 16k x causal or not; --hdims/--seqlens
 replace the grid by their product x causal or not (--group: query heads per

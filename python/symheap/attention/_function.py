@@ -231,7 +231,7 @@ def backends() -> dict:
     has_cuda = bool(getattr(_core, "attention_has_cuda", False))
     hopper, why = _core.attention_hopper_forward_status()
     own = ("CUDA kernels (sm_90a); Hopper forward kernel: " +
-           ("built (SYMHEAP_ATTN_OWN_FORWARD=hopper)" if hopper else why)) if has_cuda else \
+           ("built, the default forward at head dims 64, 128 and 256" if hopper else why)) if has_cuda else \
         "symheap was built without CUDA"
     return {
         "cpu": (True, "C++ kernels, float32/float16/bfloat16"),

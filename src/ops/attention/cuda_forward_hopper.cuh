@@ -20,7 +20,7 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 
-#include "ops/attention/cuda_common.cuh"
+#include "ops/attention/cuda_forward_pipelined.cuh"
 
 namespace symheap::attention::cuda {
 
@@ -84,30 +84,17 @@ struct HopperFwdConfig {
 
 namespace hopper {
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+// The copies and exp2 of the pipelined kernel.
+using pipelined::cp_async16;
+using pipelined::cp_async_commit;
+using pipelined::cp_async_wait;
+using pipelined::exp2_fast;
+using pipelined::smem_addr;
 
-// 16 bytes global -> shared, asynchronously; zeros when !valid (no read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 // Shared memory written through the generic proxy (cp.async, stores) made
 // visible to the async proxy that wgmma reads it through.
 __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-__device__ __forceinline__ float exp2_fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Element (r, c) of a shared tile. The layouts' swizzle acts on byte
@@ -269,6 +256,13 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
       }
     }
 
+    // This thread's max of row h (g + 8 h) over the tile.
+    auto row_tile_max = [&](int h) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) m = fmaxf(m, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
+      return m;
+    };
     if constexpr (kLean) {
       // The pipelined kernel's lean softmax (cuda_forward_pipelined.cuh): the
       // max of raw scores (scale > 0), the scale inside the exp2's FFMA, and
@@ -279,11 +273,7 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
       bool moved = false;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-          tile_max = fmaxf(tile_max, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
-        const float tile_m = quad_max(tile_max) * scale_log2;
+        const float tile_m = quad_max(row_tile_max(h)) * scale_log2;
         const float m_new = tile_m > row_max[h] + kStaleMax ? tile_m : row_max[h];
         const float base = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet
         moved |= m_new != row_max[h];
@@ -307,11 +297,7 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
       float base[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-          tile_max = fmaxf(tile_max, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
-        const float m_new = fmaxf(row_max[h], quad_max(tile_max));
+        const float m_new = fmaxf(row_max[h], quad_max(row_tile_max(h)));
         base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
         const float rescale = exp2_fast(row_max[h] - base[h]);
         row_max[h] = m_new;

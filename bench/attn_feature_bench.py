@@ -1,0 +1,244 @@
+"""Attention with features, in one run: a bias with its gradient, a causal sliding
+window, softcap, GQA and varlen. For each row: symheap's forward and
+forward+backward, optionally the own forward with SYMHEAP_ATTN_OWN_FORWARD=V
+(--compare-forward V, e.g. pipelined against the default Hopper kernel), and torch
+SDPA computing the same function where an explicit mask can say it (bias: a float
+mask; window: a boolean one; GQA: enable_gqa). bf16 on CUDA, B*S = 16k tokens,
+H*D = 2048; TFLOP/s count the visible (query, key) pairs only.
+
+    python bench/attn_feature_bench.py [--backend own] [--hdim 128] [--seqlen 4096]
+                                       [--compare-forward pipelined] [--fwd-only]
+    python bench/attn_feature_bench.py --smoke          (cpu, tiny shapes: the rows run and agree)
+
+Every symheap output is compared with the fp32 reference of
+symheap.attention.attention_reference in the same run (max abs difference printed);
+with --smoke a difference over 1e-3 exits non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from symheap.attention import attention_reference, flash_attn_func, flash_attn_varlen_func
+
+FEATURES = ["bias", "window", "softcap", "gqa", "varlen"]
+
+
+def timer(device):
+    """Median ms per call of fn: CUDA events on cuda, the wall clock on cpu."""
+    def time_ms(fn, warmup=2, reps=8):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+    return time_ms
+
+
+class forward_kernel:
+    """SYMHEAP_ATTN_OWN_FORWARD = value while active (read per call)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        self.saved = os.environ.get("SYMHEAP_ATTN_OWN_FORWARD")
+        os.environ["SYMHEAP_ATTN_OWN_FORWARD"] = self.value
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop("SYMHEAP_ATTN_OWN_FORWARD", None)
+        else:
+            os.environ["SYMHEAP_ATTN_OWN_FORWARD"] = self.saved
+
+
+def make_row(feature, D, S, device, dtype, gen):
+    """The call's inputs and options, its SDPA equivalent (or None) and its
+    visible (query, key) pairs."""
+    B, H = max(1, 16384 // S), max(1, 2048 // D)
+    if device == "cpu":
+        B, H = 2, 2
+    Hkv = max(1, H // 4) if feature == "gqa" else H
+    rnd = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=gen)  # noqa: E731
+    q, k, v = rnd(B, S, H, D), rnd(B, S, Hkv, D), rnd(B, S, Hkv, D)
+    row = dict(feature=feature, hdim=D, seqlen=S, batch=B, heads=H, kv_heads=Hkv, q=q, k=k, v=v,
+               opts={}, sdpa=None, pairs=B * H * S * S, varlen=None)
+    if feature == "bias":
+        bias = (0.5 * rnd(1, 1, S, S)).requires_grad_()
+        row["opts"] = dict(bias=bias)
+        row["sdpa"] = dict(attn_mask=bias)
+    elif feature == "window":
+        left = S // 8
+        row["opts"] = dict(causal=True, window_size=(left, 0))
+        i = torch.arange(S, device=device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - left)
+        row["sdpa"] = dict(attn_mask=mask)
+        row["pairs"] = B * H * int(mask.sum())
+    elif feature == "softcap":
+        row["opts"] = dict(softcap=30.0)
+    elif feature == "gqa":
+        row["opts"] = dict(causal=True)
+        row["sdpa"] = dict(is_causal=True, enable_gqa=True)
+        row["pairs"] = B * H * S * (S + 1) // 2
+    elif feature == "varlen":
+        # B * S tokens packed as sequences of random lengths (S / 4 .. 2 S, truncated).
+        lens, total, lengths = [], B * S, torch.Generator().manual_seed(1)
+        while total > 0:
+            n = min(total, int(torch.randint(S // 4, 2 * S + 1, (1,), generator=lengths)))
+            lens.append(n)
+            total -= n
+        cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+        row["varlen"] = dict(cu=cu, max_len=max(lens), lens=lens)
+        row["q"], row["k"], row["v"] = (x.reshape(B * S, -1, D) for x in (q, k, v))
+        row["pairs"] = H * sum(n * n for n in lens)
+    return row
+
+
+BACKEND = None  # flash_attn_func's backend= (--backend)
+
+
+def call(row):
+    q, k, v = row["q"], row["k"], row["v"]
+    if row["varlen"]:
+        vl = row["varlen"]
+        return flash_attn_varlen_func(q, k, v, vl["cu"], vl["cu"], vl["max_len"], vl["max_len"],
+                                      backend=BACKEND, **row["opts"])
+    return flash_attn_func(q, k, v, backend=BACKEND, **row["opts"])
+
+
+@torch.no_grad()
+def reference(row):
+    """fp32 reference output of the row's call."""
+    q, k, v = row["q"], row["k"], row["v"]
+    opts = {key: (val.detach() if torch.is_tensor(val) else val) for key, val in row["opts"].items()}
+    if row["varlen"]:
+        outs, cu = [], row["varlen"]["cu"].tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            out, _ = attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], upcast=True, **opts)
+            outs.append(out[0])
+        return torch.cat(outs)
+    out, _ = attention_reference(q, k, v, upcast=True, **opts)
+    return out
+
+
+def bench_row(row, time_ms, compare_forward, fwd_only, unit):
+    q, k, v = (x.requires_grad_() for x in (row["q"], row["k"], row["v"]))
+    grads_of = [q, k, v] + [t for t in row["opts"].values() if torch.is_tensor(t) and t.requires_grad]
+    dout = torch.randn_like(q)
+    flops = 4 * row["pairs"] * row["hdim"]
+    result = {}
+
+    def fwd():
+        with torch.no_grad():
+            return call(row)
+
+    def fwd_bwd():
+        torch.autograd.grad(call(row), grads_of, dout)
+
+    cases = {"symheap": (fwd, fwd_bwd)}
+    if compare_forward:
+        def variant():
+            with forward_kernel(compare_forward), torch.no_grad():
+                return call(row)
+        cases["variant"] = (variant, None)
+    if row["sdpa"] is not None:
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        sdpa_opts = dict(row["sdpa"])
+        extra = [sdpa_opts["attn_mask"]] if torch.is_tensor(sdpa_opts.get("attn_mask")) and \
+            sdpa_opts["attn_mask"].requires_grad else []
+
+        def sdpa_fwd():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(qt, kt, vt, **sdpa_opts)
+
+        def sdpa_fwd_bwd():
+            out = F.scaled_dot_product_attention(qt, kt, vt, **sdpa_opts)
+            torch.autograd.grad(out, [qt, kt, vt] + extra, dout.transpose(1, 2))
+        cases["sdpa"] = (sdpa_fwd, sdpa_fwd_bwd)
+    for name, (f, fb) in cases.items():
+        try:
+            t = time_ms(f)
+            result[name] = {"fwd_tflops": flops / t / unit}
+            if fb is not None and not fwd_only:
+                result[name]["fwd_bwd_tflops"] = 3.5 * flops / time_ms(fb) / unit
+        except Exception as e:  # noqa: BLE001 - a path may not serve a row: reported
+            result[name] = {"error": f"{type(e).__name__}: {e}"[:160]}
+    ref = reference(row).float()
+    result["diff"] = (fwd().float() - ref).abs().max().item()
+    if compare_forward and "error" not in result["variant"]:
+        result["variant_diff"] = (cases["variant"][0]().float() - ref).abs().max().item()
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=["auto", "cudnn", "own"], default=None,
+                   help="symheap's path (flash_attn_func's backend=; default $SYMHEAP_ATTN_BACKEND, else auto)")
+    p.add_argument("--hdim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--features", default=",".join(FEATURES), help="comma-separated rows of " + ", ".join(FEATURES))
+    p.add_argument("--compare-forward", metavar="VALUE",
+                   help="also time the own forward with SYMHEAP_ATTN_OWN_FORWARD=VALUE (e.g. pipelined)")
+    p.add_argument("--fwd-only", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="cpu, tiny shapes, float32; exits non-zero on a wrong row")
+    a = p.parse_args(argv)
+    global BACKEND
+    BACKEND = a.backend
+    device = "cpu" if a.smoke else "cuda"
+    unit, unit_name = (1e6, "GFLOP/s") if a.smoke else (1e9, "TFLOP/s")  # FLOP per ms
+    dtype = torch.float32 if a.smoke else torch.bfloat16
+    D, S = (32, 48) if a.smoke else (a.hdim, a.seqlen)
+    time_ms = timer(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {dtype}, hdim {D}, "
+          f"seqlen {S}, symheap backend {a.backend or os.environ.get('SYMHEAP_ATTN_BACKEND') or 'auto'}; "
+          f"{unit_name} of the visible (query, key) pairs", flush=True)
+    head = (f"{'feature':>8} | {'symheap fwd / fwd+bwd':>21} | "
+            + (f"{'variant fwd':>11} | " if a.compare_forward else "")
+            + f"{'SDPA fwd / fwd+bwd':>18} | max|diff| vs fp32")
+    print(head)
+    features = a.features.split(",")
+    unknown = [f for f in features if f not in FEATURES]
+    if unknown:
+        sys.exit(f"unknown feature(s) {', '.join(unknown)}; choose from {', '.join(FEATURES)}")
+    bad = []
+    for feature in features:
+        row = make_row(feature, D, S, device, dtype, gen)
+        r = bench_row(row, time_ms, a.compare_forward, a.fwd_only, unit)
+        fmt = lambda n, key: (f"{r[n][key]:7.1f}" if key in r.get(n, {}) else  # noqa: E731
+                              ("  error" if "error" in r.get(n, {}) else "    n/a"))
+        line = (f"{feature:>8} | {fmt('symheap', 'fwd_tflops')} / {fmt('symheap', 'fwd_bwd_tflops')}      | "
+                + (f"{fmt('variant', 'fwd_tflops'):>11} | " if a.compare_forward else "")
+                + f"{fmt('sdpa', 'fwd_tflops')} / {fmt('sdpa', 'fwd_bwd_tflops')} | {r['diff']:.2e}"
+                + (f" (variant {r['variant_diff']:.2e})" if "variant_diff" in r else ""))
+        print(line, flush=True)
+        for name in ("symheap", "variant", "sdpa"):
+            if "error" in r.get(name, {}):
+                print(f"  {name}: {r[name]['error']}")
+                if name == "symheap":
+                    bad.append(feature)
+        if a.smoke and not r["diff"] < 1e-3:
+            bad.append(feature)
+    if bad:
+        sys.exit(f"rows failed: {', '.join(bad)}")
+
+
+if __name__ == "__main__":
+    main()
