@@ -13,7 +13,7 @@ void forward_hopper(const Launch& l, const KArgs& p) {
   using C = HopperFwdConfig<T, DB>;
   static ReadyDevices ready{0};
   launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean>,
-         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::kSmem, p,
+         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::smem(kFeatures), p,
          kFeatures ? "fwd_hopper_features" : kLean ? "fwd_hopper_lean" : "fwd_hopper", DB, ready);
 }
 

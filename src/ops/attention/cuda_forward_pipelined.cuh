@@ -80,13 +80,6 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
                : "memory");
 }
 
-// 2^x in one MUFU instruction; 2^-inf = 0.
-__device__ __forceinline__ float exp2_fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Element offset of (row r, 16-byte chunk c) in a row-major tile of DB
 // columns: the chunk index is XORed with r % 8, so the 8 rows an ldmatrix
 // phase (or a cp.async warp) touches fall in 8 different bank groups.
