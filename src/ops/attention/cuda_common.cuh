@@ -287,6 +287,50 @@ struct LogitCtx {
     if (slope != 0.0f) x -= slope * fabsf(static_cast<float>(diag - j));
     return x;
   }
+
+  // The same rule, as logits in log2 units, over N elements of one thread's
+  // accumulator fragment: element k is x(k), at query row row_of(k) and key
+  // col_of(k). Each feature is tested once for the fragment, not once per
+  // element (per-element branches cost several times the arithmetic). With
+  // skip_bias the caller adds the bias itself (from shared memory).
+  template <int N, class X, class Row, class Col>
+  __device__ __forceinline__ void fragment_log2(const KArgs& p, X x, Row row_of, Col col_of,
+                                                bool skip_bias) const {
+    constexpr float kLog2e = 1.4426950408889634f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) x(k) *= p.scale;
+    if (p.softcap > 0) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) x(k) = p.softcap * tanh_fast(x(k) * inv_softcap);
+    }
+    if (bias && !skip_bias) {
+      const int dtype = p.bias_dtype;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const int i = row_of(k), j = col_of(k);
+        if ((i < sq) & (j < sk)) x(k) += load_bias(bias, dtype, i * p.bias_sq + j * p.bias_sk);
+      }
+    }
+    if (slope != 0.0f) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) x(k) -= slope * fabsf(static_cast<float>(row_of(k) + sk - sq - col_of(k)));
+    }
+    const bool left = p.win_left >= 0, right = p.win_right >= 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const int i = row_of(k), j = col_of(k), diag = i + sk - sq;
+      const bool visible = (j < sk) & (i < sq) & (!left | (j >= diag - p.win_left)) &
+                           (!right | (j <= diag + p.win_right));
+      x(k) = visible ? x(k) * kLog2e : -INFINITY;
+    }
+    if (mask) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const int i = row_of(k), j = col_of(k);
+        if ((i < sq) & (j < sk) && !mask[i * p.mask_sq + j * p.mask_sk]) x(k) = -INFINITY;
+      }
+    }
+  }
 };
 
 __device__ __forceinline__ float dropout_keep(const KArgs& p, const detail::U32x4& r, int j) {

@@ -215,8 +215,6 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
   auto load_bias_tile = [&](int buf, int n) {
     load_bias_rows<BN>(bias_s + buf * 8 * 16 * BN, logit.bias, p, m0 + warp_row0, n, seq.sq, seq.sk, lane);
   };
-  LogitCtx logit_rest = logit;  // the rule without the bias when the bias comes from the tiles
-  if (bias_tiles) logit_rest.bias = nullptr;
 
   load_tile<BM, DB, NT>(sQ, q, p.q_sr, rows);
   if (n_begin < n_end) {
@@ -267,23 +265,22 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
 
     // Logits in log2 units (raw scores for kLean); -inf where hidden.
     if constexpr (kFeatures) {
-      // This thread's bias pair (row g + 8 h, keys 8 nt + 2 t, + 1) sits in
-      // chunk nt ^ g of its row.
-      const uint16_t* bias_row = bias_s + buf * 8 * 16 * BN + g * BN + 2 * t;
+      // Element i: row g + 8 h, key 8 nt + 2 t + c (i = 4 nt + 2 h + c).
+      logit.fragment_log2<BN / 2>(
+          p, [&](int i) -> float& { return tSrS(i); }, [&](int i) { return row((i >> 1) & 1); },
+          [&](int i) { return n0 + (i >> 2) * 8 + 2 * t + (i & 1); }, bias_tiles);
+      if (bias_tiles) {
+        // This thread's bias pair (row g + 8 h, keys 8 nt + 2 t, + 1) sits in
+        // chunk nt ^ g of its row; -inf (hidden) stays -inf.
+        const uint16_t* bias_row = bias_s + buf * 8 * 16 * BN + g * BN + 2 * t;
 #pragma unroll
-      for (int i = 0; i < BN / 2; i += 2) {
-        const int nt = i >> 2, h = (i >> 1) & 1, j = n0 + nt * 8 + 2 * t;
-        float dcap;
-        float x0 = logit_rest(p, tSrS(i), row(h), j, &dcap);
-        float x1 = logit_rest(p, tSrS(i + 1), row(h), j + 1, &dcap);
-        if (bias_tiles) {  // -inf (hidden) stays -inf
+        for (int i = 0; i < BN / 2; i += 2) {
+          const int nt = i >> 2, h = (i >> 1) & 1;
           const float2 bv = bias_pair(
               *reinterpret_cast<const uint32_t*>(bias_row + 8 * h * BN + ((nt ^ g) << 3)), p.bias_dtype);
-          x0 += bv.x;
-          x1 += bv.y;
+          tSrS(i) += bv.x * kLog2e;
+          tSrS(i + 1) += bv.y * kLog2e;
         }
-        tSrS(i) = x0 * kLog2e;
-        tSrS(i + 1) = x1 * kLog2e;
       }
     } else if (n0 >= last.lo && n0 + BN <= first.hi) {
       if constexpr (!kLean) {  // the lean softmax scales inside its FFMA
