@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "ops/attention/cuda_backward_hopper.cuh"
 #include "ops/attention/cuda_forward_hopper.cuh"
 
 namespace {
@@ -98,9 +99,100 @@ void check_config(const char* name) {
               g_checks - checks_before);
 }
 
+// The canonical MN-major 128-byte swizzled offset (bytes) of element (m, k)
+// of an m-rows-contiguous tile of 64 x cols 2-byte elements.
+long canonical_sw128_mn(int m, int k) {
+  return (k / 8) * 1024L + (k % 8) * 128 + (((m / 8) ^ (k % 8)) * 16) + (m % 8) * 2;
+}
+
+// The backward's dK/dV kernel (cuda_backward_hopper.cuh): placement of K, V,
+// Q, dO (and their transposed views) and dS; S^T, dP^T, P^T / dS^T operands,
+// dV / dK and dQ coordinates as the kernel's index arithmetic names them.
+template <class T, int DB>
+void check_backward_config(const char* name) {
+  using namespace cute;
+  using C = symheap::attention::cuda::HopperDkvConfig<T, DB>;
+  using E = typename C::E;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN;
+  const int failed_before = g_failed, checks_before = g_checks;
+  alignas(1024) static unsigned char buf[1 << 20];
+  E* base = reinterpret_cast<E*>(buf);
+  Tensor sK = make_tensor(make_smem_ptr(base), typename C::SmemKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(base), typename C::SmemKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(base), typename C::SmemQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(base), typename C::SmemQt{});
+  Tensor sdS = make_tensor(make_smem_ptr(base), typename C::SmemDs{});
+  Tensor sdSt = make_tensor(make_smem_ptr(base), typename C::SmemDst{});
+  for (int r = 0; r < BN; ++r)
+    for (int c = 0; c < DB; ++c) {
+      const long want = canonical_sw128(r, c, BN, DB, 0);
+      check(byte_offset(sK, base, r, c) == want, "bwd K placement", DB, r, c, 0);
+      check(byte_offset(sKt, base, c, r) == want, "bwd K^T is K transposed", DB, r, c, 0);
+    }
+  for (int s = 0; s < 2; ++s)
+    for (int r = 0; r < BM; ++r)
+      for (int c = 0; c < DB; ++c) {
+        const long want = canonical_sw128(r, c, BM, DB, s);
+        check(byte_offset(sQ, base, r, c, s) == want, "bwd Q/dO placement", DB, r, c, s);
+        check(byte_offset(sQt, base, c, r, s) == want, "bwd Q^T/dO^T is Q/dO transposed", DB, r, c, s);
+      }
+  for (int q = 0; q < BM; ++q)
+    for (int k = 0; k < BN; ++k)
+      check(byte_offset(sdS, base, q, k) == canonical_sw128_mn(q, k) &&
+                byte_offset(sdSt, base, k, q) == canonical_sw128_mn(q, k),
+            "bwd dS (and dS^T) placement", DB, q, k, 0);
+
+  typename C::MmaSdP mma_sdp;
+  typename C::MmaDkv mma_dkv;
+  typename C::MmaDk mma_dk;
+  typename C::MmaDq mma_dq;
+  Tensor id_s = make_identity_tensor(Shape<Int<BN>, Int<BM>>{});
+  Tensor id_kv = make_identity_tensor(Shape<Int<BN>, Int<DB>>{});
+  Tensor id_q = make_identity_tensor(Shape<Int<BM>, Int<DB>>{});
+  for (int tid = 0; tid < C::kThreads; ++tid) {
+    const int lane = tid % 32, g = lane / 4, t = lane % 4, key0 = (tid / 32) * 16;
+    Tensor s_coord = mma_sdp.get_thread_slice(tid).partition_C(id_s);
+    Tensor p_coord = mma_dkv.get_thread_slice(tid).partition_A(id_s);
+    Tensor kv_coord = mma_dkv.get_thread_slice(tid).partition_C(id_kv);
+    Tensor dk_coord = mma_dk.get_thread_slice(tid).partition_C(id_kv);
+    check(size(s_coord) == BM / 2 && size(p_coord) == BM / 2 && size(kv_coord) == DB / 2, "bwd fragment sizes",
+          DB, tid, int(size(s_coord)), int(size(kv_coord)));
+    for (int i = 0; i < BM / 2; ++i) {
+      const int key = key0 + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t + (i & 1);
+      const auto s = s_coord(i), pa = p_coord(i);
+      check(get<0>(s) == key && get<1>(s) == col, "bwd S^T coordinates", DB, tid, i, get<0>(s) * 1000 + get<1>(s));
+      check(get<0>(pa) == get<0>(s) && get<1>(pa) == get<1>(s), "bwd P^T operand = S^T accumulator", DB, tid, i,
+            get<0>(pa) * 1000 + get<1>(pa));
+    }
+    for (int i = 0; i < DB / 2; ++i) {
+      const int key = key0 + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t + (i & 1);
+      const auto o = kv_coord(i);
+      const auto d = dk_coord(i);
+      check(get<0>(o) == key && get<1>(o) == col && get<0>(d) == key && get<1>(d) == col, "bwd dV/dK coordinates",
+            DB, tid, i, get<0>(d) * 1000 + get<1>(d));
+    }
+    if (tid < 128 * C::kDqWarpgroups) {
+      Tensor q_coord = mma_dq.get_thread_slice(tid).partition_C(id_q);
+      check(size(q_coord) == 32, "bwd dQ fragment size", DB, tid, int(size(q_coord)), 0);
+      const int row0 = ((tid % 128) / 32) * 16 + g, col0 = (tid / 128) * 64 + 2 * t;
+      for (int i = 0; i < 32; ++i) {
+        const auto o = q_coord(i);
+        check(get<0>(o) == row0 + 8 * ((i >> 1) & 1) && get<1>(o) == col0 + 8 * (i >> 2) + (i & 1),
+              "bwd dQ coordinates", DB, tid, i, get<0>(o) * 1000 + get<1>(o));
+      }
+    }
+  }
+  std::printf("%s %s backward head dim %d: %d checks\n", g_failed == failed_before ? "ok  " : "FAIL", name, DB,
+              g_checks - checks_before);
+}
+
 }  // namespace
 
 int main() {
+  check_backward_config<__nv_bfloat16, 64>("bf16");
+  check_backward_config<__nv_bfloat16, 128>("bf16");
+  check_backward_config<__half, 64>("f16");
+  check_backward_config<__half, 128>("f16");
   check_config<__nv_bfloat16, 64>("bf16");
   check_config<__nv_bfloat16, 128>("bf16");
   check_config<__nv_bfloat16, 256>("bf16");

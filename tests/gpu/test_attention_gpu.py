@@ -586,6 +586,49 @@ def test_pipelined_large_and_multi_block(monkeypatch, fwd):
         check_case(case, check_grads=False)
 
 
+# Biases in every layout the Hopper forward tells apart: a 16-bit bias
+# contiguous along the keys with 16-byte aligned rows goes through shared
+# memory in tiles (bias_rows_copyable); any other one is read element by
+# element. Lengths that are not multiples of the tiles; a bias broadcast over
+# everything but the keys ends rows in a partial 16-byte chunk.
+def _bias(layout, B, Hq, Sq, Sk, gen):
+    if layout == "rows":
+        return torch.randn(B, Hq, Sq, Sk, generator=gen).bfloat16()
+    if layout == "keys_only":
+        return torch.randn(1, 1, 1, Sk, generator=gen).bfloat16()
+    if layout == "f16_bias":
+        return torch.randn(B, Hq, Sq, Sk, generator=gen).half()
+    if layout == "f32_bias":
+        return torch.randn(B, 1, Sq, Sk, generator=gen)
+    assert layout == "unaligned_rows"
+    return torch.randn(B, Hq, Sq, Sk + 1, generator=gen).bfloat16()[..., 1:]
+
+
+@pytest.mark.parametrize("layout", ["rows", "keys_only", "f16_bias", "f32_bias", "unaligned_rows"])
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("Sq,Sk", [(130, 264), (200, 300), (1, 136), (300, 1000)])
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(40, 7), softcap=5.0)])
+@pytest.mark.parametrize("fwd", FORWARDS)
+def test_forward_bias_layouts(layout, D, Sq, Sk, opts, fwd, monkeypatch):
+    own_forward(monkeypatch, fwd)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=D, dtype=torch.bfloat16, seed=Sq + Sk + D)
+    gen = torch.Generator().manual_seed(Sq * 7 + Sk)
+    case["kwargs"]["bias"] = (0.5 * _bias(layout, 2, 4, Sq, Sk, gen)).cuda()
+    check_case(case, check_grads=False, **opts)
+
+
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
+@pytest.mark.parametrize("fwd", FORWARDS)
+def test_forward_softcap_range(D, softcap, fwd, monkeypatch):
+    """Softcaps from one that saturates most logits to one that barely
+    bends them, with scores large enough to reach both ends of tanh."""
+    own_forward(monkeypatch, fwd)
+    case = gpu_case(B=1, Sq=257, Sk=300, Hq=4, Hkv=4, D=D, seed=D + int(softcap))
+    case["q"] = (case["q"].float() * 4).to(case["q"].dtype).detach().requires_grad_()
+    check_case(case, softcap=softcap)
+
+
 @pytest.mark.parametrize("fwd", FORWARDS)
 def test_pipelined_output_strides(monkeypatch, fwd):
     """q, k, v as views with row and head strides of a packed qkv tensor."""
@@ -613,8 +656,9 @@ def own_backward(monkeypatch, kernel):
     tiles, "pipelined_dkdv_unshared" = with the dK/dV kernel of 64-row tiles
     whose warps each read every Q/dO fragment, "pipelined_dq_fused" = dQ
     inside the shared-fragment dK/dV kernel at head dims 64 and 128 without
-    logit features, "pipelined_dq_separate" = dQ by its own kernel there), and
-    checks the choice is what the test expects."""
+    logit features, "pipelined_dq_separate" = dQ by its own kernel there,
+    "hopper" = the Hopper dK/dV kernel with dQ fused there), and checks the
+    choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_backward_env, kernel)
     for d in PIPELINED_DIMS:
@@ -778,7 +822,7 @@ SHARED_DKDV_DIMS = [64, 128]
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(100, 3)),
                                   dict(window_size=(-1, 40)), dict(window_size=(64, -1))])
 @pytest.mark.parametrize("kernel", ["auto", "pipelined_dq_fused", "pipelined_dq_separate",
-                                    "pipelined_dkdv_unshared"])
+                                    "pipelined_dkdv_unshared", "hopper"])
 def test_pipelined_backward_dkdv_shared(kernel, opts, Sq, Sk, dtype, D, monkeypatch):
     """GQA (4 query heads over 2 kv heads), causal with Sq != Sk both ways
     (whole query and key blocks seeing nothing), windows on either side,
@@ -791,7 +835,8 @@ def test_pipelined_backward_dkdv_shared(kernel, opts, Sq, Sk, dtype, D, monkeypa
 
 @pytest.mark.parametrize("D", SHARED_DKDV_DIMS)
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
-@pytest.mark.parametrize("kernel", ["pipelined_dkdv_unshared", "pipelined_dq_fused", "pipelined_dq_separate"])
+@pytest.mark.parametrize("kernel", ["pipelined_dkdv_unshared", "pipelined_dq_fused", "pipelined_dq_separate",
+                                    "hopper"])
 def test_pipelined_backward_dkdv_variants_varlen(kernel, opts, D, monkeypatch):
     """Packed sequences, some empty on either side, on the 64-row dK/dV kernel
     without shared fragments, with dQ fused into the shared-fragment kernel

@@ -55,12 +55,25 @@ void require_hopper(int device) {
   if (checked.load(std::memory_order_acquire) & bit) return;
   auto props = device_props(device);
   if (props->cc_major != 9 || props->cc_minor != 0)
-    throw Unsupported("attention: the Hopper forward kernel (" + std::string(kOwnForwardEnv) + "='" +
-                      kOwnForwardHopper + "', the default where built) needs a compute capability 9.0 GPU "
+    throw Unsupported("attention: the Hopper kernels (" + std::string(kOwnForwardEnv) + "='" +
+                      kOwnForwardHopper + "', the forward's default where built) need a compute capability 9.0 GPU "
                       "(H100/H200); device " + std::to_string(device) + " is " +
                       std::to_string(props->cc_major) + "." + std::to_string(props->cc_minor) + "; set " +
-                      kOwnForwardEnv + "=pipelined");
+                      kOwnForwardEnv + "=pipelined (and " + kOwnBackwardEnv + " to anything but '" +
+                      kOwnBackwardHopper + "')");
   checked.fetch_or(bit, std::memory_order_acq_rel);
+}
+
+void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16) {
+#ifdef SYMHEAP_WITH_HOPPER_ATTN
+  if (f16) run_dkdv_hopper_f16(l, p);
+  else run_dkdv_hopper_bf16(l, p);
+#else
+  (void)l;
+  (void)p;
+  (void)f16;
+  throw Unsupported("attention: " + hopper_forward_unavailable_reason());
+#endif
 }
 
 void ensure_smem(int device, const void* kernel, size_t smem, const std::string& key) {
@@ -264,7 +277,7 @@ size_t dq_accum_bytes(const Args& a) {
 // a deterministic backward (its atomics have no fixed order).
 bool backward_fuses_dq(const Args& a, const cuda::KArgs& k, const char* kernel) {
   if (a.deterministic || !shared_dkdv_serves(a.head_dim) || cuda::logit_features(k)) return false;
-  if (std::strcmp(kernel, kOwnBackwardDqFused) == 0) return true;
+  if (std::strcmp(kernel, kOwnBackwardDqFused) == 0 || std::strcmp(kernel, kOwnBackwardHopper) == 0) return true;
   return kDqFusedByDefault && std::strcmp(kernel, "pipelined") == 0;
 }
 }  // namespace
@@ -313,6 +326,8 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
   variant.dq16 = std::strcmp(kernel, kOwnBackwardDq16) == 0;
   variant.dkdv32 = std::strcmp(kernel, kOwnBackwardDkdv32) == 0;
   variant.dkdv_unshared = std::strcmp(kernel, kOwnBackwardDkdvUnshared) == 0;
+  variant.hopper = variant.dq_fused && std::strcmp(kernel, kOwnBackwardHopper) == 0;
+  if (variant.hopper) cuda::require_hopper(device);
   const bool pipelined_backward = std::strcmp(kernel, "basic") != 0;
   if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k, pipelined_backward, variant);
   else cuda::run_backward_bf16(l, k, pipelined_backward, variant);

@@ -1,6 +1,7 @@
-// float16 instantiation of the Hopper forward kernel.
+// float16 instantiation of the Hopper kernels.
 #include "ops/attention/cuda_forward_hopper_launch.cuh"
 
 namespace symheap::attention::cuda {
 void run_forward_hopper_f16(const Launch& l, const KArgs& p) { run_forward_hopper<__half>(l, p); }
+void run_dkdv_hopper_f16(const Launch& l, const KArgs& p) { dkdv_hopper_bucket<__half>(l, p); }
 }  // namespace symheap::attention::cuda

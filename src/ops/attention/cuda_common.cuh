@@ -205,10 +205,42 @@ __device__ __forceinline__ Seq sequence(const KArgs& p, int b) {
              static_cast<int>(min(k1 - k0, static_cast<int64_t>(p.seqlen_k))), q0, k0};
 }
 
+// 2^x in one MUFU instruction; 2^-inf = 0 (denormal results flush to zero).
+__device__ __forceinline__ float exp2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// tanh(x) as 1 - 2 / (1 + e^2x): two MUFU instructions instead of tanhf's
+// branchy sequence. Its error is absolute (a few 1e-7, also near 0, where
+// tanh x ~ x), which is what a softcapped logit, softcap * tanh, needs; the
+// ends give exactly -1 and 1.
+__device__ __forceinline__ float tanh_fast(float x) {
+  constexpr float kTwoLog2e = 2.8853900817779268f;  // 2 / ln 2
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(1.0f + exp2_fast(x * kTwoLog2e)));
+  return fmaf(-2.0f, r, 1.0f);
+}
+
 __device__ __forceinline__ float load_bias(const void* base, int dtype, int64_t idx) {
   if (dtype == 0) return static_cast<const float*>(base)[idx];
   if (dtype == 1) return __half2float(static_cast<const __half*>(base)[idx]);
   return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[idx]);
+}
+
+// Whether a kernel may copy the bias in 16-byte chunks along the keys (a
+// 16-bit bias, contiguous along the keys, rows and heads 16-byte aligned);
+// else it reads the bias element by element (LogitCtx).
+__host__ __device__ inline bool bias_rows_copyable(const KArgs& p) {
+  return p.bias && p.bias_dtype != 0 && p.bias_sk == 1 && p.bias_sq % 8 == 0 && p.bias_sh % 8 == 0 &&
+         p.bias_sb % 8 == 0 && reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
+}
+
+// Two adjacent 16-bit bias values (f16 or bf16, the KArgs dtype code) as floats.
+__device__ __forceinline__ float2 bias_pair(uint32_t bits, int dtype) {
+  if (dtype == 1) return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
 }
 
 // Per-(batch, query head) context of the logit rule.
@@ -216,6 +248,7 @@ struct LogitCtx {
   const char* bias;     // at [b, head, 0, 0]
   const uint8_t* mask;  // at [b, head, 0, 0]
   float slope;
+  float inv_softcap;  // 1 / softcap (softcap > 0)
   int sq, sk;
 
   __device__ __forceinline__ LogitCtx(const KArgs& p, int b, int hq, const Seq& s) {
@@ -229,6 +262,7 @@ struct LogitCtx {
     }
     if (p.mask) mask = p.mask + b * p.mask_sb + (p.mask_kv ? hk : hq) * p.mask_sh;
     slope = p.alibi ? p.alibi[b * p.alibi_sb + hq] : 0.0f;
+    inv_softcap = p.softcap > 0 ? 1.0f / p.softcap : 0.0f;
     sq = s.sq;
     sk = s.sk;
   }
@@ -244,7 +278,7 @@ struct LogitCtx {
     float x = raw * p.scale;
     *dcap = 1.0f;
     if (p.softcap > 0) {
-      const float t = tanhf(x / p.softcap);
+      const float t = tanh_fast(x * inv_softcap);
       x = p.softcap * t;
       *dcap = 1.0f - t * t;
     }
@@ -252,6 +286,50 @@ struct LogitCtx {
     if (bias) x += load_bias(bias, p.bias_dtype, i * p.bias_sq + j * p.bias_sk);
     if (slope != 0.0f) x -= slope * fabsf(static_cast<float>(diag - j));
     return x;
+  }
+
+  // The same rule, as logits in log2 units, over N elements of one thread's
+  // accumulator fragment: element k is x(k), at query row row_of(k) and key
+  // col_of(k). Each feature is tested once for the fragment, not once per
+  // element (per-element branches cost several times the arithmetic). With
+  // skip_bias the caller adds the bias itself (from shared memory).
+  template <int N, class X, class Row, class Col>
+  __device__ __forceinline__ void fragment_log2(const KArgs& p, X x, Row row_of, Col col_of,
+                                                bool skip_bias) const {
+    constexpr float kLog2e = 1.4426950408889634f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) x(k) *= p.scale;
+    if (p.softcap > 0) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) x(k) = p.softcap * tanh_fast(x(k) * inv_softcap);
+    }
+    if (bias && !skip_bias) {
+      const int dtype = p.bias_dtype;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const int i = row_of(k), j = col_of(k);
+        if ((i < sq) & (j < sk)) x(k) += load_bias(bias, dtype, i * p.bias_sq + j * p.bias_sk);
+      }
+    }
+    if (slope != 0.0f) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) x(k) -= slope * fabsf(static_cast<float>(row_of(k) + sk - sq - col_of(k)));
+    }
+    const bool left = p.win_left >= 0, right = p.win_right >= 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const int i = row_of(k), j = col_of(k), diag = i + sk - sq;
+      const bool visible = (j < sk) & (i < sq) & (!left | (j >= diag - p.win_left)) &
+                           (!right | (j <= diag + p.win_right));
+      x(k) = visible ? x(k) * kLog2e : -INFINITY;
+    }
+    if (mask) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const int i = row_of(k), j = col_of(k);
+        if ((i < sq) & (j < sk) && !mask[i * p.mask_sq + j * p.mask_sk]) x(k) = -INFINITY;
+      }
+    }
   }
 };
 

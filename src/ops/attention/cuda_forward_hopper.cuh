@@ -80,6 +80,11 @@ struct HopperFwdConfig {
   // the kernel, hence the extra 1024).
   static_assert((kQElems * sizeof(E)) % 1024 == 0 && (kKVElems * sizeof(E)) % 1024 == 0, "1024-byte tiles");
   static constexpr size_t kSmem = sizeof(E) * (kQElems + 2 * kKVElems) + 1024;
+  // The logit features' kernel also keeps each warp's 16 rows x kBlockN keys
+  // of a 16-bit bias, two tiles (the next one flies with K and V); 225 KiB in
+  // all at head dims 128 and 256.
+  static constexpr int kBiasElems = 2 * 8 * 16 * kBlockN;
+  static constexpr size_t smem(bool features) { return kSmem + (features ? 2 * kBiasElems : 0); }
 };
 
 namespace hopper {
@@ -88,7 +93,6 @@ namespace hopper {
 using pipelined::cp_async16;
 using pipelined::cp_async_commit;
 using pipelined::cp_async_wait;
-using pipelined::exp2_fast;
 using pipelined::smem_addr;
 
 // Shared memory written through the generic proxy (cp.async, stores) made
@@ -141,6 +145,27 @@ __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA& a, const TB& b, TC&
   if constexpr (kRegA) warpgroup_fence_operand(a);
 }
 
+// A warp's 16 bias rows (query rows i0 .. i0 + 15) x BN keys from key n0 into
+// `s` (16 x BN, 16-bit): chunk c of row r lands at chunk c ^ (r % 8), so the
+// 8 rows that one read of the accumulator layout touches hit 8 bank groups.
+// Rows past sq and keys past sk become zeros (their logits are hidden).
+template <int BN>
+__device__ __forceinline__ void load_bias_rows(uint16_t* s, const char* bias, const KArgs& p, int i0, int n0,
+                                               int sq, int sk, int lane) {
+  constexpr int kChunks = BN / 8;
+  const uint16_t* g = reinterpret_cast<const uint16_t*>(bias);
+#pragma unroll
+  for (int it = 0; it < 16 * kChunks / 32; ++it) {
+    const int idx = lane + it * 32, r = idx / kChunks, c = idx % kChunks;
+    const int i = i0 + r, j = n0 + c * 8;
+    const int bytes = i < sq ? 2 * max(0, min(8, sk - j)) : 0;
+    const uint16_t* src = bytes ? g + i * p.bias_sq + j : g;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(s + r * BN + ((c ^ (r & 7)) << 3))),
+                 "l"(src), "r"(bytes)
+                 : "memory");
+  }
+}
+
 }  // namespace hopper
 
 template <class T, int DB, bool kFeatures, bool kLean>
@@ -183,10 +208,19 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
   const int n_begin = first.lo / BN * BN, n_end = last.hi;
 
   // Prologue: Q and the first K and V tiles.
+  // The bias through shared memory (kFeatures): each warp's own rows.
+  const LogitCtx logit(p, b, hq, seq);
+  const bool bias_tiles = kFeatures && bias_rows_copyable(p);
+  uint16_t* bias_s = reinterpret_cast<uint16_t*>(v_s + C::kKVElems) + (tid / 32) * 16 * BN;
+  auto load_bias_tile = [&](int buf, int n) {
+    load_bias_rows<BN>(bias_s + buf * 8 * 16 * BN, logit.bias, p, m0 + warp_row0, n, seq.sq, seq.sk, lane);
+  };
+
   load_tile<BM, DB, NT>(sQ, q, p.q_sr, rows);
   if (n_begin < n_end) {
     load_tile<BN, DB, NT>(sK(_, _, 0), k + n_begin * p.k_sr, p.k_sr, seq.sk - n_begin);
     load_tile<BN, DB, NT>(sV(_, _, 0), v + n_begin * p.v_sr, p.v_sr, seq.sk - n_begin);
+    if (bias_tiles) load_bias_tile(0, n_begin);
   }
   cp_async_commit();
 
@@ -209,7 +243,6 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
 
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const float scale_log2 = p.scale * kLog2e;
-  const LogitCtx logit(p, b, hq, seq);
   const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
 
   for (int n0 = n_begin, it = 0; n0 < n_end; n0 += BN, ++it) {
@@ -224,6 +257,7 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
     if (has_next) {
       load_tile<BN, DB, NT>(sK(_, _, buf ^ 1), k + (n0 + BN) * p.k_sr, p.k_sr, seq.sk - n0 - BN);
       load_tile<BN, DB, NT>(sV(_, _, buf ^ 1), v + (n0 + BN) * p.v_sr, p.v_sr, seq.sk - n0 - BN);
+      if (bias_tiles) load_bias_tile(buf ^ 1, n0 + BN);
     }
     cp_async_commit();
 
@@ -231,10 +265,22 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
 
     // Logits in log2 units (raw scores for kLean); -inf where hidden.
     if constexpr (kFeatures) {
+      // Element i: row g + 8 h, key 8 nt + 2 t + c (i = 4 nt + 2 h + c).
+      logit.fragment_log2<BN / 2>(
+          p, [&](int i) -> float& { return tSrS(i); }, [&](int i) { return row((i >> 1) & 1); },
+          [&](int i) { return n0 + (i >> 2) * 8 + 2 * t + (i & 1); }, bias_tiles);
+      if (bias_tiles) {
+        // This thread's bias pair (row g + 8 h, keys 8 nt + 2 t, + 1) sits in
+        // chunk nt ^ g of its row; -inf (hidden) stays -inf.
+        const uint16_t* bias_row = bias_s + buf * 8 * 16 * BN + g * BN + 2 * t;
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {
-        float dcap;
-        tSrS(i) = logit(p, tSrS(i), row((i >> 1) & 1), n0 + (i >> 2) * 8 + 2 * t + (i & 1), &dcap) * kLog2e;
+        for (int i = 0; i < BN / 2; i += 2) {
+          const int nt = i >> 2, h = (i >> 1) & 1;
+          const float2 bv = bias_pair(
+              *reinterpret_cast<const uint32_t*>(bias_row + 8 * h * BN + ((nt ^ g) << 3)), p.bias_dtype);
+          tSrS(i) += bv.x * kLog2e;
+          tSrS(i + 1) += bv.y * kLog2e;
+        }
       }
     } else if (n0 >= last.lo && n0 + BN <= first.hi) {
       if constexpr (!kLean) {  // the lean softmax scales inside its FFMA

@@ -2,6 +2,7 @@
 // attention_cuda_hopper_*.cu files instantiate them (built only with CUTLASS's
 // headers, for sm_90a).
 #pragma once
+#include "ops/attention/cuda_backward_hopper.cuh"
 #include "ops/attention/cuda_forward_hopper.cuh"
 #include "ops/attention/cuda_launch.cuh"
 
@@ -12,7 +13,7 @@ void forward_hopper(const Launch& l, const KArgs& p) {
   using C = HopperFwdConfig<T, DB>;
   static ReadyDevices ready{0};
   launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean>,
-         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::kSmem, p,
+         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::smem(kFeatures), p,
          kFeatures ? "fwd_hopper_features" : kLean ? "fwd_hopper_lean" : "fwd_hopper", DB, ready);
 }
 
@@ -23,6 +24,21 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p) {
   if (logit_features(p)) return forward_hopper<T, DB, true, false>(l, p);
   if (p.scale > 1e-30f) return forward_hopper<T, DB, false, true>(l, p);
   forward_hopper<T, DB, false, false>(l, p);
+}
+
+// The Hopper dK/dV kernel with dQ fused (head dims 64 and 128).
+template <class T, int DB>
+void dkdv_hopper(const Launch& l, const KArgs& p) {
+  using C = HopperDkvConfig<T, DB>;
+  static ReadyDevices ready{0};
+  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB>, dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch),
+         C::kThreads, C::kSmem, p, "dkdv_hopper", DB, ready);
+}
+
+template <class T>
+void dkdv_hopper_bucket(const Launch& l, const KArgs& p) {
+  if (p.d == 64) return dkdv_hopper<T, 64>(l, p);
+  dkdv_hopper<T, 128>(l, p);
 }
 
 // The head dims of pipelined_forward_serves.

@@ -80,13 +80,6 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
                : "memory");
 }
 
-// 2^x in one MUFU instruction; 2^-inf = 0.
-__device__ __forceinline__ float exp2_fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Element offset of (row r, 16-byte chunk c) in a row-major tile of DB
 // columns: the chunk index is XORed with r % 8, so the 8 rows an ldmatrix
 // phase (or a cp.async warp) touches fall in 8 different bank groups.
@@ -287,15 +280,11 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
     // Logits in log2 units (raw scores for kLean); -inf where hidden.
     if constexpr (kFeatures) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float dcap;
-            s[mt][nt][e] =
-                logit(p, s[mt][nt][e], row(mt, e >> 1), n0 + nt * 8 + 2 * t + (e & 1), &dcap) * kLog2e;
-          }
+      for (int mt = 0; mt < MT; ++mt)  // element k: nt = k / 4, e = k % 4
+        logit.fragment_log2<BN / 2>(
+            p, [&](int k) -> float& { return s[mt][k >> 2][k & 3]; },
+            [&](int k) { return row(mt, (k >> 1) & 1); }, [&](int k) { return n0 + (k >> 2) * 8 + 2 * t + (k & 1); },
+            false);
     } else if (n0 >= last.lo && n0 + BN <= first.hi) {
       if constexpr (!kLean) {  // the lean softmax scales inside its FFMA
 #pragma unroll

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "backends/cuda_util.cuh"
 #include "ops/attention/cuda_backward.cuh"
@@ -38,6 +39,8 @@ struct BackwardVariant {
   bool dkdv32 = false;
   bool dkdv_unshared = false;
   bool dq_fused = false;
+  // With dq_fused: the Hopper dK/dV kernel (SYMHEAP_ATTN_OWN_BACKWARD = hopper).
+  bool hopper = false;
 };
 
 // Whether a call uses a logit feature (bias, mask, ALiBi, softcap, dropout):
@@ -146,11 +149,15 @@ inline int64_t dq_rows(const KArgs& p) {
   return p.cu_q ? p.total_q : static_cast<int64_t>(p.batch) * p.seqlen_q;
 }
 
+// The Hopper dK/dV kernel (attention_cuda.cu picks the type's instance).
+void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16);
+
 // The backward with dQ fused into the dK/dV kernel (the head dims of
 // shared_dkdv_serves, no logit features): the fp32 workspace zeroed on the
-// stream, delta, dK/dV + dQ, then dQ converted into its dtype.
+// stream, delta, dK/dV (the shared-fragment kernel, or the Hopper one) + dQ,
+// then dQ converted into its dtype.
 template <class T, int DB>
-void backward_dq_fused(const Launch& l, const KArgs& p) {
+void backward_dq_fused(const Launch& l, const KArgs& p, bool hopper) {
   static ReadyDevices ready_delta{0};
   const int64_t rows = dq_rows(p);
   if (p.seqlen_q > 0 && rows > 0) {
@@ -161,7 +168,10 @@ void backward_dq_fused(const Launch& l, const KArgs& p) {
            dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
            p, "delta", 0, ready_delta);
   }
-  if (p.seqlen_k > 0) dkdv_shared<T, DB, true>(l, p);
+  if (p.seqlen_k > 0) {
+    if (hopper) run_dkdv_hopper(l, p, std::is_same_v<T, __half>);
+    else dkdv_shared<T, DB, true>(l, p);
+  }
   if (p.seqlen_q > 0 && rows > 0) {
     constexpr int kThreads = 256;
     const int64_t work = rows * p.heads_q * (DB / 8);
@@ -196,7 +206,7 @@ void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant
   static ReadyDevices ready_delta{0};
   const bool features = logit_features(p);
   if constexpr (shared_dkdv_serves(DB)) {
-    if (variant.dq_fused && !features) return backward_dq_fused<T, DB>(l, p);
+    if (variant.dq_fused && !features) return backward_dq_fused<T, DB>(l, p, variant.hopper);
   }
   if (p.seqlen_q > 0) {
     launch(l, attention_bwd_delta_kernel<T>,
@@ -307,6 +317,8 @@ void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, Backward
 // (SYMHEAP_WITH_HOPPER_ATTN); attention_cuda.cu checks the device first.
 void run_forward_hopper_f16(const Launch& l, const KArgs& p);
 void run_forward_hopper_bf16(const Launch& l, const KArgs& p);
+void run_dkdv_hopper_f16(const Launch& l, const KArgs& p);
+void run_dkdv_hopper_bf16(const Launch& l, const KArgs& p);
 void require_hopper(int device);
 
 }  // namespace symheap::attention::cuda

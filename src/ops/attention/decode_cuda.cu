@@ -481,7 +481,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, j = j0 + nb * 8 + 2 * t + (e & 1);
         float x = s[nb][e] * p.scale;
-        if (p.softcap > 0.0f) x = p.softcap * tanhf(x * inv_softcap);
+        if (p.softcap > 0.0f) x = p.softcap * attention::cuda::tanh_fast(x * inv_softcap);
         if (slope[h] != 0.0f) x -= slope[h] * fabsf(static_cast<float>(diag[h] - j));
         s[nb][e] = x;
       }
@@ -625,12 +625,7 @@ __device__ __forceinline__ void cp_async16_bytes(void* smem, const void* gmem, i
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// 2^x, flushing denormal results to zero (no range fix-up around MUFU.EX2).
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
+using attention::cuda::exp2_fast;
 
 // The 8x8 b16 matrix whose fragments (row lane / 4, columns 2 (lane % 4) + 0..1)
 // the warp holds, transposed, in the same fragment layout.
@@ -826,7 +821,7 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
       for (int e = 0; e < 4; ++e) {
         const int u = 2 * n + (e & 1), j = j0 + g + 8 * (e >> 1);
         float x = (s[n][e] + s_odd[n][e]) * p.scale;
-        if (p.softcap > 0.0f) x = p.softcap * tanhf(x * inv_softcap);
+        if (p.softcap > 0.0f) x = p.softcap * attention::cuda::tanh_fast(x * inv_softcap);
         if (slope[u] != 0.0f) x -= slope[u] * fabsf(static_cast<float>(diag[u] - j));
         s[n][e] = x;
       }
@@ -851,7 +846,7 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
       const float m_new = fmaxf(row_max[u], m);
-      rescale[u] = row_max[u] == -INFINITY ? 0.0f : exp2_ftz((row_max[u] - m_new) * kLog2e);
+      rescale[u] = row_max[u] == -INFINITY ? 0.0f : exp2_fast((row_max[u] - m_new) * kLog2e);
       base[u] = m_new == -INFINITY ? 0.0f : m_new * kLog2e;  // in log2 units
       row_max[u] = m_new;
       row_sum[u] *= rescale[u];
@@ -878,7 +873,7 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int u = 2 * n + (e & 1);
-        const float pr = exp2_ftz(fmaf(s[n][e], kLog2e, -base[u]));
+        const float pr = exp2_fast(fmaf(s[n][e], kLog2e, -base[u]));
         row_sum[u] += pr;
         s[n][e] = pr;
       }
@@ -967,8 +962,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
         const bool live = x != -INFINITY && x == x;  // an empty split has lse -inf
         const float m_new = live ? fmaxf(m, x) : m;
         // exp2 of -inf is 0: the running sums are 0 until the first live split.
-        const float f = m_new == m ? 1.0f : exp2_ftz((m - m_new) * kLog2e);
-        const float w = live ? exp2_ftz((x - m_new) * kLog2e) : 0.0f;
+        const float f = m_new == m ? 1.0f : exp2_fast((m - m_new) * kLog2e);
+        const float w = live ? exp2_fast((x - m_new) * kLog2e) : 0.0f;
         total = total * f + w;
         o = o * f + (live ? w * ys[k] : 0.0f);
         m = m_new;

@@ -1,0 +1,361 @@
+// Hopper dK/dV kernel with dQ fused (sm_90a; head dims 64 and 128, no logit
+// features): the five products of the backward on wgmma. One CTA per 128
+// keys of one (batch entry, kv head), two warpgroups of 64 keys; it walks
+// the query tiles (64 rows) of every query head of its group, as the
+// shared-fragment kernel (cuda_backward_dkdv_shared.cuh) does, and follows
+// its rules: P from the forward's lse, dS = P (dP - delta) scale, dQ added to
+// the fp32 workspace (KArgs::dq_accum) that attention_bwd_dq_convert_kernel
+// converts after.
+// Per tile, each warpgroup:
+//   S^T = K Q^T and dP^T = V dO^T   (64 keys x 64 rows; K, V, Q, dO in shared memory)
+//   dS^T to shared memory
+//   dV += P^T dO and dK += dS^T Q   (P^T from registers: the accumulator layout
+//                                    is the register-operand layout, as in the
+//                                    Hopper forward; dS^T from shared memory; dO,
+//                                    Q read transposed)
+//   after a barrier, dQ (64 rows x 64 columns a
+//   warpgroup; the first alone at head dim 64) = dS K over the block's 128
+//   keys, added with fp32 atomics.
+// Shared memory: the 128-byte swizzled layouts of cuda_forward_hopper.cuh,
+// every element placed through a CuTe tensor (hopper::at).
+// Opt-in (SYMHEAP_ATTN_OWN_BACKWARD=hopper): at 255 registers a thread its
+// dQ part spills, and on H100 it is slower than the shared-fragment kernel
+// (bench/attn_notes.md).
+#pragma once
+#include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
+#include "ops/attention/cuda_forward_hopper.cuh"
+
+namespace symheap::attention::cuda {
+
+namespace hopper {
+// The 128 threads of warpgroup `wg` (barrier ids 1 and 2; __syncthreads takes 0).
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+}
+}  // namespace hopper
+
+template <class T, int DB>
+struct HopperDkvConfig {
+  static_assert(DB == 64 || DB == 128, "the Hopper backward serves head dims 64 and 128");
+  using E = typename hopper::CuteType<T>::type;
+  static constexpr int kBlockN = 128;  // keys per CTA
+  static constexpr int kBlockM = 64;   // query rows per tile
+  static constexpr int kThreads = 256;
+
+  using BN = cute::Int<kBlockN>;
+  using BM = cute::Int<kBlockM>;
+  using D = cute::Int<DB>;
+  using K = cute::GMMA::Major;
+  using Warpgroups = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;
+  // S^T, dP^T (BN x BM) = K, V (BN x DB) times Q^T, dO^T; 64 keys a warpgroup.
+  using MmaSdP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, BM, D>>(), Warpgroups{}));
+  // dV, dK (BN x DB) += P^T, dS^T (registers) times dO, Q (BM x DB: MN-major
+  // as the B operand DB x BM).
+  using MmaDkv = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<E, E, float, cute::Shape<cute::_64, D, BM>, K::K, K::MN>(), Warpgroups{}));
+  // dK (BN x DB) += dS^T (shared memory: sdS seen as BN x BM, K-major) times
+  // Q (MN-major as the B operand DB x BM): dS^T takes no registers.
+  using MmaDk = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, D, BM>, K::K, K::MN>(), Warpgroups{}));
+  // dQ (BM x DB) = dS (BM x BN; dS^T stored rows-contiguous, so MN-major as
+  // A) times K (BN x DB; MN-major as the B operand DB x BN). An MN-major
+  // operand with the 128-byte swizzle spans whole 64-element rows, so the
+  // two warpgroups split DB only where each takes 64 columns; at head dim 64
+  // the first warpgroup computes dQ alone.
+  static constexpr int kDqWarpgroups = DB / 64;
+  using MmaDq = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, cute::_64, BN>, K::MN, K::MN>(),
+      cute::Layout<cute::Shape<cute::_1, cute::Int<kDqWarpgroups>, cute::_1>>{}));
+
+  using SmemKV = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BN, D>{}));
+  // K^T: the same bytes seen as DB x BN.
+  using SmemKt = decltype(cute::composition(
+      SmemKV{}, cute::make_ordered_layout(cute::Shape<D, BN>{}, cute::Step<cute::_2, cute::_1>{})));
+  // Q and dO: two buffers each.
+  using SmemQ =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BM, D, cute::_2>{}));
+  using SmemQt = decltype(cute::composition(
+      SmemQ{}, cute::make_ordered_layout(cute::Shape<D, BM, cute::_2>{},
+                                         cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  // dS as BM x BN with the rows contiguous (64 of them: one MN-major atom).
+  using SmemDs =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{}, cute::Shape<BM, BN>{}));
+  // dS^T: the same bytes seen as BN x BM.
+  using SmemDst = decltype(cute::composition(
+      SmemDs{}, cute::make_ordered_layout(cute::Shape<BN, BM>{}, cute::Step<cute::_2, cute::_1>{})));
+
+  static constexpr int kKVElems = cute::cosize_v<SmemKV>;
+  static constexpr int kQElems = cute::cosize_v<SmemQ>;
+  static constexpr int kDsElems = cute::cosize_v<SmemDs>;
+  static_assert((kKVElems * sizeof(E)) % 1024 == 0 && (kQElems * sizeof(E)) % 1024 == 0 &&
+                    (kDsElems * sizeof(E)) % 1024 == 0,
+                "1024-byte tiles");
+  static constexpr size_t kSmemTiles = sizeof(E) * (2 * kKVElems + 2 * kQElems + kDsElems);
+  // + lse and delta, two buffers of BM floats each; + 1024 for the alignment.
+  static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 1024;
+};
+
+template <class T, int DB>
+__global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
+    attention_bwd_dkdv_hopper_kernel(const KArgs p) {
+  using namespace cute;
+  using namespace hopper;
+  using pipelined::RowRange;
+  using pipelined::rows_seeing;
+  using C = HopperDkvConfig<T, DB>;
+  using E = typename C::E;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;
+  constexpr float kLog2e = 1.4426950408889634f;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  E* k_s = reinterpret_cast<E*>(base);
+  E* v_s = k_s + C::kKVElems;
+  E* q_s = v_s + C::kKVElems;
+  E* do_s = q_s + C::kQElems;
+  E* ds_s = do_s + C::kQElems;
+  float* s_lse = reinterpret_cast<float*>(base + C::kSmemTiles);  // two buffers of BM
+  float* s_delta = s_lse + 2 * BM;                                // two buffers of BM
+  Tensor sK = make_tensor(make_smem_ptr(k_s), typename C::SmemKV{});
+  Tensor sV = make_tensor(make_smem_ptr(v_s), typename C::SmemKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(k_s), typename C::SmemKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(q_s), typename C::SmemQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(do_s), typename C::SmemQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(q_s), typename C::SmemQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(do_s), typename C::SmemQt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ds_s), typename C::SmemDs{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ds_s), typename C::SmemDst{});
+
+  const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+  const Seq seq = sequence(p, b);
+  if (n0 >= seq.sk) return;
+  const int tid = threadIdx.x, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  const int cols = min(BN, seq.sk - n0);
+  // This thread's keys in S^T / dP^T / dK / dV: key_row(h) of the block.
+  const int key_row0 = (tid / 32) * 16 + g;  // warpgroup w: keys 64 w ..
+  auto key_row = [&](int h) { return key_row0 + 8 * h; };
+
+  // Query rows that see at least one key of [n0, n0 + cols), tiles of BM,
+  // m_tiles per head, then the next head of the group.
+  const int shift = seq.sk - seq.sq;
+  const int i_lo = p.win_right < 0 ? 0 : max(0, n0 - shift - p.win_right);
+  const int i_hi = p.win_left < 0 ? seq.sq : min(seq.sq, n0 + cols - 1 - shift + p.win_left + 1);
+  const int m_begin = i_lo / BM * BM;
+  const int m_tiles = i_hi > i_lo ? (i_hi - m_begin + BM - 1) / BM : 0;
+  const int n_tiles = m_tiles * p.group;
+
+  E* dk = static_cast<E*>(p.dk) + b * p.dk_sb + (seq.k0 + n0) * p.dk_sr + hk * p.dk_sh;
+  E* dv = static_cast<E*>(p.dv) + b * p.dv_sb + (seq.k0 + n0) * p.dv_sr + hk * p.dv_sh;
+  constexpr int kChunks = DB / 8;
+  if (n_tiles == 0) {  // no query row sees these keys: zero gradients
+    for (int idx = tid; idx < cols * kChunks; idx += NT) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      *reinterpret_cast<uint4*>(dk + r * p.dk_sr + c * 8) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dv + r * p.dv_sr + c * 8) = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+
+  auto tile_head = [&](int it) { return hk * p.group + it / m_tiles; };
+  auto tile_row0 = [&](int it) { return m_begin + (it % m_tiles) * BM; };
+  auto load_q_do = [&](int it, int buf) {
+    const int hq = tile_head(it), m0 = tile_row0(it), rows = min(BM, seq.sq - m0);
+    const int64_t row = seq.q0 + m0;
+    load_tile<BM, DB, NT>(sQ(_, _, buf), static_cast<const E*>(p.q) + b * p.q_sb + row * p.q_sr + hq * p.q_sh,
+                          p.q_sr, rows);
+    load_tile<BM, DB, NT>(sdO(_, _, buf),
+                          static_cast<const E*>(p.dout) + b * p.do_sb + row * p.do_sr + hq * p.do_sh, p.do_sr,
+                          rows);
+  };
+  // The query row `tid` of tile `it` (threads < BM): lse in log2 units, +inf
+  // where the row is past the end or sees no key (its P is then 0), and delta.
+  auto read_stats = [&](int it, float* lse2, float* delta) {
+    const int hq = tile_head(it), i = tile_row0(it) + tid;
+    *lse2 = INFINITY;
+    *delta = 0.0f;
+    if (i < seq.sq) {
+      const float x = p.lse[b * p.lse_sb + hq * p.lse_sh + seq.q0 + i];
+      if (x != -INFINITY) *lse2 = x * kLog2e;
+      *delta = p.delta[b * p.delta_sb + hq * p.delta_sh + seq.q0 + i];
+    }
+  };
+
+  // Prologue: K and V of the block and the first Q/dO tile, one group.
+  load_tile<BN, DB, NT>(sK, static_cast<const E*>(p.k) + b * p.k_sb + (seq.k0 + n0) * p.k_sr + hk * p.k_sh,
+                        p.k_sr, cols);
+  load_tile<BN, DB, NT>(sV, static_cast<const E*>(p.v) + b * p.v_sb + (seq.k0 + n0) * p.v_sr + hk * p.v_sh,
+                        p.v_sr, cols);
+  load_q_do(0, 0);
+  cp_async_commit();
+  if (tid < BM) read_stats(0, &s_lse[tid], &s_delta[tid]);
+
+  typename C::MmaSdP mma_sdp;
+  typename C::MmaDkv mma_dkv;
+  typename C::MmaDk mma_dk;
+  typename C::MmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid % (128 * C::kDqWarpgroups));  // dQ's warpgroups only
+  auto thr_dk = mma_dk.get_thread_slice(tid);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, 1, DB / 16)
+  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, 1, DB / 16, 2)
+  Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tDrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, 1, BM / 16, 2)
+  Tensor tKrdSt = thr_dk.partition_fragment_A(sdSt);   // (MMA, 1, BM / 16)
+  Tensor tKrQt = thr_dk.partition_fragment_B(sQt);     // (MMA, 1, BM / 16, 2)
+  Tensor tQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, 1, BN / 16)
+  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);     // (MMA, 1, BN / 16)
+  // Accumulators: element 4 nt + 2 h + c is (key key_row(h), column 8 nt + 2 t + c).
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
+  Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
+  Tensor tDrdV = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<DB>>{});
+  Tensor tDrdK = partition_fragment_C(mma_dk, Shape<Int<BN>, Int<DB>>{});
+  // P^T and dS^T as A operands: element i is element i of S^T / dP^T.
+  Tensor tDrP = make_tensor<E>(partition_shape_A(mma_dkv, Shape<Int<BN>, Int<BM>>{}));
+  // dQ: element 4 nt + 2 h + c is (query row (tid % 128) / 32 * 16 + g + 8 h,
+  // column (tid / 128) * 64 + 8 nt + 2 t + c).
+  Tensor tQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<DB>>{});
+  static_assert(size(decltype(tSrS){}) == BM / 2 && size(decltype(tDrdV){}) == DB / 2 &&
+                    size(decltype(tDrP){}) == BM / 2 && size(decltype(tQrdQ){}) == 32,
+                "the per-thread shares of the warpgroup tiles");
+  clear(tDrdV);
+  clear(tDrdK);
+
+  // The query rows that see this thread's keys, and those for which a whole
+  // tile sees every key of the block.
+  const RowRange sees[2] = {rows_seeing(n0 + key_row(0), shift, p.win_left, p.win_right),
+                            rows_seeing(n0 + key_row(1), shift, p.win_left, p.win_right)};
+  const int full_lo = rows_seeing(n0 + BN - 1, shift, p.win_left, p.win_right).lo;
+  const int full_hi = rows_seeing(n0, shift, p.win_left, p.win_right).hi;
+  const float scale_log2 = p.scale * kLog2e;
+  const int dq_row0 = ((tid % 128) / 32) * 16 + g, dq_col0 = (tid / 128) * 64 + 2 * t;
+  const bool dq_warpgroup = tid < 128 * C::kDqWarpgroups;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int buf = it & 1;
+    cp_async_wait<0>();  // tile `it` (and K, V) landed
+    fence_async_shared();
+    __syncthreads();     // ... for every thread; tile it-1 and its dS^T are consumed
+    const bool has_next = it + 1 < n_tiles;
+    float next_lse2 = INFINITY, next_delta = 0.0f;
+    if (has_next) {
+      load_q_do(it + 1, buf ^ 1);
+      if (tid < BM) read_stats(it + 1, &next_lse2, &next_delta);
+    }
+    cp_async_commit();
+    const int hq = tile_head(it), m0 = tile_row0(it);
+    const float* lse2 = s_lse + buf * BM;
+    const float* delta = s_delta + buf * BM;
+
+    // S^T and dP^T, both issued before either is waited for.
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
+    warpgroup_arrive();
+    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrK); ++kb) {
+      gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, buf), tSrS);
+      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+    }
+    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrV); ++kb) {
+      gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb, buf), tSrdP);
+      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
+
+    // P and dS = P (dP - delta) scale; element (key key_row(h), query row
+    // m0 + 8 nt + 2 t + c). Rows past the sequence have lse +inf: P = 0.
+    const bool full = m0 >= full_lo && m0 + BM <= full_hi;
+#pragma unroll
+    for (int nt = 0; nt < BM / 8; ++nt) {
+      const int c0 = nt * 8 + 2 * t;
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + c0);
+      const float2 dl = *reinterpret_cast<const float2*>(delta + c0);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, i = m0 + c0 + (e & 1), idx = 4 * nt + e;
+        const bool seen = full | ((i >= sees[h].lo) & (i < sees[h].hi));
+        const float x2 = seen ? tSrS(idx) * scale_log2 : -INFINITY;
+        const float pr = exp2_fast(x2 - ((e & 1) ? l2.y : l2.x));
+        const float ds = pr * (tSrdP(idx) - ((e & 1) ? dl.y : dl.x)) * p.scale;
+        tSrS(idx) = pr;
+        tSrdP(idx) = ds;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < BM / 2; i += 2) {
+      const uint32_t pp = Pack<T>::two(tSrS(i), tSrS(i + 1));
+      const uint32_t dd = Pack<T>::two(tSrdP(i), tSrdP(i + 1));
+      tDrP(i) = reinterpret_cast<const E*>(&pp)[0];
+      tDrP(i + 1) = reinterpret_cast<const E*>(&pp)[1];
+      // dS^T into shared memory for dK and dQ: (query row, key) of sdS.
+      const int nt = i / 4, h = (i >> 1) & 1;
+      *at(sdS, nt * 8 + 2 * t, key_row(h)) = reinterpret_cast<const E*>(&dd)[0];
+      *at(sdS, nt * 8 + 2 * t + 1, key_row(h)) = reinterpret_cast<const E*>(&dd)[1];
+    }
+
+    // dV += P^T dO and dK += dS^T Q, both issued before either is waited for;
+    // dK reads this warpgroup's rows of dS^T, which only its threads wrote.
+    fence_async_shared();
+    warpgroup_barrier(tid / 128);
+    warpgroup_fence_operand(tDrP);
+    warpgroup_fence_operand(tDrdV);
+    warpgroup_fence_operand(tDrdK);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tDrP); ++kb) gemm(mma_dkv, tDrP(_, _, kb), tDrdOt(_, _, kb, buf), tDrdV);
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tKrdSt); ++kb) gemm(mma_dk, tKrdSt(_, _, kb), tKrQt(_, _, kb, buf), tDrdK);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tDrdV);
+    warpgroup_fence_operand(tDrdK);
+    warpgroup_fence_operand(tDrP);
+
+    // dQ of this tile once both warpgroups' dS^T is in shared memory.
+    fence_async_shared();
+    __syncthreads();
+    if (dq_warpgroup) {  // warpgroup-uniform
+      warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);
+      float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh + dq_col0;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = dq_row0 + 8 * h;
+          if (m0 + r < seq.sq)
+            atomicAdd(reinterpret_cast<float2*>(out + r * p.dqa_sr + nt * 8),
+                      make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1)));
+        }
+    }
+
+    // The next tile's statistics (buffer buf ^ 1 was consumed before this
+    // iteration's first barrier; the next one publishes them).
+    if (has_next && tid < BM) {
+      s_lse[(buf ^ 1) * BM + tid] = next_lse2;
+      s_delta[(buf ^ 1) * BM + tid] = next_delta;
+    }
+  }
+  cp_async_wait<0>();
+
+  // dK and dV (dS carried the scale) straight from the accumulators.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = key_row(h);
+    if (r >= cols) continue;
+#pragma unroll
+    for (int nt = 0; nt < DB / 8; ++nt) {
+      const int c = nt * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(dk + r * p.dk_sr + c) = Pack<T>::two(tDrdK(4 * nt + 2 * h), tDrdK(4 * nt + 2 * h + 1));
+      *reinterpret_cast<uint32_t*>(dv + r * p.dv_sr + c) = Pack<T>::two(tDrdV(4 * nt + 2 * h), tDrdV(4 * nt + 2 * h + 1));
+    }
+  }
+}
+
+}  // namespace symheap::attention::cuda
