@@ -18,9 +18,9 @@
 //   keys, added with fp32 atomics.
 // Shared memory: the 128-byte swizzled layouts of cuda_forward_hopper.cuh,
 // every element placed through a CuTe tensor (hopper::at).
-// Opt-in (SYMHEAP_ATTN_OWN_BACKWARD=hopper): at 255 registers a thread its
-// dQ part spills, and on H100 it is slower than the shared-fragment kernel
-// (bench/attn_notes.md).
+// Opt-in (SYMHEAP_ATTN_OWN_BACKWARD=hopper): measured on H100 it was slower
+// than the shared-fragment kernel while 772 bytes a thread spilled
+// (bench/attn_notes.md, section 15); 40 spill now.
 #pragma once
 #include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
 #include "ops/attention/cuda_forward_hopper.cuh"
