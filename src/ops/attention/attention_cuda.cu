@@ -59,7 +59,8 @@ void require_hopper(int device) {
                       kOwnForwardHopper + "', the forward's default where built) need a compute capability 9.0 GPU "
                       "(H100/H200); device " + std::to_string(device) + " is " +
                       std::to_string(props->cc_major) + "." + std::to_string(props->cc_minor) + "; set " +
-                      kOwnForwardEnv + "=pipelined");
+                      kOwnForwardEnv + "=pipelined (and " + kOwnBackwardEnv + " to anything but '" +
+                      kOwnBackwardHopper + "')");
   checked.fetch_or(bit, std::memory_order_acq_rel);
 }
 

@@ -89,8 +89,9 @@ struct HopperFwdConfig {
 
 namespace hopper {
 
-// The copies and exp2 of the pipelined kernel.
+// The copies of the pipelined kernel.
 using pipelined::cp_async16;
+using pipelined::cp_async16_bytes;
 using pipelined::cp_async_commit;
 using pipelined::cp_async_wait;
 using pipelined::smem_addr;
@@ -160,9 +161,7 @@ __device__ __forceinline__ void load_bias_rows(uint16_t* s, const char* bias, co
     const int i = i0 + r, j = n0 + c * 8;
     const int bytes = i < sq ? 2 * max(0, min(8, sk - j)) : 0;
     const uint16_t* src = bytes ? g + i * p.bias_sq + j : g;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(s + r * BN + ((c ^ (r & 7)) << 3))),
-                 "l"(src), "r"(bytes)
-                 : "memory");
+    cp_async16_bytes(smem_addr(s + r * BN + ((c ^ (r & 7)) << 3)), src, bytes);
   }
 }
 
@@ -207,7 +206,6 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
   const detail::KeyRange last = detail::visible_keys(m0 + rows - 1, seq.sq, seq.sk, p.win_left, p.win_right);
   const int n_begin = first.lo / BN * BN, n_end = last.hi;
 
-  // Prologue: Q and the first K and V tiles.
   // The bias through shared memory (kFeatures): each warp's own rows.
   const LogitCtx logit(p, b, hq, seq);
   const bool bias_tiles = kFeatures && bias_rows_copyable(p);
@@ -216,6 +214,7 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
     load_bias_rows<BN>(bias_s + buf * 8 * 16 * BN, logit.bias, p, m0 + warp_row0, n, seq.sq, seq.sk, lane);
   };
 
+  // Prologue: Q and the first K, V (and bias) tiles.
   load_tile<BM, DB, NT>(sQ, q, p.q_sr, rows);
   if (n_begin < n_end) {
     load_tile<BN, DB, NT>(sK(_, _, 0), k + n_begin * p.k_sr, p.k_sr, seq.sk - n_begin);

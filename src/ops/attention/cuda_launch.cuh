@@ -149,12 +149,13 @@ inline int64_t dq_rows(const KArgs& p) {
   return p.cu_q ? p.total_q : static_cast<int64_t>(p.batch) * p.seqlen_q;
 }
 
-// The backward with dQ fused into the dK/dV kernel (the head dims of
-// shared_dkdv_serves, no logit features): the fp32 workspace zeroed on the
-// stream, delta, dK/dV + dQ, then dQ converted into its dtype.
 // The Hopper dK/dV kernel (attention_cuda.cu picks the type's instance).
 void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16);
 
+// The backward with dQ fused into the dK/dV kernel (the head dims of
+// shared_dkdv_serves, no logit features): the fp32 workspace zeroed on the
+// stream, delta, dK/dV (the shared-fragment kernel, or the Hopper one) + dQ,
+// then dQ converted into its dtype.
 template <class T, int DB>
 void backward_dq_fused(const Launch& l, const KArgs& p, bool hopper) {
   static ReadyDevices ready_delta{0};
