@@ -140,13 +140,13 @@ def _run_backward(plan: Plan, q, k, v, out, lse, dout, want_dbias: bool):
         g = _sum_dbias(part_plan, part["dbias"])
         if whole:
             dbias = g
-        elif dbias is None:
+            continue
+        if dbias is None:
             dbias = torch.zeros((plan.bias.tensor.shape[0],) + g.shape[1:], dtype=torch.float32, device=q.device)
-        if not whole:
-            if dbias.shape[0] == 1:
-                dbias += g
-            else:
-                dbias[b0:b1] = g
+        if dbias.shape[0] == 1:  # a bias broadcast over the batch: the chunks' sums add up
+            dbias += g
+        else:
+            dbias[b0:b1] = g
     return dq, dk, dv, dbias.to(plan.bias.tensor.dtype).reshape(plan.bias.shape)
 
 
