@@ -19,10 +19,9 @@
 //   fp32 atomics.
 // Shared memory: the 128-byte swizzled layouts of cuda_forward_hopper.cuh,
 // every element placed through a CuTe tensor (hopper::at).
-// Opt-in (SYMHEAP_ATTN_OWN_BACKWARD=hopper, =hopper_dq_separate): with dQ
-// fused its registers spill at 255 a thread, and on H100 it is slower than
-// the shared-fragment kernel (bench/attn_notes.md); without dQ the
-// accumulators take 208 registers (dK, dV 64 each, S^T, dP^T 32 each, P^T 16).
+// Opt-in (SYMHEAP_ATTN_OWN_BACKWARD=hopper, =hopper_dq_separate): measured on
+// H100 with dQ fused it was slower than the shared-fragment kernel while 772
+// bytes a thread spilled (bench/attn_notes.md, section 15); 40 spill now.
 #pragma once
 #include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
 #include "ops/attention/cuda_forward_hopper.cuh"
