@@ -68,6 +68,34 @@ __device__ __forceinline__ RowRange rows_seeing(int j, int shift, int left, int 
                   static_cast<int>(min(hi, static_cast<long long>(INT_MAX)))};
 }
 
+// The query tiles (BM rows) a dK/dV CTA of keys [n0, n0 + cols) visits: from
+// the tile of the first row that sees one of its keys to the last such row,
+// m_tiles per query head of the group (n_tiles in all).
+struct QueryTiles {
+  int m_begin, m_tiles, n_tiles;
+};
+template <int BM>
+__device__ __forceinline__ QueryTiles query_tiles(const KArgs& p, const Seq& seq, int n0, int cols) {
+  const int shift = seq.sk - seq.sq;
+  const int i_lo = p.win_right < 0 ? 0 : max(0, n0 - shift - p.win_right);
+  const int i_hi = p.win_left < 0 ? seq.sq : min(seq.sq, n0 + cols - 1 - shift + p.win_left + 1);
+  const int m_begin = i_lo / BM * BM;
+  const int m_tiles = i_hi > i_lo ? (i_hi - m_begin + BM - 1) / BM : 0;
+  return QueryTiles{m_begin, m_tiles, m_tiles * p.group};
+}
+
+// Rows [0, cols) of dK and dV (row strides from p) set to zero: no query row
+// sees those keys.
+template <int DB, int NT, class E>
+__device__ __forceinline__ void zero_key_rows(E* dk, E* dv, const KArgs& p, int cols) {
+  constexpr int kChunks = DB / 8;
+  for (int idx = threadIdx.x; idx < cols * kChunks; idx += NT) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    *reinterpret_cast<uint4*>(dk + r * p.dk_sr + c * 8) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(dv + r * p.dv_sr + c * 8) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 }  // namespace pipelined
 
 template <class T, int DB, int kRows, bool kFeatures, bool kDoDv, bool kDoDk>
@@ -98,11 +126,8 @@ __global__ void __launch_bounds__(PipelinedDkvConfig<DB, kRows>::kThreads)
   // Query rows that see at least one key of [n0, n0 + cols); the same for
   // every query head. Tiles: m_tiles per head, then the next head.
   const int shift = seq.sk - seq.sq;
-  const int i_lo = p.win_right < 0 ? 0 : max(0, n0 - shift - p.win_right);
-  const int i_hi = p.win_left < 0 ? seq.sq : min(seq.sq, n0 + cols - 1 - shift + p.win_left + 1);
-  const int m_begin = i_lo / BM * BM;
-  const int m_tiles = i_hi > i_lo ? (i_hi - m_begin + BM - 1) / BM : 0;
-  const int n_tiles = m_tiles * p.group;
+  const pipelined::QueryTiles tiles = pipelined::query_tiles<BM>(p, seq, n0, cols);
+  const int m_begin = tiles.m_begin, m_tiles = tiles.m_tiles, n_tiles = tiles.n_tiles;
 
   T* dk = static_cast<T*>(p.dk) + b * p.dk_sb + (seq.k0 + n0) * p.dk_sr + hk * p.dk_sh;
   T* dv = static_cast<T*>(p.dv) + b * p.dv_sb + (seq.k0 + n0) * p.dv_sr + hk * p.dv_sh;

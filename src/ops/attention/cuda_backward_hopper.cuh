@@ -146,23 +146,12 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
   // Query rows that see at least one key of [n0, n0 + cols), tiles of BM,
   // m_tiles per head, then the next head of the group.
   const int shift = seq.sk - seq.sq;
-  const int i_lo = p.win_right < 0 ? 0 : max(0, n0 - shift - p.win_right);
-  const int i_hi = p.win_left < 0 ? seq.sq : min(seq.sq, n0 + cols - 1 - shift + p.win_left + 1);
-  const int m_begin = i_lo / BM * BM;
-  const int m_tiles = i_hi > i_lo ? (i_hi - m_begin + BM - 1) / BM : 0;
-  const int n_tiles = m_tiles * p.group;
+  const pipelined::QueryTiles tiles = pipelined::query_tiles<BM>(p, seq, n0, cols);
+  const int m_begin = tiles.m_begin, m_tiles = tiles.m_tiles, n_tiles = tiles.n_tiles;
 
   E* dk = static_cast<E*>(p.dk) + b * p.dk_sb + (seq.k0 + n0) * p.dk_sr + hk * p.dk_sh;
   E* dv = static_cast<E*>(p.dv) + b * p.dv_sb + (seq.k0 + n0) * p.dv_sr + hk * p.dv_sh;
-  constexpr int kChunks = DB / 8;
-  if (n_tiles == 0) {  // no query row sees these keys: zero gradients
-    for (int idx = tid; idx < cols * kChunks; idx += NT) {
-      const int r = idx / kChunks, c = idx % kChunks;
-      *reinterpret_cast<uint4*>(dk + r * p.dk_sr + c * 8) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(dv + r * p.dv_sr + c * 8) = make_uint4(0, 0, 0, 0);
-    }
-    return;
-  }
+  if (n_tiles == 0) return pipelined::zero_key_rows<DB, NT>(dk, dv, p, cols);  // no row sees these keys
 
   auto tile_head = [&](int it) { return hk * p.group + it / m_tiles; };
   auto tile_row0 = [&](int it) { return m_begin + (it % m_tiles) * BM; };
