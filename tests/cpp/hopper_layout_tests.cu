@@ -10,6 +10,9 @@
 //     element), and both, and the O accumulator, are the (row, column) the
 //     kernel's index arithmetic names (element 4 n + 2 h + c: row 16 w + g +
 //     8 h, column 8 n + 2 t + c).
+// The same for the Hopper dK/dV kernel (cuda_backward_hopper.cuh, HopperDkvConfig):
+// K, V, Q, dO, dS and their transposed views, and the S^T, P^T, dV/dK and dQ
+// fragments (check_backward_config).
 // Built when the Hopper kernel is (target symheap_hopper_layout_tests), run
 // by tests/attention/test_attention_hopper_layouts.py. Prints each failure
 // with its values; the exit status is the number of failed checks.

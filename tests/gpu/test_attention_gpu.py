@@ -629,6 +629,24 @@ def test_forward_softcap_range(D, softcap, fwd, monkeypatch):
     check_case(case, softcap=softcap)
 
 
+@pytest.mark.parametrize("bias_shape", [(1, 8, 300, 264), (2, 1, 300, 264), (1, 2, 1, 264)])
+def test_dbias_batch_chunks(bias_shape, monkeypatch):
+    """The backward over chunks of batch entries (the dbias workspace limit
+    set to two entries): every gradient equal to the one-launch run's."""
+    from symheap.attention import _function
+    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
+    case = gpu_case(B=5, Sq=300, Sk=264, Hq=8, Hkv=2, D=64, seed=3, bias_shape=bias_shape)
+    q, k, v, bias = case["q"], case["k"], case["v"], case["kwargs"]["bias"]
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to("cuda", q.dtype)
+    runs = []
+    for limit in (1 << 40, 2 * 8 * (300 if bias_shape[2] > 1 else 1) * 264 * 4):
+        monkeypatch.setattr(_function, "DBIAS_WORKSPACE_LIMIT", limit)
+        out = flash_attn_func(q, k, v, bias=bias, causal=True)
+        runs.append(torch.autograd.grad(out, (q, k, v, bias), dout))
+    for n, (a, b) in enumerate(zip(*runs)):
+        assert max_err(a, b) <= 1e-2 * max(1.0, a.float().abs().max().item()), n
+
+
 @pytest.mark.parametrize("fwd", FORWARDS)
 def test_pipelined_output_strides(monkeypatch, fwd):
     """q, k, v as views with row and head strides of a packed qkv tensor."""

@@ -1,6 +1,8 @@
 """The public attention functions and their torch autograd rule."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -71,19 +73,41 @@ def _run_cudnn(plan: Plan, tensors: dict, stream, backward: bool) -> bool:
     return True
 
 
-def _run_backward(plan: Plan, q, k, v, out, lse, dout, want_dbias: bool):
-    dq = new_output(q.shape, q.dtype, q.device, zero=plan.varlen)
-    dk = new_output(k.shape, k.dtype, k.device, zero=plan.varlen)
-    dv = new_output(v.shape, v.dtype, v.device, zero=plan.varlen)
-    dbias_ws = None
-    if want_dbias:
-        rows = plan.seqlen_q if plan.bias.per_row else 1
-        dbias_ws = torch.zeros((plan.batch, plan.heads_q, rows, plan.seqlen_k), dtype=torch.float32,
-                               device=q.device)
-    tensors = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, dbias=dbias_ws)
+# The bias gradient's float32 workspace holds one slice per (batch entry,
+# query head) and is summed over the bias's broadcast dims afterwards: for a
+# bias broadcast over the batch or the heads it is that many times the size of
+# the gradient. Past this many bytes a call runs its backward over chunks of
+# batch entries whose workspace fits, summing as it goes.
+DBIAS_WORKSPACE_LIMIT = 1 << 30
+
+
+def _dbias_batch_chunk(plan: Plan) -> int:
+    """Batch entries per backward launch when the bias gradient is wanted
+    (plan.batch: one launch). With dropout the random stream depends on the
+    batch index, so such calls stay whole, as do varlen calls."""
+    if plan.varlen or plan.dropout_p > 0:
+        return plan.batch
+    rows = plan.seqlen_q if plan.bias.per_row else 1
+    per_entry = plan.heads_q * rows * plan.seqlen_k * 4
+    return max(1, min(plan.batch, DBIAS_WORKSPACE_LIMIT // per_entry))
+
+
+def _batch_slice(plan: Plan, b0: int, b1: int) -> Plan:
+    """The plan of batch entries [b0, b1) of a fixed-length call."""
+    def rows_of(t):
+        return t[b0:b1] if t is not None and t.shape[0] > 1 else t
+
+    def spec_of(spec):
+        return None if spec is None else dataclasses.replace(spec, tensor=rows_of(spec.tensor))
+    return dataclasses.replace(plan, batch=b1 - b0, bias=spec_of(plan.bias), mask=spec_of(plan.mask),
+                               alibi=rows_of(plan.alibi), cudnn_calls={}, core_template=None, eager=None)
+
+
+def _launch_backward(plan: Plan, tensors: dict, use_cudnn: bool):
+    q = tensors["q"]
     if plan.on_cuda:
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        if want_dbias or not _run_cudnn(plan, tensors, stream, backward=True):
+        if not use_cudnn or not _run_cudnn(plan, tensors, stream, backward=True):
             args = core_args(plan, **tensors)
             nbytes = _core.attention_backward_cuda_workspace_bytes(args)
             # From torch's caching allocator on the caller's stream: no cudaMalloc
@@ -92,12 +116,43 @@ def _run_backward(plan: Plan, q, k, v, out, lse, dout, want_dbias: bool):
             _core.attention_backward_cuda(args, q.device.index, stream, workspace.data_ptr(), nbytes)
     else:
         _core.attention_backward_cpu(core_args(plan, **tensors))
-    dbias = _reduce_dbias(plan, dbias_ws) if want_dbias else None
-    return dq, dk, dv, dbias
 
 
-def _reduce_dbias(plan: Plan, ws: torch.Tensor) -> torch.Tensor:
-    """Sums the per-(batch, query head) gradient over the bias's broadcast dims."""
+def _run_backward(plan: Plan, q, k, v, out, lse, dout, want_dbias: bool):
+    dq = new_output(q.shape, q.dtype, q.device, zero=plan.varlen)
+    dk = new_output(k.shape, k.dtype, k.device, zero=plan.varlen)
+    dv = new_output(v.shape, v.dtype, v.device, zero=plan.varlen)
+    tensors = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv)
+    if not want_dbias:
+        _launch_backward(plan, tensors, use_cudnn=True)
+        return dq, dk, dv, None
+    rows = plan.seqlen_q if plan.bias.per_row else 1
+    chunk = _dbias_batch_chunk(plan)
+    dbias = None
+    for b0 in range(0, plan.batch, chunk):  # one pass unless the workspace would pass the limit
+        b1 = min(plan.batch, b0 + chunk)
+        whole = b1 - b0 == plan.batch
+        part_plan = plan if whole else _batch_slice(plan, b0, b1)
+        part = dict(tensors) if whole else {name: t[b0:b1] for name, t in tensors.items()}
+        part["dbias"] = torch.zeros((b1 - b0, plan.heads_q, rows, plan.seqlen_k), dtype=torch.float32,
+                                    device=q.device)
+        _launch_backward(part_plan, part, use_cudnn=False)
+        g = _sum_dbias(part_plan, part["dbias"])
+        if whole:
+            dbias = g
+            continue
+        if dbias is None:
+            dbias = torch.zeros((plan.bias.tensor.shape[0],) + g.shape[1:], dtype=torch.float32, device=q.device)
+        if dbias.shape[0] == 1:  # a bias broadcast over the batch: the chunks' sums add up
+            dbias += g
+        else:
+            dbias[b0:b1] = g
+    return dq, dk, dv, dbias.to(plan.bias.tensor.dtype).reshape(plan.bias.shape)
+
+
+def _sum_dbias(plan: Plan, ws: torch.Tensor) -> torch.Tensor:
+    """The per-(batch, query head) gradient summed over the bias's broadcast
+    dims, in float32, 4-D."""
     spec = plan.bias
     b, h, _, _ = spec.tensor.shape
     g = ws
@@ -107,7 +162,7 @@ def _reduce_dbias(plan: Plan, ws: torch.Tensor) -> torch.Tensor:
         g = g.sum(1, keepdim=True)
     elif spec.kv_heads:
         g = g.view(g.shape[0], plan.heads_kv, plan.heads_q // plan.heads_kv, *g.shape[2:]).sum(2)
-    return g.to(spec.tensor.dtype).reshape(spec.shape)
+    return g
 
 
 def _unpad(t: torch.Tensor, plan: Plan) -> torch.Tensor:

@@ -62,10 +62,11 @@ Path choose_path(const std::optional<std::string>& requested, bool on_cuda) {
 }
 
 namespace {
-// "pipelined" where the pipelined kernels serve the head dim, unless the
+// `by_default` where the pipelined kernels serve the head dim, unless the
 // variable `env` forces "basic" (or one of `variants`: a variant of the
 // pipelined kernels, returned where they serve the head dim).
-const char* own_kernel(const char* env_name, int head_dim, std::initializer_list<const char*> variants = {}) {
+const char* own_kernel(const char* env_name, int head_dim, std::initializer_list<const char*> variants,
+                       const char* by_default = "pipelined") {
   const char* env = std::getenv(env_name);
   const bool served = pipelined_forward_serves(head_dim);
   if (env && *env && std::strcmp(env, "auto") != 0) {
@@ -82,7 +83,7 @@ const char* own_kernel(const char* env_name, int head_dim, std::initializer_list
     throw InvalidArgument(std::string("attention: ") + env_name + " must be " + allowed + ", got '" + env +
                           "'");
   }
-  return served ? "pipelined" : "basic";
+  return served ? by_default : "basic";
 }
 }  // namespace
 
@@ -97,17 +98,14 @@ std::string hopper_forward_unavailable_reason() {
 }
 
 const char* own_forward_kernel(int head_dim) {
-  const char* kernel =
-      own_kernel(kOwnForwardEnv, head_dim, {kOwnForwardPrevious, kOwnForwardHopper, kOwnForwardPipelined});
   // The default where the pipelined kernel serves: the Hopper kernel, when built.
-  const char* env = std::getenv(kOwnForwardEnv);
-  const bool by_default = !env || !*env || std::strcmp(env, "auto") == 0;
 #ifdef SYMHEAP_WITH_HOPPER_ATTN
-  if (by_default && std::strcmp(kernel, "pipelined") == 0) return kOwnForwardHopper;
+  constexpr const char* by_default = kOwnForwardHopper;
 #else
-  (void)by_default;
+  constexpr const char* by_default = kOwnForwardPipelined;
 #endif
-  return kernel;
+  return own_kernel(kOwnForwardEnv, head_dim, {kOwnForwardPrevious, kOwnForwardHopper, kOwnForwardPipelined},
+                    by_default);
 }
 const char* own_backward_kernel(int head_dim) {
   return own_kernel(kOwnBackwardEnv, head_dim,
