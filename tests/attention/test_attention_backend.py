@@ -112,7 +112,7 @@ def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
 
 @pytest.mark.parametrize("env", [None, "auto", "basic", "pipelined_dq16", "pipelined_dkdv32",
                                  "pipelined_dkdv_unshared", "pipelined_dq_fused", "pipelined_dq_separate",
-                                 "hopper"])
+                                 "hopper", "hopper_dq_separate"])
 def test_own_backward_kernel_choice(monkeypatch, env):
     """The backward's kernels (dQ and dK/dV): pipelined for head dims 64, 128
     and 256 unless SYMHEAP_ATTN_OWN_BACKWARD forces the basic ones (or the
@@ -128,12 +128,12 @@ def test_own_backward_kernel_choice(monkeypatch, env):
         monkeypatch.setenv(name, env)
     for d in (32, 64, 96, 128, 192, 256):
         variants = ("pipelined_dq16", "pipelined_dkdv32", "pipelined_dkdv_unshared",
-                    "pipelined_dq_fused", "pipelined_dq_separate", "hopper")
+                    "pipelined_dq_fused", "pipelined_dq_separate", "hopper", "hopper_dq_separate")
         pipelined = env if env in variants else "pipelined"
         want = pipelined if d in (64, 128, 256) and env != "basic" else "basic"
         assert _core.attention_own_backward_kernel(d) == want, d
     monkeypatch.setenv(name, "fast")
     with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_BACKWARD must be 'auto', 'basic', "
                        "'pipelined_dq16', 'pipelined_dkdv32', 'pipelined_dkdv_unshared', "
-                       "'pipelined_dq_fused', 'pipelined_dq_separate' or 'hopper'"):
+                       "'pipelined_dq_fused', 'pipelined_dq_separate', 'hopper' or 'hopper_dq_separate'"):
         _core.attention_own_backward_kernel(64)

@@ -675,7 +675,8 @@ def own_backward(monkeypatch, kernel):
     whose warps each read every Q/dO fragment, "pipelined_dq_fused" = dQ
     inside the shared-fragment dK/dV kernel at head dims 64 and 128 without
     logit features, "pipelined_dq_separate" = dQ by its own kernel there,
-    "hopper" = the Hopper dK/dV kernel with dQ fused there), and checks the
+    "hopper" = the Hopper dK/dV kernel with dQ fused there, "hopper_dq_separate"
+    = the Hopper dK/dV kernel with dQ by its own kernel), and checks the
     choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_backward_env, kernel)
@@ -840,7 +841,7 @@ SHARED_DKDV_DIMS = [64, 128]
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(100, 3)),
                                   dict(window_size=(-1, 40)), dict(window_size=(64, -1))])
 @pytest.mark.parametrize("kernel", ["auto", "pipelined_dq_fused", "pipelined_dq_separate",
-                                    "pipelined_dkdv_unshared", "hopper"])
+                                    "pipelined_dkdv_unshared", "hopper", "hopper_dq_separate"])
 def test_pipelined_backward_dkdv_shared(kernel, opts, Sq, Sk, dtype, D, monkeypatch):
     """GQA (4 query heads over 2 kv heads), causal with Sq != Sk both ways
     (whole query and key blocks seeing nothing), windows on either side,
@@ -854,7 +855,7 @@ def test_pipelined_backward_dkdv_shared(kernel, opts, Sq, Sk, dtype, D, monkeypa
 @pytest.mark.parametrize("D", SHARED_DKDV_DIMS)
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
 @pytest.mark.parametrize("kernel", ["pipelined_dkdv_unshared", "pipelined_dq_fused", "pipelined_dq_separate",
-                                    "hopper"])
+                                    "hopper", "hopper_dq_separate"])
 def test_pipelined_backward_dkdv_variants_varlen(kernel, opts, D, monkeypatch):
     """Packed sequences, some empty on either side, on the 64-row dK/dV kernel
     without shared fragments, with dQ fused into the shared-fragment kernel
@@ -864,13 +865,14 @@ def test_pipelined_backward_dkdv_variants_varlen(kernel, opts, D, monkeypatch):
 
 
 @pytest.mark.parametrize("D", SHARED_DKDV_DIMS)
-@pytest.mark.parametrize("kernel", ["auto", "pipelined_dq_fused", "pipelined_dq_separate"])
+@pytest.mark.parametrize("kernel", ["auto", "pipelined_dq_fused", "pipelined_dq_separate", "hopper",
+                                    "hopper_dq_separate"])
 def test_pipelined_backward_dkdv_shared_deterministic(kernel, D, monkeypatch):
     """deterministic=True keeps dQ out of the dK/dV kernel (its atomics have
     no fixed order) even where fused dQ is the default or forced: two runs of
     the same GQA call without logit features (test_pipelined_backward_deterministic
     has a bias) give bit-identical gradients, equal to those of the separate
-    dQ kernel."""
+    dQ kernel beside the same dK/dV kernel."""
     own_backward(monkeypatch, kernel)
     case = gpu_case(B=2, Sq=700, Sk=900, Hq=8, Hkv=2, D=D, seed=5)
     inputs = [case["q"], case["k"], case["v"]]
@@ -879,7 +881,7 @@ def test_pipelined_backward_dkdv_shared_deterministic(kernel, D, monkeypatch):
         out = flash_attn_func(case["q"], case["k"], case["v"], causal=True, deterministic=True,
                               **case["kwargs"])
         runs.append(torch.autograd.grad(out, inputs, torch.ones_like(out)))
-    own_backward(monkeypatch, "pipelined_dq_separate")
+    own_backward(monkeypatch, "hopper_dq_separate" if kernel.startswith("hopper") else "pipelined_dq_separate")
     out = flash_attn_func(case["q"], case["k"], case["v"], causal=True, **case["kwargs"])
     runs.append(torch.autograd.grad(out, inputs, torch.ones_like(out)))
     for a, b, c in zip(*runs):

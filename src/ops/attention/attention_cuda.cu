@@ -64,14 +64,15 @@ void require_hopper(int device) {
   checked.fetch_or(bit, std::memory_order_acq_rel);
 }
 
-void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16) {
+void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq) {
 #ifdef SYMHEAP_WITH_HOPPER_ATTN
-  if (f16) run_dkdv_hopper_f16(l, p);
-  else run_dkdv_hopper_bf16(l, p);
+  if (f16) run_dkdv_hopper_f16(l, p, fuse_dq);
+  else run_dkdv_hopper_bf16(l, p, fuse_dq);
 #else
   (void)l;
   (void)p;
   (void)f16;
+  (void)fuse_dq;
   throw Unsupported("attention: " + hopper_forward_unavailable_reason());
 #endif
 }
@@ -326,7 +327,8 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
   variant.dq16 = std::strcmp(kernel, kOwnBackwardDq16) == 0;
   variant.dkdv32 = std::strcmp(kernel, kOwnBackwardDkdv32) == 0;
   variant.dkdv_unshared = std::strcmp(kernel, kOwnBackwardDkdvUnshared) == 0;
-  variant.hopper = variant.dq_fused && std::strcmp(kernel, kOwnBackwardHopper) == 0;
+  variant.hopper = std::strcmp(kernel, kOwnBackwardHopper) == 0 ||
+                   std::strcmp(kernel, kOwnBackwardHopperDqSeparate) == 0;
   if (variant.hopper) cuda::require_hopper(device);
   const bool pipelined_backward = std::strcmp(kernel, "basic") != 0;
   if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k, pipelined_backward, variant);

@@ -3,5 +3,7 @@
 
 namespace symheap::attention::cuda {
 void run_forward_hopper_f16(const Launch& l, const KArgs& p) { run_forward_hopper<__half>(l, p); }
-void run_dkdv_hopper_f16(const Launch& l, const KArgs& p) { dkdv_hopper_bucket<__half>(l, p); }
+void run_dkdv_hopper_f16(const Launch& l, const KArgs& p, bool fuse_dq) {
+  dkdv_hopper_bucket<__half>(l, p, fuse_dq);
+}
 }  // namespace symheap::attention::cuda

@@ -1,5 +1,6 @@
-// Hopper dK/dV kernel with dQ fused (sm_90a; head dims 64 and 128, no logit
-// features): the five products of the backward on wgmma. One CTA per 128
+// Hopper dK/dV kernel, dQ fused or not (sm_90a; head dims 64 and 128, no logit
+// features): the products of the backward on wgmma (five with dQ fused; else
+// dQ comes from the pipelined dQ kernel, cuda_backward_dq_pipelined.cuh). One CTA per 128
 // keys of one (batch entry, kv head), two warpgroups of 64 keys; it walks
 // the query tiles (64 rows) of every query head of its group, as the
 // shared-fragment kernel (cuda_backward_dkdv_shared.cuh) does, and follows
@@ -13,14 +14,14 @@
 //                                    is the register-operand layout, as in the
 //                                    Hopper forward; dS^T from shared memory; dO,
 //                                    Q read transposed)
-//   after a barrier, dQ (64 rows x 64 columns a
-//   warpgroup; the first alone at head dim 64) = dS K over the block's 128
-//   keys, added with fp32 atomics.
+//   with kFuseDq, after a barrier, dQ (64 rows x 64 columns a warpgroup; the
+//   first alone at head dim 64) = dS K over the block's 128 keys, added with
+//   fp32 atomics.
 // Shared memory: the 128-byte swizzled layouts of cuda_forward_hopper.cuh,
 // every element placed through a CuTe tensor (hopper::at).
-// Opt-in (SYMHEAP_ATTN_OWN_BACKWARD=hopper): measured on H100 it was slower
-// than the shared-fragment kernel while 772 bytes a thread spilled
-// (bench/attn_notes.md, section 15); 40 spill now.
+// Opt-in (SYMHEAP_ATTN_OWN_BACKWARD=hopper, =hopper_dq_separate): measured on
+// H100 with dQ fused it was slower than the shared-fragment kernel while 772
+// bytes a thread spilled (bench/attn_notes.md, section 15); 40 spill now.
 #pragma once
 #include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
 #include "ops/attention/cuda_forward_hopper.cuh"
@@ -103,7 +104,7 @@ struct HopperDkvConfig {
   static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 1024;
 };
 
-template <class T, int DB>
+template <class T, int DB, bool kFuseDq>
 __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
     attention_bwd_dkdv_hopper_kernel(const KArgs p) {
   using namespace cute;
@@ -320,20 +321,22 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
     warpgroup_fence_operand(tDrP);
 
     // dQ of this tile once both warpgroups' dS^T is in shared memory.
-    fence_async_shared();
-    __syncthreads();
-    if (dq_warpgroup) {  // warpgroup-uniform
-      warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);
-      float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh + dq_col0;
+    if constexpr (kFuseDq) {
+      fence_async_shared();
+      __syncthreads();
+      if (dq_warpgroup) {  // warpgroup-uniform
+        warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);
+        float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh + dq_col0;
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = dq_row0 + 8 * h;
-          if (m0 + r < seq.sq)
-            atomicAdd(reinterpret_cast<float2*>(out + r * p.dqa_sr + nt * 8),
-                      make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1)));
-        }
+          for (int h = 0; h < 2; ++h) {
+            const int r = dq_row0 + 8 * h;
+            if (m0 + r < seq.sq)
+              atomicAdd(reinterpret_cast<float2*>(out + r * p.dqa_sr + nt * 8),
+                        make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1)));
+          }
+      }
     }
 
     // The next tile's statistics (buffer buf ^ 1 was consumed before this

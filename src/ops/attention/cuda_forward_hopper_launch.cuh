@@ -26,19 +26,20 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p) {
   forward_hopper<T, DB, false, false>(l, p);
 }
 
-// The Hopper dK/dV kernel with dQ fused (head dims 64 and 128).
-template <class T, int DB>
+// The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
+template <class T, int DB, bool kFuseDq>
 void dkdv_hopper(const Launch& l, const KArgs& p) {
   using C = HopperDkvConfig<T, DB>;
   static ReadyDevices ready{0};
-  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB>, dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch),
-         C::kThreads, C::kSmem, p, "dkdv_hopper", DB, ready);
+  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq>,
+         dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch), C::kThreads, C::kSmem, p,
+         kFuseDq ? "dkdv_hopper_dq" : "dkdv_hopper", DB, ready);
 }
 
 template <class T>
-void dkdv_hopper_bucket(const Launch& l, const KArgs& p) {
-  if (p.d == 64) return dkdv_hopper<T, 64>(l, p);
-  dkdv_hopper<T, 128>(l, p);
+void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq) {
+  if (p.d == 64) return fuse_dq ? dkdv_hopper<T, 64, true>(l, p) : dkdv_hopper<T, 64, false>(l, p);
+  fuse_dq ? dkdv_hopper<T, 128, true>(l, p) : dkdv_hopper<T, 128, false>(l, p);
 }
 
 // The head dims of pipelined_forward_serves.

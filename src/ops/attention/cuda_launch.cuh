@@ -39,7 +39,8 @@ struct BackwardVariant {
   bool dkdv32 = false;
   bool dkdv_unshared = false;
   bool dq_fused = false;
-  // With dq_fused: the Hopper dK/dV kernel (SYMHEAP_ATTN_OWN_BACKWARD = hopper).
+  // The Hopper dK/dV kernel where it serves (SYMHEAP_ATTN_OWN_BACKWARD = hopper
+  // or hopper_dq_separate), with dQ inside it when dq_fused.
   bool hopper = false;
 };
 
@@ -150,7 +151,7 @@ inline int64_t dq_rows(const KArgs& p) {
 }
 
 // The Hopper dK/dV kernel (attention_cuda.cu picks the type's instance).
-void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16);
+void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq);
 
 // The backward with dQ fused into the dK/dV kernel (the head dims of
 // shared_dkdv_serves, no logit features): the fp32 workspace zeroed on the
@@ -169,7 +170,7 @@ void backward_dq_fused(const Launch& l, const KArgs& p, bool hopper) {
            p, "delta", 0, ready_delta);
   }
   if (p.seqlen_k > 0) {
-    if (hopper) run_dkdv_hopper(l, p, std::is_same_v<T, __half>);
+    if (hopper) run_dkdv_hopper(l, p, std::is_same_v<T, __half>, true);
     else dkdv_shared<T, DB, true>(l, p);
   }
   if (p.seqlen_q > 0 && rows > 0) {
@@ -216,6 +217,9 @@ void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant
     else dq_pipelined<T, DB, false>(l, p, variant.dq16);
   }
   if (p.seqlen_k > 0) {
+    if constexpr (shared_dkdv_serves(DB)) {
+      if (variant.hopper && !features) return run_dkdv_hopper(l, p, std::is_same_v<T, __half>, false);
+    }
     if (features) dkdv_pipelined<T, DB, true>(l, p, variant);
     else dkdv_pipelined<T, DB, false>(l, p, variant);
   }
@@ -317,8 +321,8 @@ void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, Backward
 // (SYMHEAP_WITH_HOPPER_ATTN); attention_cuda.cu checks the device first.
 void run_forward_hopper_f16(const Launch& l, const KArgs& p);
 void run_forward_hopper_bf16(const Launch& l, const KArgs& p);
-void run_dkdv_hopper_f16(const Launch& l, const KArgs& p);
-void run_dkdv_hopper_bf16(const Launch& l, const KArgs& p);
+void run_dkdv_hopper_f16(const Launch& l, const KArgs& p, bool fuse_dq);
+void run_dkdv_hopper_bf16(const Launch& l, const KArgs& p, bool fuse_dq);
 void require_hopper(int device);
 
 }  // namespace symheap::attention::cuda

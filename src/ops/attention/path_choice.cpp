@@ -110,7 +110,8 @@ const char* own_forward_kernel(int head_dim) {
 const char* own_backward_kernel(int head_dim) {
   return own_kernel(kOwnBackwardEnv, head_dim,
                     {kOwnBackwardDq16, kOwnBackwardDkdv32, kOwnBackwardDkdvUnshared,
-                     kOwnBackwardDqFused, kOwnBackwardDqSeparate, kOwnBackwardHopper});
+                     kOwnBackwardDqFused, kOwnBackwardDqSeparate, kOwnBackwardHopper,
+                     kOwnBackwardHopperDqSeparate});
 }
 
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward) {

@@ -88,11 +88,14 @@ inline constexpr const char* kOwnBackwardDkdv32 = "pipelined_dkdv32";
 inline constexpr const char* kOwnBackwardDkdvUnshared = "pipelined_dkdv_unshared";
 inline constexpr const char* kOwnBackwardDqFused = "pipelined_dq_fused";
 inline constexpr const char* kOwnBackwardDqSeparate = "pipelined_dq_separate";
-// = "hopper": the fused-dQ backward with the Hopper dK/dV kernel
-// (cuda_backward_hopper.cuh: every product on wgmma) where dQ is fused (head
-// dims 64 and 128, no logit features, not deterministic); elsewhere as the
-// default. Needs the Hopper build and device, as the Hopper forward.
+// = "hopper": the Hopper dK/dV kernel (cuda_backward_hopper.cuh: every
+// product on wgmma) at head dims 64 and 128 without logit features, with dQ
+// fused into it where the default fuses it (not for deterministic calls);
+// = "hopper_dq_separate": the same kernel with dQ always from the pipelined
+// dQ kernel. Elsewhere both run as the default. They need the Hopper build
+// and device, as the Hopper forward.
 inline constexpr const char* kOwnBackwardHopper = "hopper";
+inline constexpr const char* kOwnBackwardHopperDqSeparate = "hopper_dq_separate";
 // Whether the default ("pipelined") backward fuses dQ into the dK/dV kernel
 // at the head dims of shared_dkdv_serves without logit features. Never for
 // deterministic calls: the fp32 atomics of the fused dQ have no fixed order.
