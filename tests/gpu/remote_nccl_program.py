@@ -263,13 +263,14 @@ def lost_peer(how: str):
         return (f"{type(e).__name__}: {e}", time.monotonic() - t0)
 
 
-def bandwidth(sizes, iters, port, rounds=2):
+def bandwidth(sizes, iters, port, rounds=2, min_round_bytes=0):
     """PE 0 -> PE 1: symheap puts then quiet, against torch.distributed's NCCL
     send/recv of the same bytes (then a 1-byte answer once they are received),
     on the same forced-network setup. The two are timed in alternating rounds,
-    so a drift of the loopback's speed during the run reaches both alike. Rows
-    of (bytes, iterations, symheap GB/s per round, NCCL GB/s per round), as
-    PE 0 timed them."""
+    so a drift of the loopback's speed during the run reaches both alike. A
+    round is `iters` transfers, more where that moves fewer than
+    `min_round_bytes`. Rows of (bytes, iterations, symheap GB/s per round,
+    NCCL GB/s per round), as PE 0 timed them."""
     import torch
     import torch.distributed as dist
     import symheap
@@ -317,7 +318,7 @@ def bandwidth(sizes, iters, port, rounds=2):
         return time.perf_counter() - t0
 
     for nb in sizes:
-        n_it = max(2, min(iters, (8 << 30) // nb))
+        n_it = max(2, min(max(iters, -(-min_round_bytes // nb)), (8 << 30) // nb))
         timed_symheap(nb, 1)  # warm-up
         timed_nccl(nb, 1)
         sym, nccl = [], []
