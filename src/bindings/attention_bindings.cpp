@@ -306,6 +306,8 @@ SYMHEAP_BINDINGS(attention) {
   m.def("attention_own_backward_kernel", [](int head_dim) { return std::string(own_backward_kernel(head_dim)); },
         py::arg("head_dim"));
   m.attr("attention_own_backward_env") = kOwnBackwardEnv;
+  // The head dim whose default backward is "hopper" where the Hopper kernels are built.
+  m.attr("attention_hopper_backward_default_head_dim") = kHopperBackwardDefaultHeadDim;
 
   // The cuDNN path: (usable, version or the reason it is not).
 #ifdef SYMHEAP_WITH_CUDNN

@@ -115,10 +115,12 @@ def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
                                  "hopper", "hopper_dq_separate"])
 def test_own_backward_kernel_choice(monkeypatch, env):
     """The backward's kernels (dQ and dK/dV): pipelined for head dims 64, 128
-    and 256 unless SYMHEAP_ATTN_OWN_BACKWARD forces the basic ones (or the
-    pipelined ones with the 16-row dQ kernel, the 32-row dK/dV kernel, the
-    64-row dK/dV kernel without shared fragments, dQ fused into the dK/dV
-    kernel or computed by its own kernel); a bad value names the variable."""
+    and 256 (the Hopper dK/dV kernel at 128 where it is built) unless
+    SYMHEAP_ATTN_OWN_BACKWARD forces the basic ones (or the pipelined ones
+    with the 16-row dQ kernel, the 32-row dK/dV kernel, the 64-row dK/dV
+    kernel without shared fragments, dQ fused into the dK/dV kernel or
+    computed by its own kernel, or the Hopper ones); a bad value names the
+    variable."""
     from symheap import _core
     name = _core.attention_own_backward_env
     assert name == "SYMHEAP_ATTN_OWN_BACKWARD"
@@ -129,9 +131,12 @@ def test_own_backward_kernel_choice(monkeypatch, env):
     for d in (32, 64, 96, 128, 192, 256):
         variants = ("pipelined_dq16", "pipelined_dkdv32", "pipelined_dkdv_unshared",
                     "pipelined_dq_fused", "pipelined_dq_separate", "hopper", "hopper_dq_separate")
-        pipelined = env if env in variants else "pipelined"
+        hopper_default = (_core.attention_hopper_forward_status()[0]
+                          and d == _core.attention_hopper_backward_default_head_dim)
+        pipelined = env if env in variants else "hopper" if hopper_default else "pipelined"
         want = pipelined if d in (64, 128, 256) and env != "basic" else "basic"
         assert _core.attention_own_backward_kernel(d) == want, d
+    assert _core.attention_hopper_backward_default_head_dim == 128
     monkeypatch.setenv(name, "fast")
     with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_BACKWARD must be 'auto', 'basic', "
                        "'pipelined_dq16', 'pipelined_dkdv32', 'pipelined_dkdv_unshared', "

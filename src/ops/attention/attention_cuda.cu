@@ -315,9 +315,9 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
     k.delta_sb = static_cast<int64_t>(a.heads_q) * a.seqlen_q;
     k.delta_sh = a.seqlen_q;
   }
-  const char* kernel = own_backward_kernel(a.head_dim);
   cuda::BackwardVariant variant;
-  variant.dq_fused = backward_fuses_dq(a, k, kernel) && bytes >= need + dq_accum_bytes(a);
+  variant.dq_fused = backward_fuses_dq(a, k, own_backward_kernel(a.head_dim)) && bytes >= need + dq_accum_bytes(a);
+  const char* kernel = backward_kernel_for_call(a.head_dim, variant.dq_fused);
   if (variant.dq_fused) {
     k.dq_accum = reinterpret_cast<float*>(static_cast<char*>(workspace) + need);
     k.dqa_sh = a.head_dim;

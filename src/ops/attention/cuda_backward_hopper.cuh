@@ -19,9 +19,10 @@
 //   fp32 atomics.
 // Shared memory: the 128-byte swizzled layouts of cuda_forward_hopper.cuh,
 // every element placed through a CuTe tensor (hopper::at).
-// Opt-in (SYMHEAP_ATTN_OWN_BACKWARD=hopper, =hopper_dq_separate): measured on
-// H100 with dQ fused it was slower than the shared-fragment kernel while 772
-// bytes a thread spilled (bench/attn_notes.md, section 15); 40 spill now.
+// The default at head dim 128 with dQ fused (kHopperBackwardDefaultHeadDim):
+// 7-9% faster than the shared-fragment kernel on H100 once the spills went
+// from 772 to 40 bytes a thread; slower at 64 and without dQ fused
+// (bench/attn_notes.md, section 15), where it runs only when forced.
 #pragma once
 #include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
 #include "ops/attention/cuda_forward_hopper.cuh"

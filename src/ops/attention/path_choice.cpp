@@ -108,10 +108,24 @@ const char* own_forward_kernel(int head_dim) {
                     by_default);
 }
 const char* own_backward_kernel(int head_dim) {
+#ifdef SYMHEAP_WITH_HOPPER_ATTN
+  const char* by_default = head_dim == kHopperBackwardDefaultHeadDim ? kOwnBackwardHopper : "pipelined";
+#else
+  const char* by_default = "pipelined";
+#endif
   return own_kernel(kOwnBackwardEnv, head_dim,
                     {kOwnBackwardDq16, kOwnBackwardDkdv32, kOwnBackwardDkdvUnshared,
                      kOwnBackwardDqFused, kOwnBackwardDqSeparate, kOwnBackwardHopper,
-                     kOwnBackwardHopperDqSeparate});
+                     kOwnBackwardHopperDqSeparate},
+                    by_default);
+}
+
+const char* backward_kernel_for_call(int head_dim, bool dq_fused) {
+  const char* kernel = own_backward_kernel(head_dim);
+  if (dq_fused || std::strcmp(kernel, kOwnBackwardHopper) != 0) return kernel;
+  const char* env = std::getenv(kOwnBackwardEnv);
+  const bool forced = env && *env && std::strcmp(env, "auto") != 0;
+  return forced ? kernel : "pipelined";
 }
 
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward) {

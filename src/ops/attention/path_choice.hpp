@@ -100,7 +100,17 @@ inline constexpr const char* kOwnBackwardHopperDqSeparate = "hopper_dq_separate"
 // at the head dims of shared_dkdv_serves without logit features. Never for
 // deterministic calls: the fp32 atomics of the fused dQ have no fixed order.
 inline constexpr bool kDqFusedByDefault = true;
+// The default at this head dim where the Hopper kernels are built: "hopper"
+// (with dQ fused, its dK/dV kernel measured 7-9% faster than the
+// shared-fragment one on H100; at 64 it is 15-18% slower). A call that
+// cannot fuse dQ (deterministic, logit features, no room for the
+// accumulator) runs the pipelined kernels then: see backward_kernel_for_call.
+inline constexpr int kHopperBackwardDefaultHeadDim = 128;
 const char* own_backward_kernel(int head_dim);
+// own_backward_kernel's choice for one call, given whether that call fuses dQ:
+// the default's "hopper" becomes "pipelined" where dQ is not fused; a value
+// forced through $SYMHEAP_ATTN_OWN_BACKWARD stays.
+const char* backward_kernel_for_call(int head_dim, bool dq_fused);
 
 // Bytes the XLA handlers add to a call's scratch result for cuDNN's workspace
 // (result shapes are fixed at trace time, before any graph exists): 1 MiB
