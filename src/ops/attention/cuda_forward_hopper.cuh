@@ -37,7 +37,9 @@ struct CuteType<__nv_bfloat16> {
 };
 }  // namespace hopper
 
-template <class T, int DB>
+// kStages: K and V buffers each (2; 3 for the kernel whose warpgroups take
+// turns on the tensor cores, kPingpong below).
+template <class T, int DB, int kStages = 2>
 struct HopperFwdConfig {
   static_assert(DB == 64 || DB == 128 || DB == 256, "the Hopper forward serves head dims 64, 128 and 256");
   using E = typename hopper::CuteType<T>::type;
@@ -66,12 +68,13 @@ struct HopperFwdConfig {
                                  cute::GMMA::Major::MN>(),
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   using SmemQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BM, D>{}));
-  // K and V: two buffers each (the third mode).
+  // K and V: kStages buffers each (the third mode).
+  using Stages = cute::Int<kStages>;
   using SmemKV =
-      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BN, D, cute::_2>{}));
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BN, D, Stages>{}));
   // V^T: the same bytes seen as DB x keys.
   using SmemVt = decltype(cute::composition(
-      SmemKV{}, cute::make_ordered_layout(cute::Shape<D, BN, cute::_2>{},
+      SmemKV{}, cute::make_ordered_layout(cute::Shape<D, BN, Stages>{},
                                           cute::Step<cute::_2, cute::_1, cute::_3>{})));
   static constexpr int kQElems = cute::cosize_v<SmemQ>;
   static constexpr int kKVElems = cute::cosize_v<SmemKV>;
@@ -79,7 +82,9 @@ struct HopperFwdConfig {
   // addresses: every tile starts 1024-byte aligned (the base is aligned in
   // the kernel, hence the extra 1024).
   static_assert((kQElems * sizeof(E)) % 1024 == 0 && (kKVElems * sizeof(E)) % 1024 == 0, "1024-byte tiles");
-  static constexpr size_t kSmem = sizeof(E) * (kQElems + 2 * kKVElems) + 1024;
+  // The pingpong kernel's mbarriers (a full and an empty one per stage) follow V.
+  static constexpr size_t kBarrierBytes = kStages > 2 ? 2 * kStages * sizeof(uint64_t) : 0;
+  static constexpr size_t kSmem = sizeof(E) * (kQElems + 2 * kKVElems) + 1024 + kBarrierBytes;
   // The logit features' kernel also keeps each warp's 16 rows x kBlockN keys
   // of a 16-bit bias, two tiles (the next one flies with K and V); 225 KiB in
   // all at head dims 128 and 256.
@@ -100,6 +105,39 @@ using pipelined::smem_addr;
 // visible to the async proxy that wgmma reads it through.
 __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// mbarriers (shared memory, 8 bytes each) for the pingpong kernel.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued so far has landed
+// (the count of the barrier's phase includes this thread's arrival).
+__device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Waits until the phase of parity `parity` of `bar` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Named barriers of both warpgroups (256 threads): one side waits, the other
+// arrives without waiting. Ids 1 and 2 (0 is __syncthreads').
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
 
 // Element (r, c) of a shared tile. The layouts' swizzle acts on byte
@@ -126,9 +164,10 @@ __device__ __forceinline__ void load_tile(Tensor s, const E* g, int64_t row_stri
   }
 }
 
-// One warpgroup product C (+)= A B, issued and waited for. kZeroInit: C = A B;
-// kRegA: A is a register fragment (else shared-memory descriptors).
-template <bool kZeroInit, bool kRegA, class Mma, class TA, class TB, class TC>
+// One warpgroup product C (+)= A B, issued and (kWait) waited for. kZeroInit:
+// C = A B; kRegA: A is a register fragment (else shared-memory descriptors).
+// Without kWait, warpgroup_wait_all(c) ends it.
+template <bool kZeroInit, bool kRegA, bool kWait = true, class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA& a, const TB& b, TC& c) {
   using namespace cute;
   if constexpr (kRegA) warpgroup_fence_operand(a);
@@ -141,9 +180,16 @@ __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA& a, const TB& b, TC&
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegA) warpgroup_fence_operand(a);
+  if constexpr (kWait) {
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(c);
+    if constexpr (kRegA) warpgroup_fence_operand(a);
+  }
+}
+template <class TC>
+__device__ __forceinline__ void warpgroup_wait_all(TC& c) {
+  cute::warpgroup_wait<0>();
+  cute::warpgroup_fence_operand(c);
 }
 
 // A warp's 16 bias rows (query rows i0 .. i0 + 15) x BN keys from key n0 into
@@ -167,13 +213,22 @@ __device__ __forceinline__ void load_bias_rows(uint16_t* s, const char* bias, co
 
 }  // namespace hopper
 
-template <class T, int DB, bool kFeatures, bool kLean>
+// kPingpong (head dim 128 without logit features): the two warpgroups take
+// turns on the tensor cores, so one's softmax runs while the other's products
+// do. The block-wide barrier of each tile goes: three K/V buffers, each with
+// a "full" mbarrier (every thread arrives once its copies of the tile landed)
+// and an "empty" one (each warp arrives when its warpgroup is done with the
+// tile); two named barriers hand the turn over. Tile j + 2 is copied once
+// both warpgroups are done with tile j - 1, whose buffer it takes.
+template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false>
 __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdConfig<T, DB>::min_blocks(kFeatures))
     attention_fwd_hopper_kernel(const KArgs p) {
   static_assert(!(kLean && kFeatures), "the lean softmax has no logit features");
+  static_assert(!kPingpong || (DB == 128 && !kFeatures), "the pingpong kernel serves head dim 128 without features");
   using namespace cute;
   using namespace hopper;
-  using C = HopperFwdConfig<T, DB>;
+  using C = HopperFwdConfig<T, DB, kPingpong ? 3 : 2>;
+  constexpr int kStages = kPingpong ? 3 : 2;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
@@ -214,14 +269,39 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
     load_bias_rows<BN>(bias_s + buf * 8 * 16 * BN, logit.bias, p, m0 + warp_row0, n, seq.sq, seq.sk, lane);
   };
 
-  // Prologue: Q and the first K, V (and bias) tiles.
+  // The pingpong kernel's barriers: full[s], then empty[s], per stage.
+  uint64_t* full = reinterpret_cast<uint64_t*>(v_s + C::kKVElems);
+  uint64_t* empty = full + kStages;
+  const int wg = tid / 128;
+  auto load_kv = [&](int stage, int n) {
+    load_tile<BN, DB, NT>(sK(_, _, stage), k + n * p.k_sr, p.k_sr, seq.sk - n);
+    load_tile<BN, DB, NT>(sV(_, _, stage), v + n * p.v_sr, p.v_sr, seq.sk - n);
+  };
+  if constexpr (kPingpong) {
+    if (tid == 0) {
+      for (int i = 0; i < kStages; ++i) {
+        mbar_init(full + i, NT);
+        mbar_init(empty + i, NT / 32);
+      }
+    }
+    __syncthreads();
+  }
+
+  // Prologue: Q and the first K, V (and bias) tiles (the pingpong kernel: two).
   load_tile<BM, DB, NT>(sQ, q, p.q_sr, rows);
   if (n_begin < n_end) {
-    load_tile<BN, DB, NT>(sK(_, _, 0), k + n_begin * p.k_sr, p.k_sr, seq.sk - n_begin);
-    load_tile<BN, DB, NT>(sV(_, _, 0), v + n_begin * p.v_sr, p.v_sr, seq.sk - n_begin);
+    load_kv(0, n_begin);
     if (bias_tiles) load_bias_tile(0, n_begin);
   }
   cp_async_commit();
+  if constexpr (kPingpong) {
+    if (n_begin < n_end) mbar_arrive_on_copies(full);
+    if (n_begin + BN < n_end) {
+      load_kv(1, n_begin + BN);
+      cp_async_commit();
+      mbar_arrive_on_copies(full + 1);
+    }
+  }
 
   typename C::MmaS mma_s;
   typename C::MmaO mma_o;
@@ -245,22 +325,41 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
   const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
 
   for (int n0 = n_begin, it = 0; n0 < n_end; n0 += BN, ++it) {
-    const int buf = it & 1;
-    const bool has_next = n0 + BN < n_end;
-    // One barrier a tile: the K and V tiles `it` (and Q) landed for every
-    // thread, and both warpgroups are done with tile it-1, whose buffers the
-    // next tile's copies take (they fly during this tile's products).
-    cp_async_wait<0>();
-    fence_async_shared();
-    __syncthreads();
-    if (has_next) {
-      load_tile<BN, DB, NT>(sK(_, _, buf ^ 1), k + (n0 + BN) * p.k_sr, p.k_sr, seq.sk - n0 - BN);
-      load_tile<BN, DB, NT>(sV(_, _, buf ^ 1), v + (n0 + BN) * p.v_sr, p.v_sr, seq.sk - n0 - BN);
-      if (bias_tiles) load_bias_tile(buf ^ 1, n0 + BN);
-    }
-    cp_async_commit();
+    const int buf = kPingpong ? it % kStages : it & 1;
+    if constexpr (kPingpong) {
+      // Tile `it` (and Q) landed; wait for this warpgroup's turn (warpgroup
+      // 1 first waits for warpgroup 0's first product), issue S = Q K^T, then
+      // hand the turn over (the last tile's turn goes to nobody).
+      mbar_wait(full + buf, (it / kStages) & 1);
+      fence_async_shared();
+      if (wg == 1 || it > 0) named_barrier_sync(1 + wg);
+      warpgroup_gemm<true, false, false>(mma_s, tSrQ, tSrK(_, _, _, buf), tSrS);
+      if (wg == 0 || n0 + BN < n_end) named_barrier_arrive(2 - wg);
+      warpgroup_wait_all(tSrS);
+      // Tile it + 2 into the buffer of tile it - 1, once both warpgroups are done with it.
+      if (n0 + 2 * BN < n_end) {
+        const int next = (it + 2) % kStages;
+        if (it >= 1) mbar_wait(empty + next, ((it - 1) / kStages) & 1);
+        load_kv(next, n0 + 2 * BN);
+        cp_async_commit();
+        mbar_arrive_on_copies(full + next);
+      }
+    } else {
+      const bool has_next = n0 + BN < n_end;
+      // One barrier a tile: the K and V tiles `it` (and Q) landed for every
+      // thread, and both warpgroups are done with tile it-1, whose buffers the
+      // next tile's copies take (they fly during this tile's products).
+      cp_async_wait<0>();
+      fence_async_shared();
+      __syncthreads();
+      if (has_next) {
+        load_kv(buf ^ 1, n0 + BN);
+        if (bias_tiles) load_bias_tile(buf ^ 1, n0 + BN);
+      }
+      cp_async_commit();
 
-    warpgroup_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, buf), tSrS);
+      warpgroup_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, buf), tSrS);
+    }
 
     // Logits in log2 units (raw scores for kLean); -inf where hidden.
     if constexpr (kFeatures) {
@@ -381,6 +480,10 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
     }
 
     warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+    if constexpr (kPingpong) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + buf);
+    }
   }
   cp_async_wait<0>();
   // Without a key tile no barrier has passed since the Q load, and every

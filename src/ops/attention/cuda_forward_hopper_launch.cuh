@@ -8,20 +8,31 @@
 
 namespace symheap::attention::cuda {
 
-template <class T, int DB, bool kFeatures, bool kLean>
+template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false>
 void forward_hopper(const Launch& l, const KArgs& p) {
-  using C = HopperFwdConfig<T, DB>;
+  using C = HopperFwdConfig<T, DB, kPingpong ? 3 : 2>;
   static ReadyDevices ready{0};
-  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean>,
+  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong>,
          dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::smem(kFeatures), p,
-         kFeatures ? "fwd_hopper_features" : kLean ? "fwd_hopper_lean" : "fwd_hopper", DB, ready);
+         kFeatures  ? "fwd_hopper_features"
+         : kPingpong ? (kLean ? "fwd_hopper_pingpong_lean" : "fwd_hopper_pingpong")
+         : kLean     ? "fwd_hopper_lean"
+                     : "fwd_hopper",
+         DB, ready);
 }
 
 // The logit features compiled in only when the call uses one; without them
 // the lean softmax for a positive scale (as forward_pipelined_plain decides).
+// `pingpong` (head dim 128 only): the kernel whose warpgroups take turns.
 template <class T, int DB>
-void forward_hopper_bucket(const Launch& l, const KArgs& p) {
+void forward_hopper_bucket(const Launch& l, const KArgs& p, bool pingpong) {
   if (logit_features(p)) return forward_hopper<T, DB, true, false>(l, p);
+  if constexpr (DB == 128) {
+    if (pingpong) {
+      if (p.scale > 1e-30f) return forward_hopper<T, DB, false, true, true>(l, p);
+      return forward_hopper<T, DB, false, false, true>(l, p);
+    }
+  }
   if (p.scale > 1e-30f) return forward_hopper<T, DB, false, true>(l, p);
   forward_hopper<T, DB, false, false>(l, p);
 }
@@ -44,10 +55,10 @@ void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq) {
 
 // The head dims of pipelined_forward_serves.
 template <class T>
-void run_forward_hopper(const Launch& l, const KArgs& p) {
-  if (p.d == 64) return forward_hopper_bucket<T, 64>(l, p);
-  if (p.d == 128) return forward_hopper_bucket<T, 128>(l, p);
-  forward_hopper_bucket<T, 256>(l, p);
+void run_forward_hopper(const Launch& l, const KArgs& p, bool pingpong) {
+  if (p.d == 64) return forward_hopper_bucket<T, 64>(l, p, false);
+  if (p.d == 128) return forward_hopper_bucket<T, 128>(l, p, pingpong);
+  forward_hopper_bucket<T, 256>(l, p, false);
 }
 
 }  // namespace symheap::attention::cuda

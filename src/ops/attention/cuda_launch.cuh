@@ -319,8 +319,10 @@ void run_forward_bf16(const Launch& l, const KArgs& p, bool pipelined, bool prev
 void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant);
 // Defined in attention_cuda_hopper_{f16,bf16}.cu, built with CUTLASS's headers
 // (SYMHEAP_WITH_HOPPER_ATTN); attention_cuda.cu checks the device first.
-void run_forward_hopper_f16(const Launch& l, const KArgs& p);
-void run_forward_hopper_bf16(const Launch& l, const KArgs& p);
+// `pingpong`: at head dim 128 without logit features, the kernel whose
+// warpgroups take turns on the tensor cores.
+void run_forward_hopper_f16(const Launch& l, const KArgs& p, bool pingpong);
+void run_forward_hopper_bf16(const Launch& l, const KArgs& p, bool pingpong);
 void run_dkdv_hopper_f16(const Launch& l, const KArgs& p, bool fuse_dq);
 void run_dkdv_hopper_bf16(const Launch& l, const KArgs& p, bool fuse_dq);
 void require_hopper(int device);

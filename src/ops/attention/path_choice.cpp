@@ -104,7 +104,8 @@ const char* own_forward_kernel(int head_dim) {
 #else
   constexpr const char* by_default = kOwnForwardPipelined;
 #endif
-  return own_kernel(kOwnForwardEnv, head_dim, {kOwnForwardPrevious, kOwnForwardHopper, kOwnForwardPipelined},
+  return own_kernel(kOwnForwardEnv, head_dim,
+                    {kOwnForwardPrevious, kOwnForwardHopper, kOwnForwardHopperPingpong, kOwnForwardPipelined},
                     by_default);
 }
 const char* own_backward_kernel(int head_dim) {

@@ -45,6 +45,10 @@ Path choose_path(const std::optional<std::string>& requested, bool on_cuda);
 inline constexpr const char* kOwnForwardEnv = "SYMHEAP_ATTN_OWN_FORWARD";
 inline constexpr const char* kOwnForwardPrevious = "pipelined_previous";
 inline constexpr const char* kOwnForwardHopper = "hopper";
+// The Hopper kernel, at head dim 128 without logit features the variant whose
+// two warpgroups take turns on the tensor cores (cuda_forward_hopper.cuh,
+// kPingpong); elsewhere as "hopper".
+inline constexpr const char* kOwnForwardHopperPingpong = "hopper_pingpong";
 inline constexpr const char* kOwnForwardPipelined = "pipelined";
 
 // "" when the Hopper forward kernel is built in, else why not.
