@@ -432,8 +432,8 @@ RAGGED = [(1, 1), (17, 17), (1, 1000), (17, 129), (127, 129), (129, 127), (1000,
 
 # The forward kernels of those head dims: the Hopper one (wgmma;
 # cuda_forward_hopper.cuh; the default where built) and the pipelined one.
-# "hopper_pingpong" differs from "hopper" at head dim 128 without logit features only.
-FORWARDS = ["hopper", "hopper_pingpong", "pipelined"]
+# "hopper_lockstep" differs from "hopper" at head dim 128 without logit features only.
+FORWARDS = ["hopper", "hopper_lockstep", "pipelined"]
 DEFAULT_FORWARD = "hopper" if _core.attention_hopper_forward_status()[0] else "pipelined"
 
 
@@ -462,14 +462,14 @@ def test_pipelined_lengths(dtype, D, Sq, Sk, causal, monkeypatch, fwd):
 @pytest.mark.parametrize("Sq,Sk", [(128, 128), (300, 257), (1000, 1000), (129, 4099), (2048, 2048)])
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(300, 40)),
                                   dict(softmax_scale=-0.25)])
-def test_hopper_pingpong_matches_hopper(Sq, Sk, opts, monkeypatch):
-    """At head dim 128 the pingpong kernel does each warpgroup's arithmetic in
-    the same order as the Hopper kernel: outputs and lse bit for bit equal,
+def test_hopper_pingpong_matches_lockstep(Sq, Sk, opts, monkeypatch):
+    """At head dim 128 the pingpong kernel (the default) does each warpgroup's
+    arithmetic in the same order as the lockstep one: outputs and lse bit for bit equal,
     over 1 to 33 key tiles (the three buffers reused many times), causal,
     a window and the softmax for a negative scale."""
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=128, dtype=torch.bfloat16, seed=Sq + 7 * Sk)
     runs = []
-    for fwd in ("hopper", "hopper_pingpong"):
+    for fwd in ("hopper_lockstep", "hopper"):
         own_forward(monkeypatch, fwd)
         out, lse = flash_attn_func(case["q"], case["k"], case["v"], return_lse=True, **opts)
         runs.append((out, lse))

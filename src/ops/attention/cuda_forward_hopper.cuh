@@ -6,7 +6,9 @@
 // place: the wgmma accumulator and register-operand layouts line up, as for
 // mma.sync) and V from shared memory, read transposed by the instruction.
 // K and V tiles stream through two shared-memory buffers each with cp.async
-// (tile j+1 loads while tile j is computed; one barrier a tile). The softmax
+// (tile j+1 loads while tile j is computed; one barrier a tile); at head dim
+// 128 without logit features, through three, with the warpgroups taking
+// turns on the tensor cores (kPingpong, the default there). The softmax
 // (kLean: its lean form without logit features and for a positive scale), the
 // masks and the logit features are those of the pipelined kernel
 // (cuda_forward_pipelined.cuh):

@@ -105,7 +105,7 @@ const char* own_forward_kernel(int head_dim) {
   constexpr const char* by_default = kOwnForwardPipelined;
 #endif
   return own_kernel(kOwnForwardEnv, head_dim,
-                    {kOwnForwardPrevious, kOwnForwardHopper, kOwnForwardHopperPingpong, kOwnForwardPipelined},
+                    {kOwnForwardPrevious, kOwnForwardHopper, kOwnForwardHopperLockstep, kOwnForwardPipelined},
                     by_default);
 }
 const char* own_backward_kernel(int head_dim) {

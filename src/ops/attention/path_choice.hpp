@@ -44,11 +44,13 @@ Path choose_path(const std::optional<std::string>& requested, bool on_cuda);
 // Unsupported naming why.
 inline constexpr const char* kOwnForwardEnv = "SYMHEAP_ATTN_OWN_FORWARD";
 inline constexpr const char* kOwnForwardPrevious = "pipelined_previous";
+// "hopper" at head dim 128 without logit features runs the variant whose two
+// warpgroups take turns on the tensor cores (cuda_forward_hopper.cuh,
+// kPingpong; 1.05-1.14x faster on H100, the same bits); "hopper_lockstep"
+// forces the variant with one block barrier a tile there (elsewhere the two
+// are the same kernel).
 inline constexpr const char* kOwnForwardHopper = "hopper";
-// The Hopper kernel, at head dim 128 without logit features the variant whose
-// two warpgroups take turns on the tensor cores (cuda_forward_hopper.cuh,
-// kPingpong); elsewhere as "hopper".
-inline constexpr const char* kOwnForwardHopperPingpong = "hopper_pingpong";
+inline constexpr const char* kOwnForwardHopperLockstep = "hopper_lockstep";
 inline constexpr const char* kOwnForwardPipelined = "pipelined";
 
 // "" when the Hopper forward kernel is built in, else why not.
