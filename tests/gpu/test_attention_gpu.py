@@ -434,6 +434,8 @@ RAGGED = [(1, 1), (17, 17), (1, 1000), (17, 129), (127, 129), (129, 127), (1000,
 # cuda_forward_hopper.cuh; the default where built) and the pipelined one.
 # "hopper_lockstep" differs from "hopper" at head dim 128 without logit features only.
 FORWARDS = ["hopper", "hopper_lockstep", "pipelined"]
+# (head dim, forward) pairs: "hopper_lockstep" only at head dim 128, where it is another kernel.
+FWD_BY_DIM = [(d, f) for d in PIPELINED_DIMS for f in FORWARDS if f != "hopper_lockstep" or d == 128]
 DEFAULT_FORWARD = "hopper" if _core.attention_hopper_forward_status()[0] else "pipelined"
 
 
@@ -449,10 +451,9 @@ def own_forward(monkeypatch, kernel):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", PIPELINED_DIMS)
 @pytest.mark.parametrize("Sq,Sk", RAGGED)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("fwd", FORWARDS)
+@pytest.mark.parametrize("D,fwd", FWD_BY_DIM)
 def test_pipelined_lengths(dtype, D, Sq, Sk, causal, monkeypatch, fwd):
     own_forward(monkeypatch, fwd)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=4, D=D, dtype=dtype, seed=Sq * 3 + Sk + D)
@@ -504,9 +505,8 @@ PIPELINED_FEATURES = {**{k: v for k, v in FEATURES.items() if k not in ("window"
 
 @pytest.mark.parametrize("feature", list(PIPELINED_FEATURES))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", PIPELINED_DIMS)
 @pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000)])
-@pytest.mark.parametrize("fwd", FORWARDS)
+@pytest.mark.parametrize("D,fwd", FWD_BY_DIM)
 def test_pipelined_features(feature, dtype, D, Sq, Sk, monkeypatch, fwd):
     own_forward(monkeypatch, fwd)
     make_kw, opts = PIPELINED_FEATURES[feature]
@@ -520,10 +520,9 @@ def test_pipelined_features(feature, dtype, D, Sq, Sk, monkeypatch, fwd):
     check_case(case, causal=True, **opts)
 
 
-@pytest.mark.parametrize("D", PIPELINED_DIMS)
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20)),
                                   dict(softcap=3.0, dropout_p=0.1, seed=(2, 3))])
-@pytest.mark.parametrize("fwd", FORWARDS)
+@pytest.mark.parametrize("D,fwd", FWD_BY_DIM)
 def test_pipelined_varlen_with_empty_sequences(D, opts, monkeypatch, fwd):
     """Packed sequences (some empty on the query or the key side) against
     each sequence alone through the fp32 reference."""
@@ -624,10 +623,9 @@ def _bias(layout, B, Hq, Sq, Sk, gen):
 
 
 @pytest.mark.parametrize("layout", ["rows", "keys_only", "f16_bias", "f32_bias", "unaligned_rows"])
-@pytest.mark.parametrize("D", PIPELINED_DIMS)
 @pytest.mark.parametrize("Sq,Sk", [(130, 264), (200, 300), (1, 136), (300, 1000)])
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(40, 7), softcap=5.0)])
-@pytest.mark.parametrize("fwd", FORWARDS)
+@pytest.mark.parametrize("D,fwd", FWD_BY_DIM)
 def test_forward_bias_layouts(layout, D, Sq, Sk, opts, fwd, monkeypatch):
     own_forward(monkeypatch, fwd)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=D, dtype=torch.bfloat16, seed=Sq + Sk + D)
@@ -636,9 +634,8 @@ def test_forward_bias_layouts(layout, D, Sq, Sk, opts, fwd, monkeypatch):
     check_case(case, check_grads=False, **opts)
 
 
-@pytest.mark.parametrize("D", PIPELINED_DIMS)
 @pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
-@pytest.mark.parametrize("fwd", FORWARDS)
+@pytest.mark.parametrize("D,fwd", FWD_BY_DIM)
 def test_forward_softcap_range(D, softcap, fwd, monkeypatch):
     """Softcaps from one that saturates most logits to one that barely
     bends them, with scores large enough to reach both ends of tanh."""
