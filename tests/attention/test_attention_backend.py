@@ -104,6 +104,26 @@ def test_own_forward_kernel_choice(monkeypatch, env):
         assert _core.attention_own_forward_kernel(d) == want, d
 
 
+@pytest.mark.parametrize("env", [None, "auto", "hopper", "pipelined_dq_fused"])
+def test_backward_kernel_for_call(monkeypatch, env):
+    """A call that cannot fuse dQ (deterministic, logit features) runs the
+    pipelined kernels where the default would take the Hopper dK/dV kernel;
+    a kernel the variable forces stays."""
+    from symheap import _core
+    name = _core.attention_own_backward_env
+    if env is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, env)
+    for d in (64, 128, 256):
+        chosen = _core.attention_own_backward_kernel(d)
+        assert _core.attention_backward_kernel_for_call(d, True) == chosen
+        unfused = "pipelined" if chosen == "hopper" and env in (None, "auto") else chosen
+        assert _core.attention_backward_kernel_for_call(d, False) == unfused
+    if env == "hopper":
+        assert _core.attention_backward_kernel_for_call(128, False) == "hopper"
+
+
 def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
     from symheap import _core
     monkeypatch.setenv("SYMHEAP_ATTN_OWN_FORWARD", "fast")

@@ -22,7 +22,7 @@
 // The default at head dim 128 with dQ fused (kHopperBackwardDefaultHeadDim):
 // 7-9% faster than the shared-fragment kernel on H100 once the spills went
 // from 772 to 40 bytes a thread; slower at 64 and without dQ fused
-// (bench/attn_notes.md, section 15), where it runs only when forced.
+// (bench/attn_notes.md, sections 15 and 16), where it runs only when forced.
 #pragma once
 #include "ops/attention/cuda_backward_dkdv_pipelined.cuh"
 #include "ops/attention/cuda_forward_hopper.cuh"

@@ -62,14 +62,21 @@ Path choose_path(const std::optional<std::string>& requested, bool on_cuda) {
 }
 
 namespace {
+// The value of the variable `env_name` when it forces a kernel; null when it
+// is unset, empty or "auto" (the default rule).
+const char* forced_kernel(const char* env_name) {
+  const char* env = std::getenv(env_name);
+  return env && *env && std::strcmp(env, "auto") != 0 ? env : nullptr;
+}
+
 // `by_default` where the pipelined kernels serve the head dim, unless the
 // variable `env` forces "basic" (or one of `variants`: a variant of the
 // pipelined kernels, returned where they serve the head dim).
 const char* own_kernel(const char* env_name, int head_dim, std::initializer_list<const char*> variants,
                        const char* by_default = "pipelined") {
-  const char* env = std::getenv(env_name);
+  const char* env = forced_kernel(env_name);
   const bool served = pipelined_forward_serves(head_dim);
-  if (env && *env && std::strcmp(env, "auto") != 0) {
+  if (env) {
     if (std::strcmp(env, "basic") == 0) return "basic";
     for (const char* variant : variants)
       if (std::strcmp(env, variant) == 0) return served ? variant : "basic";
@@ -124,9 +131,7 @@ const char* own_backward_kernel(int head_dim) {
 const char* backward_kernel_for_call(int head_dim, bool dq_fused) {
   const char* kernel = own_backward_kernel(head_dim);
   if (dq_fused || std::strcmp(kernel, kOwnBackwardHopper) != 0) return kernel;
-  const char* env = std::getenv(kOwnBackwardEnv);
-  const bool forced = env && *env && std::strcmp(env, "auto") != 0;
-  return forced ? kernel : "pipelined";
+  return forced_kernel(kOwnBackwardEnv) ? kernel : "pipelined";
 }
 
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward) {
