@@ -310,7 +310,9 @@ SYMHEAP_BINDINGS(attention) {
   m.attr("attention_hopper_backward_default_head_dim") = kHopperBackwardDefaultHeadDim;
   // The backward's kernels for one call that fuses dQ or not.
   m.def("attention_backward_kernel_for_call",
-        [](int head_dim, bool dq_fused) { return std::string(backward_kernel_for_call(head_dim, dq_fused)); },
+        [](int head_dim, bool dq_fused) {
+          return std::string(backward_kernel_for_call(own_backward_kernel(head_dim), dq_fused));
+        },
         py::arg("head_dim"), py::arg("dq_fused"));
 
   // The cuDNN path: (usable, version or the reason it is not).

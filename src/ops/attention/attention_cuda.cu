@@ -317,8 +317,9 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
     k.delta_sh = a.seqlen_q;
   }
   cuda::BackwardVariant variant;
-  variant.dq_fused = backward_fuses_dq(a, k, own_backward_kernel(a.head_dim)) && bytes >= need + dq_accum_bytes(a);
-  const char* kernel = backward_kernel_for_call(a.head_dim, variant.dq_fused);
+  const char* chosen = own_backward_kernel(a.head_dim);  // reads the variable once a call
+  variant.dq_fused = backward_fuses_dq(a, k, chosen) && bytes >= need + dq_accum_bytes(a);
+  const char* kernel = backward_kernel_for_call(chosen, variant.dq_fused);
   if (variant.dq_fused) {
     k.dq_accum = reinterpret_cast<float*>(static_cast<char*>(workspace) + need);
     k.dqa_sh = a.head_dim;

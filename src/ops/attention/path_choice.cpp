@@ -128,8 +128,7 @@ const char* own_backward_kernel(int head_dim) {
                     by_default);
 }
 
-const char* backward_kernel_for_call(int head_dim, bool dq_fused) {
-  const char* kernel = own_backward_kernel(head_dim);
+const char* backward_kernel_for_call(const char* kernel, bool dq_fused) {
   if (dq_fused || std::strcmp(kernel, kOwnBackwardHopper) != 0) return kernel;
   return forced_kernel(kOwnBackwardEnv) ? kernel : "pipelined";
 }

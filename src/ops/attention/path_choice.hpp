@@ -113,10 +113,10 @@ inline constexpr bool kDqFusedByDefault = true;
 // accumulator) runs the pipelined kernels then: see backward_kernel_for_call.
 inline constexpr int kHopperBackwardDefaultHeadDim = 128;
 const char* own_backward_kernel(int head_dim);
-// own_backward_kernel's choice for one call, given whether that call fuses dQ:
-// the default's "hopper" becomes "pipelined" where dQ is not fused; a value
-// forced through $SYMHEAP_ATTN_OWN_BACKWARD stays.
-const char* backward_kernel_for_call(int head_dim, bool dq_fused);
+// `kernel` (own_backward_kernel's choice) for one call, given whether that
+// call fuses dQ: the default's "hopper" becomes "pipelined" where dQ is not
+// fused; a value forced through $SYMHEAP_ATTN_OWN_BACKWARD stays.
+const char* backward_kernel_for_call(const char* kernel, bool dq_fused);
 
 // Bytes the XLA handlers add to a call's scratch result for cuDNN's workspace
 // (result shapes are fixed at trace time, before any graph exists): 1 MiB
