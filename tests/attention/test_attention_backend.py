@@ -83,7 +83,7 @@ def test_repeat_calls_with_changing_options_match_the_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("env", [None, "", "auto", "basic", "pipelined_previous", "hopper", "hopper_lockstep",
-                                 "pipelined"])
+                                 "hopper_pingpong", "pipelined"])
 def test_own_forward_kernel_choice(monkeypatch, env):
     """The own CUDA forward kernel per (padded) head dim: for 64, 128 and 256
     the Hopper kernel where it is built, else the pipelined one, or the one
@@ -99,7 +99,8 @@ def test_own_forward_kernel_choice(monkeypatch, env):
         monkeypatch.setenv(name, env)
     for d in (8, 32, 56, 64, 72, 96, 120, 128, 136, 192, 256):
         default = "hopper" if _core.attention_hopper_forward_status()[0] else "pipelined"
-        pipelined = env if env in ("pipelined_previous", "hopper", "hopper_lockstep", "pipelined") else default
+        pipelined = env if env in ("pipelined_previous", "hopper", "hopper_lockstep", "hopper_pingpong",
+                                   "pipelined") else default
         want = pipelined if d in (64, 128, 256) and env != "basic" else "basic"
         assert _core.attention_own_forward_kernel(d) == want, d
 
@@ -128,7 +129,7 @@ def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
     from symheap import _core
     monkeypatch.setenv("SYMHEAP_ATTN_OWN_FORWARD", "fast")
     with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_FORWARD must be 'auto', 'basic', 'pipelined_previous', 'hopper', "
-                       "'hopper_lockstep' or 'pipelined'"):
+                       "'hopper_pingpong', 'hopper_lockstep' or 'pipelined'"):
         _core.attention_own_forward_kernel(64)
 
 

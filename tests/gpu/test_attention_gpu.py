@@ -432,10 +432,12 @@ RAGGED = [(1, 1), (17, 17), (1, 1000), (17, 129), (127, 129), (129, 127), (1000,
 
 # The forward kernels of those head dims: the Hopper one (wgmma;
 # cuda_forward_hopper.cuh; the default where built) and the pipelined one.
-# "hopper_lockstep" differs from "hopper" at head dim 128 without logit features only.
-FORWARDS = ["hopper", "hopper_lockstep", "pipelined"]
-# (head dim, forward) pairs: "hopper_lockstep" only at head dim 128, where it is another kernel.
-FWD_BY_DIM = [(d, f) for d in PIPELINED_DIMS for f in FORWARDS if f != "hopper_lockstep" or d == 128]
+# "hopper_pingpong" and "hopper_lockstep" differ from "hopper" at head dim 128 without logit
+# features only.
+FORWARDS = ["hopper", "hopper_pingpong", "hopper_lockstep", "pipelined"]
+# (head dim, forward) pairs: those two only at head dim 128, where they are other kernels.
+FWD_BY_DIM = [(d, f) for d in PIPELINED_DIMS for f in FORWARDS
+              if f not in ("hopper_pingpong", "hopper_lockstep") or d == 128]
 DEFAULT_FORWARD = "hopper" if _core.attention_hopper_forward_status()[0] else "pipelined"
 
 
@@ -464,18 +466,19 @@ def test_pipelined_lengths(dtype, D, Sq, Sk, causal, monkeypatch, fwd):
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(300, 40)),
                                   dict(softmax_scale=-0.25)])
 def test_hopper_pingpong_matches_lockstep(Sq, Sk, opts, monkeypatch):
-    """At head dim 128 the pingpong kernel (the default) does each warpgroup's
-    arithmetic in the same order as the lockstep one: outputs and lse bit for bit equal,
-    over 1 to 33 key tiles (the three buffers reused many times), causal,
-    a window and the softmax for a negative scale."""
+    """At head dim 128 the pingpong kernel fed by TMA (the default) and by its own
+    copies do each warpgroup's arithmetic in the same order as the lockstep one: outputs
+    and lse bit for bit equal, over 1 to 33 key tiles (the three buffers reused
+    many times), causal, a window and the softmax for a negative scale."""
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=128, dtype=torch.bfloat16, seed=Sq + 7 * Sk)
     runs = []
-    for fwd in ("hopper_lockstep", "hopper"):
+    for fwd in ("hopper_lockstep", "hopper_pingpong", "hopper"):
         own_forward(monkeypatch, fwd)
         out, lse = flash_attn_func(case["q"], case["k"], case["v"], return_lse=True, **opts)
         runs.append((out, lse))
-    assert torch.equal(runs[0][0], runs[1][0])
-    assert torch.equal(runs[0][1], runs[1][1])
+    for out, lse in runs[1:]:
+        assert torch.equal(runs[0][0], out)
+        assert torch.equal(runs[0][1], lse)
 
 
 @pytest.mark.parametrize("D", PIPELINED_DIMS)

@@ -245,12 +245,16 @@ void forward_cuda(const Args& a, int device, void* stream) {
                        a.q.dtype == DType::F16 ? "f16" : "bf16"};
   const cuda::KArgs k = kernel_args(a);
   const char* kernel = own_forward_kernel(a.head_dim);
-  const bool pingpong = std::strcmp(kernel, kOwnForwardHopper) == 0;
-  if (pingpong || std::strcmp(kernel, kOwnForwardHopperLockstep) == 0) {
+  const bool tma = std::strcmp(kernel, kOwnForwardHopper) == 0;
+  const bool pingpong = std::strcmp(kernel, kOwnForwardHopperPingpong) == 0;
+  if (pingpong || tma || std::strcmp(kernel, kOwnForwardHopperLockstep) == 0) {
     cuda::require_hopper(device);
 #ifdef SYMHEAP_WITH_HOPPER_ATTN
-    if (a.q.dtype == DType::F16) cuda::run_forward_hopper_f16(l, k, pingpong);
-    else cuda::run_forward_hopper_bf16(l, k, pingpong);
+    const cuda::HopperForward mode = tma        ? cuda::HopperForward::kTma
+                                     : pingpong ? cuda::HopperForward::kPingpong
+                                                : cuda::HopperForward::kLockstep;
+    if (a.q.dtype == DType::F16) cuda::run_forward_hopper_f16(l, k, mode);
+    else cuda::run_forward_hopper_bf16(l, k, mode);
 #endif
     return;
   }

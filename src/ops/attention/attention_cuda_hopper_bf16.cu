@@ -2,8 +2,8 @@
 #include "ops/attention/cuda_forward_hopper_launch.cuh"
 
 namespace symheap::attention::cuda {
-void run_forward_hopper_bf16(const Launch& l, const KArgs& p, bool pingpong) {
-  run_forward_hopper<__nv_bfloat16>(l, p, pingpong);
+void run_forward_hopper_bf16(const Launch& l, const KArgs& p, HopperForward mode) {
+  run_forward_hopper<__nv_bfloat16>(l, p, mode);
 }
 void run_dkdv_hopper_bf16(const Launch& l, const KArgs& p, bool fuse_dq) {
   dkdv_hopper_bucket<__nv_bfloat16>(l, p, fuse_dq);

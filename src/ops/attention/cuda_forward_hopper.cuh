@@ -17,6 +17,8 @@
 // CuTe (CUTLASS's headers, the nvidia-cutlass wheel) builds the swizzled
 // layouts and the wgmma descriptors; nothing else of CUTLASS is used.
 #pragma once
+#include <cuda.h>
+
 #include <cute/arch/mma_sm90.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -84,8 +86,9 @@ struct HopperFwdConfig {
   // addresses: every tile starts 1024-byte aligned (the base is aligned in
   // the kernel, hence the extra 1024).
   static_assert((kQElems * sizeof(E)) % 1024 == 0 && (kKVElems * sizeof(E)) % 1024 == 0, "1024-byte tiles");
-  // The pingpong kernel's mbarriers (a full and an empty one per stage) follow V.
-  static constexpr size_t kBarrierBytes = kStages > 2 ? 2 * kStages * sizeof(uint64_t) : 0;
+  // The pingpong kernel's mbarriers (a full and an empty one per stage) follow V
+  // (and, in the TMA kernel, Q's one).
+  static constexpr size_t kBarrierBytes = kStages > 2 ? (2 * kStages + 1) * sizeof(uint64_t) : 0;
   static constexpr size_t kSmem = sizeof(E) * (kQElems + 2 * kKVElems) + 1024 + kBarrierBytes;
   // The logit features' kernel also keeps each warp's 16 rows x kBlockN keys
   // of a 16-bit bias, two tiles (the next one flies with K and V); 225 KiB in
@@ -140,6 +143,35 @@ __device__ __forceinline__ void named_barrier_sync(int id) {
 }
 __device__ __forceinline__ void named_barrier_arrive(int id) {
   asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
+
+// The producer warpgroup of the TMA kernel (kTma): one thread's bulk tensor
+// copies fill a stage and complete its mbarrier's transaction count.
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+// The box at coordinates (c0 .. c3) of `map` into shared memory at `dst`;
+// its bytes count against `bar`'s transaction count.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+// Registers move from the producer warpgroup to the two consumer ones.
+template <int N>
+__device__ __forceinline__ void registers_down() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void registers_up() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
 // Element (r, c) of a shared tile. The layouts' swizzle acts on byte
@@ -215,6 +247,13 @@ __device__ __forceinline__ void load_bias_rows(uint16_t* s, const char* bias, co
 
 }  // namespace hopper
 
+// The TMA kernel's tensor maps (kTma): Q, K and V as (head dim, rows, heads,
+// batch), boxes of 64 columns x 128 rows with the 128-byte swizzle of the
+// wgmma tiles (each 64-column half of a tile is one box). Unused elsewhere.
+struct FwdTmaMaps {
+  CUtensorMap q, k, v;
+};
+
 // kPingpong (head dim 128 without logit features): the two warpgroups take
 // turns on the tensor cores, so one's softmax runs while the other's products
 // do. The block-wide barrier of each tile goes: three K/V buffers, each with
@@ -222,17 +261,23 @@ __device__ __forceinline__ void load_bias_rows(uint16_t* s, const char* bias, co
 // and an "empty" one (each warp arrives when its warpgroup is done with the
 // tile); two named barriers hand the turn over. Tile j + 2 is copied once
 // both warpgroups are done with tile j - 1, whose buffer it takes.
-template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false>
-__global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdConfig<T, DB>::min_blocks(kFeatures))
-    attention_fwd_hopper_kernel(const KArgs p) {
+// kTma (with kPingpong, batch layout): a third warpgroup produces. One of its
+// threads loads Q once and each K/V stage with bulk tensor copies (TMA) as
+// soon as both consumer warpgroups released it; the consumers issue no
+// copies, and setmaxnreg moves registers from the producer to them.
+template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false>
+__global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
+                                  HopperFwdConfig<T, DB>::min_blocks(kFeatures))
+    attention_fwd_hopper_kernel(const KArgs p, const __grid_constant__ FwdTmaMaps maps) {
   static_assert(!(kLean && kFeatures), "the lean softmax has no logit features");
   static_assert(!kPingpong || (DB == 128 && !kFeatures), "the pingpong kernel serves head dim 128 without features");
+  static_assert(!kTma || kPingpong, "the TMA kernel is a pingpong kernel");
   using namespace cute;
   using namespace hopper;
   using C = HopperFwdConfig<T, DB, kPingpong ? 3 : 2>;
   constexpr int kStages = kPingpong ? 3 : 2;
   using E = typename C::E;
-  constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
   extern __shared__ unsigned char smem_raw[];
   E* q_s = reinterpret_cast<E*>(smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024));
@@ -248,7 +293,8 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
   const Seq seq = sequence(p, b);
   if (m0 >= seq.sq) return;
   const int hk = hq / p.group;
-  const int tid = threadIdx.x, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  // kTma: threads 0-127 produce; tid numbers the consumers from 0.
+  const int tid = static_cast<int>(threadIdx.x) - (kTma ? 128 : 0), lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int rows = min(BM, seq.sq - m0);
   const int warp_row0 = (tid / 32) * 16;  // this warp's first row (warpgroup w: rows 64 w ..)
   auto row = [&](int h) { return m0 + warp_row0 + g + 8 * h; };
@@ -271,37 +317,68 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
     load_bias_rows<BN>(bias_s + buf * 8 * 16 * BN, logit.bias, p, m0 + warp_row0, n, seq.sq, seq.sk, lane);
   };
 
-  // The pingpong kernel's barriers: full[s], then empty[s], per stage.
+  // The pingpong kernel's barriers: full[s], then empty[s], per stage (kTma:
+  // then one for Q).
   uint64_t* full = reinterpret_cast<uint64_t*>(v_s + C::kKVElems);
   uint64_t* empty = full + kStages;
+  uint64_t* q_full = empty + kStages;
   const int wg = tid / 128;
   auto load_kv = [&](int stage, int n) {
     load_tile<BN, DB, NT>(sK(_, _, stage), k + n * p.k_sr, p.k_sr, seq.sk - n);
     load_tile<BN, DB, NT>(sV(_, _, stage), v + n * p.v_sr, p.v_sr, seq.sk - n);
   };
   if constexpr (kPingpong) {
-    if (tid == 0) {
+    if (threadIdx.x == 0) {
       for (int i = 0; i < kStages; ++i) {
-        mbar_init(full + i, NT);
+        // kTma: the producer's arrival with the bytes, else every consumer
+        // thread once its copies landed.
+        mbar_init(full + i, kTma ? 1 : NT);
         mbar_init(empty + i, NT / 32);
+      }
+      if constexpr (kTma) {
+        mbar_init(q_full, 1);
+        mbar_fence_init();
       }
     }
     __syncthreads();
   }
-
-  // Prologue: Q and the first K, V (and bias) tiles (the pingpong kernel: two).
-  load_tile<BM, DB, NT>(sQ, q, p.q_sr, rows);
-  if (n_begin < n_end) {
-    load_kv(0, n_begin);
-    if (bias_tiles) load_bias_tile(0, n_begin);
-  }
-  cp_async_commit();
-  if constexpr (kPingpong) {
-    if (n_begin < n_end) mbar_arrive_on_copies(full);
-    if (n_begin + BN < n_end) {
-      load_kv(1, n_begin + BN);
-      cp_async_commit();
-      mbar_arrive_on_copies(full + 1);
+  if constexpr (kTma) {
+    if (threadIdx.x < 128) {
+      registers_down<24>();
+      if (threadIdx.x == 0) {
+        constexpr uint32_t kHalf = 64 * sizeof(E);  // bytes of a box row
+        mbar_arrive_expect_tx(q_full, 2 * BM * kHalf);
+        for (int h = 0; h < 2; ++h) tma_load_4d(at(sQ, 0, 64 * h), &maps.q, q_full, 64 * h, m0, hq, b);
+        for (int n0 = n_begin, it = 0; n0 < n_end; n0 += BN, ++it) {
+          const int s = it % kStages;
+          // Both consumer warpgroups are done with the tile that held stage s.
+          if (it >= kStages) mbar_wait(empty + s, ((it / kStages) + 1) & 1);
+          mbar_arrive_expect_tx(full + s, 4 * BN * kHalf);
+          for (int h = 0; h < 2; ++h) {
+            tma_load_4d(at(sK, 0, 64 * h, s), &maps.k, full + s, 64 * h, n0, hk, b);
+            tma_load_4d(at(sV, 0, 64 * h, s), &maps.v, full + s, 64 * h, n0, hk, b);
+          }
+        }
+      }
+      return;
+    }
+    registers_up<240>();
+    mbar_wait(q_full, 0);
+  } else {
+    // Prologue: Q and the first K, V (and bias) tiles (the pingpong kernel: two).
+    load_tile<BM, DB, NT>(sQ, q, p.q_sr, rows);
+    if (n_begin < n_end) {
+      load_kv(0, n_begin);
+      if (bias_tiles) load_bias_tile(0, n_begin);
+    }
+    cp_async_commit();
+    if constexpr (kPingpong) {
+      if (n_begin < n_end) mbar_arrive_on_copies(full);
+      if (n_begin + BN < n_end) {
+        load_kv(1, n_begin + BN);
+        cp_async_commit();
+        mbar_arrive_on_copies(full + 1);
+      }
     }
   }
 
@@ -333,13 +410,14 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
       // 1 first waits for warpgroup 0's first product), issue S = Q K^T, then
       // hand the turn over (the last tile's turn goes to nobody).
       mbar_wait(full + buf, (it / kStages) & 1);
-      fence_async_shared();
+      if constexpr (!kTma) fence_async_shared();  // (TMA writes through the async proxy)
       if (wg == 1 || it > 0) named_barrier_sync(1 + wg);
       warpgroup_gemm<true, false, false>(mma_s, tSrQ, tSrK(_, _, _, buf), tSrS);
       if (wg == 0 || n0 + BN < n_end) named_barrier_arrive(2 - wg);
       warpgroup_wait_all(tSrS);
-      // Tile it + 2 into the buffer of tile it - 1, once both warpgroups are done with it.
-      if (n0 + 2 * BN < n_end) {
+      // Tile it + 2 into the buffer of tile it - 1, once both warpgroups are
+      // done with it (kTma: the producer's work).
+      if (!kTma && n0 + 2 * BN < n_end) {
         const int next = (it + 2) % kStages;
         if (it >= 1) mbar_wait(empty + next, ((it - 1) / kStages) & 1);
         load_kv(next, n0 + 2 * BN);
@@ -487,11 +565,14 @@ __global__ void __launch_bounds__(HopperFwdConfig<T, DB>::kThreads, HopperFwdCon
       if (lane == 0) mbar_arrive(empty + buf);
     }
   }
-  cp_async_wait<0>();
-  // Without a key tile no barrier has passed since the Q load, and every
-  // thread copied rows of every warp: wait for all of them before the
-  // staging below overwrites those rows.
-  if (n_begin >= n_end) __syncthreads();
+  if constexpr (!kTma) {
+    cp_async_wait<0>();
+    // Without a key tile no barrier has passed since the Q load, and every
+    // thread copied rows of every warp: wait for all of them before the
+    // staging below overwrites those rows. (kTma: every consumer waited for
+    // Q's barrier.)
+    if (n_begin >= n_end) __syncthreads();
+  }
 
   // Each warp stages its 16 rows of the output in its own rows of sQ (only
   // its warpgroup's products read them, and those are done), then writes

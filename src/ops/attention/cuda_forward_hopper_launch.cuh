@@ -2,39 +2,110 @@
 // attention_cuda_hopper_*.cu files instantiate them (built only with CUTLASS's
 // headers, for sm_90a).
 #pragma once
+#include <cuda.h>
+
+#include <type_traits>
+
 #include "ops/attention/cuda_backward_hopper.cuh"
 #include "ops/attention/cuda_forward_hopper.cuh"
 #include "ops/attention/cuda_launch.cuh"
 
 namespace symheap::attention::cuda {
 
-template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false>
-void forward_hopper(const Launch& l, const KArgs& p) {
+// cuTensorMapEncodeTiled through the runtime's driver entry point (the
+// library does not link the driver API); null where it is missing.
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+inline EncodeTiled tensor_map_encoder() {
+  static const EncodeTiled encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+#else
+    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<EncodeTiled>(fn);
+  }();
+  return encode;
+}
+
+// The map of one 16-bit (batch, rows, heads, 128) tensor for the TMA kernel:
+// boxes of 64 columns x 128 rows, 128-byte swizzle, rows past `rows` read as
+// zeros. False where TMA cannot address it (alignment, strides).
+inline bool encode_rows_map(CUtensorMap* map, bool bf16, const void* base, int rows, int heads, int batch,
+                            int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+  const EncodeTiled encode = tensor_map_encoder();
+  if (!encode || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  const int64_t strides[3] = {row_stride * 2, head_stride * 2, batch_stride * 2};  // bytes
+  for (int64_t s : strides)
+    if (s <= 0 || s % 16 != 0 || s >= (int64_t{1} << 40)) return false;
+  const cuuint64_t dims[4] = {128, static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(batch)};
+  const cuuint64_t byte_strides[3] = {static_cast<cuuint64_t>(strides[0]), static_cast<cuuint64_t>(strides[1]),
+                                      static_cast<cuuint64_t>(strides[2])};
+  const cuuint32_t box[4] = {64, 128, 1, 1}, unit[4] = {1, 1, 1, 1};
+  return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                const_cast<void*>(base), dims, byte_strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The maps of a batch-layout call (no cu_seqlens: every sequence starts at
+// row 0 of its batch entry, so a tile past its length reads zeros).
+inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16) {
+  if (p.cu_q || p.d != 128) return false;
+  return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb) &&
+         encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb) &&
+         encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb);
+}
+
+template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false>
+void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
   using C = HopperFwdConfig<T, DB, kPingpong ? 3 : 2>;
   static ReadyDevices ready{0};
-  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong>,
-         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), C::kThreads, C::smem(kFeatures), p,
+  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma>,
+         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), kTma ? 384 : C::kThreads, C::smem(kFeatures),
+         p,
          kFeatures  ? "fwd_hopper_features"
+         : kTma      ? (kLean ? "fwd_hopper_tma_lean" : "fwd_hopper_tma")
          : kPingpong ? (kLean ? "fwd_hopper_pingpong_lean" : "fwd_hopper_pingpong")
          : kLean     ? "fwd_hopper_lean"
                      : "fwd_hopper",
-         DB, ready);
+         DB, ready, maps);
 }
 
 // The logit features compiled in only when the call uses one; without them
 // the lean softmax for a positive scale (as forward_pipelined_plain decides).
-// `pingpong` (head dim 128 only): the kernel whose warpgroups take turns.
+// Head dim 128 without them: `mode` picks the kernel whose warpgroups take
+// turns (kPingpong), that one fed by a TMA producer (kTma, batch layout only;
+// a call TMA cannot address takes kPingpong), or the lockstep one.
 template <class T, int DB>
-void forward_hopper_bucket(const Launch& l, const KArgs& p, bool pingpong) {
-  if (logit_features(p)) return forward_hopper<T, DB, true, false>(l, p);
+void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) {
+  static const FwdTmaMaps no_maps{};
+  if (logit_features(p)) return forward_hopper<T, DB, true, false>(l, p, no_maps);
+  const bool lean = p.scale > 1e-30f;
   if constexpr (DB == 128) {
-    if (pingpong) {
-      if (p.scale > 1e-30f) return forward_hopper<T, DB, false, true, true>(l, p);
-      return forward_hopper<T, DB, false, false, true>(l, p);
+    if (mode == HopperForward::kTma) {
+      FwdTmaMaps maps;
+      if (encode_forward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>)) {
+        if (lean) return forward_hopper<T, DB, false, true, true, true>(l, p, maps);
+        return forward_hopper<T, DB, false, false, true, true>(l, p, maps);
+      }
+      mode = HopperForward::kPingpong;
+    }
+    if (mode == HopperForward::kPingpong) {
+      if (lean) return forward_hopper<T, DB, false, true, true>(l, p, no_maps);
+      return forward_hopper<T, DB, false, false, true>(l, p, no_maps);
     }
   }
-  if (p.scale > 1e-30f) return forward_hopper<T, DB, false, true>(l, p);
-  forward_hopper<T, DB, false, false>(l, p);
+  if (lean) return forward_hopper<T, DB, false, true>(l, p, no_maps);
+  forward_hopper<T, DB, false, false>(l, p, no_maps);
 }
 
 // The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
@@ -55,10 +126,10 @@ void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq) {
 
 // The head dims of pipelined_forward_serves.
 template <class T>
-void run_forward_hopper(const Launch& l, const KArgs& p, bool pingpong) {
-  if (p.d == 64) return forward_hopper_bucket<T, 64>(l, p, false);
-  if (p.d == 128) return forward_hopper_bucket<T, 128>(l, p, pingpong);
-  forward_hopper_bucket<T, 256>(l, p, false);
+void run_forward_hopper(const Launch& l, const KArgs& p, HopperForward mode) {
+  if (p.d == 64) return forward_hopper_bucket<T, 64>(l, p, HopperForward::kLockstep);
+  if (p.d == 128) return forward_hopper_bucket<T, 128>(l, p, mode);
+  forward_hopper_bucket<T, 256>(l, p, HopperForward::kLockstep);
 }
 
 }  // namespace symheap::attention::cuda

@@ -72,16 +72,17 @@ inline std::string kernel_key(const char* name, int db) {
 // no lookup, lock or string. Higher ordinals take ensure_smem's cache.
 using ReadyDevices = std::atomic<uint64_t>;
 
-template <class Kernel>
+// `more`: the kernel's parameters after p, if any.
+template <class Kernel, class... More>
 void launch(const Launch& l, Kernel kernel, dim3 grid, int threads, size_t smem, const KArgs& p,
-            const char* name, int db, ReadyDevices& ready) {
+            const char* name, int db, ReadyDevices& ready, const More&... more) {
   const uint64_t bit = l.device >= 0 && l.device < 64 ? uint64_t{1} << l.device : 0;
   if (!(ready.load(std::memory_order_acquire) & bit)) {
     ensure_smem(l.device, reinterpret_cast<const void*>(kernel), smem,
                 kernel_key(name, db) + "." + l.type_name);
     ready.fetch_or(bit, std::memory_order_acq_rel);
   }
-  kernel<<<grid, threads, smem, l.stream>>>(p);
+  kernel<<<grid, threads, smem, l.stream>>>(p, more...);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     ::symheap::cuda::check(err, ("attention kernel " + kernel_key(name, db)).c_str(), __FILE__, __LINE__);
@@ -321,8 +322,11 @@ void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, Backward
 // (SYMHEAP_WITH_HOPPER_ATTN); attention_cuda.cu checks the device first.
 // `pingpong`: at head dim 128 without logit features, the kernel whose
 // warpgroups take turns on the tensor cores.
-void run_forward_hopper_f16(const Launch& l, const KArgs& p, bool pingpong);
-void run_forward_hopper_bf16(const Launch& l, const KArgs& p, bool pingpong);
+// The Hopper forward at head dim 128 without logit features (elsewhere the
+// lockstep kernel is the only one).
+enum class HopperForward { kLockstep, kPingpong, kTma };
+void run_forward_hopper_f16(const Launch& l, const KArgs& p, HopperForward mode);
+void run_forward_hopper_bf16(const Launch& l, const KArgs& p, HopperForward mode);
 void run_dkdv_hopper_f16(const Launch& l, const KArgs& p, bool fuse_dq);
 void run_dkdv_hopper_bf16(const Launch& l, const KArgs& p, bool fuse_dq);
 void require_hopper(int device);

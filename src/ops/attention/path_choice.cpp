@@ -112,7 +112,8 @@ const char* own_forward_kernel(int head_dim) {
   constexpr const char* by_default = kOwnForwardPipelined;
 #endif
   return own_kernel(kOwnForwardEnv, head_dim,
-                    {kOwnForwardPrevious, kOwnForwardHopper, kOwnForwardHopperLockstep, kOwnForwardPipelined},
+                    {kOwnForwardPrevious, kOwnForwardHopper, kOwnForwardHopperPingpong, kOwnForwardHopperLockstep,
+                     kOwnForwardPipelined},
                     by_default);
 }
 const char* own_backward_kernel(int head_dim) {
