@@ -23,7 +23,7 @@ destination-PE count to the 8th): each dispatch sends the rows the previous comb
 returned, so no call overlaps the one before it (the independent calls above may). This
 is the reference for bench/jax_ep_bench.py's chained pairs.
 --cases picks cases by their index in cases() (0: 4096 bf16 intranode,
-1: 128 bf16 low_latency token-major, ...).
+1: 128 bf16 low_latency token-major, ..., 9: 128 bf16 intranode with max_recv_tokens).
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def cases(quick: bool, only=None):
            (4096, "intranode", "bfloat16", "token_major", False),
            (128, "low_latency", "bfloat16", "expert_major", False),
            (128, "low_latency", "bfloat16", "token_slots", False),
-           (4096, "intranode", "bfloat16", "token_slots", False)]
+           (4096, "intranode", "bfloat16", "token_slots", False),
+           (128, "intranode", "bfloat16", "token_major", True)]
     if only is not None:
         bad = [i for i in only if not 0 <= i < len(out)]
         if bad:

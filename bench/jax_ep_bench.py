@@ -9,7 +9,7 @@ DeepSeek-V3 shape: hidden 7168 bf16, top-8 of 256 experts; 4096 tokens per GPU
 (kernel intranode, max_recv_tokens set) and 128 (kernel low_latency). Times are
 per dispatch+combine pair, mean over back-to-back calls of one jitted program.
 
-    python bench/jax_ep_bench.py [--iters 20] [--gpus N] [--parts]
+    python bench/jax_ep_bench.py [--iters 20] [--gpus N] [--parts] [--sizes 128:intranode,...]
     python bench/jax_ep_bench.py --smoke     # tiny shapes on the cpu platform (a check)
 
 --parts adds, per size, both baselines as a pair within one call of 8 chained pairs, the
@@ -191,6 +191,19 @@ def time_parts(op, mesh, x, idx, w, iters):
                     for name, t, h, k in res] for shape, res in out.items()}
 
 
+def parse_sizes(text):
+    """'4096:intranode,128:low_latency' -> ((4096, 'intranode'), (128, 'low_latency'))."""
+    sizes = []
+    for item in text.split(","):
+        tokens, sep, kernel = item.partition(":")
+        if not sep or not tokens.strip().isdigit() or int(tokens) <= 0 or \
+                kernel not in ("intranode", "low_latency"):
+            raise SystemExit(f"--sizes: bad item {item!r}: want tokens:kernel, tokens > 0 and "
+                             "kernel intranode or low_latency")
+        sizes.append((int(tokens), kernel))
+    return tuple(sizes)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=20)
@@ -198,6 +211,9 @@ def main():
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the cpu platform")
     p.add_argument("--parts", action="store_true",
                    help="also time dispatch alone, combine alone and the pair (parts lines)")
+    p.add_argument("--sizes", default=None,
+                   help="tokens:kernel pairs, comma-separated (default "
+                        "4096:intranode,128:low_latency; the smoke run 64:intranode,8:low_latency)")
     a = p.parse_args()
     import jax
     import jax.numpy as jnp
@@ -216,8 +232,8 @@ def main():
     L = EXPERTS // n
     print(f"{n} x {devs[0].device_kind}, jax {jax.__version__}, hidden {HIDDEN} bf16, "
           f"top-{TOPK} of {EXPERTS}")
-    sizes = ((64, "intranode"), (8, "low_latency")) if a.smoke else \
-        ((4096, "intranode"), (128, "low_latency"))
+    sizes = parse_sizes(a.sizes or ("64:intranode,8:low_latency" if a.smoke else
+                                    "4096:intranode,128:low_latency"))
     for tokens, kernel in sizes:
         kw = dict(max_recv_tokens=n * tokens) if kernel == "intranode" else {}
         cfg = EpConfig(hidden=HIDDEN, max_tokens_per_rank=tokens, num_experts=EXPERTS, topk=TOPK,
