@@ -26,6 +26,21 @@ namespace symheap::cuda {
 
 // ---------------------------------------------------------------- errors
 
+void* driver_entry_point(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+  const cudaError_t err = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
+#else
+  const cudaError_t err = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &found);
+#endif
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return fn;
+}
+
 void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {
   cudaGetLastError();  // clear a non-sticky error so later calls are unaffected
   const char* base = std::strrchr(file, '/');
@@ -120,20 +135,8 @@ std::string device_uuid(int device) {
 
 using WriteValue64 = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
-// cuStreamWriteValue64 through the runtime's driver entry point, so that the
-// module needs no link-time libcuda.
 WriteValue64 write_value64() {
-  static std::once_flag once;
-  static WriteValue64 fn = nullptr;
-  std::call_once(once, [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &p, 12000, cudaEnableDefault,
-                                         &status) == cudaSuccess &&
-        status == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<WriteValue64>(p);
-    cudaGetLastError();
-  });
+  static const WriteValue64 fn = reinterpret_cast<WriteValue64>(cuda::driver_entry_point("cuStreamWriteValue64"));
   return fn;
 }
 

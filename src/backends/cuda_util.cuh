@@ -17,6 +17,11 @@ inline void check(cudaError_t err, const char* call, const char* file, int line)
   if (err != cudaSuccess) throw_cuda_error(err, call, file, line);
 }
 
+// A driver API function (version 12.0 of its signature) through the
+// runtime's entry point, so that the library needs no link-time libcuda;
+// null where the driver lacks it. Callers keep it in a function-local static.
+void* driver_entry_point(const char* name);
+
 // Checks the launch of the kernel just enqueued (bad configuration, no
 // kernel image for this GPU, sticky errors from earlier kernels).
 inline void check_launch(const char* kernel, const char* file, int line) {

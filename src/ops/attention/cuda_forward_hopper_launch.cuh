@@ -12,26 +12,14 @@
 
 namespace symheap::attention::cuda {
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point (the
-// library does not link the driver API); null where it is missing.
+// cuTensorMapEncodeTiled (through the runtime's driver entry point); null
+// where the driver lacks it.
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 inline EncodeTiled tensor_map_encoder() {
-  static const EncodeTiled encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-#if CUDART_VERSION >= 12050
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-#else
-    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
-#endif
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      fn = nullptr;
-    }
-    return reinterpret_cast<EncodeTiled>(fn);
-  }();
+  static const EncodeTiled encode =
+      reinterpret_cast<EncodeTiled>(::symheap::cuda::driver_entry_point("cuTensorMapEncodeTiled"));
   return encode;
 }
 

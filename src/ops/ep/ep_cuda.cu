@@ -195,21 +195,7 @@ class CudaRt {
   // library does not link the driver API); false where it fails.
   static bool pointer_attribute(const void* ptr, CUpointer_attribute which, uint64_t* out) {
     using Get = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
-    static const Get get = [] {
-      void* fn = nullptr;
-      cudaDriverEntryPointQueryResult found{};
-#if CUDART_VERSION >= 12050
-      cudaError_t err =
-          cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &fn, 12000, cudaEnableDefault, &found);
-#else
-      cudaError_t err = cudaGetDriverEntryPoint("cuPointerGetAttribute", &fn, cudaEnableDefault, &found);
-#endif
-      if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-        cudaGetLastError();
-        fn = nullptr;
-      }
-      return reinterpret_cast<Get>(fn);
-    }();
+    static const Get get = reinterpret_cast<Get>(::symheap::cuda::driver_entry_point("cuPointerGetAttribute"));
     // Each attribute read here is at most 8 bytes wide (an int, flags or an address).
     unsigned long long value = 0;
     if (!get || get(&value, which, static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(ptr))) !=
