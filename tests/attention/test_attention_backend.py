@@ -105,7 +105,7 @@ def test_own_forward_kernel_choice(monkeypatch, env):
         assert _core.attention_own_forward_kernel(d) == want, d
 
 
-@pytest.mark.parametrize("env", [None, "auto", "hopper", "pipelined_dq_fused"])
+@pytest.mark.parametrize("env", [None, "auto", "hopper", "hopper_cp_async", "pipelined_dq_fused"])
 def test_backward_kernel_for_call(monkeypatch, env):
     """A call that cannot fuse dQ (deterministic, logit features) runs the
     pipelined kernels where the default would take the Hopper dK/dV kernel;
@@ -135,7 +135,7 @@ def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
 
 @pytest.mark.parametrize("env", [None, "auto", "basic", "pipelined_dq16", "pipelined_dkdv32",
                                  "pipelined_dkdv_unshared", "pipelined_dq_fused", "pipelined_dq_separate",
-                                 "hopper", "hopper_dq_separate"])
+                                 "hopper", "hopper_dq_separate", "hopper_cp_async"])
 def test_own_backward_kernel_choice(monkeypatch, env):
     """The backward's kernels (dQ and dK/dV): pipelined for head dims 64, 128
     and 256 (the Hopper dK/dV kernel at 128 where it is built) unless
@@ -153,7 +153,8 @@ def test_own_backward_kernel_choice(monkeypatch, env):
         monkeypatch.setenv(name, env)
     for d in (32, 64, 96, 128, 192, 256):
         variants = ("pipelined_dq16", "pipelined_dkdv32", "pipelined_dkdv_unshared",
-                    "pipelined_dq_fused", "pipelined_dq_separate", "hopper", "hopper_dq_separate")
+                    "pipelined_dq_fused", "pipelined_dq_separate", "hopper", "hopper_dq_separate",
+                    "hopper_cp_async")
         hopper_default = (_core.attention_hopper_forward_status()[0]
                           and d == _core.attention_hopper_backward_default_head_dim)
         pipelined = env if env in variants else "hopper" if hopper_default else "pipelined"
@@ -163,5 +164,6 @@ def test_own_backward_kernel_choice(monkeypatch, env):
     monkeypatch.setenv(name, "fast")
     with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_BACKWARD must be 'auto', 'basic', "
                        "'pipelined_dq16', 'pipelined_dkdv32', 'pipelined_dkdv_unshared', "
-                       "'pipelined_dq_fused', 'pipelined_dq_separate', 'hopper' or 'hopper_dq_separate'"):
+                       "'pipelined_dq_fused', 'pipelined_dq_separate', 'hopper', 'hopper_dq_separate' or "
+                       "'hopper_cp_async'"):
         _core.attention_own_backward_kernel(64)

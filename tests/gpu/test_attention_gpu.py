@@ -695,8 +695,10 @@ def own_backward(monkeypatch, kernel):
     whose warps each read every Q/dO fragment, "pipelined_dq_fused" = dQ
     inside the shared-fragment dK/dV kernel at head dims 64 and 128 without
     logit features, "pipelined_dq_separate" = dQ by its own kernel there,
-    "hopper" = the Hopper dK/dV kernel with dQ fused there, "hopper_dq_separate"
-    = the Hopper dK/dV kernel with dQ by its own kernel), and checks the
+    "hopper" = the Hopper dK/dV kernel with dQ fused there (fed by TMA in the
+    batch layout at head dim 128), "hopper_cp_async" = the same fed by its own
+    copies, "hopper_dq_separate" = the Hopper dK/dV kernel with dQ by its own
+    kernel), and checks the
     choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_backward_env, kernel)
@@ -863,7 +865,8 @@ SHARED_DKDV_DIMS = [64, 128]
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(100, 3)),
                                   dict(window_size=(-1, 40)), dict(window_size=(64, -1))])
 @pytest.mark.parametrize("kernel", ["auto", "pipelined_dq_fused", "pipelined_dq_separate",
-                                    "pipelined_dkdv_unshared", "hopper", "hopper_dq_separate"])
+                                    "pipelined_dkdv_unshared", "hopper", "hopper_dq_separate",
+                                    "hopper_cp_async"])
 def test_pipelined_backward_dkdv_shared(kernel, opts, Sq, Sk, dtype, D, monkeypatch):
     """GQA (4 query heads over 2 kv heads), causal with Sq != Sk both ways
     (whole query and key blocks seeing nothing), windows on either side,
@@ -908,6 +911,27 @@ def test_pipelined_backward_dkdv_shared_deterministic(kernel, D, monkeypatch):
     runs.append(torch.autograd.grad(out, inputs, torch.ones_like(out)))
     for a, b, c in zip(*runs):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("Sq,Sk,Hq,Hkv,causal", [(1000, 1000, 4, 2, False), (2048, 2048, 4, 2, True),
+                                                (129, 4099, 8, 2, False), (300, 257, 4, 4, True)])
+def test_hopper_backward_tma_matches_cp_async(Sq, Sk, Hq, Hkv, causal, monkeypatch):
+    """At head dim 128 the Hopper dK/dV kernel fed by TMA (the default in the
+    batch layout) does each warpgroup's arithmetic as the one fed by its own
+    copies: dK and dV bit for bit equal; dQ (fp32 atomics, in another order
+    from run to run) within rounding."""
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=128, dtype=torch.bfloat16, seed=Sq + 3 * Sk)
+    inputs = [case["q"], case["k"], case["v"]]
+    gen = torch.Generator(device="cuda").manual_seed(Sq * 5 + Sk)
+    dout = torch.randn(case["q"].shape, generator=gen, device="cuda").to(torch.bfloat16)
+    grads = []
+    for kernel in ("hopper_cp_async", "hopper"):
+        own_backward(monkeypatch, kernel)
+        out = flash_attn_func(case["q"], case["k"], case["v"], causal=causal)
+        grads.append(torch.autograd.grad(out, inputs, dout))
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = grads
+    assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
+    assert (dq0.float() - dq1.float()).abs().max().item() <= 1e-2 * dq0.float().abs().max().item()
 
 
 @pytest.mark.parametrize("D", SHARED_DKDV_DIMS)

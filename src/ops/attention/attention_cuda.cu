@@ -64,15 +64,16 @@ void require_hopper(int device) {
   checked.fetch_or(bit, std::memory_order_acq_rel);
 }
 
-void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq) {
+void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq, bool tma) {
 #ifdef SYMHEAP_WITH_HOPPER_ATTN
-  if (f16) run_dkdv_hopper_f16(l, p, fuse_dq);
-  else run_dkdv_hopper_bf16(l, p, fuse_dq);
+  if (f16) run_dkdv_hopper_f16(l, p, fuse_dq, tma);
+  else run_dkdv_hopper_bf16(l, p, fuse_dq, tma);
 #else
   (void)l;
   (void)p;
   (void)f16;
   (void)fuse_dq;
+  (void)tma;
   throw Unsupported("attention: " + hopper_forward_unavailable_reason());
 #endif
 }
@@ -283,7 +284,9 @@ size_t dq_accum_bytes(const Args& a) {
 // a deterministic backward (its atomics have no fixed order).
 bool backward_fuses_dq(const Args& a, const cuda::KArgs& k, const char* kernel) {
   if (a.deterministic || !shared_dkdv_serves(a.head_dim) || cuda::logit_features(k)) return false;
-  if (std::strcmp(kernel, kOwnBackwardDqFused) == 0 || std::strcmp(kernel, kOwnBackwardHopper) == 0) return true;
+  if (std::strcmp(kernel, kOwnBackwardDqFused) == 0 || std::strcmp(kernel, kOwnBackwardHopper) == 0 ||
+      std::strcmp(kernel, kOwnBackwardHopperCpAsync) == 0)
+    return true;
   return kDqFusedByDefault && std::strcmp(kernel, "pipelined") == 0;
 }
 }  // namespace
@@ -333,8 +336,9 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
   variant.dq16 = std::strcmp(kernel, kOwnBackwardDq16) == 0;
   variant.dkdv32 = std::strcmp(kernel, kOwnBackwardDkdv32) == 0;
   variant.dkdv_unshared = std::strcmp(kernel, kOwnBackwardDkdvUnshared) == 0;
-  variant.hopper = std::strcmp(kernel, kOwnBackwardHopper) == 0 ||
-                   std::strcmp(kernel, kOwnBackwardHopperDqSeparate) == 0;
+  variant.hopper_tma = std::strcmp(kernel, kOwnBackwardHopper) == 0;
+  variant.hopper = variant.hopper_tma || std::strcmp(kernel, kOwnBackwardHopperDqSeparate) == 0 ||
+                   std::strcmp(kernel, kOwnBackwardHopperCpAsync) == 0;
   if (variant.hopper) cuda::require_hopper(device);
   const bool pipelined_backward = std::strcmp(kernel, "basic") != 0;
   if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k, pipelined_backward, variant);

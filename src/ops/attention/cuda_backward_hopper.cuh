@@ -101,13 +101,25 @@ struct HopperDkvConfig {
                     (kDsElems * sizeof(E)) % 1024 == 0,
                 "1024-byte tiles");
   static constexpr size_t kSmemTiles = sizeof(E) * (2 * kKVElems + 2 * kQElems + kDsElems);
-  // + lse and delta, two buffers of BM floats each; + 1024 for the alignment.
-  static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 1024;
+  // + lse and delta, two buffers of BM floats each; + the TMA kernel's five
+  // mbarriers; + 1024 for the alignment.
+  static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 5 * sizeof(uint64_t) + 1024;
 };
 
-template <class T, int DB, bool kFuseDq>
-__global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
-    attention_bwd_dkdv_hopper_kernel(const KArgs p) {
+// The TMA kernel's tensor maps (kTma): Q and dO with boxes of 64 columns x 64
+// rows, K and V with boxes of 64 columns x 128 rows, in the 128-byte swizzle
+// of the wgmma tiles (cuda_forward_hopper.cuh, FwdTmaMaps). Unused elsewhere.
+struct BwdTmaMaps {
+  CUtensorMap q, dout, k, v;
+};
+
+// kTma (batch layout): a third warpgroup produces. One of its threads loads K
+// and V once and the Q/dO tiles into their two buffers with bulk tensor
+// copies, each as soon as both consumer warpgroups released the buffer; the
+// consumers issue no copies, and setmaxnreg moves registers to them.
+template <class T, int DB, bool kFuseDq, bool kTma = false>
+__global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads, 1)
+    attention_bwd_dkdv_hopper_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
   using namespace cute;
   using namespace hopper;
   using pipelined::RowRange;
@@ -125,6 +137,10 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
   E* ds_s = do_s + C::kQElems;
   float* s_lse = reinterpret_cast<float*>(base + C::kSmemTiles);  // two buffers of BM
   float* s_delta = s_lse + 2 * BM;                                // two buffers of BM
+  // kTma: K and V landed; Q/dO buffer landed (full) and released (empty).
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(s_delta + 2 * BM);
+  uint64_t* full = kv_full + 1;
+  uint64_t* empty = full + 2;
   Tensor sK = make_tensor(make_smem_ptr(k_s), typename C::SmemKV{});
   Tensor sV = make_tensor(make_smem_ptr(v_s), typename C::SmemKV{});
   Tensor sKt = make_tensor(make_smem_ptr(k_s), typename C::SmemKt{});
@@ -138,7 +154,8 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
   const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
   const Seq seq = sequence(p, b);
   if (n0 >= seq.sk) return;
-  const int tid = threadIdx.x, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  // kTma: threads 0-127 produce; tid numbers the consumers from 0.
+  const int tid = static_cast<int>(threadIdx.x) - (kTma ? 128 : 0), lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int cols = min(BN, seq.sk - n0);
   // This thread's keys in S^T / dP^T / dK / dV: key_row(h) of the block.
   const int key_row0 = (tid / 32) * 16 + g;  // warpgroup w: keys 64 w ..
@@ -152,7 +169,7 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
 
   E* dk = static_cast<E*>(p.dk) + b * p.dk_sb + (seq.k0 + n0) * p.dk_sr + hk * p.dk_sh;
   E* dv = static_cast<E*>(p.dv) + b * p.dv_sb + (seq.k0 + n0) * p.dv_sr + hk * p.dv_sh;
-  if (n_tiles == 0) return pipelined::zero_key_rows<DB, NT>(dk, dv, p, cols);  // no row sees these keys
+  if (n_tiles == 0) return pipelined::zero_key_rows<DB, kTma ? 384 : NT>(dk, dv, p, cols);  // no row sees these keys
 
   auto tile_head = [&](int it) { return hk * p.group + it / m_tiles; };
   auto tile_row0 = [&](int it) { return m_begin + (it % m_tiles) * BM; };
@@ -178,13 +195,54 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
     }
   };
 
-  // Prologue: K and V of the block and the first Q/dO tile, one group.
-  load_tile<BN, DB, NT>(sK, static_cast<const E*>(p.k) + b * p.k_sb + (seq.k0 + n0) * p.k_sr + hk * p.k_sh,
-                        p.k_sr, cols);
-  load_tile<BN, DB, NT>(sV, static_cast<const E*>(p.v) + b * p.v_sb + (seq.k0 + n0) * p.v_sr + hk * p.v_sh,
-                        p.v_sr, cols);
-  load_q_do(0, 0);
-  cp_async_commit();
+  // The consumers' block barrier (kTma: the producer warpgroup is gone).
+  auto consumers_sync = [] {
+    if constexpr (kTma) asm volatile("bar.sync 3, 256;\n" ::: "memory");
+    else __syncthreads();
+  };
+  if constexpr (kTma) {
+    if (threadIdx.x == 0) {
+      mbar_init(kv_full, 1);
+      for (int i = 0; i < 2; ++i) {
+        mbar_init(full + i, 1);
+        mbar_init(empty + i, NT / 32);
+      }
+      mbar_fence_init();
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+      registers_down<24>();
+      if (threadIdx.x == 0) {
+        constexpr uint32_t kHalf = 64 * sizeof(E);  // bytes of a box row
+        mbar_arrive_expect_tx(kv_full, 4 * BN * kHalf);
+        for (int h = 0; h < 2; ++h) {
+          tma_load_4d(at(sK, 0, 64 * h), &maps.k, kv_full, 64 * h, n0, hk, b);
+          tma_load_4d(at(sV, 0, 64 * h), &maps.v, kv_full, 64 * h, n0, hk, b);
+        }
+        for (int it = 0; it < n_tiles; ++it) {
+          const int buf = it & 1;
+          // Both consumer warpgroups are done with tile it - 2, the buffer's last.
+          if (it >= 2) mbar_wait(empty + buf, ((it >> 1) + 1) & 1);
+          mbar_arrive_expect_tx(full + buf, 4 * BM * kHalf);
+          const int hq = tile_head(it), m0 = tile_row0(it);
+          for (int h = 0; h < 2; ++h) {
+            tma_load_4d(at(sQ, 0, 64 * h, buf), &maps.q, full + buf, 64 * h, m0, hq, b);
+            tma_load_4d(at(sdO, 0, 64 * h, buf), &maps.dout, full + buf, 64 * h, m0, hq, b);
+          }
+        }
+      }
+      return;
+    }
+    registers_up<240>();
+  } else {
+    // Prologue: K and V of the block and the first Q/dO tile, one group.
+    load_tile<BN, DB, NT>(sK, static_cast<const E*>(p.k) + b * p.k_sb + (seq.k0 + n0) * p.k_sr + hk * p.k_sh,
+                          p.k_sr, cols);
+    load_tile<BN, DB, NT>(sV, static_cast<const E*>(p.v) + b * p.v_sb + (seq.k0 + n0) * p.v_sr + hk * p.v_sh,
+                          p.v_sr, cols);
+    load_q_do(0, 0);
+    cp_async_commit();
+  }
   if (tid < BM) read_stats(0, &s_lse[tid], &s_delta[tid]);
 
   typename C::MmaSdP mma_sdp;
@@ -232,16 +290,21 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
 
   for (int it = 0; it < n_tiles; ++it) {
     const int buf = it & 1;
-    cp_async_wait<0>();  // tile `it` (and K, V) landed
-    fence_async_shared();
-    __syncthreads();     // ... for every thread; tile it-1 and its dS^T are consumed
+    if constexpr (kTma) {
+      if (it == 0) mbar_wait(kv_full, 0);
+      mbar_wait(full + buf, (it >> 1) & 1);  // tile `it` landed
+    } else {
+      cp_async_wait<0>();  // tile `it` (and K, V) landed
+    }
+    if constexpr (!kTma) fence_async_shared();  // (TMA writes through the async proxy)
+    consumers_sync();  // ... for every thread; tile it-1 and its dS^T are consumed
     const bool has_next = it + 1 < n_tiles;
     float next_lse2 = INFINITY, next_delta = 0.0f;
     if (has_next) {
-      load_q_do(it + 1, buf ^ 1);
+      if constexpr (!kTma) load_q_do(it + 1, buf ^ 1);
       if (tid < BM) read_stats(it + 1, &next_lse2, &next_delta);
     }
-    cp_async_commit();
+    if constexpr (!kTma) cp_async_commit();
     const int hq = tile_head(it), m0 = tile_row0(it);
     const float* lse2 = s_lse + buf * BM;
     const float* delta = s_delta + buf * BM;
@@ -320,11 +383,15 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
     warpgroup_fence_operand(tDrdV);
     warpgroup_fence_operand(tDrdK);
     warpgroup_fence_operand(tDrP);
+    if constexpr (kTma) {  // this warp is done with Q/dO buffer `buf` (dQ reads dS^T and K only)
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + buf);
+    }
 
     // dQ of this tile once both warpgroups' dS^T is in shared memory.
     if constexpr (kFuseDq) {
       fence_async_shared();
-      __syncthreads();
+      consumers_sync();
       if (dq_warpgroup) {  // warpgroup-uniform
         warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);
         float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh + dq_col0;
@@ -347,7 +414,7 @@ __global__ void __launch_bounds__(HopperDkvConfig<T, DB>::kThreads, 1)
       s_delta[(buf ^ 1) * BM + tid] = next_delta;
     }
   }
-  cp_async_wait<0>();
+  if constexpr (!kTma) cp_async_wait<0>();
 
   // dK and dV (dS carried the scale) straight from the accumulators.
 #pragma unroll

@@ -23,11 +23,11 @@ inline EncodeTiled tensor_map_encoder() {
   return encode;
 }
 
-// The map of one 16-bit (batch, rows, heads, 128) tensor for the TMA kernel:
-// boxes of 64 columns x 128 rows, 128-byte swizzle, rows past `rows` read as
-// zeros. False where TMA cannot address it (alignment, strides).
+// The map of one 16-bit (batch, rows, heads, 128) tensor for the TMA kernels:
+// boxes of 64 columns x box_rows rows, 128-byte swizzle, rows past `rows` read
+// as zeros. False where TMA cannot address it (alignment, strides).
 inline bool encode_rows_map(CUtensorMap* map, bool bf16, const void* base, int rows, int heads, int batch,
-                            int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+                            int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows = 128) {
   const EncodeTiled encode = tensor_map_encoder();
   if (!encode || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
   const int64_t strides[3] = {row_stride * 2, head_stride * 2, batch_stride * 2};  // bytes
@@ -37,7 +37,7 @@ inline bool encode_rows_map(CUtensorMap* map, bool bf16, const void* base, int r
                               static_cast<cuuint64_t>(batch)};
   const cuuint64_t byte_strides[3] = {static_cast<cuuint64_t>(strides[0]), static_cast<cuuint64_t>(strides[1]),
                                       static_cast<cuuint64_t>(strides[2])};
-  const cuuint32_t box[4] = {64, 128, 1, 1}, unit[4] = {1, 1, 1, 1};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1}, unit[4] = {1, 1, 1, 1};
   return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                 const_cast<void*>(base), dims, byte_strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -96,20 +96,37 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
   forward_hopper<T, DB, false, false>(l, p, no_maps);
 }
 
-// The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
-template <class T, int DB, bool kFuseDq>
-void dkdv_hopper(const Launch& l, const KArgs& p) {
-  using C = HopperDkvConfig<T, DB>;
-  static ReadyDevices ready{0};
-  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq>,
-         dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch), C::kThreads, C::kSmem, p,
-         kFuseDq ? "dkdv_hopper_dq" : "dkdv_hopper", DB, ready);
+// The dK/dV kernel's maps (batch layout, head dim 128).
+inline bool encode_backward_maps(BwdTmaMaps* m, const KArgs& p, bool bf16) {
+  if (p.cu_q || p.d != 128) return false;
+  return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, 64) &&
+         encode_rows_map(&m->dout, bf16, p.dout, p.seqlen_q, p.heads_q, p.batch, p.do_sr, p.do_sh, p.do_sb, 64) &&
+         encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb) &&
+         encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb);
 }
 
+// The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
+template <class T, int DB, bool kFuseDq, bool kTma = false>
+void dkdv_hopper(const Launch& l, const KArgs& p, const BwdTmaMaps& maps) {
+  using C = HopperDkvConfig<T, DB>;
+  static ReadyDevices ready{0};
+  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq, kTma>,
+         dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch), kTma ? 384 : C::kThreads, C::kSmem, p,
+         kTma ? "dkdv_hopper_dq_tma" : kFuseDq ? "dkdv_hopper_dq" : "dkdv_hopper", DB, ready, maps);
+}
+
+// `tma` (with dQ fused, head dim 128): fed by TMA where the maps encode (the
+// batch layout), else by the consumers' cp.async copies.
 template <class T>
-void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq) {
-  if (p.d == 64) return fuse_dq ? dkdv_hopper<T, 64, true>(l, p) : dkdv_hopper<T, 64, false>(l, p);
-  fuse_dq ? dkdv_hopper<T, 128, true>(l, p) : dkdv_hopper<T, 128, false>(l, p);
+void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
+  static const BwdTmaMaps no_maps{};
+  if (p.d == 64) return fuse_dq ? dkdv_hopper<T, 64, true>(l, p, no_maps) : dkdv_hopper<T, 64, false>(l, p, no_maps);
+  if (fuse_dq && tma) {
+    BwdTmaMaps maps;
+    if (encode_backward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>))
+      return dkdv_hopper<T, 128, true, true>(l, p, maps);
+  }
+  fuse_dq ? dkdv_hopper<T, 128, true>(l, p, no_maps) : dkdv_hopper<T, 128, false>(l, p, no_maps);
 }
 
 // The head dims of pipelined_forward_serves.

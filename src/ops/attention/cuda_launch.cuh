@@ -39,9 +39,11 @@ struct BackwardVariant {
   bool dkdv32 = false;
   bool dkdv_unshared = false;
   bool dq_fused = false;
-  // The Hopper dK/dV kernel where it serves (SYMHEAP_ATTN_OWN_BACKWARD = hopper
-  // or hopper_dq_separate), with dQ inside it when dq_fused.
+  // The Hopper dK/dV kernel where it serves (SYMHEAP_ATTN_OWN_BACKWARD = hopper,
+  // hopper_dq_separate or hopper_cp_async), with dQ inside it when dq_fused;
+  // hopper_tma (= hopper): then fed by TMA where the call allows it.
   bool hopper = false;
+  bool hopper_tma = false;
 };
 
 // Whether a call uses a logit feature (bias, mask, ALiBi, softcap, dropout):
@@ -151,15 +153,16 @@ inline int64_t dq_rows(const KArgs& p) {
   return p.cu_q ? p.total_q : static_cast<int64_t>(p.batch) * p.seqlen_q;
 }
 
-// The Hopper dK/dV kernel (attention_cuda.cu picks the type's instance).
-void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq);
+// The Hopper dK/dV kernel (attention_cuda.cu picks the type's instance); `tma`
+// (with fuse_dq): fed by a TMA producer where the call allows it.
+void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq, bool tma);
 
 // The backward with dQ fused into the dK/dV kernel (the head dims of
 // shared_dkdv_serves, no logit features): the fp32 workspace zeroed on the
 // stream, delta, dK/dV (the shared-fragment kernel, or the Hopper one) + dQ,
 // then dQ converted into its dtype.
 template <class T, int DB>
-void backward_dq_fused(const Launch& l, const KArgs& p, bool hopper) {
+void backward_dq_fused(const Launch& l, const KArgs& p, bool hopper, bool hopper_tma) {
   static ReadyDevices ready_delta{0};
   const int64_t rows = dq_rows(p);
   if (p.seqlen_q > 0 && rows > 0) {
@@ -171,7 +174,7 @@ void backward_dq_fused(const Launch& l, const KArgs& p, bool hopper) {
            p, "delta", 0, ready_delta);
   }
   if (p.seqlen_k > 0) {
-    if (hopper) run_dkdv_hopper(l, p, std::is_same_v<T, __half>, true);
+    if (hopper) run_dkdv_hopper(l, p, std::is_same_v<T, __half>, true, hopper_tma);
     else dkdv_shared<T, DB, true>(l, p);
   }
   if (p.seqlen_q > 0 && rows > 0) {
@@ -208,7 +211,7 @@ void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant
   static ReadyDevices ready_delta{0};
   const bool features = logit_features(p);
   if constexpr (shared_dkdv_serves(DB)) {
-    if (variant.dq_fused && !features) return backward_dq_fused<T, DB>(l, p, variant.hopper);
+    if (variant.dq_fused && !features) return backward_dq_fused<T, DB>(l, p, variant.hopper, variant.hopper_tma);
   }
   if (p.seqlen_q > 0) {
     launch(l, attention_bwd_delta_kernel<T>,
@@ -219,7 +222,7 @@ void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant
   }
   if (p.seqlen_k > 0) {
     if constexpr (shared_dkdv_serves(DB)) {
-      if (variant.hopper && !features) return run_dkdv_hopper(l, p, std::is_same_v<T, __half>, false);
+      if (variant.hopper && !features) return run_dkdv_hopper(l, p, std::is_same_v<T, __half>, false, false);
     }
     if (features) dkdv_pipelined<T, DB, true>(l, p, variant);
     else dkdv_pipelined<T, DB, false>(l, p, variant);
@@ -327,8 +330,8 @@ void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, Backward
 enum class HopperForward { kLockstep, kPingpong, kTma };
 void run_forward_hopper_f16(const Launch& l, const KArgs& p, HopperForward mode);
 void run_forward_hopper_bf16(const Launch& l, const KArgs& p, HopperForward mode);
-void run_dkdv_hopper_f16(const Launch& l, const KArgs& p, bool fuse_dq);
-void run_dkdv_hopper_bf16(const Launch& l, const KArgs& p, bool fuse_dq);
+void run_dkdv_hopper_f16(const Launch& l, const KArgs& p, bool fuse_dq, bool tma);
+void run_dkdv_hopper_bf16(const Launch& l, const KArgs& p, bool fuse_dq, bool tma);
 void require_hopper(int device);
 
 }  // namespace symheap::attention::cuda

@@ -125,7 +125,7 @@ const char* own_backward_kernel(int head_dim) {
   return own_kernel(kOwnBackwardEnv, head_dim,
                     {kOwnBackwardDq16, kOwnBackwardDkdv32, kOwnBackwardDkdvUnshared,
                      kOwnBackwardDqFused, kOwnBackwardDqSeparate, kOwnBackwardHopper,
-                     kOwnBackwardHopperDqSeparate},
+                     kOwnBackwardHopperDqSeparate, kOwnBackwardHopperCpAsync},
                     by_default);
 }
 

@@ -101,10 +101,13 @@ inline constexpr const char* kOwnBackwardDqSeparate = "pipelined_dq_separate";
 // product on wgmma) at head dims 64 and 128 without logit features, with dQ
 // fused into it where the default fuses it (not for deterministic calls);
 // = "hopper_dq_separate": the same kernel with dQ always from the pipelined
-// dQ kernel. Elsewhere both run as the default. They need the Hopper build
-// and device, as the Hopper forward.
+// dQ kernel. With dQ fused at head dim 128 in the batch layout, a producer
+// warpgroup feeds it by TMA; = "hopper_cp_async" forces the kernel fed by its
+// own cp.async copies there (the same dK and dV bits). Elsewhere they run as
+// the default. They need the Hopper build and device, as the Hopper forward.
 inline constexpr const char* kOwnBackwardHopper = "hopper";
 inline constexpr const char* kOwnBackwardHopperDqSeparate = "hopper_dq_separate";
+inline constexpr const char* kOwnBackwardHopperCpAsync = "hopper_cp_async";
 // Whether the default ("pipelined") backward fuses dQ into the dK/dV kernel
 // at the head dims of shared_dkdv_serves without logit features. Never for
 // deterministic calls: the fp32 atomics of the fused dQ have no fixed order.
