@@ -13,6 +13,10 @@
 // The same for the Hopper dK/dV kernel (cuda_backward_hopper.cuh, HopperDkvConfig):
 // K, V, Q, dO, dS and their transposed views, and the S^T, P^T, dV/dK and dQ
 // fragments (check_backward_config).
+// And the TMA kernels' boxes (check_tma_boxes): a box of 64 columns x `rows`
+// rows written with the 128-byte swizzle (row r at r * 128 bytes of the box,
+// its 16-byte chunk j at j ^ (r % 8)) lands every element where the kernel's
+// tensor places it, box h of stage s at byte (s * 2 + h) * rows * 128.
 // Built when the Hopper kernel is (target symheap_hopper_layout_tests), run
 // by tests/attention/test_attention_hopper_layouts.py. Prints each failure
 // with its values; the exit status is the number of failed checks.
@@ -189,9 +193,54 @@ void check_backward_config(const char* name) {
               g_checks - checks_before);
 }
 
+// Byte offset of element (r, c) of stage s as the TMA copies of head dim 128
+// write it: two boxes of 64 columns a stage.
+long tma_box_sw128(int r, int c, int rows, int s) {
+  const long box = 2L * s + c / 64;
+  return box * rows * 128 + r * 128L + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
+}
+
+// The tiles the TMA kernels fill: the forward's Q and its three K/V stages,
+// the dK/dV kernel's K, V and two Q/dO stages (head dim 128).
+template <class T>
+void check_tma_boxes(const char* name) {
+  using namespace cute;
+  using F = symheap::attention::cuda::HopperFwdConfig<T, 128, 3>;
+  using B = symheap::attention::cuda::HopperDkvConfig<T, 128>;
+  using E = typename F::E;
+  const int failed_before = g_failed, checks_before = g_checks;
+  alignas(1024) static unsigned char buf[1 << 20];
+  E* base = reinterpret_cast<E*>(buf);
+  Tensor fQ = make_tensor(make_smem_ptr(base), typename F::SmemQ{});
+  Tensor fKV = make_tensor(make_smem_ptr(base), typename F::SmemKV{});
+  Tensor bKV = make_tensor(make_smem_ptr(base), typename B::SmemKV{});
+  Tensor bQ = make_tensor(make_smem_ptr(base), typename B::SmemQ{});
+  for (int r = 0; r < F::kBlockM; ++r)
+    for (int c = 0; c < 128; ++c)
+      check(byte_offset(fQ, base, r, c) == tma_box_sw128(r, c, F::kBlockM, 0), "TMA box: forward Q", 128, r, c, 0);
+  for (int s = 0; s < 3; ++s)
+    for (int r = 0; r < F::kBlockN; ++r)
+      for (int c = 0; c < 128; ++c)
+        check(byte_offset(fKV, base, r, c, s) == tma_box_sw128(r, c, F::kBlockN, s), "TMA box: forward K/V stage",
+              128, r, c, s);
+  for (int r = 0; r < B::kBlockN; ++r)
+    for (int c = 0; c < 128; ++c)
+      check(byte_offset(bKV, base, r, c) == tma_box_sw128(r, c, B::kBlockN, 0), "TMA box: backward K/V", 128, r, c,
+            0);
+  for (int s = 0; s < 2; ++s)
+    for (int r = 0; r < B::kBlockM; ++r)
+      for (int c = 0; c < 128; ++c)
+        check(byte_offset(bQ, base, r, c, s) == tma_box_sw128(r, c, B::kBlockM, s), "TMA box: backward Q/dO stage",
+              128, r, c, s);
+  std::printf("%s %s TMA boxes: %d checks\n", g_failed == failed_before ? "ok  " : "FAIL", name,
+              g_checks - checks_before);
+}
+
 }  // namespace
 
 int main() {
+  check_tma_boxes<__nv_bfloat16>("bf16");
+  check_tma_boxes<__half>("f16");
   check_backward_config<__nv_bfloat16, 64>("bf16");
   check_backward_config<__nv_bfloat16, 128>("bf16");
   check_backward_config<__half, 64>("f16");
