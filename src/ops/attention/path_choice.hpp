@@ -70,8 +70,9 @@ inline bool pipelined_forward_serves(int head_dim) {
 // compiled for; it runs there without logit features.
 constexpr bool shared_dkdv_serves(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
-// "pipelined", "pipelined_previous", "hopper" or "basic" for a call of this head dim,
-// reading $SYMHEAP_ATTN_OWN_FORWARD; another value of it is InvalidArgument.
+// "pipelined", "pipelined_previous", "hopper", "hopper_pingpong", "hopper_lockstep"
+// or "basic" for a call of this head dim, reading $SYMHEAP_ATTN_OWN_FORWARD; another
+// value of it is InvalidArgument.
 const char* own_forward_kernel(int head_dim);
 
 // The own CUDA backward's kernels, "pipelined" (cuda_backward_dq_pipelined.cuh
