@@ -78,11 +78,15 @@ def time_ms(fn, warmup=3, reps=10):
 
 def host_overhead_us(backend, n=200):
     """Host time per forward call on a tiny problem (the GPU work is a few us),
-    for symheap's path and for SDPA's cuDNN backend."""
+    for symheap's path (head dims 64 and 128) and for SDPA's flash and cuDNN
+    backends (head dim 64)."""
     import time
     q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
     qt = q.transpose(1, 2)
-    runs = {"symheap": lambda: flash_attn_func(q, q, q, causal=True, backend=backend)}
+    q128 = torch.randn(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16)
+    # head dim 128: the Hopper kernel fed by TMA, its tensor maps encoded per call
+    runs = {"symheap": lambda: flash_attn_func(q, q, q, causal=True, backend=backend),
+            "symheap_d128": lambda: flash_attn_func(q128, q128, q128, causal=True, backend=backend)}
     for name, sdpa_backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
         def run(b=sdpa_backend):

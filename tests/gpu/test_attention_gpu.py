@@ -466,19 +466,42 @@ def test_pipelined_lengths(dtype, D, Sq, Sk, causal, monkeypatch, fwd):
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(300, 40)),
                                   dict(softmax_scale=-0.25)])
 def test_hopper_pingpong_matches_lockstep(Sq, Sk, opts, monkeypatch):
-    """At head dim 128 the pingpong kernel fed by TMA (the default) and by its own
-    copies do each warpgroup's arithmetic in the same order as the lockstep one: outputs
-    and lse bit for bit equal, over 1 to 33 key tiles (the three buffers reused
-    many times), causal, a window and the softmax for a negative scale."""
+    """At head dim 128 the pingpong kernel fed by TMA (the default), its persistent
+    form (the default without a mask; forced on and off here) and the pingpong kernel
+    fed by its own copies do each warpgroup's arithmetic in the same order as the
+    lockstep one: outputs and lse bit for bit equal, over 1 to 33 key tiles (the three
+    buffers reused many times), causal, a window and the softmax for a negative scale."""
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=128, dtype=torch.bfloat16, seed=Sq + 7 * Sk)
-    runs = []
-    for fwd in ("hopper_lockstep", "hopper_pingpong", "hopper"):
+    runs = {}
+    for fwd, persistent in (("hopper_lockstep", ""), ("hopper_pingpong", ""), ("hopper", ""),
+                            ("hopper", "0"), ("hopper", "1")):
         own_forward(monkeypatch, fwd)
-        out, lse = flash_attn_func(case["q"], case["k"], case["v"], return_lse=True, **opts)
-        runs.append((out, lse))
-    for out, lse in runs[1:]:
-        assert torch.equal(runs[0][0], out)
-        assert torch.equal(runs[0][1], lse)
+        monkeypatch.setenv("SYMHEAP_ATTN_FWD_PERSISTENT", persistent)
+        runs[fwd, persistent] = flash_attn_func(case["q"], case["k"], case["v"], return_lse=True, **opts)
+    (out0, lse0), *_ = runs.values()
+    for name, (out, lse) in runs.items():
+        assert torch.equal(out0, out), name
+        assert torch.equal(lse0, lse), (name, (lse0 - lse).abs().max().item())
+
+
+@pytest.mark.parametrize("fwd", ["hopper", "hopper_pingpong", "hopper_lockstep"])
+def test_packed_tile_past_a_sequence_takes_nothing_of_the_next(fwd, monkeypatch):
+    """Packed sequences at head dim 128: sequence 0 (200 rows) ends inside a key tile whose
+    other rows are sequence 1's, and sequence 1's values there are inf. Sequence 0's
+    outputs stay finite and equal those of the same sequence alone (0 x inf would be NaN
+    if a kernel let those rows into P V)."""
+    own_forward(monkeypatch, fwd)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(500, 4, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    k = torch.randn(500, 2, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    v = torch.randn(500, 2, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    v[200:260] = float("inf")
+    cu = torch.tensor([0, 200, 500], dtype=torch.int32, device="cuda")
+    for causal in (False, True):
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 300, 300, causal=causal)
+        alone = flash_attn_func(q[None, :200], k[None, :200], v[None, :200], causal=causal)[0]
+        assert torch.isfinite(out[:200]).all()
+        assert max_err(out[:200], alone) < 1e-2
 
 
 @pytest.mark.parametrize("D", PIPELINED_DIMS)

@@ -78,6 +78,18 @@ void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq, bo
 #endif
 }
 
+int sm_count(int device) {
+  // Per call: a lock-free read for the first 64 ordinals, the slot's cache beyond.
+  static std::atomic<int> counts[64] = {};
+  if (device < 0 || device >= 64) return device_props(device)->sm_count;
+  int n = counts[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    n = device_props(device)->sm_count;
+    counts[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 void ensure_smem(int device, const void* kernel, size_t smem, const std::string& key) {
   auto props = device_props(device);
   if (smem > static_cast<size_t>(props->smem_optin))

@@ -104,6 +104,11 @@ struct HopperDkvConfig {
   // + lse and delta, two buffers of BM floats each; + the TMA kernel's five
   // mbarriers; + 1024 for the alignment.
   static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 5 * sizeof(uint64_t) + 1024;
+  // The TMA kernel's dQ tile (fp32, BM x DB row-major), added to the
+  // workspace by one bulk reduction a tile; after everything else.
+  static constexpr size_t kDqTileBytes = kBlockM * DB * sizeof(float);
+  static constexpr size_t kDqTileOffset = (kSmem - 1024 + 1023) / 1024 * 1024;  // from the aligned base
+  static constexpr size_t kSmemTma = kDqTileOffset + kDqTileBytes + 1024;
 };
 
 // The TMA kernel's tensor maps (kTma): Q and dO with boxes of 64 columns x 64
@@ -111,7 +116,28 @@ struct HopperDkvConfig {
 // of the wgmma tiles (cuda_forward_hopper.cuh, FwdTmaMaps). Unused elsewhere.
 struct BwdTmaMaps {
   CUtensorMap q, dout, k, v;
+  CUtensorMap dq_accum;  // fp32, one box of DB columns x 64 rows, no swizzle
 };
+
+namespace hopper {
+// The fp32 tile at `src` added into `map`'s box at (c0 .. c3) by the TMA
+// unit (a bulk reduction, no per-element atomics); then committed as a group.
+__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const void* src, int c0, int c1, int c2,
+                                                  int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%2, %3, %4, %5}], [%1];\n"
+      "cp.async.bulk.commit_group;\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+// The committed bulk groups have read their shared memory (kRead) or are done.
+template <bool kRead>
+__device__ __forceinline__ void bulk_wait_all() {
+  if constexpr (kRead) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+}  // namespace hopper
 
 // kTma (batch layout): a third warpgroup produces. One of its threads loads K
 // and V once and the Q/dO tiles into their two buffers with bulk tensor
@@ -120,6 +146,7 @@ struct BwdTmaMaps {
 template <class T, int DB, bool kFuseDq, bool kTma = false>
 __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads, 1)
     attention_bwd_dkdv_hopper_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
+  static_assert(!kTma || (DB == 128 && kFuseDq), "the TMA kernel serves head dim 128 with dQ fused");
   using namespace cute;
   using namespace hopper;
   using pipelined::RowRange;
@@ -141,6 +168,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(s_delta + 2 * BM);
   uint64_t* full = kv_full + 1;
   uint64_t* empty = full + 2;
+  // kTma: this tile's dQ, staged for the bulk reduction.
+  float* s_dq = reinterpret_cast<float*>(base + C::kDqTileOffset);
   Tensor sK = make_tensor(make_smem_ptr(k_s), typename C::SmemKV{});
   Tensor sV = make_tensor(make_smem_ptr(v_s), typename C::SmemKV{});
   Tensor sKt = make_tensor(make_smem_ptr(k_s), typename C::SmemKt{});
@@ -389,7 +418,24 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     }
 
     // dQ of this tile once both warpgroups' dS^T is in shared memory.
-    if constexpr (kFuseDq) {
+    if constexpr (kFuseDq && kTma) {
+      // The last tile's reduction has read its staging (the issuing thread
+      // waits; the barrier below tells the others).
+      if (tid == 0) bulk_wait_all<true>();
+      fence_async_shared();
+      consumers_sync();
+      warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);  // both warpgroups at head dim 128
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<float2*>(s_dq + (dq_row0 + 8 * h) * DB + dq_col0 + nt * 8) =
+              make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1));
+      fence_async_shared();
+      consumers_sync();
+      // Rows past the sequence fall outside the map: the unit drops them.
+      if (tid == 0) tma_reduce_add_4d(&maps.dq_accum, s_dq, 0, m0, hq, b);
+    } else if constexpr (kFuseDq) {
       fence_async_shared();
       consumers_sync();
       if (dq_warpgroup) {  // warpgroup-uniform
@@ -415,6 +461,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     }
   }
   if constexpr (!kTma) cp_async_wait<0>();
+  if constexpr (kTma && kFuseDq) {
+    if (tid == 0) bulk_wait_all<false>();  // the last reduction done before the CTA ends
+  }
 
   // dK and dV (dS carried the scale) straight from the accumulators.
 #pragma unroll

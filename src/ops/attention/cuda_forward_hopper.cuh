@@ -245,6 +245,16 @@ __device__ __forceinline__ void load_bias_rows(uint16_t* s, const char* bias, co
   }
 }
 
+// A row's 1 / sum (0 without a visible key: zeros, not NaN) and its lse from
+// the running max (log2 units) and this thread's part of the sum. One fused
+// multiply-add, written out, so every kernel that calls it gives the same bits.
+__device__ __forceinline__ void finish_row(float row_max, float thread_sum, float* inv, float* lse) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float sum = quad_sum(thread_sum);
+  *inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  *lse = sum > 0.0f ? __fmaf_rn(row_max, kLn2, __logf(sum)) : -INFINITY;
+}
+
 }  // namespace hopper
 
 // The TMA kernel's tensor maps (kTma): Q, K and V as (head dim, rows, heads,
@@ -261,7 +271,7 @@ struct FwdTmaMaps {
 // and an "empty" one (each warp arrives when its warpgroup is done with the
 // tile); two named barriers hand the turn over. Tile j + 2 is copied once
 // both warpgroups are done with tile j - 1, whose buffer it takes.
-// kTma (with kPingpong, batch layout): a third warpgroup produces. One of its
+// kTma (with kPingpong): a third warpgroup produces. One of its
 // threads loads Q once and each K/V stage with bulk tensor copies (TMA) as
 // soon as both consumer warpgroups released it; the consumers issue no
 // copies, and setmaxnreg moves registers from the producer to them.
@@ -278,7 +288,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
   constexpr int kStages = kPingpong ? 3 : 2;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers
-  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ unsigned char smem_raw[];
   E* q_s = reinterpret_cast<E*>(smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024));
   E* k_s = q_s + C::kQElems;
@@ -347,16 +357,18 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
       registers_down<24>();
       if (threadIdx.x == 0) {
         constexpr uint32_t kHalf = 64 * sizeof(E);  // bytes of a box row
+        // Packed (varlen) maps have one batch entry: rows are seq.q0 + row.
+        const int qb = p.cu_q ? 0 : b, q0 = static_cast<int>(seq.q0), k0 = static_cast<int>(seq.k0);
         mbar_arrive_expect_tx(q_full, 2 * BM * kHalf);
-        for (int h = 0; h < 2; ++h) tma_load_4d(at(sQ, 0, 64 * h), &maps.q, q_full, 64 * h, m0, hq, b);
+        for (int h = 0; h < 2; ++h) tma_load_4d(at(sQ, 0, 64 * h), &maps.q, q_full, 64 * h, q0 + m0, hq, qb);
         for (int n0 = n_begin, it = 0; n0 < n_end; n0 += BN, ++it) {
           const int s = it % kStages;
           // Both consumer warpgroups are done with the tile that held stage s.
           if (it >= kStages) mbar_wait(empty + s, ((it / kStages) + 1) & 1);
           mbar_arrive_expect_tx(full + s, 4 * BN * kHalf);
           for (int h = 0; h < 2; ++h) {
-            tma_load_4d(at(sK, 0, 64 * h, s), &maps.k, full + s, 64 * h, n0, hk, b);
-            tma_load_4d(at(sV, 0, 64 * h, s), &maps.v, full + s, 64 * h, n0, hk, b);
+            tma_load_4d(at(sK, 0, 64 * h, s), &maps.k, full + s, 64 * h, k0 + n0, hk, qb);
+            tma_load_4d(at(sV, 0, 64 * h, s), &maps.v, full + s, 64 * h, k0 + n0, hk, qb);
           }
         }
       }
@@ -410,7 +422,22 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
       // 1 first waits for warpgroup 0's first product), issue S = Q K^T, then
       // hand the turn over (the last tile's turn goes to nobody).
       mbar_wait(full + buf, (it / kStages) & 1);
-      if constexpr (!kTma) fence_async_shared();  // (TMA writes through the async proxy)
+      if constexpr (kTma) {
+        // A packed call's box reads the next sequence's rows past this one's
+        // keys: their logits are masked, but P V would take a NaN or Inf of
+        // theirs into this sequence (0 x Inf). Warpgroup 0 zeroes them before
+        // it hands the turn over, so warpgroup 1's products see the zeros too.
+        if (p.cu_k && wg == 0 && n0 + BN > seq.sk) {
+          for (int idx = tid; idx < BN * (DB / 8); idx += 128) {
+            const int r = idx / (DB / 8), c = idx % (DB / 8);
+            if (n0 + r >= seq.sk) *reinterpret_cast<uint4*>(at(sV, r, c * 8, buf)) = make_uint4(0, 0, 0, 0);
+          }
+          fence_async_shared();
+          asm volatile("bar.sync 3, 128;\n" ::: "memory");  // warpgroup 0's zeros, then its products
+        }
+      } else {
+        fence_async_shared();  // (TMA writes through the async proxy)
+      }
       if (wg == 1 || it > 0) named_barrier_sync(1 + wg);
       warpgroup_gemm<true, false, false>(mma_s, tSrQ, tSrK(_, _, _, buf), tSrS);
       if (wg == 0 || n0 + BN < n_end) named_barrier_arrive(2 - wg);
@@ -579,11 +606,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
   // them out with 16-byte stores.
   float inv[2], lse[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float sum = quad_sum(row_sum[h]);
-    inv[h] = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: zeros, not NaN
-    lse[h] = sum > 0.0f ? row_max[h] * kLn2 + __logf(sum) : -INFINITY;
-  }
+  for (int h = 0; h < 2; ++h) finish_row(row_max[h], row_sum[h], inv + h, lse + h);
   if (t == 0) {
     float* l = p.lse + b * p.lse_sb + hq * p.lse_sh + seq.q0;
     if (row(0) < seq.sq) l[row(0)] = lse[0];

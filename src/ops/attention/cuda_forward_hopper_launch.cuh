@@ -4,10 +4,14 @@
 #pragma once
 #include <cuda.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "ops/attention/cuda_backward_hopper.cuh"
 #include "ops/attention/cuda_forward_hopper.cuh"
+#include "ops/attention/cuda_forward_hopper_persistent.cuh"
 #include "ops/attention/cuda_launch.cuh"
 
 namespace symheap::attention::cuda {
@@ -23,31 +27,51 @@ inline EncodeTiled tensor_map_encoder() {
   return encode;
 }
 
-// The map of one 16-bit (batch, rows, heads, 128) tensor for the TMA kernels:
-// boxes of 64 columns x box_rows rows, 128-byte swizzle, rows past `rows` read
-// as zeros. False where TMA cannot address it (alignment, strides).
-inline bool encode_rows_map(CUtensorMap* map, bool bf16, const void* base, int rows, int heads, int batch,
-                            int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows = 128) {
+// The map of one (batch, rows, heads, cols) tensor for the TMA kernels, its
+// strides in elements: boxes of box_cols x box_rows, rows past `rows` read as
+// zeros (and dropped by a store). False where TMA cannot address it
+// (alignment, strides).
+inline bool encode_map(CUtensorMap* map, CUtensorMapDataType type, int elem_bytes, const void* base, int cols,
+                       int rows, int heads, int batch, int64_t row_stride, int64_t head_stride, int64_t batch_stride,
+                       int box_cols, int box_rows, CUtensorMapSwizzle swizzle) {
   const EncodeTiled encode = tensor_map_encoder();
   if (!encode || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
-  const int64_t strides[3] = {row_stride * 2, head_stride * 2, batch_stride * 2};  // bytes
+  const int64_t strides[3] = {row_stride * elem_bytes, head_stride * elem_bytes, batch_stride * elem_bytes};
   for (int64_t s : strides)
     if (s <= 0 || s % 16 != 0 || s >= (int64_t{1} << 40)) return false;
-  const cuuint64_t dims[4] = {128, static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(heads),
-                              static_cast<cuuint64_t>(batch)};
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   const cuuint64_t byte_strides[3] = {static_cast<cuuint64_t>(strides[0]), static_cast<cuuint64_t>(strides[1]),
                                       static_cast<cuuint64_t>(strides[2])};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1}, unit[4] = {1, 1, 1, 1};
-  return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-                const_cast<void*>(base), dims, byte_strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  return encode(map, type, 4, const_cast<void*>(base), dims, byte_strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The maps of a batch-layout call (no cu_seqlens: every sequence starts at
-// row 0 of its batch entry, so a tile past its length reads zeros).
+// A 16-bit tensor of head dim 128 for the wgmma tiles: boxes of 64 columns x
+// box_rows rows in the 128-byte swizzle (each 64-column half of a tile).
+inline bool encode_rows_map(CUtensorMap* map, bool bf16, const void* base, int rows, int heads, int batch,
+                            int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows = 128) {
+  return encode_map(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, base, 128,
+                    rows, heads, batch, row_stride, head_stride, batch_stride, 64, box_rows,
+                    CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// The forward's maps. Batch layout: every sequence starts at row 0 of its
+// batch entry, so a tile past its length reads zeros. Packed (cu_seqlens):
+// one batch entry of all the rows; a tile past a sequence reads the next
+// one's rows, which the kernel masks (K) or zeroes (V).
 inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16) {
-  if (p.cu_q || p.d != 128) return false;
+  if (p.d != 128) return false;
+  if (p.cu_q) {
+    if (p.total_q <= 0 || p.total_k <= 0 || p.total_q > INT32_MAX || p.total_k > INT32_MAX) return false;
+    const int tq = static_cast<int>(p.total_q), tk = static_cast<int>(p.total_k);
+    // (the batch stride of a one-entry dimension only has to be valid)
+    return encode_rows_map(&m->q, bf16, p.q, tq, p.heads_q, 1, p.q_sr, p.q_sh, p.q_sr * tq) &&
+           encode_rows_map(&m->k, bf16, p.k, tk, p.heads_kv, 1, p.k_sr, p.k_sh, p.k_sr * tk) &&
+           encode_rows_map(&m->v, bf16, p.v, tk, p.heads_kv, 1, p.v_sr, p.v_sh, p.v_sr * tk);
+  }
   return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb) &&
          encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb) &&
          encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb);
@@ -68,11 +92,34 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
          DB, ready, maps);
 }
 
+// The persistent form of the TMA-fed kernel (one CTA an SM walking the query
+// blocks) serves calls without a mask, where every block has the same work:
+// 1.00-1.10x the one-CTA-a-block kernel there (H200, two runs). With a causal mask or a
+// window its static order leaves SMs idle (0.66x at S 16384, causal).
+// $SYMHEAP_ATTN_FWD_PERSISTENT: 1 forces it wherever the TMA kernel runs, 0
+// never; unset or anything else: calls without a mask.
+inline bool persistent_forward(const KArgs& p) {
+  const char* v = std::getenv("SYMHEAP_ATTN_FWD_PERSISTENT");
+  if (v && v[0] == '1') return true;
+  if (v && v[0] == '0') return false;
+  return p.win_left < 0 && p.win_right < 0;
+}
+template <class T, bool kLean>
+void forward_hopper_persistent(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
+  using C = HopperFwdConfig<T, 128, 3>;
+  static ReadyDevices ready{0};
+  const int64_t items = static_cast<int64_t>(blocks(p.seqlen_q, C::kBlockM)) * p.heads_q * p.batch;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(items, sm_count(l.device)));
+  // (one mbarrier more than the other kernels: Q's "empty")
+  launch(l, attention_fwd_hopper_persistent_kernel<T, kLean>, dim3(grid), 384, C::kSmem + sizeof(uint64_t), p,
+         kLean ? "fwd_hopper_persistent_lean" : "fwd_hopper_persistent", 128, ready, maps);
+}
+
 // The logit features compiled in only when the call uses one; without them
 // the lean softmax for a positive scale (as forward_pipelined_plain decides).
 // Head dim 128 without them: `mode` picks the kernel whose warpgroups take
-// turns (kPingpong), that one fed by a TMA producer (kTma, batch layout only;
-// a call TMA cannot address takes kPingpong), or the lockstep one.
+// turns (kPingpong), that one fed by a TMA producer (kTma; a call TMA cannot
+// address takes kPingpong), or the lockstep one.
 template <class T, int DB>
 void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) {
   static const FwdTmaMaps no_maps{};
@@ -82,6 +129,10 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
     if (mode == HopperForward::kTma) {
       FwdTmaMaps maps;
       if (encode_forward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>)) {
+        if (!p.cu_q && persistent_forward(p)) {
+          if (lean) return forward_hopper_persistent<T, true>(l, p, maps);
+          return forward_hopper_persistent<T, false>(l, p, maps);
+        }
         if (lean) return forward_hopper<T, DB, false, true, true, true>(l, p, maps);
         return forward_hopper<T, DB, false, false, true, true>(l, p, maps);
       }
@@ -102,7 +153,10 @@ inline bool encode_backward_maps(BwdTmaMaps* m, const KArgs& p, bool bf16) {
   return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, 64) &&
          encode_rows_map(&m->dout, bf16, p.dout, p.seqlen_q, p.heads_q, p.batch, p.do_sr, p.do_sh, p.do_sb, 64) &&
          encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb) &&
-         encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb);
+         encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb) &&
+         // the fp32 dQ workspace, one 128 x 64 box a tile (row-major, as the kernel stages it)
+         encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, 128, p.seqlen_q, p.heads_q,
+                    p.batch, p.dqa_sr, p.dqa_sh, p.dqa_sb, 128, 64, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 // The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
@@ -111,7 +165,8 @@ void dkdv_hopper(const Launch& l, const KArgs& p, const BwdTmaMaps& maps) {
   using C = HopperDkvConfig<T, DB>;
   static ReadyDevices ready{0};
   launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq, kTma>,
-         dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch), kTma ? 384 : C::kThreads, C::kSmem, p,
+         dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch), kTma ? 384 : C::kThreads,
+         kTma ? C::kSmemTma : C::kSmem, p,
          kTma ? "dkdv_hopper_dq_tma" : kFuseDq ? "dkdv_hopper_dq" : "dkdv_hopper", DB, ready, maps);
 }
 

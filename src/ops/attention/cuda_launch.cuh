@@ -23,6 +23,9 @@ namespace symheap::attention::cuda {
 // Host-side services the launchers need, defined in attention_cuda.cu.
 // Raises the kernel's dynamic shared-memory limit once per (device, kernel).
 void ensure_smem(int device, const void* kernel, size_t smem, const std::string& key);
+// The device's multiprocessor count (persistent kernels size their grid by it);
+// read once per device.
+int sm_count(int device);
 
 // Layouts of the pipelined backward other than the default, to time against
 // it ($SYMHEAP_ATTN_OWN_BACKWARD): the dQ kernel of 16-row warps at every head

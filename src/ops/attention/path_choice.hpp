@@ -46,11 +46,12 @@ inline constexpr const char* kOwnForwardEnv = "SYMHEAP_ATTN_OWN_FORWARD";
 inline constexpr const char* kOwnForwardPrevious = "pipelined_previous";
 // "hopper" at head dim 128 without logit features runs the variant whose two
 // warpgroups take turns on the tensor cores, fed by a third warpgroup's TMA
-// copies where the call is in the batch layout (cuda_forward_hopper.cuh,
-// kPingpong and kTma; 1.14-1.27x faster than the turns alone on H100, the
-// same bits), else by its own cp.async copies. "hopper_pingpong" forces the
-// latter, "hopper_lockstep" the variant with one block barrier a tile
-// (elsewhere the three are the same kernel).
+// copies (cuda_forward_hopper.cuh, kPingpong and kTma; 1.14-1.27x faster than
+// the turns alone on H100, the same bits) where TMA can address the tensors,
+// else by its own cp.async copies; calls without a mask take its persistent
+// form (SYMHEAP_ATTN_FWD_PERSISTENT, cuda_forward_hopper_launch.cuh).
+// "hopper_pingpong" forces the cp.async feed, "hopper_lockstep" the variant
+// with one block barrier a tile (elsewhere the three are the same kernel).
 inline constexpr const char* kOwnForwardHopper = "hopper";
 inline constexpr const char* kOwnForwardHopperPingpong = "hopper_pingpong";
 inline constexpr const char* kOwnForwardHopperLockstep = "hopper_lockstep";

@@ -1,0 +1,263 @@
+// Persistent form of the TMA-fed pingpong forward (head dim 128, no logit
+// features, batch layout): one CTA an SM walks query blocks (work items)
+// instead of one CTA a block, so what a block costs besides its key tiles
+// (barrier setup, the wait for Q and the first K/V tile, the output) overlaps
+// the neighbouring blocks' tiles: the producer loads the next item's Q once
+// both consumer warpgroups issued their last S product of the current one,
+// and its K/V tiles as soon as stages free, while the consumers finish.
+// The per-tile arithmetic is that of attention_fwd_hopper_kernel's kTma form
+// (same bits). The output goes from registers to memory (the Q buffer, where
+// the other kernels stage it, already holds the next item's Q).
+// Work item w: query block m (heaviest first under a causal mask), head hq,
+// batch entry b, with m fastest; CTA i takes items i, i + grid, ...
+#pragma once
+#include "ops/attention/cuda_forward_hopper.cuh"
+
+namespace symheap::attention::cuda {
+
+namespace hopper {
+// Query block, head and batch entry of work item w (the block's first row m0).
+struct FwdItem {
+  int m0, hq, b;
+};
+__device__ __forceinline__ FwdItem forward_item(const KArgs& p, int w, int block_rows) {
+  const int blocks_m = (p.seqlen_q + block_rows - 1) / block_rows;
+  const int m = w % blocks_m, rest = w / blocks_m;
+  return FwdItem{(blocks_m - 1 - m) * block_rows, rest % p.heads_q, rest / p.heads_q};
+}
+}  // namespace hopper
+
+template <class T, bool kLean>
+__global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel(const KArgs p,
+                                                                                  const __grid_constant__ FwdTmaMaps maps) {
+  using namespace cute;
+  using namespace hopper;
+  constexpr int DB = 128, kStages = 3;
+  using C = HopperFwdConfig<T, DB, kStages>;
+  using E = typename C::E;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers
+  constexpr float kLog2e = 1.4426950408889634f;
+  extern __shared__ unsigned char smem_raw[];
+  E* q_s = reinterpret_cast<E*>(smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024));
+  E* k_s = q_s + C::kQElems;
+  E* v_s = k_s + C::kKVElems;
+  Tensor sQ = make_tensor(make_smem_ptr(q_s), typename C::SmemQ{});
+  Tensor sK = make_tensor(make_smem_ptr(k_s), typename C::SmemKV{});
+  Tensor sV = make_tensor(make_smem_ptr(v_s), typename C::SmemKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(v_s), typename C::SmemVt{});
+  // full[s], empty[s] per K/V stage, then Q's full and empty (kBarrierBytes
+  // has room for 2 kStages + 1; the empty one takes the alignment's slack).
+  uint64_t* full = reinterpret_cast<uint64_t*>(v_s + C::kKVElems);
+  uint64_t* empty = full + kStages;
+  uint64_t* q_full = empty + kStages;
+  uint64_t* q_empty = q_full + 1;
+
+  const int items = ((p.seqlen_q + BM - 1) / BM) * p.heads_q * p.batch;
+  // Key tiles [n_begin, n_end) of an item, as the other kernels find them.
+  auto key_tiles = [&](const FwdItem& it, const Seq& seq, detail::KeyRange* first, detail::KeyRange* last) {
+    const int rows = min(BM, seq.sq - it.m0);
+    *first = detail::visible_keys(it.m0, seq.sq, seq.sk, p.win_left, p.win_right);
+    *last = detail::visible_keys(it.m0 + rows - 1, seq.sq, seq.sk, p.win_left, p.win_right);
+  };
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, NT / 32);
+    }
+    mbar_init(q_full, 1);
+    mbar_init(q_empty, NT / 32);
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    registers_down<24>();
+    if (threadIdx.x == 0) {
+      constexpr uint32_t kHalf = 64 * sizeof(E);  // bytes of a box row
+      int tile = 0, k = 0;                       // K/V tiles and items so far
+      for (int w = blockIdx.x; w < items; w += gridDim.x) {
+        const FwdItem it = forward_item(p, w, BM);
+        const Seq seq = sequence(p, it.b);
+        if (it.m0 >= seq.sq) continue;  // (the consumers skip it too)
+        detail::KeyRange first, last;
+        key_tiles(it, seq, &first, &last);
+        const int n_begin = first.lo / BN * BN, n_end = last.hi;
+        // Both consumer warpgroups issued their last S product of item k - 1.
+        if (k > 0) mbar_wait(q_empty, (k - 1) & 1);
+        mbar_arrive_expect_tx(q_full, 2 * BM * kHalf);
+        for (int h = 0; h < 2; ++h) tma_load_4d(at(sQ, 0, 64 * h), &maps.q, q_full, 64 * h, it.m0, it.hq, it.b);
+        const int hk = it.hq / p.group;
+        for (int n0 = n_begin; n0 < n_end; n0 += BN, ++tile) {
+          const int s = tile % kStages;
+          if (tile >= kStages) mbar_wait(empty + s, ((tile / kStages) + 1) & 1);
+          mbar_arrive_expect_tx(full + s, 4 * BN * kHalf);
+          for (int h = 0; h < 2; ++h) {
+            tma_load_4d(at(sK, 0, 64 * h, s), &maps.k, full + s, 64 * h, n0, hk, it.b);
+            tma_load_4d(at(sV, 0, 64 * h, s), &maps.v, full + s, 64 * h, n0, hk, it.b);
+          }
+        }
+        ++k;
+      }
+    }
+    return;
+  }
+  registers_up<240>();
+
+  const int tid = static_cast<int>(threadIdx.x) - 128, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  const int wg = tid / 128;
+  const int warp_row0 = (tid / 32) * 16;  // this warp's first row (warpgroup w: rows 64 w ..)
+  typename C::MmaS mma_s;
+  typename C::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+  Tensor tSrK = thr_s.partition_fragment_B(sK);
+  Tensor tOrVt = thr_o.partition_fragment_B(sVt);
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<BM>, Int<BN>>{});
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<BM>, Int<DB>>{});
+  Tensor tOrP = make_tensor<E>(partition_shape_A(mma_o, Shape<Int<BM>, Int<BN>>{}));
+  const float scale_log2 = p.scale * kLog2e;
+
+  int tile = 0, k = 0;
+  for (int w = blockIdx.x; w < items; w += gridDim.x) {
+    const FwdItem item = forward_item(p, w, BM);
+    const int m0 = item.m0, hq = item.hq, b = item.b;
+    const Seq seq = sequence(p, b);
+    if (m0 >= seq.sq) continue;
+    auto row = [&](int h) { return m0 + warp_row0 + g + 8 * h; };
+    detail::KeyRange first, last;
+    key_tiles(item, seq, &first, &last);
+    const int n_begin = first.lo / BN * BN, n_end = last.hi;
+
+    clear(tOrO);
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    mbar_wait(q_full, k & 1);
+    bool q_released = false;
+    // This warp's part of "both warpgroups are done reading Q" (after its
+    // warpgroup's last S product; at once for an item without key tiles).
+    auto release_q = [&] {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(q_empty);
+      q_released = true;
+    };
+
+    for (int n0 = n_begin, it = 0; n0 < n_end; n0 += BN, ++it, ++tile) {
+      const int buf = tile % kStages;
+      mbar_wait(full + buf, (tile / kStages) & 1);
+      if (wg == 1 || it > 0) named_barrier_sync(1 + wg);
+      warpgroup_gemm<true, false, false>(mma_s, tSrQ, tSrK(_, _, _, buf), tSrS);
+      if (wg == 0 || n0 + BN < n_end) named_barrier_arrive(2 - wg);
+      warpgroup_wait_all(tSrS);
+      if (n0 + BN >= n_end) release_q();
+
+      // Logits in log2 units (raw scores for kLean); -inf where hidden.
+      if (n0 >= last.lo && n0 + BN <= first.hi) {
+        if constexpr (!kLean) {
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) tSrS(i) *= scale_log2;
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const detail::KeyRange r = detail::visible_keys(row(h), seq.sq, seq.sk, p.win_left, p.win_right);
+#pragma unroll
+          for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int i = 4 * nt + 2 * h + c, j = n0 + nt * 8 + 2 * t + c;
+              const float x = kLean ? tSrS(i) : tSrS(i) * scale_log2;
+              tSrS(i) = j >= r.lo && j < r.hi ? x : -INFINITY;
+            }
+        }
+      }
+      auto row_tile_max = [&](int h) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) m = fmaxf(m, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
+        return m;
+      };
+      if constexpr (kLean) {
+        constexpr float kStaleMax = 8.0f;
+        float neg_base[2], rescale[2];
+        bool moved = false;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float tile_m = quad_max(row_tile_max(h)) * scale_log2;
+          const float m_new = tile_m > row_max[h] + kStaleMax ? tile_m : row_max[h];
+          const float base = m_new == -INFINITY ? 0.0f : m_new;
+          moved |= m_new != row_max[h];
+          rescale[h] = exp2_fast(row_max[h] - base);
+          row_sum[h] *= rescale[h];
+          row_max[h] = m_new;
+          neg_base[h] = -base;
+        }
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+          for (int i = 0; i < DB / 2; ++i) tOrO(i) *= rescale[(i >> 1) & 1];
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+          const float x = exp2_fast(fmaf(tSrS(i), scale_log2, neg_base[(i >> 1) & 1]));
+          row_sum[(i >> 1) & 1] += x;
+          tSrS(i) = x;
+        }
+      } else {
+        float base[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float m_new = fmaxf(row_max[h], quad_max(row_tile_max(h)));
+          base[h] = m_new == -INFINITY ? 0.0f : m_new;
+          const float rescale = exp2_fast(row_max[h] - base[h]);
+          row_max[h] = m_new;
+          row_sum[h] *= rescale;
+#pragma unroll
+          for (int dt = 0; dt < DB / 8; ++dt) {
+            tOrO(4 * dt + 2 * h) *= rescale;
+            tOrO(4 * dt + 2 * h + 1) *= rescale;
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float x = exp2_fast(tSrS(4 * nt + e) - base[e >> 1]);
+            row_sum[e >> 1] += x;
+            tSrS(4 * nt + e) = x;
+          }
+      }
+#pragma unroll
+      for (int i = 0; i < BN / 2; i += 2) {
+        const uint32_t two = Pack<T>::two(tSrS(i), tSrS(i + 1));
+        tOrP(i) = reinterpret_cast<const E*>(&two)[0];
+        tOrP(i + 1) = reinterpret_cast<const E*>(&two)[1];
+      }
+      warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + buf);
+    }
+    if (!q_released) release_q();
+    ++k;
+
+    // The output straight from the accumulators (4-byte pairs), and lse.
+    float inv[2], lse[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) finish_row(row_max[h], row_sum[h], inv + h, lse + h);
+    if (t == 0) {
+      float* l = p.lse + b * p.lse_sb + hq * p.lse_sh + seq.q0;
+      if (row(0) < seq.sq) l[row(0)] = lse[0];
+      if (row(1) < seq.sq) l[row(1)] = lse[1];
+    }
+    E* out = static_cast<E*>(p.out) + b * p.o_sb + (seq.q0 + m0 + warp_row0 + g) * p.o_sr + hq * p.o_sh + 2 * t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (row(h) >= seq.sq) continue;
+#pragma unroll
+      for (int dt = 0; dt < DB / 8; ++dt)
+        *reinterpret_cast<uint32_t*>(out + 8 * h * p.o_sr + dt * 8) =
+            Pack<T>::two(tOrO(4 * dt + 2 * h) * inv[h], tOrO(4 * dt + 2 * h + 1) * inv[h]);
+    }
+  }
+}
+
+}  // namespace symheap::attention::cuda
