@@ -93,26 +93,33 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
 }
 
 // The persistent form of the TMA-fed kernel (one CTA an SM walking the query
-// blocks) serves calls without a mask, where every block has the same work:
-// 1.00-1.10x the one-CTA-a-block kernel there (H200, two runs). With a causal mask or a
-// window its static order leaves SMs idle (0.66x at S 16384, causal).
-// $SYMHEAP_ATTN_FWD_PERSISTENT: 1 forces it wherever the TMA kernel runs, 0
-// never; unset or anything else: calls without a mask.
-inline bool persistent_forward(const KArgs& p) {
+// blocks). Without a mask every block has the same work: 1.00-1.10x the
+// one-CTA-a-block kernel (H200, two runs). Under a mask (causal, a window)
+// it takes the blocks in pairs of equal total work where there are at least
+// two pairs an SM (walk_item); with fewer it would leave SMs idle and the
+// one-CTA-a-block kernel serves. $SYMHEAP_ATTN_FWD_PERSISTENT: 1 forces it
+// wherever the TMA kernel runs (pairing as above), 0 never.
+inline bool masked(const KArgs& p) { return p.win_left >= 0 || p.win_right >= 0; }
+inline int64_t forward_units(const KArgs& p, int block_rows, bool paired) {
+  const int64_t blocks_m = blocks(p.seqlen_q, block_rows);
+  return (paired ? (blocks_m + 1) / 2 : blocks_m) * p.heads_q * p.batch;
+}
+inline bool persistent_forward(const KArgs& p, int block_rows, int sms) {
   const char* v = std::getenv("SYMHEAP_ATTN_FWD_PERSISTENT");
   if (v && v[0] == '1') return true;
   if (v && v[0] == '0') return false;
-  return p.win_left < 0 && p.win_right < 0;
+  return !masked(p) || forward_units(p, block_rows, true) >= 2 * static_cast<int64_t>(sms);
 }
 template <class T, bool kLean>
 void forward_hopper_persistent(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
   using C = HopperFwdConfig<T, 128, 3>;
   static ReadyDevices ready{0};
-  const int64_t items = static_cast<int64_t>(blocks(p.seqlen_q, C::kBlockM)) * p.heads_q * p.batch;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(items, sm_count(l.device)));
+  const bool paired = masked(p);
+  const int64_t units = forward_units(p, C::kBlockM, paired);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(units, sm_count(l.device)));
   // (one mbarrier more than the other kernels: Q's "empty")
   launch(l, attention_fwd_hopper_persistent_kernel<T, kLean>, dim3(grid), 384, C::kSmem + sizeof(uint64_t), p,
-         kLean ? "fwd_hopper_persistent_lean" : "fwd_hopper_persistent", 128, ready, maps);
+         kLean ? "fwd_hopper_persistent_lean" : "fwd_hopper_persistent", 128, ready, maps, paired);
 }
 
 // The logit features compiled in only when the call uses one; without them
@@ -129,7 +136,7 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
     if (mode == HopperForward::kTma) {
       FwdTmaMaps maps;
       if (encode_forward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>)) {
-        if (!p.cu_q && persistent_forward(p)) {
+        if (!p.cu_q && persistent_forward(p, HopperFwdConfig<T, 128, 3>::kBlockM, sm_count(l.device))) {
           if (lean) return forward_hopper_persistent<T, true>(l, p, maps);
           return forward_hopper_persistent<T, false>(l, p, maps);
         }

@@ -8,28 +8,40 @@
 // The per-tile arithmetic is that of attention_fwd_hopper_kernel's kTma form
 // (same bits). The output goes from registers to memory (the Q buffer, where
 // the other kernels stage it, already holds the next item's Q).
-// Work item w: query block m (heaviest first under a causal mask), head hq,
-// batch entry b, with m fastest; CTA i takes items i, i + grid, ...
+// The order of the blocks: walk_item.
 #pragma once
 #include "ops/attention/cuda_forward_hopper.cuh"
 
 namespace symheap::attention::cuda {
 
 namespace hopper {
-// Query block, head and batch entry of work item w (the block's first row m0).
+// Query block (its first row m0), head and batch entry of a CTA's u-th step.
+// CTA i takes work units i, i + grid, ...; a unit is one query block, or with
+// `paired` two blocks of one (head, batch entry): the heaviest under a causal
+// mask (the last) then the lightest (the first), the second last with the
+// second, ..., so every unit costs the same (blocks_m + 1 key tiles) and the
+// CTAs get equal work. `none`: the second of an odd middle pair.
 struct FwdItem {
   int m0, hq, b;
+  bool none;
 };
-__device__ __forceinline__ FwdItem forward_item(const KArgs& p, int w, int block_rows) {
+__device__ __forceinline__ bool walk_item(const KArgs& p, int u, int block_rows, bool paired, FwdItem* it) {
   const int blocks_m = (p.seqlen_q + block_rows - 1) / block_rows;
-  const int m = w % blocks_m, rest = w / blocks_m;
-  return FwdItem{(blocks_m - 1 - m) * block_rows, rest % p.heads_q, rest / p.heads_q};
+  const int per_unit = paired ? 2 : 1, units_m = (blocks_m + per_unit - 1) / per_unit;
+  const int64_t unit = blockIdx.x + static_cast<int64_t>(u / per_unit) * gridDim.x;
+  if (unit >= static_cast<int64_t>(units_m) * p.heads_q * p.batch) return false;
+  const int j = static_cast<int>(unit % units_m), rest = static_cast<int>(unit / units_m);
+  const bool second = paired && (u & 1);
+  const int m = second ? j : blocks_m - 1 - j;
+  *it = FwdItem{m * block_rows, rest % p.heads_q, rest / p.heads_q, second && m == blocks_m - 1 - j};
+  return true;
 }
 }  // namespace hopper
 
 template <class T, bool kLean>
 __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel(const KArgs p,
-                                                                                  const __grid_constant__ FwdTmaMaps maps) {
+                                                                                  const __grid_constant__ FwdTmaMaps maps,
+                                                                                  bool paired) {
   using namespace cute;
   using namespace hopper;
   constexpr int DB = 128, kStages = 3;
@@ -52,7 +64,6 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
   uint64_t* q_full = empty + kStages;
   uint64_t* q_empty = q_full + 1;
 
-  const int items = ((p.seqlen_q + BM - 1) / BM) * p.heads_q * p.batch;
   // Key tiles [n_begin, n_end) of an item, as the other kernels find them.
   auto key_tiles = [&](const FwdItem& it, const Seq& seq, detail::KeyRange* first, detail::KeyRange* last) {
     const int rows = min(BM, seq.sq - it.m0);
@@ -76,10 +87,10 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
     if (threadIdx.x == 0) {
       constexpr uint32_t kHalf = 64 * sizeof(E);  // bytes of a box row
       int tile = 0, k = 0;                       // K/V tiles and items so far
-      for (int w = blockIdx.x; w < items; w += gridDim.x) {
-        const FwdItem it = forward_item(p, w, BM);
+      FwdItem it;
+      for (int u = 0; walk_item(p, u, BM, paired, &it); ++u) {
         const Seq seq = sequence(p, it.b);
-        if (it.m0 >= seq.sq) continue;  // (the consumers skip it too)
+        if (it.none || it.m0 >= seq.sq) continue;  // (the consumers skip it too)
         detail::KeyRange first, last;
         key_tiles(it, seq, &first, &last);
         const int n_begin = first.lo / BN * BN, n_end = last.hi;
@@ -120,11 +131,11 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
   const float scale_log2 = p.scale * kLog2e;
 
   int tile = 0, k = 0;
-  for (int w = blockIdx.x; w < items; w += gridDim.x) {
-    const FwdItem item = forward_item(p, w, BM);
+  FwdItem item;
+  for (int u = 0; walk_item(p, u, BM, paired, &item); ++u) {
     const int m0 = item.m0, hq = item.hq, b = item.b;
     const Seq seq = sequence(p, b);
-    if (m0 >= seq.sq) continue;
+    if (item.none || m0 >= seq.sq) continue;
     auto row = [&](int h) { return m0 + warp_row0 + g + 8 * h; };
     detail::KeyRange first, last;
     key_tiles(item, seq, &first, &last);
