@@ -467,7 +467,7 @@ def test_pipelined_lengths(dtype, D, Sq, Sk, causal, monkeypatch, fwd):
                                   dict(softmax_scale=-0.25)])
 def test_hopper_pingpong_matches_lockstep(Sq, Sk, opts, monkeypatch):
     """At head dim 128 the pingpong kernel fed by TMA (the default), its persistent
-    form (the default without a mask; forced on and off here) and the pingpong kernel
+    form (the default in the batch layout; forced on and off here) and the pingpong kernel
     fed by its own copies do each warpgroup's arithmetic in the same order as the
     lockstep one: outputs and lse bit for bit equal, over 1 to 33 key tiles (the three
     buffers reused many times), causal, a window and the softmax for a negative scale."""
