@@ -148,6 +148,9 @@ struct SlotClass {
     // Every slot the class itself declares (those above and the ones set on first use).
     for (py::handle name : py::reinterpret_borrow<py::iterable>(type.attr("__slots__"))) {
       py::object d = type.attr("__dict__")[name];
+      // A field made on first use (ep/_op.py's _LazyField) keeps its slot's descriptor.
+      if (!Py_IS_TYPE(d.ptr(), &PyMemberDescr_Type) && py::hasattr(d, "_member"))
+        d = d.attr("_member");
       if (Py_IS_TYPE(d.ptr(), &PyMemberDescr_Type))
         every.push_back(reinterpret_cast<PyMemberDescrObject*>(d.ptr())->d_member->offset);
     }
@@ -451,7 +454,9 @@ class EpOp {
   py::object make_output(py::handle owner, int64_t rows, int64_t num_tokens, py::object storage) {
     if (!output_.type) throw StateError("EpOp.set_front_end was not called before dispatch");
     using S = SlotClass;
-    py::object rows_shape = fixed_rows_;
+    // Borrowed, not copied: a copy of fixed_rows_ when it is None would move
+    // None's reference count, shared by every PE thread (before 3.12).
+    py::handle rows_shape = fixed_rows_;
     if (rows_shape.is_none()) {  // the count the host knows: the last call's tuple if it fits
       const int64_t n = std::max<int64_t>(rows, 0);
       if (!last_rows_shape_ || last_rows_ != n) {
@@ -474,15 +479,41 @@ class EpOp {
     }
     handle_.init(h, S::kOpId, id_obj_);
     handle_.init(h, S::kLayout, layout_str_);
-    handle_.init(h, S::kNumTokens, py::int_(num_tokens));
-    handle_.init(h, S::kRowsShape, std::move(rows_shape));
+    handle_.init(h, S::kNumTokens, own_int(num_tokens, num_tokens_obj_));
+    handle_.init(h, S::kRowsShape, rows_shape);
     handle_.init(h, S::kDevice, device_obj_);
     handle_.init(h, S::kStorage, std::move(storage));
     handle_.init(h, S::kOp, owner);
     output_.init(o, S::kHandle, std::move(h));
     output_.init(o, S::kOwner, owner);
-    output_.init(o, S::kRows, py::int_(rows));
+    output_.init(o, S::kRows, own_int(rows, rows_obj_));
     return o;
+  }
+
+  // An int of this op's own, the last one made while the value repeats.
+  // CPython before 3.12 shares one object per small int (-5..256) among all
+  // threads and counts its references: every PE thread's handle holding
+  // "8" would move that object's cache line between the threads' cores.
+  struct OwnInt {
+    py::object obj;
+    int64_t value = 0;
+  };
+  static py::object own_int(int64_t v, OwnInt& cache) {
+    if (cache.obj && cache.value == v) return cache.obj;
+    py::object made;
+#if PY_VERSION_HEX < 0x030C0000
+    if (v >= 0 && v <= static_cast<int64_t>(PyLong_MASK)) {  // one digit
+      PyLongObject* o = _PyLong_New(1);
+      if (!o) throw py::error_already_set();
+      o->ob_digit[0] = static_cast<digit>(v);
+      if (v == 0) Py_SET_SIZE(o, 0);
+      made = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(o));
+    }
+#endif
+    if (!made) made = py::int_(v);
+    cache.obj = made;
+    cache.value = v;
+    return made;
   }
 
   // A DispatchOutput this op made whose caller let go of it and of its handle
@@ -740,6 +771,7 @@ class EpOp {
   py::object device_obj_, fixed_rows_, layout_str_, id_obj_, stream_handle_;
   std::vector<py::object> recycled_;  // outputs this op made (take_recycled)
   size_t recycle_next_ = 0;
+  OwnInt num_tokens_obj_, rows_obj_;  // the ints dispatch's results hold (own_int)
   py::object last_rows_shape_;  // (rows, hidden) of the last dispatch, when rows vary
   int64_t last_rows_ = -1;
   bool closed_ = false;

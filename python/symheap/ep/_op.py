@@ -109,17 +109,49 @@ class DispatchOutput:
 
     # A dispatch makes each field on first use (a view of the op's receive
     # buffer or of the handle's storage), so a call pays only for what is read;
-    # _owner is the EpDispatchCombine, _rows the rows the core received.
-    def __getattr__(self, name):
-        if name not in _OUTPUT_FIELDS:
-            raise AttributeError(f"'DispatchOutput' object has no attribute '{name}'")
+    # _owner is the EpDispatchCombine, _rows the rows the core received. Each
+    # such field is a _LazyField (set below), not a __getattr__: a class with
+    # __getattr__ sends every attribute read (``out.handle`` too) through
+    # CPython's slot hook, which writes the reference counts of the class's
+    # __getattr__, the slot's descriptor and the name, objects every PE thread
+    # shares (their cache lines then move between the threads' cores).
+
+
+class _LazyField:
+    """A DispatchOutput field made on first use and kept in its slot."""
+
+    __slots__ = ("name", "_member")
+
+    def __init__(self, name, member):
+        self.name = name
+        self._member = member  # the slot's own descriptor (the core clears it)
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
         try:
-            op, rows, handle = self._owner, self._rows, self.handle
+            return self._member.__get__(obj, cls)
         except AttributeError:
-            raise AttributeError(f"'DispatchOutput' object has no attribute '{name}'") from None
-        value = op._output_field(name, rows, handle)
-        object.__setattr__(self, name, value)
+            pass
+        try:
+            op, rows, handle = obj._owner, obj._rows, obj.handle
+        except AttributeError:
+            raise AttributeError(
+                f"'DispatchOutput' object has no attribute '{self.name}'") from None
+        value = op._output_field(self.name, rows, handle)
+        self._member.__set__(obj, value)
         return value
+
+    def __set__(self, obj, value):
+        self._member.__set__(obj, value)
+
+    def __delete__(self, obj):
+        self._member.__delete__(obj)
+
+
+for _name in _OUTPUT_FIELDS:
+    setattr(DispatchOutput, _name, _LazyField(_name, DispatchOutput.__dict__[_name]))
+del _name
 
 
 class EpDispatchCombine:
@@ -192,13 +224,23 @@ class EpDispatchCombine:
         op.set_front_end(DispatchOutput, self._torch_device, self._fixed_rows, stream_handle)
         self._op = op
         # The two hot calls as plain functions of the core with the signatures of
-        # dispatch and combine below; set as this object's own attributes (unless a
-        # subclass overrides the methods), a call goes straight to the core.
+        # dispatch and combine below. Unless a subclass overrides the methods, they
+        # become attributes of a class of this object's own (a subclass of its
+        # class, same name), so a call goes straight to the core. Not instance
+        # attributes: ``ep.dispatch`` on an instance attribute that shadows a
+        # method of the class looks the class's function up first and moves its
+        # reference count, an object every PE thread of the process shares.
         self._dispatch_call, self._combine_call = op.fast_calls(self)
+        fast = {}
         if type(self).dispatch is EpDispatchCombine.dispatch:
-            self.dispatch = self._dispatch_call
+            fast["dispatch"] = self._dispatch_call
         if type(self).combine is EpDispatchCombine.combine:
-            self.combine = self._combine_call
+            fast["combine"] = self._combine_call
+        if fast:
+            base = type(self)
+            self.__class__ = type(base.__name__, (base,), {
+                "__module__": base.__module__, "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__, "_open_class_of": base, **fast})
 
     # ----------------------------------------------------------- properties
 
@@ -297,8 +339,9 @@ class EpDispatchCombine:
         if op is None:
             return
         self._op = self._dispatch_call = self._combine_call = None
-        self.__dict__.pop("dispatch", None)  # the methods now say the op is closed
-        self.__dict__.pop("combine", None)
+        base = type(self).__dict__.get("_open_class_of")
+        if base is not None:  # the methods now say the op is closed
+            self.__class__ = base
         try:
             op.check(None, True)
         finally:
