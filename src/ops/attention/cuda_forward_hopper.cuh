@@ -255,6 +255,112 @@ __device__ __forceinline__ void finish_row(float row_max, float thread_sum, floa
   *lse = sum > 0.0f ? __fmaf_rn(row_max, kLn2, __logf(sum)) : -INFINITY;
 }
 
+// The per-tile softmax steps of the kernels without logit features (the
+// kernels below and the persistent form), element i of a thread's fragment
+// being row g + 8 h, key 8 nt + 2 t + c (i = 4 nt + 2 h + c).
+
+// Logits in log2 units (raw scores for kLean, whose softmax scales inside its
+// FFMA), for a tile every row of the block sees whole.
+template <bool kLean, int BN, class FragS>
+__device__ __forceinline__ void scale_logits(FragS& tSrS, float scale_log2) {
+  if constexpr (!kLean) {
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) tSrS(i) *= scale_log2;
+  }
+}
+
+// The same for any other tile, -inf at the keys a row does not see.
+template <bool kLean, int BN, class FragS, class Row>
+__device__ __forceinline__ void mask_logits(FragS& tSrS, int n0, int t, Row row, const Seq& seq, const KArgs& p,
+                                            float scale_log2) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const detail::KeyRange r = detail::visible_keys(row(h), seq.sq, seq.sk, p.win_left, p.win_right);
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int i = 4 * nt + 2 * h + c, j = n0 + nt * 8 + 2 * t + c;
+        const float x = kLean ? tSrS(i) : tSrS(i) * scale_log2;
+        tSrS(i) = j >= r.lo && j < r.hi ? x : -INFINITY;
+      }
+  }
+}
+
+// This thread's max of row h (g + 8 h) over the tile.
+template <int BN, class FragS>
+__device__ __forceinline__ float row_tile_max(const FragS& tSrS, int h) {
+  float m = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) m = fmaxf(m, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
+  return m;
+}
+
+// The pipelined kernel's lean softmax (cuda_forward_pipelined.cuh): the max
+// of raw scores (scale > 0), the scale inside the exp2's FFMA, and a row's
+// base moves only when a tile's max passes it by 2^8, so the output is
+// rescaled only when some base of the warp moved. P replaces the logits.
+template <int DB, int BN, class FragS, class FragO>
+__device__ __forceinline__ void lean_softmax(FragS& tSrS, FragO& tOrO, float* row_max, float* row_sum,
+                                             float scale_log2) {
+  constexpr float kStaleMax = 8.0f;
+  float neg_base[2], rescale[2];
+  bool moved = false;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float tile_m = quad_max(row_tile_max<BN>(tSrS, h)) * scale_log2;
+    const float m_new = tile_m > row_max[h] + kStaleMax ? tile_m : row_max[h];
+    const float base = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet
+    moved |= m_new != row_max[h];
+    rescale[h] = exp2_fast(row_max[h] - base);
+    row_sum[h] *= rescale[h];
+    row_max[h] = m_new;
+    neg_base[h] = -base;
+  }
+  if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+    for (int i = 0; i < DB / 2; ++i) tOrO(i) *= rescale[(i >> 1) & 1];
+  }
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) {
+    const float x = exp2_fast(fmaf(tSrS(i), scale_log2, neg_base[(i >> 1) & 1]));
+    row_sum[(i >> 1) & 1] += x;
+    tSrS(i) = x;
+  }
+}
+
+// Online softmax, first step: the new running max of each row, what was
+// summed so far rescaled to it; base[h] is what the tile's exp2 subtracts.
+template <int DB, int BN, class FragS, class FragO>
+__device__ __forceinline__ void online_rescale(const FragS& tSrS, FragO& tOrO, float* row_max, float* row_sum,
+                                               float* base) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float m_new = fmaxf(row_max[h], quad_max(row_tile_max<BN>(tSrS, h)));
+    base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
+    const float rescale = exp2_fast(row_max[h] - base[h]);
+    row_max[h] = m_new;
+    row_sum[h] *= rescale;
+#pragma unroll
+    for (int dt = 0; dt < DB / 8; ++dt) {
+      tOrO(4 * dt + 2 * h) *= rescale;
+      tOrO(4 * dt + 2 * h + 1) *= rescale;
+    }
+  }
+}
+
+// P (16-bit, the P V product's register A operand) from the probabilities.
+template <class T, int BN, class FragS, class FragP>
+__device__ __forceinline__ void pack_p(const FragS& tSrS, FragP& tOrP) {
+  using E = typename CuteType<T>::type;
+#pragma unroll
+  for (int i = 0; i < BN / 2; i += 2) {
+    const uint32_t two = Pack<T>::two(tSrS(i), tSrS(i + 1));
+    tOrP(i) = reinterpret_cast<const E*>(&two)[0];
+    tOrP(i + 1) = reinterpret_cast<const E*>(&two)[1];
+  }
+}
+
 }  // namespace hopper
 
 // The TMA kernel's tensor maps (kTma): Q, K and V as (head dim, rows, heads,
@@ -488,77 +594,16 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
         }
       }
     } else if (n0 >= last.lo && n0 + BN <= first.hi) {
-      if constexpr (!kLean) {  // the lean softmax scales inside its FFMA
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) tSrS(i) *= scale_log2;
-      }
+      scale_logits<kLean, BN>(tSrS, scale_log2);
     } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const detail::KeyRange r = detail::visible_keys(row(h), seq.sq, seq.sk, p.win_left, p.win_right);
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int i = 4 * nt + 2 * h + c, j = n0 + nt * 8 + 2 * t + c;
-            const float x = kLean ? tSrS(i) : tSrS(i) * scale_log2;
-            tSrS(i) = j >= r.lo && j < r.hi ? x : -INFINITY;
-          }
-      }
+      mask_logits<kLean, BN>(tSrS, n0, t, row, seq, p, scale_log2);
     }
 
-    // This thread's max of row h (g + 8 h) over the tile.
-    auto row_tile_max = [&](int h) {
-      float m = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) m = fmaxf(m, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
-      return m;
-    };
     if constexpr (kLean) {
-      // The pipelined kernel's lean softmax (cuda_forward_pipelined.cuh): the
-      // max of raw scores (scale > 0), the scale inside the exp2's FFMA, and
-      // a row's base moves only when a tile's max passes it by 2^8, so the
-      // output is rescaled only when some base of the warp moved.
-      constexpr float kStaleMax = 8.0f;
-      float neg_base[2], rescale[2];
-      bool moved = false;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float tile_m = quad_max(row_tile_max(h)) * scale_log2;
-        const float m_new = tile_m > row_max[h] + kStaleMax ? tile_m : row_max[h];
-        const float base = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet
-        moved |= m_new != row_max[h];
-        rescale[h] = exp2_fast(row_max[h] - base);
-        row_sum[h] *= rescale[h];
-        row_max[h] = m_new;
-        neg_base[h] = -base;
-      }
-      if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int i = 0; i < DB / 2; ++i) tOrO(i) *= rescale[(i >> 1) & 1];
-      }
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {
-        const float x = exp2_fast(fmaf(tSrS(i), scale_log2, neg_base[(i >> 1) & 1]));
-        row_sum[(i >> 1) & 1] += x;
-        tSrS(i) = x;
-      }
+      lean_softmax<DB, BN>(tSrS, tOrO, row_max, row_sum, scale_log2);
     } else {
-      // Online softmax: new running max, rescale what was summed so far.
       float base[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(row_max[h], quad_max(row_tile_max(h)));
-        base[h] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
-        const float rescale = exp2_fast(row_max[h] - base[h]);
-        row_max[h] = m_new;
-        row_sum[h] *= rescale;
-#pragma unroll
-        for (int dt = 0; dt < DB / 8; ++dt) {
-          tOrO(4 * dt + 2 * h) *= rescale;
-          tOrO(4 * dt + 2 * h + 1) *= rescale;
-        }
-      }
+      online_rescale<DB, BN>(tSrS, tOrO, row_max, row_sum, base);
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
@@ -579,12 +624,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
         }
       }
     }
-#pragma unroll
-    for (int i = 0; i < BN / 2; i += 2) {
-      const uint32_t two = Pack<T>::two(tSrS(i), tSrS(i + 1));
-      tOrP(i) = reinterpret_cast<const E*>(&two)[0];
-      tOrP(i + 1) = reinterpret_cast<const E*>(&two)[1];
-    }
+    pack_p<T, BN>(tSrS, tOrP);
 
     warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
     if constexpr (kPingpong) {

@@ -163,71 +163,13 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
       if (n0 + BN >= n_end) release_q();
 
       // Logits in log2 units (raw scores for kLean); -inf where hidden.
-      if (n0 >= last.lo && n0 + BN <= first.hi) {
-        if constexpr (!kLean) {
-#pragma unroll
-          for (int i = 0; i < BN / 2; ++i) tSrS(i) *= scale_log2;
-        }
-      } else {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const detail::KeyRange r = detail::visible_keys(row(h), seq.sq, seq.sk, p.win_left, p.win_right);
-#pragma unroll
-          for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int i = 4 * nt + 2 * h + c, j = n0 + nt * 8 + 2 * t + c;
-              const float x = kLean ? tSrS(i) : tSrS(i) * scale_log2;
-              tSrS(i) = j >= r.lo && j < r.hi ? x : -INFINITY;
-            }
-        }
-      }
-      auto row_tile_max = [&](int h) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) m = fmaxf(m, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
-        return m;
-      };
+      if (n0 >= last.lo && n0 + BN <= first.hi) scale_logits<kLean, BN>(tSrS, scale_log2);
+      else mask_logits<kLean, BN>(tSrS, n0, t, row, seq, p, scale_log2);
       if constexpr (kLean) {
-        constexpr float kStaleMax = 8.0f;
-        float neg_base[2], rescale[2];
-        bool moved = false;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float tile_m = quad_max(row_tile_max(h)) * scale_log2;
-          const float m_new = tile_m > row_max[h] + kStaleMax ? tile_m : row_max[h];
-          const float base = m_new == -INFINITY ? 0.0f : m_new;
-          moved |= m_new != row_max[h];
-          rescale[h] = exp2_fast(row_max[h] - base);
-          row_sum[h] *= rescale[h];
-          row_max[h] = m_new;
-          neg_base[h] = -base;
-        }
-        if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-          for (int i = 0; i < DB / 2; ++i) tOrO(i) *= rescale[(i >> 1) & 1];
-        }
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-          const float x = exp2_fast(fmaf(tSrS(i), scale_log2, neg_base[(i >> 1) & 1]));
-          row_sum[(i >> 1) & 1] += x;
-          tSrS(i) = x;
-        }
+        lean_softmax<DB, BN>(tSrS, tOrO, row_max, row_sum, scale_log2);
       } else {
         float base[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float m_new = fmaxf(row_max[h], quad_max(row_tile_max(h)));
-          base[h] = m_new == -INFINITY ? 0.0f : m_new;
-          const float rescale = exp2_fast(row_max[h] - base[h]);
-          row_max[h] = m_new;
-          row_sum[h] *= rescale;
-#pragma unroll
-          for (int dt = 0; dt < DB / 8; ++dt) {
-            tOrO(4 * dt + 2 * h) *= rescale;
-            tOrO(4 * dt + 2 * h + 1) *= rescale;
-          }
-        }
+        online_rescale<DB, BN>(tSrS, tOrO, row_max, row_sum, base);
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
@@ -237,12 +179,7 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
             tSrS(4 * nt + e) = x;
           }
       }
-#pragma unroll
-      for (int i = 0; i < BN / 2; i += 2) {
-        const uint32_t two = Pack<T>::two(tSrS(i), tSrS(i + 1));
-        tOrP(i) = reinterpret_cast<const E*>(&two)[0];
-        tOrP(i + 1) = reinterpret_cast<const E*>(&two)[1];
-      }
+      pack_p<T, BN>(tSrS, tOrP);
       warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + buf);
