@@ -94,7 +94,7 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
 
 // The persistent form of the TMA-fed kernel (one CTA an SM walking the query
 // blocks). Without a mask every block has the same work: 1.00-1.10x the
-// one-CTA-a-block kernel (H200, two runs). Under a mask (causal, a window)
+// one-CTA-a-block kernel (H200, three runs). Under a mask (causal, a window)
 // it takes the blocks in pairs of equal total work where there are at least
 // two pairs an SM (walk_item); with fewer it would leave SMs idle and the
 // one-CTA-a-block kernel serves. $SYMHEAP_ATTN_FWD_PERSISTENT: 1 forces it
