@@ -98,28 +98,30 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
 // it takes the blocks in pairs of equal total work where there are at least
 // two pairs an SM (walk_item); with fewer it would leave SMs idle and the
 // one-CTA-a-block kernel serves. $SYMHEAP_ATTN_FWD_PERSISTENT: 1 forces it
-// wherever the TMA kernel runs (pairing as above), 0 never.
-inline bool masked(const KArgs& p) { return p.win_left >= 0 || p.win_right >= 0; }
-inline int64_t forward_units(const KArgs& p, int block_rows, bool paired) {
-  const int64_t blocks_m = blocks(p.seqlen_q, block_rows);
-  return (paired ? (blocks_m + 1) / 2 : blocks_m) * p.heads_q * p.batch;
-}
-inline bool persistent_forward(const KArgs& p, int block_rows, int sms) {
-  const char* v = std::getenv("SYMHEAP_ATTN_FWD_PERSISTENT");
-  if (v && v[0] == '1') return true;
-  if (v && v[0] == '0') return false;
-  return !masked(p) || forward_units(p, block_rows, true) >= 2 * static_cast<int64_t>(sms);
-}
-template <class T, bool kLean>
-void forward_hopper_persistent(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
+// wherever the TMA kernel runs (pairing as above), 0 never. Launches it
+// where it serves the call; false where it does not (packed calls too).
+template <class T>
+bool forward_hopper_persistent(const Launch& l, const KArgs& p, const FwdTmaMaps& maps, bool lean) {
   using C = HopperFwdConfig<T, 128, 3>;
-  static ReadyDevices ready{0};
-  const bool paired = masked(p);
-  const int64_t units = forward_units(p, C::kBlockM, paired);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(units, sm_count(l.device)));
+  if (p.cu_q) return false;
+  const bool paired = p.win_left >= 0 || p.win_right >= 0;  // under a mask
+  const int64_t blocks_m = blocks(p.seqlen_q, C::kBlockM);
+  const int64_t units = (paired ? (blocks_m + 1) / 2 : blocks_m) * p.heads_q * p.batch;
+  const int sms = sm_count(l.device);
+  const char* forced = std::getenv("SYMHEAP_ATTN_FWD_PERSISTENT");
+  if (forced && forced[0] == '0') return false;
+  if (!(forced && forced[0] == '1') && paired && units < 2 * static_cast<int64_t>(sms)) return false;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(units, sms)));
   // (one mbarrier more than the other kernels: Q's "empty")
-  launch(l, attention_fwd_hopper_persistent_kernel<T, kLean>, dim3(grid), 384, C::kSmem + sizeof(uint64_t), p,
-         kLean ? "fwd_hopper_persistent_lean" : "fwd_hopper_persistent", 128, ready, maps, paired);
+  const size_t smem = C::kSmem + sizeof(uint64_t);
+  static ReadyDevices ready{0}, ready_lean{0};
+  if (lean)
+    launch(l, attention_fwd_hopper_persistent_kernel<T, true>, grid, 384, smem, p, "fwd_hopper_persistent_lean", 128,
+           ready_lean, maps, paired);
+  else
+    launch(l, attention_fwd_hopper_persistent_kernel<T, false>, grid, 384, smem, p, "fwd_hopper_persistent", 128,
+           ready, maps, paired);
+  return true;
 }
 
 // The logit features compiled in only when the call uses one; without them
@@ -136,10 +138,7 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
     if (mode == HopperForward::kTma) {
       FwdTmaMaps maps;
       if (encode_forward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>)) {
-        if (!p.cu_q && persistent_forward(p, HopperFwdConfig<T, 128, 3>::kBlockM, sm_count(l.device))) {
-          if (lean) return forward_hopper_persistent<T, true>(l, p, maps);
-          return forward_hopper_persistent<T, false>(l, p, maps);
-        }
+        if (forward_hopper_persistent<T>(l, p, maps, lean)) return;
         if (lean) return forward_hopper<T, DB, false, true, true, true>(l, p, maps);
         return forward_hopper<T, DB, false, false, true, true>(l, p, maps);
       }
