@@ -215,23 +215,22 @@ void check_tma_boxes(const char* name) {
   Tensor fKV = make_tensor(make_smem_ptr(base), typename F::SmemKV{});
   Tensor bKV = make_tensor(make_smem_ptr(base), typename B::SmemKV{});
   Tensor bQ = make_tensor(make_smem_ptr(base), typename B::SmemQ{});
-  for (int r = 0; r < F::kBlockM; ++r)
-    for (int c = 0; c < 128; ++c)
-      check(byte_offset(fQ, base, r, c) == tma_box_sw128(r, c, F::kBlockM, 0), "TMA box: forward Q", 128, r, c, 0);
-  for (int s = 0; s < 3; ++s)
-    for (int r = 0; r < F::kBlockN; ++r)
-      for (int c = 0; c < 128; ++c)
-        check(byte_offset(fKV, base, r, c, s) == tma_box_sw128(r, c, F::kBlockN, s), "TMA box: forward K/V stage",
-              128, r, c, s);
-  for (int r = 0; r < B::kBlockN; ++r)
-    for (int c = 0; c < 128; ++c)
-      check(byte_offset(bKV, base, r, c) == tma_box_sw128(r, c, B::kBlockN, 0), "TMA box: backward K/V", 128, r, c,
-            0);
-  for (int s = 0; s < 2; ++s)
-    for (int r = 0; r < B::kBlockM; ++r)
-      for (int c = 0; c < 128; ++c)
-        check(byte_offset(bQ, base, r, c, s) == tma_box_sw128(r, c, B::kBlockM, s), "TMA box: backward Q/dO stage",
-              128, r, c, s);
+  // Every element of `stages` tiles of `rows` rows (head dim 128).
+  auto check_tiles = [&](auto& tensor, int rows, int stages, const char* what) {
+    constexpr bool kStaged = decltype(cute::rank(tensor))::value == 3;
+    for (int s = 0; s < stages; ++s)
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < 128; ++c) {
+          long at;
+          if constexpr (kStaged) at = byte_offset(tensor, base, r, c, s);
+          else at = byte_offset(tensor, base, r, c);
+          check(at == tma_box_sw128(r, c, rows, s), what, 128, r, c, s);
+        }
+  };
+  check_tiles(fQ, F::kBlockM, 1, "TMA box: forward Q");
+  check_tiles(fKV, F::kBlockN, 3, "TMA box: forward K/V stage");
+  check_tiles(bKV, B::kBlockN, 1, "TMA box: backward K/V");
+  check_tiles(bQ, B::kBlockM, 2, "TMA box: backward Q/dO stage");
   std::printf("%s %s TMA boxes: %d checks\n", g_failed == failed_before ? "ok  " : "FAIL", name,
               g_checks - checks_before);
 }
