@@ -31,4 +31,7 @@ def test_hopper_layouts_match_the_swizzle_and_the_fragments():
             assert f"ok   {dtype} head dim {d}: " in run.stdout, run.stdout
         for d in (64, 128):
             assert f"ok   {dtype} backward head dim {d}: " in run.stdout, run.stdout
+        for d in (64, 128, 256):
+            assert f"ok   {dtype} pingpong head dim {d}: " in run.stdout, run.stdout
+        assert f"ok   {dtype} TMA boxes: " in run.stdout, run.stdout
     assert lines[-1].endswith(" 0 failed") and int(lines[-1].split()[0]) > 100000, lines[-1]

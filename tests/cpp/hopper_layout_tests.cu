@@ -1,6 +1,8 @@
 // Host checks of the layouts the Hopper forward kernel (cuda_forward_hopper.cuh)
 // relies on, through CuTe's own layout algebra: no GPU needed. For each element
-// type and head dim of HopperFwdConfig:
+// type and head dim of HopperFwdConfig, and the pingpong kernels' configs
+// (HopperPingpongConfig: 128-key tiles in 3 or 4 stages at head dims 128 and
+// 64, 64-key tiles in 2 stages at 256):
 //  1. placement: an element placed through a shared-memory tensor (the way the
 //     kernel's copies and output staging place it) lands where the 128-byte
 //     swizzle the wgmma descriptors name puts it (16-byte chunk c of row r of
@@ -16,7 +18,8 @@
 // And the TMA kernels' boxes (check_tma_boxes): a box of 64 columns x `rows`
 // rows written with the 128-byte swizzle (row r at r * 128 bytes of the box,
 // its 16-byte chunk j at j ^ (r % 8)) lands every element where the kernel's
-// tensor places it, box h of stage s at byte (s * 2 + h) * rows * 128.
+// tensor places it, box h of stage s at byte (s * boxes + h) * rows * 128
+// (boxes: head dim / 64 a tile).
 // Built when the Hopper kernel is (target symheap_hopper_layout_tests), run
 // by tests/attention/test_attention_hopper_layouts.py. Prints each failure
 // with its values; the exit status is the number of failed checks.
@@ -52,10 +55,9 @@ long byte_offset(Tensor& t, const void* base, int r, int c, int s) {
   return reinterpret_cast<const char*>(cute::raw_pointer_cast(&t(r, c, s))) - static_cast<const char*>(base);
 }
 
-template <class T, int DB>
+template <class T, int DB, class C = symheap::attention::cuda::HopperFwdConfig<T, DB>>
 void check_config(const char* name) {
   using namespace cute;
-  using C = symheap::attention::cuda::HopperFwdConfig<T, DB>;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN;
   const int failed_before = g_failed, checks_before = g_checks;
@@ -69,7 +71,7 @@ void check_config(const char* name) {
   for (int r = 0; r < BM; ++r)
     for (int c = 0; c < DB; ++c)
       check(byte_offset(sQ, base, r, c) == canonical_sw128(r, c, BM, DB, 0), "Q placement", DB, r, c, 0);
-  for (int s = 0; s < 2; ++s)
+  for (int s = 0; s < C::kStageCount; ++s)
     for (int r = 0; r < BN; ++r)
       for (int c = 0; c < DB; ++c) {
         const long want = canonical_sw128(r, c, BN, DB, s);
@@ -102,8 +104,8 @@ void check_config(const char* name) {
       check(get<0>(o) == row && get<1>(o) == col, "O accumulator coordinates", DB, tid, i, get<0>(o) * 1000 + get<1>(o));
     }
   }
-  std::printf("%s %s head dim %d: %d checks\n", g_failed == failed_before ? "ok  " : "FAIL", name, DB,
-              g_checks - checks_before);
+  std::printf("%s %s head dim %d: %d checks (%d keys x %d stages)\n", g_failed == failed_before ? "ok  " : "FAIL",
+              name, DB, g_checks - checks_before, BN, C::kStageCount);
 }
 
 // The canonical MN-major 128-byte swizzled offset (bytes) of element (m, k)
@@ -193,44 +195,80 @@ void check_backward_config(const char* name) {
               g_checks - checks_before);
 }
 
-// Byte offset of element (r, c) of stage s as the TMA copies of head dim 128
-// write it: two boxes of 64 columns a stage.
-long tma_box_sw128(int r, int c, int rows, int s) {
-  const long box = 2L * s + c / 64;
+// Byte offset of element (r, c) of stage s as the TMA copies of head dim db
+// (64, 128 or 256) write it: db / 64 boxes of 64 columns a stage, the producer's
+// box h of stage s at its tensor's element (0, 64 h, s).
+long tma_box_sw128(int r, int c, int rows, int s, int db = 128) {
+  const long box = static_cast<long>(db / 64) * s + c / 64;
   return box * rows * 128 + r * 128L + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
 }
 
-// The tiles the TMA kernels fill: the forward's Q and its three K/V stages,
-// the dK/dV kernel's K, V and two Q/dO stages (head dim 128).
-template <class T>
-void check_tma_boxes(const char* name) {
+// The tiles the TMA kernels fill: the forward's Q and its K/V stages at head
+// dims 128 (three stages, two boxes a tile), 64 (four, one box) and 256 (two
+// stages of 64 keys, four boxes of 64 rows), the
+// dK/dV kernel's K, V and two Q/dO stages (head dim 128). The box's start
+// the producer names (the tensor's element (0, 64 h, s)) is checked too.
+template <class T, int DB>
+void check_forward_tma_boxes(const char* name) {
   using namespace cute;
-  using F = symheap::attention::cuda::HopperFwdConfig<T, 128, 3>;
-  using B = symheap::attention::cuda::HopperDkvConfig<T, 128>;
+  using F = symheap::attention::cuda::HopperPingpongConfig<T, DB>;
   using E = typename F::E;
-  const int failed_before = g_failed, checks_before = g_checks;
+  static_assert(F::kBlockN == (DB == 256 ? 64 : 128) && F::kStageCount == (DB == 64 ? 4 : DB == 128 ? 3 : 2),
+                "the pingpong tiles");
   alignas(1024) static unsigned char buf[1 << 20];
   E* base = reinterpret_cast<E*>(buf);
   Tensor fQ = make_tensor(make_smem_ptr(base), typename F::SmemQ{});
   Tensor fKV = make_tensor(make_smem_ptr(base), typename F::SmemKV{});
+  for (int r = 0; r < F::kBlockM; ++r)
+    for (int c = 0; c < DB; ++c)
+      check(byte_offset(fQ, base, r, c) == tma_box_sw128(r, c, F::kBlockM, 0, DB), "TMA box: forward Q", DB, r, c,
+            0);
+  for (int s = 0; s < F::kStageCount; ++s)
+    for (int r = 0; r < F::kBlockN; ++r)
+      for (int c = 0; c < DB; ++c)
+        check(byte_offset(fKV, base, r, c, s) == tma_box_sw128(r, c, F::kBlockN, s, DB),
+              "TMA box: forward K/V stage", DB, r, c, s);
+  // A box's bytes are contiguous (rows x 128): its start is the tensor's
+  // element (0, 64 h, s), as the producer passes it.
+  for (int h = 0; h < DB / 64; ++h) {
+    check(byte_offset(fQ, base, 0, 64 * h) == h * F::kBlockM * 128L, "TMA box start: forward Q", DB, h, 0, 0);
+    for (int s = 0; s < F::kStageCount; ++s)
+      check(byte_offset(fKV, base, 0, 64 * h, s) == (static_cast<long>(DB / 64) * s + h) * F::kBlockN * 128,
+            "TMA box start: forward K/V", DB, h, s, 0);
+  }
+  // The transaction bytes the producer expects: the whole tiles.
+  check(cosize_v<typename F::SmemQ> * 2 == (DB / 64) * F::kBlockM * 128, "TMA bytes: forward Q", DB, 0, 0, 0);
+  check(cosize_v<typename F::SmemKV> * 2 == F::kStageCount * (DB / 64) * F::kBlockN * 128,
+        "TMA bytes: forward K/V", DB, 0, 0, 0);
+  // Room for the mbarriers (full and empty a stage, Q's full; the persistent
+  // form's Q empty takes the alignment's slack) within a CTA's 227 KiB.
+  check(F::kBarrierBytes == (2 * F::kStageCount + 1) * 8, "mbarrier bytes: forward", DB, F::kStageCount, 0, 0);
+  check(F::smem(false) + 8 <= 227 * 1024, "shared memory: forward", DB, static_cast<int>(F::smem(false)), 0, 0);
+  (void)name;
+}
+
+template <class T>
+void check_tma_boxes(const char* name) {
+  using namespace cute;
+  using B = symheap::attention::cuda::HopperDkvConfig<T, 128>;
+  using E = typename B::E;
+  const int failed_before = g_failed, checks_before = g_checks;
+  check_forward_tma_boxes<T, 128>(name);
+  check_forward_tma_boxes<T, 64>(name);
+  check_forward_tma_boxes<T, 256>(name);
+  alignas(1024) static unsigned char buf[1 << 20];
+  E* base = reinterpret_cast<E*>(buf);
   Tensor bKV = make_tensor(make_smem_ptr(base), typename B::SmemKV{});
   Tensor bQ = make_tensor(make_smem_ptr(base), typename B::SmemQ{});
-  // Every element of `stages` tiles of `rows` rows (head dim 128).
-  auto check_tiles = [&](auto& tensor, int rows, int stages, const char* what) {
-    constexpr bool kStaged = decltype(cute::rank(tensor))::value == 3;
-    for (int s = 0; s < stages; ++s)
-      for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < 128; ++c) {
-          long at;
-          if constexpr (kStaged) at = byte_offset(tensor, base, r, c, s);
-          else at = byte_offset(tensor, base, r, c);
-          check(at == tma_box_sw128(r, c, rows, s), what, 128, r, c, s);
-        }
-  };
-  check_tiles(fQ, F::kBlockM, 1, "TMA box: forward Q");
-  check_tiles(fKV, F::kBlockN, 3, "TMA box: forward K/V stage");
-  check_tiles(bKV, B::kBlockN, 1, "TMA box: backward K/V");
-  check_tiles(bQ, B::kBlockM, 2, "TMA box: backward Q/dO stage");
+  for (int r = 0; r < B::kBlockN; ++r)
+    for (int c = 0; c < 128; ++c)
+      check(byte_offset(bKV, base, r, c) == tma_box_sw128(r, c, B::kBlockN, 0), "TMA box: backward K/V", 128, r, c,
+            0);
+  for (int s = 0; s < 2; ++s)
+    for (int r = 0; r < B::kBlockM; ++r)
+      for (int c = 0; c < 128; ++c)
+        check(byte_offset(bQ, base, r, c, s) == tma_box_sw128(r, c, B::kBlockM, s), "TMA box: backward Q/dO stage",
+              128, r, c, s);
   std::printf("%s %s TMA boxes: %d checks\n", g_failed == failed_before ? "ok  " : "FAIL", name,
               g_checks - checks_before);
 }
@@ -250,6 +288,15 @@ int main() {
   check_config<__half, 64>("f16");
   check_config<__half, 128>("f16");
   check_config<__half, 256>("f16");
+  // The pingpong kernels' tiles (128 keys in 3 stages at 128, in 4 at 64; 64
+  // keys in 2 at 256).
+  using symheap::attention::cuda::HopperPingpongConfig;
+  check_config<__nv_bfloat16, 64, HopperPingpongConfig<__nv_bfloat16, 64>>("bf16 pingpong");
+  check_config<__nv_bfloat16, 128, HopperPingpongConfig<__nv_bfloat16, 128>>("bf16 pingpong");
+  check_config<__nv_bfloat16, 256, HopperPingpongConfig<__nv_bfloat16, 256>>("bf16 pingpong");
+  check_config<__half, 64, HopperPingpongConfig<__half, 64>>("f16 pingpong");
+  check_config<__half, 128, HopperPingpongConfig<__half, 128>>("f16 pingpong");
+  check_config<__half, 256, HopperPingpongConfig<__half, 256>>("f16 pingpong");
   std::printf("%d checks, %d failed\n", g_checks, g_failed);
   return g_failed > 255 ? 255 : g_failed;
 }

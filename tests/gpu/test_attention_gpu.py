@@ -3,6 +3,7 @@ reference (FlashAttention's rule) with each path forced (own kernels, cuDNN,
 auto), every feature, varlen and dropout checked against the cpu path, and
 concurrent threads over all devices."""
 import os
+import re
 import sys
 import threading
 
@@ -485,16 +486,16 @@ def test_hopper_pingpong_matches_lockstep(Sq, Sk, opts, monkeypatch):
 
 
 @pytest.mark.parametrize("fwd", ["hopper", "hopper_pingpong", "hopper_lockstep"])
-def test_packed_tile_past_a_sequence_takes_nothing_of_the_next(fwd, monkeypatch):
+def test_packed_tile_past_a_sequence_takes_nothing_of_the_next(fwd, monkeypatch, D=128):
     """Packed sequences at head dim 128: sequence 0 (200 rows) ends inside a key tile whose
     other rows are sequence 1's, and sequence 1's values there are inf. Sequence 0's
     outputs stay finite and equal those of the same sequence alone (0 x inf would be NaN
     if a kernel let those rows into P V)."""
     own_forward(monkeypatch, fwd)
     gen = torch.Generator(device="cuda").manual_seed(11)
-    q = torch.randn(500, 4, 128, generator=gen, device="cuda").to(torch.bfloat16)
-    k = torch.randn(500, 2, 128, generator=gen, device="cuda").to(torch.bfloat16)
-    v = torch.randn(500, 2, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.randn(500, 4, D, generator=gen, device="cuda").to(torch.bfloat16)
+    k = torch.randn(500, 2, D, generator=gen, device="cuda").to(torch.bfloat16)
+    v = torch.randn(500, 2, D, generator=gen, device="cuda").to(torch.bfloat16)
     v[200:260] = float("inf")
     cu = torch.tensor([0, 200, 500], dtype=torch.int32, device="cuda")
     for causal in (False, True):
@@ -585,6 +586,346 @@ def test_pipelined_varlen_with_empty_sequences(D, opts, monkeypatch, fwd):
         if fin.any():
             assert (lse[:, q0:q1][fin] - ref_lse[0][fin]).abs().max().item() < 1e-3 * max(
                 1.0, ref_lse[0][fin].abs().max().item()), b
+
+
+# ---- head dim 64 on the TMA-fed pingpong kernel (128-key tiles, four stages) and its
+# persistent form, the default there (SYMHEAP_ATTN_FWD_D64_TMA=0 keeps the lockstep
+# kernel). Its softmax sees 128 keys a tile where the lockstep one sees 64, so the two
+# differ in rounding: both are held to the fp32 reference; the persistent form and the
+# one-CTA-a-block form do the same arithmetic, bit for bit.
+
+D64_TMA_ENV = "SYMHEAP_ATTN_FWD_D64_TMA"
+
+
+def d64_forward(monkeypatch, tma, persistent=""):
+    """Head dim 64 on the TMA kernel (`tma`; `persistent`: "1" its persistent form
+    forced, "0" never, "" the default rule) or on the lockstep one."""
+    own_forward(monkeypatch, "hopper" if tma else "hopper_lockstep")
+    monkeypatch.setenv(D64_TMA_ENV, "1" if tma else "0")
+    monkeypatch.setenv("SYMHEAP_ATTN_FWD_PERSISTENT", persistent)
+
+
+def forward_kernel_names(fn):
+    """Names of the attention forward kernels `fn` launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages() if "attention_fwd" in e.key}
+
+
+# The head-dim-64 kernels' names, demangled (the profiler's) or mangled.
+D64_KERNELS = {
+    "lockstep": (r"attention_fwd_hopper_kernel<[^,<>]*, ?64, ?false, ?(true|false), ?false, ?false>",
+                 r"attention_fwd_hopper_kernelI\w*?Li64ELb0ELb[01]ELb0ELb0E"),
+    "tma": (r"attention_fwd_hopper_kernel<[^,<>]*, ?64, ?false, ?(true|false), ?true, ?true>",
+            r"attention_fwd_hopper_kernelI\w*?Li64ELb0ELb[01]ELb1ELb1E"),
+    "persistent": (r"attention_fwd_hopper_persistent_kernel<[^,<>]*, ?64, ?(true|false)>",
+                   r"attention_fwd_hopper_persistent_kernelI\w*?Li64ELb[01]E"),
+}
+
+
+def ran(names, kind, kernels=D64_KERNELS):
+    return any(re.search(p, n) for n in names for p in kernels[kind])
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_d64_tma_switch_selects_the_kernel(varlen, monkeypatch):
+    """At head dim 64 "hopper" runs the TMA kernel (unset or SYMHEAP_ATTN_FWD_D64_TMA=1),
+    its persistent form in the batch layout where SYMHEAP_ATTN_FWD_PERSISTENT asks;
+    SYMHEAP_ATTN_FWD_D64_TMA=0 the lockstep kernel, as "hopper_lockstep" always."""
+    case = gpu_case(B=2, Sq=300, Sk=300, Hq=4, Hkv=2, D=64, seed=5)
+    q, k, v = case["q"].detach(), case["k"].detach(), case["v"].detach()
+    if varlen:
+        cu = torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda")
+        call = lambda: flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),  # noqa: E731
+                                              cu, cu, 300, 300)
+    else:
+        call = lambda: flash_attn_func(q, k, v)  # noqa: E731
+    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
+    monkeypatch.setenv(_core.attention_own_forward_env, "hopper")
+    monkeypatch.delenv(D64_TMA_ENV, raising=False)
+    monkeypatch.delenv("SYMHEAP_ATTN_FWD_PERSISTENT", raising=False)
+    names = forward_kernel_names(call)
+    assert not ran(names, "lockstep") and (ran(names, "tma") or ran(names, "persistent")), names
+    monkeypatch.setenv(D64_TMA_ENV, "0")
+    names = forward_kernel_names(call)
+    assert ran(names, "lockstep") and not ran(names, "tma") and not ran(names, "persistent"), names
+    for persistent in ("0", "1"):
+        d64_forward(monkeypatch, True, persistent)
+        names = forward_kernel_names(call)
+        want = "persistent" if persistent == "1" and not varlen else "tma"
+        assert ran(names, want) and not ran(names, "lockstep"), (persistent, names)
+    d64_forward(monkeypatch, False)
+    names = forward_kernel_names(call)
+    assert ran(names, "lockstep") and not ran(names, "tma"), names
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Sq,Sk", RAGGED)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", ["0", "1"])
+def test_d64_tma_lengths(dtype, Sq, Sk, causal, persistent, monkeypatch):
+    d64_forward(monkeypatch, True, persistent)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=4, D=64, dtype=dtype, seed=Sq * 3 + Sk + 64)
+    check_case(case, check_grads=False, causal=causal)
+
+
+@pytest.mark.parametrize("feature", list(PIPELINED_OPTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000), (129, 4099)])
+@pytest.mark.parametrize("persistent", ["0", "1"])
+def test_d64_tma_features(feature, dtype, Sq, Sk, persistent, monkeypatch):
+    """GQA, windows, scales (a negative one: not the lean softmax) on the TMA kernel
+    at head dim 64, with and without causal."""
+    d64_forward(monkeypatch, True, persistent)
+    make_kw, opts = PIPELINED_OPTS[feature]
+    make_kw = dict(make_kw)
+    make_kw.setdefault("Hkv", 4)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=64, dtype=dtype, seed=64 * 11 + Sq + Sk, **make_kw)
+    check_case(case, check_grads=False, **opts)
+    if "causal" not in opts and "window_size" not in opts:
+        check_case(case, check_grads=False, causal=True, **opts)
+
+
+@pytest.mark.parametrize("Sq,Sk", [(128, 128), (300, 257), (1000, 1000), (129, 4099), (2048, 2048)])
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(300, 40)),
+                                  dict(softmax_scale=-0.25), dict(causal=True, softmax_scale=-0.25)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_d64_tma_matches_lockstep(Sq, Sk, opts, dtype, monkeypatch):
+    """The TMA kernel (one CTA a block, and its persistent form forced and by the default
+    rule) and the lockstep kernel on the same call at head dim 64: each within the usual
+    bound of the fp32 reference (outputs and lse), so within twice it of each other; the
+    TMA forms bit for bit equal among themselves. 1 to 33 key tiles: the four stages
+    wrap many times."""
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=64, dtype=dtype, seed=Sq + 7 * Sk)
+    q, k, v = case["q"].detach(), case["k"].detach(), case["v"].detach()
+    runs = {}
+    for name, tma, persistent in (("lockstep", False, ""), ("tma", True, "0"), ("tma_persistent", True, "1"),
+                                  ("tma_default", True, "")):
+        d64_forward(monkeypatch, tma, persistent)
+        out, lse = flash_attn_func(q, k, v, return_lse=True, **opts)
+        runs[name] = (out.float(), lse)
+    ref, ref_lse = attention_reference(q, k, v, upcast=True, **opts)
+    low, _ = attention_reference(q, k, v, upcast=False, **opts)
+    tol = 2 * max_err(low, ref) + 1e-5 * max(1.0, ref.float().abs().max().item())
+    fin = torch.isfinite(ref_lse)
+    for name, (out, lse) in runs.items():
+        assert not torch.isnan(out).any(), name
+        assert max_err(out, ref) <= tol, (name, max_err(out, ref), tol)
+        assert torch.equal(torch.isfinite(lse), fin), name
+        assert (lse[~fin] == float("-inf")).all(), name
+        if fin.any():
+            bound = 1e-3 * max(1.0, ref_lse[fin].abs().max().item())
+            assert (lse[fin] - ref_lse[fin]).abs().max().item() < bound, name
+    assert max_err(runs["tma"][0], runs["lockstep"][0]) <= 2 * tol
+    for name in ("tma_persistent", "tma_default"):
+        assert torch.equal(runs["tma"][0], runs[name][0]), name
+        assert torch.equal(runs["tma"][1], runs[name][1]), name
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
+def test_d64_tma_varlen_with_empty_sequences(opts, monkeypatch):
+    """Packed sequences (some empty) on the TMA kernel at head dim 64 (one map over all
+    the rows: tiles past a sequence read the next one's rows), each against itself alone
+    through the fp32 reference."""
+    monkeypatch.setenv(D64_TMA_ENV, "1")
+    test_pipelined_varlen_with_empty_sequences(64, opts, monkeypatch, "hopper")
+
+
+def test_d64_tma_packed_tile_past_a_sequence_takes_nothing_of_the_next(monkeypatch):
+    """As at head dim 128: the TMA kernel's warpgroup 0 zeroes the next sequence's values
+    (inf here) in a 128-key tile that sequence 0 ends inside."""
+    monkeypatch.setenv(D64_TMA_ENV, "1")
+    test_packed_tile_past_a_sequence_takes_nothing_of_the_next("hopper", monkeypatch, D=64)
+
+
+def test_d64_tma_large_and_multi_block(monkeypatch):
+    """Several query blocks and many key tiles, causal with Sq < Sk, GQA, on the TMA
+    kernel (persistent form by the default rule and forced off) at head dim 64."""
+    for persistent in ("", "0"):
+        d64_forward(monkeypatch, True, persistent)
+        case = gpu_case(B=1, Sq=1531, Sk=4099, Hq=4, Hkv=2, D=64, seed=64)
+        check_case(case, causal=True, check_grads=False)
+        check_case(case, check_grads=False)
+
+
+# ---- head dim 256 on the TMA-fed pingpong kernel (64-key tiles, two K/V stages) and its
+# persistent form, the default there (SYMHEAP_ATTN_FWD_D256_TMA=0 keeps the lockstep
+# kernel). Its tiles are the lockstep kernel's (128 query rows, 64 keys) and each warpgroup
+# does the same arithmetic in the same order, so besides the fp32 reference the three
+# forms are held to the lockstep kernel's bits (as at head dim 128).
+
+D256_TMA_ENV = "SYMHEAP_ATTN_FWD_D256_TMA"
+
+
+def d256_forward(monkeypatch, tma, persistent=""):
+    """Head dim 256 on the TMA kernel (`tma`; `persistent`: "1" its persistent form
+    forced, "0" never, "" the default rule) or on the lockstep one."""
+    own_forward(monkeypatch, "hopper" if tma else "hopper_lockstep")
+    monkeypatch.setenv(D256_TMA_ENV, "1" if tma else "0")
+    monkeypatch.setenv("SYMHEAP_ATTN_FWD_PERSISTENT", persistent)
+
+
+# The head-dim-256 kernels' names, demangled (the profiler's) or mangled.
+D256_KERNELS = {
+    "lockstep": (r"attention_fwd_hopper_kernel<[^,<>]*, ?256, ?false, ?(true|false), ?false, ?false>",
+                 r"attention_fwd_hopper_kernelI\w*?Li256ELb0ELb[01]ELb0ELb0E"),
+    "tma": (r"attention_fwd_hopper_kernel<[^,<>]*, ?256, ?false, ?(true|false), ?true, ?true>",
+            r"attention_fwd_hopper_kernelI\w*?Li256ELb0ELb[01]ELb1ELb1E"),
+    "persistent": (r"attention_fwd_hopper_persistent_kernel<[^,<>]*, ?256, ?(true|false)>",
+                   r"attention_fwd_hopper_persistent_kernelI\w*?Li256ELb[01]E"),
+}
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_d256_tma_switch_selects_the_kernel(varlen, monkeypatch):
+    """At head dim 256 "hopper" runs the TMA kernel (unset or SYMHEAP_ATTN_FWD_D256_TMA=1),
+    its persistent form in the batch layout where SYMHEAP_ATTN_FWD_PERSISTENT asks;
+    SYMHEAP_ATTN_FWD_D256_TMA=0 the lockstep kernel, as "hopper_lockstep" always."""
+    case = gpu_case(B=2, Sq=300, Sk=300, Hq=4, Hkv=2, D=256, seed=5)
+    q, k, v = case["q"].detach(), case["k"].detach(), case["v"].detach()
+    if varlen:
+        cu = torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda")
+        call = lambda: flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),  # noqa: E731
+                                              cu, cu, 300, 300)
+    else:
+        call = lambda: flash_attn_func(q, k, v)  # noqa: E731
+    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
+    monkeypatch.setenv(_core.attention_own_forward_env, "hopper")
+    monkeypatch.delenv(D256_TMA_ENV, raising=False)
+    monkeypatch.delenv("SYMHEAP_ATTN_FWD_PERSISTENT", raising=False)
+    names = forward_kernel_names(call)
+    assert (not ran(names, "lockstep", D256_KERNELS)
+            and (ran(names, "tma", D256_KERNELS) or ran(names, "persistent", D256_KERNELS))), names
+    monkeypatch.setenv(D256_TMA_ENV, "0")
+    names = forward_kernel_names(call)
+    assert (ran(names, "lockstep", D256_KERNELS) and not ran(names, "tma", D256_KERNELS)
+            and not ran(names, "persistent", D256_KERNELS)), names
+    for persistent in ("0", "1"):
+        d256_forward(monkeypatch, True, persistent)
+        names = forward_kernel_names(call)
+        want = "persistent" if persistent == "1" and not varlen else "tma"
+        assert ran(names, want, D256_KERNELS) and not ran(names, "lockstep", D256_KERNELS), (persistent, names)
+    d256_forward(monkeypatch, False)
+    names = forward_kernel_names(call)
+    assert ran(names, "lockstep", D256_KERNELS) and not ran(names, "tma", D256_KERNELS), names
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Sq,Sk", RAGGED)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", ["0", "1"])
+def test_d256_tma_lengths(dtype, Sq, Sk, causal, persistent, monkeypatch):
+    d256_forward(monkeypatch, True, persistent)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=4, D=256, dtype=dtype, seed=Sq * 3 + Sk + 256)
+    check_case(case, check_grads=False, causal=causal)
+
+
+@pytest.mark.parametrize("feature", list(PIPELINED_OPTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000), (129, 4099)])
+@pytest.mark.parametrize("persistent", ["0", "1"])
+def test_d256_tma_features(feature, dtype, Sq, Sk, persistent, monkeypatch):
+    """GQA, windows, scales (a negative one: not the lean softmax) on the TMA kernel
+    at head dim 256, with and without causal."""
+    d256_forward(monkeypatch, True, persistent)
+    make_kw, opts = PIPELINED_OPTS[feature]
+    make_kw = dict(make_kw)
+    make_kw.setdefault("Hkv", 4)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=256, dtype=dtype, seed=256 * 11 + Sq + Sk, **make_kw)
+    check_case(case, check_grads=False, **opts)
+    if "causal" not in opts and "window_size" not in opts:
+        check_case(case, check_grads=False, causal=True, **opts)
+
+
+D256_COMPARE_SHAPES = [(128, 128), (300, 257), (1000, 1000), (129, 4099), (2048, 2048)]
+D256_COMPARE_OPTS = [dict(), dict(causal=True), dict(window_size=(300, 40)),
+                     dict(softmax_scale=-0.25), dict(causal=True, softmax_scale=-0.25)]
+D256_FORMS = (("lockstep", False, ""), ("tma", True, "0"), ("tma_persistent", True, "1"),
+              ("tma_default", True, ""))
+
+
+def d256_runs(q, k, v, opts, monkeypatch):
+    """Outputs (fp32) and lse of each form of D256_FORMS on one call."""
+    runs = {}
+    for name, tma, persistent in D256_FORMS:
+        d256_forward(monkeypatch, tma, persistent)
+        out, lse = flash_attn_func(q, k, v, return_lse=True, **opts)
+        runs[name] = (out.float(), lse)
+    return runs
+
+
+@pytest.mark.parametrize("Sq,Sk", D256_COMPARE_SHAPES)
+@pytest.mark.parametrize("opts", D256_COMPARE_OPTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_d256_tma_matches_lockstep(Sq, Sk, opts, dtype, monkeypatch):
+    """The TMA kernel (one CTA a block, and its persistent form forced and by the default
+    rule) and the lockstep kernel on the same call at head dim 256: each within the usual
+    bound of the fp32 reference (outputs and lse); the TMA forms bit for bit equal among
+    themselves. 1 to 65 key tiles: the two stages wrap many times."""
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=256, dtype=dtype, seed=Sq + 7 * Sk)
+    q, k, v = case["q"].detach(), case["k"].detach(), case["v"].detach()
+    runs = d256_runs(q, k, v, opts, monkeypatch)
+    ref, ref_lse = attention_reference(q, k, v, upcast=True, **opts)
+    low, _ = attention_reference(q, k, v, upcast=False, **opts)
+    tol = 2 * max_err(low, ref) + 1e-5 * max(1.0, ref.float().abs().max().item())
+    fin = torch.isfinite(ref_lse)
+    for name, (out, lse) in runs.items():
+        assert not torch.isnan(out).any(), name
+        assert max_err(out, ref) <= tol, (name, max_err(out, ref), tol)
+        assert torch.equal(torch.isfinite(lse), fin), name
+        assert (lse[~fin] == float("-inf")).all(), name
+        if fin.any():
+            bound = 1e-3 * max(1.0, ref_lse[fin].abs().max().item())
+            assert (lse[fin] - ref_lse[fin]).abs().max().item() < bound, name
+    for name in ("tma_persistent", "tma_default"):
+        assert torch.equal(runs["tma"][0], runs[name][0]), name
+        assert torch.equal(runs["tma"][1], runs[name][1]), name
+
+
+@pytest.mark.parametrize("Sq,Sk", D256_COMPARE_SHAPES)
+@pytest.mark.parametrize("opts", D256_COMPARE_OPTS)
+def test_d256_tma_bits_equal_lockstep(Sq, Sk, opts, monkeypatch):
+    """Same tiles, same per-warpgroup order of the arithmetic: the TMA forms give the
+    lockstep kernel's outputs and lse bit for bit (the head-dim-128 kernels do so too).
+    test_d256_tma_matches_lockstep holds each to the reference on its own, so a failure
+    here alone is a difference of rounding, not a wrong result."""
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=256, dtype=torch.bfloat16, seed=Sq + 7 * Sk)
+    q, k, v = case["q"].detach(), case["k"].detach(), case["v"].detach()
+    runs = d256_runs(q, k, v, opts, monkeypatch)
+    out0, lse0 = runs["lockstep"]
+    for name, (out, lse) in runs.items():
+        assert torch.equal(out0, out), (name, max_err(out, out0))
+        assert torch.equal(lse0, lse), (name, (lse0 - lse).abs().max().item())
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
+def test_d256_tma_varlen_with_empty_sequences(opts, monkeypatch):
+    """Packed sequences (some empty) on the TMA kernel at head dim 256 (one map over all
+    the rows: tiles past a sequence read the next one's rows), each against itself alone
+    through the fp32 reference."""
+    monkeypatch.setenv(D256_TMA_ENV, "1")
+    test_pipelined_varlen_with_empty_sequences(256, opts, monkeypatch, "hopper")
+
+
+def test_d256_tma_packed_tile_past_a_sequence_takes_nothing_of_the_next(monkeypatch):
+    """As at head dim 128: the TMA kernel's warpgroup 0 zeroes the next sequence's values
+    (inf here) in the 64-key tile (keys 192-255) that sequence 0 ends inside."""
+    monkeypatch.setenv(D256_TMA_ENV, "1")
+    test_packed_tile_past_a_sequence_takes_nothing_of_the_next("hopper", monkeypatch, D=256)
+
+
+def test_d256_tma_large_and_multi_block(monkeypatch):
+    """Several query blocks and many key tiles, causal with Sq < Sk, GQA, on the TMA
+    kernel (persistent form by the default rule and forced off) at head dim 256."""
+    for persistent in ("", "0"):
+        d256_forward(monkeypatch, True, persistent)
+        case = gpu_case(B=1, Sq=1531, Sk=4099, Hq=4, Hkv=2, D=256, seed=256)
+        check_case(case, causal=True, check_grads=False)
+        check_case(case, check_grads=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -718,8 +1059,8 @@ def own_backward(monkeypatch, kernel):
     whose warps each read every Q/dO fragment, "pipelined_dq_fused" = dQ
     inside the shared-fragment dK/dV kernel at head dims 64 and 128 without
     logit features, "pipelined_dq_separate" = dQ by its own kernel there,
-    "hopper" = the Hopper dK/dV kernel with dQ fused there (fed by TMA in the
-    batch layout at head dim 128), "hopper_cp_async" = the same fed by its own
+    "hopper" = the Hopper dK/dV kernel with dQ fused there (fed by TMA at head
+    dim 128, packed calls too), "hopper_cp_async" = the same fed by its own
     copies, "hopper_dq_separate" = the Hopper dK/dV kernel with dQ by its own
     kernel), and checks the
     choice is what the test expects."""
@@ -812,10 +1153,17 @@ def test_pipelined_backward_varlen_with_empty_sequences(D, opts, monkeypatch, ke
     heads over 2 kv heads: dq, dk, dv against each sequence alone through the
     fp32 reference."""
     own_backward(monkeypatch, kernel)
-    gen = torch.Generator().manual_seed(D + 1)
-    lq = torch.tensor([0, 130, 1, 257, 64, 0, 999, 3])
-    lk = torch.tensor([5, 129, 0, 300, 64, 7, 1000, 200])
-    B, Hq, Hkv = lq.numel(), 4, 2
+    check_packed_backward([0, 130, 1, 257, 64, 0, 999, 3], [5, 129, 0, 300, 64, 7, 1000, 200], 4, 2, D, opts,
+                          seed=D + 1)
+
+
+def check_packed_backward(lq, lk, Hq, Hkv, D, opts, seed):
+    """The packed call of lengths lq, lk (bf16) on the backward kernels forced
+    now: dq, dk, dv against each sequence alone through the fp32 reference
+    (FlashAttention's rule), zeros where a sequence has no query or no key."""
+    gen = torch.Generator().manual_seed(seed)
+    lq, lk = torch.tensor(lq), torch.tensor(lk)
+    B = lq.numel()
     cu_q, cu_k, q, k, v = packed_inputs(lq, lk, Hq, Hkv, D, gen)
     mq, mk = int(lq.max()), int(lk.max())
     dout = torch.randn(q.shape, generator=gen).bfloat16()
@@ -939,8 +1287,7 @@ def test_pipelined_backward_dkdv_shared_deterministic(kernel, D, monkeypatch):
 @pytest.mark.parametrize("Sq,Sk,Hq,Hkv,causal", [(1000, 1000, 4, 2, False), (2048, 2048, 4, 2, True),
                                                 (129, 4099, 8, 2, False), (300, 257, 4, 4, True)])
 def test_hopper_backward_tma_matches_cp_async(Sq, Sk, Hq, Hkv, causal, monkeypatch):
-    """At head dim 128 the Hopper dK/dV kernel fed by TMA (the default in the
-    batch layout) does each warpgroup's arithmetic as the one fed by its own
+    """At head dim 128 the Hopper dK/dV kernel fed by TMA (the default) does each warpgroup's arithmetic as the one fed by its own
     copies: dK and dV bit for bit equal; dQ (fp32 atomics, in another order
     from run to run) within rounding."""
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=128, dtype=torch.bfloat16, seed=Sq + 3 * Sk)
@@ -955,6 +1302,92 @@ def test_hopper_backward_tma_matches_cp_async(Sq, Sk, Hq, Hkv, causal, monkeypat
     (dq0, dk0, dv0), (dq1, dk1, dv1) = grads
     assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
     assert (dq0.float() - dq1.float()).abs().max().item() <= 1e-2 * dq0.float().abs().max().item()
+
+
+# ---- the TMA-fed Hopper dK/dV kernel on packed (varlen) calls (head dim 128, dQ
+# fused; its packed form): one map over all the rows, so a box past a sequence's
+# end reads the next sequence's rows, which the kernel zeroes in shared memory
+# (K, V, each Q/dO tile crossing the end, the staged dQ rows).
+PACKED_TMA_LENGTHS = {
+    # ends inside a key block and inside a query tile
+    "two": ([200, 300], [200, 300]),
+    # lengths around the 64-row tiles and 128-key blocks, one empty query side
+    "ragged": ([1, 63, 65, 127, 129, 0, 257, 64, 500], [1, 63, 65, 127, 129, 7, 257, 64, 500]),
+    # Sq != Sk, empty on either side, whole tiles that see nothing under causal
+    "uneven": ([130, 77, 0, 300, 191, 5, 1000], [129, 300, 5, 0, 64, 200, 999]),
+}
+
+
+@pytest.mark.parametrize("lengths", list(PACKED_TMA_LENGTHS))
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
+@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (8, 1), (2, 2)])
+def test_hopper_backward_tma_packed(lengths, opts, Hq, Hkv, monkeypatch):
+    """Packed sequences on the TMA-fed kernel ("hopper" at head dim 128), GQA
+    and not: dq, dk, dv of each sequence against it alone (fp32 reference)."""
+    own_backward(monkeypatch, "hopper")
+    lq, lk = PACKED_TMA_LENGTHS[lengths]
+    check_packed_backward(lq, lk, Hq, Hkv, 128, opts, seed=Hq * 10 + Hkv + len(lq))
+
+
+@pytest.mark.parametrize("lengths", list(PACKED_TMA_LENGTHS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_backward_tma_packed_matches_cp_async(lengths, causal, monkeypatch):
+    """Packed calls: the TMA-fed kernel's tiles, once the rows past each
+    sequence are zeroed, are those of the kernel fed by its own copies (which
+    read zeros there): dK and dV bit for bit equal, dQ within rounding."""
+    gen = torch.Generator().manual_seed(list(PACKED_TMA_LENGTHS).index(lengths))
+    lq, lk = (torch.tensor(x) for x in PACKED_TMA_LENGTHS[lengths])
+    cu_q, cu_k, q, k, v = packed_inputs(lq, lk, 4, 2, 128, gen)
+    dout = torch.randn(q.shape, generator=gen).bfloat16().cuda()
+    xs = [x.cuda().requires_grad_() for x in (q, k, v)]
+    grads = []
+    for kernel in ("hopper_cp_async", "hopper"):
+        own_backward(monkeypatch, kernel)
+        out = flash_attn_varlen_func(*xs, cu_q.cuda(), cu_k.cuda(), int(lq.max()), int(lk.max()), causal=causal)
+        grads.append(torch.autograd.grad(out, xs, dout))
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = grads
+    assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
+    assert max_err(dq0, dq1) <= 1e-2 * max(1.0, dq0.float().abs().max().item())
+
+
+def test_hopper_backward_tma_packed_takes_nothing_of_the_next(monkeypatch):
+    """Packed sequences of 200 and 300 rows, 4 query heads over 2 kv heads: a
+    key block and a query tile of sequence 0 end inside sequence 1, whose first
+    rows of q, k, v and dout are inf. Sequence 0's gradients stay finite and
+    equal those of the same sequence alone (0 x inf would be NaN if the kernel
+    let those rows into a product). Then inf in sequence 0's last key: its NaN
+    gradients stay out of sequence 1's dq (the staged dQ rows past sequence 0,
+    added to sequence 1's rows of the workspace, are zeros)."""
+    own_backward(monkeypatch, "hopper")
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    cu = torch.tensor([0, 200, 500], dtype=torch.int32, device="cuda")
+
+    def grads(q, k, v, dout, causal, packed):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        if packed:
+            out = flash_attn_varlen_func(*xs, cu, cu, 300, 300, causal=causal)
+        else:
+            out = flash_attn_func(*(x[None] for x in xs), causal=causal)[0]
+        return torch.autograd.grad(out, xs, dout)
+
+    for causal in (False, True):
+        q, k, v, dout = rnd(500, 4, 128), rnd(500, 2, 128), rnd(500, 2, 128), rnd(500, 4, 128)
+        for x in (q, k, v, dout):
+            x[200:260] = float("inf")
+        got = grads(q, k, v, dout, causal, True)
+        alone = grads(q[:200], k[:200], v[:200], dout[:200], causal, False)
+        for name, g, a in zip(["dq", "dk", "dv"], got, alone):
+            assert torch.isfinite(g[:200]).all(), (causal, name)
+            assert max_err(g[:200], a) <= 1e-2 * max(1.0, a.float().abs().max().item()), (causal, name)
+
+        q, k, v, dout = rnd(500, 4, 128), rnd(500, 2, 128), rnd(500, 2, 128), rnd(500, 4, 128)
+        k[199] = float("inf")
+        got = grads(q, k, v, dout, causal, True)
+        alone = grads(q[200:], k[200:], v[200:], dout[200:], causal, False)
+        for name, g, a in zip(["dq", "dk", "dv"], got, alone):
+            assert torch.isfinite(g[200:]).all(), (causal, name, "sequence 1")
+            assert max_err(g[200:], a) <= 1e-2 * max(1.0, a.float().abs().max().item()), (causal, name)
 
 
 @pytest.mark.parametrize("D", SHARED_DKDV_DIMS)

@@ -131,6 +131,15 @@ __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const 
       "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+// Rows [from, ROWS) of a 128-byte-swizzled shared tile of DB columns set to
+// zero by the NT threads numbered by `tid`, 16 bytes a store (the swizzle
+// moves whole 16-byte chunks).
+template <int ROWS, int DB, int NT, class Tensor>
+__device__ __forceinline__ void zero_rows_from(Tensor s, int from, int tid) {
+  constexpr int kChunks = DB / 8;
+  for (int idx = from * kChunks + tid; idx < ROWS * kChunks; idx += NT)
+    *reinterpret_cast<uint4*>(at(s, idx / kChunks, idx % kChunks * 8)) = make_uint4(0, 0, 0, 0);
+}
 // The committed bulk groups have read their shared memory (kRead) or are done.
 template <bool kRead>
 __device__ __forceinline__ void bulk_wait_all() {
@@ -139,14 +148,24 @@ __device__ __forceinline__ void bulk_wait_all() {
 }
 }  // namespace hopper
 
-// kTma (batch layout): a third warpgroup produces. One of its threads loads K
-// and V once and the Q/dO tiles into their two buffers with bulk tensor
-// copies, each as soon as both consumer warpgroups released the buffer; the
-// consumers issue no copies, and setmaxnreg moves registers to them.
-template <class T, int DB, bool kFuseDq, bool kTma = false>
+// kTma: a third warpgroup produces. One of its threads loads K and V once and
+// the Q/dO tiles into their two buffers with bulk tensor copies, each as soon
+// as both consumer warpgroups released the buffer; the consumers issue no
+// copies, and setmaxnreg moves registers to them.
+// kPacked (with kTma; cu_seqlens): the maps hold all the packed rows as one
+// batch entry, so a box past a sequence's end reads the next sequence's rows,
+// not zeros. The consumers zero those rows of K, V (once) and of each Q/dO
+// tile that crosses the end before any product reads them: the products take
+// them in with P = 0 or dS = 0, and 0 x inf is NaN; keys past the end are not
+// masked either (without a window every row sees the whole block) and count
+// on K's zero rows to add nothing to dQ. The staged dQ rows past the end are
+// zeroed too, as the bulk reduction would add them to the next sequence's.
+// With those zeros the products see the tiles the cp.async copies make.
+template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false>
 __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads, 1)
     attention_bwd_dkdv_hopper_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
   static_assert(!kTma || (DB == 128 && kFuseDq), "the TMA kernel serves head dim 128 with dQ fused");
+  static_assert(!kPacked || kTma, "kPacked is a form of the TMA kernel");
   using namespace cute;
   using namespace hopper;
   using pipelined::RowRange;
@@ -199,6 +218,10 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   E* dk = static_cast<E*>(p.dk) + b * p.dk_sb + (seq.k0 + n0) * p.dk_sr + hk * p.dk_sh;
   E* dv = static_cast<E*>(p.dv) + b * p.dv_sb + (seq.k0 + n0) * p.dv_sr + hk * p.dv_sh;
   if (n_tiles == 0) return pipelined::zero_key_rows<DB, kTma ? 384 : NT>(dk, dv, p, cols);  // no row sees these keys
+  // The maps' coordinates of this sequence: packed, its first rows in the one
+  // batch entry; else row 0 of entry b.
+  const int map_b = kPacked ? 0 : b;
+  const int map_q0 = kPacked ? static_cast<int>(seq.q0) : 0, map_k0 = kPacked ? static_cast<int>(seq.k0) : 0;
 
   auto tile_head = [&](int it) { return hk * p.group + it / m_tiles; };
   auto tile_row0 = [&](int it) { return m_begin + (it % m_tiles) * BM; };
@@ -245,8 +268,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
         constexpr uint32_t kHalf = 64 * sizeof(E);  // bytes of a box row
         mbar_arrive_expect_tx(kv_full, 4 * BN * kHalf);
         for (int h = 0; h < 2; ++h) {
-          tma_load_4d(at(sK, 0, 64 * h), &maps.k, kv_full, 64 * h, n0, hk, b);
-          tma_load_4d(at(sV, 0, 64 * h), &maps.v, kv_full, 64 * h, n0, hk, b);
+          tma_load_4d(at(sK, 0, 64 * h), &maps.k, kv_full, 64 * h, map_k0 + n0, hk, map_b);
+          tma_load_4d(at(sV, 0, 64 * h), &maps.v, kv_full, 64 * h, map_k0 + n0, hk, map_b);
         }
         for (int it = 0; it < n_tiles; ++it) {
           const int buf = it & 1;
@@ -255,8 +278,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
           mbar_arrive_expect_tx(full + buf, 4 * BM * kHalf);
           const int hq = tile_head(it), m0 = tile_row0(it);
           for (int h = 0; h < 2; ++h) {
-            tma_load_4d(at(sQ, 0, 64 * h, buf), &maps.q, full + buf, 64 * h, m0, hq, b);
-            tma_load_4d(at(sdO, 0, 64 * h, buf), &maps.dout, full + buf, 64 * h, m0, hq, b);
+            tma_load_4d(at(sQ, 0, 64 * h, buf), &maps.q, full + buf, 64 * h, map_q0 + m0, hq, map_b);
+            tma_load_4d(at(sdO, 0, 64 * h, buf), &maps.dout, full + buf, 64 * h, map_q0 + m0, hq, map_b);
           }
         }
       }
@@ -322,6 +345,22 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     if constexpr (kTma) {
       if (it == 0) mbar_wait(kv_full, 0);
       mbar_wait(full + buf, (it >> 1) & 1);  // tile `it` landed
+      if constexpr (kPacked) {
+        // The next sequence's rows (kPacked above) become zeros: plain stores
+        // after the landed copies, made visible to wgmma's proxy here and to
+        // both warpgroups by the barrier below. Buffer `buf`'s last tile
+        // (it - 2) is consumed: the producer waited for that to refill it.
+        const int q_rows = seq.sq - tile_row0(it);
+        if (it == 0 && cols < BN) {
+          zero_rows_from<BN, DB, NT>(sK, cols, tid);
+          zero_rows_from<BN, DB, NT>(sV, cols, tid);
+        }
+        if (q_rows < BM) {
+          zero_rows_from<BM, DB, NT>(sQ(_, _, buf), q_rows, tid);
+          zero_rows_from<BM, DB, NT>(sdO(_, _, buf), q_rows, tid);
+        }
+        if ((it == 0 && cols < BN) || q_rows < BM) fence_async_shared();
+      }
     } else {
       cp_async_wait<0>();  // tile `it` (and K, V) landed
     }
@@ -425,6 +464,15 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       fence_async_shared();
       consumers_sync();
       warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);  // both warpgroups at head dim 128
+      if constexpr (kPacked) {
+        // Rows past the sequence are the next one's in the workspace: zeros
+        // there add nothing (not even a NaN of this sequence's own).
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (m0 + dq_row0 + 8 * h >= seq.sq)
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) tQrdQ(4 * nt + 2 * h) = tQrdQ(4 * nt + 2 * h + 1) = 0.0f;
+      }
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -433,8 +481,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
               make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1));
       fence_async_shared();
       consumers_sync();
-      // Rows past the sequence fall outside the map: the unit drops them.
-      if (tid == 0) tma_reduce_add_4d(&maps.dq_accum, s_dq, 0, m0, hq, b);
+      // Rows past the last row of the map (the batch layout: past the
+      // sequence) are dropped by the unit.
+      if (tid == 0) tma_reduce_add_4d(&maps.dq_accum, s_dq, 0, map_q0 + m0, hq, map_b);
     } else if constexpr (kFuseDq) {
       fence_async_shared();
       consumers_sync();

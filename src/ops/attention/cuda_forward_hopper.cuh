@@ -8,7 +8,10 @@
 // K and V tiles stream through two shared-memory buffers each with cp.async
 // (tile j+1 loads while tile j is computed; one barrier a tile); at head dim
 // 128 without logit features, through three, with the warpgroups taking
-// turns on the tensor cores (kPingpong, the default there). The softmax
+// turns on the tensor cores (kPingpong). Its TMA-fed form (kTma) is the
+// default where TMA can address the call: three stages at head dim 128, four
+// at 64, two at 256 (there $SYMHEAP_ATTN_FWD_D64_TMA / _D256_TMA = 0 keep the
+// lockstep kernel). The softmax
 // (kLean: its lean form without logit features and for a positive scale), the
 // masks and the logit features are those of the pipelined kernel
 // (cuda_forward_pipelined.cuh):
@@ -18,6 +21,8 @@
 // layouts and the wgmma descriptors; nothing else of CUTLASS is used.
 #pragma once
 #include <cuda.h>
+
+#include <type_traits>
 
 #include <cute/arch/mma_sm90.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -41,18 +46,21 @@ struct CuteType<__nv_bfloat16> {
 };
 }  // namespace hopper
 
-// kStages: K and V buffers each (2; 3 for the kernel whose warpgroups take
-// turns on the tensor cores, kPingpong below).
-template <class T, int DB, int kStages = 2>
+// kStages: K and V buffers each (2; more for the kernel whose warpgroups take
+// turns on the tensor cores, kPingpong below: HopperPingpongConfig).
+// kBN: keys a tile. The lockstep kernel takes 128 at head dim 128; 64 at 256
+// (the output accumulator takes 128 registers a thread) and at 64, where a
+// thread then needs at most 128 registers, so two CTAs share an SM and one's
+// softmax runs while the other's products do.
+// kMbarriers: room for the pingpong kernel's mbarriers (its configs set it;
+// only the two-stage lockstep kernel goes without).
+template <class T, int DB, int kStages = 2, int kBN = DB == 128 ? 128 : 64, bool kMbarriers = (kStages > 2)>
 struct HopperFwdConfig {
   static_assert(DB == 64 || DB == 128 || DB == 256, "the Hopper forward serves head dims 64, 128 and 256");
   using E = typename hopper::CuteType<T>::type;
   static constexpr int kBlockM = 128;
-  // Keys a tile: 128 at head dim 128; 64 at 256 (the output accumulator takes
-  // 128 registers a thread) and at 64, where a thread then needs at most 128
-  // registers, so two CTAs share an SM and one's softmax runs while the
-  // other's products do.
-  static constexpr int kBlockN = DB == 128 ? 128 : 64;
+  static constexpr int kBlockN = kBN;
+  static constexpr int kStageCount = kStages;
   // CTAs per SM (the register cap of __launch_bounds__); the logit features
   // would spill under 128 registers.
   static constexpr int min_blocks(bool features) { return DB == 64 && !features ? 2 : 1; }
@@ -88,7 +96,7 @@ struct HopperFwdConfig {
   static_assert((kQElems * sizeof(E)) % 1024 == 0 && (kKVElems * sizeof(E)) % 1024 == 0, "1024-byte tiles");
   // The pingpong kernel's mbarriers (a full and an empty one per stage) follow V
   // (and, in the TMA kernel, Q's one).
-  static constexpr size_t kBarrierBytes = kStages > 2 ? (2 * kStages + 1) * sizeof(uint64_t) : 0;
+  static constexpr size_t kBarrierBytes = kMbarriers ? (2 * kStages + 1) * sizeof(uint64_t) : 0;
   static constexpr size_t kSmem = sizeof(E) * (kQElems + 2 * kKVElems) + 1024 + kBarrierBytes;
   // The logit features' kernel also keeps each warp's 16 rows x kBlockN keys
   // of a 16-bit bias, two tiles (the next one flies with K and V); 225 KiB in
@@ -96,6 +104,23 @@ struct HopperFwdConfig {
   static constexpr int kBiasElems = 2 * 8 * 16 * kBlockN;
   static constexpr size_t smem(bool features) { return kSmem + (features ? 2 * kBiasElems : 0); }
 };
+
+// The pingpong kernels' tiles (one CTA an SM, so no occupancy to keep): 128
+// keys a tile at head dims 128 and 64 (at 64, S takes 64 registers a thread
+// and O 32, far below the consumers' 240). K/V stages: 3 at 128 (48 KiB
+// each, 176 KiB with Q); 4 at 64, where a tile's products take half as long
+// as at 128, so more tiles fly to cover the copies' latency (32 KiB each,
+// 144 KiB with Q). At 256: 64 keys a tile, as the lockstep kernel (O takes
+// 128 registers a thread, S 32, P 16) and two stages of 64 KiB (192 KiB with
+// Q's 64; a third would pass the 227 KiB an SM gives a CTA). Two are enough
+// with TMA: the producer refills a stage once both warpgroups released it
+// (its empty mbarrier), where the cp.async feed copies two tiles ahead.
+template <class T, int DB>
+using HopperPingpongConfig =
+    HopperFwdConfig<T, DB, DB == 64 ? 4 : DB == 128 ? 3 : 2, DB == 256 ? 64 : 128, true>;
+// The config of attention_fwd_hopper_kernel's form.
+template <class T, int DB, bool kPingpong>
+using HopperFwdKernelConfig = std::conditional_t<kPingpong, HopperPingpongConfig<T, DB>, HopperFwdConfig<T, DB>>;
 
 namespace hopper {
 
@@ -364,15 +389,18 @@ __device__ __forceinline__ void pack_p(const FragS& tSrS, FragP& tOrP) {
 }  // namespace hopper
 
 // The TMA kernel's tensor maps (kTma): Q, K and V as (head dim, rows, heads,
-// batch), boxes of 64 columns x 128 rows with the 128-byte swizzle of the
-// wgmma tiles (each 64-column half of a tile is one box). Unused elsewhere.
+// batch), boxes of 64 columns x a tile's rows (Q 128; K and V the config's
+// keys a tile: 128, or 64 at head dim 256) with the 128-byte swizzle of the
+// wgmma tiles (each 64-column part of a tile is one box: four at head dim
+// 256, two at 128, one at 64). Unused elsewhere.
 struct FwdTmaMaps {
   CUtensorMap q, k, v;
 };
 
-// kPingpong (head dim 128 without logit features): the two warpgroups take
-// turns on the tensor cores, so one's softmax runs while the other's products
-// do. The block-wide barrier of each tile goes: three K/V buffers, each with
+// kPingpong (head dim 128, or 64 and 256 with kTma, without logit features):
+// the two warpgroups take turns on the tensor cores, so one's softmax runs
+// while the other's products do. The block-wide barrier of each tile goes:
+// K/V buffers (three; with kTma four at head dim 64, two at 256), each with
 // a "full" mbarrier (every thread arrives once its copies of the tile landed)
 // and an "empty" one (each warp arrives when its warpgroup is done with the
 // tile); two named barriers hand the turn over. Tile j + 2 is copied once
@@ -381,17 +409,23 @@ struct FwdTmaMaps {
 // threads loads Q once and each K/V stage with bulk tensor copies (TMA) as
 // soon as both consumer warpgroups released it; the consumers issue no
 // copies, and setmaxnreg moves registers from the producer to them.
+// At head dims 64 and 256 only the TMA form exists (HopperPingpongConfig);
+// the cp.async feed's prefetch distance assumes three stages.
 template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false>
 __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
-                                  HopperFwdConfig<T, DB>::min_blocks(kFeatures))
+                                  kPingpong ? 1 : HopperFwdConfig<T, DB>::min_blocks(kFeatures))
     attention_fwd_hopper_kernel(const KArgs p, const __grid_constant__ FwdTmaMaps maps) {
   static_assert(!(kLean && kFeatures), "the lean softmax has no logit features");
-  static_assert(!kPingpong || (DB == 128 && !kFeatures), "the pingpong kernel serves head dim 128 without features");
+  static_assert(!kPingpong || (!kFeatures && (DB == 128 || kTma)),
+                "the pingpong kernel serves head dim 128 (64 and 256: fed by TMA) without features");
   static_assert(!kTma || kPingpong, "the TMA kernel is a pingpong kernel");
   using namespace cute;
   using namespace hopper;
-  using C = HopperFwdConfig<T, DB, kPingpong ? 3 : 2>;
-  constexpr int kStages = kPingpong ? 3 : 2;
+  using C = HopperFwdKernelConfig<T, DB, kPingpong>;
+  constexpr int kStages = C::kStageCount;
+  static_assert(!kPingpong || kTma || kStages == 3,
+                "the cp.async feed copies tile it + 2 into the buffer of tile it - 1");
+  static_assert(!kTma || C::smem(false) <= 227 * 1024, "a CTA's shared memory");
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers
   constexpr float kLog2e = 1.4426950408889634f;
@@ -463,16 +497,18 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
       registers_down<24>();
       if (threadIdx.x == 0) {
         constexpr uint32_t kHalf = 64 * sizeof(E);  // bytes of a box row
+        constexpr int kBoxes = DB / 64;              // boxes a tile (64 columns each)
         // Packed (varlen) maps have one batch entry: rows are seq.q0 + row.
         const int qb = p.cu_q ? 0 : b, q0 = static_cast<int>(seq.q0), k0 = static_cast<int>(seq.k0);
-        mbar_arrive_expect_tx(q_full, 2 * BM * kHalf);
-        for (int h = 0; h < 2; ++h) tma_load_4d(at(sQ, 0, 64 * h), &maps.q, q_full, 64 * h, q0 + m0, hq, qb);
+        mbar_arrive_expect_tx(q_full, kBoxes * BM * kHalf);
+        for (int h = 0; h < kBoxes; ++h)
+          tma_load_4d(at(sQ, 0, 64 * h), &maps.q, q_full, 64 * h, q0 + m0, hq, qb);
         for (int n0 = n_begin, it = 0; n0 < n_end; n0 += BN, ++it) {
           const int s = it % kStages;
           // Both consumer warpgroups are done with the tile that held stage s.
           if (it >= kStages) mbar_wait(empty + s, ((it / kStages) + 1) & 1);
-          mbar_arrive_expect_tx(full + s, 4 * BN * kHalf);
-          for (int h = 0; h < 2; ++h) {
+          mbar_arrive_expect_tx(full + s, 2 * kBoxes * BN * kHalf);
+          for (int h = 0; h < kBoxes; ++h) {
             tma_load_4d(at(sK, 0, 64 * h, s), &maps.k, full + s, 64 * h, k0 + n0, hk, qb);
             tma_load_4d(at(sV, 0, 64 * h, s), &maps.v, full + s, 64 * h, k0 + n0, hk, qb);
           }
@@ -550,12 +586,14 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
       warpgroup_wait_all(tSrS);
       // Tile it + 2 into the buffer of tile it - 1, once both warpgroups are
       // done with it (kTma: the producer's work).
-      if (!kTma && n0 + 2 * BN < n_end) {
-        const int next = (it + 2) % kStages;
-        if (it >= 1) mbar_wait(empty + next, ((it - 1) / kStages) & 1);
-        load_kv(next, n0 + 2 * BN);
-        cp_async_commit();
-        mbar_arrive_on_copies(full + next);
+      if constexpr (!kTma) {
+        if (n0 + 2 * BN < n_end) {
+          const int next = (it + 2) % kStages;
+          if (it >= 1) mbar_wait(empty + next, ((it - 1) / kStages) & 1);
+          load_kv(next, n0 + 2 * BN);
+          cp_async_commit();
+          mbar_arrive_on_copies(full + next);
+        }
       }
     } else {
       const bool has_next = n0 + BN < n_end;

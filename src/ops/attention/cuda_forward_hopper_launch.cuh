@@ -49,11 +49,13 @@ inline bool encode_map(CUtensorMap* map, CUtensorMapDataType type, int elem_byte
                 swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// A 16-bit tensor of head dim 128 for the wgmma tiles: boxes of 64 columns x
-// box_rows rows in the 128-byte swizzle (each 64-column half of a tile).
+// A 16-bit tensor of head dim `cols` (64, 128 or 256) for the wgmma tiles: boxes
+// of 64 columns x box_rows rows in the 128-byte swizzle (each 64-column part
+// of a tile: the 128-byte swizzle spans 64 of them).
 inline bool encode_rows_map(CUtensorMap* map, bool bf16, const void* base, int rows, int heads, int batch,
-                            int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows = 128) {
-  return encode_map(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, base, 128,
+                            int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows = 128,
+                            int cols = 128) {
+  return encode_map(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, base, cols,
                     rows, heads, batch, row_stride, head_stride, batch_stride, 64, box_rows,
                     CU_TENSOR_MAP_SWIZZLE_128B);
 }
@@ -61,25 +63,27 @@ inline bool encode_rows_map(CUtensorMap* map, bool bf16, const void* base, int r
 // The forward's maps. Batch layout: every sequence starts at row 0 of its
 // batch entry, so a tile past its length reads zeros. Packed (cu_seqlens):
 // one batch entry of all the rows; a tile past a sequence reads the next
-// one's rows, which the kernel masks (K) or zeroes (V).
-inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16) {
-  if (p.d != 128) return false;
+// one's rows, which the kernel masks (K) or zeroes (V). Head dims 64, 128 and
+// 256; kv_rows: the kernel's keys a tile (a K or V box's rows).
+inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16, int kv_rows) {
+  if (p.d != 128 && p.d != 64 && p.d != 256) return false;
+  const int d = p.d, r = kv_rows;
   if (p.cu_q) {
     if (p.total_q <= 0 || p.total_k <= 0 || p.total_q > INT32_MAX || p.total_k > INT32_MAX) return false;
     const int tq = static_cast<int>(p.total_q), tk = static_cast<int>(p.total_k);
     // (the batch stride of a one-entry dimension only has to be valid)
-    return encode_rows_map(&m->q, bf16, p.q, tq, p.heads_q, 1, p.q_sr, p.q_sh, p.q_sr * tq) &&
-           encode_rows_map(&m->k, bf16, p.k, tk, p.heads_kv, 1, p.k_sr, p.k_sh, p.k_sr * tk) &&
-           encode_rows_map(&m->v, bf16, p.v, tk, p.heads_kv, 1, p.v_sr, p.v_sh, p.v_sr * tk);
+    return encode_rows_map(&m->q, bf16, p.q, tq, p.heads_q, 1, p.q_sr, p.q_sh, p.q_sr * tq, 128, d) &&
+           encode_rows_map(&m->k, bf16, p.k, tk, p.heads_kv, 1, p.k_sr, p.k_sh, p.k_sr * tk, r, d) &&
+           encode_rows_map(&m->v, bf16, p.v, tk, p.heads_kv, 1, p.v_sr, p.v_sh, p.v_sr * tk, r, d);
   }
-  return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb) &&
-         encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb) &&
-         encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb);
+  return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, 128, d) &&
+         encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, r, d) &&
+         encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, r, d);
 }
 
 template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false>
 void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
-  using C = HopperFwdConfig<T, DB, kPingpong ? 3 : 2>;
+  using C = HopperFwdKernelConfig<T, DB, kPingpong>;
   static ReadyDevices ready{0};
   launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma>,
          dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), kTma ? 384 : C::kThreads, C::smem(kFeatures),
@@ -100,9 +104,9 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
 // one-CTA-a-block kernel serves. $SYMHEAP_ATTN_FWD_PERSISTENT: 1 forces it
 // wherever the TMA kernel runs (pairing as above), 0 never. Launches it
 // where it serves the call; false where it does not (packed calls too).
-template <class T>
+template <class T, int DB>
 bool forward_hopper_persistent(const Launch& l, const KArgs& p, const FwdTmaMaps& maps, bool lean) {
-  using C = HopperFwdConfig<T, 128, 3>;
+  using C = HopperPingpongConfig<T, DB>;
   if (p.cu_q) return false;
   const bool paired = p.win_left >= 0 || p.win_right >= 0;  // under a mask
   const int64_t blocks_m = blocks(p.seqlen_q, C::kBlockM);
@@ -116,34 +120,49 @@ bool forward_hopper_persistent(const Launch& l, const KArgs& p, const FwdTmaMaps
   const size_t smem = C::kSmem + sizeof(uint64_t);
   static ReadyDevices ready{0}, ready_lean{0};
   if (lean)
-    launch(l, attention_fwd_hopper_persistent_kernel<T, true>, grid, 384, smem, p, "fwd_hopper_persistent_lean", 128,
-           ready_lean, maps, paired);
+    launch(l, attention_fwd_hopper_persistent_kernel<T, DB, true>, grid, 384, smem, p, "fwd_hopper_persistent_lean",
+           DB, ready_lean, maps, paired);
   else
-    launch(l, attention_fwd_hopper_persistent_kernel<T, false>, grid, 384, smem, p, "fwd_hopper_persistent", 128,
+    launch(l, attention_fwd_hopper_persistent_kernel<T, DB, false>, grid, 384, smem, p, "fwd_hopper_persistent", DB,
            ready, maps, paired);
   return true;
 }
+
+// At head dims 64 and 256 the default ("hopper") runs the TMA-fed pingpong
+// kernel and its persistent form as at head dim 128, where TMA can address the
+// tensors: on H200 1.00-1.10x the lockstep kernel at 64 (128-key tiles, four
+// K/V stages), 1.33-1.49x at 256 (64-key tiles, two stages); see
+// bench/RESULTS.md. $SYMHEAP_ATTN_FWD_D64_TMA / $SYMHEAP_ATTN_FWD_D256_TMA = 0
+// keep the lockstep kernel (two CTAs an SM at 64, one at 256) there.
+inline bool tma_forward_switch_on(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v && v[0] == '0');
+}
+inline bool d64_tma_forward() { return tma_forward_switch_on("SYMHEAP_ATTN_FWD_D64_TMA"); }
+inline bool d256_tma_forward() { return tma_forward_switch_on("SYMHEAP_ATTN_FWD_D256_TMA"); }
 
 // The logit features compiled in only when the call uses one; without them
 // the lean softmax for a positive scale (as forward_pipelined_plain decides).
 // Head dim 128 without them: `mode` picks the kernel whose warpgroups take
 // turns (kPingpong), that one fed by a TMA producer (kTma; a call TMA cannot
-// address takes kPingpong), or the lockstep one.
+// address takes kPingpong), or the lockstep one. Head dims 64 and 256: kTma
+// (with d64_tma_forward, d256_tma_forward) where TMA can address the call,
+// else the lockstep one (no cp.async-fed pingpong kernel there).
 template <class T, int DB>
 void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) {
   static const FwdTmaMaps no_maps{};
   if (logit_features(p)) return forward_hopper<T, DB, true, false>(l, p, no_maps);
   const bool lean = p.scale > 1e-30f;
-  if constexpr (DB == 128) {
-    if (mode == HopperForward::kTma) {
-      FwdTmaMaps maps;
-      if (encode_forward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>)) {
-        if (forward_hopper_persistent<T>(l, p, maps, lean)) return;
-        if (lean) return forward_hopper<T, DB, false, true, true, true>(l, p, maps);
-        return forward_hopper<T, DB, false, false, true, true>(l, p, maps);
-      }
-      mode = HopperForward::kPingpong;
+  if (mode == HopperForward::kTma) {
+    FwdTmaMaps maps;
+    if (encode_forward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>, HopperPingpongConfig<T, DB>::kBlockN)) {
+      if (forward_hopper_persistent<T, DB>(l, p, maps, lean)) return;
+      if (lean) return forward_hopper<T, DB, false, true, true, true>(l, p, maps);
+      return forward_hopper<T, DB, false, false, true, true>(l, p, maps);
     }
+    mode = HopperForward::kPingpong;
+  }
+  if constexpr (DB == 128) {
     if (mode == HopperForward::kPingpong) {
       if (lean) return forward_hopper<T, DB, false, true, true>(l, p, no_maps);
       return forward_hopper<T, DB, false, false, true>(l, p, no_maps);
@@ -153,9 +172,23 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
   forward_hopper<T, DB, false, false>(l, p, no_maps);
 }
 
-// The dK/dV kernel's maps (batch layout, head dim 128).
+// The dK/dV kernel's maps (head dim 128). Packed (cu_seqlens): one batch
+// entry of all the rows, as encode_forward_maps; the workspace's rows are
+// the packed rows too (dqa_sb 0). Rows past a sequence read the next one's,
+// which the kernel (kPacked) zeroes.
 inline bool encode_backward_maps(BwdTmaMaps* m, const KArgs& p, bool bf16) {
-  if (p.cu_q || p.d != 128) return false;
+  if (p.d != 128) return false;
+  if (p.cu_q) {
+    if (p.total_q <= 0 || p.total_k <= 0 || p.total_q > INT32_MAX || p.total_k > INT32_MAX) return false;
+    const int tq = static_cast<int>(p.total_q), tk = static_cast<int>(p.total_k);
+    // (the batch stride of a one-entry dimension only has to be valid)
+    return encode_rows_map(&m->q, bf16, p.q, tq, p.heads_q, 1, p.q_sr, p.q_sh, p.q_sr * tq, 64) &&
+           encode_rows_map(&m->dout, bf16, p.dout, tq, p.heads_q, 1, p.do_sr, p.do_sh, p.do_sr * tq, 64) &&
+           encode_rows_map(&m->k, bf16, p.k, tk, p.heads_kv, 1, p.k_sr, p.k_sh, p.k_sr * tk) &&
+           encode_rows_map(&m->v, bf16, p.v, tk, p.heads_kv, 1, p.v_sr, p.v_sh, p.v_sr * tk) &&
+           encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, 128, tq, p.heads_q, 1,
+                      p.dqa_sr, p.dqa_sh, p.dqa_sr * tq, 128, 64, CU_TENSOR_MAP_SWIZZLE_NONE);
+  }
   return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, 64) &&
          encode_rows_map(&m->dout, bf16, p.dout, p.seqlen_q, p.heads_q, p.batch, p.do_sr, p.do_sh, p.do_sb, 64) &&
          encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb) &&
@@ -166,18 +199,20 @@ inline bool encode_backward_maps(BwdTmaMaps* m, const KArgs& p, bool bf16) {
 }
 
 // The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
-template <class T, int DB, bool kFuseDq, bool kTma = false>
+template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false>
 void dkdv_hopper(const Launch& l, const KArgs& p, const BwdTmaMaps& maps) {
   using C = HopperDkvConfig<T, DB>;
   static ReadyDevices ready{0};
-  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq, kTma>,
+  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq, kTma, kPacked>,
          dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch), kTma ? 384 : C::kThreads,
          kTma ? C::kSmemTma : C::kSmem, p,
-         kTma ? "dkdv_hopper_dq_tma" : kFuseDq ? "dkdv_hopper_dq" : "dkdv_hopper", DB, ready, maps);
+         kPacked ? "dkdv_hopper_dq_tma_packed" : kTma ? "dkdv_hopper_dq_tma" : kFuseDq ? "dkdv_hopper_dq" : "dkdv_hopper",
+         DB, ready, maps);
 }
 
 // `tma` (with dQ fused, head dim 128): fed by TMA where the maps encode (the
-// batch layout), else by the consumers' cp.async copies.
+// batch layout; packed calls in a form of their own), else by the consumers'
+// cp.async copies.
 template <class T>
 void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
   static const BwdTmaMaps no_maps{};
@@ -185,7 +220,7 @@ void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq, bool tma)
   if (fuse_dq && tma) {
     BwdTmaMaps maps;
     if (encode_backward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>))
-      return dkdv_hopper<T, 128, true, true>(l, p, maps);
+      return p.cu_q ? dkdv_hopper<T, 128, true, true, true>(l, p, maps) : dkdv_hopper<T, 128, true, true>(l, p, maps);
   }
   fuse_dq ? dkdv_hopper<T, 128, true>(l, p, no_maps) : dkdv_hopper<T, 128, false>(l, p, no_maps);
 }
@@ -193,9 +228,12 @@ void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq, bool tma)
 // The head dims of pipelined_forward_serves.
 template <class T>
 void run_forward_hopper(const Launch& l, const KArgs& p, HopperForward mode) {
-  if (p.d == 64) return forward_hopper_bucket<T, 64>(l, p, HopperForward::kLockstep);
+  if (p.d == 64)
+    return forward_hopper_bucket<T, 64>(
+        l, p, mode == HopperForward::kTma && d64_tma_forward() ? HopperForward::kTma : HopperForward::kLockstep);
   if (p.d == 128) return forward_hopper_bucket<T, 128>(l, p, mode);
-  forward_hopper_bucket<T, 256>(l, p, HopperForward::kLockstep);
+  forward_hopper_bucket<T, 256>(
+      l, p, mode == HopperForward::kTma && d256_tma_forward() ? HopperForward::kTma : HopperForward::kLockstep);
 }
 
 }  // namespace symheap::attention::cuda

@@ -1,5 +1,5 @@
-// Persistent form of the TMA-fed pingpong forward (head dim 128, no logit
-// features, batch layout): one CTA an SM walks query blocks (work items)
+// Persistent form of the TMA-fed pingpong forward (head dims 128, 64 and 256,
+// no logit features, batch layout): one CTA an SM walks query blocks (work items)
 // instead of one CTA a block, so what a block costs besides its key tiles
 // (barrier setup, the wait for Q and the first K/V tile, the output) overlaps
 // the neighbouring blocks' tiles: the producer loads the next item's Q once
@@ -38,14 +38,15 @@ __device__ __forceinline__ bool walk_item(const KArgs& p, int u, int block_rows,
 }
 }  // namespace hopper
 
-template <class T, bool kLean>
+template <class T, int DB, bool kLean>
 __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel(const KArgs p,
                                                                                   const __grid_constant__ FwdTmaMaps maps,
                                                                                   bool paired) {
   using namespace cute;
   using namespace hopper;
-  constexpr int DB = 128, kStages = 3;
-  using C = HopperFwdConfig<T, DB, kStages>;
+  using C = HopperPingpongConfig<T, DB>;
+  constexpr int kStages = C::kStageCount;
+  static_assert(C::kSmem + sizeof(uint64_t) <= 227 * 1024, "a CTA's shared memory");
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers
   constexpr float kLog2e = 1.4426950408889634f;
@@ -86,7 +87,8 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
     registers_down<24>();
     if (threadIdx.x == 0) {
       constexpr uint32_t kHalf = 64 * sizeof(E);  // bytes of a box row
-      int tile = 0, k = 0;                       // K/V tiles and items so far
+      constexpr int kBoxes = DB / 64;              // boxes a tile (64 columns each)
+      int tile = 0, k = 0;                         // K/V tiles and items so far
       FwdItem it;
       for (int u = 0; walk_item(p, u, BM, paired, &it); ++u) {
         const Seq seq = sequence(p, it.b);
@@ -96,14 +98,15 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
         const int n_begin = first.lo / BN * BN, n_end = last.hi;
         // Both consumer warpgroups issued their last S product of item k - 1.
         if (k > 0) mbar_wait(q_empty, (k - 1) & 1);
-        mbar_arrive_expect_tx(q_full, 2 * BM * kHalf);
-        for (int h = 0; h < 2; ++h) tma_load_4d(at(sQ, 0, 64 * h), &maps.q, q_full, 64 * h, it.m0, it.hq, it.b);
+        mbar_arrive_expect_tx(q_full, kBoxes * BM * kHalf);
+        for (int h = 0; h < kBoxes; ++h)
+          tma_load_4d(at(sQ, 0, 64 * h), &maps.q, q_full, 64 * h, it.m0, it.hq, it.b);
         const int hk = it.hq / p.group;
         for (int n0 = n_begin; n0 < n_end; n0 += BN, ++tile) {
           const int s = tile % kStages;
           if (tile >= kStages) mbar_wait(empty + s, ((tile / kStages) + 1) & 1);
-          mbar_arrive_expect_tx(full + s, 4 * BN * kHalf);
-          for (int h = 0; h < 2; ++h) {
+          mbar_arrive_expect_tx(full + s, 2 * kBoxes * BN * kHalf);
+          for (int h = 0; h < kBoxes; ++h) {
             tma_load_4d(at(sK, 0, 64 * h, s), &maps.k, full + s, 64 * h, n0, hk, it.b);
             tma_load_4d(at(sV, 0, 64 * h, s), &maps.v, full + s, 64 * h, n0, hk, it.b);
           }

@@ -103,7 +103,7 @@ inline constexpr const char* kOwnBackwardDqSeparate = "pipelined_dq_separate";
 // product on wgmma) at head dims 64 and 128 without logit features, with dQ
 // fused into it where the default fuses it (not for deterministic calls);
 // = "hopper_dq_separate": the same kernel with dQ always from the pipelined
-// dQ kernel. With dQ fused at head dim 128 in the batch layout, a producer
+// dQ kernel. With dQ fused at head dim 128 (packed calls too), a producer
 // warpgroup feeds it by TMA; = "hopper_cp_async" forces the kernel fed by its
 // own cp.async copies there (the same dK and dV bits). Elsewhere they run as
 // the default. They need the Hopper build and device, as the Hopper forward.
