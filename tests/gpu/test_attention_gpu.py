@@ -1286,11 +1286,13 @@ def test_pipelined_backward_dkdv_shared_deterministic(kernel, D, monkeypatch):
 
 @pytest.mark.parametrize("Sq,Sk,Hq,Hkv,causal", [(1000, 1000, 4, 2, False), (2048, 2048, 4, 2, True),
                                                 (129, 4099, 8, 2, False), (300, 257, 4, 4, True)])
-def test_hopper_backward_tma_matches_cp_async(Sq, Sk, Hq, Hkv, causal, monkeypatch):
-    """At head dim 128 the Hopper dK/dV kernel fed by TMA (the default) does each warpgroup's arithmetic as the one fed by its own
+@pytest.mark.parametrize("D", [64, 128])
+def test_hopper_backward_tma_matches_cp_async(Sq, Sk, Hq, Hkv, causal, D, monkeypatch):
+    """The Hopper dK/dV kernel fed by TMA ("hopper": the default at head dim 128,
+    forced at 64) does each warpgroup's arithmetic as the one fed by its own
     copies: dK and dV bit for bit equal; dQ (fp32 atomics, in another order
     from run to run) within rounding."""
-    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=128, dtype=torch.bfloat16, seed=Sq + 3 * Sk)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=D, dtype=torch.bfloat16, seed=Sq + 3 * Sk + D)
     inputs = [case["q"], case["k"], case["v"]]
     gen = torch.Generator(device="cuda").manual_seed(Sq * 5 + Sk)
     dout = torch.randn(case["q"].shape, generator=gen, device="cuda").to(torch.bfloat16)
@@ -1304,8 +1306,8 @@ def test_hopper_backward_tma_matches_cp_async(Sq, Sk, Hq, Hkv, causal, monkeypat
     assert (dq0.float() - dq1.float()).abs().max().item() <= 1e-2 * dq0.float().abs().max().item()
 
 
-# ---- the TMA-fed Hopper dK/dV kernel on packed (varlen) calls (head dim 128, dQ
-# fused; its packed form): one map over all the rows, so a box past a sequence's
+# ---- the TMA-fed Hopper dK/dV kernel on packed (varlen) calls (head dims 64 and
+# 128, dQ fused; its packed form): one map over all the rows, so a box past a sequence's
 # end reads the next sequence's rows, which the kernel zeroes in shared memory
 # (K, V, each Q/dO tile crossing the end, the staged dQ rows).
 PACKED_TMA_LENGTHS = {
@@ -1321,23 +1323,25 @@ PACKED_TMA_LENGTHS = {
 @pytest.mark.parametrize("lengths", list(PACKED_TMA_LENGTHS))
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
 @pytest.mark.parametrize("Hq,Hkv", [(4, 2), (8, 1), (2, 2)])
-def test_hopper_backward_tma_packed(lengths, opts, Hq, Hkv, monkeypatch):
-    """Packed sequences on the TMA-fed kernel ("hopper" at head dim 128), GQA
-    and not: dq, dk, dv of each sequence against it alone (fp32 reference)."""
+@pytest.mark.parametrize("D", [64, 128])
+def test_hopper_backward_tma_packed(lengths, opts, Hq, Hkv, D, monkeypatch):
+    """Packed sequences on the TMA-fed kernel ("hopper"), GQA and not: dq, dk,
+    dv of each sequence against it alone (fp32 reference)."""
     own_backward(monkeypatch, "hopper")
     lq, lk = PACKED_TMA_LENGTHS[lengths]
-    check_packed_backward(lq, lk, Hq, Hkv, 128, opts, seed=Hq * 10 + Hkv + len(lq))
+    check_packed_backward(lq, lk, Hq, Hkv, D, opts, seed=Hq * 10 + Hkv + len(lq) + D)
 
 
 @pytest.mark.parametrize("lengths", list(PACKED_TMA_LENGTHS))
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_backward_tma_packed_matches_cp_async(lengths, causal, monkeypatch):
+@pytest.mark.parametrize("D", [64, 128])
+def test_hopper_backward_tma_packed_matches_cp_async(lengths, causal, D, monkeypatch):
     """Packed calls: the TMA-fed kernel's tiles, once the rows past each
     sequence are zeroed, are those of the kernel fed by its own copies (which
     read zeros there): dK and dV bit for bit equal, dQ within rounding."""
     gen = torch.Generator().manual_seed(list(PACKED_TMA_LENGTHS).index(lengths))
     lq, lk = (torch.tensor(x) for x in PACKED_TMA_LENGTHS[lengths])
-    cu_q, cu_k, q, k, v = packed_inputs(lq, lk, 4, 2, 128, gen)
+    cu_q, cu_k, q, k, v = packed_inputs(lq, lk, 4, 2, D, gen)
     dout = torch.randn(q.shape, generator=gen).bfloat16().cuda()
     xs = [x.cuda().requires_grad_() for x in (q, k, v)]
     grads = []
@@ -1350,7 +1354,8 @@ def test_hopper_backward_tma_packed_matches_cp_async(lengths, causal, monkeypatc
     assert max_err(dq0, dq1) <= 1e-2 * max(1.0, dq0.float().abs().max().item())
 
 
-def test_hopper_backward_tma_packed_takes_nothing_of_the_next(monkeypatch):
+@pytest.mark.parametrize("D", [64, 128])
+def test_hopper_backward_tma_packed_takes_nothing_of_the_next(D, monkeypatch):
     """Packed sequences of 200 and 300 rows, 4 query heads over 2 kv heads: a
     key block and a query tile of sequence 0 end inside sequence 1, whose first
     rows of q, k, v and dout are inf. Sequence 0's gradients stay finite and
@@ -1372,7 +1377,7 @@ def test_hopper_backward_tma_packed_takes_nothing_of_the_next(monkeypatch):
         return torch.autograd.grad(out, xs, dout)
 
     for causal in (False, True):
-        q, k, v, dout = rnd(500, 4, 128), rnd(500, 2, 128), rnd(500, 2, 128), rnd(500, 4, 128)
+        q, k, v, dout = rnd(500, 4, D), rnd(500, 2, D), rnd(500, 2, D), rnd(500, 4, D)
         for x in (q, k, v, dout):
             x[200:260] = float("inf")
         got = grads(q, k, v, dout, causal, True)
@@ -1381,7 +1386,7 @@ def test_hopper_backward_tma_packed_takes_nothing_of_the_next(monkeypatch):
             assert torch.isfinite(g[:200]).all(), (causal, name)
             assert max_err(g[:200], a) <= 1e-2 * max(1.0, a.float().abs().max().item()), (causal, name)
 
-        q, k, v, dout = rnd(500, 4, 128), rnd(500, 2, 128), rnd(500, 2, 128), rnd(500, 4, 128)
+        q, k, v, dout = rnd(500, 4, D), rnd(500, 2, D), rnd(500, 2, D), rnd(500, 4, D)
         k[199] = float("inf")
         got = grads(q, k, v, dout, causal, True)
         alone = grads(q[200:], k[200:], v[200:], dout[200:], causal, False)

@@ -164,7 +164,7 @@ __device__ __forceinline__ void bulk_wait_all() {
 template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false>
 __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads, 1)
     attention_bwd_dkdv_hopper_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
-  static_assert(!kTma || (DB == 128 && kFuseDq), "the TMA kernel serves head dim 128 with dQ fused");
+  static_assert(!kTma || kFuseDq, "the TMA kernel serves calls with dQ fused");
   static_assert(!kPacked || kTma, "kPacked is a form of the TMA kernel");
   using namespace cute;
   using namespace hopper;
@@ -266,8 +266,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       registers_down<24>();
       if (threadIdx.x == 0) {
         constexpr uint32_t kHalf = 64 * sizeof(E);  // bytes of a box row
-        mbar_arrive_expect_tx(kv_full, 4 * BN * kHalf);
-        for (int h = 0; h < 2; ++h) {
+        constexpr int kBoxes = DB / 64;             // boxes of 64 columns a row
+        mbar_arrive_expect_tx(kv_full, 2 * kBoxes * BN * kHalf);
+        for (int h = 0; h < kBoxes; ++h) {
           tma_load_4d(at(sK, 0, 64 * h), &maps.k, kv_full, 64 * h, map_k0 + n0, hk, map_b);
           tma_load_4d(at(sV, 0, 64 * h), &maps.v, kv_full, 64 * h, map_k0 + n0, hk, map_b);
         }
@@ -275,9 +276,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
           const int buf = it & 1;
           // Both consumer warpgroups are done with tile it - 2, the buffer's last.
           if (it >= 2) mbar_wait(empty + buf, ((it >> 1) + 1) & 1);
-          mbar_arrive_expect_tx(full + buf, 4 * BM * kHalf);
+          mbar_arrive_expect_tx(full + buf, 2 * kBoxes * BM * kHalf);
           const int hq = tile_head(it), m0 = tile_row0(it);
-          for (int h = 0; h < 2; ++h) {
+          for (int h = 0; h < kBoxes; ++h) {
             tma_load_4d(at(sQ, 0, 64 * h, buf), &maps.q, full + buf, 64 * h, map_q0 + m0, hq, map_b);
             tma_load_4d(at(sdO, 0, 64 * h, buf), &maps.dout, full + buf, 64 * h, map_q0 + m0, hq, map_b);
           }
@@ -463,22 +464,24 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       if (tid == 0) bulk_wait_all<true>();
       fence_async_shared();
       consumers_sync();
-      warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);  // both warpgroups at head dim 128
-      if constexpr (kPacked) {
-        // Rows past the sequence are the next one's in the workspace: zeros
-        // there add nothing (not even a NaN of this sequence's own).
+      if (dq_warpgroup) {  // warpgroup-uniform: both at head dim 128, the first at 64
+        warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);
+        if constexpr (kPacked) {
+          // Rows past the sequence are the next one's in the workspace: zeros
+          // there add nothing (not even a NaN of this sequence's own).
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          if (m0 + dq_row0 + 8 * h >= seq.sq)
+          for (int h = 0; h < 2; ++h)
+            if (m0 + dq_row0 + 8 * h >= seq.sq)
 #pragma unroll
-            for (int nt = 0; nt < 8; ++nt) tQrdQ(4 * nt + 2 * h) = tQrdQ(4 * nt + 2 * h + 1) = 0.0f;
+              for (int nt = 0; nt < 8; ++nt) tQrdQ(4 * nt + 2 * h) = tQrdQ(4 * nt + 2 * h + 1) = 0.0f;
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<float2*>(s_dq + (dq_row0 + 8 * h) * DB + dq_col0 + nt * 8) =
+                make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1));
       }
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          *reinterpret_cast<float2*>(s_dq + (dq_row0 + 8 * h) * DB + dq_col0 + nt * 8) =
-              make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1));
       fence_async_shared();
       consumers_sync();
       // Rows past the last row of the map (the batch layout: past the

@@ -172,30 +172,32 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
   forward_hopper<T, DB, false, false>(l, p, no_maps);
 }
 
-// The dK/dV kernel's maps (head dim 128). Packed (cu_seqlens): one batch
-// entry of all the rows, as encode_forward_maps; the workspace's rows are
-// the packed rows too (dqa_sb 0). Rows past a sequence read the next one's,
-// which the kernel (kPacked) zeroes.
+// The dK/dV kernel's maps (head dims 64 and 128). Packed (cu_seqlens): one
+// batch entry of all the rows, as encode_forward_maps; the workspace's rows
+// are the packed rows too (dqa_sb 0). Rows past a sequence read the next
+// one's, which the kernel (kPacked) zeroes.
 inline bool encode_backward_maps(BwdTmaMaps* m, const KArgs& p, bool bf16) {
-  if (p.d != 128) return false;
+  if (p.d != 128 && p.d != 64) return false;
+  const int d = p.d;
   if (p.cu_q) {
     if (p.total_q <= 0 || p.total_k <= 0 || p.total_q > INT32_MAX || p.total_k > INT32_MAX) return false;
     const int tq = static_cast<int>(p.total_q), tk = static_cast<int>(p.total_k);
     // (the batch stride of a one-entry dimension only has to be valid)
-    return encode_rows_map(&m->q, bf16, p.q, tq, p.heads_q, 1, p.q_sr, p.q_sh, p.q_sr * tq, 64) &&
-           encode_rows_map(&m->dout, bf16, p.dout, tq, p.heads_q, 1, p.do_sr, p.do_sh, p.do_sr * tq, 64) &&
-           encode_rows_map(&m->k, bf16, p.k, tk, p.heads_kv, 1, p.k_sr, p.k_sh, p.k_sr * tk) &&
-           encode_rows_map(&m->v, bf16, p.v, tk, p.heads_kv, 1, p.v_sr, p.v_sh, p.v_sr * tk) &&
-           encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, 128, tq, p.heads_q, 1,
-                      p.dqa_sr, p.dqa_sh, p.dqa_sr * tq, 128, 64, CU_TENSOR_MAP_SWIZZLE_NONE);
+    return encode_rows_map(&m->q, bf16, p.q, tq, p.heads_q, 1, p.q_sr, p.q_sh, p.q_sr * tq, 64, d) &&
+           encode_rows_map(&m->dout, bf16, p.dout, tq, p.heads_q, 1, p.do_sr, p.do_sh, p.do_sr * tq, 64, d) &&
+           encode_rows_map(&m->k, bf16, p.k, tk, p.heads_kv, 1, p.k_sr, p.k_sh, p.k_sr * tk, 128, d) &&
+           encode_rows_map(&m->v, bf16, p.v, tk, p.heads_kv, 1, p.v_sr, p.v_sh, p.v_sr * tk, 128, d) &&
+           encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, d, tq, p.heads_q, 1,
+                      p.dqa_sr, p.dqa_sh, p.dqa_sr * tq, d, 64, CU_TENSOR_MAP_SWIZZLE_NONE);
   }
-  return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, 64) &&
-         encode_rows_map(&m->dout, bf16, p.dout, p.seqlen_q, p.heads_q, p.batch, p.do_sr, p.do_sh, p.do_sb, 64) &&
-         encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb) &&
-         encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb) &&
-         // the fp32 dQ workspace, one 128 x 64 box a tile (row-major, as the kernel stages it)
-         encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, 128, p.seqlen_q, p.heads_q,
-                    p.batch, p.dqa_sr, p.dqa_sh, p.dqa_sb, 128, 64, CU_TENSOR_MAP_SWIZZLE_NONE);
+  return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, 64, d) &&
+         encode_rows_map(&m->dout, bf16, p.dout, p.seqlen_q, p.heads_q, p.batch, p.do_sr, p.do_sh, p.do_sb, 64,
+                         d) &&
+         encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, 128, d) &&
+         encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, 128, d) &&
+         // the fp32 dQ workspace, one d x 64 box a tile (row-major, as the kernel stages it)
+         encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, d, p.seqlen_q, p.heads_q,
+                    p.batch, p.dqa_sr, p.dqa_sh, p.dqa_sb, d, 64, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 // The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
@@ -210,19 +212,21 @@ void dkdv_hopper(const Launch& l, const KArgs& p, const BwdTmaMaps& maps) {
          DB, ready, maps);
 }
 
-// `tma` (with dQ fused, head dim 128): fed by TMA where the maps encode (the
-// batch layout; packed calls in a form of their own), else by the consumers'
-// cp.async copies.
-template <class T>
-void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
+// `tma` (with dQ fused): fed by TMA where the maps encode (the batch layout;
+// packed calls in a form of their own), else by the consumers' cp.async copies.
+template <class T, int DB>
+void dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
   static const BwdTmaMaps no_maps{};
-  if (p.d == 64) return fuse_dq ? dkdv_hopper<T, 64, true>(l, p, no_maps) : dkdv_hopper<T, 64, false>(l, p, no_maps);
   if (fuse_dq && tma) {
     BwdTmaMaps maps;
     if (encode_backward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>))
-      return p.cu_q ? dkdv_hopper<T, 128, true, true, true>(l, p, maps) : dkdv_hopper<T, 128, true, true>(l, p, maps);
+      return p.cu_q ? dkdv_hopper<T, DB, true, true, true>(l, p, maps) : dkdv_hopper<T, DB, true, true>(l, p, maps);
   }
-  fuse_dq ? dkdv_hopper<T, 128, true>(l, p, no_maps) : dkdv_hopper<T, 128, false>(l, p, no_maps);
+  fuse_dq ? dkdv_hopper<T, DB, true>(l, p, no_maps) : dkdv_hopper<T, DB, false>(l, p, no_maps);
+}
+template <class T>
+void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
+  p.d == 64 ? dkdv_hopper_dim<T, 64>(l, p, fuse_dq, tma) : dkdv_hopper_dim<T, 128>(l, p, fuse_dq, tma);
 }
 
 // The head dims of pipelined_forward_serves.

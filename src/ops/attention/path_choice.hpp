@@ -103,10 +103,10 @@ inline constexpr const char* kOwnBackwardDqSeparate = "pipelined_dq_separate";
 // product on wgmma) at head dims 64 and 128 without logit features, with dQ
 // fused into it where the default fuses it (not for deterministic calls);
 // = "hopper_dq_separate": the same kernel with dQ always from the pipelined
-// dQ kernel. With dQ fused at head dim 128 (packed calls too), a producer
-// warpgroup feeds it by TMA; = "hopper_cp_async" forces the kernel fed by its
-// own cp.async copies there (the same dK and dV bits). Elsewhere they run as
-// the default. They need the Hopper build and device, as the Hopper forward.
+// dQ kernel. With dQ fused (packed calls too), a producer warpgroup feeds it
+// by TMA; = "hopper_cp_async" forces the kernel fed by its own cp.async
+// copies there (the same dK and dV bits). Elsewhere they run as the default.
+// They need the Hopper build and device, as the Hopper forward.
 inline constexpr const char* kOwnBackwardHopper = "hopper";
 inline constexpr const char* kOwnBackwardHopperDqSeparate = "hopper_dq_separate";
 inline constexpr const char* kOwnBackwardHopperCpAsync = "hopper_cp_async";
@@ -116,7 +116,8 @@ inline constexpr const char* kOwnBackwardHopperCpAsync = "hopper_cp_async";
 inline constexpr bool kDqFusedByDefault = true;
 // The default at this head dim where the Hopper kernels are built: "hopper"
 // (with dQ fused, its dK/dV kernel measured 7-9% faster than the
-// shared-fragment one on H100; at 64 it is 15-18% slower). A call that
+// shared-fragment one on H100; at 64 the cp.async-fed form was 15-18% slower,
+// the TMA-fed one 1-11% faster fwd+bwd on H200, not yet the default). A call that
 // cannot fuse dQ (deterministic, logit features, no room for the
 // accumulator) runs the pipelined kernels then: see backward_kernel_for_call.
 inline constexpr int kHopperBackwardDefaultHeadDim = 128;
