@@ -130,8 +130,8 @@ bool forward_hopper_persistent(const Launch& l, const KArgs& p, const FwdTmaMaps
 
 // At head dims 64 and 256 the default ("hopper") runs the TMA-fed pingpong
 // kernel and its persistent form as at head dim 128, where TMA can address the
-// tensors: on H200 1.00-1.10x the lockstep kernel at 64 (128-key tiles, four
-// K/V stages), 1.33-1.49x at 256 (64-key tiles, two stages); see
+// tensors: on H200 0.99-1.11x the lockstep kernel at 64 (128-key tiles, four
+// K/V stages), 1.34-1.49x at 256 (64-key tiles, two stages); see
 // bench/RESULTS.md. $SYMHEAP_ATTN_FWD_D64_TMA / $SYMHEAP_ATTN_FWD_D256_TMA = 0
 // keep the lockstep kernel (two CTAs an SM at 64, one at 256) there.
 inline bool tma_forward_switch_on(const char* name) {
