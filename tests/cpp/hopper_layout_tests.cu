@@ -205,9 +205,8 @@ long tma_box_sw128(int r, int c, int rows, int s, int db = 128) {
 
 // The tiles the TMA kernels fill: the forward's Q and its K/V stages at head
 // dims 128 (three stages, two boxes a tile), 64 (four, one box) and 256 (two
-// stages of 64 keys, four boxes of 64 rows), the
-// dK/dV kernel's K, V and two Q/dO stages (head dim 128). The box's start
-// the producer names (the tensor's element (0, 64 h, s)) is checked too.
+// stages of 64 keys, four boxes of 64 rows). The box's start the producer
+// names (the tensor's element (0, 64 h, s)) is checked too.
 template <class T, int DB>
 void check_forward_tma_boxes(const char* name) {
   using namespace cute;
@@ -247,28 +246,42 @@ void check_forward_tma_boxes(const char* name) {
   (void)name;
 }
 
-template <class T>
-void check_tma_boxes(const char* name) {
+// The dK/dV kernel's K, V (one stage) and two Q/dO stages, DB / 64 boxes a
+// tile; the producer names box h's start as element (0, 64 h) (, s).
+template <class T, int DB>
+void check_backward_tma_boxes() {
   using namespace cute;
-  using B = symheap::attention::cuda::HopperDkvConfig<T, 128>;
+  using B = symheap::attention::cuda::HopperDkvConfig<T, DB>;
   using E = typename B::E;
-  const int failed_before = g_failed, checks_before = g_checks;
-  check_forward_tma_boxes<T, 128>(name);
-  check_forward_tma_boxes<T, 64>(name);
-  check_forward_tma_boxes<T, 256>(name);
   alignas(1024) static unsigned char buf[1 << 20];
   E* base = reinterpret_cast<E*>(buf);
   Tensor bKV = make_tensor(make_smem_ptr(base), typename B::SmemKV{});
   Tensor bQ = make_tensor(make_smem_ptr(base), typename B::SmemQ{});
   for (int r = 0; r < B::kBlockN; ++r)
-    for (int c = 0; c < 128; ++c)
-      check(byte_offset(bKV, base, r, c) == tma_box_sw128(r, c, B::kBlockN, 0), "TMA box: backward K/V", 128, r, c,
-            0);
+    for (int c = 0; c < DB; ++c)
+      check(byte_offset(bKV, base, r, c) == tma_box_sw128(r, c, B::kBlockN, 0, DB), "TMA box: backward K/V", DB, r,
+            c, 0);
   for (int s = 0; s < 2; ++s)
     for (int r = 0; r < B::kBlockM; ++r)
-      for (int c = 0; c < 128; ++c)
-        check(byte_offset(bQ, base, r, c, s) == tma_box_sw128(r, c, B::kBlockM, s), "TMA box: backward Q/dO stage",
-              128, r, c, s);
+      for (int c = 0; c < DB; ++c)
+        check(byte_offset(bQ, base, r, c, s) == tma_box_sw128(r, c, B::kBlockM, s, DB),
+              "TMA box: backward Q/dO stage", DB, r, c, s);
+  for (int h = 0; h < DB / 64; ++h) {
+    check(byte_offset(bKV, base, 0, 64 * h) == h * B::kBlockN * 128L, "TMA box start: backward K/V", DB, h, 0, 0);
+    for (int s = 0; s < 2; ++s)
+      check(byte_offset(bQ, base, 0, 64 * h, s) == (static_cast<long>(DB / 64) * s + h) * B::kBlockM * 128,
+            "TMA box start: backward Q/dO", DB, h, s, 0);
+  }
+}
+
+template <class T>
+void check_tma_boxes(const char* name) {
+  const int failed_before = g_failed, checks_before = g_checks;
+  check_forward_tma_boxes<T, 128>(name);
+  check_forward_tma_boxes<T, 64>(name);
+  check_forward_tma_boxes<T, 256>(name);
+  check_backward_tma_boxes<T, 128>();
+  check_backward_tma_boxes<T, 64>();
   std::printf("%s %s TMA boxes: %d checks\n", g_failed == failed_before ? "ok  " : "FAIL", name,
               g_checks - checks_before);
 }
