@@ -203,10 +203,27 @@ long tma_box_sw128(int r, int c, int rows, int s, int db = 128) {
   return box * rows * 128 + r * 128L + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
 }
 
+// A tile the TMA unit fills (`kStaged`: one of `stages`, t(r, c, s)): each
+// element where a box of 64 columns x `rows` rows in the 128-byte swizzle puts
+// it, and each box's bytes contiguous (rows x 128), starting at the tensor's
+// element (0, 64 h) (, s) as the producer names it.
+template <int DB, bool kStaged, class Tensor, class E>
+void check_box_tiles(Tensor& t, const E* base, int rows, int stages, const char* what, const char* start) {
+  for (int s = 0; s < stages; ++s) {
+    auto offset = [&](int r, int c) -> long {
+      if constexpr (kStaged) return byte_offset(t, base, r, c, s);
+      else return byte_offset(t, base, r, c);
+    };
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < DB; ++c) check(offset(r, c) == tma_box_sw128(r, c, rows, s, DB), what, DB, r, c, s);
+    for (int h = 0; h < DB / 64; ++h)
+      check(offset(0, 64 * h) == (static_cast<long>(DB / 64) * s + h) * rows * 128, start, DB, h, s, 0);
+  }
+}
+
 // The tiles the TMA kernels fill: the forward's Q and its K/V stages at head
 // dims 128 (three stages, two boxes a tile), 64 (four, one box) and 256 (two
-// stages of 64 keys, four boxes of 64 rows). The box's start the producer
-// names (the tensor's element (0, 64 h, s)) is checked too.
+// stages of 64 keys, four boxes of 64 rows).
 template <class T, int DB>
 void check_forward_tma_boxes(const char* name) {
   using namespace cute;
@@ -218,23 +235,9 @@ void check_forward_tma_boxes(const char* name) {
   E* base = reinterpret_cast<E*>(buf);
   Tensor fQ = make_tensor(make_smem_ptr(base), typename F::SmemQ{});
   Tensor fKV = make_tensor(make_smem_ptr(base), typename F::SmemKV{});
-  for (int r = 0; r < F::kBlockM; ++r)
-    for (int c = 0; c < DB; ++c)
-      check(byte_offset(fQ, base, r, c) == tma_box_sw128(r, c, F::kBlockM, 0, DB), "TMA box: forward Q", DB, r, c,
-            0);
-  for (int s = 0; s < F::kStageCount; ++s)
-    for (int r = 0; r < F::kBlockN; ++r)
-      for (int c = 0; c < DB; ++c)
-        check(byte_offset(fKV, base, r, c, s) == tma_box_sw128(r, c, F::kBlockN, s, DB),
-              "TMA box: forward K/V stage", DB, r, c, s);
-  // A box's bytes are contiguous (rows x 128): its start is the tensor's
-  // element (0, 64 h, s), as the producer passes it.
-  for (int h = 0; h < DB / 64; ++h) {
-    check(byte_offset(fQ, base, 0, 64 * h) == h * F::kBlockM * 128L, "TMA box start: forward Q", DB, h, 0, 0);
-    for (int s = 0; s < F::kStageCount; ++s)
-      check(byte_offset(fKV, base, 0, 64 * h, s) == (static_cast<long>(DB / 64) * s + h) * F::kBlockN * 128,
-            "TMA box start: forward K/V", DB, h, s, 0);
-  }
+  check_box_tiles<DB, false>(fQ, base, F::kBlockM, 1, "TMA box: forward Q", "TMA box start: forward Q");
+  check_box_tiles<DB, true>(fKV, base, F::kBlockN, F::kStageCount, "TMA box: forward K/V stage",
+                            "TMA box start: forward K/V");
   // The transaction bytes the producer expects: the whole tiles.
   check(cosize_v<typename F::SmemQ> * 2 == (DB / 64) * F::kBlockM * 128, "TMA bytes: forward Q", DB, 0, 0, 0);
   check(cosize_v<typename F::SmemKV> * 2 == F::kStageCount * (DB / 64) * F::kBlockN * 128,
@@ -247,7 +250,7 @@ void check_forward_tma_boxes(const char* name) {
 }
 
 // The dK/dV kernel's K, V (one stage) and two Q/dO stages, DB / 64 boxes a
-// tile; the producer names box h's start as element (0, 64 h) (, s).
+// tile.
 template <class T, int DB>
 void check_backward_tma_boxes() {
   using namespace cute;
@@ -257,21 +260,8 @@ void check_backward_tma_boxes() {
   E* base = reinterpret_cast<E*>(buf);
   Tensor bKV = make_tensor(make_smem_ptr(base), typename B::SmemKV{});
   Tensor bQ = make_tensor(make_smem_ptr(base), typename B::SmemQ{});
-  for (int r = 0; r < B::kBlockN; ++r)
-    for (int c = 0; c < DB; ++c)
-      check(byte_offset(bKV, base, r, c) == tma_box_sw128(r, c, B::kBlockN, 0, DB), "TMA box: backward K/V", DB, r,
-            c, 0);
-  for (int s = 0; s < 2; ++s)
-    for (int r = 0; r < B::kBlockM; ++r)
-      for (int c = 0; c < DB; ++c)
-        check(byte_offset(bQ, base, r, c, s) == tma_box_sw128(r, c, B::kBlockM, s, DB),
-              "TMA box: backward Q/dO stage", DB, r, c, s);
-  for (int h = 0; h < DB / 64; ++h) {
-    check(byte_offset(bKV, base, 0, 64 * h) == h * B::kBlockN * 128L, "TMA box start: backward K/V", DB, h, 0, 0);
-    for (int s = 0; s < 2; ++s)
-      check(byte_offset(bQ, base, 0, 64 * h, s) == (static_cast<long>(DB / 64) * s + h) * B::kBlockM * 128,
-            "TMA box start: backward Q/dO", DB, h, s, 0);
-  }
+  check_box_tiles<DB, false>(bKV, base, B::kBlockN, 1, "TMA box: backward K/V", "TMA box start: backward K/V");
+  check_box_tiles<DB, true>(bQ, base, B::kBlockM, 2, "TMA box: backward Q/dO stage", "TMA box start: backward Q/dO");
 }
 
 template <class T>

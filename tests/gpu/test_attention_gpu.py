@@ -588,20 +588,24 @@ def test_pipelined_varlen_with_empty_sequences(D, opts, monkeypatch, fwd):
                 1.0, ref_lse[0][fin].abs().max().item()), b
 
 
-# ---- head dim 64 on the TMA-fed pingpong kernel (128-key tiles, four stages) and its
-# persistent form, the default there (SYMHEAP_ATTN_FWD_D64_TMA=0 keeps the lockstep
-# kernel). Its softmax sees 128 keys a tile where the lockstep one sees 64, so the two
-# differ in rounding: both are held to the fp32 reference; the persistent form and the
-# one-CTA-a-block form do the same arithmetic, bit for bit.
+# ---- head dims 64 and 256 on the TMA-fed pingpong kernel and its persistent form, the
+# default there (SYMHEAP_ATTN_FWD_D64_TMA=0 / SYMHEAP_ATTN_FWD_D256_TMA=0 keep the lockstep
+# kernel). At 64: 128-key tiles in four stages; its softmax sees 128 keys a tile where the
+# lockstep one sees 64, so the two differ in rounding and both are held to the fp32
+# reference. At 256: two stages of the lockstep kernel's tiles (128 query rows, 64 keys),
+# each warpgroup doing the same arithmetic in the same order, so besides the reference
+# the TMA forms are held to the lockstep kernel's bits (as at head dim 128). At both, the
+# persistent form and the one-CTA-a-block form do the same arithmetic, bit for bit.
 
-D64_TMA_ENV = "SYMHEAP_ATTN_FWD_D64_TMA"
+TMA_FORWARD_DIMS = [64, 256]
+TMA_FORWARD_ENV = {64: "SYMHEAP_ATTN_FWD_D64_TMA", 256: "SYMHEAP_ATTN_FWD_D256_TMA"}
 
 
-def d64_forward(monkeypatch, tma, persistent=""):
-    """Head dim 64 on the TMA kernel (`tma`; `persistent`: "1" its persistent form
-    forced, "0" never, "" the default rule) or on the lockstep one."""
+def tma_forward(monkeypatch, D, tma, persistent=""):
+    """Head dim D (64 or 256) on the TMA kernel (`tma`; `persistent`: "1" its persistent
+    form forced, "0" never, "" the default rule) or on the lockstep one."""
     own_forward(monkeypatch, "hopper" if tma else "hopper_lockstep")
-    monkeypatch.setenv(D64_TMA_ENV, "1" if tma else "0")
+    monkeypatch.setenv(TMA_FORWARD_ENV[D], "1" if tma else "0")
     monkeypatch.setenv("SYMHEAP_ATTN_FWD_PERSISTENT", persistent)
 
 
@@ -616,27 +620,30 @@ def forward_kernel_names(fn):
     return {e.key for e in prof.key_averages() if "attention_fwd" in e.key}
 
 
-# The head-dim-64 kernels' names, demangled (the profiler's) or mangled.
-D64_KERNELS = {
-    "lockstep": (r"attention_fwd_hopper_kernel<[^,<>]*, ?64, ?false, ?(true|false), ?false, ?false>",
-                 r"attention_fwd_hopper_kernelI\w*?Li64ELb0ELb[01]ELb0ELb0E"),
-    "tma": (r"attention_fwd_hopper_kernel<[^,<>]*, ?64, ?false, ?(true|false), ?true, ?true>",
-            r"attention_fwd_hopper_kernelI\w*?Li64ELb0ELb[01]ELb1ELb1E"),
-    "persistent": (r"attention_fwd_hopper_persistent_kernel<[^,<>]*, ?64, ?(true|false)>",
-                   r"attention_fwd_hopper_persistent_kernelI\w*?Li64ELb[01]E"),
-}
+def forward_kernels(D):
+    """The head-dim-D kernels' names, demangled (the profiler's) or mangled."""
+    return {
+        "lockstep": (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?false, ?(true|false), ?false, ?false>",
+                     rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb0ELb[01]ELb0ELb0E"),
+        "tma": (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?false, ?(true|false), ?true, ?true>",
+                rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb0ELb[01]ELb1ELb1E"),
+        "persistent": (rf"attention_fwd_hopper_persistent_kernel<[^,<>]*, ?{D}, ?(true|false)>",
+                       rf"attention_fwd_hopper_persistent_kernelI\w*?Li{D}ELb[01]E"),
+    }
 
 
-def ran(names, kind, kernels=D64_KERNELS):
+def ran(names, kind, kernels):
     return any(re.search(p, n) for n in names for p in kernels[kind])
 
 
+@pytest.mark.parametrize("D", TMA_FORWARD_DIMS)
 @pytest.mark.parametrize("varlen", [False, True])
-def test_d64_tma_switch_selects_the_kernel(varlen, monkeypatch):
-    """At head dim 64 "hopper" runs the TMA kernel (unset or SYMHEAP_ATTN_FWD_D64_TMA=1),
-    its persistent form in the batch layout where SYMHEAP_ATTN_FWD_PERSISTENT asks;
-    SYMHEAP_ATTN_FWD_D64_TMA=0 the lockstep kernel, as "hopper_lockstep" always."""
-    case = gpu_case(B=2, Sq=300, Sk=300, Hq=4, Hkv=2, D=64, seed=5)
+def test_tma_forward_switch_selects_the_kernel(D, varlen, monkeypatch):
+    """At head dims 64 and 256 "hopper" runs the TMA kernel (its switch unset or 1), its
+    persistent form in the batch layout where SYMHEAP_ATTN_FWD_PERSISTENT asks; the
+    switch at 0 the lockstep kernel, as "hopper_lockstep" always."""
+    kernels = forward_kernels(D)
+    case = gpu_case(B=2, Sq=300, Sk=300, Hq=4, Hkv=2, D=D, seed=5)
     q, k, v = case["q"].detach(), case["k"].detach(), case["v"].detach()
     if varlen:
         cu = torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda")
@@ -646,68 +653,84 @@ def test_d64_tma_switch_selects_the_kernel(varlen, monkeypatch):
         call = lambda: flash_attn_func(q, k, v)  # noqa: E731
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_forward_env, "hopper")
-    monkeypatch.delenv(D64_TMA_ENV, raising=False)
+    monkeypatch.delenv(TMA_FORWARD_ENV[D], raising=False)
     monkeypatch.delenv("SYMHEAP_ATTN_FWD_PERSISTENT", raising=False)
     names = forward_kernel_names(call)
-    assert not ran(names, "lockstep") and (ran(names, "tma") or ran(names, "persistent")), names
-    monkeypatch.setenv(D64_TMA_ENV, "0")
+    assert not ran(names, "lockstep", kernels) and (ran(names, "tma", kernels)
+                                                    or ran(names, "persistent", kernels)), names
+    monkeypatch.setenv(TMA_FORWARD_ENV[D], "0")
     names = forward_kernel_names(call)
-    assert ran(names, "lockstep") and not ran(names, "tma") and not ran(names, "persistent"), names
+    assert (ran(names, "lockstep", kernels) and not ran(names, "tma", kernels)
+            and not ran(names, "persistent", kernels)), names
     for persistent in ("0", "1"):
-        d64_forward(monkeypatch, True, persistent)
+        tma_forward(monkeypatch, D, True, persistent)
         names = forward_kernel_names(call)
         want = "persistent" if persistent == "1" and not varlen else "tma"
-        assert ran(names, want) and not ran(names, "lockstep"), (persistent, names)
-    d64_forward(monkeypatch, False)
+        assert ran(names, want, kernels) and not ran(names, "lockstep", kernels), (persistent, names)
+    tma_forward(monkeypatch, D, False)
     names = forward_kernel_names(call)
-    assert ran(names, "lockstep") and not ran(names, "tma"), names
+    assert ran(names, "lockstep", kernels) and not ran(names, "tma", kernels), names
 
 
+@pytest.mark.parametrize("D", TMA_FORWARD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Sq,Sk", RAGGED)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("persistent", ["0", "1"])
-def test_d64_tma_lengths(dtype, Sq, Sk, causal, persistent, monkeypatch):
-    d64_forward(monkeypatch, True, persistent)
-    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=4, D=64, dtype=dtype, seed=Sq * 3 + Sk + 64)
+def test_tma_forward_lengths(D, dtype, Sq, Sk, causal, persistent, monkeypatch):
+    tma_forward(monkeypatch, D, True, persistent)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=4, D=D, dtype=dtype, seed=Sq * 3 + Sk + D)
     check_case(case, check_grads=False, causal=causal)
 
 
+@pytest.mark.parametrize("D", TMA_FORWARD_DIMS)
 @pytest.mark.parametrize("feature", list(PIPELINED_OPTS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000), (129, 4099)])
 @pytest.mark.parametrize("persistent", ["0", "1"])
-def test_d64_tma_features(feature, dtype, Sq, Sk, persistent, monkeypatch):
-    """GQA, windows, scales (a negative one: not the lean softmax) on the TMA kernel
-    at head dim 64, with and without causal."""
-    d64_forward(monkeypatch, True, persistent)
+def test_tma_forward_features(D, feature, dtype, Sq, Sk, persistent, monkeypatch):
+    """GQA, windows, scales (a negative one: not the lean softmax) on the TMA kernel,
+    with and without causal."""
+    tma_forward(monkeypatch, D, True, persistent)
     make_kw, opts = PIPELINED_OPTS[feature]
     make_kw = dict(make_kw)
     make_kw.setdefault("Hkv", 4)
-    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=64, dtype=dtype, seed=64 * 11 + Sq + Sk, **make_kw)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=dtype, seed=D * 11 + Sq + Sk, **make_kw)
     check_case(case, check_grads=False, **opts)
     if "causal" not in opts and "window_size" not in opts:
         check_case(case, check_grads=False, causal=True, **opts)
 
 
-@pytest.mark.parametrize("Sq,Sk", [(128, 128), (300, 257), (1000, 1000), (129, 4099), (2048, 2048)])
-@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(300, 40)),
-                                  dict(softmax_scale=-0.25), dict(causal=True, softmax_scale=-0.25)])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_d64_tma_matches_lockstep(Sq, Sk, opts, dtype, monkeypatch):
-    """The TMA kernel (one CTA a block, and its persistent form forced and by the default
-    rule) and the lockstep kernel on the same call at head dim 64: each within the usual
-    bound of the fp32 reference (outputs and lse), so within twice it of each other; the
-    TMA forms bit for bit equal among themselves. 1 to 33 key tiles: the four stages
-    wrap many times."""
-    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=64, dtype=dtype, seed=Sq + 7 * Sk)
-    q, k, v = case["q"].detach(), case["k"].detach(), case["v"].detach()
+TMA_FORWARD_SHAPES = [(128, 128), (300, 257), (1000, 1000), (129, 4099), (2048, 2048)]
+TMA_FORWARD_OPTS = [dict(), dict(causal=True), dict(window_size=(300, 40)),
+                    dict(softmax_scale=-0.25), dict(causal=True, softmax_scale=-0.25)]
+TMA_FORWARD_FORMS = (("lockstep", False, ""), ("tma", True, "0"), ("tma_persistent", True, "1"),
+                     ("tma_default", True, ""))
+
+
+def tma_forward_runs(D, q, k, v, opts, monkeypatch):
+    """Outputs (fp32) and lse of each form of TMA_FORWARD_FORMS on one call."""
     runs = {}
-    for name, tma, persistent in (("lockstep", False, ""), ("tma", True, "0"), ("tma_persistent", True, "1"),
-                                  ("tma_default", True, "")):
-        d64_forward(monkeypatch, tma, persistent)
+    for name, tma, persistent in TMA_FORWARD_FORMS:
+        tma_forward(monkeypatch, D, tma, persistent)
         out, lse = flash_attn_func(q, k, v, return_lse=True, **opts)
         runs[name] = (out.float(), lse)
+    return runs
+
+
+@pytest.mark.parametrize("D", TMA_FORWARD_DIMS)
+@pytest.mark.parametrize("Sq,Sk", TMA_FORWARD_SHAPES)
+@pytest.mark.parametrize("opts", TMA_FORWARD_OPTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tma_forward_matches_lockstep(D, Sq, Sk, opts, dtype, monkeypatch):
+    """The TMA kernel (one CTA a block, and its persistent form forced and by the default
+    rule) and the lockstep kernel on the same call: each within the usual bound of the
+    fp32 reference (outputs and lse), so within twice it of each other; the TMA forms bit
+    for bit equal among themselves. 1 to 33 key tiles at head dim 64, 65 at 256: the
+    stages wrap many times."""
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=D, dtype=dtype, seed=Sq + 7 * Sk)
+    q, k, v = case["q"].detach(), case["k"].detach(), case["v"].detach()
+    runs = tma_forward_runs(D, q, k, v, opts, monkeypatch)
     ref, ref_lse = attention_reference(q, k, v, upcast=True, **opts)
     low, _ = attention_reference(q, k, v, upcast=False, **opts)
     tol = 2 * max_err(low, ref) + 1e-5 * max(1.0, ref.float().abs().max().item())
@@ -726,204 +749,48 @@ def test_d64_tma_matches_lockstep(Sq, Sk, opts, dtype, monkeypatch):
         assert torch.equal(runs["tma"][1], runs[name][1]), name
 
 
-@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
-def test_d64_tma_varlen_with_empty_sequences(opts, monkeypatch):
-    """Packed sequences (some empty) on the TMA kernel at head dim 64 (one map over all
-    the rows: tiles past a sequence read the next one's rows), each against itself alone
-    through the fp32 reference."""
-    monkeypatch.setenv(D64_TMA_ENV, "1")
-    test_pipelined_varlen_with_empty_sequences(64, opts, monkeypatch, "hopper")
-
-
-def test_d64_tma_packed_tile_past_a_sequence_takes_nothing_of_the_next(monkeypatch):
-    """As at head dim 128: the TMA kernel's warpgroup 0 zeroes the next sequence's values
-    (inf here) in a 128-key tile that sequence 0 ends inside."""
-    monkeypatch.setenv(D64_TMA_ENV, "1")
-    test_packed_tile_past_a_sequence_takes_nothing_of_the_next("hopper", monkeypatch, D=64)
-
-
-def test_d64_tma_large_and_multi_block(monkeypatch):
-    """Several query blocks and many key tiles, causal with Sq < Sk, GQA, on the TMA
-    kernel (persistent form by the default rule and forced off) at head dim 64."""
-    for persistent in ("", "0"):
-        d64_forward(monkeypatch, True, persistent)
-        case = gpu_case(B=1, Sq=1531, Sk=4099, Hq=4, Hkv=2, D=64, seed=64)
-        check_case(case, causal=True, check_grads=False)
-        check_case(case, check_grads=False)
-
-
-# ---- head dim 256 on the TMA-fed pingpong kernel (64-key tiles, two K/V stages) and its
-# persistent form, the default there (SYMHEAP_ATTN_FWD_D256_TMA=0 keeps the lockstep
-# kernel). Its tiles are the lockstep kernel's (128 query rows, 64 keys) and each warpgroup
-# does the same arithmetic in the same order, so besides the fp32 reference the three
-# forms are held to the lockstep kernel's bits (as at head dim 128).
-
-D256_TMA_ENV = "SYMHEAP_ATTN_FWD_D256_TMA"
-
-
-def d256_forward(monkeypatch, tma, persistent=""):
-    """Head dim 256 on the TMA kernel (`tma`; `persistent`: "1" its persistent form
-    forced, "0" never, "" the default rule) or on the lockstep one."""
-    own_forward(monkeypatch, "hopper" if tma else "hopper_lockstep")
-    monkeypatch.setenv(D256_TMA_ENV, "1" if tma else "0")
-    monkeypatch.setenv("SYMHEAP_ATTN_FWD_PERSISTENT", persistent)
-
-
-# The head-dim-256 kernels' names, demangled (the profiler's) or mangled.
-D256_KERNELS = {
-    "lockstep": (r"attention_fwd_hopper_kernel<[^,<>]*, ?256, ?false, ?(true|false), ?false, ?false>",
-                 r"attention_fwd_hopper_kernelI\w*?Li256ELb0ELb[01]ELb0ELb0E"),
-    "tma": (r"attention_fwd_hopper_kernel<[^,<>]*, ?256, ?false, ?(true|false), ?true, ?true>",
-            r"attention_fwd_hopper_kernelI\w*?Li256ELb0ELb[01]ELb1ELb1E"),
-    "persistent": (r"attention_fwd_hopper_persistent_kernel<[^,<>]*, ?256, ?(true|false)>",
-                   r"attention_fwd_hopper_persistent_kernelI\w*?Li256ELb[01]E"),
-}
-
-
-@pytest.mark.parametrize("varlen", [False, True])
-def test_d256_tma_switch_selects_the_kernel(varlen, monkeypatch):
-    """At head dim 256 "hopper" runs the TMA kernel (unset or SYMHEAP_ATTN_FWD_D256_TMA=1),
-    its persistent form in the batch layout where SYMHEAP_ATTN_FWD_PERSISTENT asks;
-    SYMHEAP_ATTN_FWD_D256_TMA=0 the lockstep kernel, as "hopper_lockstep" always."""
-    case = gpu_case(B=2, Sq=300, Sk=300, Hq=4, Hkv=2, D=256, seed=5)
-    q, k, v = case["q"].detach(), case["k"].detach(), case["v"].detach()
-    if varlen:
-        cu = torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda")
-        call = lambda: flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),  # noqa: E731
-                                              cu, cu, 300, 300)
-    else:
-        call = lambda: flash_attn_func(q, k, v)  # noqa: E731
-    monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
-    monkeypatch.setenv(_core.attention_own_forward_env, "hopper")
-    monkeypatch.delenv(D256_TMA_ENV, raising=False)
-    monkeypatch.delenv("SYMHEAP_ATTN_FWD_PERSISTENT", raising=False)
-    names = forward_kernel_names(call)
-    assert (not ran(names, "lockstep", D256_KERNELS)
-            and (ran(names, "tma", D256_KERNELS) or ran(names, "persistent", D256_KERNELS))), names
-    monkeypatch.setenv(D256_TMA_ENV, "0")
-    names = forward_kernel_names(call)
-    assert (ran(names, "lockstep", D256_KERNELS) and not ran(names, "tma", D256_KERNELS)
-            and not ran(names, "persistent", D256_KERNELS)), names
-    for persistent in ("0", "1"):
-        d256_forward(monkeypatch, True, persistent)
-        names = forward_kernel_names(call)
-        want = "persistent" if persistent == "1" and not varlen else "tma"
-        assert ran(names, want, D256_KERNELS) and not ran(names, "lockstep", D256_KERNELS), (persistent, names)
-    d256_forward(monkeypatch, False)
-    names = forward_kernel_names(call)
-    assert ran(names, "lockstep", D256_KERNELS) and not ran(names, "tma", D256_KERNELS), names
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("Sq,Sk", RAGGED)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("persistent", ["0", "1"])
-def test_d256_tma_lengths(dtype, Sq, Sk, causal, persistent, monkeypatch):
-    d256_forward(monkeypatch, True, persistent)
-    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=4, D=256, dtype=dtype, seed=Sq * 3 + Sk + 256)
-    check_case(case, check_grads=False, causal=causal)
-
-
-@pytest.mark.parametrize("feature", list(PIPELINED_OPTS))
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000), (129, 4099)])
-@pytest.mark.parametrize("persistent", ["0", "1"])
-def test_d256_tma_features(feature, dtype, Sq, Sk, persistent, monkeypatch):
-    """GQA, windows, scales (a negative one: not the lean softmax) on the TMA kernel
-    at head dim 256, with and without causal."""
-    d256_forward(monkeypatch, True, persistent)
-    make_kw, opts = PIPELINED_OPTS[feature]
-    make_kw = dict(make_kw)
-    make_kw.setdefault("Hkv", 4)
-    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=256, dtype=dtype, seed=256 * 11 + Sq + Sk, **make_kw)
-    check_case(case, check_grads=False, **opts)
-    if "causal" not in opts and "window_size" not in opts:
-        check_case(case, check_grads=False, causal=True, **opts)
-
-
-D256_COMPARE_SHAPES = [(128, 128), (300, 257), (1000, 1000), (129, 4099), (2048, 2048)]
-D256_COMPARE_OPTS = [dict(), dict(causal=True), dict(window_size=(300, 40)),
-                     dict(softmax_scale=-0.25), dict(causal=True, softmax_scale=-0.25)]
-D256_FORMS = (("lockstep", False, ""), ("tma", True, "0"), ("tma_persistent", True, "1"),
-              ("tma_default", True, ""))
-
-
-def d256_runs(q, k, v, opts, monkeypatch):
-    """Outputs (fp32) and lse of each form of D256_FORMS on one call."""
-    runs = {}
-    for name, tma, persistent in D256_FORMS:
-        d256_forward(monkeypatch, tma, persistent)
-        out, lse = flash_attn_func(q, k, v, return_lse=True, **opts)
-        runs[name] = (out.float(), lse)
-    return runs
-
-
-@pytest.mark.parametrize("Sq,Sk", D256_COMPARE_SHAPES)
-@pytest.mark.parametrize("opts", D256_COMPARE_OPTS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_d256_tma_matches_lockstep(Sq, Sk, opts, dtype, monkeypatch):
-    """The TMA kernel (one CTA a block, and its persistent form forced and by the default
-    rule) and the lockstep kernel on the same call at head dim 256: each within the usual
-    bound of the fp32 reference (outputs and lse); the TMA forms bit for bit equal among
-    themselves. 1 to 65 key tiles: the two stages wrap many times."""
-    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=256, dtype=dtype, seed=Sq + 7 * Sk)
-    q, k, v = case["q"].detach(), case["k"].detach(), case["v"].detach()
-    runs = d256_runs(q, k, v, opts, monkeypatch)
-    ref, ref_lse = attention_reference(q, k, v, upcast=True, **opts)
-    low, _ = attention_reference(q, k, v, upcast=False, **opts)
-    tol = 2 * max_err(low, ref) + 1e-5 * max(1.0, ref.float().abs().max().item())
-    fin = torch.isfinite(ref_lse)
-    for name, (out, lse) in runs.items():
-        assert not torch.isnan(out).any(), name
-        assert max_err(out, ref) <= tol, (name, max_err(out, ref), tol)
-        assert torch.equal(torch.isfinite(lse), fin), name
-        assert (lse[~fin] == float("-inf")).all(), name
-        if fin.any():
-            bound = 1e-3 * max(1.0, ref_lse[fin].abs().max().item())
-            assert (lse[fin] - ref_lse[fin]).abs().max().item() < bound, name
-    for name in ("tma_persistent", "tma_default"):
-        assert torch.equal(runs["tma"][0], runs[name][0]), name
-        assert torch.equal(runs["tma"][1], runs[name][1]), name
-
-
-@pytest.mark.parametrize("Sq,Sk", D256_COMPARE_SHAPES)
-@pytest.mark.parametrize("opts", D256_COMPARE_OPTS)
+@pytest.mark.parametrize("Sq,Sk", TMA_FORWARD_SHAPES)
+@pytest.mark.parametrize("opts", TMA_FORWARD_OPTS)
 def test_d256_tma_bits_equal_lockstep(Sq, Sk, opts, monkeypatch):
-    """Same tiles, same per-warpgroup order of the arithmetic: the TMA forms give the
-    lockstep kernel's outputs and lse bit for bit (the head-dim-128 kernels do so too).
-    test_d256_tma_matches_lockstep holds each to the reference on its own, so a failure
-    here alone is a difference of rounding, not a wrong result."""
+    """Same tiles, same per-warpgroup order of the arithmetic at head dim 256: the TMA
+    forms give the lockstep kernel's outputs and lse bit for bit (the head-dim-128 kernels
+    do so too). test_tma_forward_matches_lockstep holds each to the reference on its own,
+    so a failure here alone is a difference of rounding, not a wrong result."""
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=256, dtype=torch.bfloat16, seed=Sq + 7 * Sk)
     q, k, v = case["q"].detach(), case["k"].detach(), case["v"].detach()
-    runs = d256_runs(q, k, v, opts, monkeypatch)
+    runs = tma_forward_runs(256, q, k, v, opts, monkeypatch)
     out0, lse0 = runs["lockstep"]
     for name, (out, lse) in runs.items():
         assert torch.equal(out0, out), (name, max_err(out, out0))
         assert torch.equal(lse0, lse), (name, (lse0 - lse).abs().max().item())
 
 
+@pytest.mark.parametrize("D", TMA_FORWARD_DIMS)
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
-def test_d256_tma_varlen_with_empty_sequences(opts, monkeypatch):
-    """Packed sequences (some empty) on the TMA kernel at head dim 256 (one map over all
-    the rows: tiles past a sequence read the next one's rows), each against itself alone
-    through the fp32 reference."""
-    monkeypatch.setenv(D256_TMA_ENV, "1")
-    test_pipelined_varlen_with_empty_sequences(256, opts, monkeypatch, "hopper")
+def test_tma_forward_varlen_with_empty_sequences(D, opts, monkeypatch):
+    """Packed sequences (some empty) on the TMA kernel (one map over all the rows: tiles
+    past a sequence read the next one's rows), each against itself alone through the
+    fp32 reference."""
+    monkeypatch.setenv(TMA_FORWARD_ENV[D], "1")
+    test_pipelined_varlen_with_empty_sequences(D, opts, monkeypatch, "hopper")
 
 
-def test_d256_tma_packed_tile_past_a_sequence_takes_nothing_of_the_next(monkeypatch):
+@pytest.mark.parametrize("D", TMA_FORWARD_DIMS)
+def test_tma_forward_packed_tile_past_a_sequence_takes_nothing_of_the_next(D, monkeypatch):
     """As at head dim 128: the TMA kernel's warpgroup 0 zeroes the next sequence's values
-    (inf here) in the 64-key tile (keys 192-255) that sequence 0 ends inside."""
-    monkeypatch.setenv(D256_TMA_ENV, "1")
-    test_packed_tile_past_a_sequence_takes_nothing_of_the_next("hopper", monkeypatch, D=256)
+    (inf here) in the key tile that sequence 0 ends inside (keys 128-255 at head dim 64,
+    192-255 at 256)."""
+    monkeypatch.setenv(TMA_FORWARD_ENV[D], "1")
+    test_packed_tile_past_a_sequence_takes_nothing_of_the_next("hopper", monkeypatch, D=D)
 
 
-def test_d256_tma_large_and_multi_block(monkeypatch):
+@pytest.mark.parametrize("D", TMA_FORWARD_DIMS)
+def test_tma_forward_large_and_multi_block(D, monkeypatch):
     """Several query blocks and many key tiles, causal with Sq < Sk, GQA, on the TMA
-    kernel (persistent form by the default rule and forced off) at head dim 256."""
+    kernel (persistent form by the default rule and forced off)."""
     for persistent in ("", "0"):
-        d256_forward(monkeypatch, True, persistent)
-        case = gpu_case(B=1, Sq=1531, Sk=4099, Hq=4, Hkv=2, D=256, seed=256)
+        tma_forward(monkeypatch, D, True, persistent)
+        case = gpu_case(B=1, Sq=1531, Sk=4099, Hq=4, Hkv=2, D=D, seed=D)
         check_case(case, causal=True, check_grads=False)
         check_case(case, check_grads=False)
 
