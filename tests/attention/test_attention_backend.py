@@ -156,11 +156,11 @@ def test_own_backward_kernel_choice(monkeypatch, env):
                     "pipelined_dq_fused", "pipelined_dq_separate", "hopper", "hopper_dq_separate",
                     "hopper_cp_async")
         hopper_default = (_core.attention_hopper_forward_status()[0]
-                          and d == _core.attention_hopper_backward_default_head_dim)
+                          and d in _core.attention_hopper_backward_default_head_dims)
         pipelined = env if env in variants else "hopper" if hopper_default else "pipelined"
         want = pipelined if d in (64, 128, 256) and env != "basic" else "basic"
         assert _core.attention_own_backward_kernel(d) == want, d
-    assert _core.attention_hopper_backward_default_head_dim == 128
+    assert _core.attention_hopper_backward_default_head_dims == (64, 128)
     monkeypatch.setenv(name, "fast")
     with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_BACKWARD must be 'auto', 'basic', "
                        "'pipelined_dq16', 'pipelined_dkdv32', 'pipelined_dkdv_unshared', "

@@ -919,8 +919,8 @@ def test_pipelined_output_strides(monkeypatch, fwd):
 
 def own_backward(monkeypatch, kernel):
     """Forces the own kernels and the backward kernels ("auto" = the default:
-    the Hopper dK/dV kernel with dQ fused at head dim 128, pipelined at the
-    other dims where they serve, "basic", "pipelined_dq16" = pipelined with the 16-row
+    the Hopper dK/dV kernel with dQ fused at head dims 64 and 128, pipelined
+    at 256, "basic", "pipelined_dq16" = pipelined with the 16-row
     dQ kernel, "pipelined_dkdv32" = with the dK/dV kernel of 32-row query
     tiles, "pipelined_dkdv_unshared" = with the dK/dV kernel of 64-row tiles
     whose warps each read every Q/dO fragment, "pipelined_dq_fused" = dQ
@@ -933,9 +933,9 @@ def own_backward(monkeypatch, kernel):
     choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_backward_env, kernel)
-    hopper_dim = _core.attention_hopper_backward_default_head_dim
+    hopper_dims = _core.attention_hopper_backward_default_head_dims
     for d in PIPELINED_DIMS:
-        default = "hopper" if d == hopper_dim and _core.attention_hopper_forward_status()[0] else "pipelined"
+        default = "hopper" if d in hopper_dims and _core.attention_hopper_forward_status()[0] else "pipelined"
         assert _core.attention_own_backward_kernel(d) == (default if kernel == "auto" else kernel)
     for d in (40, 96, 192):
         assert _core.attention_own_backward_kernel(d) == "basic"

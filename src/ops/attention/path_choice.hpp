@@ -114,13 +114,18 @@ inline constexpr const char* kOwnBackwardHopperCpAsync = "hopper_cp_async";
 // at the head dims of shared_dkdv_serves without logit features. Never for
 // deterministic calls: the fp32 atomics of the fused dQ have no fixed order.
 inline constexpr bool kDqFusedByDefault = true;
-// The default at this head dim where the Hopper kernels are built: "hopper"
-// (with dQ fused, its dK/dV kernel measured 7-9% faster than the
-// shared-fragment one on H100; at 64 the cp.async-fed form was 15-18% slower,
-// the TMA-fed one 1-11% faster fwd+bwd on H200, not yet the default). A call that
-// cannot fuse dQ (deterministic, logit features, no room for the
-// accumulator) runs the pipelined kernels then: see backward_kernel_for_call.
-inline constexpr int kHopperBackwardDefaultHeadDim = 128;
+// The default at these head dims where the Hopper kernels are built: "hopper"
+// (with dQ fused and fed by TMA, fwd+bwd 1.22-1.28x the cp.async-fed form at
+// 128, which was 7-9% faster than the shared-fragment kernel on H100; at 64
+// 1.01-1.11x the shared-fragment kernel on H200). A call that cannot fuse dQ
+// (deterministic, logit features, no room for the accumulator) runs the
+// pipelined kernels then: see backward_kernel_for_call.
+inline constexpr int kHopperBackwardDefaultHeadDims[] = {64, 128};
+inline constexpr bool hopper_backward_by_default(int head_dim) {
+  for (int d : kHopperBackwardDefaultHeadDims)
+    if (d == head_dim) return true;
+  return false;
+}
 const char* own_backward_kernel(int head_dim);
 // `kernel` (own_backward_kernel's choice) for one call, given whether that
 // call fuses dQ: the default's "hopper" becomes "pipelined" where dQ is not
