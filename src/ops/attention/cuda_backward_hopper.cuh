@@ -42,6 +42,15 @@ __device__ __forceinline__ int opaque_int(int x) {
 __device__ __forceinline__ void warpgroup_barrier(int wg) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
 }
+// Named barrier `id` of `kCount` threads: wait for all, or arrive and go on.
+template <int kCount>
+__device__ __forceinline__ void bar_sync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kCount) : "memory");
+}
+template <int kCount>
+__device__ __forceinline__ void bar_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kCount) : "memory");
+}
 }  // namespace hopper
 
 template <class T, int DB>
@@ -105,11 +114,12 @@ struct HopperDkvConfig {
   // + lse and delta, two buffers of BM floats each; + the TMA kernel's five
   // mbarriers; + 1024 for the alignment.
   static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 5 * sizeof(uint64_t) + 1024;
-  // The TMA kernel's dQ tile (fp32, BM x DB row-major), added to the
-  // workspace by one bulk reduction a tile; after everything else.
+  // The TMA kernel's dQ tiles (fp32, BM x DB row-major), two buffers, each
+  // added to the workspace by one bulk reduction a tile; after everything else.
   static constexpr size_t kDqTileBytes = kBlockM * DB * sizeof(float);
   static constexpr size_t kDqTileOffset = (kSmem - 1024 + 1023) / 1024 * 1024;  // from the aligned base
-  static constexpr size_t kSmemTma = kDqTileOffset + kDqTileBytes + 1024;
+  static constexpr size_t kSmemTma = kDqTileOffset + 2 * kDqTileBytes + 1024;
+  static_assert(kSmemTma <= 227 * 1024, "shared memory of the TMA kernel");
 };
 
 // The TMA kernel's tensor maps (kTma): Q and dO with boxes of 64 columns x 64
@@ -152,7 +162,11 @@ __device__ __forceinline__ void bulk_wait_all() {
 // kTma: a third warpgroup produces. One of its threads loads K and V once and
 // the Q/dO tiles into their two buffers with bulk tensor copies, each as soon
 // as both consumer warpgroups released the buffer; the consumers issue no
-// copies, and setmaxnreg moves registers to them.
+// copies, and setmaxnreg moves registers to them. Its second warp adds each
+// tile's dQ, staged by the consumers in one of two buffers, to the fp32
+// workspace by one bulk reduction: the consumers arrive on that buffer's
+// "full" barrier and go on, and wait on its "empty" barrier only before
+// staging into it again two tiles later.
 // kPacked (with kTma; cu_seqlens): the maps hold all the packed rows as one
 // batch entry, so a box past a sequence's end reads the next sequence's rows,
 // not zeros. The consumers zero those rows of K, V (once) and of each Q/dO
@@ -188,8 +202,12 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(s_delta + 2 * BM);
   uint64_t* full = kv_full + 1;
   uint64_t* empty = full + 2;
-  // kTma: this tile's dQ, staged for the bulk reduction.
+  // kTma: the tiles' dQ, staged for the bulk reduction (two buffers).
   float* s_dq = reinterpret_cast<float*>(base + C::kDqTileOffset);
+  // Named barriers of the dQ staging (kTma): buffer b full (ids 4, 5) and
+  // empty (6, 7), between the warpgroups that compute dQ and the dQ warp.
+  constexpr int kDqBarrierThreads = 128 * C::kDqWarpgroups + 32;
+  constexpr int kDqFullBarrier = 4, kDqEmptyBarrier = 6;
   Tensor sK = make_tensor(make_smem_ptr(k_s), typename C::SmemKV{});
   Tensor sV = make_tensor(make_smem_ptr(v_s), typename C::SmemKV{});
   Tensor sKt = make_tensor(make_smem_ptr(k_s), typename C::SmemKt{});
@@ -284,6 +302,23 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
             tma_load_4d(at(sdO, 0, 64 * h, buf), &maps.dout, full + buf, 64 * h, map_q0 + m0, hq, map_b);
           }
         }
+      } else if (threadIdx.x / 32 == 1) {
+        // The dQ warp: each tile's staged dQ into the workspace, in order.
+        // Rows past the last row of the map (the batch layout: past the
+        // sequence) are dropped by the unit.
+        for (int it = 0; it < n_tiles; ++it) {
+          const int buf = it & 1;
+          bar_sync<kDqBarrierThreads>(kDqFullBarrier + buf);
+          if (threadIdx.x == 32) {
+            tma_reduce_add_4d(&maps.dq_accum, s_dq + buf * BM * DB, 0, map_q0 + tile_row0(it), tile_head(it),
+                              map_b);
+            bulk_wait_all<true>();  // the unit has read the buffer
+          }
+          __syncwarp();
+          // (the last two tiles' buffers are not staged into again)
+          if (it + 2 < n_tiles) bar_arrive<kDqBarrierThreads>(kDqEmptyBarrier + buf);
+        }
+        if (threadIdx.x == 32) bulk_wait_all<false>();  // every reduction done before the CTA ends
       }
       return;
     }
@@ -460,9 +495,6 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
 
     // dQ of this tile once both warpgroups' dS^T is in shared memory.
     if constexpr (kFuseDq && kTma) {
-      // The last tile's reduction has read its staging (the issuing thread
-      // waits; the barrier below tells the others).
-      if (tid == 0) bulk_wait_all<true>();
       fence_async_shared();
       consumers_sync();
       if (dq_warpgroup) {  // warpgroup-uniform: both at head dim 128, the first at 64
@@ -476,18 +508,19 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
 #pragma unroll
               for (int nt = 0; nt < 8; ++nt) tQrdQ(4 * nt + 2 * h) = tQrdQ(4 * nt + 2 * h + 1) = 0.0f;
         }
+        // Buffer `buf` was last staged for tile it - 2: the dQ warp says when
+        // the unit has read it.
+        if (it >= 2) bar_sync<kDqBarrierThreads>(kDqEmptyBarrier + buf);
+        float* stage = s_dq + buf * BM * DB;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<float2*>(s_dq + (dq_row0 + 8 * h) * DB + dq_col0 + nt * 8) =
+            *reinterpret_cast<float2*>(stage + (dq_row0 + 8 * h) * DB + dq_col0 + nt * 8) =
                 make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1));
+        fence_async_shared();  // the stores, seen by the unit's reads
+        bar_arrive<kDqBarrierThreads>(kDqFullBarrier + buf);
       }
-      fence_async_shared();
-      consumers_sync();
-      // Rows past the last row of the map (the batch layout: past the
-      // sequence) are dropped by the unit.
-      if (tid == 0) tma_reduce_add_4d(&maps.dq_accum, s_dq, 0, map_q0 + m0, hq, map_b);
     } else if constexpr (kFuseDq) {
       fence_async_shared();
       consumers_sync();
@@ -514,9 +547,6 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     }
   }
   if constexpr (!kTma) cp_async_wait<0>();
-  if constexpr (kTma && kFuseDq) {
-    if (tid == 0) bulk_wait_all<false>();  // the last reduction done before the CTA ends
-  }
 
   // dK and dV (dS carried the scale) straight from the accumulators.
 #pragma unroll
