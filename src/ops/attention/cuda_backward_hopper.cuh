@@ -414,7 +414,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     const float* lse2 = s_lse + buf * BM;
     const float* delta = s_delta + buf * BM;
 
-    // S^T and dP^T, both issued before either is waited for.
+    // S^T and dP^T issued together, committed apart: P (the softmax of S^T)
+    // is computed while dP^T's product runs, and dV's product is issued
+    // before dS is computed, so each elementwise step overlaps a product.
     warpgroup_fence_operand(tSrS);
     warpgroup_fence_operand(tSrdP);
     warpgroup_arrive();
@@ -424,6 +426,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, buf), tSrS);
       mma_sdp.accumulate_ = GMMA::ScaleOut::One;
     }
+    warpgroup_commit_batch();
     mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tSrV); ++kb) {
@@ -431,56 +434,71 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       mma_sdp.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
+    warpgroup_wait<1>();  // S^T landed (the groups complete in order)
     warpgroup_fence_operand(tSrS);
-    warpgroup_fence_operand(tSrdP);
 
-    // P and dS = P (dP - delta) scale; element (key key_row(h), query row
-    // m0 + 8 nt + 2 t + c). Rows past the sequence have lse +inf: P = 0.
+    // P; element 4 nt + e is (key key_row(e / 2), query row m0 + 8 nt + 2 t +
+    // e % 2). Rows past the sequence have lse +inf: P = 0.
     const bool full = m0 >= full_lo && m0 + BM <= full_hi;
 #pragma unroll
     for (int nt = 0; nt < BM / 8; ++nt) {
       const int c0 = nt * 8 + 2 * t;
       const float2 l2 = *reinterpret_cast<const float2*>(lse2 + c0);
-      const float2 dl = *reinterpret_cast<const float2*>(delta + c0);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, i = m0 + c0 + (e & 1), idx = 4 * nt + e;
         const bool seen = full | ((i >= sees[h].lo) & (i < sees[h].hi));
         const float x2 = seen ? tSrS(idx) * scale_log2 : -INFINITY;
-        const float pr = exp2_fast(x2 - ((e & 1) ? l2.y : l2.x));
-        const float ds = pr * (tSrdP(idx) - ((e & 1) ? dl.y : dl.x)) * p.scale;
-        tSrS(idx) = pr;
-        tSrdP(idx) = ds;
+        tSrS(idx) = exp2_fast(x2 - ((e & 1) ? l2.y : l2.x));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < BM / 2; i += 2) {
+      const uint32_t pp = Pack<T>::two(tSrS(i), tSrS(i + 1));
+      tDrP(i) = reinterpret_cast<const E*>(&pp)[0];
+      tDrP(i + 1) = reinterpret_cast<const E*>(&pp)[1];
+    }
+
+    // dV += P^T dO, running while dS is computed.
+    warpgroup_fence_operand(tDrP);
+    warpgroup_fence_operand(tDrdV);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tDrP); ++kb) gemm(mma_dkv, tDrP(_, _, kb), tDrdOt(_, _, kb, buf), tDrdV);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // dP^T landed; dV's product may still run
+    warpgroup_fence_operand(tSrdP);
+
+    // dS = P (dP - delta) scale, over the fp32 P.
+#pragma unroll
+    for (int nt = 0; nt < BM / 8; ++nt) {
+      const float2 dl = *reinterpret_cast<const float2*>(delta + nt * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int idx = 4 * nt + e;
+        tSrdP(idx) = tSrS(idx) * (tSrdP(idx) - ((e & 1) ? dl.y : dl.x)) * p.scale;
       }
     }
     // This thread's place in the tile made opaque, so that the 32 store
     // addresses below are computed per tile: hoisted out of the loop they
     // held registers the accumulators need, and spilled (772 bytes at head
-    // dim 128 with dQ fused; 40 now).
+    // dim 128 with dQ fused).
     const int t_it = hopper::opaque_int(t), key_it = hopper::opaque_int(key_row0);
 #pragma unroll
     for (int i = 0; i < BM / 2; i += 2) {
-      const uint32_t pp = Pack<T>::two(tSrS(i), tSrS(i + 1));
       const uint32_t dd = Pack<T>::two(tSrdP(i), tSrdP(i + 1));
-      tDrP(i) = reinterpret_cast<const E*>(&pp)[0];
-      tDrP(i + 1) = reinterpret_cast<const E*>(&pp)[1];
       // dS^T into shared memory for dK and dQ: (query row, key) of sdS.
       const int nt = i / 4, h = (i >> 1) & 1;
       *at(sdS, nt * 8 + 2 * t_it, key_it + 8 * h) = reinterpret_cast<const E*>(&dd)[0];
       *at(sdS, nt * 8 + 2 * t_it + 1, key_it + 8 * h) = reinterpret_cast<const E*>(&dd)[1];
     }
 
-    // dV += P^T dO and dK += dS^T Q, both issued before either is waited for;
-    // dK reads this warpgroup's rows of dS^T, which only its threads wrote.
+    // dK += dS^T Q: reads this warpgroup's rows of dS^T, which only its
+    // threads wrote.
     fence_async_shared();
     warpgroup_barrier(tid / 128);
-    warpgroup_fence_operand(tDrP);
-    warpgroup_fence_operand(tDrdV);
     warpgroup_fence_operand(tDrdK);
     warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tDrP); ++kb) gemm(mma_dkv, tDrP(_, _, kb), tDrdOt(_, _, kb, buf), tDrdV);
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tKrdSt); ++kb) gemm(mma_dk, tKrdSt(_, _, kb), tKrQt(_, _, kb, buf), tDrdK);
     warpgroup_commit_batch();
