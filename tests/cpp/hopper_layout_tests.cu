@@ -27,6 +27,7 @@
 #include <cstdio>
 
 #include "ops/attention/cuda_backward_hopper.cuh"
+#include "ops/attention/cuda_backward_hopper_d256.cuh"
 #include "ops/attention/cuda_forward_hopper.cuh"
 
 namespace {
@@ -264,6 +265,103 @@ void check_backward_tma_boxes() {
   check_box_tiles<DB, true>(bQ, base, B::kBlockM, 2, "TMA box: backward Q/dO stage", "TMA box start: backward Q/dO");
 }
 
+// The dK/dV kernel of head dim 256 (cuda_backward_hopper_d256.cuh): K, V, Q,
+// dO, P and dS placed as above; the coordinates of each fragment as the
+// kernel's index functions (hopper256::) name them, against CuTe's partition;
+// P/dS pairs of adjacent query rows adjacent in shared memory (one 32-bit
+// store each).
+template <class T>
+void check_backward256_config(const char* name) {
+  using namespace cute;
+  using namespace symheap::attention::cuda::hopper256;
+  using C = symheap::attention::cuda::HopperDkv256Config<T>;
+  using E = typename C::E;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, DB = C::DB;
+  const int failed_before = g_failed, checks_before = g_checks;
+  alignas(1024) static unsigned char buf[1 << 20];
+  E* base = reinterpret_cast<E*>(buf);
+  Tensor sK = make_tensor(make_smem_ptr(base), typename C::SmemKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(base), typename C::SmemKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(base), typename C::SmemQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(base), typename C::SmemQt{});
+  Tensor sdS = make_tensor(make_smem_ptr(base), typename C::SmemDs{});
+  Tensor sdSt = make_tensor(make_smem_ptr(base), typename C::SmemDst{});
+  for (int r = 0; r < BN; ++r)
+    for (int c = 0; c < DB; ++c) {
+      const long want = canonical_sw128(r, c, BN, DB, 0);
+      check(byte_offset(sK, base, r, c) == want, "bwd256 K placement", DB, r, c, 0);
+      check(byte_offset(sKt, base, c, r) == want, "bwd256 K^T is K transposed", DB, r, c, 0);
+    }
+  for (int s = 0; s < 2; ++s)
+    for (int r = 0; r < BM; ++r)
+      for (int c = 0; c < DB; ++c) {
+        const long want = canonical_sw128(r, c, BM, DB, s);
+        check(byte_offset(sQ, base, r, c, s) == want, "bwd256 Q/dO placement", DB, r, c, s);
+        check(byte_offset(sQt, base, c, r, s) == want, "bwd256 Q^T/dO^T is Q/dO transposed", DB, r, c, s);
+      }
+  for (int q = 0; q < BM; ++q)
+    for (int k = 0; k < BN; ++k) {
+      check(byte_offset(sdS, base, q, k) == canonical_sw128_mn(q, k) &&
+                byte_offset(sdSt, base, k, q) == canonical_sw128_mn(q, k),
+            "bwd256 P/dS (and transposed) placement", DB, q, k, 0);
+      if (q % 2 == 0)
+        check(byte_offset(sdS, base, q + 1, k) == byte_offset(sdS, base, q, k) + 2 &&
+                  byte_offset(sdS, base, q, k) % 4 == 0,
+              "bwd256 P/dS row pairs adjacent", DB, q, k, 0);
+    }
+  // The TMA boxes: K and V one stage of 64 rows, Q and dO two stages of 64.
+  check_box_tiles<DB, false>(sK, base, BN, 1, "TMA box: bwd256 K/V", "TMA box start: bwd256 K/V");
+  check_box_tiles<DB, true>(sQ, base, BM, 2, "TMA box: bwd256 Q/dO stage", "TMA box start: bwd256 Q/dO");
+
+  typename C::MmaSdP mma_sdp;
+  typename C::MmaDkv mma_dkv;
+  typename C::MmaDq mma_dq;
+  Tensor id_s = make_identity_tensor(Shape<Int<BN>, Int<BM>>{});
+  Tensor id_kv = make_identity_tensor(Shape<Int<BN>, Int<DB>>{});
+  Tensor id_q = make_identity_tensor(Shape<Int<BM>, Int<DB>>{});
+  for (int tid = 0; tid < C::kThreads; ++tid) {
+    Tensor s_coord = mma_sdp.get_thread_slice(tid).partition_C(id_s);
+    Tensor kv_coord = mma_dkv.get_thread_slice(tid).partition_C(id_kv);
+    Tensor q_coord = mma_dq.get_thread_slice(tid).partition_C(id_q);
+    check(size(s_coord) == 16 && size(kv_coord) == 64 && size(q_coord) == 64, "bwd256 fragment sizes", DB, tid,
+          int(size(s_coord)), int(size(q_coord)));
+    for (int i = 0; i < 16; ++i) {
+      const auto s = s_coord(i);
+      check(get<0>(s) == key_of(tid, i) && get<1>(s) == s_row_of(tid, i), "bwd256 S^T coordinates", DB, tid, i,
+            get<0>(s) * 1000 + get<1>(s));
+    }
+    for (int i = 0; i < 64; ++i) {
+      const auto o = kv_coord(i);
+      check(get<0>(o) == key_of(tid, i) && get<1>(o) == kv_col_of(tid, i), "bwd256 dV/dK coordinates", DB, tid, i,
+            get<0>(o) * 1000 + get<1>(o));
+      const auto d = q_coord(i);
+      check(get<0>(d) == key_of(tid, i) && get<1>(d) == dq_col_of(tid, i), "bwd256 dQ coordinates", DB, tid, i,
+            get<0>(d) * 1000 + get<1>(d));
+    }
+  }
+  // Every (key, row) of S^T, (key, column) of dK/dV and (row, column) of dQ
+  // belongs to exactly one thread.
+  static int seen_s[BN][BM], seen_kv[BN][DB], seen_q[BM][DB];
+  for (auto& r : seen_s) for (int& x : r) x = 0;
+  for (auto& r : seen_kv) for (int& x : r) x = 0;
+  for (auto& r : seen_q) for (int& x : r) x = 0;
+  for (int tid = 0; tid < C::kThreads; ++tid) {
+    for (int i = 0; i < 16; ++i) ++seen_s[key_of(tid, i)][s_row_of(tid, i)];
+    for (int i = 0; i < 64; ++i) {
+      ++seen_kv[key_of(tid, i)][kv_col_of(tid, i)];
+      ++seen_q[key_of(tid, i)][dq_col_of(tid, i)];
+    }
+  }
+  for (int a = 0; a < BN; ++a)
+    for (int c = 0; c < DB; ++c) {
+      check(seen_kv[a][c] == 1, "bwd256 dV/dK covered once", DB, a, c, seen_kv[a][c]);
+      check(seen_q[a][c] == 1, "bwd256 dQ covered once", DB, a, c, seen_q[a][c]);
+      if (c < BM) check(seen_s[a][c] == 1, "bwd256 S^T covered once", DB, a, c, seen_s[a][c]);
+    }
+  std::printf("%s %s backward head dim 256: %d checks\n", g_failed == failed_before ? "ok  " : "FAIL", name,
+              g_checks - checks_before);
+}
+
 template <class T>
 void check_tma_boxes(const char* name) {
   const int failed_before = g_failed, checks_before = g_checks;
@@ -285,6 +383,8 @@ int main() {
   check_backward_config<__nv_bfloat16, 128>("bf16");
   check_backward_config<__half, 64>("f16");
   check_backward_config<__half, 128>("f16");
+  check_backward256_config<__nv_bfloat16>("bf16");
+  check_backward256_config<__half>("f16");
   check_config<__nv_bfloat16, 64>("bf16");
   check_config<__nv_bfloat16, 128>("bf16");
   check_config<__nv_bfloat16, 256>("bf16");

@@ -1262,6 +1262,84 @@ def test_hopper_backward_tma_packed_takes_nothing_of_the_next(D, monkeypatch):
             assert max_err(g[200:], a) <= 1e-2 * max(1.0, a.float().abs().max().item()), (causal, name)
 
 
+# ---- the Hopper dK/dV kernel at head dim 256 (cuda_backward_hopper_d256.cuh), forced with
+# "hopper": 64 keys a CTA, the warpgroups splitting the query rows of S^T and dP^T and the
+# columns of dK, dV and dQ; dQ fused (fp32 atomics); batch layout. Other calls at 256
+# (packed, deterministic, logit features) take the pipelined backward.
+
+def backward_kernel_names(fn):
+    """Names of the attention dK/dV kernels `fn`'s backward launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages() if "dkdv" in e.key}
+
+
+@pytest.mark.parametrize("case_kind", ["batch", "varlen", "deterministic", "default"])
+def test_hopper256_backward_selects_the_kernel(case_kind, monkeypatch):
+    """"hopper" at head dim 256 runs the head-dim-256 Hopper kernel on batch calls; a
+    packed or deterministic call, and the default backward, run the pipelined one."""
+    case = gpu_case(B=2, Sq=300, Sk=300, Hq=4, Hkv=2, D=256, seed=7)
+    q, k, v = (case[n].detach().requires_grad_() for n in ("q", "k", "v"))
+    if case_kind == "varlen":
+        cu = torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda")
+        fwd = lambda: flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),  # noqa: E731
+                                             cu, cu, 300, 300)
+    else:
+        fwd = lambda: flash_attn_func(q, k, v, deterministic=case_kind == "deterministic")  # noqa: E731
+    own_backward(monkeypatch, "auto" if case_kind == "default" else "hopper")
+    names = backward_kernel_names(lambda: fwd().sum().backward())
+    hopper256 = any("dkdv_hopper256" in n for n in names)
+    assert hopper256 == (case_kind == "batch"), names
+    assert names, "no dK/dV kernel ran"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Sq,Sk", RAGGED)
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper256_backward_lengths(dtype, Sq, Sk, causal, monkeypatch):
+    own_backward(monkeypatch, "hopper")
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=4, D=256, dtype=dtype, seed=Sq * 5 + Sk + 256)
+    check_case(case, causal=causal)
+
+
+@pytest.mark.parametrize("feature", list(PIPELINED_OPTS))
+@pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000), (129, 1031)])
+def test_hopper256_backward_features(feature, Sq, Sk, monkeypatch):
+    """GQA, windows, scales (a negative one too) on the head-dim-256 Hopper backward,
+    with and without causal."""
+    own_backward(monkeypatch, "hopper")
+    make_kw, opts = PIPELINED_OPTS[feature]
+    make_kw = dict(make_kw)
+    make_kw.setdefault("Hkv", 4)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=256, seed=256 * 13 + Sq + Sk, **make_kw)
+    check_case(case, **opts)
+    if "causal" not in opts and "window_size" not in opts:
+        check_case(case, causal=True, **opts)
+
+
+def test_hopper256_backward_large_and_multi_block(monkeypatch):
+    """Many key blocks and query tiles, GQA 4 over 1 (the tiles of every query head
+    of the group in one CTA), causal with Sq < Sk and not, against the reference and
+    close to the pipelined backward."""
+    case = gpu_case(B=1, Sq=1531, Sk=2099, Hq=4, Hkv=1, D=256, seed=256)
+    inputs = [case["q"], case["k"], case["v"]]
+    for causal in (True, False):
+        own_backward(monkeypatch, "hopper")
+        check_case(case, causal=causal)
+        grads = {}
+        for kernel in ("hopper", "auto"):
+            own_backward(monkeypatch, kernel)
+            out = flash_attn_func(case["q"], case["k"], case["v"], causal=causal)
+            grads[kernel] = torch.autograd.grad(out, inputs, torch.ones_like(out))
+        for n, name in enumerate(["dq", "dk", "dv"]):
+            scale = grads["auto"][n].float().abs().max().item()
+            assert max_err(grads["hopper"][n], grads["auto"][n]) <= 2 ** -6 * scale, (causal, name)
+
+
 @pytest.mark.parametrize("D", SHARED_DKDV_DIMS)
 def test_pipelined_backward_dq_fused_many_key_blocks(D, monkeypatch):
     """Fused dQ: 33 key blocks add into each dQ row (fp32 atomics), GQA 4

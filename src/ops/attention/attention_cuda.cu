@@ -290,12 +290,28 @@ size_t dq_accum_bytes(const Args& a) {
   return static_cast<size_t>(query_rows(a)) * a.heads_q * a.head_dim * sizeof(float);
 }
 
+// Whether the Hopper dK/dV kernel of head dim 256 (cuda_backward_hopper_d256.cuh)
+// can take the call: the batch layout, every tensor it loads by TMA with
+// 16-byte aligned rows (what encode_rows_map asks).
+bool hopper256_backward_serves(const Args& a, const cuda::KArgs& k) {
+  if (a.head_dim != 256 || k.d != 256 || k.cu_q) return false;
+  auto addressable = [](const void* ptr, int64_t sr, int64_t sh, int64_t sb) {
+    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && sr > 0 && sh > 0 && sb > 0 && sr % 8 == 0 &&
+           sh % 8 == 0 && sb % 8 == 0;
+  };
+  return addressable(k.q, k.q_sr, k.q_sh, k.q_sb) && addressable(k.k, k.k_sr, k.k_sh, k.k_sb) &&
+         addressable(k.v, k.v_sr, k.v_sh, k.v_sb) && addressable(k.dout, k.do_sr, k.do_sh, k.do_sb);
+}
+
 // Whether the backward computes dQ inside the dK/dV kernel (a head dim of
 // shared_dkdv_serves, no logit features, SYMHEAP_ATTN_OWN_BACKWARD unset/auto with
-// kDqFusedByDefault, or = pipelined_dq_fused); never when the call asks for
-// a deterministic backward (its atomics have no fixed order).
+// kDqFusedByDefault, or = pipelined_dq_fused; at head dim 256 = hopper, where
+// hopper256_backward_serves); never when the call asks for a deterministic
+// backward (its atomics have no fixed order).
 bool backward_fuses_dq(const Args& a, const cuda::KArgs& k, const char* kernel) {
-  if (a.deterministic || !shared_dkdv_serves(a.head_dim) || cuda::logit_features(k)) return false;
+  if (a.deterministic || cuda::logit_features(k)) return false;
+  if (!shared_dkdv_serves(a.head_dim))
+    return std::strcmp(kernel, kOwnBackwardHopper) == 0 && hopper256_backward_serves(a, k);
   if (std::strcmp(kernel, kOwnBackwardDqFused) == 0 || std::strcmp(kernel, kOwnBackwardHopper) == 0 ||
       std::strcmp(kernel, kOwnBackwardHopperCpAsync) == 0)
     return true;

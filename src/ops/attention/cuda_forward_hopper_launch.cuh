@@ -10,9 +10,11 @@
 #include <type_traits>
 
 #include "ops/attention/cuda_backward_hopper.cuh"
+#include "ops/attention/cuda_backward_hopper_d256.cuh"
 #include "ops/attention/cuda_forward_hopper.cuh"
 #include "ops/attention/cuda_forward_hopper_persistent.cuh"
 #include "ops/attention/cuda_launch.cuh"
+#include "symheap/errors.hpp"
 
 namespace symheap::attention::cuda {
 
@@ -224,8 +226,30 @@ void dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
   }
   fuse_dq ? dkdv_hopper<T, DB, true>(l, p, no_maps) : dkdv_hopper<T, DB, false>(l, p, no_maps);
 }
+// Head dim 256 (dQ fused, batch layout, every tensor addressable by TMA:
+// backward_fuses_dq admits only such calls there): its own kernel, 64 keys a
+// CTA, K/V boxes of 64 rows.
+template <class T>
+void dkdv_hopper256(const Launch& l, const KArgs& p) {
+  using C = HopperDkv256Config<T>;
+  const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
+  BwdTmaMaps maps{};
+  const bool encoded =
+      !p.cu_q &&
+      encode_rows_map(&maps.q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, 64, 256) &&
+      encode_rows_map(&maps.dout, bf16, p.dout, p.seqlen_q, p.heads_q, p.batch, p.do_sr, p.do_sh, p.do_sb, 64,
+                      256) &&
+      encode_rows_map(&maps.k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, 64, 256) &&
+      encode_rows_map(&maps.v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, 64, 256);
+  if (!encoded)  // the call was admitted by hopper256_backward_serves: a broken promise
+    throw InvalidArgument("attention: the Hopper backward at head dim 256 could not address this call by TMA");
+  static ReadyDevices ready{0};
+  launch(l, attention_bwd_dkdv_hopper256_kernel<T>, dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch), 384,
+         C::kSmem, p, "dkdv_hopper256", 256, ready, maps);
+}
 template <class T>
 void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
+  if (p.d == 256) return dkdv_hopper256<T>(l, p);
   p.d == 64 ? dkdv_hopper_dim<T, 64>(l, p, fuse_dq, tma) : dkdv_hopper_dim<T, 128>(l, p, fuse_dq, tma);
 }
 

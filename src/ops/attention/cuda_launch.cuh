@@ -161,9 +161,9 @@ inline int64_t dq_rows(const KArgs& p) {
 void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq, bool tma);
 
 // The backward with dQ fused into the dK/dV kernel (the head dims of
-// shared_dkdv_serves, no logit features): the fp32 workspace zeroed on the
-// stream, delta, dK/dV (the shared-fragment kernel, or the Hopper one) + dQ,
-// then dQ converted into its dtype.
+// shared_dkdv_serves, and 256 on the Hopper kernel; no logit features): the
+// fp32 workspace zeroed on the stream, delta, dK/dV (the shared-fragment
+// kernel, or the Hopper one) + dQ, then dQ converted into its dtype.
 template <class T, int DB>
 void backward_dq_fused(const Launch& l, const KArgs& p, bool hopper, bool hopper_tma) {
   static ReadyDevices ready_delta{0};
@@ -177,8 +177,12 @@ void backward_dq_fused(const Launch& l, const KArgs& p, bool hopper, bool hopper
            p, "delta", 0, ready_delta);
   }
   if (p.seqlen_k > 0) {
-    if (hopper) run_dkdv_hopper(l, p, std::is_same_v<T, __half>, true, hopper_tma);
-    else dkdv_shared<T, DB, true>(l, p);
+    if constexpr (shared_dkdv_serves(DB)) {
+      if (hopper) run_dkdv_hopper(l, p, std::is_same_v<T, __half>, true, hopper_tma);
+      else dkdv_shared<T, DB, true>(l, p);
+    } else {  // head dim 256: the Hopper kernel only (backward_fuses_dq)
+      run_dkdv_hopper(l, p, std::is_same_v<T, __half>, true, true);
+    }
   }
   if (p.seqlen_q > 0 && rows > 0) {
     constexpr int kThreads = 256;
@@ -213,7 +217,7 @@ template <class T, int DB>
 void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant) {
   static ReadyDevices ready_delta{0};
   const bool features = logit_features(p);
-  if constexpr (shared_dkdv_serves(DB)) {
+  if constexpr (shared_dkdv_serves(DB) || DB == 256) {
     if (variant.dq_fused && !features) return backward_dq_fused<T, DB>(l, p, variant.hopper, variant.hopper_tma);
   }
   if (p.seqlen_q > 0) {

@@ -1,0 +1,339 @@
+// Hopper dK/dV kernel at head dim 256, dQ fused (sm_90a; batch layout, no
+// logit features). At 256 the head-dim-128 kernel's split (each warpgroup 64
+// keys with all of dK and dV) would hold 256 fp32 accumulators a thread, so
+// the warpgroups split the other way: one CTA per 64 keys of one (batch
+// entry, kv head), and per 64-row query tile
+//   S^T, dP^T:  each warpgroup the tile's 64 keys x its 32 query rows
+//               (64 x 32 x 256 products), then P and dS for those;
+//   P^T, dS^T:  both halves to shared memory (one barrier of the two);
+//   dV, dK:     each warpgroup the 64 keys x its 128 of the 256 columns,
+//               P^T dO and dS^T Q, both operands in shared memory;
+//   dQ:         each warpgroup the 64 rows x its 128 columns, dS K, added to
+//               the fp32 workspace with atomics (staging it would pass the
+//               227 KiB a CTA gets).
+// A third warpgroup feeds K and V once and the Q/dO tiles into two buffers
+// by TMA, as in the head-dim-128 kernel (cuda_backward_hopper.cuh), whose
+// rules it follows: P from the forward's lse, dS = P (dP - delta) scale.
+// Shared memory: K, V 32 KiB each, Q, dO 2 x 32 KiB each, P^T and dS 8 KiB
+// each: 208 KiB.
+#pragma once
+#include "ops/attention/cuda_backward_hopper.cuh"
+
+namespace symheap::attention::cuda {
+
+template <class T>
+struct HopperDkv256Config {
+  static constexpr int DB = 256;
+  using E = typename hopper::CuteType<T>::type;
+  static constexpr int kBlockN = 64;  // keys per CTA
+  static constexpr int kBlockM = 64;  // query rows per tile
+  static constexpr int kThreads = 256;  // the consumers
+
+  using BN = cute::Int<kBlockN>;
+  using BM = cute::Int<kBlockM>;
+  using D = cute::Int<DB>;
+  using K = cute::GMMA::Major;
+  // Both warpgroups side by side along N (the second mode of the products).
+  using SideBySide = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;
+  // S^T, dP^T (BN x BM) = K, V (BN x DB) times Q^T, dO^T; 32 rows a warpgroup.
+  using MmaSdP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, cute::_32, D>>(), SideBySide{}));
+  // dV, dK (BN x DB) += P^T, dS^T (shared memory, BN x BM, K-major) times dO,
+  // Q (MN-major as the B operand DB x BM); 128 columns a warpgroup.
+  using MmaDkv = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, cute::_128, BM>, K::K, K::MN>(),
+      SideBySide{}));
+  // dQ (BM x DB) = dS (BM x BN, MN-major as A) times K (MN-major as the B
+  // operand DB x BN): 64-column atoms (an MN-major operand in the 128-byte
+  // swizzle spans whole 64-element rows), the warpgroups taking them in turn.
+  using MmaDq = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, cute::_64, BN>, K::MN, K::MN>(),
+      SideBySide{}));
+
+  using SmemKV = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BN, D>{}));
+  using SmemKt = decltype(cute::composition(
+      SmemKV{}, cute::make_ordered_layout(cute::Shape<D, BN>{}, cute::Step<cute::_2, cute::_1>{})));
+  using SmemQ =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BM, D, cute::_2>{}));
+  using SmemQt = decltype(cute::composition(
+      SmemQ{}, cute::make_ordered_layout(cute::Shape<D, BM, cute::_2>{},
+                                         cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  // P and dS as BM x BN with the rows contiguous (one MN-major atom of 64);
+  // P^T, dS^T: the same bytes seen as BN x BM (K-major A operands).
+  using SmemDs =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{}, cute::Shape<BM, BN>{}));
+  using SmemDst = decltype(cute::composition(
+      SmemDs{}, cute::make_ordered_layout(cute::Shape<BN, BM>{}, cute::Step<cute::_2, cute::_1>{})));
+
+  static constexpr int kKVElems = cute::cosize_v<SmemKV>;
+  static constexpr int kQElems = cute::cosize_v<SmemQ>;
+  static constexpr int kDsElems = cute::cosize_v<SmemDs>;
+  static_assert((kKVElems * sizeof(E)) % 1024 == 0 && (kQElems * sizeof(E)) % 1024 == 0 &&
+                    (kDsElems * sizeof(E)) % 1024 == 0,
+                "1024-byte tiles");
+  // K, V, Q, dO, P, dS; + lse and delta (two buffers of BM floats each), five
+  // mbarriers and 1024 for the alignment.
+  static constexpr size_t kSmemTiles = sizeof(E) * (2 * kKVElems + 2 * kQElems + 2 * kDsElems);
+  static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 5 * sizeof(uint64_t) + 1024;
+  static_assert(kSmem <= 227 * 1024, "shared memory of a CTA");
+};
+
+// This thread's place in the fragments (tests/cpp/hopper_layout_tests.cu
+// checks each against CuTe's partition). Warp w of warpgroup wg, lane = 4 g + t:
+//   S^T, dP^T element i (16): key 16 (w % 4) + g + 8 ((i >> 1) & 1),
+//     query row 32 wg + 8 (i >> 2) + 2 t + (i & 1);
+//   dV, dK element i (64): the same key, column 128 wg + 8 (i >> 2) + 2 t + (i & 1);
+//   dQ element i (64): query row 16 (w % 4) + g + 8 ((i >> 1) & 1), column
+//     128 (i / 32) + 64 wg + 8 ((i % 32) >> 2) + 2 t + (i & 1).
+namespace hopper256 {
+__host__ __device__ __forceinline__ int key_of(int tid, int i) { return ((tid / 32) % 4) * 16 + (tid % 32) / 4 + 8 * ((i >> 1) & 1); }
+__host__ __device__ __forceinline__ int s_row_of(int tid, int i) { return 32 * (tid / 128) + 8 * (i >> 2) + 2 * (tid % 4) + (i & 1); }
+__host__ __device__ __forceinline__ int kv_col_of(int tid, int i) { return 128 * (tid / 128) + 8 * (i >> 2) + 2 * (tid % 4) + (i & 1); }
+__host__ __device__ __forceinline__ int dq_col_of(int tid, int i) {
+  return 128 * (i / 32) + 64 * (tid / 128) + 8 * ((i % 32) >> 2) + 2 * (tid % 4) + (i & 1);
+}
+}  // namespace hopper256
+
+template <class T>
+__global__ void __launch_bounds__(384, 1)
+    attention_bwd_dkdv_hopper256_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
+  using namespace cute;
+  using namespace hopper;
+  using namespace hopper256;
+  using pipelined::RowRange;
+  using pipelined::rows_seeing;
+  using C = HopperDkv256Config<T>;
+  using E = typename C::E;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads, DB = C::DB;
+  constexpr float kLog2e = 1.4426950408889634f;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  E* k_s = reinterpret_cast<E*>(base);
+  E* v_s = k_s + C::kKVElems;
+  E* q_s = v_s + C::kKVElems;
+  E* do_s = q_s + C::kQElems;
+  E* p_s = do_s + C::kQElems;
+  E* ds_s = p_s + C::kDsElems;
+  float* s_lse = reinterpret_cast<float*>(base + C::kSmemTiles);  // two buffers of BM
+  float* s_delta = s_lse + 2 * BM;                                // two buffers of BM
+  // K and V landed; Q/dO buffer landed (full) and released (empty).
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(s_delta + 2 * BM);
+  uint64_t* full = kv_full + 1;
+  uint64_t* empty = full + 2;
+  Tensor sK = make_tensor(make_smem_ptr(k_s), typename C::SmemKV{});
+  Tensor sV = make_tensor(make_smem_ptr(v_s), typename C::SmemKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(k_s), typename C::SmemKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(q_s), typename C::SmemQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(do_s), typename C::SmemQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(q_s), typename C::SmemQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(do_s), typename C::SmemQt{});
+  Tensor sP = make_tensor(make_smem_ptr(p_s), typename C::SmemDs{});
+  Tensor sPt = make_tensor(make_smem_ptr(p_s), typename C::SmemDst{});
+  Tensor sdS = make_tensor(make_smem_ptr(ds_s), typename C::SmemDs{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ds_s), typename C::SmemDst{});
+
+  const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+  const Seq seq = sequence(p, b);
+  if (n0 >= seq.sk) return;
+  const int cols = min(BN, seq.sk - n0);
+  const int shift = seq.sk - seq.sq;
+  const pipelined::QueryTiles tiles = pipelined::query_tiles<BM>(p, seq, n0, cols);
+  const int m_begin = tiles.m_begin, m_tiles = tiles.m_tiles, n_tiles = tiles.n_tiles;
+  E* dk = static_cast<E*>(p.dk) + b * p.dk_sb + (seq.k0 + n0) * p.dk_sr + hk * p.dk_sh;
+  E* dv = static_cast<E*>(p.dv) + b * p.dv_sb + (seq.k0 + n0) * p.dv_sr + hk * p.dv_sh;
+  if (n_tiles == 0) return pipelined::zero_key_rows<DB, 384>(dk, dv, p, cols);  // no row sees these keys
+
+  auto tile_head = [&](int it) { return hk * p.group + it / m_tiles; };
+  auto tile_row0 = [&](int it) { return m_begin + (it % m_tiles) * BM; };
+
+  if (threadIdx.x == 0) {
+    mbar_init(kv_full, 1);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, NT / 32);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {  // the producer warpgroup
+    registers_down<24>();
+    if (threadIdx.x == 0) {
+      constexpr uint32_t kBoxRow = 64 * sizeof(E);  // bytes of a box row
+      constexpr int kBoxes = DB / 64;
+      mbar_arrive_expect_tx(kv_full, 2 * kBoxes * BN * kBoxRow);
+      for (int h = 0; h < kBoxes; ++h) {
+        tma_load_4d(at(sK, 0, 64 * h), &maps.k, kv_full, 64 * h, n0, hk, b);
+        tma_load_4d(at(sV, 0, 64 * h), &maps.v, kv_full, 64 * h, n0, hk, b);
+      }
+      for (int it = 0; it < n_tiles; ++it) {
+        const int buf = it & 1;
+        if (it >= 2) mbar_wait(empty + buf, ((it >> 1) + 1) & 1);  // both consumers done with tile it - 2
+        mbar_arrive_expect_tx(full + buf, 2 * kBoxes * BM * kBoxRow);
+        const int hq = tile_head(it), m0 = tile_row0(it);
+        for (int h = 0; h < kBoxes; ++h) {
+          tma_load_4d(at(sQ, 0, 64 * h, buf), &maps.q, full + buf, 64 * h, m0, hq, b);
+          tma_load_4d(at(sdO, 0, 64 * h, buf), &maps.dout, full + buf, 64 * h, m0, hq, b);
+        }
+      }
+    }
+    return;
+  }
+  registers_up<240>();
+  const int tid = static_cast<int>(threadIdx.x) - 128, lane = tid % 32;
+
+  // The query row `tid` of tile `it` (threads < BM): lse in log2 units, +inf
+  // where the row is past the end or sees no key (its P is then 0), and delta.
+  auto read_stats = [&](int it, float* lse2, float* delta) {
+    const int hq = tile_head(it), i = tile_row0(it) + tid;
+    *lse2 = INFINITY;
+    *delta = 0.0f;
+    if (i < seq.sq) {
+      const float x = p.lse[b * p.lse_sb + hq * p.lse_sh + seq.q0 + i];
+      if (x != -INFINITY) *lse2 = x * kLog2e;
+      *delta = p.delta[b * p.delta_sb + hq * p.delta_sh + seq.q0 + i];
+    }
+  };
+  auto consumers_sync = [] { asm volatile("bar.sync 3, 256;\n" ::: "memory"); };
+  if (tid < BM) read_stats(0, &s_lse[tid], &s_delta[tid]);
+
+  typename C::MmaSdP mma_sdp;
+  typename C::MmaDkv mma_dkv;
+  typename C::MmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, 1, DB / 16)
+  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, 1, DB / 16, 2)
+  Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tDrPt = thr_dkv.partition_fragment_A(sPt);    // (MMA, 1, BM / 16)
+  Tensor tDrdSt = thr_dkv.partition_fragment_A(sdSt);
+  Tensor tDrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, 2?, BM / 16, 2)
+  Tensor tDrQt = thr_dkv.partition_fragment_B(sQt);
+  Tensor tQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, 1, BN / 16)
+  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
+  Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
+  Tensor tDrdV = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<DB>>{});
+  Tensor tDrdK = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<DB>>{});
+  Tensor tQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<DB>>{});
+  static_assert(size(decltype(tSrS){}) == 16 && size(decltype(tDrdV){}) == 64 && size(decltype(tQrdQ){}) == 64,
+                "the per-thread shares of the warpgroup tiles");
+  clear(tDrdV);
+  clear(tDrdK);
+
+  // The query rows that see this thread's two keys, and those for which a
+  // whole tile sees every key of the block.
+  const RowRange sees[2] = {rows_seeing(n0 + key_of(tid, 0), shift, p.win_left, p.win_right),
+                            rows_seeing(n0 + key_of(tid, 2), shift, p.win_left, p.win_right)};
+  const int full_lo = rows_seeing(n0 + BN - 1, shift, p.win_left, p.win_right).lo;
+  const int full_hi = rows_seeing(n0, shift, p.win_left, p.win_right).hi;
+  const float scale_log2 = p.scale * kLog2e;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int buf = it & 1;
+    if (it == 0) mbar_wait(kv_full, 0);
+    mbar_wait(full + buf, (it >> 1) & 1);  // tile `it` landed
+    // Every thread: tile it - 1's P^T, dS^T and dS are consumed (their
+    // products waited for), this tile's statistics published.
+    consumers_sync();
+    const bool has_next = it + 1 < n_tiles;
+    float next_lse2 = INFINITY, next_delta = 0.0f;
+    if (has_next && tid < BM) read_stats(it + 1, &next_lse2, &next_delta);
+    const int hq = tile_head(it), m0 = tile_row0(it);
+    const float* lse2 = s_lse + buf * BM;
+    const float* delta = s_delta + buf * BM;
+
+    // S^T and dP^T (this warpgroup's 32 rows), committed apart: P is computed
+    // while dP^T's product runs.
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
+    warpgroup_arrive();
+    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrK); ++kb) {
+      gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, buf), tSrS);
+      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrV); ++kb) {
+      gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb, buf), tSrdP);
+      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // S^T landed (the groups complete in order)
+    warpgroup_fence_operand(tSrS);
+
+    // P; rows past the sequence have lse +inf: P = 0.
+    const bool whole = m0 >= full_lo && m0 + BM <= full_hi;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int r = s_row_of(tid, i), i_row = m0 + r;
+      const RowRange& s = sees[(i >> 1) & 1];
+      const bool seen = whole | ((i_row >= s.lo) & (i_row < s.hi));
+      const float x2 = seen ? tSrS(i) * scale_log2 : -INFINITY;
+      tSrS(i) = exp2_fast(x2 - lse2[r]);
+    }
+    warpgroup_wait<0>();  // dP^T landed
+    warpgroup_fence_operand(tSrdP);
+    // dS = P (dP - delta) scale; P^T and dS^T into shared memory, element
+    // (query row, key) of sP / sdS: adjacent rows of a key are adjacent there.
+#pragma unroll
+    for (int i = 0; i < 16; i += 2) {
+      const int r = s_row_of(tid, i), key = key_of(tid, i);
+      const float2 dl = *reinterpret_cast<const float2*>(delta + r);
+      const float ds0 = tSrS(i) * (tSrdP(i) - dl.x) * p.scale;
+      const float ds1 = tSrS(i + 1) * (tSrdP(i + 1) - dl.y) * p.scale;
+      *reinterpret_cast<uint32_t*>(at(sP, r, key)) = Pack<T>::two(tSrS(i), tSrS(i + 1));
+      *reinterpret_cast<uint32_t*>(at(sdS, r, key)) = Pack<T>::two(ds0, ds1);
+    }
+    fence_async_shared();
+    consumers_sync();  // both warpgroups' halves of P^T and dS^T in place
+
+    // dV += P^T dO and dK += dS^T Q (this warpgroup's 128 columns).
+    warpgroup_fence_operand(tDrdV);
+    warpgroup_fence_operand(tDrdK);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tDrPt); ++kb) gemm(mma_dkv, tDrPt(_, _, kb), tDrdOt(_, _, kb, buf), tDrdV);
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tDrdSt); ++kb) gemm(mma_dkv, tDrdSt(_, _, kb), tDrQt(_, _, kb, buf), tDrdK);
+    warpgroup_commit_batch();
+    // dQ = dS K (this warpgroup's 128 columns) behind them.
+    warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);  // waits for every group
+    warpgroup_fence_operand(tDrdV);
+    warpgroup_fence_operand(tDrdK);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + buf);  // this warp is done with Q/dO buffer `buf`
+
+    float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh;
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+      const int r = key_of(tid, i);  // dQ's rows follow the keys' pattern (see hopper256)
+      if (m0 + r < seq.sq)
+        atomicAdd(reinterpret_cast<float2*>(out + r * p.dqa_sr + dq_col_of(tid, i)),
+                  make_float2(tQrdQ(i), tQrdQ(i + 1)));
+    }
+
+    // The next tile's statistics (buffer buf ^ 1 was consumed before this
+    // iteration's first barrier; the next one publishes them).
+    if (has_next && tid < BM) {
+      s_lse[(buf ^ 1) * BM + tid] = next_lse2;
+      s_delta[(buf ^ 1) * BM + tid] = next_delta;
+    }
+  }
+
+  // dK and dV (dS carried the scale) straight from the accumulators.
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {
+    const int r = key_of(tid, i);
+    if (r >= cols) continue;
+    const int c = kv_col_of(tid, i);
+    *reinterpret_cast<uint32_t*>(dk + r * p.dk_sr + c) = Pack<T>::two(tDrdK(i), tDrdK(i + 1));
+    *reinterpret_cast<uint32_t*>(dv + r * p.dv_sr + c) = Pack<T>::two(tDrdV(i), tDrdV(i + 1));
+  }
+}
+
+}  // namespace symheap::attention::cuda
