@@ -1264,8 +1264,9 @@ def test_hopper_backward_tma_packed_takes_nothing_of_the_next(D, monkeypatch):
 
 # ---- the Hopper dK/dV kernel at head dim 256 (cuda_backward_hopper_d256.cuh), forced with
 # "hopper": 64 keys a CTA, the warpgroups splitting the query rows of S^T and dP^T and the
-# columns of dK, dV and dQ; dQ fused (fp32 atomics); batch layout. Other calls at 256
-# (packed, deterministic, logit features) take the pipelined backward.
+# columns of dK, dV and dQ; dQ fused (fp32 atomics), or from the pipelined dQ kernel for
+# deterministic calls and "hopper_dq_separate"; batch layout. Other calls at 256 (packed,
+# logit features) take the pipelined backward.
 
 def backward_kernel_names(fn):
     """Names of the attention dK/dV kernels `fn`'s backward launches (torch profiler)."""
@@ -1280,8 +1281,8 @@ def backward_kernel_names(fn):
 
 @pytest.mark.parametrize("case_kind", ["batch", "varlen", "deterministic", "default"])
 def test_hopper256_backward_selects_the_kernel(case_kind, monkeypatch):
-    """"hopper" at head dim 256 runs the head-dim-256 Hopper kernel on batch calls; a
-    packed or deterministic call, and the default backward, run the pipelined one."""
+    """"hopper" at head dim 256 runs the head-dim-256 Hopper kernel on batch calls (without
+    dQ when deterministic); a packed call, and the default backward, run the pipelined one."""
     case = gpu_case(B=2, Sq=300, Sk=300, Hq=4, Hkv=2, D=256, seed=7)
     q, k, v = (case[n].detach().requires_grad_() for n in ("q", "k", "v"))
     if case_kind == "varlen":
@@ -1292,8 +1293,11 @@ def test_hopper256_backward_selects_the_kernel(case_kind, monkeypatch):
         fwd = lambda: flash_attn_func(q, k, v, deterministic=case_kind == "deterministic")  # noqa: E731
     own_backward(monkeypatch, "auto" if case_kind == "default" else "hopper")
     names = backward_kernel_names(lambda: fwd().sum().backward())
-    hopper256 = any("dkdv_hopper256" in n for n in names)
-    assert hopper256 == (case_kind == "batch"), names
+    fused = any(re.search(r"dkdv_hopper256_kernel<[^,<>]*, ?true>|dkdv_hopper256_kernelI\w*?Lb1E", n)
+                for n in names)
+    separate = any(re.search(r"dkdv_hopper256_kernel<[^,<>]*, ?false>|dkdv_hopper256_kernelI\w*?Lb0E", n)
+                   for n in names)
+    assert fused == (case_kind == "batch") and separate == (case_kind == "deterministic"), names
     assert names, "no dK/dV kernel ran"
 
 
@@ -1319,6 +1323,25 @@ def test_hopper256_backward_features(feature, Sq, Sk, monkeypatch):
     check_case(case, **opts)
     if "causal" not in opts and "window_size" not in opts:
         check_case(case, causal=True, **opts)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000)])
+def test_hopper256_backward_dq_separate(Sq, Sk, causal, monkeypatch):
+    """The head-dim-256 Hopper kernel without dQ ("hopper_dq_separate"; dQ from the
+    pipelined dQ kernel), GQA, against the fp32 reference; deterministic calls take the
+    same form and give the same bits twice."""
+    own_backward(monkeypatch, "hopper_dq_separate")
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=256, seed=Sq + 2 * Sk + 256)
+    check_case(case, causal=causal)
+    own_backward(monkeypatch, "hopper")
+    inputs = [case["q"], case["k"], case["v"]]
+    runs = []
+    for _ in range(2):
+        out = flash_attn_func(case["q"], case["k"], case["v"], causal=causal, deterministic=True)
+        runs.append(torch.autograd.grad(out, inputs, torch.ones_like(out)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def test_hopper256_backward_large_and_multi_block(monkeypatch):

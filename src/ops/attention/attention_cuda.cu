@@ -367,6 +367,7 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
   variant.hopper_tma = std::strcmp(kernel, kOwnBackwardHopper) == 0;
   variant.hopper = variant.hopper_tma || std::strcmp(kernel, kOwnBackwardHopperDqSeparate) == 0 ||
                    std::strcmp(kernel, kOwnBackwardHopperCpAsync) == 0;
+  variant.hopper256 = variant.hopper && hopper256_backward_serves(a, k);
   if (variant.hopper) cuda::require_hopper(device);
   const bool pipelined_backward = std::strcmp(kernel, "basic") != 0;
   if (a.q.dtype == DType::F16) cuda::run_backward_f16(l, k, pipelined_backward, variant);

@@ -1,5 +1,5 @@
-// Hopper dK/dV kernel at head dim 256, dQ fused (sm_90a; batch layout, no
-// logit features). At 256 the head-dim-128 kernel's split (each warpgroup 64
+// Hopper dK/dV kernel at head dim 256, dQ fused or from the pipelined dQ
+// kernel (sm_90a; batch layout, no logit features). At 256 the head-dim-128 kernel's split (each warpgroup 64
 // keys with all of dK and dV) would hold 256 fp32 accumulators a thread, so
 // the warpgroups split the other way: one CTA per 64 keys of one (batch
 // entry, kv head), and per 64-row query tile
@@ -8,9 +8,9 @@
 //   P^T, dS^T:  both halves to shared memory (one barrier of the two);
 //   dV, dK:     each warpgroup the 64 keys x its 128 of the 256 columns,
 //               P^T dO and dS^T Q, both operands in shared memory;
-//   dQ:         each warpgroup the 64 rows x its 128 columns, dS K, added to
-//               the fp32 workspace with atomics (staging it would pass the
-//               227 KiB a CTA gets).
+//   dQ:         (kFuseDq) each warpgroup the 64 rows x its 128 columns, dS K,
+//               added to the fp32 workspace with atomics (staging it would
+//               pass the 227 KiB a CTA gets).
 // A third warpgroup feeds K and V once and the Q/dO tiles into two buffers
 // by TMA, as in the head-dim-128 kernel (cuda_backward_hopper.cuh), whose
 // rules it follows: P from the forward's lse, dS = P (dP - delta) scale.
@@ -94,7 +94,9 @@ __host__ __device__ __forceinline__ int dq_col_of(int tid, int i) {
 }
 }  // namespace hopper256
 
-template <class T>
+// kFuseDq: dQ here (atomics); else the pipelined dQ kernel computes it (no
+// atomics: deterministic calls take that form).
+template <class T, bool kFuseDq>
 __global__ void __launch_bounds__(384, 1)
     attention_bwd_dkdv_hopper256_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
   using namespace cute;
@@ -302,19 +304,25 @@ __global__ void __launch_bounds__(384, 1)
     for (int kb = 0; kb < size<2>(tDrdSt); ++kb) gemm(mma_dkv, tDrdSt(_, _, kb), tDrQt(_, _, kb, buf), tDrdK);
     warpgroup_commit_batch();
     // dQ = dS K (this warpgroup's 128 columns) behind them.
-    warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);  // waits for every group
+    if constexpr (kFuseDq) {
+      warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);  // waits for every group
+    } else {
+      warpgroup_wait<0>();
+    }
     warpgroup_fence_operand(tDrdV);
     warpgroup_fence_operand(tDrdK);
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + buf);  // this warp is done with Q/dO buffer `buf`
 
-    float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh;
+    if constexpr (kFuseDq) {
+      float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh;
 #pragma unroll
-    for (int i = 0; i < 64; i += 2) {
-      const int r = key_of(tid, i);  // dQ's rows follow the keys' pattern (see hopper256)
-      if (m0 + r < seq.sq)
-        atomicAdd(reinterpret_cast<float2*>(out + r * p.dqa_sr + dq_col_of(tid, i)),
-                  make_float2(tQrdQ(i), tQrdQ(i + 1)));
+      for (int i = 0; i < 64; i += 2) {
+        const int r = key_of(tid, i);  // dQ's rows follow the keys' pattern (see hopper256)
+        if (m0 + r < seq.sq)
+          atomicAdd(reinterpret_cast<float2*>(out + r * p.dqa_sr + dq_col_of(tid, i)),
+                    make_float2(tQrdQ(i), tQrdQ(i + 1)));
+      }
     }
 
     // The next tile's statistics (buffer buf ^ 1 was consumed before this

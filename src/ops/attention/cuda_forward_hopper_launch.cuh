@@ -226,11 +226,11 @@ void dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
   }
   fuse_dq ? dkdv_hopper<T, DB, true>(l, p, no_maps) : dkdv_hopper<T, DB, false>(l, p, no_maps);
 }
-// Head dim 256 (dQ fused, batch layout, every tensor addressable by TMA:
-// backward_fuses_dq admits only such calls there): its own kernel, 64 keys a
-// CTA, K/V boxes of 64 rows.
+// Head dim 256 (the batch layout, every tensor addressable by TMA:
+// hopper256_backward_serves admits only such calls): its own kernel, 64 keys a
+// CTA, K/V boxes of 64 rows, dQ fused or from the pipelined dQ kernel.
 template <class T>
-void dkdv_hopper256(const Launch& l, const KArgs& p) {
+void dkdv_hopper256(const Launch& l, const KArgs& p, bool fuse_dq) {
   using C = HopperDkv256Config<T>;
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   BwdTmaMaps maps{};
@@ -243,13 +243,18 @@ void dkdv_hopper256(const Launch& l, const KArgs& p) {
       encode_rows_map(&maps.v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, 64, 256);
   if (!encoded)  // the call was admitted by hopper256_backward_serves: a broken promise
     throw InvalidArgument("attention: the Hopper backward at head dim 256 could not address this call by TMA");
-  static ReadyDevices ready{0};
-  launch(l, attention_bwd_dkdv_hopper256_kernel<T>, dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch), 384,
-         C::kSmem, p, "dkdv_hopper256", 256, ready, maps);
+  static ReadyDevices ready{0}, ready_dq{0};
+  const dim3 grid(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch);
+  if (fuse_dq)
+    launch(l, attention_bwd_dkdv_hopper256_kernel<T, true>, grid, 384, C::kSmem, p, "dkdv_hopper256_dq", 256,
+           ready_dq, maps);
+  else
+    launch(l, attention_bwd_dkdv_hopper256_kernel<T, false>, grid, 384, C::kSmem, p, "dkdv_hopper256", 256, ready,
+           maps);
 }
 template <class T>
 void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
-  if (p.d == 256) return dkdv_hopper256<T>(l, p);
+  if (p.d == 256) return dkdv_hopper256<T>(l, p, fuse_dq);
   p.d == 64 ? dkdv_hopper_dim<T, 64>(l, p, fuse_dq, tma) : dkdv_hopper_dim<T, 128>(l, p, fuse_dq, tma);
 }
 

@@ -47,6 +47,9 @@ struct BackwardVariant {
   // hopper_tma (= hopper): then fed by TMA where the call allows it.
   bool hopper = false;
   bool hopper_tma = false;
+  // With `hopper` at head dim 256: the call suits that head dim's kernel
+  // (cuda_backward_hopper_d256.cuh; the batch layout, TMA-addressable).
+  bool hopper256 = false;
 };
 
 // Whether a call uses a logit feature (bias, mask, ALiBi, softcap, dropout):
@@ -228,8 +231,9 @@ void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant
     else dq_pipelined<T, DB, false>(l, p, variant.dq16);
   }
   if (p.seqlen_k > 0) {
-    if constexpr (shared_dkdv_serves(DB)) {
-      if (variant.hopper && !features) return run_dkdv_hopper(l, p, std::is_same_v<T, __half>, false, false);
+    if constexpr (shared_dkdv_serves(DB) || DB == 256) {
+      if (variant.hopper && !features && (DB != 256 || variant.hopper256))
+        return run_dkdv_hopper(l, p, std::is_same_v<T, __half>, false, false);
     }
     if (features) dkdv_pipelined<T, DB, true>(l, p, variant);
     else dkdv_pipelined<T, DB, false>(l, p, variant);
