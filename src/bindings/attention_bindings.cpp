@@ -306,10 +306,10 @@ SYMHEAP_BINDINGS(attention) {
   m.def("attention_own_backward_kernel", [](int head_dim) { return std::string(own_backward_kernel(head_dim)); },
         py::arg("head_dim"));
   m.attr("attention_own_backward_env") = kOwnBackwardEnv;
-  // The head dims whose default backward is "hopper" where the Hopper kernels are built.
-  m.attr("attention_hopper_backward_default_head_dims") =
-      py::tuple(py::cast(std::vector<int>(std::begin(kHopperBackwardDefaultHeadDims),
-                                          std::end(kHopperBackwardDefaultHeadDims))));
+  // {head dim: the default backward's Hopper kernels there} where they are built.
+  py::dict hopper_defaults;
+  for (const HopperBackwardDefault& d : kHopperBackwardDefaults) hopper_defaults[py::int_(d.head_dim)] = d.kernel;
+  m.attr("attention_hopper_backward_defaults") = hopper_defaults;
   // The backward's kernels for one call that fuses dQ or not.
   m.def("attention_backward_kernel_for_call",
         [](int head_dim, bool dq_fused) {

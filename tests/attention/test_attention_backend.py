@@ -138,7 +138,8 @@ def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
                                  "hopper", "hopper_dq_separate", "hopper_cp_async"])
 def test_own_backward_kernel_choice(monkeypatch, env):
     """The backward's kernels (dQ and dK/dV): pipelined for head dims 64, 128
-    and 256 (the Hopper dK/dV kernel at 128 where it is built) unless
+    and 256 (where they are built, the Hopper dK/dV kernels: with dQ fused at
+    64 and 128, without at 256) unless
     SYMHEAP_ATTN_OWN_BACKWARD forces the basic ones (or the pipelined ones
     with the 16-row dQ kernel, the 32-row dK/dV kernel, the 64-row dK/dV
     kernel without shared fragments, dQ fused into the dK/dV kernel or
@@ -155,12 +156,13 @@ def test_own_backward_kernel_choice(monkeypatch, env):
         variants = ("pipelined_dq16", "pipelined_dkdv32", "pipelined_dkdv_unshared",
                     "pipelined_dq_fused", "pipelined_dq_separate", "hopper", "hopper_dq_separate",
                     "hopper_cp_async")
-        hopper_default = (_core.attention_hopper_forward_status()[0]
-                          and d in _core.attention_hopper_backward_default_head_dims)
-        pipelined = env if env in variants else "hopper" if hopper_default else "pipelined"
+        hopper_default = (_core.attention_hopper_backward_defaults.get(d)
+                          if _core.attention_hopper_forward_status()[0] else None)
+        pipelined = env if env in variants else hopper_default or "pipelined"
         want = pipelined if d in (64, 128, 256) and env != "basic" else "basic"
         assert _core.attention_own_backward_kernel(d) == want, d
-    assert _core.attention_hopper_backward_default_head_dims == (64, 128)
+    assert _core.attention_hopper_backward_defaults == {64: "hopper", 128: "hopper",
+                                                        256: "hopper_dq_separate"}
     monkeypatch.setenv(name, "fast")
     with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_BACKWARD must be 'auto', 'basic', "
                        "'pipelined_dq16', 'pipelined_dkdv32', 'pipelined_dkdv_unshared', "

@@ -919,8 +919,8 @@ def test_pipelined_output_strides(monkeypatch, fwd):
 
 def own_backward(monkeypatch, kernel):
     """Forces the own kernels and the backward kernels ("auto" = the default:
-    the Hopper dK/dV kernel with dQ fused at head dims 64 and 128, pipelined
-    at 256, "basic", "pipelined_dq16" = pipelined with the 16-row
+    the Hopper dK/dV kernel with dQ fused at head dims 64 and 128, the
+    head-dim-256 one without dQ at 256, "basic", "pipelined_dq16" = pipelined with the 16-row
     dQ kernel, "pipelined_dkdv32" = with the dK/dV kernel of 32-row query
     tiles, "pipelined_dkdv_unshared" = with the dK/dV kernel of 64-row tiles
     whose warps each read every Q/dO fragment, "pipelined_dq_fused" = dQ
@@ -933,9 +933,10 @@ def own_backward(monkeypatch, kernel):
     choice is what the test expects."""
     monkeypatch.setenv("SYMHEAP_ATTN_BACKEND", "own")
     monkeypatch.setenv(_core.attention_own_backward_env, kernel)
-    hopper_dims = _core.attention_hopper_backward_default_head_dims
+    hopper_defaults = _core.attention_hopper_backward_defaults
     for d in PIPELINED_DIMS:
-        default = "hopper" if d in hopper_dims and _core.attention_hopper_forward_status()[0] else "pipelined"
+        built = _core.attention_hopper_forward_status()[0]
+        default = hopper_defaults.get(d, "pipelined") if built else "pipelined"
         assert _core.attention_own_backward_kernel(d) == (default if kernel == "auto" else kernel)
     for d in (40, 96, 192):
         assert _core.attention_own_backward_kernel(d) == "basic"
@@ -1262,11 +1263,11 @@ def test_hopper_backward_tma_packed_takes_nothing_of_the_next(D, monkeypatch):
             assert max_err(g[200:], a) <= 1e-2 * max(1.0, a.float().abs().max().item()), (causal, name)
 
 
-# ---- the Hopper dK/dV kernel at head dim 256 (cuda_backward_hopper_d256.cuh), forced with
-# "hopper": 64 keys a CTA, the warpgroups splitting the query rows of S^T and dP^T and the
-# columns of dK, dV and dQ; dQ fused (fp32 atomics), or from the pipelined dQ kernel for
-# deterministic calls and "hopper_dq_separate"; batch layout. Other calls at 256 (packed,
-# logit features) take the pipelined backward.
+# ---- the Hopper dK/dV kernel at head dim 256 (cuda_backward_hopper_d256.cuh), the default
+# there without dQ (dQ from the pipelined dQ kernel, as for "hopper_dq_separate" and
+# deterministic calls) and forced with "hopper" with dQ fused (fp32 atomics): 64 keys a CTA,
+# the warpgroups splitting the query rows of S^T and dP^T and the columns of dK, dV and dQ;
+# batch layout. Other calls at 256 (packed, logit features) take the pipelined backward.
 
 def backward_kernel_names(fn):
     """Names of the attention dK/dV kernels `fn`'s backward launches (torch profiler)."""
@@ -1282,7 +1283,8 @@ def backward_kernel_names(fn):
 @pytest.mark.parametrize("case_kind", ["batch", "varlen", "deterministic", "default"])
 def test_hopper256_backward_selects_the_kernel(case_kind, monkeypatch):
     """"hopper" at head dim 256 runs the head-dim-256 Hopper kernel on batch calls (without
-    dQ when deterministic); a packed call, and the default backward, run the pipelined one."""
+    dQ when deterministic); the default runs it without dQ; a packed call runs the
+    pipelined one."""
     case = gpu_case(B=2, Sq=300, Sk=300, Hq=4, Hkv=2, D=256, seed=7)
     q, k, v = (case[n].detach().requires_grad_() for n in ("q", "k", "v"))
     if case_kind == "varlen":
@@ -1297,7 +1299,8 @@ def test_hopper256_backward_selects_the_kernel(case_kind, monkeypatch):
                 for n in names)
     separate = any(re.search(r"dkdv_hopper256_kernel<[^,<>]*, ?false>|dkdv_hopper256_kernelI\w*?Lb0E", n)
                    for n in names)
-    assert fused == (case_kind == "batch") and separate == (case_kind == "deterministic"), names
+    assert fused == (case_kind == "batch"), names
+    assert separate == (case_kind in ("deterministic", "default")), names
     assert names, "no dK/dV kernel ran"
 
 
@@ -1354,13 +1357,14 @@ def test_hopper256_backward_large_and_multi_block(monkeypatch):
         own_backward(monkeypatch, "hopper")
         check_case(case, causal=causal)
         grads = {}
-        for kernel in ("hopper", "auto"):
+        pipelined = "pipelined_dq_separate"  # the pipelined kernels at 256
+        for kernel in ("hopper", pipelined):
             own_backward(monkeypatch, kernel)
             out = flash_attn_func(case["q"], case["k"], case["v"], causal=causal)
             grads[kernel] = torch.autograd.grad(out, inputs, torch.ones_like(out))
         for n, name in enumerate(["dq", "dk", "dv"]):
-            scale = grads["auto"][n].float().abs().max().item()
-            assert max_err(grads["hopper"][n], grads["auto"][n]) <= 2 ** -6 * scale, (causal, name)
+            scale = grads[pipelined][n].float().abs().max().item()
+            assert max_err(grads["hopper"][n], grads[pipelined][n]) <= 2 ** -6 * scale, (causal, name)
 
 
 @pytest.mark.parametrize("D", SHARED_DKDV_DIMS)

@@ -20,7 +20,7 @@
 // Shared memory: the 128-byte swizzled layouts of cuda_forward_hopper.cuh,
 // every element placed through a CuTe tensor (hopper::at).
 // The default at head dims 64 and 128 with dQ fused
-// (kHopperBackwardDefaultHeadDims): at 128 7-9% faster than the
+// (kHopperBackwardDefaults): at 128 7-9% faster than the
 // shared-fragment kernel on H100 once the spills went from 772 to 40 bytes a
 // thread, at 64 once fed by TMA; slower without dQ fused (bench/attn_notes.md,
 // sections 15, 16 and 20).

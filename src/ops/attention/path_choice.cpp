@@ -118,7 +118,8 @@ const char* own_forward_kernel(int head_dim) {
 }
 const char* own_backward_kernel(int head_dim) {
 #ifdef SYMHEAP_WITH_HOPPER_ATTN
-  const char* by_default = hopper_backward_by_default(head_dim) ? kOwnBackwardHopper : "pipelined";
+  const char* hopper = hopper_backward_default(head_dim);
+  const char* by_default = hopper ? hopper : "pipelined";
 #else
   const char* by_default = "pipelined";
 #endif

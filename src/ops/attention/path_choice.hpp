@@ -105,8 +105,10 @@ inline constexpr const char* kOwnBackwardDqSeparate = "pipelined_dq_separate";
 // = "hopper_dq_separate": the same kernel with dQ always from the pipelined
 // dQ kernel. With dQ fused (packed calls too), a producer warpgroup feeds it
 // by TMA; = "hopper_cp_async" forces the kernel fed by its own cp.async
-// copies there (the same dK and dV bits). Elsewhere they run as the default.
-// They need the Hopper build and device, as the Hopper forward.
+// copies there (the same dK and dV bits). At head dim 256 both run the
+// kernel of cuda_backward_hopper_d256.cuh on batch calls TMA can address
+// (there is no cp.async-fed form: "hopper_cp_async" runs it without dQ).
+// Elsewhere they run the pipelined kernels. They need the Hopper build and device, as the Hopper forward.
 inline constexpr const char* kOwnBackwardHopper = "hopper";
 inline constexpr const char* kOwnBackwardHopperDqSeparate = "hopper_dq_separate";
 inline constexpr const char* kOwnBackwardHopperCpAsync = "hopper_cp_async";
@@ -114,17 +116,28 @@ inline constexpr const char* kOwnBackwardHopperCpAsync = "hopper_cp_async";
 // at the head dims of shared_dkdv_serves without logit features. Never for
 // deterministic calls: the fp32 atomics of the fused dQ have no fixed order.
 inline constexpr bool kDqFusedByDefault = true;
-// The default at these head dims where the Hopper kernels are built: "hopper"
-// (with dQ fused and fed by TMA, fwd+bwd 1.22-1.28x the cp.async-fed form at
-// 128, which was 7-9% faster than the shared-fragment kernel on H100; at 64
-// 1.01-1.11x the shared-fragment kernel on H200). A call that cannot fuse dQ
-// (deterministic, logit features, no room for the accumulator) runs the
-// pipelined kernels then: see backward_kernel_for_call.
-inline constexpr int kHopperBackwardDefaultHeadDims[] = {64, 128};
-inline constexpr bool hopper_backward_by_default(int head_dim) {
-  for (int d : kHopperBackwardDefaultHeadDims)
-    if (d == head_dim) return true;
-  return false;
+// The default backward where the Hopper kernels are built, per head dim:
+// "hopper" at 64 and 128 (dQ fused and fed by TMA; fwd+bwd 1.22-1.28x the
+// cp.async-fed form at 128, which was 7-9% faster than the shared-fragment
+// kernel on H100; at 64 0.96-1.11x the shared-fragment kernel on H200);
+// "hopper_dq_separate" at 256 (the head-dim-256 dK/dV kernel, dQ from the
+// pipelined dQ kernel: fwd+bwd 1.5-1.8x the pipelined backward on H200, and
+// 5-10% faster than its form with dQ fused by fp32 atomics). A call that
+// cannot fuse dQ (deterministic, logit features, no room for the accumulator)
+// runs the pipelined kernels at 64 and 128: see backward_kernel_for_call; at
+// 256 one the head-dim-256 kernel cannot take (packed, logit features, rows
+// TMA cannot address) runs the pipelined ones.
+struct HopperBackwardDefault {
+  int head_dim;
+  const char* kernel;
+};
+inline constexpr HopperBackwardDefault kHopperBackwardDefaults[] = {
+    {64, kOwnBackwardHopper}, {128, kOwnBackwardHopper}, {256, kOwnBackwardHopperDqSeparate}};
+// The default's Hopper kernel at this head dim, nullptr where it is pipelined.
+constexpr const char* hopper_backward_default(int head_dim) {
+  for (const HopperBackwardDefault& d : kHopperBackwardDefaults)
+    if (d.head_dim == head_dim) return d.kernel;
+  return nullptr;
 }
 const char* own_backward_kernel(int head_dim);
 // `kernel` (own_backward_kernel's choice) for one call, given whether that
