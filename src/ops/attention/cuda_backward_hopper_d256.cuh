@@ -16,7 +16,7 @@
 // rules it follows: P from the forward's lse, dS = P (dP - delta) scale.
 // Shared memory: K, V 32 KiB each, Q, dO 2 x 32 KiB each, P^T and dS 8 KiB
 // each: 208 KiB. The default backward at 256 is the form without dQ
-// (kHopperBackwardDefaults): faster than fusing dQ by atomics there.
+// (kHopperBackwardDefaults).
 #pragma once
 #include "ops/attention/cuda_backward_hopper.cuh"
 

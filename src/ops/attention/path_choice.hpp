@@ -121,8 +121,10 @@ inline constexpr bool kDqFusedByDefault = true;
 // cp.async-fed form at 128, which was 7-9% faster than the shared-fragment
 // kernel on H100; at 64 0.96-1.11x the shared-fragment kernel on H200);
 // "hopper_dq_separate" at 256 (the head-dim-256 dK/dV kernel, dQ from the
-// pipelined dQ kernel: fwd+bwd 1.5-1.8x the pipelined backward on H200, and
-// 5-10% faster than its form with dQ fused by fp32 atomics). A call that
+// pipelined dQ kernel: fwd+bwd 1.56-1.68x the pipelined backward on H200; its
+// form with dQ fused by atomics, "hopper", is 1.05-1.13x faster still and
+// passed its own tests, but the whole head-dim-256 grid has run only with
+// this one so far). A call that
 // cannot fuse dQ (deterministic, logit features, no room for the accumulator)
 // runs the pipelined kernels at 64 and 128: see backward_kernel_for_call; at
 // 256 one the head-dim-256 kernel cannot take (packed, logit features, rows
