@@ -115,18 +115,14 @@ long canonical_sw128_mn(int m, int k) {
   return (k / 8) * 1024L + (k % 8) * 128 + (((m / 8) ^ (k % 8)) * 16) + (m % 8) * 2;
 }
 
-// The backward's dK/dV kernel (cuda_backward_hopper.cuh): placement of K, V,
-// Q, dO (and their transposed views) and dS; S^T, dP^T, P^T / dS^T operands,
-// dV / dK and dQ coordinates as the kernel's index arithmetic names them.
-template <class T, int DB>
-void check_backward_config(const char* name) {
+// K, V, Q, dO (and their transposed views) and dS (dS^T; P too at head dim
+// 256) of a dK/dV kernel's config C placed in the canonical 128-byte swizzle
+// (the failure names DB: 64 and 128 for cuda_backward_hopper.cuh, 256 for
+// cuda_backward_hopper_d256.cuh).
+template <class C, int DB, class E>
+void check_backward_placement(E* base) {
   using namespace cute;
-  using C = symheap::attention::cuda::HopperDkvConfig<T, DB>;
-  using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN;
-  const int failed_before = g_failed, checks_before = g_checks;
-  alignas(1024) static unsigned char buf[1 << 20];
-  E* base = reinterpret_cast<E*>(buf);
   Tensor sK = make_tensor(make_smem_ptr(base), typename C::SmemKV{});
   Tensor sKt = make_tensor(make_smem_ptr(base), typename C::SmemKt{});
   Tensor sQ = make_tensor(make_smem_ptr(base), typename C::SmemQ{});
@@ -151,6 +147,21 @@ void check_backward_config(const char* name) {
       check(byte_offset(sdS, base, q, k) == canonical_sw128_mn(q, k) &&
                 byte_offset(sdSt, base, k, q) == canonical_sw128_mn(q, k),
             "bwd dS (and dS^T) placement", DB, q, k, 0);
+}
+
+// The backward's dK/dV kernel (cuda_backward_hopper.cuh): placement of K, V,
+// Q, dO (and their transposed views) and dS; S^T, dP^T, P^T / dS^T operands,
+// dV / dK and dQ coordinates as the kernel's index arithmetic names them.
+template <class T, int DB>
+void check_backward_config(const char* name) {
+  using namespace cute;
+  using C = symheap::attention::cuda::HopperDkvConfig<T, DB>;
+  using E = typename C::E;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN;
+  const int failed_before = g_failed, checks_before = g_checks;
+  alignas(1024) static unsigned char buf[1 << 20];
+  E* base = reinterpret_cast<E*>(buf);
+  check_backward_placement<C, DB>(base);
 
   typename C::MmaSdP mma_sdp;
   typename C::MmaDkv mma_dkv;
@@ -280,30 +291,12 @@ void check_backward256_config(const char* name) {
   const int failed_before = g_failed, checks_before = g_checks;
   alignas(1024) static unsigned char buf[1 << 20];
   E* base = reinterpret_cast<E*>(buf);
+  check_backward_placement<C, DB>(base);
   Tensor sK = make_tensor(make_smem_ptr(base), typename C::SmemKV{});
-  Tensor sKt = make_tensor(make_smem_ptr(base), typename C::SmemKt{});
   Tensor sQ = make_tensor(make_smem_ptr(base), typename C::SmemQ{});
-  Tensor sQt = make_tensor(make_smem_ptr(base), typename C::SmemQt{});
   Tensor sdS = make_tensor(make_smem_ptr(base), typename C::SmemDs{});
-  Tensor sdSt = make_tensor(make_smem_ptr(base), typename C::SmemDst{});
-  for (int r = 0; r < BN; ++r)
-    for (int c = 0; c < DB; ++c) {
-      const long want = canonical_sw128(r, c, BN, DB, 0);
-      check(byte_offset(sK, base, r, c) == want, "bwd256 K placement", DB, r, c, 0);
-      check(byte_offset(sKt, base, c, r) == want, "bwd256 K^T is K transposed", DB, r, c, 0);
-    }
-  for (int s = 0; s < 2; ++s)
-    for (int r = 0; r < BM; ++r)
-      for (int c = 0; c < DB; ++c) {
-        const long want = canonical_sw128(r, c, BM, DB, s);
-        check(byte_offset(sQ, base, r, c, s) == want, "bwd256 Q/dO placement", DB, r, c, s);
-        check(byte_offset(sQt, base, c, r, s) == want, "bwd256 Q^T/dO^T is Q/dO transposed", DB, r, c, s);
-      }
   for (int q = 0; q < BM; ++q)
     for (int k = 0; k < BN; ++k) {
-      check(byte_offset(sdS, base, q, k) == canonical_sw128_mn(q, k) &&
-                byte_offset(sdSt, base, k, q) == canonical_sw128_mn(q, k),
-            "bwd256 P/dS (and transposed) placement", DB, q, k, 0);
       if (q % 2 == 0)
         check(byte_offset(sdS, base, q + 1, k) == byte_offset(sdS, base, q, k) + 2 &&
                   byte_offset(sdS, base, q, k) % 4 == 0,

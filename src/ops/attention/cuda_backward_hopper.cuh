@@ -53,9 +53,41 @@ __device__ __forceinline__ void bar_arrive(int id) {
 }
 }  // namespace hopper
 
+// The dK/dV kernels' shared tiles, in the 128-byte swizzle of the wgmma
+// operands: K and V (kBN x kDB), K^T (the same bytes seen as kDB x kBN); Q and
+// dO (kBM x kDB, two buffers each) and their transposes; dS (and P at head dim
+// 256) as kBM x kBN with the rows contiguous (one MN-major atom of 64 rows),
+// dS^T the same bytes seen as kBN x kBM.
+template <class E, int kBN, int kBM, int kDB>
+struct HopperDkvTiles {
+  using SmemKV = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{},
+                                              cute::Shape<cute::Int<kBN>, cute::Int<kDB>>{}));
+  using SmemKt = decltype(cute::composition(
+      SmemKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kDB>, cute::Int<kBN>>{},
+                                          cute::Step<cute::_2, cute::_1>{})));
+  using SmemQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{},
+                                             cute::Shape<cute::Int<kBM>, cute::Int<kDB>, cute::_2>{}));
+  using SmemQt = decltype(cute::composition(
+      SmemQ{}, cute::make_ordered_layout(cute::Shape<cute::Int<kDB>, cute::Int<kBM>, cute::_2>{},
+                                         cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemDs = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{},
+                                              cute::Shape<cute::Int<kBM>, cute::Int<kBN>>{}));
+  using SmemDst = decltype(cute::composition(
+      SmemDs{}, cute::make_ordered_layout(cute::Shape<cute::Int<kBN>, cute::Int<kBM>>{},
+                                          cute::Step<cute::_2, cute::_1>{})));
+
+  static constexpr int kKVElems = cute::cosize_v<SmemKV>;
+  static constexpr int kQElems = cute::cosize_v<SmemQ>;
+  static constexpr int kDsElems = cute::cosize_v<SmemDs>;
+  static_assert((kKVElems * sizeof(E)) % 1024 == 0 && (kQElems * sizeof(E)) % 1024 == 0 &&
+                    (kDsElems * sizeof(E)) % 1024 == 0,
+                "1024-byte tiles");
+};
+
 template <class T, int DB>
-struct HopperDkvConfig {
+struct HopperDkvConfig : HopperDkvTiles<typename hopper::CuteType<T>::type, 128, 64, DB> {
   static_assert(DB == 64 || DB == 128, "the Hopper backward serves head dims 64 and 128");
+  using Tiles = HopperDkvTiles<typename hopper::CuteType<T>::type, 128, 64, DB>;
   using E = typename hopper::CuteType<T>::type;
   static constexpr int kBlockN = 128;  // keys per CTA
   static constexpr int kBlockM = 64;   // query rows per tile
@@ -87,30 +119,8 @@ struct HopperDkvConfig {
       cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, cute::_64, BN>, K::MN, K::MN>(),
       cute::Layout<cute::Shape<cute::_1, cute::Int<kDqWarpgroups>, cute::_1>>{}));
 
-  using SmemKV = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BN, D>{}));
-  // K^T: the same bytes seen as DB x BN.
-  using SmemKt = decltype(cute::composition(
-      SmemKV{}, cute::make_ordered_layout(cute::Shape<D, BN>{}, cute::Step<cute::_2, cute::_1>{})));
-  // Q and dO: two buffers each.
-  using SmemQ =
-      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BM, D, cute::_2>{}));
-  using SmemQt = decltype(cute::composition(
-      SmemQ{}, cute::make_ordered_layout(cute::Shape<D, BM, cute::_2>{},
-                                         cute::Step<cute::_2, cute::_1, cute::_3>{})));
-  // dS as BM x BN with the rows contiguous (64 of them: one MN-major atom).
-  using SmemDs =
-      decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{}, cute::Shape<BM, BN>{}));
-  // dS^T: the same bytes seen as BN x BM.
-  using SmemDst = decltype(cute::composition(
-      SmemDs{}, cute::make_ordered_layout(cute::Shape<BN, BM>{}, cute::Step<cute::_2, cute::_1>{})));
-
-  static constexpr int kKVElems = cute::cosize_v<SmemKV>;
-  static constexpr int kQElems = cute::cosize_v<SmemQ>;
-  static constexpr int kDsElems = cute::cosize_v<SmemDs>;
-  static_assert((kKVElems * sizeof(E)) % 1024 == 0 && (kQElems * sizeof(E)) % 1024 == 0 &&
-                    (kDsElems * sizeof(E)) % 1024 == 0,
-                "1024-byte tiles");
-  static constexpr size_t kSmemTiles = sizeof(E) * (2 * kKVElems + 2 * kQElems + kDsElems);
+  static constexpr size_t kSmemTiles =
+      sizeof(E) * (2 * Tiles::kKVElems + 2 * Tiles::kQElems + Tiles::kDsElems);
   // + lse and delta, two buffers of BM floats each; + the TMA kernel's five
   // mbarriers; + 1024 for the alignment.
   static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 5 * sizeof(uint64_t) + 1024;
@@ -156,6 +166,93 @@ template <bool kRead>
 __device__ __forceinline__ void bulk_wait_all() {
   if constexpr (kRead) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
   else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+// The dK/dV kernels' statistics of query row i of head hq (of sequence `seq`
+// of batch entry b): lse in log2 units, +inf where the row is past the end or
+// sees no key (its P is then 0), and delta.
+__device__ __forceinline__ void row_stats(const KArgs& p, const Seq& seq, int b, int hq, int i, float* lse2,
+                                          float* delta) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  *lse2 = INFINITY;
+  *delta = 0.0f;
+  if (i < seq.sq) {
+    const float x = p.lse[b * p.lse_sb + hq * p.lse_sh + seq.q0 + i];
+    if (x != -INFINITY) *lse2 = x * kLog2e;
+    *delta = p.delta[b * p.delta_sb + hq * p.delta_sh + seq.q0 + i];
+  }
+}
+
+// The TMA-fed dK/dV kernels' mbarriers: K and V landed (kv_full), Q/dO buffer
+// i landed (full[i]) and released by the consumers' `consumer_warps` warps
+// (empty[i]); then every thread of the CTA sees them.
+__device__ __forceinline__ void init_tile_barriers(uint64_t* kv_full, uint64_t* full, uint64_t* empty,
+                                                   int consumer_warps) {
+  if (threadIdx.x == 0) {
+    mbar_init(kv_full, 1);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, consumer_warps);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+}
+
+// The producer thread of a TMA-fed dK/dV kernel: K and V of the block (BN
+// rows from map row k_row) once, then tile it's Q and dO (BM rows from map
+// row q_row(it), head head(it)) into buffer it % 2 once both consumer
+// warpgroups released that buffer's previous tile; DB / 64 boxes a row.
+template <int BN, int BM, int DB, class E, class SKV, class SQ, class QRow, class Head>
+__device__ __forceinline__ void produce_tiles(const BwdTmaMaps& maps, SKV& sK, SKV& sV, SQ& sQ, SQ& sdO,
+                                              uint64_t* kv_full, uint64_t* full, uint64_t* empty, int k_row,
+                                              int hk, int map_b, int n_tiles, QRow q_row, Head head) {
+  constexpr uint32_t kBoxRow = 64 * sizeof(E);  // bytes of a box row
+  constexpr int kBoxes = DB / 64;
+  mbar_arrive_expect_tx(kv_full, 2 * kBoxes * BN * kBoxRow);
+  for (int h = 0; h < kBoxes; ++h) {
+    tma_load_4d(at(sK, 0, 64 * h), &maps.k, kv_full, 64 * h, k_row, hk, map_b);
+    tma_load_4d(at(sV, 0, 64 * h), &maps.v, kv_full, 64 * h, k_row, hk, map_b);
+  }
+  for (int it = 0; it < n_tiles; ++it) {
+    const int buf = it & 1;
+    // Both consumer warpgroups are done with tile it - 2, the buffer's last.
+    if (it >= 2) mbar_wait(empty + buf, ((it >> 1) + 1) & 1);
+    mbar_arrive_expect_tx(full + buf, 2 * kBoxes * BM * kBoxRow);
+    const int hq = head(it), row = q_row(it);
+    for (int h = 0; h < kBoxes; ++h) {
+      tma_load_4d(at(sQ, 0, 64 * h, buf), &maps.q, full + buf, 64 * h, row, hq, map_b);
+      tma_load_4d(at(sdO, 0, 64 * h, buf), &maps.dout, full + buf, 64 * h, row, hq, map_b);
+    }
+  }
+}
+
+// S^T = K Q^T and dP^T = V dO^T of Q/dO buffer `buf` issued together and
+// committed apart; returns once S^T landed, dP^T's product still running (the
+// caller waits for it with warpgroup_wait<0>), so P is computed under it.
+template <class Mma, class FragK, class FragQ, class FragS>
+__device__ __forceinline__ void issue_s_dp(Mma& mma, const FragK& tSrK, const FragQ& tSrQ, const FragK& tSrV,
+                                           const FragQ& tSrdO, int buf, FragS& tSrS, FragS& tSrdP) {
+  using namespace cute;
+  warpgroup_fence_operand(tSrS);
+  warpgroup_fence_operand(tSrdP);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(tSrK); ++kb) {
+    gemm(mma, tSrK(_, _, kb), tSrQ(_, _, kb, buf), tSrS);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(tSrV); ++kb) {
+    gemm(mma, tSrV(_, _, kb), tSrdO(_, _, kb, buf), tSrdP);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<1>();  // S^T landed (the groups complete in order)
+  warpgroup_fence_operand(tSrS);
 }
 }  // namespace hopper
 
@@ -253,17 +350,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
                           static_cast<const E*>(p.dout) + b * p.do_sb + row * p.do_sr + hq * p.do_sh, p.do_sr,
                           rows);
   };
-  // The query row `tid` of tile `it` (threads < BM): lse in log2 units, +inf
-  // where the row is past the end or sees no key (its P is then 0), and delta.
+  // The statistics of query row `tid` of tile `it` (threads < BM).
   auto read_stats = [&](int it, float* lse2, float* delta) {
-    const int hq = tile_head(it), i = tile_row0(it) + tid;
-    *lse2 = INFINITY;
-    *delta = 0.0f;
-    if (i < seq.sq) {
-      const float x = p.lse[b * p.lse_sb + hq * p.lse_sh + seq.q0 + i];
-      if (x != -INFINITY) *lse2 = x * kLog2e;
-      *delta = p.delta[b * p.delta_sb + hq * p.delta_sh + seq.q0 + i];
-    }
+    row_stats(p, seq, b, tile_head(it), tile_row0(it) + tid, lse2, delta);
   };
 
   // The consumers' block barrier (kTma: the producer warpgroup is gone).
@@ -272,36 +361,12 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     else __syncthreads();
   };
   if constexpr (kTma) {
-    if (threadIdx.x == 0) {
-      mbar_init(kv_full, 1);
-      for (int i = 0; i < 2; ++i) {
-        mbar_init(full + i, 1);
-        mbar_init(empty + i, NT / 32);
-      }
-      mbar_fence_init();
-    }
-    __syncthreads();
+    init_tile_barriers(kv_full, full, empty, NT / 32);
     if (threadIdx.x < 128) {
       registers_down<24>();
       if (threadIdx.x == 0) {
-        constexpr uint32_t kHalf = 64 * sizeof(E);  // bytes of a box row
-        constexpr int kBoxes = DB / 64;             // boxes of 64 columns a row
-        mbar_arrive_expect_tx(kv_full, 2 * kBoxes * BN * kHalf);
-        for (int h = 0; h < kBoxes; ++h) {
-          tma_load_4d(at(sK, 0, 64 * h), &maps.k, kv_full, 64 * h, map_k0 + n0, hk, map_b);
-          tma_load_4d(at(sV, 0, 64 * h), &maps.v, kv_full, 64 * h, map_k0 + n0, hk, map_b);
-        }
-        for (int it = 0; it < n_tiles; ++it) {
-          const int buf = it & 1;
-          // Both consumer warpgroups are done with tile it - 2, the buffer's last.
-          if (it >= 2) mbar_wait(empty + buf, ((it >> 1) + 1) & 1);
-          mbar_arrive_expect_tx(full + buf, 2 * kBoxes * BM * kHalf);
-          const int hq = tile_head(it), m0 = tile_row0(it);
-          for (int h = 0; h < kBoxes; ++h) {
-            tma_load_4d(at(sQ, 0, 64 * h, buf), &maps.q, full + buf, 64 * h, map_q0 + m0, hq, map_b);
-            tma_load_4d(at(sdO, 0, 64 * h, buf), &maps.dout, full + buf, 64 * h, map_q0 + m0, hq, map_b);
-          }
-        }
+        produce_tiles<BN, BM, DB, E>(maps, sK, sV, sQ, sdO, kv_full, full, empty, map_k0 + n0, hk, map_b, n_tiles,
+                                     [&](int it) { return map_q0 + tile_row0(it); }, tile_head);
       } else if (threadIdx.x / 32 == 1) {
         // The dQ warp: each tile's staged dQ into the workspace, in order.
         // Rows past the last row of the map (the batch layout: past the
@@ -417,25 +482,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     // S^T and dP^T issued together, committed apart: P (the softmax of S^T)
     // is computed while dP^T's product runs, and dV's product is issued
     // before dS is computed, so each elementwise step overlaps a product.
-    warpgroup_fence_operand(tSrS);
-    warpgroup_fence_operand(tSrdP);
-    warpgroup_arrive();
-    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tSrK); ++kb) {
-      gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, buf), tSrS);
-      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tSrV); ++kb) {
-      gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb, buf), tSrdP);
-      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();  // S^T landed (the groups complete in order)
-    warpgroup_fence_operand(tSrS);
+    issue_s_dp(mma_sdp, tSrK, tSrQ, tSrV, tSrdO, buf, tSrS, tSrdP);
 
     // P; element 4 nt + e is (key key_row(e / 2), query row m0 + 8 nt + 2 t +
     // e % 2). Rows past the sequence have lse +inf: P = 0.

@@ -23,7 +23,8 @@
 namespace symheap::attention::cuda {
 
 template <class T>
-struct HopperDkv256Config {
+struct HopperDkv256Config : HopperDkvTiles<typename hopper::CuteType<T>::type, 64, 64, 256> {
+  using Tiles = HopperDkvTiles<typename hopper::CuteType<T>::type, 64, 64, 256>;
   static constexpr int DB = 256;
   using E = typename hopper::CuteType<T>::type;
   static constexpr int kBlockN = 64;  // keys per CTA
@@ -51,30 +52,11 @@ struct HopperDkv256Config {
       cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, cute::_64, BN>, K::MN, K::MN>(),
       SideBySide{}));
 
-  using SmemKV = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BN, D>{}));
-  using SmemKt = decltype(cute::composition(
-      SmemKV{}, cute::make_ordered_layout(cute::Shape<D, BN>{}, cute::Step<cute::_2, cute::_1>{})));
-  using SmemQ =
-      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BM, D, cute::_2>{}));
-  using SmemQt = decltype(cute::composition(
-      SmemQ{}, cute::make_ordered_layout(cute::Shape<D, BM, cute::_2>{},
-                                         cute::Step<cute::_2, cute::_1, cute::_3>{})));
-  // P and dS as BM x BN with the rows contiguous (one MN-major atom of 64);
-  // P^T, dS^T: the same bytes seen as BN x BM (K-major A operands).
-  using SmemDs =
-      decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{}, cute::Shape<BM, BN>{}));
-  using SmemDst = decltype(cute::composition(
-      SmemDs{}, cute::make_ordered_layout(cute::Shape<BN, BM>{}, cute::Step<cute::_2, cute::_1>{})));
-
-  static constexpr int kKVElems = cute::cosize_v<SmemKV>;
-  static constexpr int kQElems = cute::cosize_v<SmemQ>;
-  static constexpr int kDsElems = cute::cosize_v<SmemDs>;
-  static_assert((kKVElems * sizeof(E)) % 1024 == 0 && (kQElems * sizeof(E)) % 1024 == 0 &&
-                    (kDsElems * sizeof(E)) % 1024 == 0,
-                "1024-byte tiles");
-  // K, V, Q, dO, P, dS; + lse and delta (two buffers of BM floats each), five
-  // mbarriers and 1024 for the alignment.
-  static constexpr size_t kSmemTiles = sizeof(E) * (2 * kKVElems + 2 * kQElems + 2 * kDsElems);
+  // K, V, Q, dO, P, dS (P and dS in the layout of dS: P^T and dS^T are the
+  // K-major A operands of dV and dK); + lse and delta (two buffers of BM
+  // floats each), five mbarriers and 1024 for the alignment.
+  static constexpr size_t kSmemTiles =
+      sizeof(E) * (2 * Tiles::kKVElems + 2 * Tiles::kQElems + 2 * Tiles::kDsElems);
   static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 5 * sizeof(uint64_t) + 1024;
   static_assert(kSmem <= 227 * 1024, "shared memory of a CTA");
 };
@@ -149,52 +131,20 @@ __global__ void __launch_bounds__(384, 1)
   auto tile_head = [&](int it) { return hk * p.group + it / m_tiles; };
   auto tile_row0 = [&](int it) { return m_begin + (it % m_tiles) * BM; };
 
-  if (threadIdx.x == 0) {
-    mbar_init(kv_full, 1);
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(full + i, 1);
-      mbar_init(empty + i, NT / 32);
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();
+  init_tile_barriers(kv_full, full, empty, NT / 32);
   if (threadIdx.x < 128) {  // the producer warpgroup
     registers_down<24>();
-    if (threadIdx.x == 0) {
-      constexpr uint32_t kBoxRow = 64 * sizeof(E);  // bytes of a box row
-      constexpr int kBoxes = DB / 64;
-      mbar_arrive_expect_tx(kv_full, 2 * kBoxes * BN * kBoxRow);
-      for (int h = 0; h < kBoxes; ++h) {
-        tma_load_4d(at(sK, 0, 64 * h), &maps.k, kv_full, 64 * h, n0, hk, b);
-        tma_load_4d(at(sV, 0, 64 * h), &maps.v, kv_full, 64 * h, n0, hk, b);
-      }
-      for (int it = 0; it < n_tiles; ++it) {
-        const int buf = it & 1;
-        if (it >= 2) mbar_wait(empty + buf, ((it >> 1) + 1) & 1);  // both consumers done with tile it - 2
-        mbar_arrive_expect_tx(full + buf, 2 * kBoxes * BM * kBoxRow);
-        const int hq = tile_head(it), m0 = tile_row0(it);
-        for (int h = 0; h < kBoxes; ++h) {
-          tma_load_4d(at(sQ, 0, 64 * h, buf), &maps.q, full + buf, 64 * h, m0, hq, b);
-          tma_load_4d(at(sdO, 0, 64 * h, buf), &maps.dout, full + buf, 64 * h, m0, hq, b);
-        }
-      }
-    }
+    if (threadIdx.x == 0)
+      produce_tiles<BN, BM, DB, E>(maps, sK, sV, sQ, sdO, kv_full, full, empty, n0, hk, b, n_tiles, tile_row0,
+                                   tile_head);
     return;
   }
   registers_up<240>();
   const int tid = static_cast<int>(threadIdx.x) - 128, lane = tid % 32;
 
-  // The query row `tid` of tile `it` (threads < BM): lse in log2 units, +inf
-  // where the row is past the end or sees no key (its P is then 0), and delta.
+  // The statistics of query row `tid` of tile `it` (threads < BM).
   auto read_stats = [&](int it, float* lse2, float* delta) {
-    const int hq = tile_head(it), i = tile_row0(it) + tid;
-    *lse2 = INFINITY;
-    *delta = 0.0f;
-    if (i < seq.sq) {
-      const float x = p.lse[b * p.lse_sb + hq * p.lse_sh + seq.q0 + i];
-      if (x != -INFINITY) *lse2 = x * kLog2e;
-      *delta = p.delta[b * p.delta_sb + hq * p.delta_sh + seq.q0 + i];
-    }
+    row_stats(p, seq, b, tile_head(it), tile_row0(it) + tid, lse2, delta);
   };
   auto consumers_sync = [] { asm volatile("bar.sync 3, 256;\n" ::: "memory"); };
   if (tid < BM) read_stats(0, &s_lse[tid], &s_delta[tid]);
@@ -247,27 +197,9 @@ __global__ void __launch_bounds__(384, 1)
     const float* lse2 = s_lse + buf * BM;
     const float* delta = s_delta + buf * BM;
 
-    // S^T and dP^T (this warpgroup's 32 rows), committed apart: P is computed
-    // while dP^T's product runs.
-    warpgroup_fence_operand(tSrS);
-    warpgroup_fence_operand(tSrdP);
-    warpgroup_arrive();
-    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tSrK); ++kb) {
-      gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, buf), tSrS);
-      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tSrV); ++kb) {
-      gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb, buf), tSrdP);
-      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();  // S^T landed (the groups complete in order)
-    warpgroup_fence_operand(tSrS);
+    // S^T and dP^T (this warpgroup's 32 rows): P is computed while dP^T's
+    // product runs.
+    issue_s_dp(mma_sdp, tSrK, tSrQ, tSrV, tSrdO, buf, tSrS, tSrdP);
 
     // P; rows past the sequence have lse +inf: P = 0.
     const bool whole = m0 >= full_lo && m0 + BM <= full_hi;
