@@ -108,7 +108,8 @@ inline constexpr const char* kOwnBackwardDqSeparate = "pipelined_dq_separate";
 // copies there (the same dK and dV bits). At head dim 256 both run the
 // kernel of cuda_backward_hopper_d256.cuh on batch calls TMA can address
 // (there is no cp.async-fed form: "hopper_cp_async" runs it without dQ).
-// Elsewhere they run the pipelined kernels. They need the Hopper build and device, as the Hopper forward.
+// Elsewhere they run the pipelined kernels. They need the Hopper build and
+// device, as the Hopper forward.
 inline constexpr const char* kOwnBackwardHopper = "hopper";
 inline constexpr const char* kOwnBackwardHopperDqSeparate = "hopper_dq_separate";
 inline constexpr const char* kOwnBackwardHopperCpAsync = "hopper_cp_async";
@@ -124,11 +125,11 @@ inline constexpr bool kDqFusedByDefault = true;
 // pipelined dQ kernel: fwd+bwd 1.56-1.68x the pipelined backward on H200; its
 // form with dQ fused by atomics, "hopper", is 1.05-1.13x faster still and
 // passed its own tests, but the whole head-dim-256 grid has run only with
-// this one so far). A call that
-// cannot fuse dQ (deterministic, logit features, no room for the accumulator)
-// runs the pipelined kernels at 64 and 128: see backward_kernel_for_call; at
-// 256 one the head-dim-256 kernel cannot take (packed, logit features, rows
-// TMA cannot address) runs the pipelined ones.
+// this one so far). A call that cannot fuse dQ (deterministic, logit
+// features, no room for the accumulator) runs the pipelined kernels at 64
+// and 128: see backward_kernel_for_call; at 256 one the head-dim-256 kernel
+// cannot take (packed, logit features, rows TMA cannot address) runs the
+// pipelined ones.
 struct HopperBackwardDefault {
   int head_dim;
   const char* kernel;
