@@ -306,14 +306,16 @@ SYMHEAP_BINDINGS(attention) {
   m.def("attention_own_backward_kernel", [](int head_dim) { return std::string(own_backward_kernel(head_dim)); },
         py::arg("head_dim"));
   m.attr("attention_own_backward_env") = kOwnBackwardEnv;
-  // {head dim: the default backward's Hopper kernels there} where they are built.
+  // {head dim: (the default backward's Hopper kernels there, what a call runs
+  // that cannot fuse dQ)} where they are built.
   py::dict hopper_defaults;
-  for (const HopperBackwardDefault& d : kHopperBackwardDefaults) hopper_defaults[py::int_(d.head_dim)] = d.kernel;
+  for (const HopperBackwardDefault& d : kHopperBackwardDefaults)
+    hopper_defaults[py::int_(d.head_dim)] = py::make_tuple(d.kernel, d.without_fused_dq);
   m.attr("attention_hopper_backward_defaults") = hopper_defaults;
   // The backward's kernels for one call that fuses dQ or not.
   m.def("attention_backward_kernel_for_call",
         [](int head_dim, bool dq_fused) {
-          return std::string(backward_kernel_for_call(own_backward_kernel(head_dim), dq_fused));
+          return std::string(backward_kernel_for_call(own_backward_kernel(head_dim), head_dim, dq_fused));
         },
         py::arg("head_dim"), py::arg("dq_fused"));
 

@@ -108,8 +108,9 @@ def test_own_forward_kernel_choice(monkeypatch, env):
 @pytest.mark.parametrize("env", [None, "auto", "hopper", "hopper_cp_async", "pipelined_dq_fused"])
 def test_backward_kernel_for_call(monkeypatch, env):
     """A call that cannot fuse dQ (deterministic, logit features) runs the
-    pipelined kernels where the default would take the Hopper dK/dV kernel;
-    a kernel the variable forces stays."""
+    pipelined kernels where the default would take the Hopper dK/dV kernel
+    (at head dim 256 that kernel without dQ); a kernel the variable forces
+    stays."""
     from symheap import _core
     name = _core.attention_own_backward_env
     if env is None:
@@ -119,7 +120,8 @@ def test_backward_kernel_for_call(monkeypatch, env):
     for d in (64, 128, 256):
         chosen = _core.attention_own_backward_kernel(d)
         assert _core.attention_backward_kernel_for_call(d, True) == chosen
-        unfused = "pipelined" if chosen == "hopper" and env in (None, "auto") else chosen
+        by_default = chosen == "hopper" and env in (None, "auto")
+        unfused = ("hopper_dq_separate" if d == 256 else "pipelined") if by_default else chosen
         assert _core.attention_backward_kernel_for_call(d, False) == unfused
     if env == "hopper":
         assert _core.attention_backward_kernel_for_call(128, False) == "hopper"
@@ -138,8 +140,8 @@ def test_own_forward_kernel_bad_env_names_the_variable(monkeypatch):
                                  "hopper", "hopper_dq_separate", "hopper_cp_async"])
 def test_own_backward_kernel_choice(monkeypatch, env):
     """The backward's kernels (dQ and dK/dV): pipelined for head dims 64, 128
-    and 256 (where they are built, the Hopper dK/dV kernels: with dQ fused at
-    64 and 128, without at 256) unless
+    and 256 (where they are built, the Hopper dK/dV kernels with dQ fused)
+    unless
     SYMHEAP_ATTN_OWN_BACKWARD forces the basic ones (or the pipelined ones
     with the 16-row dQ kernel, the 32-row dK/dV kernel, the 64-row dK/dV
     kernel without shared fragments, dQ fused into the dK/dV kernel or
@@ -156,13 +158,13 @@ def test_own_backward_kernel_choice(monkeypatch, env):
         variants = ("pipelined_dq16", "pipelined_dkdv32", "pipelined_dkdv_unshared",
                     "pipelined_dq_fused", "pipelined_dq_separate", "hopper", "hopper_dq_separate",
                     "hopper_cp_async")
-        hopper_default = (_core.attention_hopper_backward_defaults.get(d)
+        hopper_default = (_core.attention_hopper_backward_defaults.get(d, (None,))[0]
                           if _core.attention_hopper_forward_status()[0] else None)
         pipelined = env if env in variants else hopper_default or "pipelined"
         want = pipelined if d in (64, 128, 256) and env != "basic" else "basic"
         assert _core.attention_own_backward_kernel(d) == want, d
-    assert _core.attention_hopper_backward_defaults == {64: "hopper", 128: "hopper",
-                                                        256: "hopper_dq_separate"}
+    assert _core.attention_hopper_backward_defaults == {
+        64: ("hopper", "pipelined"), 128: ("hopper", "pipelined"), 256: ("hopper", "hopper_dq_separate")}
     monkeypatch.setenv(name, "fast")
     with pytest.raises(ValueError, match="SYMHEAP_ATTN_OWN_BACKWARD must be 'auto', 'basic', "
                        "'pipelined_dq16', 'pipelined_dkdv32', 'pipelined_dkdv_unshared', "

@@ -919,8 +919,7 @@ def test_pipelined_output_strides(monkeypatch, fwd):
 
 def own_backward(monkeypatch, kernel):
     """Forces the own kernels and the backward kernels ("auto" = the default:
-    the Hopper dK/dV kernel with dQ fused at head dims 64 and 128, the
-    head-dim-256 one without dQ at 256, "basic", "pipelined_dq16" = pipelined with the 16-row
+    the Hopper dK/dV kernels with dQ fused, "basic", "pipelined_dq16" = pipelined with the 16-row
     dQ kernel, "pipelined_dkdv32" = with the dK/dV kernel of 32-row query
     tiles, "pipelined_dkdv_unshared" = with the dK/dV kernel of 64-row tiles
     whose warps each read every Q/dO fragment, "pipelined_dq_fused" = dQ
@@ -936,7 +935,7 @@ def own_backward(monkeypatch, kernel):
     hopper_defaults = _core.attention_hopper_backward_defaults
     for d in PIPELINED_DIMS:
         built = _core.attention_hopper_forward_status()[0]
-        default = hopper_defaults.get(d, "pipelined") if built else "pipelined"
+        default = hopper_defaults[d][0] if built and d in hopper_defaults else "pipelined"
         assert _core.attention_own_backward_kernel(d) == (default if kernel == "auto" else kernel)
     for d in (40, 96, 192):
         assert _core.attention_own_backward_kernel(d) == "basic"
@@ -1264,8 +1263,8 @@ def test_hopper_backward_tma_packed_takes_nothing_of_the_next(D, monkeypatch):
 
 
 # ---- the Hopper dK/dV kernel at head dim 256 (cuda_backward_hopper_d256.cuh), the default
-# there without dQ (dQ from the pipelined dQ kernel, as for "hopper_dq_separate" and
-# deterministic calls) and forced with "hopper" with dQ fused (fp32 atomics): 64 keys a CTA,
+# there and forced with "hopper": dQ fused (fp32 atomics), or from the pipelined dQ kernel
+# for deterministic calls and "hopper_dq_separate"; 64 keys a CTA,
 # the warpgroups splitting the query rows of S^T and dP^T and the columns of dK, dV and dQ;
 # batch layout. Other calls at 256 (packed, logit features) take the pipelined backward.
 
@@ -1280,11 +1279,12 @@ def backward_kernel_names(fn):
     return {e.key for e in prof.key_averages() if "dkdv" in e.key}
 
 
-@pytest.mark.parametrize("case_kind", ["batch", "varlen", "deterministic", "default"])
+@pytest.mark.parametrize("case_kind", ["batch", "varlen", "deterministic", "default",
+                                       "default_deterministic"])
 def test_hopper256_backward_selects_the_kernel(case_kind, monkeypatch):
-    """"hopper" at head dim 256 runs the head-dim-256 Hopper kernel on batch calls (without
-    dQ when deterministic); the default runs it without dQ; a packed call runs the
-    pipelined one."""
+    """"hopper" and the default at head dim 256 run the head-dim-256 Hopper kernel on
+    batch calls (without dQ when deterministic); a packed call runs the pipelined one."""
+    deterministic = case_kind.endswith("deterministic")
     case = gpu_case(B=2, Sq=300, Sk=300, Hq=4, Hkv=2, D=256, seed=7)
     q, k, v = (case[n].detach().requires_grad_() for n in ("q", "k", "v"))
     if case_kind == "varlen":
@@ -1292,15 +1292,15 @@ def test_hopper256_backward_selects_the_kernel(case_kind, monkeypatch):
         fwd = lambda: flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),  # noqa: E731
                                              cu, cu, 300, 300)
     else:
-        fwd = lambda: flash_attn_func(q, k, v, deterministic=case_kind == "deterministic")  # noqa: E731
-    own_backward(monkeypatch, "auto" if case_kind == "default" else "hopper")
+        fwd = lambda: flash_attn_func(q, k, v, deterministic=deterministic)  # noqa: E731
+    own_backward(monkeypatch, "auto" if case_kind.startswith("default") else "hopper")
     names = backward_kernel_names(lambda: fwd().sum().backward())
     fused = any(re.search(r"dkdv_hopper256_kernel<[^,<>]*, ?true>|dkdv_hopper256_kernelI\w*?Lb1E", n)
                 for n in names)
     separate = any(re.search(r"dkdv_hopper256_kernel<[^,<>]*, ?false>|dkdv_hopper256_kernelI\w*?Lb0E", n)
                    for n in names)
-    assert fused == (case_kind == "batch"), names
-    assert separate == (case_kind in ("deterministic", "default")), names
+    assert fused == (case_kind in ("batch", "default")), names
+    assert separate == deterministic, names
     assert names, "no dK/dV kernel ran"
 
 

@@ -354,7 +354,7 @@ void backward_cuda(const Args& a, int device, void* stream, void* workspace, siz
   cuda::BackwardVariant variant;
   const char* chosen = own_backward_kernel(a.head_dim);  // reads the variable once a call
   variant.dq_fused = backward_fuses_dq(a, k, chosen) && bytes >= need + dq_accum_bytes(a);
-  const char* kernel = backward_kernel_for_call(chosen, variant.dq_fused);
+  const char* kernel = backward_kernel_for_call(chosen, a.head_dim, variant.dq_fused);
   if (variant.dq_fused) {
     k.dq_accum = reinterpret_cast<float*>(static_cast<char*>(workspace) + need);
     k.dqa_sh = a.head_dim;

@@ -118,8 +118,8 @@ const char* own_forward_kernel(int head_dim) {
 }
 const char* own_backward_kernel(int head_dim) {
 #ifdef SYMHEAP_WITH_HOPPER_ATTN
-  const char* hopper = hopper_backward_default(head_dim);
-  const char* by_default = hopper ? hopper : "pipelined";
+  const HopperBackwardDefault* hopper = hopper_backward_default(head_dim);
+  const char* by_default = hopper ? hopper->kernel : "pipelined";
 #else
   const char* by_default = "pipelined";
 #endif
@@ -130,9 +130,11 @@ const char* own_backward_kernel(int head_dim) {
                     by_default);
 }
 
-const char* backward_kernel_for_call(const char* kernel, bool dq_fused) {
-  if (dq_fused || std::strcmp(kernel, kOwnBackwardHopper) != 0) return kernel;
-  return forced_kernel(kOwnBackwardEnv) ? kernel : "pipelined";
+const char* backward_kernel_for_call(const char* kernel, int head_dim, bool dq_fused) {
+  if (dq_fused || std::strcmp(kernel, kOwnBackwardHopper) != 0 || forced_kernel(kOwnBackwardEnv))
+    return kernel;
+  const HopperBackwardDefault* hopper = hopper_backward_default(head_dim);
+  return hopper ? hopper->without_fused_dq : "pipelined";
 }
 
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward) {

@@ -117,36 +117,39 @@ inline constexpr const char* kOwnBackwardHopperCpAsync = "hopper_cp_async";
 // at the head dims of shared_dkdv_serves without logit features. Never for
 // deterministic calls: the fp32 atomics of the fused dQ have no fixed order.
 inline constexpr bool kDqFusedByDefault = true;
-// The default backward where the Hopper kernels are built, per head dim:
-// "hopper" at 64 and 128 (dQ fused and fed by TMA; fwd+bwd 1.22-1.28x the
-// cp.async-fed form at 128, which was 7-9% faster than the shared-fragment
-// kernel on H100; at 64 0.96-1.11x the shared-fragment kernel on H200);
-// "hopper_dq_separate" at 256 (the head-dim-256 dK/dV kernel, dQ from the
-// pipelined dQ kernel: fwd+bwd 1.56-1.68x the pipelined backward on H200; its
-// form with dQ fused by atomics, "hopper", is 1.05-1.13x faster still and
-// passed its own tests, but the whole head-dim-256 grid has run only with
-// this one so far). A call that cannot fuse dQ (deterministic, logit
-// features, no room for the accumulator) runs the pipelined kernels at 64
-// and 128: see backward_kernel_for_call; at 256 one the head-dim-256 kernel
-// cannot take (packed, logit features, rows TMA cannot address) runs the
-// pipelined ones.
+// The default backward where the Hopper kernels are built, per head dim: the
+// Hopper dK/dV kernel with dQ fused ("hopper"), and what a call that cannot
+// fuse dQ (deterministic, logit features, no room for the accumulator) runs
+// instead. At 64 and 128 (cuda_backward_hopper.cuh, dQ fed back by TMA
+// reductions): fwd+bwd 1.22-1.28x the cp.async-fed form at 128, which was
+// 7-9% faster than the shared-fragment kernel on H100; at 64 0.96-1.11x the
+// shared-fragment kernel on H200; without dQ it loses to the pipelined
+// kernels, which those calls run. At 256 (cuda_backward_hopper_d256.cuh, dQ
+// by atomics): 1.52-1.77x the pipelined backward on H200, and its form
+// without dQ ("hopper_dq_separate", 1.05-1.13x slower) still beats the
+// pipelined kernels. Where the head-dim-256 kernel cannot take a call
+// (packed, logit features, rows TMA cannot address) the pipelined ones run.
 struct HopperBackwardDefault {
   int head_dim;
   const char* kernel;
+  const char* without_fused_dq;
 };
 inline constexpr HopperBackwardDefault kHopperBackwardDefaults[] = {
-    {64, kOwnBackwardHopper}, {128, kOwnBackwardHopper}, {256, kOwnBackwardHopperDqSeparate}};
-// The default's Hopper kernel at this head dim, nullptr where it is pipelined.
-constexpr const char* hopper_backward_default(int head_dim) {
+    {64, kOwnBackwardHopper, "pipelined"},
+    {128, kOwnBackwardHopper, "pipelined"},
+    {256, kOwnBackwardHopper, kOwnBackwardHopperDqSeparate}};
+// The default's entry at this head dim, nullptr where it is pipelined.
+constexpr const HopperBackwardDefault* hopper_backward_default(int head_dim) {
   for (const HopperBackwardDefault& d : kHopperBackwardDefaults)
-    if (d.head_dim == head_dim) return d.kernel;
+    if (d.head_dim == head_dim) return &d;
   return nullptr;
 }
 const char* own_backward_kernel(int head_dim);
-// `kernel` (own_backward_kernel's choice) for one call, given whether that
-// call fuses dQ: the default's "hopper" becomes "pipelined" where dQ is not
-// fused; a value forced through $SYMHEAP_ATTN_OWN_BACKWARD stays.
-const char* backward_kernel_for_call(const char* kernel, bool dq_fused);
+// `kernel` (own_backward_kernel's choice at this head dim) for one call,
+// given whether that call fuses dQ: the default's "hopper" becomes its
+// entry's without_fused_dq where dQ is not fused; a value forced through
+// $SYMHEAP_ATTN_OWN_BACKWARD stays.
+const char* backward_kernel_for_call(const char* kernel, int head_dim, bool dq_fused);
 
 // Bytes the XLA handlers add to a call's scratch result for cuDNN's workspace
 // (result shapes are fixed at trace time, before any graph exists): 1 MiB
