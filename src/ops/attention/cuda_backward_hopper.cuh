@@ -533,11 +533,10 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     const int t_it = hopper::opaque_int(t), key_it = hopper::opaque_int(key_row0);
 #pragma unroll
     for (int i = 0; i < BM / 2; i += 2) {
-      const uint32_t dd = Pack<T>::two(tSrdP(i), tSrdP(i + 1));
-      // dS^T into shared memory for dK and dQ: (query row, key) of sdS.
+      // dS^T into shared memory for dK and dQ: (query row, key) of sdS; the
+      // two query rows of a pair are adjacent there (one 32-bit store).
       const int nt = i / 4, h = (i >> 1) & 1;
-      *at(sdS, nt * 8 + 2 * t_it, key_it + 8 * h) = reinterpret_cast<const E*>(&dd)[0];
-      *at(sdS, nt * 8 + 2 * t_it + 1, key_it + 8 * h) = reinterpret_cast<const E*>(&dd)[1];
+      st_shared_u32(at(sdS, nt * 8 + 2 * t_it, key_it + 8 * h), Pack<T>::two(tSrdP(i), tSrdP(i + 1)));
     }
 
     // dK += dS^T Q: reads this warpgroup's rows of dS^T, which only its

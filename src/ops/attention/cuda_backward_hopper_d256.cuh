@@ -221,8 +221,8 @@ __global__ void __launch_bounds__(384, 1)
       const float2 dl = *reinterpret_cast<const float2*>(delta + r);
       const float ds0 = tSrS(i) * (tSrdP(i) - dl.x) * p.scale;
       const float ds1 = tSrS(i + 1) * (tSrdP(i + 1) - dl.y) * p.scale;
-      *reinterpret_cast<uint32_t*>(at(sP, r, key)) = Pack<T>::two(tSrS(i), tSrS(i + 1));
-      *reinterpret_cast<uint32_t*>(at(sdS, r, key)) = Pack<T>::two(ds0, ds1);
+      st_shared_u32(at(sP, r, key), Pack<T>::two(tSrS(i), tSrS(i + 1)));
+      st_shared_u32(at(sdS, r, key), Pack<T>::two(ds0, ds1));
     }
     fence_async_shared();
     consumers_sync();  // both warpgroups' halves of P^T and dS^T in place

@@ -137,6 +137,14 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// A 32-bit store to shared memory by its shared-window address: st.shared,
+// where a store through a generic pointer whose space the compiler cannot
+// prove (addresses made opaque, hopper::opaque_int) becomes a generic store
+// (64-bit address) and the proxy fence after it a full memory barrier too.
+__device__ __forceinline__ void st_shared_u32(const void* p, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr(p)), "r"(v));
+}
+
 // mbarriers (shared memory, 8 bytes each) for the pingpong kernel.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
