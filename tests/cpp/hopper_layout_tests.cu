@@ -149,6 +149,26 @@ void check_backward_placement(E* base) {
             "bwd dS (and dS^T) placement", DB, q, k, 0);
 }
 
+// An operand a product reads from shared memory: the same elements for every
+// thread of a warpgroup, so the dK/dV kernels may slice it for the
+// warpgroup's first thread (warpgroup_first_thread: descriptors in uniform
+// registers). `Operand` 0 is A (shape M x K), 1 is B (N x K).
+template <int Operand, class Mma, class Shape>
+void check_operand_per_warpgroup(const Mma& mma, Shape shape, int threads, const char* what, int db) {
+  using namespace cute;
+  Tensor id = make_identity_tensor(shape);
+  for (int tid = 0; tid < threads; ++tid) {
+    auto part = [&](int t) {
+      if constexpr (Operand == 0) return mma.get_thread_slice(t).partition_A(id);
+      else return mma.get_thread_slice(t).partition_B(id);
+    };
+    Tensor mine = part(tid), first = part(tid / 128 * 128);
+    bool same = size(mine) == size(first) && size(mine) > 0;
+    for (int i = 0; same && i < size(mine); ++i) same = mine(i) == first(i);
+    check(same, what, db, tid, int(size(mine)), 0);
+  }
+}
+
 // The backward's dK/dV kernel (cuda_backward_hopper.cuh): placement of K, V,
 // Q, dO (and their transposed views) and dS; S^T, dP^T, P^T / dS^T operands,
 // dV / dK and dQ coordinates as the kernel's index arithmetic names them.
@@ -167,6 +187,16 @@ void check_backward_config(const char* name) {
   typename C::MmaDkv mma_dkv;
   typename C::MmaDk mma_dk;
   typename C::MmaDq mma_dq;
+  constexpr int NT = C::kThreads;
+  check_operand_per_warpgroup<0>(mma_sdp, Shape<Int<BN>, Int<DB>>{}, NT, "bwd K/V operand per warpgroup", DB);
+  check_operand_per_warpgroup<1>(mma_sdp, Shape<Int<BM>, Int<DB>>{}, NT, "bwd Q/dO operand per warpgroup", DB);
+  check_operand_per_warpgroup<1>(mma_dkv, Shape<Int<DB>, Int<BM>>{}, NT, "bwd dO^T operand per warpgroup", DB);
+  check_operand_per_warpgroup<0>(mma_dk, Shape<Int<BN>, Int<BM>>{}, NT, "bwd dS^T operand per warpgroup", DB);
+  check_operand_per_warpgroup<1>(mma_dk, Shape<Int<DB>, Int<BM>>{}, NT, "bwd Q^T operand per warpgroup", DB);
+  check_operand_per_warpgroup<0>(mma_dq, Shape<Int<BM>, Int<BN>>{}, 128 * C::kDqWarpgroups,
+                                 "bwd dS operand per warpgroup", DB);
+  check_operand_per_warpgroup<1>(mma_dq, Shape<Int<DB>, Int<BN>>{}, 128 * C::kDqWarpgroups,
+                                 "bwd K^T operand per warpgroup", DB);
   Tensor id_s = make_identity_tensor(Shape<Int<BN>, Int<BM>>{});
   Tensor id_kv = make_identity_tensor(Shape<Int<BN>, Int<DB>>{});
   Tensor id_q = make_identity_tensor(Shape<Int<BM>, Int<DB>>{});
@@ -309,6 +339,15 @@ void check_backward256_config(const char* name) {
   typename C::MmaSdP mma_sdp;
   typename C::MmaDkv mma_dkv;
   typename C::MmaDq mma_dq;
+  constexpr int NT = C::kThreads;
+  check_operand_per_warpgroup<0>(mma_sdp, Shape<Int<BN>, Int<DB>>{}, NT, "bwd256 K/V operand per warpgroup", DB);
+  check_operand_per_warpgroup<1>(mma_sdp, Shape<Int<BM>, Int<DB>>{}, NT, "bwd256 Q/dO operand per warpgroup", DB);
+  check_operand_per_warpgroup<0>(mma_dkv, Shape<Int<BN>, Int<BM>>{}, NT, "bwd256 P^T/dS^T operand per warpgroup",
+                                 DB);
+  check_operand_per_warpgroup<1>(mma_dkv, Shape<Int<DB>, Int<BM>>{}, NT, "bwd256 dO^T/Q^T operand per warpgroup",
+                                 DB);
+  check_operand_per_warpgroup<0>(mma_dq, Shape<Int<BM>, Int<BN>>{}, NT, "bwd256 dS operand per warpgroup", DB);
+  check_operand_per_warpgroup<1>(mma_dq, Shape<Int<DB>, Int<BN>>{}, NT, "bwd256 K^T operand per warpgroup", DB);
   Tensor id_s = make_identity_tensor(Shape<Int<BN>, Int<BM>>{});
   Tensor id_kv = make_identity_tensor(Shape<Int<BN>, Int<DB>>{});
   Tensor id_q = make_identity_tensor(Shape<Int<BM>, Int<DB>>{});

@@ -168,6 +168,17 @@ __device__ __forceinline__ void bulk_wait_all() {
   else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
+// The first thread of the warpgroup of consumer thread `tid`, made warp-uniform
+// for the compiler (a broadcast): what is derived from it (the wgmma
+// descriptors of shared-memory operands, the same for all 128 threads of a
+// warpgroup) is computed once in uniform registers, not per thread and moved
+// to uniform registers before every wgmma.
+__device__ __forceinline__ int warpgroup_first_thread(int tid) {
+  return __shfl_sync(0xffffffffu, tid / 128, 0) * 128;
+}
+// `x`, the same in every lane, made known to be so (as above).
+__device__ __forceinline__ int uniform_int(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // The dK/dV kernels' statistics of query row i of head hq (of sequence `seq`
 // of batch entry b): lse in log2 units, +inf where the row is past the end or
 // sees no key (its P is then 0), and delta.
@@ -403,10 +414,13 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   typename C::MmaDkv mma_dkv;
   typename C::MmaDk mma_dk;
   typename C::MmaDq mma_dq;
-  auto thr_sdp = mma_sdp.get_thread_slice(tid);
-  auto thr_dkv = mma_dkv.get_thread_slice(tid);
-  auto thr_dq = mma_dq.get_thread_slice(tid % (128 * C::kDqWarpgroups));  // dQ's warpgroups only
-  auto thr_dk = mma_dk.get_thread_slice(tid);
+  // The shared-memory operands' descriptors depend on the warpgroup only: sliced
+  // for its first thread, known warp-uniform, they stay in uniform registers.
+  const int wg0 = warpgroup_first_thread(tid);
+  auto thr_sdp = mma_sdp.get_thread_slice(wg0);
+  auto thr_dkv = mma_dkv.get_thread_slice(wg0);
+  auto thr_dq = mma_dq.get_thread_slice(wg0 % (128 * C::kDqWarpgroups));  // dQ's warpgroups only
+  auto thr_dk = mma_dk.get_thread_slice(wg0);
   Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, 1, DB / 16)
   Tensor tSrV = thr_sdp.partition_fragment_A(sV);
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, 1, DB / 16, 2)
@@ -443,7 +457,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   const bool dq_warpgroup = tid < 128 * C::kDqWarpgroups;
 
   for (int it = 0; it < n_tiles; ++it) {
-    const int buf = it & 1;
+    const int buf = uniform_int(it & 1);  // (the Q/dO descriptors in uniform registers)
     if constexpr (kTma) {
       if (it == 0) mbar_wait(kv_full, 0);
       mbar_wait(full + buf, (it >> 1) & 1);  // tile `it` landed

@@ -152,9 +152,10 @@ __global__ void __launch_bounds__(384, 1)
   typename C::MmaSdP mma_sdp;
   typename C::MmaDkv mma_dkv;
   typename C::MmaDq mma_dq;
-  auto thr_sdp = mma_sdp.get_thread_slice(tid);
-  auto thr_dkv = mma_dkv.get_thread_slice(tid);
-  auto thr_dq = mma_dq.get_thread_slice(tid);
+  const int wg0 = warpgroup_first_thread(tid);  // (descriptors in uniform registers)
+  auto thr_sdp = mma_sdp.get_thread_slice(wg0);
+  auto thr_dkv = mma_dkv.get_thread_slice(wg0);
+  auto thr_dq = mma_dq.get_thread_slice(wg0);
   Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, 1, DB / 16)
   Tensor tSrV = thr_sdp.partition_fragment_A(sV);
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, 1, DB / 16, 2)
@@ -184,7 +185,7 @@ __global__ void __launch_bounds__(384, 1)
   const float scale_log2 = p.scale * kLog2e;
 
   for (int it = 0; it < n_tiles; ++it) {
-    const int buf = it & 1;
+    const int buf = uniform_int(it & 1);  // (the Q/dO descriptors in uniform registers)
     if (it == 0) mbar_wait(kv_full, 0);
     mbar_wait(full + buf, (it >> 1) & 1);  // tile `it` landed
     // Every thread: tile it - 1's P^T, dS^T and dS are consumed (their
