@@ -138,9 +138,9 @@ __device__ __forceinline__ void fence_async_shared() {
 }
 
 // A 32-bit store to shared memory by its shared-window address: st.shared,
-// where a store through a generic pointer whose space the compiler cannot
-// prove (addresses made opaque, hopper::opaque_int) becomes a generic store
-// (64-bit address) and the proxy fence after it a full memory barrier too.
+// where a store through a pointer whose space the compiler cannot prove
+// (addresses made opaque, hopper::opaque_int) becomes a generic store with a
+// 64-bit address. Volatile, as the proxy fence that must follow it.
 __device__ __forceinline__ void st_shared_u32(const void* p, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr(p)), "r"(v));
 }
