@@ -609,15 +609,21 @@ def tma_forward(monkeypatch, D, tma, persistent=""):
     monkeypatch.setenv("SYMHEAP_ATTN_FWD_PERSISTENT", persistent)
 
 
-def forward_kernel_names(fn):
-    """Names of the attention forward kernels `fn` launches (torch profiler)."""
+def launched_kernel_names(fn, part):
+    """Names of the kernels `fn` launches whose name holds `part` (torch profiler;
+    a first call outside the profile readies them)."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return {e.key for e in prof.key_averages() if "attention_fwd" in e.key}
+    return {e.key for e in prof.key_averages() if part in e.key}
+
+
+def forward_kernel_names(fn):
+    """Names of the attention forward kernels `fn` launches."""
+    return launched_kernel_names(fn, "attention_fwd")
 
 
 def forward_kernels(D):
@@ -1311,14 +1317,8 @@ def test_hopper_backward_tma_packed_takes_nothing_of_the_next(D, monkeypatch):
 # batch layout. Other calls at 256 (packed, logit features) take the pipelined backward.
 
 def backward_kernel_names(fn):
-    """Names of the attention dK/dV kernels `fn`'s backward launches (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.key for e in prof.key_averages() if "dkdv" in e.key}
+    """Names of the attention dK/dV kernels `fn`'s backward launches."""
+    return launched_kernel_names(fn, "dkdv")
 
 
 @pytest.mark.parametrize("case_kind", ["batch", "varlen", "deterministic", "default",

@@ -291,16 +291,14 @@ size_t dq_accum_bytes(const Args& a) {
 }
 
 // Whether the Hopper dK/dV kernel of head dim 256 (cuda_backward_hopper_d256.cuh)
-// can take the call: the batch layout, every tensor it loads by TMA with
-// 16-byte aligned rows (what encode_rows_map asks).
+// can take the call: the batch layout, every tensor it loads by TMA
+// addressable (the rule its maps' encoding applies).
 bool hopper256_backward_serves(const Args& a, const cuda::KArgs& k) {
   if (a.head_dim != 256 || k.d != 256 || k.cu_q) return false;
-  auto addressable = [](const void* ptr, int64_t sr, int64_t sh, int64_t sb) {
-    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && sr > 0 && sh > 0 && sb > 0 && sr % 8 == 0 &&
-           sh % 8 == 0 && sb % 8 == 0;
-  };
-  return addressable(k.q, k.q_sr, k.q_sh, k.q_sb) && addressable(k.k, k.k_sr, k.k_sh, k.k_sb) &&
-         addressable(k.v, k.v_sr, k.v_sh, k.v_sb) && addressable(k.dout, k.do_sr, k.do_sh, k.do_sb);
+  return cuda::tma_addressable(k.q, 2, k.q_sr, k.q_sh, k.q_sb) &&
+         cuda::tma_addressable(k.k, 2, k.k_sr, k.k_sh, k.k_sb) &&
+         cuda::tma_addressable(k.v, 2, k.v_sr, k.v_sh, k.v_sb) &&
+         cuda::tma_addressable(k.dout, 2, k.do_sr, k.do_sh, k.do_sb);
 }
 
 // Whether the backward computes dQ inside the dK/dV kernel (a head dim of

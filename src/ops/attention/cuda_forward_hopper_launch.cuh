@@ -37,10 +37,8 @@ inline bool encode_map(CUtensorMap* map, CUtensorMapDataType type, int elem_byte
                        int rows, int heads, int batch, int64_t row_stride, int64_t head_stride, int64_t batch_stride,
                        int box_cols, int box_rows, CUtensorMapSwizzle swizzle) {
   const EncodeTiled encode = tensor_map_encoder();
-  if (!encode || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  if (!encode || !tma_addressable(base, elem_bytes, row_stride, head_stride, batch_stride)) return false;
   const int64_t strides[3] = {row_stride * elem_bytes, head_stride * elem_bytes, batch_stride * elem_bytes};
-  for (int64_t s : strides)
-    if (s <= 0 || s % 16 != 0 || s >= (int64_t{1} << 40)) return false;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   const cuuint64_t byte_strides[3] = {static_cast<cuuint64_t>(strides[0]), static_cast<cuuint64_t>(strides[1]),
@@ -179,6 +177,17 @@ void forward_hopper_bucket(const Launch& l, const KArgs& call, HopperForward mod
   forward_hopper<T, DB, false, false>(l, p, no_maps);
 }
 
+// Q and dO (64-row boxes) and K and V (kv_rows-row boxes) of a batch-layout
+// call for the dK/dV kernels.
+inline bool encode_backward_qkv_maps(BwdTmaMaps* m, const KArgs& p, bool bf16, int kv_rows) {
+  const int d = p.d;
+  return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, 64, d) &&
+         encode_rows_map(&m->dout, bf16, p.dout, p.seqlen_q, p.heads_q, p.batch, p.do_sr, p.do_sh, p.do_sb, 64,
+                         d) &&
+         encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, kv_rows, d) &&
+         encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, kv_rows, d);
+}
+
 // The dK/dV kernel's maps (head dims 64 and 128). Packed (cu_seqlens): one
 // batch entry of all the rows, as encode_forward_maps; the workspace's rows
 // are the packed rows too (dqa_sb 0). Rows past a sequence read the next
@@ -197,11 +206,7 @@ inline bool encode_backward_maps(BwdTmaMaps* m, const KArgs& p, bool bf16) {
            encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, d, tq, p.heads_q, 1,
                       p.dqa_sr, p.dqa_sh, p.dqa_sr * tq, d, 64, CU_TENSOR_MAP_SWIZZLE_NONE);
   }
-  return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, 64, d) &&
-         encode_rows_map(&m->dout, bf16, p.dout, p.seqlen_q, p.heads_q, p.batch, p.do_sr, p.do_sh, p.do_sb, 64,
-                         d) &&
-         encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, 128, d) &&
-         encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, 128, d) &&
+  return encode_backward_qkv_maps(m, p, bf16, 128) &&
          // the fp32 dQ workspace, one d x 64 box a tile (row-major, as the kernel stages it)
          encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, d, p.seqlen_q, p.heads_q,
                     p.batch, p.dqa_sr, p.dqa_sh, p.dqa_sb, d, 64, CU_TENSOR_MAP_SWIZZLE_NONE);
@@ -239,13 +244,7 @@ void dkdv_hopper256(const Launch& l, const KArgs& p, bool fuse_dq) {
   using C = HopperDkv256Config<T>;
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   BwdTmaMaps maps{};
-  const bool encoded =
-      !p.cu_q &&
-      encode_rows_map(&maps.q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, 64, 256) &&
-      encode_rows_map(&maps.dout, bf16, p.dout, p.seqlen_q, p.heads_q, p.batch, p.do_sr, p.do_sh, p.do_sb, 64,
-                      256) &&
-      encode_rows_map(&maps.k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, 64, 256) &&
-      encode_rows_map(&maps.v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, 64, 256);
+  const bool encoded = !p.cu_q && encode_backward_qkv_maps(&maps, p, bf16, C::kBlockN);
   if (!encoded)  // the call was admitted by hopper256_backward_serves: a broken promise
     throw InvalidArgument("attention: the Hopper backward at head dim 256 could not address this call by TMA");
   static ReadyDevices ready{0}, ready_dq{0};

@@ -52,6 +52,21 @@ struct BackwardVariant {
   bool hopper256 = false;
 };
 
+// Whether TMA can address a tensor at `base` with these strides (elements of
+// elem_bytes each; rows, heads, batch entries): cuTensorMapEncodeTiled's rule,
+// a 16-byte aligned base and positive byte strides, multiples of 16, below
+// 2^40. encode_map (cuda_forward_hopper_launch.cuh) asks it; a caller may
+// ask first to choose a kernel before any map is made.
+inline bool tma_addressable(const void* base, int elem_bytes, int64_t row_stride, int64_t head_stride,
+                            int64_t batch_stride) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  for (int64_t s : {row_stride, head_stride, batch_stride}) {
+    const int64_t bytes = s * elem_bytes;
+    if (bytes <= 0 || bytes % 16 != 0 || bytes >= (int64_t{1} << 40)) return false;
+  }
+  return true;
+}
+
 // Whether a call uses a logit feature (bias, mask, ALiBi, softcap, dropout):
 // the pipelined kernels compile them in only then.
 inline bool logit_features(const KArgs& p) {
