@@ -230,9 +230,7 @@ __device__ __forceinline__ float exp2_poly(float x) {
   float p = fmaf(0x1.c2a15cp-5f, f, 0x1.f00bfep-3f);
   p = fmaf(p, f, 0x1.62f5fap-1f);
   p = fmaf(p, f, 1.0f);
-  // The low bits of `shifted` hold j (two's complement): shifted into the
-  // exponent field they add j to p's exponent (unsigned: the bits above wrap).
-  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(shifted) << 23));
+  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
 }
 
 // tanh(x) as 1 - 2 / (1 + e^2x): two MUFU instructions instead of tanhf's
