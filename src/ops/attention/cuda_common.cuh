@@ -53,9 +53,6 @@ struct KArgs {
   uint64_t seed, offset;
   float* dbias;
   int64_t dbias_sb, dbias_sh, dbias_sq, dbias_sk;
-  // The Hopper forward's lean softmax computes a quarter of the exponentials
-  // of tiles without a hidden key by exp2_poly ($SYMHEAP_ATTN_FWD_POLY_EXP=1).
-  int poly_exp;
 };
 
 template <class T>
@@ -213,24 +210,6 @@ __device__ __forceinline__ float exp2_fast(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-
-// 2^x on the FMA and integer pipes instead of the MUFU unit, for x <= 64
-// (clamped below at -126; not for -inf, which it does not map to 0): x = j + f
-// with j = round(x) (the 1.5 * 2^23 rounding trick) and f in [-0.5, 0.5];
-// 2^f by a degree-3 polynomial (relative error 1.0e-4, fitted for minimal
-// relative error with p(0) = 1), j added to its exponent bits. Exact enough
-// for a probability packed to 16 bits; the MUFU unit serves 16 lanes a clock
-// an SM, the FMA pipe 128.
-__device__ __forceinline__ float exp2_poly(float x) {
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound rounds x to an integer
-  x = fmaxf(x, -126.0f);
-  const float shifted = x + kRound;
-  const float f = x - (shifted - kRound);
-  float p = fmaf(0x1.c2a15cp-5f, f, 0x1.f00bfep-3f);
-  p = fmaf(p, f, 0x1.62f5fap-1f);
-  p = fmaf(p, f, 1.0f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
 }
 
 // tanh(x) as 1 - 2 / (1 + e^2x): two MUFU instructions instead of tanhf's

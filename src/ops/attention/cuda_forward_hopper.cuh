@@ -333,13 +333,9 @@ __device__ __forceinline__ float row_tile_max(const FragS& tSrS, int h) {
 // of raw scores (scale > 0), the scale inside the exp2's FFMA, and a row's
 // base moves only when a tile's max passes it by 2^8, so the output is
 // rescaled only when some base of the warp moved. P replaces the logits.
-// `poly` (a tile without hidden keys, KArgs::poly_exp): the exponentials of
-// every fourth 8-key group by exp2_poly, off the MUFU unit, which two
-// warpgroups' softmax otherwise keeps as busy as the tensor cores at head
-// dim 64.
 template <int DB, int BN, class FragS, class FragO>
 __device__ __forceinline__ void lean_softmax(FragS& tSrS, FragO& tOrO, float* row_max, float* row_sum,
-                                             float scale_log2, bool poly = false) {
+                                             float scale_log2) {
   constexpr float kStaleMax = 8.0f;
   float neg_base[2], rescale[2];
   bool moved = false;
@@ -357,16 +353,6 @@ __device__ __forceinline__ void lean_softmax(FragS& tSrS, FragO& tOrO, float* ro
   if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
     for (int i = 0; i < DB / 2; ++i) tOrO(i) *= rescale[(i >> 1) & 1];
-  }
-  if (poly) {
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      const float y = fmaf(tSrS(i), scale_log2, neg_base[(i >> 1) & 1]);
-      const float x = (i >> 2) % 4 == 3 ? exp2_poly(y) : exp2_fast(y);
-      row_sum[(i >> 1) & 1] += x;
-      tSrS(i) = x;
-    }
-    return;
   }
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) {
@@ -635,7 +621,6 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
     }
 
     // Logits in log2 units (raw scores for kLean); -inf where hidden.
-    bool whole_tile = false;  // every row sees every key of the tile
     if constexpr (kFeatures) {
       // Element i: row g + 8 h, key 8 nt + 2 t + c (i = 4 nt + 2 h + c).
       logit.fragment_log2<BN / 2>(
@@ -656,13 +641,12 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
       }
     } else if (n0 >= last.lo && n0 + BN <= first.hi) {
       scale_logits<kLean, BN>(tSrS, scale_log2);
-      whole_tile = true;
     } else {
       mask_logits<kLean, BN>(tSrS, n0, t, row, seq, p, scale_log2);
     }
 
     if constexpr (kLean) {
-      lean_softmax<DB, BN>(tSrS, tOrO, row_max, row_sum, scale_log2, whole_tile && p.poly_exp);
+      lean_softmax<DB, BN>(tSrS, tOrO, row_max, row_sum, scale_log2);
     } else {
       float base[2];
       online_rescale<DB, BN>(tSrS, tOrO, row_max, row_sum, base);

@@ -148,15 +148,10 @@ inline bool d256_tma_forward() { return tma_forward_switch_on("SYMHEAP_ATTN_FWD_
 // address takes kPingpong), or the lockstep one. Head dims 64 and 256: kTma
 // (with d64_tma_forward, d256_tma_forward) where TMA can address the call,
 // else the lockstep one (no cp.async-fed pingpong kernel there).
-// $SYMHEAP_ATTN_FWD_POLY_EXP=1: the lean softmax takes a quarter of its
-// exponentials off the MUFU unit (exp2_poly; KArgs::poly_exp), read per call.
 template <class T, int DB>
-void forward_hopper_bucket(const Launch& l, const KArgs& call, HopperForward mode) {
+void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) {
   static const FwdTmaMaps no_maps{};
-  if (logit_features(call)) return forward_hopper<T, DB, true, false>(l, call, no_maps);
-  KArgs p = call;
-  const char* poly = std::getenv("SYMHEAP_ATTN_FWD_POLY_EXP");
-  p.poly_exp = poly && poly[0] == '1';
+  if (logit_features(p)) return forward_hopper<T, DB, true, false>(l, p, no_maps);
   const bool lean = p.scale > 1e-30f;
   if (mode == HopperForward::kTma) {
     FwdTmaMaps maps;

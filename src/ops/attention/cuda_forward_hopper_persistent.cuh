@@ -166,11 +166,10 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
       if (n0 + BN >= n_end) release_q();
 
       // Logits in log2 units (raw scores for kLean); -inf where hidden.
-      const bool whole_tile = n0 >= last.lo && n0 + BN <= first.hi;  // every row sees every key
-      if (whole_tile) scale_logits<kLean, BN>(tSrS, scale_log2);
+      if (n0 >= last.lo && n0 + BN <= first.hi) scale_logits<kLean, BN>(tSrS, scale_log2);
       else mask_logits<kLean, BN>(tSrS, n0, t, row, seq, p, scale_log2);
       if constexpr (kLean) {
-        lean_softmax<DB, BN>(tSrS, tOrO, row_max, row_sum, scale_log2, whole_tile && p.poly_exp);
+        lean_softmax<DB, BN>(tSrS, tOrO, row_max, row_sum, scale_log2);
       } else {
         float base[2];
         online_rescale<DB, BN>(tSrS, tOrO, row_max, row_sum, base);
