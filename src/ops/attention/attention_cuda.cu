@@ -272,7 +272,7 @@ void forward_cuda(const Args& a, int device, void* stream) {
     return;
   }
   const bool previous = std::strcmp(kernel, kOwnForwardPrevious) == 0;
-  const bool pipelined = previous || std::strcmp(kernel, "pipelined") == 0;
+  const bool pipelined = previous || std::strcmp(kernel, kOwnForwardPipelined) == 0;
   if (a.q.dtype == DType::F16) cuda::run_forward_f16(l, k, pipelined, previous);
   else cuda::run_forward_bf16(l, k, pipelined, previous);
 }
@@ -313,7 +313,7 @@ bool backward_fuses_dq(const Args& a, const cuda::KArgs& k, const char* kernel) 
   if (std::strcmp(kernel, kOwnBackwardDqFused) == 0 || std::strcmp(kernel, kOwnBackwardHopper) == 0 ||
       std::strcmp(kernel, kOwnBackwardHopperCpAsync) == 0)
     return true;
-  return kDqFusedByDefault && std::strcmp(kernel, "pipelined") == 0;
+  return kDqFusedByDefault && std::strcmp(kernel, kOwnBackwardPipelined) == 0;
 }
 }  // namespace
 

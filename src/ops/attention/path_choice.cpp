@@ -73,7 +73,7 @@ const char* forced_kernel(const char* env_name) {
 // variable `env` forces "basic" (or one of `variants`: a variant of the
 // pipelined kernels, returned where they serve the head dim).
 const char* own_kernel(const char* env_name, int head_dim, std::initializer_list<const char*> variants,
-                       const char* by_default = "pipelined") {
+                       const char* by_default) {
   const char* env = forced_kernel(env_name);
   const bool served = pipelined_forward_serves(head_dim);
   if (env) {
@@ -119,9 +119,9 @@ const char* own_forward_kernel(int head_dim) {
 const char* own_backward_kernel(int head_dim) {
 #ifdef SYMHEAP_WITH_HOPPER_ATTN
   const HopperBackwardDefault* hopper = hopper_backward_default(head_dim);
-  const char* by_default = hopper ? hopper->kernel : "pipelined";
+  const char* by_default = hopper ? hopper->kernel : kOwnBackwardPipelined;
 #else
-  const char* by_default = "pipelined";
+  const char* by_default = kOwnBackwardPipelined;
 #endif
   return own_kernel(kOwnBackwardEnv, head_dim,
                     {kOwnBackwardDq16, kOwnBackwardDkdv32, kOwnBackwardDkdvUnshared,
@@ -134,7 +134,7 @@ const char* backward_kernel_for_call(const char* kernel, int head_dim, bool dq_f
   if (dq_fused || std::strcmp(kernel, kOwnBackwardHopper) != 0 || forced_kernel(kOwnBackwardEnv))
     return kernel;
   const HopperBackwardDefault* hopper = hopper_backward_default(head_dim);
-  return hopper ? hopper->without_fused_dq : "pipelined";
+  return hopper ? hopper->without_fused_dq : kOwnBackwardPipelined;
 }
 
 size_t cudnn_workspace_reserve(const CallPlan& p, bool backward) {

@@ -94,6 +94,7 @@ const char* own_forward_kernel(int head_dim);
 // "auto", empty or unset: the default rule; another value is
 // InvalidArgument. delta (rowsum(dout * out)) has one kernel.
 inline constexpr const char* kOwnBackwardEnv = "SYMHEAP_ATTN_OWN_BACKWARD";
+inline constexpr const char* kOwnBackwardPipelined = "pipelined";
 inline constexpr const char* kOwnBackwardDq16 = "pipelined_dq16";
 inline constexpr const char* kOwnBackwardDkdv32 = "pipelined_dkdv32";
 inline constexpr const char* kOwnBackwardDkdvUnshared = "pipelined_dkdv_unshared";
@@ -135,8 +136,8 @@ struct HopperBackwardDefault {
   const char* without_fused_dq;
 };
 inline constexpr HopperBackwardDefault kHopperBackwardDefaults[] = {
-    {64, kOwnBackwardHopper, "pipelined"},
-    {128, kOwnBackwardHopper, "pipelined"},
+    {64, kOwnBackwardHopper, kOwnBackwardPipelined},
+    {128, kOwnBackwardHopper, kOwnBackwardPipelined},
     {256, kOwnBackwardHopper, kOwnBackwardHopperDqSeparate}};
 // The default's entry at this head dim, nullptr where it is pipelined.
 constexpr const HopperBackwardDefault* hopper_backward_default(int head_dim) {
