@@ -13,7 +13,7 @@
 //     kernel's index arithmetic names (element 4 n + 2 h + c: row 16 w + g +
 //     8 h, column 8 n + 2 t + c).
 // The same for the Hopper dK/dV kernel (cuda_backward_hopper.cuh, HopperDkvConfig):
-// K, V, Q, dO, dS and their transposed views, and the S^T, P^T, dV/dK and dQ
+// K, V, Q, dO, dS (one buffer and two) and their transposed views, and the S^T, P^T, dV/dK and dQ
 // fragments (check_backward_config).
 // And the TMA kernels' boxes (check_tma_boxes): a box of 64 columns x `rows`
 // rows written with the 128-byte swizzle (row r at r * 128 bytes of the box,
@@ -182,6 +182,19 @@ void check_backward_config(const char* name) {
   alignas(1024) static unsigned char buf[1 << 20];
   E* base = reinterpret_cast<E*>(buf);
   check_backward_placement<C, DB>(base);
+  // This kernel's dS (dS^T) in two buffers: buffer s is the single-buffer
+  // placement, BN / 8 atoms of 1024 bytes further per buffer.
+  {
+    Tensor sdS2 = make_tensor(make_smem_ptr(base), typename C::SmemDs2{});
+    Tensor sdSt2 = make_tensor(make_smem_ptr(base), typename C::SmemDst2{});
+    for (int s = 0; s < 2; ++s)
+      for (int q = 0; q < BM; ++q)
+        for (int k = 0; k < BN; ++k) {
+          const long want = s * (BN / 8) * 1024L + canonical_sw128_mn(q, k);
+          check(byte_offset(sdS2, base, q, k, s) == want && byte_offset(sdSt2, base, k, q, s) == want,
+                "bwd dS (and dS^T) placement, two buffers", DB, q, k, s);
+        }
+  }
 
   typename C::MmaSdP mma_sdp;
   typename C::MmaDkv mma_dkv;

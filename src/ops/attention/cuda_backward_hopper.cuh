@@ -9,7 +9,7 @@
 // converts after.
 // Per tile, each warpgroup:
 //   S^T = K Q^T and dP^T = V dO^T   (64 keys x 64 rows; K, V, Q, dO in shared memory)
-//   dS^T to shared memory
+//   dS^T to shared memory (two buffers, by turns)
 //   dV += P^T dO and dK += dS^T Q   (P^T from registers: the accumulator layout
 //                                    is the register-operand layout, as in the
 //                                    Hopper forward; dS^T from shared memory; dO,
@@ -75,6 +75,12 @@ struct HopperDkvTiles {
   using SmemDst = decltype(cute::composition(
       SmemDs{}, cute::make_ordered_layout(cute::Shape<cute::Int<kBN>, cute::Int<kBM>>{},
                                           cute::Step<cute::_2, cute::_1>{})));
+  // dS and dS^T in two buffers (the head-dim-64/128 kernel's), one after the other.
+  using SmemDs2 = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{},
+                                               cute::Shape<cute::Int<kBM>, cute::Int<kBN>, cute::_2>{}));
+  using SmemDst2 = decltype(cute::composition(
+      SmemDs2{}, cute::make_ordered_layout(cute::Shape<cute::Int<kBN>, cute::Int<kBM>, cute::_2>{},
+                                           cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
   static constexpr int kKVElems = cute::cosize_v<SmemKV>;
   static constexpr int kQElems = cute::cosize_v<SmemQ>;
@@ -119,8 +125,9 @@ struct HopperDkvConfig : HopperDkvTiles<typename hopper::CuteType<T>::type, 128,
       cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, cute::_64, BN>, K::MN, K::MN>(),
       cute::Layout<cute::Shape<cute::_1, cute::Int<kDqWarpgroups>, cute::_1>>{}));
 
+  // dS^T in two buffers, by turns (kTileStartBarrier in the kernel).
   static constexpr size_t kSmemTiles =
-      sizeof(E) * (2 * Tiles::kKVElems + 2 * Tiles::kQElems + Tiles::kDsElems);
+      sizeof(E) * (2 * Tiles::kKVElems + 2 * Tiles::kQElems + 2 * Tiles::kDsElems);
   // + lse and delta, two buffers of BM floats each; + the TMA kernel's five
   // mbarriers; + 1024 for the alignment.
   static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 5 * sizeof(uint64_t) + 1024;
@@ -323,8 +330,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   Tensor sdO = make_tensor(make_smem_ptr(do_s), typename C::SmemQ{});
   Tensor sQt = make_tensor(make_smem_ptr(q_s), typename C::SmemQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(do_s), typename C::SmemQt{});
-  Tensor sdS = make_tensor(make_smem_ptr(ds_s), typename C::SmemDs{});
-  Tensor sdSt = make_tensor(make_smem_ptr(ds_s), typename C::SmemDst{});
+  Tensor sdS = make_tensor(make_smem_ptr(ds_s), typename C::SmemDs2{});  // (BM, BN, 2)
+  Tensor sdSt = make_tensor(make_smem_ptr(ds_s), typename C::SmemDst2{});
 
   const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
   const Seq seq = sequence(p, b);
@@ -371,6 +378,15 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     if constexpr (kTma) asm volatile("bar.sync 3, 256;\n" ::: "memory");
     else __syncthreads();
   };
+  // A tile's dS^T goes to buffer it % 2, so a warpgroup may store the next
+  // tile's while the other's dQ product still reads this one's, and the next
+  // tile's statistics are published before the dQ barrier: with TMA the
+  // consumers need no block barrier at a tile's start and may run a tile out
+  // of step (at head dim 64 the second warpgroup computes the next S^T and
+  // dP^T under the first's dQ). The cp.async forms need it (the copies land
+  // per thread; the next tile's copies overwrite the buffer tile it - 1 read),
+  // and so does kPacked (its zeroed rows are plain stores by both warpgroups).
+  constexpr bool kTileStartBarrier = !kTma || kPacked;
   if constexpr (kTma) {
     init_tile_barriers(kv_full, full, empty, NT / 32);
     if (threadIdx.x < 128) {
@@ -409,6 +425,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     cp_async_commit();
   }
   if (tid < BM) read_stats(0, &s_lse[tid], &s_delta[tid]);
+  if constexpr (!kTileStartBarrier) consumers_sync();  // tile 0's statistics, for every thread
 
   typename C::MmaSdP mma_sdp;
   typename C::MmaDkv mma_dkv;
@@ -426,9 +443,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, 1, DB / 16, 2)
   Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
   Tensor tDrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, 1, BM / 16, 2)
-  Tensor tKrdSt = thr_dk.partition_fragment_A(sdSt);   // (MMA, 1, BM / 16)
+  Tensor tKrdSt = thr_dk.partition_fragment_A(sdSt);   // (MMA, 1, BM / 16, 2)
   Tensor tKrQt = thr_dk.partition_fragment_B(sQt);     // (MMA, 1, BM / 16, 2)
-  Tensor tQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, 1, BN / 16)
+  Tensor tQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, 1, BN / 16, 2)
   Tensor tQrKt = thr_dq.partition_fragment_B(sKt);     // (MMA, 1, BN / 16)
   // Accumulators: element 4 nt + 2 h + c is (key key_row(h), column 8 nt + 2 t + c).
   Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
@@ -481,7 +498,11 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       cp_async_wait<0>();  // tile `it` (and K, V) landed
     }
     if constexpr (!kTma) fence_async_shared();  // (TMA writes through the async proxy)
-    consumers_sync();  // ... for every thread; tile it-1 and its dS^T are consumed
+    // ... for every thread; tile it-1 is consumed. Without this barrier, the
+    // previous tile's dQ barrier published this tile's statistics, and dS^T
+    // buffer `buf` was last read by tile it - 2's dQ, which every warpgroup
+    // finished before that barrier.
+    if constexpr (kTileStartBarrier) consumers_sync();
     const bool has_next = it + 1 < n_tiles;
     float next_lse2 = INFINITY, next_delta = 0.0f;
     if (has_next) {
@@ -550,7 +571,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       // dS^T into shared memory for dK and dQ: (query row, key) of sdS; the
       // two query rows of a pair are adjacent there (one 32-bit store).
       const int nt = i / 4, h = (i >> 1) & 1;
-      st_shared_u32(at(sdS, nt * 8 + 2 * t_it, key_it + 8 * h), Pack<T>::two(tSrdP(i), tSrdP(i + 1)));
+      st_shared_u32(at(sdS, nt * 8 + 2 * t_it, key_it + 8 * h, buf), Pack<T>::two(tSrdP(i), tSrdP(i + 1)));
     }
 
     // dK += dS^T Q: reads this warpgroup's rows of dS^T, which only its
@@ -560,7 +581,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     warpgroup_fence_operand(tDrdK);
     warpgroup_arrive();
     CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tKrdSt); ++kb) gemm(mma_dk, tKrdSt(_, _, kb), tKrQt(_, _, kb, buf), tDrdK);
+    for (int kb = 0; kb < size<2>(tKrdSt); ++kb) gemm(mma_dk, tKrdSt(_, _, kb, buf), tKrQt(_, _, kb, buf), tDrdK);
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tDrdV);
@@ -571,12 +592,20 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       if (lane == 0) mbar_arrive(empty + buf);
     }
 
+    // The next tile's statistics (buffer buf ^ 1 was last read by tile it - 1,
+    // before the previous dQ barrier; the next barrier publishes them).
+    if (has_next && tid < BM) {
+      s_lse[(buf ^ 1) * BM + tid] = next_lse2;
+      s_delta[(buf ^ 1) * BM + tid] = next_delta;
+    }
+
     // dQ of this tile once both warpgroups' dS^T is in shared memory.
+    auto tQrdS_buf = tQrdS(_, _, _, buf);
     if constexpr (kFuseDq && kTma) {
       fence_async_shared();
       consumers_sync();
       if (dq_warpgroup) {  // warpgroup-uniform: both at head dim 128, the first at 64
-        warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);
+        warpgroup_gemm<true, false>(mma_dq, tQrdS_buf, tQrKt, tQrdQ);
         if constexpr (kPacked) {
           // Rows past the sequence are the next one's in the workspace: zeros
           // there add nothing (not even a NaN of this sequence's own).
@@ -603,7 +632,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       fence_async_shared();
       consumers_sync();
       if (dq_warpgroup) {  // warpgroup-uniform
-        warpgroup_gemm<true, false>(mma_dq, tQrdS, tQrKt, tQrdQ);
+        warpgroup_gemm<true, false>(mma_dq, tQrdS_buf, tQrKt, tQrdQ);
         float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh + dq_col0;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
@@ -615,13 +644,6 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
                         make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1)));
           }
       }
-    }
-
-    // The next tile's statistics (buffer buf ^ 1 was consumed before this
-    // iteration's first barrier; the next one publishes them).
-    if (has_next && tid < BM) {
-      s_lse[(buf ^ 1) * BM + tid] = next_lse2;
-      s_delta[(buf ^ 1) * BM + tid] = next_delta;
     }
   }
   if constexpr (!kTma) cp_async_wait<0>();
