@@ -235,10 +235,10 @@ void check_backward_config(const char* name) {
       check(get<0>(o) == key && get<1>(o) == col && get<0>(d) == key && get<1>(d) == col, "bwd dV/dK coordinates",
             DB, tid, i, get<0>(d) * 1000 + get<1>(d));
     }
-    if (tid < 128 * C::kDqWarpgroups) {
-      Tensor q_coord = mma_dq.get_thread_slice(tid).partition_C(id_q);
+    {  // at head dim 64 either warpgroup computes dQ (by turns), as the first would
+      Tensor q_coord = mma_dq.get_thread_slice(tid % (128 * C::kDqWarpgroups)).partition_C(id_q);
       check(size(q_coord) == 32, "bwd dQ fragment size", DB, tid, int(size(q_coord)), 0);
-      const int row0 = ((tid % 128) / 32) * 16 + g, col0 = (tid / 128) * 64 + 2 * t;
+      const int row0 = ((tid % 128) / 32) * 16 + g, col0 = (tid / 128 % C::kDqWarpgroups) * 64 + 2 * t;
       for (int i = 0; i < 32; ++i) {
         const auto o = q_coord(i);
         check(get<0>(o) == row0 + 8 * ((i >> 1) & 1) && get<1>(o) == col0 + 8 * (i >> 2) + (i & 1),

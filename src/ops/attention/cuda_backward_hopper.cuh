@@ -14,8 +14,8 @@
 //                                    is the register-operand layout, as in the
 //                                    Hopper forward; dS^T from shared memory; dO,
 //                                    Q read transposed)
-//   with kFuseDq, after a barrier, dQ (64 rows x 64 columns a warpgroup; the
-//   first alone at head dim 64) = dS K over the block's 128 keys, added with
+//   with kFuseDq, after a barrier, dQ (64 rows x 64 columns a warpgroup; one
+//   by turns at head dim 64) = dS K over the block's 128 keys, added with
 //   fp32 atomics.
 // Shared memory: the 128-byte swizzled layouts of cuda_forward_hopper.cuh,
 // every element placed through a CuTe tensor (hopper::at).
@@ -119,7 +119,9 @@ struct HopperDkvConfig : HopperDkvTiles<typename hopper::CuteType<T>::type, 128,
   // A) times K (BN x DB; MN-major as the B operand DB x BN). An MN-major
   // operand with the 128-byte swizzle spans whole 64-element rows, so the
   // two warpgroups split DB only where each takes 64 columns; at head dim 64
-  // the first warpgroup computes dQ alone.
+  // one warpgroup computes a tile's dQ alone, the two in turn (tile parity:
+  // four products a tile each and dQ every other tile, where the first alone
+  // had six against four). Its accumulator layout is the same in either.
   static constexpr int kDqWarpgroups = DB / 64;
   using MmaDq = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, cute::_64, BN>, K::MN, K::MN>(),
@@ -320,7 +322,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   // kTma: the tiles' dQ, staged for the bulk reduction (two buffers).
   float* s_dq = reinterpret_cast<float*>(base + C::kDqTileOffset);
   // Named barriers of the dQ staging (kTma): buffer b full (ids 4, 5) and
-  // empty (6, 7), between the warpgroups that compute dQ and the dQ warp.
+  // empty (6, 7), between the warpgroups that compute dQ and the dQ warp (at
+  // head dim 64 buffer b is always warpgroup b's: tile parity picks both).
   constexpr int kDqBarrierThreads = 128 * C::kDqWarpgroups + 32;
   constexpr int kDqFullBarrier = 4, kDqEmptyBarrier = 6;
   Tensor sK = make_tensor(make_smem_ptr(k_s), typename C::SmemKV{});
@@ -455,7 +458,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   // P^T and dS^T as A operands: element i is element i of S^T / dP^T.
   Tensor tDrP = make_tensor<E>(partition_shape_A(mma_dkv, Shape<Int<BN>, Int<BM>>{}));
   // dQ: element 4 nt + 2 h + c is (query row (tid % 128) / 32 * 16 + g + 8 h,
-  // column (tid / 128) * 64 + 8 nt + 2 t + c).
+  // column (tid / 128 % kDqWarpgroups) * 64 + 8 nt + 2 t + c).
   Tensor tQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<DB>>{});
   static_assert(size(decltype(tSrS){}) == BM / 2 && size(decltype(tDrdV){}) == DB / 2 &&
                     size(decltype(tDrP){}) == BM / 2 && size(decltype(tQrdQ){}) == 32,
@@ -470,8 +473,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   const int full_lo = rows_seeing(n0 + BN - 1, shift, p.win_left, p.win_right).lo;
   const int full_hi = rows_seeing(n0, shift, p.win_left, p.win_right).hi;
   const float scale_log2 = p.scale * kLog2e;
-  const int dq_row0 = ((tid % 128) / 32) * 16 + g, dq_col0 = (tid / 128) * 64 + 2 * t;
-  const bool dq_warpgroup = tid < 128 * C::kDqWarpgroups;
+  const int dq_row0 = ((tid % 128) / 32) * 16 + g, dq_col0 = (tid / 128 % C::kDqWarpgroups) * 64 + 2 * t;
+  // Whether this thread's warpgroup computes tile it's dQ (warpgroup-uniform).
+  auto dq_warpgroup = [&](int it) { return C::kDqWarpgroups == 2 || tid / 128 == (it & 1); };
 
   for (int it = 0; it < n_tiles; ++it) {
     const int buf = uniform_int(it & 1);  // (the Q/dO descriptors in uniform registers)
@@ -604,7 +608,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     if constexpr (kFuseDq && kTma) {
       fence_async_shared();
       consumers_sync();
-      if (dq_warpgroup) {  // warpgroup-uniform: both at head dim 128, the first at 64
+      if (dq_warpgroup(it)) {  // both at head dim 128, one by turns at 64
         warpgroup_gemm<true, false>(mma_dq, tQrdS_buf, tQrKt, tQrdQ);
         if constexpr (kPacked) {
           // Rows past the sequence are the next one's in the workspace: zeros
@@ -631,7 +635,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     } else if constexpr (kFuseDq) {
       fence_async_shared();
       consumers_sync();
-      if (dq_warpgroup) {  // warpgroup-uniform
+      if (dq_warpgroup(it)) {
         warpgroup_gemm<true, false>(mma_dq, tQrdS_buf, tQrKt, tQrdQ);
         float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh + dq_col0;
 #pragma unroll
