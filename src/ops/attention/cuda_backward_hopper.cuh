@@ -587,13 +587,22 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tKrdSt); ++kb) gemm(mma_dk, tKrdSt(_, _, kb, buf), tKrQt(_, _, kb, buf), tDrdK);
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tDrdV);
-    warpgroup_fence_operand(tDrdK);
-    warpgroup_fence_operand(tDrP);
-    if constexpr (kTma) {  // this warp is done with Q/dO buffer `buf` (dQ reads dS^T and K only)
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty + buf);
+    // dV's and dK's products landed: P^T's registers and the accumulators are
+    // free, and (kTma) this warp is done with Q/dO buffer `buf` (dQ reads dS^T
+    // and K only). With TMA, dK's product runs on through the dQ barrier and
+    // this is called after dQ's product is issued.
+    auto dkv_landed = [&] {
+      warpgroup_fence_operand(tDrdV);
+      warpgroup_fence_operand(tDrdK);
+      warpgroup_fence_operand(tDrP);
+      if constexpr (kTma) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + buf);
+      }
+    };
+    if constexpr (!kTma) {
+      warpgroup_wait<0>();
+      dkv_landed();
     }
 
     // The next tile's statistics (buffer buf ^ 1 was last read by tile it - 1,
@@ -606,10 +615,12 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     // dQ of this tile once both warpgroups' dS^T is in shared memory.
     auto tQrdS_buf = tQrdS(_, _, _, buf);
     if constexpr (kFuseDq && kTma) {
-      fence_async_shared();
-      consumers_sync();
+      consumers_sync();  // (this thread's dS^T stores were fenced before the warpgroup barrier)
       if (dq_warpgroup(it)) {  // both at head dim 128, one by turns at 64
-        warpgroup_gemm<true, false>(mma_dq, tQrdS_buf, tQrKt, tQrdQ);
+        warpgroup_gemm<true, false, false>(mma_dq, tQrdS_buf, tQrKt, tQrdQ);
+        warpgroup_wait<1>();  // the groups complete in order: dV and dK first
+        dkv_landed();
+        warpgroup_wait_all(tQrdQ);
         if constexpr (kPacked) {
           // Rows past the sequence are the next one's in the workspace: zeros
           // there add nothing (not even a NaN of this sequence's own).
@@ -631,6 +642,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
                 make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1));
         fence_async_shared();  // the stores, seen by the unit's reads
         bar_arrive<kDqBarrierThreads>(kDqFullBarrier + buf);
+      } else {
+        warpgroup_wait<0>();
+        dkv_landed();
       }
     } else if constexpr (kFuseDq) {
       fence_async_shared();
