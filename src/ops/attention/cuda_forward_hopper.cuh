@@ -564,6 +564,15 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const float scale_log2 = p.scale * kLog2e;
   const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
+  // kPingpong: a tile's P V product is waited for with the next tile's S
+  // product (or after the loop); then O and P may be touched again and the
+  // tile's stage is released (this warp's part).
+  auto pv_landed = [&](int stage) {
+    warpgroup_fence_operand(tOrO);
+    warpgroup_fence_operand(tOrP);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + stage);
+  };
 
   for (int n0 = n_begin, it = 0; n0 < n_end; n0 += BN, ++it) {
     const int buf = kPingpong ? it % kStages : it & 1;
@@ -592,6 +601,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
       warpgroup_gemm<true, false, false>(mma_s, tSrQ, tSrK(_, _, _, buf), tSrS);
       if (wg == 0 || n0 + BN < n_end) named_barrier_arrive(2 - wg);
       warpgroup_wait_all(tSrS);
+      // The previous tile's P V product (issued before this S product, which
+      // completes after it) landed: O and P are free, its stage is released.
+      if (it > 0) pv_landed((it + kStages - 1) % kStages);
       // Tile it + 2 into the buffer of tile it - 1, once both warpgroups are
       // done with it (kTma: the producer's work).
       if constexpr (!kTma) {
@@ -672,10 +684,18 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
     }
     pack_p<T, BN>(tSrS, tOrP);
 
-    warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
     if constexpr (kPingpong) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty + buf);
+      // Not waited for here: the next tile's S product queues behind it on
+      // the tensor cores as soon as this warpgroup has the turn again.
+      warpgroup_gemm<false, true, false>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+    } else {
+      warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+    }
+  }
+  if constexpr (kPingpong) {
+    if (n_begin < n_end) {
+      warpgroup_wait<0>();
+      pv_landed((n_end - n_begin - 1) / BN % kStages);
     }
   }
   if constexpr (!kTma) {

@@ -133,6 +133,16 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
   Tensor tOrP = make_tensor<E>(partition_shape_A(mma_o, Shape<Int<BM>, Int<BN>>{}));
   const float scale_log2 = p.scale * kLog2e;
 
+  // A tile's P V product is waited for with the next tile's S product (or
+  // after the item's last tile); then O and P may be touched again and the
+  // tile's stage is released (this warp's part).
+  auto pv_landed = [&](int stage) {
+    warpgroup_fence_operand(tOrO);
+    warpgroup_fence_operand(tOrP);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + stage);
+  };
+
   int tile = 0, k = 0;
   FwdItem item;
   for (int u = 0; walk_item(p, u, BM, paired, &item); ++u) {
@@ -163,6 +173,9 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
       warpgroup_gemm<true, false, false>(mma_s, tSrQ, tSrK(_, _, _, buf), tSrS);
       if (wg == 0 || n0 + BN < n_end) named_barrier_arrive(2 - wg);
       warpgroup_wait_all(tSrS);
+      // The previous tile's P V product (issued before this S product, which
+      // completes after it) landed: O and P are free, its stage is released.
+      if (it > 0) pv_landed((tile + kStages - 1) % kStages);
       if (n0 + BN >= n_end) release_q();
 
       // Logits in log2 units (raw scores for kLean); -inf where hidden.
@@ -183,9 +196,12 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
           }
       }
       pack_p<T, BN>(tSrS, tOrP);
-      warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty + buf);
+      // Not waited for here: the next tile's S product queues behind it.
+      warpgroup_gemm<false, true, false>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+    }
+    if (n_begin < n_end) {
+      warpgroup_wait<0>();
+      pv_landed((tile + kStages - 1) % kStages);
     }
     if (!q_released) release_q();
     ++k;
