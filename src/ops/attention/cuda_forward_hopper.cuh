@@ -118,6 +118,13 @@ struct HopperFwdConfig {
 template <class T, int DB>
 using HopperPingpongConfig =
     HopperFwdConfig<T, DB, DB == 64 ? 4 : DB == 128 ? 3 : 2, DB == 256 ? 64 : 128, true>;
+// Whether the pingpong kernels leave a tile's P V product running into the
+// next tile's turn (waited for with the next S product, the tile's K/V stage
+// released then): 1.02-1.10x forward at head dims 64 and 128 on H100, where
+// there are three or four stages; 0.93-0.98x at 256, whose two stages make the
+// producer wait for the later release (bench/RESULTS.md, tenth set).
+template <int kStages>
+inline constexpr bool kPvInFlightStages = kStages > 2;
 // The config of attention_fwd_hopper_kernel's form.
 template <class T, int DB, bool kPingpong>
 using HopperFwdKernelConfig = std::conditional_t<kPingpong, HopperPingpongConfig<T, DB>, HopperFwdConfig<T, DB>>;
@@ -434,6 +441,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
   static_assert(!kPingpong || kTma || kStages == 3,
                 "the cp.async feed copies tile it + 2 into the buffer of tile it - 1");
   static_assert(!kTma || C::smem(false) <= 227 * 1024, "a CTA's shared memory");
+  constexpr bool kPvInFlight = kPingpong && kPvInFlightStages<kStages>;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers
   constexpr float kLog2e = 1.4426950408889634f;
@@ -564,7 +572,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const float scale_log2 = p.scale * kLog2e;
   const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
-  // kPingpong: a tile's P V product is waited for with the next tile's S
+  // kPvInFlight: a tile's P V product is waited for with the next tile's S
   // product (or after the loop); then O and P may be touched again and the
   // tile's stage is released (this warp's part).
   auto pv_landed = [&](int stage) {
@@ -603,7 +611,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
       warpgroup_wait_all(tSrS);
       // The previous tile's P V product (issued before this S product, which
       // completes after it) landed: O and P are free, its stage is released.
-      if (it > 0) pv_landed((it + kStages - 1) % kStages);
+      if (kPvInFlight && it > 0) pv_landed((it + kStages - 1) % kStages);
       // Tile it + 2 into the buffer of tile it - 1, once both warpgroups are
       // done with it (kTma: the producer's work).
       if constexpr (!kTma) {
@@ -684,15 +692,19 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
     }
     pack_p<T, BN>(tSrS, tOrP);
 
-    if constexpr (kPingpong) {
+    if constexpr (kPvInFlight) {
       // Not waited for here: the next tile's S product queues behind it on
       // the tensor cores as soon as this warpgroup has the turn again.
       warpgroup_gemm<false, true, false>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
     } else {
       warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+      if constexpr (kPingpong) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + buf);
+      }
     }
   }
-  if constexpr (kPingpong) {
+  if constexpr (kPvInFlight) {
     if (n_begin < n_end) {
       warpgroup_wait<0>();
       pv_landed((n_end - n_begin - 1) / BN % kStages);

@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
   using namespace hopper;
   using C = HopperPingpongConfig<T, DB>;
   constexpr int kStages = C::kStageCount;
+  constexpr bool kPvInFlight = kPvInFlightStages<kStages>;
   static_assert(C::kSmem + sizeof(uint64_t) <= 227 * 1024, "a CTA's shared memory");
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers
@@ -133,9 +134,9 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
   Tensor tOrP = make_tensor<E>(partition_shape_A(mma_o, Shape<Int<BM>, Int<BN>>{}));
   const float scale_log2 = p.scale * kLog2e;
 
-  // A tile's P V product is waited for with the next tile's S product (or
-  // after the item's last tile); then O and P may be touched again and the
-  // tile's stage is released (this warp's part).
+  // kPvInFlight: a tile's P V product is waited for with the next tile's S
+  // product (or after the item's last tile); then O and P may be touched
+  // again and the tile's stage is released (this warp's part).
   auto pv_landed = [&](int stage) {
     warpgroup_fence_operand(tOrO);
     warpgroup_fence_operand(tOrP);
@@ -175,7 +176,7 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
       warpgroup_wait_all(tSrS);
       // The previous tile's P V product (issued before this S product, which
       // completes after it) landed: O and P are free, its stage is released.
-      if (it > 0) pv_landed((tile + kStages - 1) % kStages);
+      if (kPvInFlight && it > 0) pv_landed((tile + kStages - 1) % kStages);
       if (n0 + BN >= n_end) release_q();
 
       // Logits in log2 units (raw scores for kLean); -inf where hidden.
@@ -196,10 +197,16 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
           }
       }
       pack_p<T, BN>(tSrS, tOrP);
-      // Not waited for here: the next tile's S product queues behind it.
-      warpgroup_gemm<false, true, false>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+      if constexpr (kPvInFlight) {
+        // Not waited for here: the next tile's S product queues behind it.
+        warpgroup_gemm<false, true, false>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+      } else {
+        warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + buf);
+      }
     }
-    if (n_begin < n_end) {
+    if (kPvInFlight && n_begin < n_end) {
       warpgroup_wait<0>();
       pv_landed((tile + kStages - 1) % kStages);
     }
