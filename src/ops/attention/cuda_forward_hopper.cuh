@@ -120,9 +120,10 @@ using HopperPingpongConfig =
     HopperFwdConfig<T, DB, DB == 64 ? 4 : DB == 128 ? 3 : 2, DB == 256 ? 64 : 128, true>;
 // Whether the pingpong kernels leave a tile's P V product running into the
 // next tile's turn (waited for with the next S product, the tile's K/V stage
-// released then): 1.02-1.10x forward at head dims 64 and 128 on H100, where
-// there are three or four stages; 0.93-0.98x at 256, whose two stages make the
-// producer wait for the later release (bench/RESULTS.md, tenth set).
+// released then): forward 1.03-1.10x at head dim 64 and 0.97-1.08x at 128 on
+// H100, where there are four and three stages; 0.93-0.98x at 256, whose two
+// stages make the producer wait for the later release (bench/RESULTS.md,
+// tenth set).
 template <int kStages>
 inline constexpr bool kPvInFlightStages = kStages > 2;
 // The config of attention_fwd_hopper_kernel's form.
