@@ -595,10 +595,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       warpgroup_fence_operand(tDrdV);
       warpgroup_fence_operand(tDrdK);
       warpgroup_fence_operand(tDrP);
-      if constexpr (kTma) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty + buf);
-      }
+      if constexpr (kTma) warp_arrive(empty + buf, lane);
     };
     if constexpr (!kTma) {
       warpgroup_wait<0>();

@@ -245,8 +245,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     warpgroup_fence_operand(tDrdV);
     warpgroup_fence_operand(tDrdK);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + buf);  // this warp is done with Q/dO buffer `buf`
+    warp_arrive(empty + buf, lane);  // this warp is done with Q/dO buffer `buf`
 
     if constexpr (kFuseDq) {
       float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh;

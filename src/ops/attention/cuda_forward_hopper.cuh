@@ -160,6 +160,12 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
+// This warp's one arrival on `bar` (barriers counted in warps), once all its
+// lanes got here.
+__device__ __forceinline__ void warp_arrive(uint64_t* bar, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(bar);
+}
 // Arrives on `bar` once every cp.async this thread issued so far has landed
 // (the count of the barrier's phase includes this thread's arrival).
 __device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
@@ -397,8 +403,7 @@ template <class FragO, class FragP>
 __device__ __forceinline__ void pv_landed(FragO& tOrO, FragP& tOrP, uint64_t* stage_empty, int lane) {
   cute::warpgroup_fence_operand(tOrO);
   cute::warpgroup_fence_operand(tOrP);
-  __syncwarp();
-  if (lane == 0) mbar_arrive(stage_empty);
+  warp_arrive(stage_empty, lane);
 }
 
 // P (16-bit, the P V product's register A operand) from the probabilities.
@@ -695,17 +700,10 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
     }
     pack_p<T, BN>(tSrS, tOrP);
 
-    if constexpr (kPvInFlight) {
-      // Not waited for here: the next tile's S product queues behind it on
-      // the tensor cores as soon as this warpgroup has the turn again.
-      warpgroup_gemm<false, true, false>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
-    } else {
-      warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
-      if constexpr (kPingpong) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty + buf);
-      }
-    }
+    // kPvInFlight: not waited for here, so the next tile's S product queues
+    // behind it on the tensor cores as soon as this warpgroup has the turn again.
+    warpgroup_gemm<false, true, !kPvInFlight>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+    if constexpr (kPingpong && !kPvInFlight) warp_arrive(empty + buf, lane);
   }
   // (ptxas adds a wait where this block and the path without key tiles meet,
   // its note C7517: it cannot tell that nothing is in flight there. No cost.)

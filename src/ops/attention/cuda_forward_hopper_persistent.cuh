@@ -152,8 +152,7 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
     // This warp's part of "both warpgroups are done reading Q" (after its
     // warpgroup's last S product; at once for an item without key tiles).
     auto release_q = [&] {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(q_empty);
+      warp_arrive(q_empty, lane);
       q_released = true;
     };
 
@@ -187,14 +186,9 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
           }
       }
       pack_p<T, BN>(tSrS, tOrP);
-      if constexpr (kPvInFlight) {
-        // Not waited for here: the next tile's S product queues behind it.
-        warpgroup_gemm<false, true, false>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
-      } else {
-        warpgroup_gemm<false, true>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty + buf);
-      }
+      // kPvInFlight: not waited for here; the next tile's S product queues behind it.
+      warpgroup_gemm<false, true, !kPvInFlight>(mma_o, tOrP, tOrVt(_, _, _, buf), tOrO);
+      if constexpr (!kPvInFlight) warp_arrive(empty + buf, lane);
     }
     // (ptxas adds a wait where this block and the path without key tiles meet,
     // its note C7517: it cannot tell that nothing is in flight there. No cost.)
