@@ -246,6 +246,38 @@ void check_backward_config(const char* name) {
       }
     }
   }
+  // The staged dQ tile (the TMA kernel's): every element where a box of 32
+  // fp32 columns x BM rows in the 128-byte swizzle puts it, each element once;
+  // and each store of a warp (a float2 of element 4 nt + 2 h of every lane)
+  // conflict-free: its 32 lanes' 64 words fill each of the 32 banks twice.
+  {
+    static bool seen[BM * DB];
+    for (bool& x : seen) x = false;
+    for (int r = 0; r < BM; ++r)
+      for (int c = 0; c < DB; ++c) {
+        const int i = C::dq_stage_index(r, c);
+        const long want = (c / 32) * (BM * 128L) + r * 128L + ((((c % 32) * 4 / 16) ^ (r % 8)) * 16) + (c % 4) * 4;
+        check(i >= 0 && i < BM * DB && 4L * i == want && !seen[i], "bwd dQ staging placement", DB, r, c, i);
+        if (i >= 0 && i < BM * DB) seen[i] = true;
+      }
+    for (int warp = 0; warp < C::kThreads / 32; ++warp)
+      for (int nt = 0; nt < 8; ++nt)
+        for (int h = 0; h < 2; ++h) {
+          int bank_uses[32] = {};
+          for (int lane = 0; lane < 32; ++lane) {
+            const int tid = warp * 32 + lane, g = lane / 4, t = lane % 4;
+            const int row = ((tid % 128) / 32) * 16 + g + 8 * h, col = (tid / 128 % C::kDqWarpgroups) * 64 + 2 * t + 8 * nt;
+            const int i = C::dq_stage_index(row, col), row0 = row - 8 * h, col0 = col - 8 * nt;
+            check(i == C::dq_stage_base(row0, col0) + C::dq_stage_offset(C::dq_stage_chunk(row0, col0), nt, h),
+                  "bwd dQ staging index as the kernel computes it", DB, tid, nt, h);
+            ++bank_uses[i % 32];
+            ++bank_uses[(i + 1) % 32];
+          }
+          bool even = true;
+          for (int k = 0; k < 32; ++k) even &= bank_uses[k] == 2;
+          check(even, "bwd dQ staging stores conflict-free", DB, warp, nt, h);
+        }
+  }
   std::printf("%s %s backward head dim %d: %d checks\n", g_failed == failed_before ? "ok  " : "FAIL", name, DB,
               g_checks - checks_before);
 }

@@ -136,6 +136,30 @@ struct HopperDkvConfig : HopperDkvTiles<typename hopper::CuteType<T>::type, 128,
   // The TMA kernel's dQ tiles (fp32, BM x DB row-major), two buffers, each
   // added to the workspace by one bulk reduction a tile; after everything else.
   static constexpr size_t kDqTileBytes = kBlockM * DB * sizeof(float);
+  // Element (r, c) of a staged dQ tile, in floats from the buffer's start: DB
+  // / 32 boxes of BM rows x 32 columns (128 bytes a row), each in the 128-byte
+  // swizzle the bulk reduction's map names (16-byte chunk j of row r at chunk
+  // j ^ (r % 8)). Row-major rows 256 or 512 bytes apart fell in the same banks:
+  // a warp's stores (8 rows x 4 column pairs) were 8-way conflicts, about a
+  // tenth of the head-dim-64 kernel's time (ncu, bench/attn_notes.md 27).
+  static constexpr int kDqBoxCols = 32;
+  static __host__ __device__ constexpr int dq_stage_index(int r, int c) {
+    return (c / kDqBoxCols) * (kBlockM * kDqBoxCols) + r * kDqBoxCols +
+           ((((c % kDqBoxCols) >> 2) ^ (r & 7)) << 2) + (c & 3);
+  }
+  // The same for a thread's dQ elements, rows row0 + 8 h, columns col0 + 8 nt
+  // (row0 % 8 = g, col0 % 32 < 8), as the kernel computes it: a base and a
+  // chunk per thread, then per nt one xor (col0's chunk is 0 or 1, so adding
+  // 2 (nt % 4) is an xor). Equal to dq_stage_index (the layout tests).
+  static __host__ __device__ constexpr int dq_stage_base(int row0, int col0) {
+    return (col0 / kDqBoxCols) * (kBlockM * kDqBoxCols) + row0 * kDqBoxCols + (col0 & 3);
+  }
+  static __host__ __device__ constexpr int dq_stage_chunk(int row0, int col0) {
+    return ((col0 % kDqBoxCols) >> 2) ^ (row0 & 7);
+  }
+  static __host__ __device__ constexpr int dq_stage_offset(int chunk, int nt, int h) {
+    return (nt / 4) * (kBlockM * kDqBoxCols) + 8 * h * kDqBoxCols + ((chunk ^ (2 * (nt % 4))) << 2);
+  }
   static constexpr size_t kDqTileOffset = (kSmem - 1024 + 1023) / 1024 * 1024;  // from the aligned base
   static constexpr size_t kSmemTma = kDqTileOffset + 2 * kDqTileBytes + 1024;
   static_assert(kSmemTma <= 227 * 1024, "shared memory of the TMA kernel");
@@ -146,7 +170,7 @@ struct HopperDkvConfig : HopperDkvTiles<typename hopper::CuteType<T>::type, 128,
 // of the wgmma tiles (cuda_forward_hopper.cuh, FwdTmaMaps). Unused elsewhere.
 struct BwdTmaMaps {
   CUtensorMap q, dout, k, v;
-  CUtensorMap dq_accum;  // fp32, one box of DB columns x 64 rows, no swizzle
+  CUtensorMap dq_accum;  // fp32, boxes of 32 columns x 64 rows, 128-byte swizzle
 };
 
 namespace hopper {
@@ -398,15 +422,17 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
         produce_tiles<BN, BM, DB, E>(maps, sK, sV, sQ, sdO, kv_full, full, empty, map_k0 + n0, hk, map_b, n_tiles,
                                      [&](int it) { return map_q0 + tile_row0(it); }, tile_head);
       } else if (threadIdx.x / 32 == 1) {
-        // The dQ warp: each tile's staged dQ into the workspace, in order.
-        // Rows past the last row of the map (the batch layout: past the
-        // sequence) are dropped by the unit.
+        // The dQ warp: each tile's staged dQ into the workspace, in order,
+        // one reduction a 32-column box. Rows past the last row of the map
+        // (the batch layout: past the sequence) are dropped by the unit.
         for (int it = 0; it < n_tiles; ++it) {
           const int buf = it & 1;
           bar_sync<kDqBarrierThreads>(kDqFullBarrier + buf);
           if (threadIdx.x == 32) {
-            tma_reduce_add_4d(&maps.dq_accum, s_dq + buf * BM * DB, 0, map_q0 + tile_row0(it), tile_head(it),
-                              map_b);
+#pragma unroll
+            for (int box = 0; box < DB / C::kDqBoxCols; ++box)
+              tma_reduce_add_4d(&maps.dq_accum, s_dq + buf * BM * DB + box * BM * C::kDqBoxCols, box * C::kDqBoxCols,
+                                map_q0 + tile_row0(it), tile_head(it), map_b);
             bulk_wait_all<true>();  // the unit has read the buffer
           }
           __syncwarp();
@@ -630,12 +656,13 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
         // Buffer `buf` was last staged for tile it - 2: the dQ warp says when
         // the unit has read it.
         if (it >= 2) bar_sync<kDqBarrierThreads>(kDqEmptyBarrier + buf);
-        float* stage = s_dq + buf * BM * DB;
+        float* stage = s_dq + buf * BM * DB + C::dq_stage_base(dq_row0, dq_col0);
+        const int chunk = C::dq_stage_chunk(dq_row0, dq_col0);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<float2*>(stage + (dq_row0 + 8 * h) * DB + dq_col0 + nt * 8) =
+            *reinterpret_cast<float2*>(stage + C::dq_stage_offset(chunk, nt, h)) =
                 make_float2(tQrdQ(4 * nt + 2 * h), tQrdQ(4 * nt + 2 * h + 1));
         fence_async_shared();  // the stores, seen by the unit's reads
         bar_arrive<kDqBarrierThreads>(kDqFullBarrier + buf);

@@ -199,12 +199,13 @@ inline bool encode_backward_maps(BwdTmaMaps* m, const KArgs& p, bool bf16) {
            encode_rows_map(&m->k, bf16, p.k, tk, p.heads_kv, 1, p.k_sr, p.k_sh, p.k_sr * tk, 128, d) &&
            encode_rows_map(&m->v, bf16, p.v, tk, p.heads_kv, 1, p.v_sr, p.v_sh, p.v_sr * tk, 128, d) &&
            encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, d, tq, p.heads_q, 1,
-                      p.dqa_sr, p.dqa_sh, p.dqa_sr * tq, d, 64, CU_TENSOR_MAP_SWIZZLE_NONE);
+                      p.dqa_sr, p.dqa_sh, p.dqa_sr * tq, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B);
   }
   return encode_backward_qkv_maps(m, p, bf16, 128) &&
-         // the fp32 dQ workspace, one d x 64 box a tile (row-major, as the kernel stages it)
+         // the fp32 dQ workspace, d / 32 boxes of 32 columns x 64 rows a tile, in
+         // the 128-byte swizzle the kernel stages them in (HopperDkvConfig::dq_stage_index)
          encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, d, p.seqlen_q, p.heads_q,
-                    p.batch, p.dqa_sr, p.dqa_sh, p.dqa_sb, d, 64, CU_TENSOR_MAP_SWIZZLE_NONE);
+                    p.batch, p.dqa_sr, p.dqa_sh, p.dqa_sb, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 // The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
