@@ -212,19 +212,31 @@ __device__ __forceinline__ int warpgroup_first_thread(int tid) {
 // `x`, the same in every lane, made known to be so (as above).
 __device__ __forceinline__ int uniform_int(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
-// The dK/dV kernels' statistics of query row i of head hq (of sequence `seq`
-// of batch entry b): lse in log2 units, +inf where the row is past the end or
-// sees no key (its P is then 0), and delta.
+// The loads of query row i's statistics (head hq of sequence `seq` of batch
+// entry b): lse (-inf past the end) and delta (0 there), not yet converted.
+struct RowStats {
+  float lse, delta;
+};
+__device__ __forceinline__ RowStats row_stats_load(const KArgs& p, const Seq& seq, int b, int hq, int i) {
+  RowStats s{-INFINITY, 0.0f};
+  if (i < seq.sq) {
+    s.lse = p.lse[b * p.lse_sb + hq * p.lse_sh + seq.q0 + i];
+    s.delta = p.delta[b * p.delta_sb + hq * p.delta_sh + seq.q0 + i];
+  }
+  return s;
+}
+// lse in log2 units as the dK/dV kernels use it: +inf where the row is past
+// the end or sees no key (its P is then 0).
+__device__ __forceinline__ float lse2_of(float lse) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+// The dK/dV kernels' statistics of query row i: lse2_of(lse) and delta.
 __device__ __forceinline__ void row_stats(const KArgs& p, const Seq& seq, int b, int hq, int i, float* lse2,
                                           float* delta) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  *lse2 = INFINITY;
-  *delta = 0.0f;
-  if (i < seq.sq) {
-    const float x = p.lse[b * p.lse_sb + hq * p.lse_sh + seq.q0 + i];
-    if (x != -INFINITY) *lse2 = x * kLog2e;
-    *delta = p.delta[b * p.delta_sb + hq * p.delta_sh + seq.q0 + i];
-  }
+  const RowStats s = row_stats_load(p, seq, b, hq, i);
+  *lse2 = lse2_of(s.lse);
+  *delta = s.delta;
 }
 
 // The TMA-fed dK/dV kernels' mbarriers: K and V landed (kv_full), Q/dO buffer
@@ -534,10 +546,12 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     // finished before that barrier.
     if constexpr (kTileStartBarrier) consumers_sync();
     const bool has_next = it + 1 < n_tiles;
-    float next_lse2 = INFINITY, next_delta = 0.0f;
+    // The next tile's statistics: loaded here, converted where published (before
+    // the dQ barrier), so the loads' latency passes under this tile's products.
+    RowStats next_stats{-INFINITY, 0.0f};
     if (has_next) {
       if constexpr (!kTma) load_q_do(it + 1, buf ^ 1);
-      if (tid < BM) read_stats(it + 1, &next_lse2, &next_delta);
+      if (tid < BM) next_stats = row_stats_load(p, seq, b, tile_head(it + 1), tile_row0(it + 1) + tid);
     }
     if constexpr (!kTma) cp_async_commit();
     const int hq = tile_head(it), m0 = tile_row0(it);
@@ -547,6 +561,13 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     // S^T and dP^T issued together, committed apart: P (the softmax of S^T)
     // is computed while dP^T's product runs, and dV's product is issued
     // before dS is computed, so each elementwise step overlaps a product.
+    // At head dim 64 this thread's lse pairs are read before the products (the
+    // registers are there), so P does not wait for them after S lands.
+    constexpr bool kLseEarly = DB == 64;
+    float2 lse_early[kLseEarly ? BM / 8 : 1];
+    if constexpr (kLseEarly)
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt) lse_early[nt] = *reinterpret_cast<const float2*>(lse2 + nt * 8 + 2 * t);
     issue_s_dp(mma_sdp, tSrK, tSrQ, tSrV, tSrdO, buf, tSrS, tSrdP);
 
     // P; element 4 nt + e is (key key_row(e / 2), query row m0 + 8 nt + 2 t +
@@ -555,7 +576,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
 #pragma unroll
     for (int nt = 0; nt < BM / 8; ++nt) {
       const int c0 = nt * 8 + 2 * t;
-      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + c0);
+      const float2 l2 = kLseEarly ? lse_early[kLseEarly ? nt : 0] : *reinterpret_cast<const float2*>(lse2 + c0);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, i = m0 + c0 + (e & 1), idx = 4 * nt + e;
@@ -631,8 +652,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     // The next tile's statistics (buffer buf ^ 1 was last read by tile it - 1,
     // before the previous dQ barrier; the next barrier publishes them).
     if (has_next && tid < BM) {
-      s_lse[(buf ^ 1) * BM + tid] = next_lse2;
-      s_delta[(buf ^ 1) * BM + tid] = next_delta;
+      s_lse[(buf ^ 1) * BM + tid] = lse2_of(next_stats.lse);
+      s_delta[(buf ^ 1) * BM + tid] = next_stats.delta;
     }
 
     // dQ of this tile once both warpgroups' dS^T is in shared memory.
