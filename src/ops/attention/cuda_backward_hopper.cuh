@@ -16,7 +16,7 @@
 //                                    Q read transposed)
 //   with kFuseDq, after a barrier, dQ (64 rows x 64 columns a warpgroup; one
 //   by turns at head dim 64) = dS K over the block's 128 keys, added with
-//   fp32 atomics.
+//   fp32 atomics, or (kTma) staged in shared memory for bulk reductions.
 // Shared memory: the 128-byte swizzled layouts of cuda_forward_hopper.cuh,
 // every element placed through a CuTe tensor (hopper::at).
 // The default at head dims 64 and 128 with dQ fused
@@ -133,8 +133,9 @@ struct HopperDkvConfig : HopperDkvTiles<typename hopper::CuteType<T>::type, 128,
   // + lse and delta, two buffers of BM floats each; + the TMA kernel's five
   // mbarriers; + 1024 for the alignment.
   static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 5 * sizeof(uint64_t) + 1024;
-  // The TMA kernel's dQ tiles (fp32, BM x DB row-major), two buffers, each
-  // added to the workspace by one bulk reduction a tile; after everything else.
+  // The TMA kernel's dQ tiles (fp32, BM x DB, placed by dq_stage_index), two
+  // buffers, each added to the workspace by bulk reductions (one a 32-column
+  // box); after everything else.
   static constexpr size_t kDqTileBytes = kBlockM * DB * sizeof(float);
   // Element (r, c) of a staged dQ tile, in floats from the buffer's start: DB
   // / 32 boxes of BM rows x 32 columns (128 bytes a row), each in the 128-byte
