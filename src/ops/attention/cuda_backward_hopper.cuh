@@ -565,10 +565,11 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     // At head dim 64 this thread's lse pairs are read before the products (the
     // registers are there), so P does not wait for them after S lands.
     constexpr bool kLseEarly = DB == 64;
+    auto lse_pair = [&](int nt) { return *reinterpret_cast<const float2*>(lse2 + nt * 8 + 2 * t); };
     float2 lse_early[kLseEarly ? BM / 8 : 1];
     if constexpr (kLseEarly)
 #pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt) lse_early[nt] = *reinterpret_cast<const float2*>(lse2 + nt * 8 + 2 * t);
+      for (int nt = 0; nt < BM / 8; ++nt) lse_early[nt] = lse_pair(nt);
     issue_s_dp(mma_sdp, tSrK, tSrQ, tSrV, tSrdO, buf, tSrS, tSrdP);
 
     // P; element 4 nt + e is (key key_row(e / 2), query row m0 + 8 nt + 2 t +
@@ -577,7 +578,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
 #pragma unroll
     for (int nt = 0; nt < BM / 8; ++nt) {
       const int c0 = nt * 8 + 2 * t;
-      const float2 l2 = kLseEarly ? lse_early[kLseEarly ? nt : 0] : *reinterpret_cast<const float2*>(lse2 + c0);
+      float2 l2;
+      if constexpr (kLseEarly) l2 = lse_early[nt];
+      else l2 = lse_pair(nt);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, i = m0 + c0 + (e & 1), idx = 4 * nt + e;
