@@ -435,6 +435,26 @@ void check_backward256_config(const char* name) {
       check(seen_q[a][c] == 1, "bwd256 dQ covered once", DB, a, c, seen_q[a][c]);
       if (c < BM) check(seen_s[a][c] == 1, "bwd256 S^T covered once", DB, a, c, seen_s[a][c]);
     }
+  // The staged dQ (kFuseDq): element i of a thread, stored at half i / 32's
+  // buffer + the head-dim-128 thread form, is where the 128-byte-swizzled
+  // 32-column boxes of that half put (row, column % 128), which the bulk
+  // reduction of box column / 32 reads; each warpgroup only inside its own
+  // 16 KiB of each half (the columns of Q and dO its dK and dV products read).
+  {
+    using C128 = symheap::attention::cuda::HopperDkvConfig<T, 128>;
+    for (int tid = 0; tid < C::kThreads; ++tid) {
+      const int row0 = key_of(tid, 0), col0 = dq_col_of(tid, 0);
+      const int base = C128::dq_stage_base(row0, col0), chunk = C128::dq_stage_chunk(row0, col0);
+      for (int i = 0; i < 64; i += 2) {
+        const int row = key_of(tid, i), col = dq_col_of(tid, i), half = i / 32;
+        const int at = base + C128::dq_stage_offset(chunk, (i % 32) / 4, (i >> 1) & 1);
+        check(half == col / 128 && at == C128::dq_stage_index(row, col % 128) && at / (BM * 64) == tid / 128,
+              "bwd256 dQ staging", DB, tid, i, at);
+        const long box = col / 32, within = at - (box % 4) * BM * 32;  // the box's start in its half
+        check(within >= 0 && within < BM * 32, "bwd256 dQ staging in its box", DB, tid, i, int(within));
+      }
+    }
+  }
   std::printf("%s %s backward head dim 256: %d checks\n", g_failed == failed_before ? "ok  " : "FAIL", name,
               g_checks - checks_before);
 }

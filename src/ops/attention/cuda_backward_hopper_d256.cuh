@@ -77,8 +77,16 @@ __host__ __device__ __forceinline__ int dq_col_of(int tid, int i) {
 }
 }  // namespace hopper256
 
-// kFuseDq: dQ here (atomics); else the pipelined dQ kernel computes it (no
-// atomics: deterministic calls take that form).
+// kFuseDq: dQ here; else the pipelined dQ kernel computes it (no atomics:
+// deterministic calls take that form). There is no room for a dQ staging tile
+// (64 KiB): each warpgroup stages its dQ over the columns of the tile's Q and
+// dO buffer that its own dK and dV products read (64 rows x 128 columns of
+// each, 32 KiB, the place of 64 dQ columns in fp32), and a producer warp adds
+// the tile to the fp32 workspace by bulk reductions (32-column boxes in the
+// 128-byte swizzle: the head-dim-128 kernel's staging layout, a half of the
+// columns in each buffer), then releases the buffer to the producer. (Added
+// by per-thread fp32 atomics, dQ took four tenths of the kernel's stall
+// samples, the L2 at 71% of its throughput.)
 template <class T, bool kFuseDq>
 __global__ void __launch_bounds__(384, 1)
     attention_bwd_dkdv_hopper256_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
@@ -131,12 +139,42 @@ __global__ void __launch_bounds__(384, 1)
   auto tile_head = [&](int it) { return hk * p.group + it / m_tiles; };
   auto tile_row0 = [&](int it) { return m_begin + (it % m_tiles) * BM; };
 
-  init_tile_barriers(kv_full, full, empty, NT / 32);
+  // Tile `it`'s dQ staged over Q/dO buffer it % 2 (kFuseDq): half h of the
+  // columns (128 h .. 128 h + 127) over the Q (h = 0) or dO (h = 1) buffer, in
+  // the head-dim-128 kernel's staging layout (C128::dq_stage_index).
+  using C128 = HopperDkvConfig<T, 128>;
+  static_assert(C128::kBlockM == BM && C::kQElems == 2 * BM * DB && BM * 128 * sizeof(float) == BM * DB * sizeof(E),
+                "a dQ half in fp32 fills a Q/dO buffer");
+  auto dq_half = [&](int buf, int h) {
+    return reinterpret_cast<float*>((h == 0 ? q_s : do_s) + buf * BM * DB);
+  };
+  constexpr int kDqBarrierThreads = NT + 32, kDqFullBarrier = 4;  // (ids 4 and 5)
+  // The consumer warps release a buffer, or (kFuseDq) the dQ warp once the
+  // unit has read the dQ staged over it.
+  init_tile_barriers(kv_full, full, empty, kFuseDq ? 1 : NT / 32);
   if (threadIdx.x < 128) {  // the producer warpgroup
     registers_down<24>();
     if (threadIdx.x == 0)
       produce_tiles<BN, BM, DB, E>(maps, sK, sV, sQ, sdO, kv_full, full, empty, n0, hk, b, n_tiles, tile_row0,
                                    tile_head);
+    if constexpr (kFuseDq) {
+      if (threadIdx.x / 32 == 1) {  // the dQ warp
+        for (int it = 0; it < n_tiles; ++it) {
+          const int buf = it & 1;
+          bar_sync<kDqBarrierThreads>(kDqFullBarrier + buf);
+          if (threadIdx.x == 32) {
+#pragma unroll
+            for (int box = 0; box < DB / C128::kDqBoxCols; ++box)
+              tma_reduce_add_4d(&maps.dq_accum, dq_half(buf, box / 4) + (box % 4) * BM * C128::kDqBoxCols,
+                                box * C128::kDqBoxCols, tile_row0(it), tile_head(it), b);
+            bulk_wait_all<true>();  // the unit has read the buffer
+            mbar_arrive(empty + buf);
+          }
+          __syncwarp();
+        }
+        if (threadIdx.x == 32) bulk_wait_all<false>();  // every reduction done before the CTA ends
+      }
+    }
     return;
   }
   registers_up<240>();
@@ -194,7 +232,7 @@ __global__ void __launch_bounds__(384, 1)
     const bool has_next = it + 1 < n_tiles;
     float next_lse2 = INFINITY, next_delta = 0.0f;
     if (has_next && tid < BM) read_stats(it + 1, &next_lse2, &next_delta);
-    const int hq = tile_head(it), m0 = tile_row0(it);
+    const int m0 = tile_row0(it);
     const float* lse2 = s_lse + buf * BM;
     const float* delta = s_delta + buf * BM;
 
@@ -245,17 +283,23 @@ __global__ void __launch_bounds__(384, 1)
     }
     warpgroup_fence_operand(tDrdV);
     warpgroup_fence_operand(tDrdK);
-    warp_arrive(empty + buf, lane);  // this warp is done with Q/dO buffer `buf`
-
     if constexpr (kFuseDq) {
-      float* out = p.dq_accum + b * p.dqa_sb + (seq.q0 + m0) * p.dqa_sr + hq * p.dqa_sh;
+      // This warpgroup's columns of buffer `buf` are read (its dK and dV
+      // products landed; both warpgroups' S^T and dP^T products, which read all
+      // of them, landed before the barrier above): dQ goes over them. Element i
+      // (query row key_of(tid, i), column dq_col_of(tid, i)): half i / 32, the
+      // element (i % 32) of the head-dim-128 kernel's thread there. Rows past
+      // the sequence are past the map's rows, dropped by the unit.
+      const int row0 = key_of(tid, 0), col0 = dq_col_of(tid, 0);
+      const int base = C128::dq_stage_base(row0, col0), chunk = C128::dq_stage_chunk(row0, col0);
 #pragma unroll
-      for (int i = 0; i < 64; i += 2) {
-        const int r = key_of(tid, i);  // dQ's rows follow the keys' pattern (see hopper256)
-        if (m0 + r < seq.sq)
-          atomicAdd(reinterpret_cast<float2*>(out + r * p.dqa_sr + dq_col_of(tid, i)),
-                    make_float2(tQrdQ(i), tQrdQ(i + 1)));
-      }
+      for (int i = 0; i < 64; i += 2)
+        *reinterpret_cast<float2*>(dq_half(buf, i / 32) + base + C128::dq_stage_offset(chunk, (i % 32) / 4, (i >> 1) & 1)) =
+            make_float2(tQrdQ(i), tQrdQ(i + 1));
+      fence_async_shared();  // the stores, seen by the unit's reads
+      bar_arrive<kDqBarrierThreads>(kDqFullBarrier + buf);
+    } else {
+      warp_arrive(empty + buf, lane);  // this warp is done with Q/dO buffer `buf`
     }
 
     // The next tile's statistics (buffer buf ^ 1 was consumed before this

@@ -183,6 +183,14 @@ inline bool encode_backward_qkv_maps(BwdTmaMaps* m, const KArgs& p, bool bf16, i
          encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, kv_rows, d);
 }
 
+// The fp32 dQ workspace of the batch layout, d / 32 boxes of 32 columns x 64
+// rows a tile, in the 128-byte swizzle the kernels stage them in
+// (HopperDkvConfig::dq_stage_index).
+inline bool encode_dq_accum_map(BwdTmaMaps* m, const KArgs& p) {
+  return encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, p.d, p.seqlen_q, p.heads_q,
+                    p.batch, p.dqa_sr, p.dqa_sh, p.dqa_sb, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
 // The dK/dV kernel's maps (head dims 64 and 128). Packed (cu_seqlens): one
 // batch entry of all the rows, as encode_forward_maps; the workspace's rows
 // are the packed rows too (dqa_sb 0). Rows past a sequence read the next
@@ -201,11 +209,7 @@ inline bool encode_backward_maps(BwdTmaMaps* m, const KArgs& p, bool bf16) {
            encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, d, tq, p.heads_q, 1,
                       p.dqa_sr, p.dqa_sh, p.dqa_sr * tq, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B);
   }
-  return encode_backward_qkv_maps(m, p, bf16, 128) &&
-         // the fp32 dQ workspace, d / 32 boxes of 32 columns x 64 rows a tile, in
-         // the 128-byte swizzle the kernel stages them in (HopperDkvConfig::dq_stage_index)
-         encode_map(&m->dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, d, p.seqlen_q, p.heads_q,
-                    p.batch, p.dqa_sr, p.dqa_sh, p.dqa_sb, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B);
+  return encode_backward_qkv_maps(m, p, bf16, 128) && encode_dq_accum_map(m, p);
 }
 
 // The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
@@ -240,7 +244,8 @@ void dkdv_hopper256(const Launch& l, const KArgs& p, bool fuse_dq) {
   using C = HopperDkv256Config<T>;
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   BwdTmaMaps maps{};
-  const bool encoded = !p.cu_q && encode_backward_qkv_maps(&maps, p, bf16, C::kBlockN);
+  const bool encoded =
+      !p.cu_q && encode_backward_qkv_maps(&maps, p, bf16, C::kBlockN) && (!fuse_dq || encode_dq_accum_map(&maps, p));
   if (!encoded)  // the call was admitted by hopper256_backward_serves: a broken promise
     throw InvalidArgument("attention: the Hopper backward at head dim 256 could not address this call by TMA");
   static ReadyDevices ready{0}, ready_dq{0};
