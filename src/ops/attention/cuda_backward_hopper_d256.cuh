@@ -293,9 +293,10 @@ __global__ void __launch_bounds__(384, 1)
       const int row0 = key_of(tid, 0), col0 = dq_col_of(tid, 0);
       const int base = C128::dq_stage_base(row0, col0), chunk = C128::dq_stage_chunk(row0, col0);
 #pragma unroll
-      for (int i = 0; i < 64; i += 2)
-        *reinterpret_cast<float2*>(dq_half(buf, i / 32) + base + C128::dq_stage_offset(chunk, (i % 32) / 4, (i >> 1) & 1)) =
-            make_float2(tQrdQ(i), tQrdQ(i + 1));
+      for (int i = 0; i < 64; i += 2) {
+        float* at = dq_half(buf, i / 32) + base + C128::dq_stage_offset(chunk, (i % 32) / 4, (i >> 1) & 1);
+        *reinterpret_cast<float2*>(at) = make_float2(tQrdQ(i), tQrdQ(i + 1));
+      }
       fence_async_shared();  // the stores, seen by the unit's reads
       bar_arrive<kDqBarrierThreads>(kDqFullBarrier + buf);
     } else {
