@@ -305,7 +305,7 @@ bool hopper256_backward_serves(const Args& a, const cuda::KArgs& k) {
 // shared_dkdv_serves, no logit features, SYMHEAP_ATTN_OWN_BACKWARD unset/auto with
 // kDqFusedByDefault, or = pipelined_dq_fused; at head dim 256 = hopper, where
 // hopper256_backward_serves); never when the call asks for a deterministic
-// backward (its atomics have no fixed order).
+// backward (its atomics and bulk reductions add in no fixed order).
 bool backward_fuses_dq(const Args& a, const cuda::KArgs& k, const char* kernel) {
   if (a.deterministic || cuda::logit_features(k)) return false;
   if (!shared_dkdv_serves(a.head_dim))

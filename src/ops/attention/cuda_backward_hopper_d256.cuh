@@ -9,14 +9,15 @@
 //   dV, dK:     each warpgroup the 64 keys x its 128 of the 256 columns,
 //               P^T dO and dS^T Q, both operands in shared memory;
 //   dQ:         (kFuseDq) each warpgroup the 64 rows x its 128 columns, dS K,
-//               added to the fp32 workspace with atomics (staging it would
-//               pass the 227 KiB a CTA gets).
+//               staged over the Q/dO buffer's columns its dK and dV read,
+//               added to the fp32 workspace by a producer warp's bulk
+//               reductions (see the kernel).
 // A third warpgroup feeds K and V once and the Q/dO tiles into two buffers
 // by TMA, as in the head-dim-128 kernel (cuda_backward_hopper.cuh), whose
 // rules it follows: P from the forward's lse, dS = P (dP - delta) scale.
 // Shared memory: K, V 32 KiB each, Q, dO 2 x 32 KiB each, P^T and dS 8 KiB
-// each: 208 KiB. The default backward at 256 is the form without dQ
-// (kHopperBackwardDefaults).
+// each: 208 KiB. The default backward at 256 is the form with dQ
+// (kHopperBackwardDefaults); deterministic calls take the one without.
 #pragma once
 #include "ops/attention/cuda_backward_hopper.cuh"
 

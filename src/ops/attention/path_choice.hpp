@@ -125,10 +125,10 @@ inline constexpr bool kDqFusedByDefault = true;
 // reductions): fwd+bwd 1.22-1.28x the cp.async-fed form at 128, which was
 // 7-9% faster than the shared-fragment kernel on H100; at 64 0.96-1.11x the
 // shared-fragment kernel on H200; without dQ it loses to the pipelined
-// kernels, which those calls run. At 256 (cuda_backward_hopper_d256.cuh, dQ
-// by atomics): 1.52-1.77x the pipelined backward on H200, and its form
-// without dQ ("hopper_dq_separate", 1.05-1.13x slower) still beats the
-// pipelined kernels. Where the head-dim-256 kernel cannot take a call
+// kernels, which those calls run. At 256 (cuda_backward_hopper_d256.cuh):
+// 1.52-1.77x the pipelined backward on H200 with dQ by atomics, 1.22-1.34x
+// that again with dQ by bulk reductions (H100); its form without dQ
+// ("hopper_dq_separate", slower still) beats the pipelined kernels. Where the head-dim-256 kernel cannot take a call
 // (packed, logit features, rows TMA cannot address) the pipelined ones run.
 struct HopperBackwardDefault {
   int head_dim;
