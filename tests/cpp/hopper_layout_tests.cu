@@ -248,8 +248,12 @@ void check_backward_config(const char* name) {
   }
   // The staged dQ tile (the TMA kernel's): every element where a box of 32
   // fp32 columns x BM rows in the 128-byte swizzle puts it, each element once;
-  // and each store of a warp (a float2 of element 4 nt + 2 h of every lane)
-  // conflict-free: its 32 lanes' 64 words fill each of the 32 banks twice.
+  // and each store of a warp (a float2 of element 4 nt + 2 h of every lane) at
+  // most a 2-way bank conflict. An 8-byte store goes to shared memory as two
+  // half-warp requests; in each, rows g and g ^ 1 (g = lane / 4) put their
+  // column pairs in the same two 16-byte chunks under the swizzle, so every
+  // bank takes 2 of the half-warp's 32 words (ncu: 4 wavefronts a store
+  // against 2; the row-major tile before was 8-way).
   {
     static bool seen[BM * DB];
     for (bool& x : seen) x = false;
@@ -263,19 +267,20 @@ void check_backward_config(const char* name) {
     for (int warp = 0; warp < C::kThreads / 32; ++warp)
       for (int nt = 0; nt < 8; ++nt)
         for (int h = 0; h < 2; ++h) {
-          int bank_uses[32] = {};
+          int bank_uses[2][32] = {};  // per half-warp
           for (int lane = 0; lane < 32; ++lane) {
             const int tid = warp * 32 + lane, g = lane / 4, t = lane % 4;
             const int row = ((tid % 128) / 32) * 16 + g + 8 * h, col = (tid / 128 % C::kDqWarpgroups) * 64 + 2 * t + 8 * nt;
             const int i = C::dq_stage_index(row, col), row0 = row - 8 * h, col0 = col - 8 * nt;
             check(i == C::dq_stage_base(row0, col0) + C::dq_stage_offset(C::dq_stage_chunk(row0, col0), nt, h),
                   "bwd dQ staging index as the kernel computes it", DB, tid, nt, h);
-            ++bank_uses[i % 32];
-            ++bank_uses[(i + 1) % 32];
+            ++bank_uses[lane / 16][i % 32];
+            ++bank_uses[lane / 16][(i + 1) % 32];
           }
-          bool even = true;
-          for (int k = 0; k < 32; ++k) even &= bank_uses[k] == 2;
-          check(even, "bwd dQ staging stores conflict-free", DB, warp, nt, h);
+          int ways = 0;
+          for (int half = 0; half < 2; ++half)
+            for (int k = 0; k < 32; ++k) ways = std::max(ways, bank_uses[half][k]);
+          check(ways <= 2, "bwd dQ staging stores at most 2-way per half-warp", DB, warp, 10 * nt + h, ways);
         }
   }
   std::printf("%s %s backward head dim %d: %d checks\n", g_failed == failed_before ? "ok  " : "FAIL", name, DB,

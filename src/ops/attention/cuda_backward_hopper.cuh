@@ -143,6 +143,8 @@ struct HopperDkvConfig : HopperDkvTiles<typename hopper::CuteType<T>::type, 128,
   // j ^ (r % 8)). Row-major rows 256 or 512 bytes apart fell in the same banks:
   // a warp's stores (8 rows x 4 column pairs) were 8-way conflicts, about a
   // tenth of the head-dim-64 kernel's time (ncu, bench/attn_notes.md 27).
+  // Left: 2-way, rows g and g ^ 1 of a half-warp sharing two 16-byte chunks
+  // (the layout tests).
   static constexpr int kDqBoxCols = 32;
   static __host__ __device__ constexpr int dq_stage_index(int r, int c) {
     return (c / kDqBoxCols) * (kBlockM * kDqBoxCols) + r * kDqBoxCols +
