@@ -6,7 +6,8 @@ kernel: the chunk -> (row, column) map of the cp.async issue, the ldmatrix
 lane addresses of K (A operand of S^T = K Q^T) and V^T (.trans, A operand of
 O^T += V^T P^T), the Q^T B fragments, the m16n8k16 A/B/C layouts, the
 movmatrix transpose of P^T, the per-column maximum over lanes of one t, the
-edge masks, and the cross-warp merge through shared memory. The replay walks
+edge masks, and the cross-warp merge through shared memory (whose stores are
+checked free of bank conflicts). The replay walks
 a few tiles of one split (edges inside the first and last tile, a window, 4
 real query vectors of 8) and compares with softmax(q k^T) v in float64.
 
@@ -26,6 +27,21 @@ import numpy as np
 MUTATIONS = ("k_lane", "v_lane", "no_movmatrix", "q_frag", "max_lanes", "merge_index",
              "issue_rows", "logit_key", "block_vector")
 PIPELINE_MUTATIONS = ("store_slot", "issue_stage", "wait_depth")
+
+
+def merge_store_conflicts(DB, acc_ld, NB=1):
+    """The most lanes of one warp that share a shared-memory bank in one of the
+    merge's s_acc stores (row 8 n + 2 t + h, column mt * 16 + g (+ 8); 4-byte
+    words): 1 is conflict-free."""
+    worst = 1
+    for n in range(NB):
+        for h in range(2):
+            for mt in range(DB // 16):
+                for half in (0, 8):
+                    banks = [((8 * n + 2 * (lane & 3) + h) * acc_ld + mt * 16 + (lane >> 2) + half) % 32
+                             for lane in range(32)]
+                    worst = max(worst, max(banks.count(x) for x in set(banks)))
+    return worst
 
 
 def pipeline(stages, n_tiles, mut=None):
@@ -261,8 +277,11 @@ def replay(mut=None, DB=128, d=128, warps=8, NB=1, sq=1, seed=0):
                 for n in range(NB):
                     mma([acc[warp][n][lane][mt] for lane in range(32)], a, pb[n])
 
-    # The merge through shared memory, as the kernel indexes it.
-    s_acc = np.full(warps * NV * DB, np.nan)
+    # The merge through shared memory, as the kernel indexes it (rows of
+    # ACC_LD = DB + 4 floats; the warps' weights once per vector, in place of
+    # s_max; then each element a sum of weighted rows).
+    ACC_LD = DB + 4
+    s_acc = np.full(warps * NV * ACC_LD, np.nan)
     s_max = np.full(warps * NV, np.nan)
     s_sum = np.full(warps * NV, np.nan)
     for warp in range(warps):
@@ -276,23 +295,23 @@ def replay(mut=None, DB=128, d=128, warps=8, NB=1, sq=1, seed=0):
                 r = vector(n, t, h)
                 for mt in range(DB // 16):
                     gg = t if mut == "merge_index" else g
-                    s_acc[(warp * NV + r) * DB + mt * 16 + gg] = acc[warp][n][lane][mt][h]
-                    s_acc[(warp * NV + r) * DB + mt * 16 + gg + 8] = acc[warp][n][lane][mt][h + 2]
+                    s_acc[(warp * NV + r) * ACC_LD + mt * 16 + gg] = acc[warp][n][lane][mt][h]
+                    s_acc[(warp * NV + r) * ACC_LD + mt * 16 + gg + 8] = acc[warp][n][lane][mt][h + 2]
                 if g == 0:
                     s_max[warp * NV + r] = row_max[warp, lane, u]
                     s_sum[warp * NV + r] = tot[lane]
+    for m in range(NV):
+        gmax = max(s_max[w * NV + m] for w in range(warps))
+        f = [0.0 if s_max[w * NV + m] == -np.inf else np.exp(s_max[w * NV + m] - gmax) for w in range(warps)]
+        tot = sum(s_sum[w * NV + m] * f[w] for w in range(warps))
+        for w in range(warps):
+            s_max[w * NV + m] = f[w] / tot if tot > 0 else 0.0
     out = np.full((NV, d), np.nan)
     for idx in range(NV * DB):
         m, c = idx // DB, idx % DB
         if m >= n_vec or c >= d:
             continue
-        gmax = max(s_max[w * NV + m] for w in range(warps))
-        tot = o = 0.0
-        for w in range(warps):
-            f = 0.0 if s_max[w * NV + m] == -np.inf else np.exp(s_max[w * NV + m] - gmax)
-            tot += s_sum[w * NV + m] * f
-            o += s_acc[(w * NV + m) * DB + c] * f
-        out[m, c] = o / tot
+        out[m, c] = sum(s_acc[(w * NV + m) * ACC_LD + c] * s_max[w * NV + m] for w in range(warps))
 
     errs = []  # np.max, not max(): a NaN (an element never written) must come through
     for vec in range(n_vec):
@@ -339,6 +358,13 @@ def main():
         print(f"pipeline mutation {mut}: {'caught' if caught else 'NOT CAUGHT'}")
         if not caught:
             return 1
+    for DB in (32, 64, 128, 256):
+        for NB in (1, 2):
+            if merge_store_conflicts(DB, DB + 4, NB) != 1:
+                print(f"merge stores: bank conflicts at head dim {DB}, {NB} n8 blocks")
+                return 1
+    print(f"merge stores: conflict-free with rows of DB + 4 floats (rows of DB: "
+          f"{merge_store_conflicts(128, 128)}-way at head dim 128)")
     print("ok: the layouts replay exactly and every mutation is caught")
     return 0
 

@@ -1,8 +1,10 @@
 """Attention over KV caches on CUDA, float16 and bfloat16: the cpu test grid
 (dense and paged caches, appended rows, every feature), forced key-length
-splits (the log-sum-exp combine), a long cache, device-recorded errors, and a
-decode step captured in a CUDA graph; every test through both attention
-kernels (SYMHEAP_DECODE_KERNEL = keys_major and previous)."""
+splits (merged in a thread-block cluster or by the combine kernel), a long
+cache, device-recorded errors, and a decode step captured in a CUDA graph;
+every test through both attention kernels (SYMHEAP_DECODE_KERNEL = keys_major
+and previous) and the keys-major one with both split merges
+(SYMHEAP_DECODE_MERGE = auto and kernel)."""
 import os
 import sys
 
@@ -25,10 +27,16 @@ DTYPES = [torch.bfloat16, torch.float16]
 TOL = {torch.bfloat16: 2.5e-2, torch.float16: 4e-3}
 
 
-@pytest.fixture(autouse=True, params=["keys_major", "previous"])
+@pytest.fixture(autouse=True, params=["keys_major", "keys_major/kernel_merge", "previous"])
 def decode_kernel(request, monkeypatch):
-    """The attention kernel of every call in the test ($SYMHEAP_DECODE_KERNEL)."""
-    monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", request.param)
+    """The attention kernel of every call in the test ($SYMHEAP_DECODE_KERNEL) and,
+    after a slash, the split merge ($SYMHEAP_DECODE_MERGE=kernel: the combine kernel)."""
+    kernel, _, merge = request.param.partition("/")
+    monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", kernel)
+    if merge:
+        monkeypatch.setenv("SYMHEAP_DECODE_MERGE", "kernel")
+    else:
+        monkeypatch.delenv("SYMHEAP_DECODE_MERGE", raising=False)
     return request.param
 
 
@@ -124,6 +132,13 @@ def test_unknown_kernel_name_is_rejected(monkeypatch):
     monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", "fastest")
     with pytest.raises(ValueError, match="SYMHEAP_DECODE_KERNEL"):
         run_and_check(*setup, tol=TOL[torch.bfloat16])
+
+
+def test_unknown_merge_name_is_rejected(monkeypatch):
+    setup = setup_decode(layout=16, feature="plain", s_new=0, dtype=torch.bfloat16, seed=3)
+    monkeypatch.setenv("SYMHEAP_DECODE_MERGE", "fastest")
+    with pytest.raises(ValueError, match="SYMHEAP_DECODE_MERGE"):
+        run_and_check(*setup, tol=TOL[torch.bfloat16], num_splits=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

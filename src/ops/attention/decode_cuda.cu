@@ -75,6 +75,7 @@ struct Params {
   int64_t vectors;  // flat query rows x heads_q: the workspace's stride between splits
   float* part_out;  // [split][vector][d]
   float* part_lse;  // [split][vector]
+  int cluster_merge;  // the splits of a CTA's vectors are one thread-block cluster: merged there
   unsigned long long* error;  // host-mapped
 };
 
@@ -248,45 +249,154 @@ __device__ __forceinline__ SplitKeys split_keys(const Params& p, const QSeq& qs,
   return k;
 }
 
+// The merge of a vector's key splits: out = sum_s w_s o_s / sum_s w_s with
+// w_s = exp(lse_s - max lse), one pass with a running maximum (so no load
+// waits for another); an empty split has lse -inf, any NaN split makes the
+// result NaN. The combine kernel and the cluster merge both use it.
+constexpr float kLog2e = 1.4426950408889634f;
+
+using attention::cuda::exp2_fast;
+
+struct SplitMerge {
+  float m = -INFINITY, total = 0.0f, o = 0.0f;
+  bool nan = false;
+
+  __device__ __forceinline__ void add(float lse, float out) {
+    nan |= lse != lse;
+    const bool live = lse != -INFINITY && lse == lse;
+    const float m_new = live ? fmaxf(m, lse) : m;
+    // exp2 of -inf is 0: the running sums are 0 until the first live split.
+    const float f = m_new == m ? 1.0f : exp2_fast((m - m_new) * kLog2e);
+    const float w = live ? exp2_fast((lse - m_new) * kLog2e) : 0.0f;
+    total = total * f + w;
+    o = o * f + (live ? w * out : 0.0f);
+    m = m_new;
+  }
+  __device__ __forceinline__ float out() const {
+    return nan ? __int_as_float(0x7fffffff) : total > 0.0f ? o / total : 0.0f;
+  }
+  __device__ __forceinline__ float lse() const {
+    return nan ? __int_as_float(0x7fffffff) : total > 0.0f ? m + __logf(total) : -INFINITY;
+  }
+};
+
+// Splits merged per batch of loads: every load of a batch is issued (predicated,
+// no branch) before the merge arithmetic.
+constexpr int kMergeBatch = 8;
+
 // The end of an attention kernel: the warps' online-softmax states (each
 // warp saw different keys of every vector) are in shared memory, s_acc
-// [warp][vector][DB] and s_max, s_sum [warp][vector]; merges them and writes
-// the CTA's vectors (NaN for a bad sequence) to out and lse (one split) or to
-// the split's rows of the workspace.
-template <class T, int DB, int WARPS, int NV, int NT>
-__device__ __forceinline__ void merge_and_store(const Params& p, const float* s_acc,
-                                                const float* s_max, const float* s_sum, bool bad,
-                                                int b, int hk, int v0, int n_vec, const QSeq& qs,
-                                                int split) {
+// [warp][vector][ACC_LD] and s_max, s_sum [warp][vector]; merges them and
+// writes the CTA's vectors (NaN for a bad sequence) to out and lse (one
+// split) or to the split's rows of the workspace, or with p.cluster_merge to
+// s_part ([NV][DB] outputs, then [NV] lse) for merge_cluster. Every thread of
+// the CTA calls it (it has a barrier). The weights of the warps come first,
+// once per vector (in place of s_max; the lse in place of warp 0's s_sum), so
+// an output element costs WARPS loads and FMAs, no exp and no division.
+template <class T, int DB, int ACC_LD, int WARPS, int NV, int NT>
+__device__ __forceinline__ void merge_and_store(const Params& p, const float* s_acc, float* s_max,
+                                                float* s_sum, bool bad, int b, int hk, int v0,
+                                                int n_vec, const QSeq& qs, int split,
+                                                float* s_part = nullptr) {
+  for (int m = threadIdx.x; m < NV; m += NT) {
+    float gmax = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) gmax = fmaxf(gmax, s_max[w * NV + m]);
+    float f[WARPS], sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float mw = s_max[w * NV + m];
+      f[w] = mw == -INFINITY ? 0.0f : __expf(mw - gmax);
+      sum += s_sum[w * NV + m] * f[w];
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) s_max[w * NV + m] = f[w] * inv;
+    s_sum[m] = sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
+  }
+  __syncthreads();
   const float nan = __int_as_float(0x7fffffff);
   for (int idx = threadIdx.x; idx < NV * DB; idx += NT) {
     const int m = idx / DB, c = idx % DB, vec = v0 + m;
     if (vec >= n_vec || c >= p.d) continue;
-    float gmax = -INFINITY;
+    float o = 0.0f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) gmax = fmaxf(gmax, s_max[w * NV + m]);
-    float sum = 0.0f, o = 0.0f;
-    if (gmax != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        const float mw = s_max[w * NV + m];
-        const float f = mw == -INFINITY ? 0.0f : __expf(mw - gmax);
-        sum += s_sum[w * NV + m] * f;
-        o += s_acc[(w * NV + m) * DB + c] * f;
-      }
-    }
-    const float out = bad ? nan : sum > 0.0f ? o / sum : 0.0f;
-    const float lse = bad ? nan : sum > 0.0f ? gmax + __logf(sum) : -INFINITY;
+    for (int w = 0; w < WARPS; ++w)
+      o = fmaf(s_acc[(w * NV + m) * ACC_LD + c], s_max[w * NV + m], o);
+    const float out = bad ? nan : o;
+    const float lse = bad ? nan : s_sum[m];
     const int i = vec / p.group, hq = hk * p.group + vec % p.group;
     if (p.splits == 1) {
       static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] = from_float<T>(out);
       if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = lse;
+    } else if (s_part) {
+      s_part[m * DB + c] = out;
+      if (c == 0) s_part[NV * DB + m] = lse;
     } else {
       const int64_t v = split * p.vectors + (qs.flat0 + i) * p.heads_q + hq;
       p.part_out[v * p.d + c] = out;
       if (c == 0) p.part_lse[v] = lse;
     }
   }
+}
+
+// Thread-block clusters (sm_90): a barrier over every thread of the cluster
+// (release / acquire: shared-memory writes before it are visible to every
+// CTA of the cluster after it), and a load from another CTA's shared memory.
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float load_cluster_shared(const float* local, unsigned rank) {
+  float x = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(remote)
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(local))), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(remote) : "memory");
+#endif
+  return x;
+}
+
+// The split merge of a call whose splits of one (vectors, kv head, sequence)
+// are the CTAs of one cluster (rank = split): every CTA has its split's
+// outputs and lse in s_part (merge_and_store); after a cluster barrier each
+// CTA merges a 1/splits share of the (vector, column) items from all of
+// them, in split order (as the combine kernel does: the same bits), and
+// writes out and lse. A second barrier keeps every CTA's shared memory alive
+// until the others have read it.
+template <class T, int DB, int NV, int NT>
+__device__ __forceinline__ void merge_cluster(const Params& p, const float* s_part, int b, int hk,
+                                              int v0, int n_vec, const QSeq& qs, int split) {
+  cluster_barrier();
+  const int n = p.splits;
+  const int per = (NV * DB + n - 1) / n;
+  const int end = min(NV * DB, (split + 1) * per);
+  for (int idx = split * per + static_cast<int>(threadIdx.x); idx < end; idx += NT) {
+    const int m = idx / DB, c = idx % DB, vec = v0 + m;
+    if (vec >= n_vec || c >= p.d) continue;
+    SplitMerge merge;
+    for (int s0 = 0; s0 < n; s0 += kMergeBatch) {
+      float xs[kMergeBatch], ys[kMergeBatch];
+#pragma unroll
+      for (int k = 0; k < kMergeBatch; ++k) {
+        const int s = s0 + k;
+        xs[k] = s < n ? load_cluster_shared(s_part + NV * DB + m, s) : -INFINITY;
+        ys[k] = s < n ? load_cluster_shared(s_part + idx, s) : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kMergeBatch; ++k) merge.add(xs[k], ys[k]);
+    }
+    const int i = vec / p.group, hq = hk * p.group + vec % p.group;
+    static_cast<T*>(p.out)[b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh + c] =
+        from_float<T>(merge.out());
+    if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = merge.lse();
+  }
+  cluster_barrier();
 }
 
 // The two halves of both attention kernels' query staging: the loads of the
@@ -562,8 +672,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
     }
   }
   __syncthreads();
-  merge_and_store<T, DB, kWarps, kVectors, kThreads>(p, s_acc, s_max, s_sum, bad, b, hk, v0, n_vec,
-                                                     qs, split);
+  merge_and_store<T, DB, DB, kWarps, kVectors, kThreads>(p, s_acc, s_max, s_sum, bad, b, hk, v0,
+                                                         n_vec, qs, split);
 }
 
 // ---------------------------------------------------------------- attention, keys on M
@@ -606,8 +716,15 @@ struct KeysMajor {
   static constexpr int kRowStride = kThreads / (DB / 8);  // rows between a thread's chunks
   static constexpr size_t kPipeBytes =
       sizeof(uint16_t) * (kStages * kStageElems + kVectors * kLd);
-  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kVectors * (DB + 2);
+  // The warps' merge: s_acc rows of kAccLd floats (4 floats of padding: the
+  // stores of one instruction, rows 2t + h and columns g, hit 32 banks).
+  static constexpr int kAccLd = DB + 4;
+  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kVectors * (kAccLd + 2);
   static constexpr size_t kSmem = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  // The split's outputs and lse for a cluster merge, past the warps' merge.
+  static constexpr size_t kPartOffset = (kMergeBytes + 15) / 16 * 16;
+  static_assert(kPartOffset + sizeof(float) * kVectors * (DB + 1) <= kSmem,
+                "room for the cluster merge's partial results");
   static_assert(kTileKeys * DB / 8 % kThreads == 0, "whole chunks per thread");
   static_assert(kTileKeys <= kThreads, "one row lookup per thread");
 };
@@ -622,10 +739,6 @@ __device__ __forceinline__ void cp_async16_bytes(void* smem, const void* gmem, i
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
                "r"(bytes));
 }
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-using attention::cuda::exp2_fast;
 
 // The 8x8 b16 matrix whose fragments (row lane / 4, columns 2 (lane % 4) + 0..1)
 // the warp holds, transposed, in the same fragment layout.
@@ -892,8 +1005,9 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
   bad = __syncthreads_or(bad);  // also: the stages are free, the merge reuses the memory
 
   // Merge the warps (each saw different keys of every vector) through shared memory.
-  float* s_acc = reinterpret_cast<float*>(smem_raw);  // [warp][vector][DB]
-  float* s_max = s_acc + C::kWarps * NV * DB;          // [warp][vector]
+  constexpr int ACC_LD = C::kAccLd;
+  float* s_acc = reinterpret_cast<float*>(smem_raw);  // [warp][vector][ACC_LD]
+  float* s_max = s_acc + C::kWarps * NV * ACC_LD;      // [warp][vector]
   float* s_sum = s_max + C::kWarps * NV;
 #pragma unroll
   for (int u = 0; u < 2 * NB; ++u) {
@@ -905,8 +1019,8 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
     const int r = 8 * n + 2 * t + h;
 #pragma unroll
     for (int mt = 0; mt < DB / 16; ++mt) {
-      s_acc[(warp * NV + r) * DB + mt * 16 + g] = acc[n][mt][h];
-      s_acc[(warp * NV + r) * DB + mt * 16 + g + 8] = acc[n][mt][h + 2];
+      s_acc[(warp * NV + r) * ACC_LD + mt * 16 + g] = acc[n][mt][h];
+      s_acc[(warp * NV + r) * ACC_LD + mt * 16 + g + 8] = acc[n][mt][h + 2];
     }
     if (g == 0) {
       s_max[warp * NV + r] = row_max[u];
@@ -914,17 +1028,17 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
     }
   }
   __syncthreads();
-  merge_and_store<T, DB, C::kWarps, NV, NT>(p, s_acc, s_max, s_sum, bad, b, hk, v0, n_vec, qs,
-                                            split);
+  float* s_part = p.cluster_merge ? reinterpret_cast<float*>(smem_raw + C::kPartOffset) : nullptr;
+  merge_and_store<T, DB, ACC_LD, C::kWarps, NV, NT>(p, s_acc, s_max, s_sum, bad, b, hk, v0, n_vec,
+                                                    qs, split, s_part);
+  if (p.cluster_merge) merge_cluster<T, DB, NV, NT>(p, s_part, b, hk, v0, n_vec, qs, split);
 }
 
 // ---------------------------------------------------------------- combine
 
-// One CTA per (query row x head, sequence): out = sum_s w_s o_s / sum_s w_s
-// with w_s = exp(lse_s - max lse); any NaN split makes the result NaN. Each
-// thread merges its column over the splits in one pass with a running
-// maximum, so no load waits for another: one round trip to memory (the
-// split's lse is the same address for every thread of the CTA).
+// One CTA per (query row x head, sequence); each thread merges its column
+// over the splits (SplitMerge: one round trip to memory; the split's lse is
+// the same address for every thread of the CTA).
 template <class T>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -937,42 +1051,25 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
   const int i = vec / p.heads_q, hq = vec % p.heads_q;
   if (i >= qs.sq) return;
   const int64_t v = (qs.flat0 + i) * p.heads_q + hq;
-  const float qnan = __int_as_float(0x7fffffff);
   T* out = static_cast<T*>(p.out) + b * p.o_sb + (qs.q0 + i) * p.o_sr + hq * p.o_sh;
   for (int c0 = 0; c0 < p.d; c0 += kThreads) {
     const int c = c0 + threadIdx.x;
     const bool in_row = c < p.d;
     const int64_t col = in_row ? c : 0;  // a thread past the row reads column 0, unused
-    float m = -INFINITY, total = 0.0f, o = 0.0f;
-    bool nan = false;
-    constexpr int kBatch = 8;
-    for (int s0 = 0; s0 < p.splits; s0 += kBatch) {
-      // Every load of a batch first (predicated, no branch), then the merge.
-      float xs[kBatch], ys[kBatch];
+    SplitMerge merge;
+    for (int s0 = 0; s0 < p.splits; s0 += kMergeBatch) {
+      float xs[kMergeBatch], ys[kMergeBatch];
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
+      for (int k = 0; k < kMergeBatch; ++k) {
         const int s = s0 + k;
         xs[k] = s < p.splits ? p.part_lse[s * p.vectors + v] : -INFINITY;
         ys[k] = s < p.splits ? p.part_out[(s * p.vectors + v) * p.d + col] : 0.0f;
       }
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const float x = xs[k];
-        nan |= x != x;
-        const bool live = x != -INFINITY && x == x;  // an empty split has lse -inf
-        const float m_new = live ? fmaxf(m, x) : m;
-        // exp2 of -inf is 0: the running sums are 0 until the first live split.
-        const float f = m_new == m ? 1.0f : exp2_fast((m - m_new) * kLog2e);
-        const float w = live ? exp2_fast((x - m_new) * kLog2e) : 0.0f;
-        total = total * f + w;
-        o = o * f + (live ? w * ys[k] : 0.0f);
-        m = m_new;
-      }
+      for (int k = 0; k < kMergeBatch; ++k) merge.add(xs[k], ys[k]);
     }
-    if (in_row) out[c] = from_float<T>(nan ? qnan : total > 0.0f ? o / total : 0.0f);
-    if (c == 0)
-      p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] =
-          nan ? qnan : total > 0.0f ? m + __logf(total) : -INFINITY;
+    if (in_row) out[c] = from_float<T>(merge.out());
+    if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = merge.lse();
   }
 }
 
@@ -1067,6 +1164,7 @@ struct Plan {
   int device, db, mtiles, splits;
   bool previous;  // the query-major kernel (attention_kernel) instead of keys_major_kernel
   int nb;         // keys_major_kernel's n8 blocks of query vectors per CTA
+  bool cluster;   // the splits merged in a thread-block cluster (merge_cluster)
   int64_t vectors;
   size_t bytes;
 };
@@ -1086,30 +1184,93 @@ int ready_kernel(int device, const std::string& name, Kernel kernel, int threads
   return ::symheap::cuda::kernel_info(device, name.c_str(), kernel, threads, smem)->sm_count;
 }
 
-template <class T, int DB>
-int sm_count(int device, const Plan& pl) {
+// Calls f(kernel, name, threads, dynamic shared memory) with the attention
+// kernel a plan runs.
+template <class T, int DB, class F>
+auto with_kernel(const Plan& pl, F&& f) {
   const std::string suffix =
       std::string(std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
   if (pl.previous)
-    return ready_kernel(device, "attention.kvcache." + suffix, attention_kernel<T, DB>, kThreads,
-                        Tile<DB>::kSmem);
+    return f(attention_kernel<T, DB>, "attention.kvcache." + suffix, kThreads, Tile<DB>::kSmem);
   if constexpr (DB <= 128) {
     if (pl.nb == 2)
-      return ready_kernel(device, "attention.kvcache.km2." + suffix, keys_major_kernel<T, DB, 2>,
-                          KeysMajor<DB, 2>::kThreads, KeysMajor<DB, 2>::kSmem);
+      return f(keys_major_kernel<T, DB, 2>, "attention.kvcache.km2." + suffix,
+               KeysMajor<DB, 2>::kThreads, KeysMajor<DB, 2>::kSmem);
   }
-  return ready_kernel(device, "attention.kvcache.km1." + suffix, keys_major_kernel<T, DB, 1>,
-                      KeysMajor<DB, 1>::kThreads, KeysMajor<DB, 1>::kSmem);
+  return f(keys_major_kernel<T, DB, 1>, "attention.kvcache.km1." + suffix,
+           KeysMajor<DB, 1>::kThreads, KeysMajor<DB, 1>::kSmem);
 }
 
-template <class T>
-int sm_count(int device, const Plan& pl) {
+template <class T, class F>
+auto with_kernel(const Plan& pl, F&& f) {
   switch (pl.db) {
-    case 32: return sm_count<T, 32>(device, pl);
-    case 64: return sm_count<T, 64>(device, pl);
-    case 128: return sm_count<T, 128>(device, pl);
-    default: return sm_count<T, 256>(device, pl);
+    case 32: return with_kernel<T, 32>(pl, f);
+    case 64: return with_kernel<T, 64>(pl, f);
+    case 128: return with_kernel<T, 128>(pl, f);
+    default: return with_kernel<T, 256>(pl, f);
   }
+}
+
+template <class F>
+auto with_kernel(const CacheArgs& a, const Plan& pl, F&& f) {
+  return a.q.dtype == DType::F16 ? with_kernel<__half>(pl, f) : with_kernel<__nv_bfloat16>(pl, f);
+}
+
+// How the splits of a call are merged: by the CTAs of a thread-block cluster
+// (one cluster per (query vectors, kv head, sequence), its CTAs the splits;
+// no second kernel, no round trip through the workspace) where the cluster
+// fits, else by the
+// combine kernel. $SYMHEAP_DECODE_MERGE = "kernel" forces the combine kernel
+// (to compare the two in one process); "auto", empty or unset: the cluster
+// where it fits. Read on every call, like SYMHEAP_DECODE_KERNEL.
+constexpr const char* kMergeEnv = "SYMHEAP_DECODE_MERGE";
+// At most 16 CTAs a cluster on sm_90 (8 portable; 9-16 where the occupancy
+// query finds room).
+constexpr int kMaxClusterSplits = 16;
+
+bool merge_by_kernel() {
+  const char* env = std::getenv(kMergeEnv);
+  if (!env || !*env || std::strcmp(env, "auto") == 0) return false;
+  if (std::strcmp(env, "kernel") == 0) return true;
+  throw InvalidArgument(std::string("attention (kv cache): ") + kMergeEnv +
+                        " must be 'auto' or 'kernel', got '" + env + "'");
+}
+
+struct ClusterRoom {
+  int clusters = 0;  // of the size asked, resident at once on the device
+};
+
+// How many clusters of `size` CTAs of the kernel can be resident at once (0:
+// none, or no cluster launch on this device), once per (device, kernel, size).
+template <class Kernel>
+int cluster_room(int device, const std::string& name, Kernel kernel, int threads, size_t smem,
+                 int size) {
+  return Runtime::instance().device_caches(device).get<ClusterRoom>(
+      name + ".clusters." + std::to_string(size), [&] {
+        ::symheap::cuda::ScopedDevice on(device);
+        auto room = std::make_shared<ClusterRoom>();
+        int supported = 0;
+        SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device));
+        if (!supported) return room;
+        if (size > 8)
+          SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(
+              kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+        cudaLaunchConfig_t config{};
+        config.gridDim = dim3(static_cast<unsigned>(size));
+        config.blockDim = dim3(static_cast<unsigned>(threads));
+        config.dynamicSmemBytes = smem;
+        cudaLaunchAttribute cluster{};
+        cluster.id = cudaLaunchAttributeClusterDimension;
+        cluster.val.clusterDim.x = static_cast<unsigned>(size);
+        cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+        config.attrs = &cluster;
+        config.numAttrs = 1;
+        if (cudaOccupancyMaxActiveClusters(&room->clusters, kernel, &config) != cudaSuccess) {
+          (void)cudaGetLastError();  // a size the device cannot run: no room
+          room->clusters = 0;
+        }
+        return room;
+      })->clusters;
 }
 
 Plan make_plan(const CacheArgs& a, int device) {
@@ -1127,8 +1288,10 @@ Plan make_plan(const CacheArgs& a, int device) {
   // kernel is bound by its own instruction stream, and on H100 a second CTA per
   // SM made every latency-bound row slower (bench/RESULTS.md, the decode split
   // sweep), while fewer CTAs leave SMs idle.
-  const int64_t target =
-      a.q.dtype == DType::F16 ? sm_count<__half>(device, pl) : sm_count<__nv_bfloat16>(device, pl);
+  const int64_t target = with_kernel(a, pl, [&](auto kernel, const std::string& name, int threads,
+                                                 size_t smem) {
+    return ready_kernel(device, name, kernel, threads, smem);
+  });
   int64_t splits;
   if (a.num_splits > 0) {
     splits = a.num_splits;
@@ -1136,8 +1299,22 @@ Plan make_plan(const CacheArgs& a, int device) {
     splits = std::min(useful, std::max<int64_t>(1, target / base));
   }
   pl.splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
+  // A cluster merge when every cluster of the grid can be resident at once
+  // (the CTAs of a cluster start together; a second wave would cost more
+  // than the combine kernel saves).
+  const bool by_kernel = merge_by_kernel();  // read (and checked) on every call
+  if (!pl.previous && pl.splits > 1 && pl.splits <= kMaxClusterSplits && !by_kernel) {
+    const int room = with_kernel(a, pl, [&](auto kernel, const std::string& name, int threads,
+                                            size_t smem) {
+      return cluster_room(device, name, kernel, threads, smem, pl.splits);
+    });
+    pl.cluster = room >= base;
+  }
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
   pl.vectors = rows * a.heads_q;
+  // Sized for the combine kernel's partials even when a cluster merges: the
+  // size then does not depend on the device (a JAX program's scratch is sized
+  // at trace time for any device it runs on).
   pl.bytes = pl.splits > 1
                  ? static_cast<size_t>(pl.splits) * pl.vectors * (a.head_dim + 1) * sizeof(float)
                  : 0;
@@ -1204,7 +1381,8 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
   p.splits = pl.splits;
   p.mtiles = pl.mtiles;
   p.vectors = pl.vectors;
-  if (pl.splits > 1) {
+  p.cluster_merge = pl.cluster ? 1 : 0;
+  if (pl.splits > 1 && !pl.cluster) {
     p.part_out = static_cast<float*>(workspace);
     p.part_lse = p.part_out + static_cast<size_t>(pl.splits) * pl.vectors * a.head_dim;
   }
@@ -1212,25 +1390,26 @@ Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long
   return p;
 }
 
-template <class T, int DB>
-void launch_attention(const Params& p, const Plan& pl, cudaStream_t stream) {
+void launch_attention(const CacheArgs& a, const Params& p, const Plan& pl, cudaStream_t stream) {
   const dim3 grid(pl.splits, p.heads_kv * pl.mtiles, p.batch);
-  if (pl.previous) {
-    attention_kernel<T, DB><<<grid, kThreads, Tile<DB>::kSmem, stream>>>(p);
-    SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.attention_kernel");
-    return;
-  }
-  if constexpr (DB <= 128) {
-    if (pl.nb == 2) {
-      using C = KeysMajor<DB, 2>;
-      keys_major_kernel<T, DB, 2><<<grid, C::kThreads, C::kSmem, stream>>>(p);
-      SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.keys_major_kernel");
-      return;
+  with_kernel(a, pl, [&](auto kernel, const std::string& name, int threads, size_t smem) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = dim3(static_cast<unsigned>(threads));
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute cluster{};
+    if (pl.cluster) {
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = grid.x;
+      cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
     }
-  }
-  using C = KeysMajor<DB, 1>;
-  keys_major_kernel<T, DB, 1><<<grid, C::kThreads, C::kSmem, stream>>>(p);
-  SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.keys_major_kernel");
+    SYMHEAP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+    SYMHEAP_CUDA_CHECK_LAUNCH(name.c_str());
+    return 0;
+  });
 }
 
 template <class T>
@@ -1240,13 +1419,8 @@ void run(const CacheArgs& a, const Plan& pl, const Params& p, cudaStream_t strea
     SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.append_kernel");
   }
   if (a.seqlen_q == 0 || (a.varlen() && a.total_q == 0)) return;
-  switch (pl.db) {
-    case 32: launch_attention<T, 32>(p, pl, stream); break;
-    case 64: launch_attention<T, 64>(p, pl, stream); break;
-    case 128: launch_attention<T, 128>(p, pl, stream); break;
-    default: launch_attention<T, 256>(p, pl, stream); break;
-  }
-  if (pl.splits > 1) {
+  launch_attention(a, p, pl, stream);
+  if (pl.splits > 1 && !pl.cluster) {
     // A programmatic dependent launch: the combine's blocks are scheduled
     // while the attention kernel's last blocks run, so its launch latency
     // is off the critical path (it waits for the results in the kernel).

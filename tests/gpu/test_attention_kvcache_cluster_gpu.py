@@ -1,0 +1,60 @@
+"""The split merge of the keys-major decode kernel on CUDA: by the CTAs of a
+thread-block cluster (the default where the cluster fits) against the combine
+kernel (SYMHEAP_DECODE_MERGE=kernel)."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "attention"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from symheap import _core  # noqa: E402
+from symheap.attention import flash_attn_with_kvcache  # noqa: E402
+
+from attention_kvcache_common import bits, call_options  # noqa: E402
+from test_attention_kvcache_gpu import TOL, run_and_check, setup_decode  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not getattr(_core, "attention_has_cuda", False),
+    reason="needs a CUDA device and a CUDA build of symheap")
+
+
+def kernels_launched(fn):
+    """Names of the CUDA kernels fn() launches (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("Sq", [1, 3])
+@pytest.mark.parametrize("num_splits", [2, 5, 8, 12, 16])
+def test_cluster_merge_equals_combine_kernel(D, Sq, num_splits, monkeypatch):
+    """The splits merged by the CTAs of a cluster give the combine kernel's bits
+    (same order, same formula), both right against the reference; with at most 8
+    splits (a portable cluster) the call launches no combine kernel, with
+    SYMHEAP_DECODE_MERGE=kernel it does."""
+    monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", "keys_major")
+    setup = setup_decode(layout=16, feature="gqa", s_new=0, Sq=Sq, dtype=torch.bfloat16, D=D,
+                         seed=100 + num_splits, capacity=2048)
+    cache, lengths, q, new, Hq, opts = setup
+    runs = {}
+    for merge in ("auto", "kernel"):
+        monkeypatch.setenv("SYMHEAP_DECODE_MERGE", merge)
+        runs[merge] = run_and_check(*setup, tol=TOL[torch.bfloat16], num_splits=num_splits)
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        names = kernels_launched(lambda: flash_attn_with_kvcache(
+            q, cache.k, cache.v, cache_seqlens=seqlens, block_table=cache.block_table,
+            num_splits=num_splits, **call_options(opts, Hq, "cuda")))
+        combined = any("combine_kernel" in n for n in names)
+        assert any("keys_major_kernel" in n for n in names), names
+        if merge == "kernel":
+            assert combined, f"SYMHEAP_DECODE_MERGE=kernel launched no combine kernel: {names}"
+        elif num_splits <= 8:
+            assert not combined, f"{num_splits} splits were not merged in a cluster: {names}"
+    for a, b in zip(runs["auto"], runs["kernel"]):
+        assert torch.equal(bits(a), bits(b)), "the cluster merge and the combine kernel differ"
