@@ -274,7 +274,8 @@ def main():
                              "splits instead (e.g. 0,1,2,4,8,16,32; 0 = the automatic choice)")
     parser.add_argument("--decode-compare", metavar="NAME",
                         help="with --decode: also time each row with SYMHEAP_DECODE_KERNEL=NAME "
-                             "(e.g. previous) in the same process")
+                             "(e.g. previous), or with NAME kernel_merge SYMHEAP_DECODE_MERGE=kernel, "
+                             "in the same process")
     parser.add_argument("--inner", type=int, default=1,
                         help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()

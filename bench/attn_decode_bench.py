@@ -13,7 +13,9 @@ both sides). Copy bandwidth counts the bytes read plus the bytes written.
 
 --decode-compare NAME also times each row (each split count in the sweep) with
 SYMHEAP_DECODE_KERNEL=NAME, in the same process: the kernel is chosen when a
-call's graph is captured.
+call's graph is captured. NAME `kernel_merge` instead sets
+SYMHEAP_DECODE_MERGE=kernel (the splits merged by the combine kernel, not in a
+thread-block cluster).
 """
 from __future__ import annotations
 
@@ -59,19 +61,22 @@ def graph_time_us(fn, calls=20, reps=7):
 
 @contextlib.contextmanager
 def decode_kernel(name):
-    """Calls made (graphs captured) inside run SYMHEAP_DECODE_KERNEL=name (None: as set)."""
+    """Calls made (graphs captured) inside run SYMHEAP_DECODE_KERNEL=name, or with
+    name "kernel_merge" SYMHEAP_DECODE_MERGE=kernel (None: as set)."""
     if name is None:
         yield
         return
-    old = os.environ.get("SYMHEAP_DECODE_KERNEL")
-    os.environ["SYMHEAP_DECODE_KERNEL"] = name
+    var, value = ("SYMHEAP_DECODE_MERGE", "kernel") if name == "kernel_merge" else \
+        ("SYMHEAP_DECODE_KERNEL", name)
+    old = os.environ.get(var)
+    os.environ[var] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ["SYMHEAP_DECODE_KERNEL"]
+            del os.environ[var]
         else:
-            os.environ["SYMHEAP_DECODE_KERNEL"] = old
+            os.environ[var] = old
 
 
 def copy_bandwidth(nbytes=2 << 30):
