@@ -1300,8 +1300,7 @@ Plan make_plan(const CacheArgs& a, int device) {
   }
   pl.splits = static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
   // A cluster merge when every cluster of the grid can be resident at once
-  // (the CTAs of a cluster start together; a second wave would cost more
-  // than the combine kernel saves).
+  // (a grid of clusters in waves was not measured; the combine kernel serves it).
   const bool by_kernel = merge_by_kernel();  // read (and checked) on every call
   if (!pl.previous && pl.splits > 1 && pl.splits <= kMaxClusterSplits && !by_kernel) {
     const int room = with_kernel(a, pl, [&](auto kernel, const std::string& name, int threads,
