@@ -58,3 +58,27 @@ def test_cluster_merge_equals_combine_kernel(D, Sq, num_splits, monkeypatch):
             assert not combined, f"{num_splits} splits were not merged in a cluster: {names}"
     for a, b in zip(runs["auto"], runs["kernel"]):
         assert torch.equal(bits(a), bits(b)), "the cluster merge and the combine kernel differ"
+
+
+def test_automatic_splits_fall_back_to_a_cluster_that_fits(monkeypatch):
+    """Left to the library, a split count whose clusters do not all fit at once
+    (3 sequences x 4 kv heads on an H100: 11 splits, 12 clusters of 11 CTAs) gives
+    way to the largest power of two of at most 8 and at least half of it whose
+    clusters do: no combine kernel, and the result right against the reference."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    first = min(4096 // 128, sms // 12)
+    if not 8 < first <= 16:
+        pytest.skip(f"{sms} SMs: the first split choice ({first}) is not between 9 and 16")
+    monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", "keys_major")
+    monkeypatch.delenv("SYMHEAP_DECODE_MERGE", raising=False)
+    setup = setup_decode(layout=16, feature="plain", s_new=0, Sq=1, dtype=torch.bfloat16, D=128,
+                         B=3, seed=11, capacity=4096)
+    cache, lengths, q, new, Hq, opts = setup
+    run_and_check(*setup, tol=TOL[torch.bfloat16])
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    names = kernels_launched(lambda: flash_attn_with_kvcache(
+        q, cache.k, cache.v, cache_seqlens=seqlens, block_table=cache.block_table,
+        **call_options(opts, Hq, "cuda")))
+    assert any("keys_major_kernel" in n for n in names), names
+    assert not any("combine_kernel" in n for n in names), (
+        f"the automatic split count was not merged in a cluster: {names}")

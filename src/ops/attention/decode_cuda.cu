@@ -342,11 +342,24 @@ __device__ __forceinline__ void merge_and_store(const Params& p, const float* s_
 
 // Thread-block clusters (sm_90): a barrier over every thread of the cluster
 // (release / acquire: shared-memory writes before it are visible to every
-// CTA of the cluster after it), and a load from another CTA's shared memory.
+// CTA of the cluster after it), its two halves without memory ordering, and
+// a load from another CTA's shared memory.
 __device__ __forceinline__ void cluster_barrier() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;\n"
                "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
 }
 
@@ -368,7 +381,9 @@ __device__ __forceinline__ float load_cluster_shared(const float* local, unsigne
 // CTA merges a 1/splits share of the (vector, column) items from all of
 // them, in split order (as the combine kernel does: the same bits), and
 // writes out and lse. A second barrier keeps every CTA's shared memory alive
-// until the others have read it.
+// until the others have read it: a relaxed one, since each thread arrives
+// after its remote loads have been consumed (a release would first wait for
+// the global stores of out and lse to be performed).
 template <class T, int DB, int NV, int NT>
 __device__ __forceinline__ void merge_cluster(const Params& p, const float* s_part, int b, int hk,
                                               int v0, int n_vec, const QSeq& qs, int split) {
@@ -396,7 +411,8 @@ __device__ __forceinline__ void merge_cluster(const Params& p, const float* s_pa
         from_float<T>(merge.out());
     if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = merge.lse();
   }
-  cluster_barrier();
+  cluster_arrive_relaxed();
+  cluster_wait();
 }
 
 // The two halves of both attention kernels' query staging: the loads of the
@@ -1227,6 +1243,8 @@ constexpr const char* kMergeEnv = "SYMHEAP_DECODE_MERGE";
 // At most 16 CTAs a cluster on sm_90 (8 portable; 9-16 where the occupancy
 // query finds room).
 constexpr int kMaxClusterSplits = 16;
+// The largest cluster the automatic split choice falls back to (portable).
+constexpr int kPreferredClusterSplits = 8;
 
 bool merge_by_kernel() {
   const char* env = std::getenv(kMergeEnv);
@@ -1302,12 +1320,27 @@ Plan make_plan(const CacheArgs& a, int device) {
   // A cluster merge when every cluster of the grid can be resident at once
   // (a grid of clusters in waves was not measured; the combine kernel serves it).
   const bool by_kernel = merge_by_kernel();  // read (and checked) on every call
-  if (!pl.previous && pl.splits > 1 && pl.splits <= kMaxClusterSplits && !by_kernel) {
-    const int room = with_kernel(a, pl, [&](auto kernel, const std::string& name, int threads,
-                                            size_t smem) {
-      return cluster_room(device, name, kernel, threads, smem, pl.splits);
-    });
-    pl.cluster = room >= base;
+  auto cluster_fits = [&](int n) {
+    if (pl.previous || n <= 1 || n > kMaxClusterSplits || by_kernel) return false;
+    return with_kernel(a, pl, [&](auto kernel, const std::string& name, int threads,
+                                  size_t smem) {
+      return cluster_room(device, name, kernel, threads, smem, n);
+    }) >= base;
+  };
+  pl.cluster = cluster_fits(pl.splits);
+  // Where the count chosen does not fit, the largest power of two of at most
+  // kPreferredClusterSplits and at least half of it that does: a cluster merge
+  // at half the splits was faster than the combine kernel at 1 x 4k and 1 x 16k
+  // on H100 (bench/RESULTS.md, the decode cluster split choice).
+  if (!pl.cluster && a.num_splits <= 0) {
+    for (int n = kPreferredClusterSplits; n >= 2; n /= 2) {
+      if (n > pl.splits || 2 * n < pl.splits) continue;
+      if (cluster_fits(n)) {
+        pl.splits = n;
+        pl.cluster = true;
+        break;
+      }
+    }
   }
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
   pl.vectors = rows * a.heads_q;
