@@ -61,10 +61,10 @@ def test_cluster_merge_equals_combine_kernel(D, Sq, num_splits, monkeypatch):
 
 
 def test_automatic_splits_fall_back_to_a_cluster_that_fits(monkeypatch):
-    """Left to the library, a split count whose clusters do not all fit at once
-    (3 sequences x 4 kv heads on an H100: 11 splits, 12 clusters of 11 CTAs) gives
-    way to the largest power of two of at most 8 and at least half of it whose
-    clusters do: no combine kernel, and the result right against the reference."""
+    """Left to the library, a first choice of 9-16 splits whose clusters do not
+    all fit at once (3 sequences x 4 kv heads on an H100: 11 splits, 12 clusters
+    of 11 CTAs) over a short cache gives way to 8 splits merged in a cluster: no
+    combine kernel, and the result right against the reference."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     first = min(4096 // 128, sms // 12)
     if not 8 < first <= 16:

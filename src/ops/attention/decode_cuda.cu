@@ -1243,8 +1243,10 @@ constexpr const char* kMergeEnv = "SYMHEAP_DECODE_MERGE";
 // At most 16 CTAs a cluster on sm_90 (8 portable; 9-16 where the occupancy
 // query finds room).
 constexpr int kMaxClusterSplits = 16;
-// The largest cluster the automatic split choice falls back to (portable).
+// The cluster the automatic split choice falls back to (portable), and the
+// most keys of the capacity a split may then walk.
 constexpr int kPreferredClusterSplits = 8;
+constexpr int kClusterFallbackKeys = 2048;
 
 bool merge_by_kernel() {
   const char* env = std::getenv(kMergeEnv);
@@ -1328,19 +1330,18 @@ Plan make_plan(const CacheArgs& a, int device) {
     }) >= base;
   };
   pl.cluster = cluster_fits(pl.splits);
-  // Where the count chosen does not fit, the largest power of two of at most
-  // kPreferredClusterSplits and at least half of it that does: a cluster merge
-  // at half the splits was faster than the combine kernel at 1 x 4k and 1 x 16k
-  // on H100 (bench/RESULTS.md, the decode cluster split choice).
-  if (!pl.cluster && a.num_splits <= 0) {
-    for (int n = kPreferredClusterSplits; n >= 2; n /= 2) {
-      if (n > pl.splits || 2 * n < pl.splits) continue;
-      if (cluster_fits(n)) {
-        pl.splits = n;
-        pl.cluster = true;
-        break;
-      }
-    }
+  // A first choice of 9-16 splits whose clusters do not fit gives way to 8
+  // splits merged in a (portable) cluster while each split then walks at most
+  // kClusterFallbackKeys keys of the capacity. Measured on H100 (bench/RESULTS.md,
+  // "the decode split fallback"): faster than the combine kernel at 1 x 4k and
+  // 1 x 16k, slower at 1 x 64k and beyond (half the SMs streaming), and halving
+  // 4 splits to 2 was slower too.
+  const int fallback = kPreferredClusterSplits;
+  const bool short_cache = a.capacity <= static_cast<int64_t>(fallback) * kClusterFallbackKeys;
+  if (!pl.cluster && a.num_splits <= 0 && pl.splits > fallback && pl.splits <= 2 * fallback &&
+      short_cache && cluster_fits(fallback)) {
+    pl.splits = fallback;
+    pl.cluster = true;
   }
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
   pl.vectors = rows * a.heads_q;
