@@ -1333,7 +1333,8 @@ Plan make_plan(const CacheArgs& a, int device) {
   // A first choice of 9-16 splits whose clusters do not fit gives way to 8
   // splits merged in a (portable) cluster while each split then walks at most
   // kClusterFallbackKeys keys of the capacity. Measured on H100 (bench/RESULTS.md,
-  // "the decode split fallback"): faster than the combine kernel at 1 x 4k and
+  // "KV-cache decode: the cluster merge's last barrier relaxed, 8 splits in a
+  // cluster on short caches"): faster than the combine kernel at 1 x 4k and
   // 1 x 16k, slower at 1 x 64k and beyond (half the SMs streaming), and halving
   // 4 splits to 2 was slower too.
   const int fallback = kPreferredClusterSplits;
