@@ -1244,9 +1244,25 @@ constexpr const char* kMergeEnv = "SYMHEAP_DECODE_MERGE";
 // query finds room).
 constexpr int kMaxClusterSplits = 16;
 // The cluster the automatic split choice falls back to (portable), and the
-// most keys of the capacity a split may then walk.
+// most keys of the capacity a split may then walk: the fallback's 64 CTAs (8
+// splits over 8 kv heads) stream about 2.7 TB/s on H100 and H200 alike, while 16
+// splits through the combine kernel stream at the device's memory: on H100 no
+// faster up to 16k keys, on H200 (4.8 TB/s peak) faster from 6k keys on. So a
+// device of more than kFastMemoryBytesPerSecond keeps the fallback to 4k keys
+// (bench/RESULTS.md, "KV-cache decode on H200: the 8-split fallback bounded by
+// the memory's speed").
 constexpr int kPreferredClusterSplits = 8;
 constexpr int kClusterFallbackKeys = 2048;
+constexpr int kClusterFallbackKeysFastMemory = 512;
+constexpr double kFastMemoryBytesPerSecond = 4e12;
+
+// Peak memory bandwidth from the memory clock (kHz, double data rate) and bus width.
+double peak_memory_bytes_per_second(int device) {
+  int khz = 0, bits = 0;
+  SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device));
+  SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device));
+  return 2.0 * khz * 1e3 * (bits / 8.0);
+}
 
 bool merge_by_kernel() {
   const char* env = std::getenv(kMergeEnv);
@@ -1332,15 +1348,20 @@ Plan make_plan(const CacheArgs& a, int device) {
   pl.cluster = cluster_fits(pl.splits);
   // A first choice of 9-16 splits whose clusters do not fit gives way to 8
   // splits merged in a (portable) cluster while each split then walks at most
-  // kClusterFallbackKeys keys of the capacity. Measured on H100 (bench/RESULTS.md,
-  // "KV-cache decode: the cluster merge's last barrier relaxed, 8 splits in a
-  // cluster on short caches"): faster than the combine kernel at 1 x 4k and
-  // 1 x 16k, slower at 1 x 64k and beyond (half the SMs streaming), and halving
-  // 4 splits to 2 was slower too.
+  // kClusterFallbackKeys keys of the capacity (fewer on fast memory, above).
+  // Measured on H100 (bench/RESULTS.md, "KV-cache decode: the cluster merge's
+  // last barrier relaxed, 8 splits in a cluster on short caches"): faster than
+  // the combine kernel at 1 x 4k and 1 x 16k, slower at 1 x 64k and beyond
+  // (half the SMs streaming), and halving 4 splits to 2 was slower too.
   const int fallback = kPreferredClusterSplits;
-  const bool short_cache = a.capacity <= static_cast<int64_t>(fallback) * kClusterFallbackKeys;
+  auto short_cache = [&] {
+    const int keys = peak_memory_bytes_per_second(device) > kFastMemoryBytesPerSecond
+                         ? kClusterFallbackKeysFastMemory
+                         : kClusterFallbackKeys;
+    return a.capacity <= static_cast<int64_t>(fallback) * keys;
+  };
   if (!pl.cluster && a.num_splits <= 0 && pl.splits > fallback && pl.splits <= 2 * fallback &&
-      short_cache && cluster_fits(fallback)) {
+      short_cache() && cluster_fits(fallback)) {
     pl.splits = fallback;
     pl.cluster = true;
   }
