@@ -276,14 +276,28 @@ def main():
                         help="with --decode: also time each row with SYMHEAP_DECODE_KERNEL=NAME "
                              "(e.g. previous), or with NAME kernel_merge SYMHEAP_DECODE_MERGE=kernel, "
                              "in the same process")
+    parser.add_argument("--decode-batches", metavar="LIST",
+                        help="with --decode-splits or --decode-cold: these batch sizes")
+    parser.add_argument("--decode-caches", metavar="LIST",
+                        help="with --decode-splits or --decode-cold: these cache lengths (multiples of 256)")
+    parser.add_argument("--decode-cold", action="store_true",
+                        help="with --decode: time each row with the L2 warm (every call on one cache) "
+                             "and cold (each call on its own copy), ours and SDPA")
     parser.add_argument("--inner", type=int, default=1,
                         help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()
     if args.decode:
         import attn_decode_bench
+        shapes = {}
+        if args.decode_batches:
+            shapes["batches"] = [int(x) for x in args.decode_batches.split(",")]
+        if args.decode_caches:
+            shapes["caches"] = [int(x) for x in args.decode_caches.split(",")]
+        if args.decode_cold:
+            return attn_decode_bench.warm_and_cold(**shapes)
         if args.decode_splits:
             return attn_decode_bench.splits_sweep([int(x) for x in args.decode_splits.split(",")],
-                                                  compare=args.decode_compare)
+                                                  compare=args.decode_compare, **shapes)
         return attn_decode_bench.main(args.json, args.quick, compare=args.decode_compare)
     global INNER
     INNER = max(1, args.inner)

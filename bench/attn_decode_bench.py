@@ -10,6 +10,12 @@ both sides). Copy bandwidth counts the bytes read plus the bytes written.
     python bench/attn_bench.py --decode [--json out.json] [--quick]
     python bench/attn_bench.py --decode --decode-splits 0,1,2,4,8,16,32   (split sweep)
     python bench/attn_bench.py --decode --decode-compare previous   (also the previous kernel)
+    python bench/attn_bench.py --decode --decode-cold   (L2 warm against cold, ours and SDPA)
+
+--decode-batches and --decode-caches pick the rows of the split sweep and of
+--decode-cold. Warm: a graph of 20 calls on one cache (as the table rows; small
+caches then partly stay in L2 between calls). Cold: each call of the graph on
+its own copy, 256-512 MB in all, as a model's layers read their caches.
 
 --decode-compare NAME also times each row (each split count in the sweep) with
 SYMHEAP_DECODE_KERNEL=NAME, in the same process: the kernel is chosen when a
@@ -37,26 +43,7 @@ MAX_CACHE_BYTES = 12 << 30  # K+V of one layout; SDPA's dense copy needs as much
 
 def graph_time_us(fn, calls=20, reps=7):
     """Median time of one call, from replays of a graph of `calls` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return graph_calls_us([fn] * calls, reps)
 
 
 @contextlib.contextmanager
@@ -202,3 +189,55 @@ def splits_sweep(splits, batches=(1, 4, 16), caches=(1024, 4096, 16384), compare
             for kernel, times in lines:
                 print(f"{B:>5} {L:>6} {kernel:>8} | " + " ".join(f"{t:7.1f}" for t in times) +
                       f" | {t_sdpa:7.1f}")
+
+
+def graph_calls_us(fns, reps=7):
+    """Median time of one call, from replays of a graph making each call of `fns` once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    return statistics.median(times)
+
+
+def warm_and_cold(batches=(1, 4, 16), caches=(1024, 4096, 16384)):
+    """Ours (automatic choices) and SDPA with the L2 warm and cold, best of two rounds each."""
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'batch':>5} {'cache':>6} | {'ours warm':>9} {'SDPA warm':>9} | {'ours cold':>9} "
+          f"{'SDPA cold':>9} | cold: ours/SDPA speed, copies   (us per call)")
+    for B in batches:
+        for L in caches:
+            kv_bytes = 2 * B * L * HKV * D * 2
+            copies = max(20, min(64, (512 << 20) // kv_bytes))
+            ours, sdpa = [], []
+            for _ in range(copies):
+                q, k_cache, v_cache, table, seqlens = make_case(B, L)
+                kd = k_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
+                vd = v_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
+                ours.append(lambda a=(q, k_cache, v_cache, seqlens, table): flash_attn_with_kvcache(
+                    a[0], a[1], a[2], cache_seqlens=a[3], block_table=a[4]))
+                sdpa.append(lambda a=(q.transpose(1, 2), kd, vd):
+                            F.scaled_dot_product_attention(*a, enable_gqa=True))
+            err = (ours[0]().float() - sdpa[0]().transpose(1, 2).float()).abs().max().item()
+            warm = [min(graph_time_us(f[0]) for _ in range(2)) for f in (ours, sdpa)]
+            cold = [min(graph_calls_us(f) for _ in range(2)) for f in (ours, sdpa)]
+            kvcache_check()
+            print(f"{B:>5} {L:>6} | {warm[0]:9.1f} {warm[1]:9.1f} | {cold[0]:9.1f} {cold[1]:9.1f} | "
+                  f"{cold[1] / cold[0]:.2f}x, {copies}   max|diff| {err:.1e}")
+            del ours, sdpa
+            torch.cuda.empty_cache()
