@@ -12,30 +12,51 @@
 
 namespace symheap::attention::cuda {
 
-constexpr int kDeltaRowsPerCta = 8;
+constexpr int kDeltaThreads = 256;
 
-template <class T>
-__global__ void __launch_bounds__(kDeltaRowsPerCta * 32) attention_bwd_delta_kernel(const KArgs p) {
-  const int b = blockIdx.z, hq = blockIdx.y;
-  const int i = blockIdx.x * kDeltaRowsPerCta + threadIdx.x / 32, lane = threadIdx.x % 32;
-  const Seq seq = sequence(p, b);
-  if (i >= seq.sq) return;
-  const T* o = static_cast<const T*>(p.out) + b * p.o_sb + (seq.q0 + i) * p.o_sr + hq * p.o_sh;
-  const T* dout = static_cast<const T*>(p.dout) + b * p.do_sb + (seq.q0 + i) * p.do_sr + hq * p.do_sh;
-  // 16-byte loads (the launcher checks that rows are 16-byte aligned and the
-  // head dim is a multiple of 8).
+// delta = rowsum(dout * out) for every (query row, head) of the tensors (rows
+// packed for varlen: a row outside every sequence gets a delta nobody reads),
+// flat over rows x heads with delta_lanes(DB) lanes a pair, a 16-byte chunk
+// each, so a warp reads whole rows of consecutive pairs (one warp a pair left
+// 3/4 of its lanes idle at head dim 64). With kZeroDq it also zeroes the
+// pair's fp32 dQ accumulator (the fused backward's workspace) in the same
+// pass, in place of a memset of its own. The launcher checks that rows are
+// 16-byte aligned and the head dim is a multiple of 8.
+constexpr int delta_lanes(int db) {
+  int lanes = 1;
+  while (lanes < 32 && 8 * lanes < db) lanes *= 2;
+  return lanes;
+}
+
+template <class T, int DB, bool kZeroDq>
+__global__ void __launch_bounds__(kDeltaThreads) attention_bwd_delta_kernel(const KArgs p, int64_t rows) {
+  constexpr int kLanes = delta_lanes(DB);
+  const int64_t pair = (static_cast<int64_t>(blockIdx.x) * kDeltaThreads + threadIdx.x) / kLanes;
+  if (pair >= rows * p.heads_q) return;  // a pair's lanes leave together
+  const int lane = threadIdx.x % kLanes;
+  const unsigned group = kLanes == 32 ? 0xffffffffu
+                                      : ((1u << kLanes) - 1) << (threadIdx.x % 32 / kLanes * kLanes);
+  const int64_t r = pair / p.heads_q;
+  const int h = static_cast<int>(pair % p.heads_q);
+  const int64_t b = p.cu_q ? 0 : r / p.seqlen_q, i = p.cu_q ? r : r % p.seqlen_q;
+  const T* o = static_cast<const T*>(p.out) + b * p.o_sb + i * p.o_sr + h * p.o_sh;
+  const T* dout = static_cast<const T*>(p.dout) + b * p.do_sb + i * p.do_sr + h * p.do_sh;
   float acc = 0.0f;
-  for (int c = 8 * lane; c < p.d; c += 8 * 32) {
+  for (int c = 8 * lane; c < p.d; c += 8 * kLanes) {
     const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
     const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
     const T* oe = reinterpret_cast<const T*>(&ov);
     const T* de = reinterpret_cast<const T*>(&dv);
 #pragma unroll
     for (int u = 0; u < 8; ++u) acc += static_cast<float>(oe[u]) * static_cast<float>(de[u]);
+    if constexpr (kZeroDq) {
+      float4* dq = reinterpret_cast<float4*>(p.dq_accum + b * p.dqa_sb + i * p.dqa_sr + h * p.dqa_sh + c);
+      dq[0] = dq[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
   }
 #pragma unroll
-  for (int w = 16; w > 0; w >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, w);
-  if (lane == 0) p.delta[b * p.delta_sb + hq * p.delta_sh + seq.q0 + i] = acc;
+  for (int w = kLanes / 2; w > 0; w >>= 1) acc += __shfl_xor_sync(group, acc, w);
+  if (lane == 0) p.delta[b * p.delta_sb + h * p.delta_sh + i] = acc;
 }
 
 // ------------------------------------------------------------------ dq

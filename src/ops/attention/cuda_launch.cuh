@@ -174,26 +174,29 @@ inline int64_t dq_rows(const KArgs& p) {
   return p.cu_q ? p.total_q : static_cast<int64_t>(p.batch) * p.seqlen_q;
 }
 
+// The delta kernel over every (row, head) pair of `rows` query rows.
+template <class T, int DB, bool kZeroDq>
+void launch_delta(const Launch& l, const KArgs& p, int64_t rows, ReadyDevices& ready) {
+  const int64_t threads = rows * p.heads_q * delta_lanes(DB);
+  if (threads == 0) return;
+  launch(l, attention_bwd_delta_kernel<T, DB, kZeroDq>,
+         dim3(static_cast<unsigned>((threads + kDeltaThreads - 1) / kDeltaThreads)), kDeltaThreads, 0, p,
+         kZeroDq ? "delta_zero_dq" : "delta", DB, ready, rows);
+}
+
 // The Hopper dK/dV kernel (attention_cuda.cu picks the type's instance); `tma`
 // (with fuse_dq): fed by a TMA producer where the call allows it.
 void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq, bool tma);
 
 // The backward with dQ fused into the dK/dV kernel (the head dims of
-// shared_dkdv_serves, and 256 on the Hopper kernel; no logit features): the
-// fp32 workspace zeroed on the stream, delta, dK/dV (the shared-fragment
+// shared_dkdv_serves, and 256 on the Hopper kernel; no logit features): delta
+// (its kernel also zeroes the fp32 workspace), dK/dV (the shared-fragment
 // kernel, or the Hopper one) + dQ, then dQ converted into its dtype.
 template <class T, int DB>
 void backward_dq_fused(const Launch& l, const KArgs& p, bool hopper, bool hopper_tma) {
   static ReadyDevices ready_delta{0};
   const int64_t rows = dq_rows(p);
-  if (p.seqlen_q > 0 && rows > 0) {
-    ::symheap::cuda::check(
-        cudaMemsetAsync(p.dq_accum, 0, static_cast<size_t>(rows) * p.heads_q * DB * sizeof(float), l.stream),
-        "attention: zeroing the dQ workspace", __FILE__, __LINE__);
-    launch(l, attention_bwd_delta_kernel<T>,
-           dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
-           p, "delta", 0, ready_delta);
-  }
+  if (p.seqlen_q > 0) launch_delta<T, DB, true>(l, p, rows, ready_delta);
   if (p.seqlen_k > 0) {
     if constexpr (shared_dkdv_serves(DB)) {
       if (hopper) run_dkdv_hopper(l, p, std::is_same_v<T, __half>, true, hopper_tma);
@@ -239,9 +242,7 @@ void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant
     if (variant.dq_fused && !features) return backward_dq_fused<T, DB>(l, p, variant.hopper, variant.hopper_tma);
   }
   if (p.seqlen_q > 0) {
-    launch(l, attention_bwd_delta_kernel<T>,
-           dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
-           p, "delta", 0, ready_delta);
+    launch_delta<T, DB, false>(l, p, dq_rows(p), ready_delta);
     if (features) dq_pipelined<T, DB, true>(l, p, variant.dq16);
     else dq_pipelined<T, DB, false>(l, p, variant.dq16);
   }
@@ -259,9 +260,7 @@ template <class T, int DB>
 void backward_bucket(const Launch& l, const KArgs& p) {
   static ReadyDevices ready_delta{0}, ready_dq{0}, ready_dv{0}, ready_dk{0}, ready_dkdv{0};
   if (p.seqlen_q > 0) {
-    launch(l, attention_bwd_delta_kernel<T>,
-           dim3(blocks(p.seqlen_q, kDeltaRowsPerCta), p.heads_q, p.batch), kDeltaRowsPerCta * 32, 0,
-           p, "delta", 0, ready_delta);
+    launch_delta<T, DB, false>(l, p, dq_rows(p), ready_delta);
     using Q = DqConfig<DB>;
     launch(l, attention_bwd_dq_kernel<T, DB>, dim3(blocks(p.seqlen_q, Q::kBlockM), p.heads_q, p.batch),
            Q::kThreads, Q::kSmem, p, "dq", DB, ready_dq);
