@@ -277,9 +277,13 @@ def main():
                              "(e.g. previous), or with NAME kernel_merge SYMHEAP_DECODE_MERGE=kernel, "
                              "in the same process")
     parser.add_argument("--decode-batches", metavar="LIST",
-                        help="with --decode-splits or --decode-cold: these batch sizes")
+                        help="with --decode-splits, --decode-cold or --decode-layouts: these batch sizes")
     parser.add_argument("--decode-caches", metavar="LIST",
-                        help="with --decode-splits or --decode-cold: these cache lengths (multiples of 256)")
+                        help="with --decode-splits, --decode-cold or --decode-layouts: these cache lengths "
+                             "(multiples of 256)")
+    parser.add_argument("--decode-layouts", action="store_true",
+                        help="with --decode: our call over four layouts of one cache (paged and dense, "
+                             "kv-head-minor and head-major) next to SDPA")
     parser.add_argument("--decode-cold", action="store_true",
                         help="with --decode: time each row with the L2 warm (every call on one cache) "
                              "and cold (each call on its own copy), ours and SDPA")
@@ -295,6 +299,8 @@ def main():
             shapes["caches"] = [int(x) for x in args.decode_caches.split(",")]
         if args.decode_cold:
             return attn_decode_bench.warm_and_cold(**shapes)
+        if args.decode_layouts:
+            return attn_decode_bench.layouts(**shapes)
         if args.decode_splits:
             return attn_decode_bench.splits_sweep([int(x) for x in args.decode_splits.split(",")],
                                                   compare=args.decode_compare, **shapes)

@@ -12,8 +12,10 @@ both sides). Copy bandwidth counts the bytes read plus the bytes written.
     python bench/attn_bench.py --decode --decode-compare previous   (also the previous kernel)
     python bench/attn_bench.py --decode --decode-cold   (L2 warm against cold, ours and SDPA)
 
---decode-batches and --decode-caches pick the rows of the split sweep and of
---decode-cold. Warm: a graph of 20 calls on one cache (as the table rows; small
+    python bench/attn_bench.py --decode --decode-layouts   (our call over four layouts of one cache)
+
+--decode-batches and --decode-caches pick the rows of the split sweep, of
+--decode-cold and of --decode-layouts. Warm: a graph of 20 calls on one cache (as the table rows; small
 caches then partly stay in L2 between calls). Cold: each call of the graph on
 its own copy, 256-512 MB in all, as a model's layers read their caches.
 
@@ -240,4 +242,43 @@ def warm_and_cold(batches=(1, 4, 16), caches=(1024, 4096, 16384)):
             print(f"{B:>5} {L:>6} | {warm[0]:9.1f} {warm[1]:9.1f} | {cold[0]:9.1f} {cold[1]:9.1f} | "
                   f"{cold[1] / cold[0]:.2f}x, {copies}   max|diff| {err:.1e}")
             del ours, sdpa
+            torch.cuda.empty_cache()
+
+
+def layouts(batches=(1, 4, 16), caches=(1024, 4096, 16384)):
+    """Our call over one cache in four layouts, next to SDPA: paged blocks as the
+    bench stores them [blocks, 256, Hkv, D], head-major paged blocks (a permuted
+    view of [blocks, Hkv, 256, D]; the call takes any strides), dense (B, L, Hkv,
+    D), and dense head-major (a view of SDPA's own (B, Hkv, L, D) copy: the bytes
+    SDPA reads). Best of two rounds, us per call."""
+    names = ["paged", "paged_hnd", "dense", "dense_hnd"]
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'batch':>5} {'cache':>6} | " + " ".join(f"{n:>9}" for n in names) +
+          f" | {'SDPA':>7} | dense_hnd / SDPA speed, max|diff|   (us per call)")
+    for B in batches:
+        for L in caches:
+            q, k_cache, v_cache, table, seqlens = make_case(B, L)
+            head_major = lambda c: c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # noqa: E731
+            kh, vh = head_major(k_cache), head_major(v_cache)
+            kd = k_cache[table.long()].reshape(B, L, HKV, D)
+            vd = v_cache[table.long()].reshape(B, L, HKV, D)
+            kt, vt = kd.transpose(1, 2).contiguous(), vd.transpose(1, 2).contiguous()
+            qt = q.transpose(1, 2)
+            calls = {
+                "paged": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                         block_table=table),
+                "paged_hnd": lambda: flash_attn_with_kvcache(q, kh, vh, cache_seqlens=seqlens, block_table=table),
+                "dense": lambda: flash_attn_with_kvcache(q, kd, vd, cache_seqlens=seqlens),
+                "dense_hnd": lambda: flash_attn_with_kvcache(q, kt.transpose(1, 2), vt.transpose(1, 2),
+                                                             cache_seqlens=seqlens),
+            }
+            sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)  # noqa: E731
+            ref = sdpa().transpose(1, 2).float()
+            err = max((calls[n]().float() - ref).abs().max().item() for n in names)
+            t = {n: min(graph_time_us(calls[n]) for _ in range(2)) for n in names}
+            t_sdpa = min(graph_time_us(sdpa) for _ in range(2))
+            kvcache_check()
+            print(f"{B:>5} {L:>6} | " + " ".join(f"{t[n]:9.1f}" for n in names) +
+                  f" | {t_sdpa:7.1f} | {t_sdpa / t['dense_hnd']:.2f}x, {err:.1e}")
+            del k_cache, v_cache, kh, vh, kd, vd, kt, vt
             torch.cuda.empty_cache()
