@@ -130,9 +130,9 @@ class own_kernels:
                 os.environ[name] = value
 
 
-def kernel_times_ms(fn, reps=3):
-    """Device time per call of each attention kernel `fn` launches (torch
-    profiler), by kernel name without its namespace and parameters."""
+def profiled_kernels_us(fn, reps=3):
+    """Every kernel `fn` launches (torch profiler): [(us per call, launches per
+    call, name)], slowest first."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -140,12 +140,22 @@ def kernel_times_ms(fn, reps=3):
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    times = {}
+    rows = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if "attention" in e.key and "_kernel" in e.key and us > 0:  # kernels only
-            name = e.key.split("(")[0].replace("void ", "").replace("symheap::attention::cuda::", "")
-            times[name] = times.get(name, 0.0) + us / reps / 1e3
+        if us > 0:
+            rows.append((us / reps, e.count // reps, e.key))
+    return sorted(rows, reverse=True)
+
+
+def kernel_times_ms(fn, reps=3):
+    """Device time per call of each attention kernel `fn` launches, by kernel
+    name without its namespace and parameters."""
+    times = {}
+    for us, _, key in profiled_kernels_us(fn, reps):
+        if "attention" in key and "_kernel" in key:  # kernels only
+            name = key.split("(")[0].replace("void ", "").replace("symheap::attention::cuda::", "")
+            times[name] = times.get(name, 0.0) + us / 1e3
     return times
 
 

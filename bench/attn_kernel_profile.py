@@ -14,27 +14,14 @@ import argparse
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
+from attn_bench import profiled_kernels_us
 from symheap.attention import flash_attn_func
 
 
 def kernels_us(fn, reps=5):
-    """[(us per call, launches per call, kernel name)], slowest first, and the
-    call's CUDA-event time (us, mean of 10)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us > 0:
-            rows.append((us / reps, e.count // reps, e.key))
-    rows.sort(reverse=True)
+    """profiled_kernels_us's rows, and the call's CUDA-event time (us, mean of 10)."""
+    rows = profiled_kernels_us(fn, reps)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(10):
