@@ -11,13 +11,13 @@ both sides). Copy bandwidth counts the bytes read plus the bytes written.
     python bench/attn_bench.py --decode --decode-splits 0,1,2,4,8,16,32   (split sweep)
     python bench/attn_bench.py --decode --decode-compare previous   (also the previous kernel)
     python bench/attn_bench.py --decode --decode-cold   (L2 warm against cold, ours and SDPA)
-
     python bench/attn_bench.py --decode --decode-layouts   (our call over four layouts of one cache)
 
 --decode-batches and --decode-caches pick the rows of the split sweep, of
---decode-cold and of --decode-layouts. Warm: a graph of 20 calls on one cache (as the table rows; small
-caches then partly stay in L2 between calls). Cold: each call of the graph on
-its own copy, 256-512 MB in all, as a model's layers read their caches.
+--decode-cold and of --decode-layouts. Warm: a graph of 20 calls on one cache
+(as the table rows; small caches then partly stay in L2 between calls). Cold:
+each call of the graph on its own copy, 256-512 MB in all, as a model's layers
+read their caches.
 
 --decode-compare NAME also times each row (each split count in the sweep) with
 SYMHEAP_DECODE_KERNEL=NAME, in the same process: the kernel is chosen when a
@@ -87,6 +87,17 @@ def make_case(B, L):
     return q, k_cache, v_cache, table, seqlens
 
 
+def gathered(cache, table):
+    """The paged cache gathered dense, (B, L, Hkv, D) in the order the table gives."""
+    B = table.shape[0]
+    return cache[table.long()].reshape(B, -1, HKV, D)
+
+
+def gathered_head_major(cache, table):
+    """The paged cache gathered dense as SDPA reads it: a contiguous (B, Hkv, L, D)."""
+    return gathered(cache, table).transpose(1, 2).contiguous()
+
+
 def bench_case(B, L, copy_bw, reps, compare=None):
     q, k_cache, v_cache, table, seqlens = make_case(B, L)
 
@@ -107,8 +118,7 @@ def bench_case(B, L, copy_bw, reps, compare=None):
     row["symheap_GBps"] = kv_bytes / (t * 1e-6) / 1e9
     row["fraction_of_copy_bw"] = kv_bytes / (t * 1e-6) / copy_bw
     # SDPA over the same cache gathered dense: (B, Hkv, L, D), GQA inside SDPA.
-    kd = k_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
-    vd = v_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
+    kd, vd = gathered_head_major(k_cache, table), gathered_head_major(v_cache, table)
     del k_cache, v_cache
     qt = q.transpose(1, 2)
 
@@ -184,8 +194,7 @@ def splits_sweep(splits, batches=(1, 4, 16), caches=(1024, 4096, 16384), compare
                             q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, num_splits=n)))
                     kvcache_check()
                 lines.append((kernel or "default", times))
-            kd = k_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
-            vd = v_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
+            kd, vd = gathered_head_major(k_cache, table), gathered_head_major(v_cache, table)
             qt = q.transpose(1, 2)
             t_sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(qt, kd, vd, enable_gqa=True))
             for kernel, times in lines:
@@ -229,8 +238,7 @@ def warm_and_cold(batches=(1, 4, 16), caches=(1024, 4096, 16384)):
             ours, sdpa = [], []
             for _ in range(copies):
                 q, k_cache, v_cache, table, seqlens = make_case(B, L)
-                kd = k_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
-                vd = v_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
+                kd, vd = gathered_head_major(k_cache, table), gathered_head_major(v_cache, table)
                 ours.append(lambda a=(q, k_cache, v_cache, seqlens, table): flash_attn_with_kvcache(
                     a[0], a[1], a[2], cache_seqlens=a[3], block_table=a[4]))
                 sdpa.append(lambda a=(q.transpose(1, 2), kd, vd):
@@ -260,8 +268,7 @@ def layouts(batches=(1, 4, 16), caches=(1024, 4096, 16384)):
             q, k_cache, v_cache, table, seqlens = make_case(B, L)
             head_major = lambda c: c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # noqa: E731
             kh, vh = head_major(k_cache), head_major(v_cache)
-            kd = k_cache[table.long()].reshape(B, L, HKV, D)
-            vd = v_cache[table.long()].reshape(B, L, HKV, D)
+            kd, vd = gathered(k_cache, table), gathered(v_cache, table)
             kt, vt = kd.transpose(1, 2).contiguous(), vd.transpose(1, 2).contiguous()
             qt = q.transpose(1, 2)
             calls = {

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, "bench")
-from attn_decode_bench import BLOCK, D, HKV, graph_time_us, make_case  # noqa: E402
+from attn_decode_bench import BLOCK, gathered_head_major, graph_time_us, make_case  # noqa: E402
 
 from symheap.attention import flash_attn_with_kvcache, kvcache_check  # noqa: E402
 
@@ -70,8 +70,7 @@ def main():
           "   (us per call; ratios of speed)")
     for B, L in CASES:
         q, k_cache, v_cache, table, seqlens = make_case(B, L)
-        kd = k_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
-        vd = v_cache[table.long()].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
+        kd, vd = gathered_head_major(k_cache, table), gathered_head_major(v_cache, table)
         qt = q.transpose(1, 2)
 
         def sdpa():
