@@ -375,7 +375,12 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   Tensor sdS = make_tensor(make_smem_ptr(ds_s), typename C::SmemDs2{});  // (BM, BN, 2)
   Tensor sdSt = make_tensor(make_smem_ptr(ds_s), typename C::SmemDst2{});
 
-  const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+  // Heaviest key blocks first under a causal mask (the TMA-fed forms: in the
+  // cp.async-fed ones the computed indices cost registers they do not have).
+  const KeyBlockCta cta = kTma ? key_block_cta()
+                              : KeyBlockCta{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
+                                            static_cast<int>(blockIdx.z)};
+  const int n0 = cta.n_block * BN, hk = cta.hk, b = cta.b;
   const Seq seq = sequence(p, b);
   if (n0 >= seq.sk) return;
   // kTma: threads 0-127 produce; tid numbers the consumers from 0.

@@ -126,7 +126,8 @@ __global__ void __launch_bounds__(384, 1)
   Tensor sdS = make_tensor(make_smem_ptr(ds_s), typename C::SmemDs{});
   Tensor sdSt = make_tensor(make_smem_ptr(ds_s), typename C::SmemDst{});
 
-  const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+  const KeyBlockCta cta = key_block_cta();  // heaviest key blocks first under a causal mask
+  const int n0 = cta.n_block * BN, hk = cta.hk, b = cta.b;
   const Seq seq = sequence(p, b);
   if (n0 >= seq.sk) return;
   const int cols = min(BN, seq.sk - n0);

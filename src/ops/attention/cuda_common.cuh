@@ -193,6 +193,29 @@ struct Seq {
   int64_t q0, k0;  // first packed row
 };
 
+// The (key block, kv head, batch entry) of a dK/dV CTA of a (key blocks, kv
+// heads, batch) grid, from its place in the launch order (x fastest). Under a
+// causal mask the first key blocks see the most query rows; in launch order
+// each group of (kv head, batch entry) pairs, about kKeyBlockGroupCtas CTAs,
+// runs its heaviest blocks first, so the kernel's last CTAs are light ones and
+// the last wave's tail is short, while a group's Q, dO and dQ rows are read by
+// CTAs resident at about the same time, as in the plain order (L2).
+constexpr unsigned kKeyBlockGroupCtas = 128;
+struct KeyBlockCta {
+  int n_block, hk, b;
+};
+__device__ __forceinline__ KeyBlockCta key_block_cta() {
+  // 32-bit: a grid of 2^31 CTAs or more cannot be launched.
+  const unsigned nb = gridDim.x, pairs = gridDim.y * gridDim.z;
+  const unsigned linear = blockIdx.x + nb * (blockIdx.y + gridDim.y * blockIdx.z);
+  const unsigned group = max(1u, kKeyBlockGroupCtas / nb);
+  const unsigned first = linear / (group * nb) * group;  // the group's first pair
+  const unsigned members = min(group, pairs - first);
+  const unsigned r = linear - first * nb, pair = first + r % members;
+  return {static_cast<int>(r / members), static_cast<int>(pair % gridDim.y),
+          static_cast<int>(pair / gridDim.y)};
+}
+
 // Lengths from cu_seqlens are clamped to the buffers and to max_seqlen, so a
 // bad cu_seqlens can give wrong numbers but never an access out of bounds.
 __device__ __forceinline__ Seq sequence(const KArgs& p, int b) {
