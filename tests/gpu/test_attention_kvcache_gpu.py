@@ -27,7 +27,8 @@ DTYPES = [torch.bfloat16, torch.float16]
 TOL = {torch.bfloat16: 2.5e-2, torch.float16: 4e-3}
 
 
-@pytest.fixture(autouse=True, params=["keys_major", "keys_major/kernel_merge", "previous"])
+@pytest.fixture(autouse=True, params=["keys_major", "keys_major/kernel_merge", "previous",
+                                        "keys_major_x2"])
 def decode_kernel(request, monkeypatch):
     """The attention kernel of every call in the test ($SYMHEAP_DECODE_KERNEL) and,
     after a slash, the split merge ($SYMHEAP_DECODE_MERGE=kernel: the combine kernel)."""
@@ -283,25 +284,29 @@ def test_decode_step_in_a_cuda_graph(layout):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("pairs_per_sm", [2, 3])
-def test_auto_kernel_choice(pairs_per_sm, monkeypatch):
-    """Unforced, a call of at least 3 (sequence, kv head) pairs per SM runs the
-    query-major kernel, fewer the keys-major one: the output is bit for bit the
-    forced kernel's, and right against the reference."""
+@pytest.mark.parametrize("D, pairs_per_2_sms, expected", [
+    (128, 2, "keys_major"), (128, 3, "keys_major_x2"), (64, 5, "keys_major"), (64, 6, "previous")])
+def test_auto_kernel_choice(D, pairs_per_2_sms, expected, monkeypatch):
+    """Unforced, a call's (sequence, kv head) pairs pick its kernel: at head dim
+    128 the keys-major kernel, two CTAs an SM from 1.5 pairs an SM; at other head
+    dims the query-major kernel from 3 pairs an SM, the keys-major one below.
+    The output is bit for bit the forced kernel's, and right against the reference."""
     dtype = torch.bfloat16
-    gen = torch.Generator().manual_seed(pairs_per_sm)
-    Hq, Hkv, D = 32, 8, 128
+    gen = torch.Generator().manual_seed(pairs_per_2_sms)
+    Hq, Hkv = 32, 8
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    B = -(-pairs_per_sm * sms // Hkv)
+    B = -(-pairs_per_2_sms * sms // (2 * Hkv))
     lengths = [int(n) for n in torch.randint(1, 200, (B,), generator=gen)]
     cache = Cache(B=B, capacity=256, Hkv=Hkv, D=D, dtype=dtype, device="cuda", gen=gen,
                   lengths=lengths, block_size=16)
     q = torch.randn((B, 1, Hq, D), generator=gen).to(device="cuda", dtype=dtype)
+    names = ("keys_major", "keys_major_x2", "previous") if D == 128 else ("keys_major", "previous")
     outs = {}
-    for name in ("keys_major", "previous", "auto"):
+    for name in names + ("auto",):
         monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", name)
         outs[name], _ = run_and_check(cache, lengths, q, None, Hq, {}, tol=TOL[dtype])
-    assert not torch.equal(bits(outs["keys_major"]), bits(outs["previous"])), \
-        "the two kernels gave the same bits: this case cannot tell which one ran"
-    expected = "previous" if pairs_per_sm >= 3 else "keys_major"
+    for other in names:
+        if other != expected:
+            assert not torch.equal(bits(outs[expected]), bits(outs[other])), \
+                f"{expected} and {other} gave the same bits: this case cannot tell which one ran"
     assert torch.equal(bits(outs["auto"]), bits(outs[expected])), f"auto did not run {expected}"

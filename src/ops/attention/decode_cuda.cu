@@ -7,9 +7,10 @@
 // group, so each K/V row is read once for all of them; K/V tiles stream
 // through shared memory by cp.async and the products run on the tensor cores.
 // keys_major_kernel (keys on the MMA rows, 8 or 16 query vectors per CTA on
-// its columns) runs most calls; attention_kernel (16 vectors per CTA on the
-// MMA rows), the kernel it replaced, runs calls of many sequences x kv heads
-// (choose_previous) or when SYMHEAP_DECODE_KERNEL asks for it. Lengths and
+// its columns; at head dim 128 many sequences x kv heads run it two CTAs an
+// SM) runs most calls; attention_kernel (16 vectors per CTA on the MMA rows),
+// the kernel it replaced, runs calls of many sequences x kv heads at other
+// head dims (choose_kernel) or when SYMHEAP_DECODE_KERNEL asks for it. Lengths and
 // block ids are read on the device only: a bad one is recorded in a
 // host-mapped word (raised by the next call or by cache_check_cuda) and the
 // sequence gets NaN outputs, with no access out of bounds and no write to
@@ -719,10 +720,15 @@ inline int keys_major_blocks(int64_t vectors_per_kv_head, int db) {
   return vectors_per_kv_head > kKmBlockVectors && db <= 128 ? 2 : 1;
 }
 
-template <int DB, int NB>
+// The kernel's shapes at head dim 128: kWide, 8 warps (128-key tiles) and one
+// CTA an SM; kTwoPerSm, 4 warps and 3 stages (about 106 KB of shared memory),
+// two CTAs an SM, each streaming on its own. Elsewhere only kWide.
+enum KmShape : int { kWide = 0, kTwoPerSm = 1 };
+
+template <int DB, int NB, int SHAPE = kWide>
 struct KeysMajor {
   static constexpr int kVectors = kKmBlockVectors * NB;
-  static constexpr int kWarps = DB <= 128 ? 8 : 4;
+  static constexpr int kWarps = SHAPE == kTwoPerSm ? 4 : DB <= 128 ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTileKeys = 16 * kWarps;
   static constexpr int kLd = DB + 8;  // padded rows: conflict-free ldmatrix
@@ -764,10 +770,10 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return y;
 }
 
-template <class T, int DB, int NB>
-__global__ void __launch_bounds__(KeysMajor<DB, NB>::kThreads, 1)
+template <class T, int DB, int NB, int SHAPE = kWide>
+__global__ void __launch_bounds__(KeysMajor<DB, NB, SHAPE>::kThreads, 1)
     keys_major_kernel(const Params p) {
-  using C = KeysMajor<DB, NB>;
+  using C = KeysMajor<DB, NB, SHAPE>;
   constexpr int TN = C::kTileKeys, LD = C::kLd, NT = C::kThreads, NV = C::kVectors;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* stages = reinterpret_cast<T*>(smem_raw);
@@ -1140,21 +1146,25 @@ void raise_recorded(ErrorWord& w, int device) {
 int head_dim_bucket(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
 // Which attention kernel a call runs: the keys-major one (keys_major_kernel,
-// with 1 or 2 n8 blocks of query vectors: keys_major_blocks) or the
-// query-major one it replaced (attention_kernel). $SYMHEAP_DECODE_KERNEL =
-// "keys_major" or "previous" forces one (to compare the two in one process);
-// "auto", empty or unset: choose_previous decides. Read on every call, so a
-// CUDA graph keeps the kernel of its capture.
+// with 1 or 2 n8 blocks of query vectors: keys_major_blocks; at head dim 128
+// in one of two shapes, KmShape) or the query-major one it replaced
+// (attention_kernel). $SYMHEAP_DECODE_KERNEL = "keys_major" (the wide shape),
+// "keys_major_x2" (two CTAs an SM; head dim 128, elsewhere the wide shape) or
+// "previous" forces one, to compare them in one process; "auto", empty or
+// unset: choose_kernel decides. Read on every call, so a CUDA graph keeps the
+// kernel of its capture.
 constexpr const char* kKernelEnv = "SYMHEAP_DECODE_KERNEL";
-enum class KernelChoice { Auto, KeysMajor, Previous };
+enum class KernelChoice { Auto, KeysMajor, KeysMajorTwoPerSm, Previous };
 
 KernelChoice kernel_choice() {
   const char* env = std::getenv(kKernelEnv);
   if (!env || !*env || std::strcmp(env, "auto") == 0) return KernelChoice::Auto;
   if (std::strcmp(env, "keys_major") == 0) return KernelChoice::KeysMajor;
+  if (std::strcmp(env, "keys_major_x2") == 0) return KernelChoice::KeysMajorTwoPerSm;
   if (std::strcmp(env, "previous") == 0) return KernelChoice::Previous;
   throw InvalidArgument(std::string("attention (kv cache): ") + kKernelEnv +
-                        " must be 'auto', 'keys_major' or 'previous', got '" + env + "'");
+                        " must be 'auto', 'keys_major', 'keys_major_x2' or 'previous', got '" +
+                        env + "'");
 }
 
 // With at least this many (sequence, kv head) pairs per SM, the CTAs run
@@ -1164,22 +1174,39 @@ KernelChoice kernel_choice() {
 // 4k-16k, while the keys-major one was 0.89-0.98x of it up to batch 16
 // (bench/RESULTS.md, the keys-major decode table).
 constexpr int64_t kPreviousPairsPerSm = 3;
+// At head dim 128, from this many pairs per 2 SMs (1.5 an SM) the keys-major
+// kernel in its two-CTAs-an-SM shape: on H200 (Hq 32 over Hkv 8) 0.91x the
+// wide shape's time at 32 x 1k, 0.97-1.00x of the query-major kernel's from
+// 64 x 1k to 128 x 8k, and 1.19x the wide shape's at 16 x 1k (128 pairs),
+// where half the CTAs an SM leave SMs idle (bench/RESULTS.md, "two CTAs an SM").
+constexpr int64_t kTwoPerSmPairsPer2Sms = 3;
 
-bool choose_previous(const CacheArgs& a, int device) {
-  switch (kernel_choice()) {
-    case KernelChoice::Previous: return true;
-    case KernelChoice::KeysMajor: return false;
+struct KernelPick {
+  bool previous;
+  KmShape shape;
+};
+
+KernelPick choose_kernel(const CacheArgs& a, int device, int db) {
+  const KernelChoice choice = kernel_choice();
+  const KmShape two = db == 128 ? kTwoPerSm : kWide;
+  switch (choice) {
+    case KernelChoice::Previous: return {true, kWide};
+    case KernelChoice::KeysMajor: return {false, kWide};
+    case KernelChoice::KeysMajorTwoPerSm: return {false, two};
     case KernelChoice::Auto: break;
   }
   int sms = 0;
   SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return static_cast<int64_t>(a.batch) * a.heads_kv >= kPreviousPairsPerSm * sms;
+  const int64_t pairs = static_cast<int64_t>(a.batch) * a.heads_kv;
+  if (db == 128) return {false, 2 * pairs >= kTwoPerSmPairsPer2Sms * sms ? kTwoPerSm : kWide};
+  return {pairs >= kPreviousPairsPerSm * sms, kWide};
 }
 
 struct Plan {
   int device, db, mtiles, splits;
   bool previous;  // the query-major kernel (attention_kernel) instead of keys_major_kernel
   int nb;         // keys_major_kernel's n8 blocks of query vectors per CTA
+  KmShape shape;  // keys_major_kernel's shape (kWide but at head dim 128)
   bool cluster;   // the splits merged in a thread-block cluster (merge_cluster)
   int64_t vectors;
   size_t bytes;
@@ -1187,17 +1214,20 @@ struct Plan {
 
 struct SmemReady {};
 
-// The device's SM count, the number of attention CTAs a call aims for. Also
-// raises the kernel's dynamic shared-memory limit, once per device.
+// The device's SM count, the number of attention CTAs a call aims for (with
+// `all_resident`: as many as can be resident at once). Also raises the
+// kernel's dynamic shared-memory limit, once per device.
 template <class Kernel>
-int ready_kernel(int device, const std::string& name, Kernel kernel, int threads, size_t smem) {
+int ready_kernel(int device, const std::string& name, Kernel kernel, int threads, size_t smem,
+                 bool all_resident = false) {
   Runtime::instance().device_caches(device).get<SmemReady>(name + ".smem", [&] {
     ::symheap::cuda::ScopedDevice on(device);
     SYMHEAP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem)));
     return std::make_shared<SmemReady>();
   });
-  return ::symheap::cuda::kernel_info(device, name.c_str(), kernel, threads, smem)->sm_count;
+  const auto info = ::symheap::cuda::kernel_info(device, name.c_str(), kernel, threads, smem);
+  return all_resident ? info->full_grid() : info->sm_count;
 }
 
 // Calls f(kernel, name, threads, dynamic shared memory) with the attention
@@ -1208,6 +1238,15 @@ auto with_kernel(const Plan& pl, F&& f) {
       std::string(std::is_same<T, __half>::value ? "f16." : "bf16.") + std::to_string(DB);
   if (pl.previous)
     return f(attention_kernel<T, DB>, "attention.kvcache." + suffix, kThreads, Tile<DB>::kSmem);
+  if constexpr (DB == 128) {
+    if (pl.shape == kTwoPerSm) {
+      if (pl.nb == 2)
+        return f(keys_major_kernel<T, DB, 2, kTwoPerSm>, "attention.kvcache.km2x2." + suffix,
+                 KeysMajor<DB, 2, kTwoPerSm>::kThreads, KeysMajor<DB, 2, kTwoPerSm>::kSmem);
+      return f(keys_major_kernel<T, DB, 1, kTwoPerSm>, "attention.kvcache.km1x2." + suffix,
+               KeysMajor<DB, 1, kTwoPerSm>::kThreads, KeysMajor<DB, 1, kTwoPerSm>::kSmem);
+    }
+  }
   if constexpr (DB <= 128) {
     if (pl.nb == 2)
       return f(keys_major_kernel<T, DB, 2>, "attention.kvcache.km2." + suffix,
@@ -1314,7 +1353,9 @@ Plan make_plan(const CacheArgs& a, int device) {
   pl.device = device;
   pl.db = head_dim_bucket(a.head_dim);
   const int64_t n_vec = static_cast<int64_t>(a.seqlen_q) * a.group();
-  pl.previous = choose_previous(a, device);
+  const KernelPick pick = choose_kernel(a, device, pl.db);
+  pl.previous = pick.previous;
+  pl.shape = pick.shape;
   pl.nb = keys_major_blocks(n_vec, pl.db);
   const int per_cta = pl.previous ? kVectors : kKmBlockVectors * pl.nb;
   pl.mtiles = static_cast<int>(std::max<int64_t>(1, (n_vec + per_cta - 1) / per_cta));
@@ -1323,10 +1364,11 @@ Plan make_plan(const CacheArgs& a, int device) {
   // About one CTA per SM (this also readies the kernel's shared memory): the
   // kernel is bound by its own instruction stream, and on H100 a second CTA per
   // SM made every latency-bound row slower (bench/RESULTS.md, the decode split
-  // sweep), while fewer CTAs leave SMs idle.
+  // sweep), while fewer CTAs leave SMs idle. The two-CTAs-an-SM shape (many
+  // pairs, so seldom split) aims at every CTA it can hold.
   const int64_t target = with_kernel(a, pl, [&](auto kernel, const std::string& name, int threads,
                                                  size_t smem) {
-    return ready_kernel(device, name, kernel, threads, smem);
+    return ready_kernel(device, name, kernel, threads, smem, pl.shape == kTwoPerSm);
   });
   int64_t splits;
   if (a.num_splits > 0) {
