@@ -136,7 +136,8 @@ def profiled_kernels_us(fn, reps=3):
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # acc_events: the one cycle keeps its events without torch's warning that it clears them.
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
@@ -287,13 +288,20 @@ def main():
                              "(e.g. previous), or with NAME kernel_merge SYMHEAP_DECODE_MERGE=kernel, "
                              "in the same process")
     parser.add_argument("--decode-batches", metavar="LIST",
-                        help="with --decode-splits, --decode-cold or --decode-layouts: these batch sizes")
+                        help="with --decode-splits, --decode-cold, --decode-layouts or --decode-kernels: "
+                             "these batch sizes")
     parser.add_argument("--decode-caches", metavar="LIST",
-                        help="with --decode-splits, --decode-cold or --decode-layouts: these cache lengths "
+                        help="with --decode-splits, --decode-cold, --decode-layouts or --decode-kernels: "
+                             "these cache lengths "
                              "(multiples of 256)")
     parser.add_argument("--decode-layouts", action="store_true",
                         help="with --decode: our call over four layouts of one cache (paged and dense, "
                              "kv-head-minor and head-major) next to SDPA")
+    parser.add_argument("--decode-kernels", action="store_true",
+                        help="with --decode: our call with each attention kernel forced "
+                             "(SYMHEAP_DECODE_KERNEL) next to SDPA, in one process")
+    parser.add_argument("--decode-query-rows", type=int, default=1, metavar="N",
+                        help="with --decode-kernels: query rows per sequence (default 1)")
     parser.add_argument("--decode-cold", action="store_true",
                         help="with --decode: time each row with the L2 warm (every call on one cache) "
                              "and cold (each call on its own copy), ours and SDPA")
@@ -311,6 +319,8 @@ def main():
             return attn_decode_bench.warm_and_cold(**shapes)
         if args.decode_layouts:
             return attn_decode_bench.layouts(**shapes)
+        if args.decode_kernels:
+            return attn_decode_bench.kernels_sweep(query_rows=args.decode_query_rows, **shapes)
         if args.decode_splits:
             return attn_decode_bench.splits_sweep([int(x) for x in args.decode_splits.split(",")],
                                                   compare=args.decode_compare, **shapes)

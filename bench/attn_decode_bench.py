@@ -12,9 +12,10 @@ both sides). Copy bandwidth counts the bytes read plus the bytes written.
     python bench/attn_bench.py --decode --decode-compare previous   (also the previous kernel)
     python bench/attn_bench.py --decode --decode-cold   (L2 warm against cold, ours and SDPA)
     python bench/attn_bench.py --decode --decode-layouts   (our call over four layouts of one cache)
+    python bench/attn_bench.py --decode --decode-kernels [--decode-query-rows 4]   (every kernel, forced)
 
 --decode-batches and --decode-caches pick the rows of the split sweep, of
---decode-cold and of --decode-layouts. Warm: a graph of 20 calls on one cache
+--decode-cold, of --decode-layouts and of --decode-kernels. Warm: a graph of 20 calls on one cache
 (as the table rows; small caches then partly stay in L2 between calls). Cold:
 each call of the graph on its own copy, 256-512 MB in all, as a model's layers
 read their caches.
@@ -75,14 +76,14 @@ def copy_bandwidth(nbytes=2 << 30):
     return 2 * nbytes / (us * 1e-6)  # read + write
 
 
-def make_case(B, L):
+def make_case(B, L, query_rows=1):
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_per_seq = L // BLOCK
     num_blocks = B * blocks_per_seq
     k_cache = torch.randn((num_blocks, BLOCK, HKV, D), device="cuda", dtype=torch.bfloat16, generator=gen)
     v_cache = torch.randn_like(k_cache)
     table = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32).view(B, blocks_per_seq)
-    q = torch.randn((B, 1, HQ, D), device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn((B, query_rows, HQ, D), device="cuda", dtype=torch.bfloat16, generator=gen)
     seqlens = torch.full((B,), L, dtype=torch.int32, device="cuda")
     return q, k_cache, v_cache, table, seqlens
 
@@ -288,4 +289,40 @@ def layouts(batches=(1, 4, 16), caches=(1024, 4096, 16384)):
             print(f"{B:>5} {L:>6} | " + " ".join(f"{t[n]:9.1f}" for n in names) +
                   f" | {t_sdpa:7.1f} | {t_sdpa / t['dense_hnd']:.2f}x, {err:.1e}")
             del k_cache, v_cache, kh, vh, kd, vd, kt, vt
+            torch.cuda.empty_cache()
+
+
+KERNELS = ["auto", "previous", "keys_major", "keys_major_x2"]
+
+
+def kernels_sweep(batches=(4, 16, 32, 64, 128, 256), caches=(1024, 4096, 8192), query_rows=1):
+    """Our call with each attention kernel forced (SYMHEAP_DECODE_KERNEL; "auto" is
+    the automatic choice), next to SDPA, all in one process: where the rules that
+    pick a kernel stand. Best of two rounds (the second in reverse order), us per call."""
+    if query_rows < 1:
+        raise ValueError(f"--decode-query-rows must be at least 1, got {query_rows}")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{query_rows} query row(s) per sequence")
+    print(f"{'batch':>5} {'cache':>6} | " + " ".join(f"{k:>13}" for k in KERNELS) +
+          f" | {'SDPA':>7}   (us per call; max|diff| against SDPA over every kernel)")
+    for B in batches:
+        for L in caches:
+            q, k_cache, v_cache, table, seqlens = make_case(B, L, query_rows)
+            kt, vt = gathered_head_major(k_cache, table), gathered_head_major(v_cache, table)
+            qt = q.transpose(1, 2)
+            sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)  # noqa: E731
+            ours = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,  # noqa: E731
+                                                   block_table=table)
+            ref = sdpa().transpose(1, 2).float()
+            times, err = {k: [] for k in KERNELS + ["SDPA"]}, 0.0
+            for order in (KERNELS, KERNELS[::-1]):
+                for k in order:
+                    with decode_kernel(k):
+                        times[k].append(graph_time_us(ours))
+                        err = max(err, (ours().float() - ref).abs().max().item())
+                times["SDPA"].append(graph_time_us(sdpa))
+            kvcache_check()
+            print(f"{B:>5} {L:>6} | " + " ".join(f"{min(times[k]):13.1f}" for k in KERNELS) +
+                  f" | {min(times['SDPA']):7.1f}   {err:.1e}")
+            del q, k_cache, v_cache, kt, vt
             torch.cuda.empty_cache()

@@ -284,18 +284,23 @@ def test_decode_step_in_a_cuda_graph(layout):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("D, pairs_per_2_sms, expected", [
-    (128, 2, "keys_major"), (128, 3, "keys_major_x2"), (64, 5, "keys_major"), (64, 6, "previous")])
-def test_auto_kernel_choice(D, pairs_per_2_sms, expected, monkeypatch):
+@pytest.mark.parametrize("D, more, expected", [
+    (128, False, "keys_major"), (128, True, "keys_major_x2"), (64, False, "keys_major"),
+    (64, True, "previous")])
+def test_auto_kernel_choice(D, more, expected, monkeypatch):
     """Unforced, a call's (sequence, kv head) pairs pick its kernel: at head dim
-    128 the keys-major kernel, two CTAs an SM from 1.5 pairs an SM; at other head
-    dims the query-major kernel from 3 pairs an SM, the keys-major one below.
-    The output is bit for bit the forced kernel's, and right against the reference."""
+    128 the keys-major kernel, two CTAs an SM with more pairs than SMs; at other
+    head dims the query-major kernel from 3 pairs an SM, the keys-major one below.
+    Each case sits just below or at its threshold. The output is bit for bit the
+    forced kernel's, and right against the reference."""
     dtype = torch.bfloat16
-    gen = torch.Generator().manual_seed(pairs_per_2_sms)
+    gen = torch.Generator().manual_seed(D + more)
     Hq, Hkv = 32, 8
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    B = -(-pairs_per_2_sms * sms // (2 * Hkv))
+    if D == 128:
+        B = sms // Hkv + (1 if more else 0)  # B * Hkv pairs: at most sms, or more
+    else:
+        B = -(-(6 if more else 5) * sms // (2 * Hkv))  # 3 pairs an SM, or 2.5
     lengths = [int(n) for n in torch.randint(1, 200, (B,), generator=gen)]
     cache = Cache(B=B, capacity=256, Hkv=Hkv, D=D, dtype=dtype, device="cuda", gen=gen,
                   lengths=lengths, block_size=16)

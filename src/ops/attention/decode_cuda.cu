@@ -1167,20 +1167,20 @@ KernelChoice kernel_choice() {
                         env + "'");
 }
 
-// With at least this many (sequence, kv head) pairs per SM, the CTAs run
-// unsplit in several waves, and the query-major kernel (less shared memory,
-// so more CTAs resident per SM) was the faster one on H100: 0.86x the time of
-// the keys-major one at batch 64 x 1k keys, 0.98-0.99x at batch 64-128 with
-// 4k-16k, while the keys-major one was 0.89-0.98x of it up to batch 16
-// (bench/RESULTS.md, the keys-major decode table).
+// At head dims other than 128: with at least this many (sequence, kv head)
+// pairs per SM, the CTAs run unsplit in several waves, and the query-major
+// kernel (less shared memory, so more CTAs resident per SM) was the faster one
+// on H100 at head dim 128 (the one benched; the rule stays for the others):
+// 0.86x the time of the keys-major one at batch 64 x 1k keys, 0.98-0.99x at
+// batch 64-128 with 4k-16k, while the keys-major one was 0.89-0.98x of it up to
+// batch 16 (bench/RESULTS.md, the keys-major decode table).
 constexpr int64_t kPreviousPairsPerSm = 3;
-// At head dim 128, from this many pairs per 2 SMs (1.5 an SM) the keys-major
-// kernel in its two-CTAs-an-SM shape: on H200 (Hq 32 over Hkv 8) 0.91x the
-// wide shape's time at 32 x 1k, 0.97-1.00x of the query-major kernel's from
-// 64 x 1k to 128 x 8k, and 1.19x the wide shape's at 16 x 1k (128 pairs),
-// where half the CTAs an SM leave SMs idle (bench/RESULTS.md, "two CTAs an SM").
-constexpr int64_t kTwoPerSmPairsPer2Sms = 3;
-
+// At head dim 128, with more pairs than SMs (the wide shape's unsplit CTAs
+// would run in two waves, the second a partial one) the keys-major kernel runs
+// two CTAs an SM. On H200 (Hq 32 over Hkv 8, 132 SMs): 0.77x the wide shape's
+// time at batch 17 x 4k (136 pairs), 0.90-0.95x at batch 24-256 x 1k, 0.97-1.00x
+// the query-major kernel's from batch 32; at batch 16 (128 pairs: one wave of
+// the wide shape) 1.19x the wide shape's (bench/RESULTS.md, "two CTAs an SM").
 struct KernelPick {
   bool previous;
   KmShape shape;
@@ -1198,7 +1198,7 @@ KernelPick choose_kernel(const CacheArgs& a, int device, int db) {
   int sms = 0;
   SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t pairs = static_cast<int64_t>(a.batch) * a.heads_kv;
-  if (db == 128) return {false, 2 * pairs >= kTwoPerSmPairsPer2Sms * sms ? kTwoPerSm : kWide};
+  if (db == 128) return {false, pairs > sms ? kTwoPerSm : kWide};
   return {pairs >= kPreviousPairsPerSm * sms, kWide};
 }
 
