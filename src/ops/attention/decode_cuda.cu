@@ -1184,22 +1184,28 @@ constexpr int64_t kPreviousPairsPerSm = 3;
 struct KernelPick {
   bool previous;
   KmShape shape;
+  bool forced;  // by SYMHEAP_DECODE_KERNEL
 };
+
+int sm_count(int device) {
+  int sms = 0;
+  SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
 
 KernelPick choose_kernel(const CacheArgs& a, int device, int db) {
   const KernelChoice choice = kernel_choice();
   const KmShape two = db == 128 ? kTwoPerSm : kWide;
   switch (choice) {
-    case KernelChoice::Previous: return {true, kWide};
-    case KernelChoice::KeysMajor: return {false, kWide};
-    case KernelChoice::KeysMajorTwoPerSm: return {false, two};
+    case KernelChoice::Previous: return {true, kWide, true};
+    case KernelChoice::KeysMajor: return {false, kWide, true};
+    case KernelChoice::KeysMajorTwoPerSm: return {false, two, true};
     case KernelChoice::Auto: break;
   }
-  int sms = 0;
-  SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count(device);
   const int64_t pairs = static_cast<int64_t>(a.batch) * a.heads_kv;
-  if (db == 128) return {false, pairs > sms ? kTwoPerSm : kWide};
-  return {pairs >= kPreviousPairsPerSm * sms, kWide};
+  if (db == 128) return {false, pairs > sms ? kTwoPerSm : kWide, false};
+  return {pairs >= kPreviousPairsPerSm * sms, kWide, false};
 }
 
 struct Plan {
@@ -1366,10 +1372,16 @@ Plan make_plan(const CacheArgs& a, int device) {
   // SM made every latency-bound row slower (bench/RESULTS.md, the decode split
   // sweep), while fewer CTAs leave SMs idle. The two-CTAs-an-SM shape (many
   // pairs, so seldom split) aims at every CTA it can hold.
-  const int64_t target = with_kernel(a, pl, [&](auto kernel, const std::string& name, int threads,
-                                                 size_t smem) {
-    return ready_kernel(device, name, kernel, threads, smem, pl.shape == kTwoPerSm);
-  });
+  auto ready = [&] {
+    return with_kernel(a, pl, [&](auto kernel, const std::string& name, int threads, size_t smem) {
+      return ready_kernel(device, name, kernel, threads, smem, pl.shape == kTwoPerSm);
+    });
+  };
+  int64_t target = ready();
+  if (pl.shape == kTwoPerSm && !pick.forced && target < 2 * sm_count(device)) {
+    pl.shape = kWide;  // two do not fit an SM on this device (its shared memory)
+    target = ready();
+  }
   int64_t splits;
   if (a.num_splits > 0) {
     splits = a.num_splits;
