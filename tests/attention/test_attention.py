@@ -332,6 +332,25 @@ def test_concurrent_threads_match_single_thread():
 
 # ---------------------------------------------------------------- bad input
 
+# Argument forms parsed in Python (symheap/_attention_args.py, shared with the
+# JAX front end, same messages).
+BAD_FORMS = [
+    (dict(window_size=5), "window_size must be a pair"),
+    (dict(dropout_p=0.1, seed=(1, 2, 3)), r"seed must be an int or a \(seed, offset\) pair"),
+    (dict(dropout_p=0.1, seed=-1), r"seed must be in \[0, 2\*\*64\)"),
+    (dict(dropout_p=0.1, seed=(1, 2 ** 32)), r"offset must be in \[0, 2\*\*32\)"),
+    (dict(dropout_p=0.1, seed=True), "seed must be an int, got bool"),
+    (dict(dropout_p=0.1, seed=1.5), "seed must be an int, got float"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_FORMS)
+def test_bad_argument_forms_raise(kwargs, message):
+    q = torch.randn(1, 8, 4, 32)
+    with pytest.raises(ValueError, match=message):
+        flash_attn_func(q, q, q, **kwargs)
+
+
 def test_bad_arguments_raise():
     q = torch.randn(1, 8, 4, 32, dtype=torch.bfloat16)
     k = torch.randn(1, 8, 2, 32, dtype=torch.bfloat16)

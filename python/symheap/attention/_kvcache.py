@@ -7,12 +7,12 @@ and decode_cpu.cpp) and raises ValueError.
 """
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
 
 from .. import _core
+from .._attention_args import cache_options
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                 torch.int32: "int32"}
@@ -44,16 +44,8 @@ def _no_grad_needed(*tensors):
 
 
 def _options(call, head_dim: int, causal, window_size, softmax_scale, softcap):
-    try:
-        left, right = int(window_size[0]), int(window_size[1])
-    except (TypeError, ValueError, IndexError):
-        raise ValueError("attention: window_size must be a pair (left, right) of ints, -1 = "
-                         f"unbounded, got {window_size!r}") from None
-    if causal:
-        right = 0
-    call.window_left, call.window_right = left, right
-    call.scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    call.softcap = float(softcap)
+    for name, value in cache_options(head_dim, causal, window_size, softmax_scale, softcap).items():
+        setattr(call, name, value)
 
 
 def _alibi(slopes, device):

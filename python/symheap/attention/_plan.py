@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from .. import _core
+from .._attention_args import as_int as _as_int, fail as _fail, seed_pair, window_pair
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -31,20 +32,6 @@ def new_output(shape, dtype, device, zero: bool = False) -> torch.Tensor:
     if poison_outputs:
         t.fill_(float("nan"))
     return t
-
-
-def _fail(message: str):
-    raise ValueError(f"attention: {message}")
-
-
-def _as_int(value, name: str) -> int:
-    if isinstance(value, bool):
-        _fail(f"{name} must be an int, got bool")
-    try:
-        import operator
-        return operator.index(value)
-    except TypeError:
-        _fail(f"{name} must be an int, got {type(value).__name__}")
 
 
 @dataclass
@@ -162,17 +149,7 @@ def _dropout_seed(seed, dropout_p: float):
     if seed is None:
         words = torch.randint(0, 2 ** 32, (2,), dtype=torch.int64)
         return int(words[0]) << 32 | int(words[1]), 0
-    if isinstance(seed, (tuple, list)):
-        if len(seed) != 2:
-            _fail("seed must be an int or a (seed, offset) pair")
-        s, o = _as_int(seed[0], "seed"), _as_int(seed[1], "offset")
-    else:
-        s, o = _as_int(seed, "seed"), 0
-    if not 0 <= s < 2 ** 64:
-        _fail(f"seed must be in [0, 2**64), got {s}")
-    if not 0 <= o < 2 ** 32:
-        _fail(f"the dropout offset must be in [0, 2**32), got {o}")
-    return s, o
+    return seed_pair(seed)
 
 
 def make_plan(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -193,10 +170,7 @@ def make_plan(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
     _check_optional(bias, "bias", device, "a torch.Tensor or None")
     _check_optional(mask, "mask", device, "a torch.Tensor or None")
     _check_optional(alibi_slopes, "alibi_slopes", device, "a tensor of shape (Hq,) or (B, Hq)")
-    try:
-        left, right = (int(window_size[0]), int(window_size[1]))
-    except (TypeError, ValueError, IndexError):
-        _fail(f"window_size must be a pair (left, right) of ints, -1 = unbounded, got {window_size!r}")
+    left, right = window_pair(window_size)
     on_cuda = device.type == "cuda"
     info = _core.attention_plan_call(
         varlen, on_cuda, _spec(q), _spec(k), _spec(v), _spec(bias), _spec(mask),

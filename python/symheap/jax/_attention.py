@@ -9,7 +9,6 @@ seed) are static: a new value compiles a new program.
 from __future__ import annotations
 
 import functools
-import operator
 import threading
 from typing import NamedTuple, Optional
 
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _core
+from .._attention_args import as_int as _as_int, fail as _fail, seed_pair, window_pair
 
 _FWD = "symheap_attention_fwd"
 _BWD = "symheap_attention_bwd"
@@ -54,19 +54,6 @@ def _register_targets():
         _registered = True
 
 
-def _fail(message: str):
-    raise ValueError(f"attention: {message}")
-
-
-def _as_int(value, name: str) -> int:
-    if isinstance(value, bool):
-        _fail(f"{name} must be an int, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        _fail(f"{name} must be an int, got {type(value).__name__}")
-
-
 def _spec(x, name: str):
     """(shape, dtype name) of an array argument, or None."""
     if x is None:
@@ -83,17 +70,7 @@ def _seed(seed, dropout_p: float):
         return 0, 0
     if seed is None:
         _fail("dropout_p > 0 needs seed= (an int or a (seed, offset) pair of Python ints)")
-    if isinstance(seed, (tuple, list)):
-        if len(seed) != 2:
-            _fail("seed must be an int or a (seed, offset) pair")
-        s, o = _as_int(seed[0], "seed"), _as_int(seed[1], "offset")
-    else:
-        s, o = _as_int(seed, "seed"), 0
-    if not 0 <= s < 2 ** 64:
-        _fail(f"seed must be in [0, 2**64), got {s}")
-    if not 0 <= o < 2 ** 32:
-        _fail(f"the dropout offset must be in [0, 2**32), got {o}")
-    return s, o
+    return seed_pair(seed)
 
 
 class _Options(NamedTuple):
@@ -250,11 +227,8 @@ def _call(q, k, v, *, varlen, cu_q=None, cu_k=None, max_seqlen_q=0, max_seqlen_k
     # forced "cudnn" where it cannot run, is an error at trace time); the
     # handler applies it again for the platform the call runs on.
     on_gpu = jax.default_backend() == "gpu"
-    path = _core.attention_choose_path(backend, on_gpu)
-    try:
-        window = (int(window_size[0]), int(window_size[1]))
-    except (TypeError, ValueError, IndexError):
-        _fail(f"window_size must be a pair (left, right) of ints, -1 = unbounded, got {window_size!r}")
+    _core.attention_choose_path(backend, on_gpu)
+    window = window_pair(window_size)
     scale = None if softmax_scale is None else float(softmax_scale)
     dropout_p = float(dropout_p)
     s, off = _seed(seed, dropout_p) if 0 <= dropout_p < 1 else (0, 0)

@@ -10,7 +10,6 @@ before it writes (an error of the compiled call, same message).
 """
 from __future__ import annotations
 
-import math
 import operator
 
 import jax
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _core
+from .._attention_args import cache_options, fail as _fail
 from . import _ffi
 from ._attention import _spec, _union_axes, _vary
 
@@ -25,10 +25,6 @@ _TARGET = "symheap_attention_kvcache"
 # Trace-time descriptors carry this non-null, 16-byte aligned address: the
 # checks read shapes, dtypes and strides, never data.
 _PLACEHOLDER = 256
-
-
-def _fail(message: str):
-    raise ValueError(f"attention: {message}")
 
 
 def _row_major(shape) -> list:
@@ -44,17 +40,6 @@ def _describe(call, name: str, x):
         return
     shape, dtype = _spec(x, name)
     call.set_tensor(name, _PLACEHOLDER, dtype, list(shape), _row_major(shape))
-
-
-def _options(head_dim: int, causal, window_size, softmax_scale, softcap) -> dict:
-    try:
-        left, right = int(window_size[0]), int(window_size[1])
-    except (TypeError, ValueError, IndexError):
-        _fail(f"window_size must be a pair (left, right) of ints, -1 = unbounded, got {window_size!r}")
-    if causal:
-        right = 0
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    return dict(window_left=left, window_right=right, scale=scale, softcap=float(softcap))
 
 
 def _int_array(x, name: str):
@@ -177,7 +162,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     cache_seqlens = _int_array(cache_seqlens, "cache_seqlens")
     if block_table is not None:
         block_table = _int_array(block_table, "block_table")
-    options = _options(q.shape[-1], causal, window_size, softmax_scale, softcap)
+    options = cache_options(q.shape[-1], causal, window_size, softmax_scale, softcap)
     appends = k is not None or v is not None
     splits = operator.index(num_splits)
 
@@ -216,7 +201,7 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         max_q = operator.index(max_seqlen_q)
     except TypeError:
         _fail(f"max_seqlen_q must be an int, got {max_seqlen_q!r}")
-    options = _options(q.shape[-1], causal, window_size, softmax_scale, softcap)
+    options = cache_options(q.shape[-1], causal, window_size, softmax_scale, softcap)
 
     def call(q, k_cache, v_cache, cu_q, cu_k, block_table, alibi):
         operands = dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_q,

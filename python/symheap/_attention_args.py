@@ -1,0 +1,57 @@
+"""Argument parsing shared by the torch (``symheap.attention``) and JAX
+(``symheap.jax``) attention front ends: the Python-level forms of their
+arguments (ints, the window pair, dropout seeds, KV-cache options), with the
+same messages in both. Imports neither framework. The core checks the values
+again (ranges, shapes) when it plans the call.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+
+def fail(message: str):
+    raise ValueError(f"attention: {message}")
+
+
+def as_int(value, name: str) -> int:
+    """``value`` as a Python int (anything with ``__index__``, not a bool)."""
+    if isinstance(value, bool):
+        fail(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        fail(f"{name} must be an int, got {type(value).__name__}")
+
+
+def window_pair(window_size) -> tuple:
+    """(left, right) of ``window_size``; -1 = unbounded on that side."""
+    try:
+        return int(window_size[0]), int(window_size[1])
+    except (TypeError, ValueError, IndexError):
+        fail(f"window_size must be a pair (left, right) of ints, -1 = unbounded, got {window_size!r}")
+
+
+def seed_pair(seed) -> tuple:
+    """(seed, offset) of an explicit dropout seed: an int, or a (seed, offset) pair."""
+    if isinstance(seed, (tuple, list)):
+        if len(seed) != 2:
+            fail("seed must be an int or a (seed, offset) pair")
+        s, o = as_int(seed[0], "seed"), as_int(seed[1], "offset")
+    else:
+        s, o = as_int(seed, "seed"), 0
+    if not 0 <= s < 2 ** 64:
+        fail(f"seed must be in [0, 2**64), got {s}")
+    if not 0 <= o < 2 ** 32:
+        fail(f"the dropout offset must be in [0, 2**32), got {o}")
+    return s, o
+
+
+def cache_options(head_dim: int, causal, window_size, softmax_scale, softcap) -> dict:
+    """The scalar options of a KV-cache call, as the core's CacheCall names them
+    (a causal call sees no key right of its query)."""
+    left, right = window_pair(window_size)
+    if causal:
+        right = 0
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    return dict(window_left=left, window_right=right, scale=scale, softcap=float(softcap))
