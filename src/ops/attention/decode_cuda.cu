@@ -1185,27 +1185,23 @@ struct KernelPick {
   bool previous;
   KmShape shape;
   bool forced;  // by SYMHEAP_DECODE_KERNEL
+  int sms;      // the device's SM count (when not forced)
 };
-
-int sm_count(int device) {
-  int sms = 0;
-  SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
 
 KernelPick choose_kernel(const CacheArgs& a, int device, int db) {
   const KernelChoice choice = kernel_choice();
   const KmShape two = db == 128 ? kTwoPerSm : kWide;
   switch (choice) {
-    case KernelChoice::Previous: return {true, kWide, true};
-    case KernelChoice::KeysMajor: return {false, kWide, true};
-    case KernelChoice::KeysMajorTwoPerSm: return {false, two, true};
+    case KernelChoice::Previous: return {true, kWide, true, 0};
+    case KernelChoice::KeysMajor: return {false, kWide, true, 0};
+    case KernelChoice::KeysMajorTwoPerSm: return {false, two, true, 0};
     case KernelChoice::Auto: break;
   }
-  const int sms = sm_count(device);
+  int sms = 0;
+  SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t pairs = static_cast<int64_t>(a.batch) * a.heads_kv;
-  if (db == 128) return {false, pairs > sms ? kTwoPerSm : kWide, false};
-  return {pairs >= kPreviousPairsPerSm * sms, kWide, false};
+  if (db == 128) return {false, pairs > sms ? kTwoPerSm : kWide, false, sms};
+  return {pairs >= kPreviousPairsPerSm * sms, kWide, false, sms};
 }
 
 struct Plan {
@@ -1378,7 +1374,7 @@ Plan make_plan(const CacheArgs& a, int device) {
     });
   };
   int64_t target = ready();
-  if (pl.shape == kTwoPerSm && !pick.forced && target < 2 * sm_count(device)) {
+  if (pl.shape == kTwoPerSm && !pick.forced && target < 2 * pick.sms) {
     pl.shape = kWide;  // two do not fit an SM on this device (its shared memory)
     target = ready();
   }
