@@ -9,6 +9,7 @@ import torch
 import symheap.attention as attn
 from symheap.attention import _plan, dropout_keep_mask, flash_attn_func, flash_attn_varlen_func
 
+from attention_arg_forms import BAD_FORMS
 from test_attention_common import check_case, make_case, max_err
 
 HEAD_DIMS = [40, 59, 111, 256]
@@ -331,18 +332,6 @@ def test_concurrent_threads_match_single_thread():
 
 
 # ---------------------------------------------------------------- bad input
-
-# Argument forms parsed in Python (symheap/_attention_args.py, shared with the
-# JAX front end, same messages).
-BAD_FORMS = [
-    (dict(window_size=5), "window_size must be a pair"),
-    (dict(dropout_p=0.1, seed=(1, 2, 3)), r"seed must be an int or a \(seed, offset\) pair"),
-    (dict(dropout_p=0.1, seed=-1), r"seed must be in \[0, 2\*\*64\)"),
-    (dict(dropout_p=0.1, seed=(1, 2 ** 32)), r"offset must be in \[0, 2\*\*32\)"),
-    (dict(dropout_p=0.1, seed=True), "seed must be an int, got bool"),
-    (dict(dropout_p=0.1, seed=1.5), "seed must be an int, got float"),
-]
-
 
 @pytest.mark.parametrize("kwargs, message", BAD_FORMS)
 def test_bad_argument_forms_raise(kwargs, message):

@@ -21,6 +21,7 @@ if not getattr(_core, "built_with_xla_ffi", False):
                        "with jax installed")
 
 import symheap.jax as shj  # noqa: E402
+from attention_arg_forms import BAD_FORMS  # noqa: E402
 from jax_attention_common import (FEATURE_CASES, check_varlen, compare, err,  # noqa: E402
                                   make_case, randn, scale_of, varlen_case, with_grads)
 
@@ -167,18 +168,6 @@ def test_shard_map_two_cpu_devices():
 
 
 # ------------------------------------------------------------ bad input
-
-# Argument forms parsed in Python (symheap/_attention_args.py, shared with the
-# torch front end, same messages).
-BAD_FORMS = [
-    (dict(window_size=5), "window_size must be a pair"),
-    (dict(dropout_p=0.1, seed=(1, 2, 3)), r"seed must be an int or a \(seed, offset\) pair"),
-    (dict(dropout_p=0.1, seed=-1), r"seed must be in \[0, 2\*\*64\)"),
-    (dict(dropout_p=0.1, seed=(1, 2 ** 32)), r"offset must be in \[0, 2\*\*32\)"),
-    (dict(dropout_p=0.1, seed=True), "seed must be an int, got bool"),
-    (dict(dropout_p=0.1, seed=1.5), "seed must be an int, got float"),
-]
-
 
 @pytest.mark.parametrize("kwargs, message", BAD_FORMS)
 def test_bad_argument_forms_raise(kwargs, message):
