@@ -196,6 +196,60 @@ void check_backward_config(const char* name) {
         }
   }
 
+  // dS^T stored by stmatrix: lane l of warp w, group nt (even), buffer s, at
+  // ds_store_offset xor nt << 4 (as the kernel computes it), is row l % 8 of
+  // matrix j = l / 8 there: key 16 w + 8 (j % 2) + l % 8, query rows 8 (nt +
+  // j / 2) onwards.
+  {
+    Tensor sdS2 = make_tensor(make_smem_ptr(base), typename C::SmemDs2{});
+    for (int s = 0; s < 2; ++s)
+      for (int warp = 0; warp < C::kThreads / 32; ++warp)
+        for (int lane = 0; lane < 32; ++lane)
+          for (int nt = 0; nt < BM / 8; nt += 2) {
+            const int j = lane / 8, key = 16 * warp + 8 * (j % 2) + lane % 8, q = 8 * (nt + j / 2);
+            const long got = (C::ds_store_offset(lane, warp) ^ (nt << 4)) + s * long(C::kDsBufferBytes);
+            check(got == byte_offset(sdS2, base, q, key, s), "bwd dS^T stmatrix row addresses", DB,
+                  warp * 32 + lane, nt, s);
+          }
+  }
+  // dK and dV staged for 16-byte stores: kv_stage_offset places each 16-byte
+  // chunk of each key row once, inside the row's own bytes; the 8 rows of an
+  // stmatrix matrix (keys 8 a .. + 7, one chunk) in 8 different bank groups;
+  // lane addresses (kv_store_offset xor nt << 4) as for dS^T; and the reading
+  // threads' rows tid / (DB / 8) + k (256 / (DB / 8)) at one offset plus k row
+  // steps.
+  {
+    constexpr int kChunks = DB / 8, kRowStep = C::kThreads / kChunks;
+    static bool seen[BN * kChunks];
+    for (bool& x : seen) x = false;
+    for (int key = 0; key < BN; ++key)
+      for (int c = 0; c < kChunks; ++c) {
+        const int off = C::kv_stage_offset(key, c), chunk = off / 16;
+        check(off % 16 == 0 && off / (DB * 2) == key && !seen[chunk], "bwd dK/dV staging placement", DB, key, c,
+              off);
+        seen[chunk] = true;
+      }
+    for (int a = 0; a < BN / 8; ++a)
+      for (int c = 0; c < kChunks; ++c) {
+        int groups = 0;
+        for (int r = 0; r < 8; ++r) groups |= 1 << ((C::kv_stage_offset(8 * a + r, c) / 16) % 8);
+        check(groups == 0xff, "bwd dK/dV staging: an stmatrix matrix's rows in 8 bank groups", DB, a, c, groups);
+      }
+    for (int warp = 0; warp < C::kThreads / 32; ++warp)
+      for (int lane = 0; lane < 32; ++lane)
+        for (int nt = 0; nt < kChunks; nt += 2) {
+          const int j = lane / 8, key = 16 * warp + 8 * (j % 2) + lane % 8;
+          check((C::kv_store_offset(lane, warp) ^ (nt << 4)) == C::kv_stage_offset(key, nt + j / 2),
+                "bwd dK/dV stmatrix row addresses", DB, warp * 32 + lane, nt, 0);
+        }
+    for (int tid = 0; tid < C::kThreads; ++tid)
+      for (int k = 0; k < BN / kRowStep; ++k) {
+        const int c = tid % kChunks, r0 = tid / kChunks;
+        check(C::kv_stage_offset(r0 + k * kRowStep, c) == C::kv_stage_offset(r0, c) + k * kRowStep * DB * 2,
+              "bwd dK/dV staging reads a row step apart", DB, tid, k, 0);
+      }
+  }
+
   typename C::MmaSdP mma_sdp;
   typename C::MmaDkv mma_dkv;
   typename C::MmaDk mma_dk;
@@ -228,6 +282,23 @@ void check_backward_config(const char* name) {
       check(get<0>(pa) == get<0>(s) && get<1>(pa) == get<1>(s), "bwd P^T operand = S^T accumulator", DB, tid, i,
             get<0>(pa) * 1000 + get<1>(pa));
     }
+    // stmatrix register j of group nt holds elements 4 (nt + j / 2) + 2 (j %
+    // 2) and + 1: row g, columns 2 t and + 1 of matrix j (key 16 w + 8 (j %
+    // 2) + g; query row or column 8 (nt + j / 2) + 2 t), in S^T / dS^T as in
+    // dK and dV.
+    for (int nt = 0; nt < DB / 8; nt += 2)
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < 2; ++c) {
+          const int i = 4 * (nt + j / 2) + 2 * (j % 2) + c, key = key0 + 8 * (j % 2) + g;
+          const int col = 8 * (nt + j / 2) + 2 * t + c;
+          const auto d = dk_coord(i), v = kv_coord(i);
+          check(get<0>(d) == key && get<1>(d) == col && get<0>(v) == key && get<1>(v) == col,
+                "bwd dK/dV stmatrix registers", DB, tid, i, 0);
+          if (i < BM / 2) {
+            const auto s = s_coord(i);
+            check(get<0>(s) == key && get<1>(s) == col, "bwd dS^T stmatrix registers", DB, tid, i, 0);
+          }
+        }
     for (int i = 0; i < DB / 2; ++i) {
       const int key = key0 + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t + (i & 1);
       const auto o = kv_coord(i);

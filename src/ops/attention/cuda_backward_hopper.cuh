@@ -163,6 +163,30 @@ struct HopperDkvConfig : HopperDkvTiles<typename hopper::CuteType<T>::type, 128,
   static __host__ __device__ constexpr int dq_stage_offset(int chunk, int nt, int h) {
     return (nt / 4) * (kBlockM * kDqBoxCols) + 8 * h * kDqBoxCols + ((chunk ^ (2 * (nt % 4))) << 2);
   }
+  // dS^T goes to shared memory by stmatrix, four 8 x 8 matrices a group:
+  // matrix j of group nt (even) has keys 16 w + 8 (j % 2) .. + 7 of warp w as
+  // its rows, each row 8 contiguous elements, query rows 8 (nt + j / 2) .. + 7.
+  // Lane l gives the address of row l % 8 of matrix l / 8; ds_store_offset is
+  // its byte offset in buffer 0 for group 0, and under the 128-byte swizzle
+  // group nt's is that one with nt << 4 xored in (the layout tests).
+  static __host__ __device__ constexpr int ds_store_offset(int lane, int warp) {
+    const int key = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
+    return (key / 8) * 1024 + (key % 8) * 128 + (((lane >> 4) ^ (key % 8)) << 4);
+  }
+  static constexpr int kDsBufferBytes = Tiles::kDsElems * sizeof(E);
+  // dK and dV staged for 16-byte global stores (in the Q and dO buffers, each
+  // BN x DB after the last tile): row-major rows of DB elements, 16-byte chunk
+  // c of key row r at chunk c ^ (r % 8), so the 8 rows of an stmatrix matrix
+  // fall in different banks and a row's chunks stay in its own 2 DB bytes.
+  static __host__ __device__ constexpr int kv_stage_offset(int key, int chunk) {
+    return key * DB * 2 + ((chunk ^ (key % 8)) << 4);
+  }
+  // As ds_store_offset: lane l's row of stmatrix group nt = 0 (matrices
+  // (key half j % 2, column chunk j / 2)); group nt (even) xors in nt << 4.
+  static __host__ __device__ constexpr int kv_store_offset(int lane, int warp) {
+    return kv_stage_offset(16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7), lane >> 4);
+  }
+  static_assert(sizeof(E) * Tiles::kQElems == kBlockN * DB * 2, "a Q/dO buffer holds a staged dK or dV");
   static constexpr size_t kDqTileOffset = (kSmem - 1024 + 1023) / 1024 * 1024;  // from the aligned base
   static constexpr size_t kSmemTma = kDqTileOffset + 2 * kDqTileBytes + 1024;
   static_assert(kSmemTma <= 227 * 1024, "shared memory of the TMA kernel");
@@ -406,8 +430,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
 
   auto tile_head = [&](int it) { return hk * p.group + it / m_tiles; };
   auto tile_row0 = [&](int it) { return m_begin + (it % m_tiles) * BM; };
-  auto load_q_do = [&](int it, int buf) {
-    const int hq = tile_head(it), m0 = tile_row0(it), rows = min(BM, seq.sq - m0);
+  auto load_q_do = [&](int hq, int m0, int buf) {
+    const int rows = min(BM, seq.sq - m0);
     const int64_t row = seq.q0 + m0;
     load_tile<BM, DB, NT>(sQ(_, _, buf), static_cast<const E*>(p.q) + b * p.q_sb + row * p.q_sr + hq * p.q_sh,
                           p.q_sr, rows);
@@ -470,7 +494,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
                           p.k_sr, cols);
     load_tile<BN, DB, NT>(sV, static_cast<const E*>(p.v) + b * p.v_sb + (seq.k0 + n0) * p.v_sr + hk * p.v_sh,
                           p.v_sr, cols);
-    load_q_do(0, 0);
+    load_q_do(tile_head(0), tile_row0(0), 0);
     cp_async_commit();
   }
   if (tid < BM) read_stats(0, &s_lse[tid], &s_delta[tid]);
@@ -519,12 +543,19 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   const int full_lo = rows_seeing(n0 + BN - 1, shift, p.win_left, p.win_right).lo;
   const int full_hi = rows_seeing(n0, shift, p.win_left, p.win_right).hi;
   const float scale_log2 = p.scale * kLog2e;
+  // This lane's dS^T stmatrix address, buffer 0, group 0 (C::ds_store_offset).
+  const uint32_t ds_addr0 = smem_addr(ds_s) + C::ds_store_offset(lane, tid / 32);
   const int dq_row0 = ((tid % 128) / 32) * 16 + g, dq_col0 = (tid / 128 % C::kDqWarpgroups) * 64 + 2 * t;
   // Whether this thread's warpgroup computes tile it's dQ (warpgroup-uniform).
   auto dq_warpgroup = [&](int it) { return C::kDqWarpgroups == 2 || tid / 128 == (it & 1); };
 
+  // Tile it is query tile cur_m of head hk * group + cur_h (tile_row0 and
+  // tile_head without their division a tile).
+  int cur_m = 0, cur_h = 0;
   for (int it = 0; it < n_tiles; ++it) {
     const int buf = uniform_int(it & 1);  // (the Q/dO descriptors in uniform registers)
+    const int hq = hk * p.group + cur_h, m0 = m_begin + cur_m * BM;
+    const int next_m = cur_m + 1 < m_tiles ? cur_m + 1 : 0, next_h = cur_m + 1 < m_tiles ? cur_h : cur_h + 1;
     if constexpr (kTma) {
       if (it == 0) mbar_wait(kv_full, 0);
       mbar_wait(full + buf, (it >> 1) & 1);  // tile `it` landed
@@ -533,7 +564,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
         // after the landed copies, made visible to wgmma's proxy here and to
         // both warpgroups by the barrier below. Buffer `buf`'s last tile
         // (it - 2) is consumed: the producer waited for that to refill it.
-        const int q_rows = seq.sq - tile_row0(it);
+        const int q_rows = seq.sq - m0;
         if (it == 0 && cols < BN) {
           zero_rows_from<BN, DB, NT>(sK, cols, tid);
           zero_rows_from<BN, DB, NT>(sV, cols, tid);
@@ -558,11 +589,10 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     // the dQ barrier), so the loads' latency passes under this tile's products.
     RowStats next_stats{-INFINITY, 0.0f};
     if (has_next) {
-      if constexpr (!kTma) load_q_do(it + 1, buf ^ 1);
-      if (tid < BM) next_stats = row_stats_load(p, seq, b, tile_head(it + 1), tile_row0(it + 1) + tid);
+      if constexpr (!kTma) load_q_do(hk * p.group + next_h, m_begin + next_m * BM, buf ^ 1);
+      if (tid < BM) next_stats = row_stats_load(p, seq, b, hk * p.group + next_h, m_begin + next_m * BM + tid);
     }
     if constexpr (!kTma) cp_async_commit();
-    const int hq = tile_head(it), m0 = tile_row0(it);
     const float* lse2 = s_lse + buf * BM;
     const float* delta = s_delta + buf * BM;
 
@@ -580,22 +610,27 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     issue_s_dp(mma_sdp, tSrK, tSrQ, tSrV, tSrdO, buf, tSrS, tSrdP);
 
     // P; element 4 nt + e is (key key_row(e / 2), query row m0 + 8 nt + 2 t +
-    // e % 2). Rows past the sequence have lse +inf: P = 0.
-    const bool full = m0 >= full_lo && m0 + BM <= full_hi;
+    // e % 2). Rows past the sequence have lse +inf: P = 0. A tile whose every
+    // row sees every key of the block (most tiles of a causal grid) takes the
+    // branch without the mask's compares.
+    auto softmax_p = [&](auto masked) {
 #pragma unroll
-    for (int nt = 0; nt < BM / 8; ++nt) {
-      const int c0 = nt * 8 + 2 * t;
-      float2 l2;
-      if constexpr (kLseEarly) l2 = lse_early[nt];
-      else l2 = lse_pair(nt);
+      for (int nt = 0; nt < BM / 8; ++nt) {
+        const int c0 = nt * 8 + 2 * t;
+        float2 l2;
+        if constexpr (kLseEarly) l2 = lse_early[nt];
+        else l2 = lse_pair(nt);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int h = e >> 1, i = m0 + c0 + (e & 1), idx = 4 * nt + e;
-        const bool seen = full | ((i >= sees[h].lo) & (i < sees[h].hi));
-        const float x2 = seen ? tSrS(idx) * scale_log2 : -INFINITY;
-        tSrS(idx) = exp2_fast(x2 - ((e & 1) ? l2.y : l2.x));
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1, i = m0 + c0 + (e & 1), idx = 4 * nt + e;
+          float x2 = fmaf(tSrS(idx), scale_log2, -((e & 1) ? l2.y : l2.x));
+          if constexpr (decltype(masked)::value) x2 = (i >= sees[h].lo) & (i < sees[h].hi) ? x2 : -INFINITY;
+          tSrS(idx) = exp2_fast(x2);
+        }
       }
-    }
+    };
+    if (m0 >= full_lo && m0 + BM <= full_hi) softmax_p(std::false_type{});
+    else softmax_p(std::true_type{});
 #pragma unroll
     for (int i = 0; i < BM / 2; i += 2) {
       const uint32_t pp = Pack<T>::two(tSrS(i), tSrS(i + 1));
@@ -623,17 +658,15 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
         tSrdP(idx) = tSrS(idx) * (tSrdP(idx) - ((e & 1) ? dl.y : dl.x)) * p.scale;
       }
     }
-    // This thread's place in the tile made opaque, so that the 32 store
-    // addresses below are computed per tile: hoisted out of the loop they
-    // held registers the accumulators need, and spilled (772 bytes at head
-    // dim 128 with dQ fused).
-    const int t_it = hopper::opaque_int(t), key_it = hopper::opaque_int(key_row0);
+    // dS^T into shared memory for dK and dQ, four stmatrix groups: group nt's
+    // matrix j is elements 4 (nt + j / 2) + 2 (j % 2) and + 1 of tSrdP (keys
+    // key_row(j % 2), query rows 8 (nt + j / 2) + 2 t and + 1).
+    {
+      const uint32_t ds_addr = ds_addr0 + buf * C::kDsBufferBytes;
+      auto two = [&](int i) { return Pack<T>::two(tSrdP(i), tSrdP(i + 1)); };
 #pragma unroll
-    for (int i = 0; i < BM / 2; i += 2) {
-      // dS^T into shared memory for dK and dQ: (query row, key) of sdS; the
-      // two query rows of a pair are adjacent there (one 32-bit store).
-      const int nt = i / 4, h = (i >> 1) & 1;
-      st_shared_u32(at(sdS, nt * 8 + 2 * t_it, key_it + 8 * h, buf), Pack<T>::two(tSrdP(i), tSrdP(i + 1)));
+      for (int nt = 0; nt < BM / 8; nt += 2)
+        stmatrix_x4(ds_addr ^ (nt << 4), two(4 * nt), two(4 * nt + 2), two(4 * nt + 4), two(4 * nt + 6));
     }
 
     // dK += dS^T Q: reads this warpgroup's rows of dS^T, which only its
@@ -719,19 +752,45 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
           }
       }
     }
+    cur_m = next_m;
+    cur_h = next_h;
   }
   if constexpr (!kTma) cp_async_wait<0>();
 
-  // dK and dV (dS carried the scale) straight from the accumulators.
+  // dK and dV (dS carried the scale), staged in the Q and dO buffers by
+  // stmatrix, then written a 16-byte chunk a store: 4-byte stores straight
+  // from the accumulators kept the CTA's end (the SM's, one CTA an SM) on the
+  // load/store unit for about two tiles' time (ncu, bench/attn_notes.md 36).
+  consumers_sync();  // every product is done with Q and dO
+  {
+    const uint32_t k_addr = smem_addr(q_s) + C::kv_store_offset(lane, tid / 32);
+    const uint32_t v_addr = smem_addr(do_s) + C::kv_store_offset(lane, tid / 32);
+    auto two = [](const auto& acc, int i) { return Pack<T>::two(acc(i), acc(i + 1)); };
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = key_row(h);
-    if (r >= cols) continue;
+    for (int nt = 0; nt < DB / 8; nt += 2) {
+      stmatrix_x4(k_addr ^ (nt << 4), two(tDrdK, 4 * nt), two(tDrdK, 4 * nt + 2), two(tDrdK, 4 * nt + 4),
+                  two(tDrdK, 4 * nt + 6));
+      stmatrix_x4(v_addr ^ (nt << 4), two(tDrdV, 4 * nt), two(tDrdV, 4 * nt + 2), two(tDrdV, 4 * nt + 4),
+                  two(tDrdV, 4 * nt + 6));
+    }
+  }
+  consumers_sync();
+  {
+    // Thread tid: chunk tid % kChunks of rows tid / kChunks + kRowStep k
+    // (the same chunk of the swizzle in each: kRowStep is a multiple of 8).
+    constexpr int kChunks = DB / 8, kRowStep = C::kThreads / kChunks;
+    const int c = tid % kChunks, r0 = tid / kChunks;
+    const unsigned char* k_src = reinterpret_cast<const unsigned char*>(q_s) + C::kv_stage_offset(r0, c);
+    const unsigned char* v_src = reinterpret_cast<const unsigned char*>(do_s) + C::kv_stage_offset(r0, c);
 #pragma unroll
-    for (int nt = 0; nt < DB / 8; ++nt) {
-      const int c = nt * 8 + 2 * t;
-      *reinterpret_cast<uint32_t*>(dk + r * p.dk_sr + c) = Pack<T>::two(tDrdK(4 * nt + 2 * h), tDrdK(4 * nt + 2 * h + 1));
-      *reinterpret_cast<uint32_t*>(dv + r * p.dv_sr + c) = Pack<T>::two(tDrdV(4 * nt + 2 * h), tDrdV(4 * nt + 2 * h + 1));
+    for (int k = 0; k < BN / kRowStep; ++k) {
+      const int r = r0 + k * kRowStep;
+      if (r < cols) {
+        *reinterpret_cast<uint4*>(dk + r * p.dk_sr + c * 8) =
+            *reinterpret_cast<const uint4*>(k_src + k * kRowStep * DB * 2);
+        *reinterpret_cast<uint4*>(dv + r * p.dv_sr + c * 8) =
+            *reinterpret_cast<const uint4*>(v_src + k * kRowStep * DB * 2);
+      }
     }
   }
 }

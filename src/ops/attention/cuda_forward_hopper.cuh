@@ -153,6 +153,16 @@ __device__ __forceinline__ void st_shared_u32(const void* p, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr(p)), "r"(v));
 }
 
+// Four 8 x 8 matrices of 16-bit elements into shared memory (stmatrix):
+// register j holds matrix j's elements (row lane / 4, columns 2 (lane % 4) and
+// + 1, as a wgmma accumulator pair packed), and lane l gives the shared-window
+// address of row l % 8 of matrix l / 8 (16 contiguous bytes).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // mbarriers (shared memory, 8 bytes each) for the pingpong kernel.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
