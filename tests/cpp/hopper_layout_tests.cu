@@ -169,12 +169,55 @@ void check_operand_per_warpgroup(const Mma& mma, Shape shape, int threads, const
   }
 }
 
+// dK and dV staged for 16-byte stores (store_dk_dv): kv_stage_offset places
+// each 16-byte chunk of each key row once, inside the row's own bytes; the 8
+// rows of an stmatrix matrix (keys 8 a .. + 7, one chunk) in 8 different bank
+// groups; lane addresses (kv_stmatrix_offset xor nt << 4, warps of 16 keys
+// from 16 (w % key_warps), chunks from chunk0_step (w / key_warps)) as the
+// accumulators' matrices name them; and the 256 reading threads' rows tid /
+// (DB / 8) + k (256 / (DB / 8)) at one offset plus k row steps.
+template <int DB, int BN>
+void check_kv_staging(int key_warps, int chunk0_step, int warp_chunks) {
+  using symheap::attention::cuda::hopper::kv_stage_offset;
+  using symheap::attention::cuda::hopper::kv_stmatrix_offset;
+  constexpr int kChunks = DB / 8, kRowStep = 256 / kChunks;
+  static bool seen[BN * kChunks];
+  for (bool& x : seen) x = false;
+  for (int key = 0; key < BN; ++key)
+    for (int c = 0; c < kChunks; ++c) {
+      const int off = kv_stage_offset<DB>(key, c), chunk = off / 16;
+      check(off % 16 == 0 && off / (DB * 2) == key && !seen[chunk], "bwd dK/dV staging placement", DB, key, c, off);
+      seen[chunk] = true;
+    }
+  for (int a = 0; a < BN / 8; ++a)
+    for (int c = 0; c < kChunks; ++c) {
+      int groups = 0;
+      for (int r = 0; r < 8; ++r) groups |= 1 << ((kv_stage_offset<DB>(8 * a + r, c) / 16) % 8);
+      check(groups == 0xff, "bwd dK/dV staging: an stmatrix matrix's rows in 8 bank groups", DB, a, c, groups);
+    }
+  for (int warp = 0; warp < 8; ++warp)
+    for (int lane = 0; lane < 32; ++lane)
+      for (int nt = 0; nt < warp_chunks; nt += 2) {
+        const int j = lane / 8, key0 = 16 * (warp % key_warps), chunk0 = chunk0_step * (warp / key_warps);
+        check((kv_stmatrix_offset<DB>(lane, key0, chunk0) ^ (nt << 4)) ==
+                  kv_stage_offset<DB>(key0 + 8 * (j % 2) + lane % 8, chunk0 + nt + j / 2),
+              "bwd dK/dV stmatrix row addresses", DB, warp * 32 + lane, nt, 0);
+      }
+  for (int tid = 0; tid < 256; ++tid)
+    for (int k = 0; k < BN / kRowStep; ++k) {
+      const int c = tid % kChunks, r0 = tid / kChunks;
+      check(kv_stage_offset<DB>(r0 + k * kRowStep, c) == kv_stage_offset<DB>(r0, c) + k * kRowStep * DB * 2,
+            "bwd dK/dV staging reads a row step apart", DB, tid, k, 0);
+    }
+}
+
 // The backward's dK/dV kernel (cuda_backward_hopper.cuh): placement of K, V,
 // Q, dO (and their transposed views) and dS; S^T, dP^T, P^T / dS^T operands,
 // dV / dK and dQ coordinates as the kernel's index arithmetic names them.
 template <class T, int DB>
 void check_backward_config(const char* name) {
   using namespace cute;
+  using symheap::attention::cuda::hopper::ds_stmatrix_offset;
   using C = symheap::attention::cuda::HopperDkvConfig<T, DB>;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN;
@@ -197,9 +240,9 @@ void check_backward_config(const char* name) {
   }
 
   // dS^T stored by stmatrix: lane l of warp w, group nt (even), buffer s, at
-  // ds_store_offset xor nt << 4 (as the kernel computes it), is row l % 8 of
-  // matrix j = l / 8 there: key 16 w + 8 (j % 2) + l % 8, query rows 8 (nt +
-  // j / 2) onwards.
+  // ds_stmatrix_offset xor nt << 4 (as the kernel computes it), is row l % 8
+  // of matrix j = l / 8 there: key 16 w + 8 (j % 2) + l % 8, query rows 8 (nt
+  // + j / 2) onwards.
   {
     Tensor sdS2 = make_tensor(make_smem_ptr(base), typename C::SmemDs2{});
     for (int s = 0; s < 2; ++s)
@@ -207,48 +250,12 @@ void check_backward_config(const char* name) {
         for (int lane = 0; lane < 32; ++lane)
           for (int nt = 0; nt < BM / 8; nt += 2) {
             const int j = lane / 8, key = 16 * warp + 8 * (j % 2) + lane % 8, q = 8 * (nt + j / 2);
-            const long got = (C::ds_store_offset(lane, warp) ^ (nt << 4)) + s * long(C::kDsBufferBytes);
+            const long got = (ds_stmatrix_offset(lane, 16 * warp, 0) ^ (nt << 4)) + s * long(C::kDsBufferBytes);
             check(got == byte_offset(sdS2, base, q, key, s), "bwd dS^T stmatrix row addresses", DB,
                   warp * 32 + lane, nt, s);
           }
   }
-  // dK and dV staged for 16-byte stores: kv_stage_offset places each 16-byte
-  // chunk of each key row once, inside the row's own bytes; the 8 rows of an
-  // stmatrix matrix (keys 8 a .. + 7, one chunk) in 8 different bank groups;
-  // lane addresses (kv_store_offset xor nt << 4) as for dS^T; and the reading
-  // threads' rows tid / (DB / 8) + k (256 / (DB / 8)) at one offset plus k row
-  // steps.
-  {
-    constexpr int kChunks = DB / 8, kRowStep = C::kThreads / kChunks;
-    static bool seen[BN * kChunks];
-    for (bool& x : seen) x = false;
-    for (int key = 0; key < BN; ++key)
-      for (int c = 0; c < kChunks; ++c) {
-        const int off = C::kv_stage_offset(key, c), chunk = off / 16;
-        check(off % 16 == 0 && off / (DB * 2) == key && !seen[chunk], "bwd dK/dV staging placement", DB, key, c,
-              off);
-        seen[chunk] = true;
-      }
-    for (int a = 0; a < BN / 8; ++a)
-      for (int c = 0; c < kChunks; ++c) {
-        int groups = 0;
-        for (int r = 0; r < 8; ++r) groups |= 1 << ((C::kv_stage_offset(8 * a + r, c) / 16) % 8);
-        check(groups == 0xff, "bwd dK/dV staging: an stmatrix matrix's rows in 8 bank groups", DB, a, c, groups);
-      }
-    for (int warp = 0; warp < C::kThreads / 32; ++warp)
-      for (int lane = 0; lane < 32; ++lane)
-        for (int nt = 0; nt < kChunks; nt += 2) {
-          const int j = lane / 8, key = 16 * warp + 8 * (j % 2) + lane % 8;
-          check((C::kv_store_offset(lane, warp) ^ (nt << 4)) == C::kv_stage_offset(key, nt + j / 2),
-                "bwd dK/dV stmatrix row addresses", DB, warp * 32 + lane, nt, 0);
-        }
-    for (int tid = 0; tid < C::kThreads; ++tid)
-      for (int k = 0; k < BN / kRowStep; ++k) {
-        const int c = tid % kChunks, r0 = tid / kChunks;
-        check(C::kv_stage_offset(r0 + k * kRowStep, c) == C::kv_stage_offset(r0, c) + k * kRowStep * DB * 2,
-              "bwd dK/dV staging reads a row step apart", DB, tid, k, 0);
-      }
-  }
+  check_kv_staging<DB, BN>(C::kThreads / 32, 0, DB / 8);
 
   typename C::MmaSdP mma_sdp;
   typename C::MmaDkv mma_dkv;
@@ -430,12 +437,12 @@ void check_backward_tma_boxes() {
 // The dK/dV kernel of head dim 256 (cuda_backward_hopper_d256.cuh): K, V, Q,
 // dO, P and dS placed as above; the coordinates of each fragment as the
 // kernel's index functions (hopper256::) name them, against CuTe's partition;
-// P/dS pairs of adjacent query rows adjacent in shared memory (one 32-bit
-// store each).
+// P^T/dS^T and dK/dV by stmatrix as the kernel addresses and fills them.
 template <class T>
 void check_backward256_config(const char* name) {
   using namespace cute;
   using namespace symheap::attention::cuda::hopper256;
+  using symheap::attention::cuda::hopper::ds_stmatrix_offset;
   using C = symheap::attention::cuda::HopperDkv256Config<T>;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, DB = C::DB;
@@ -446,13 +453,38 @@ void check_backward256_config(const char* name) {
   Tensor sK = make_tensor(make_smem_ptr(base), typename C::SmemKV{});
   Tensor sQ = make_tensor(make_smem_ptr(base), typename C::SmemQ{});
   Tensor sdS = make_tensor(make_smem_ptr(base), typename C::SmemDs{});
-  for (int q = 0; q < BM; ++q)
-    for (int k = 0; k < BN; ++k) {
-      if (q % 2 == 0)
-        check(byte_offset(sdS, base, q + 1, k) == byte_offset(sdS, base, q, k) + 2 &&
-                  byte_offset(sdS, base, q, k) % 4 == 0,
-              "bwd256 P/dS row pairs adjacent", DB, q, k, 0);
+  // P^T and dS^T stored by stmatrix: lane l of warp w (warpgroup wg = w / 4),
+  // group nt (0 or 2), at ds_stmatrix_offset(l, 16 (w % 4), 4 wg) xor nt << 4,
+  // is row l % 8 of matrix j = l / 8: key 16 (w % 4) + 8 (j % 2) + l % 8,
+  // query rows 32 wg + 8 (nt + j / 2) onwards; and register j of group nt
+  // (fragment elements 4 (nt + j / 2) + 2 (j % 2) and + 1) holds row g,
+  // columns 2 t and + 1 of it, as key_of and s_row_of name them.
+  for (int tid = 0; tid < C::kThreads; ++tid) {
+    const int lane = tid % 32, warp = tid / 32, wg = warp / 4, g = lane / 4, t = lane % 4;
+    for (int nt = 0; nt < 4; nt += 2) {
+      const int j = lane / 8, key = 16 * (warp % 4) + 8 * (j % 2) + lane % 8, q = 32 * wg + 8 * (nt + j / 2);
+      const long got = ds_stmatrix_offset(lane, 16 * (warp % 4), 4 * wg) ^ (nt << 4);
+      check(got == byte_offset(sdS, base, q, key), "bwd256 P^T/dS^T stmatrix row addresses", DB, tid, nt, 0);
+      for (int jj = 0; jj < 4; ++jj)
+        for (int c = 0; c < 2; ++c) {
+          const int i = 4 * (nt + jj / 2) + 2 * (jj % 2) + c;
+          check(key_of(tid, i) == 16 * (warp % 4) + 8 * (jj % 2) + g &&
+                    s_row_of(tid, i) == 32 * wg + 8 * (nt + jj / 2) + 2 * t + c,
+                "bwd256 P^T/dS^T stmatrix registers", DB, tid, i, 0);
+        }
     }
+    // dK/dV: element i is (key_of, kv_col_of); the stmatrix groups' registers
+    // as in the head-dim-128 kernel, chunks from 16 wg.
+    for (int nt = 0; nt < 16; nt += 2)
+      for (int jj = 0; jj < 4; ++jj)
+        for (int c = 0; c < 2; ++c) {
+          const int i = 4 * (nt + jj / 2) + 2 * (jj % 2) + c;
+          check(key_of(tid, i) == 16 * (warp % 4) + 8 * (jj % 2) + g &&
+                    kv_col_of(tid, i) == 128 * wg + 8 * (nt + jj / 2) + 2 * t + c,
+                "bwd256 dK/dV stmatrix registers", DB, tid, i, 0);
+        }
+  }
+  check_kv_staging<DB, BN>(4, 16, 16);
   // The TMA boxes: K and V one stage of 64 rows, Q and dO two stages of 64.
   check_box_tiles<DB, false>(sK, base, BN, 1, "TMA box: bwd256 K/V", "TMA box start: bwd256 K/V");
   check_box_tiles<DB, true>(sQ, base, BM, 2, "TMA box: bwd256 Q/dO stage", "TMA box start: bwd256 Q/dO");

@@ -163,34 +163,85 @@ struct HopperDkvConfig : HopperDkvTiles<typename hopper::CuteType<T>::type, 128,
   static __host__ __device__ constexpr int dq_stage_offset(int chunk, int nt, int h) {
     return (nt / 4) * (kBlockM * kDqBoxCols) + 8 * h * kDqBoxCols + ((chunk ^ (2 * (nt % 4))) << 2);
   }
-  // dS^T goes to shared memory by stmatrix, four 8 x 8 matrices a group:
-  // matrix j of group nt (even) has keys 16 w + 8 (j % 2) .. + 7 of warp w as
-  // its rows, each row 8 contiguous elements, query rows 8 (nt + j / 2) .. + 7.
-  // Lane l gives the address of row l % 8 of matrix l / 8; ds_store_offset is
-  // its byte offset in buffer 0 for group 0, and under the 128-byte swizzle
-  // group nt's is that one with nt << 4 xored in (the layout tests).
-  static __host__ __device__ constexpr int ds_store_offset(int lane, int warp) {
-    const int key = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
-    return (key / 8) * 1024 + (key % 8) * 128 + (((lane >> 4) ^ (key % 8)) << 4);
-  }
   static constexpr int kDsBufferBytes = Tiles::kDsElems * sizeof(E);
-  // dK and dV staged for 16-byte global stores (in the Q and dO buffers, each
-  // BN x DB after the last tile): row-major rows of DB elements, 16-byte chunk
-  // c of key row r at chunk c ^ (r % 8), so the 8 rows of an stmatrix matrix
-  // fall in different banks and a row's chunks stay in its own 2 DB bytes.
-  static __host__ __device__ constexpr int kv_stage_offset(int key, int chunk) {
-    return key * DB * 2 + ((chunk ^ (key % 8)) << 4);
-  }
-  // As ds_store_offset: lane l's row of stmatrix group nt = 0 (matrices
-  // (key half j % 2, column chunk j / 2)); group nt (even) xors in nt << 4.
-  static __host__ __device__ constexpr int kv_store_offset(int lane, int warp) {
-    return kv_stage_offset(16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7), lane >> 4);
-  }
   static_assert(sizeof(E) * Tiles::kQElems == kBlockN * DB * 2, "a Q/dO buffer holds a staged dK or dV");
   static constexpr size_t kDqTileOffset = (kSmem - 1024 + 1023) / 1024 * 1024;  // from the aligned base
   static constexpr size_t kSmemTma = kDqTileOffset + 2 * kDqTileBytes + 1024;
   static_assert(kSmemTma <= 227 * 1024, "shared memory of the TMA kernel");
 };
+
+namespace hopper {
+// The dK/dV kernels' stores by stmatrix, four 8 x 8 matrices a group: a
+// warp's accumulators hold keys key0 + g and key0 + 8 + g (g = lane / 4) and
+// column pairs 8 nt + 2 (lane % 4) of 8-column chunks nt; matrix j of group nt
+// (even) is keys key0 + 8 (j % 2) .. + 7 (its rows) by chunk nt + j / 2 (each
+// row 8 contiguous elements), from registers 4 (nt + j / 2) + 2 (j % 2) and +
+// 1 of the accumulator. Lane l gives the address of row l % 8 of matrix l / 8.
+// The offsets below are lane l's for group 0 in chunks from chunk0 on; under
+// the swizzles, group nt's is that one with nt << 4 xored in (the layout
+// tests check both against the tiles).
+//
+// In a dS-layout tile (MN-major 128-byte swizzle: 64 query rows by 8 keys an
+// atom of 1024 bytes, keys' atoms one after another), where chunks are 8
+// query rows.
+__host__ __device__ constexpr int ds_stmatrix_offset(int lane, int key0, int chunk0) {
+  const int key = key0 + 8 * ((lane >> 3) & 1) + (lane & 7);
+  return (key / 8) * 1024 + (key % 8) * 128 + (((chunk0 + (lane >> 4)) ^ (key % 8)) << 4);
+}
+// dK and dV staged for 16-byte global stores: row-major key rows of DB
+// elements, 16-byte chunk c of row r at chunk c ^ (r % 8), so the 8 rows of
+// an stmatrix matrix fall in 8 different bank groups and a row's chunks stay
+// in its own 2 DB bytes.
+template <int DB>
+__host__ __device__ constexpr int kv_stage_offset(int key, int chunk) {
+  return key * DB * 2 + ((chunk ^ (key % 8)) << 4);
+}
+template <int DB>
+__host__ __device__ constexpr int kv_stmatrix_offset(int lane, int key0, int chunk0) {
+  return kv_stage_offset<DB>(key0 + 8 * ((lane >> 3) & 1) + (lane & 7), chunk0 + (lane >> 4));
+}
+
+// A CTA's dK and dV (BN keys x DB, dS carried the scale): each warp's share
+// (kChunks column chunks from chunk0, keys from key0) staged by stmatrix in
+// k_stage and v_stage (each BN x DB, free shared memory), then written by the
+// 256 consumer threads (tid) a 16-byte chunk a store, rows below `cols`. A
+// warp's 4-byte stores straight from the accumulators kept the CTA's end (the
+// SM's: one CTA an SM) on the load/store unit for about two tiles' time (ncu,
+// bench/attn_notes.md 36). `sync` is the consumers' barrier; it is called
+// once before the staging reads.
+template <class T, int DB, int BN, int kChunks, class E, class Acc, class Sync>
+__device__ __forceinline__ void store_dk_dv(const Acc& tDrdK, const Acc& tDrdV, E* k_stage, E* v_stage, int key0,
+                                            int chunk0, int tid, E* dk, int64_t dk_sr, E* dv, int64_t dv_sr,
+                                            int cols, Sync sync) {
+  const int lane = tid % 32;
+  const uint32_t k_addr = smem_addr(k_stage) + kv_stmatrix_offset<DB>(lane, key0, chunk0);
+  const uint32_t v_addr = smem_addr(v_stage) + kv_stmatrix_offset<DB>(lane, key0, chunk0);
+  auto two = [](const Acc& acc, int i) { return Pack<T>::two(acc(i), acc(i + 1)); };
+#pragma unroll
+  for (int nt = 0; nt < kChunks; nt += 2) {
+    stmatrix_x4(k_addr ^ (nt << 4), two(tDrdK, 4 * nt), two(tDrdK, 4 * nt + 2), two(tDrdK, 4 * nt + 4),
+                two(tDrdK, 4 * nt + 6));
+    stmatrix_x4(v_addr ^ (nt << 4), two(tDrdV, 4 * nt), two(tDrdV, 4 * nt + 2), two(tDrdV, 4 * nt + 4),
+                two(tDrdV, 4 * nt + 6));
+  }
+  sync();
+  // Thread tid: chunk tid % kRowChunks of rows tid / kRowChunks + kRowStep k
+  // (the same chunk of the swizzle in each: kRowStep is a multiple of 8).
+  constexpr int kRowChunks = DB / 8, kRowStep = 256 / kRowChunks;
+  static_assert(kRowStep % 8 == 0 && BN % kRowStep == 0, "whole passes of the staged rows");
+  const int c = tid % kRowChunks, r0 = tid / kRowChunks;
+  const unsigned char* k_src = reinterpret_cast<const unsigned char*>(k_stage) + kv_stage_offset<DB>(r0, c);
+  const unsigned char* v_src = reinterpret_cast<const unsigned char*>(v_stage) + kv_stage_offset<DB>(r0, c);
+#pragma unroll
+  for (int k = 0; k < BN / kRowStep; ++k) {
+    const int r = r0 + k * kRowStep;
+    if (r < cols) {
+      *reinterpret_cast<uint4*>(dk + r * dk_sr + c * 8) = *reinterpret_cast<const uint4*>(k_src + k * kRowStep * DB * 2);
+      *reinterpret_cast<uint4*>(dv + r * dv_sr + c * 8) = *reinterpret_cast<const uint4*>(v_src + k * kRowStep * DB * 2);
+    }
+  }
+}
+}  // namespace hopper
 
 // The TMA kernel's tensor maps (kTma): Q and dO with boxes of 64 columns x 64
 // rows, K and V with boxes of 64 columns x 128 rows, in the 128-byte swizzle
@@ -543,8 +594,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   const int full_lo = rows_seeing(n0 + BN - 1, shift, p.win_left, p.win_right).lo;
   const int full_hi = rows_seeing(n0, shift, p.win_left, p.win_right).hi;
   const float scale_log2 = p.scale * kLog2e;
-  // This lane's dS^T stmatrix address, buffer 0, group 0 (C::ds_store_offset).
-  const uint32_t ds_addr0 = smem_addr(ds_s) + C::ds_store_offset(lane, tid / 32);
+  // This lane's dS^T stmatrix address, buffer 0, group 0 (ds_stmatrix_offset).
+  const uint32_t ds_addr0 = smem_addr(ds_s) + ds_stmatrix_offset(lane, key_row0 - g, 0);
   const int dq_row0 = ((tid % 128) / 32) * 16 + g, dq_col0 = (tid / 128 % C::kDqWarpgroups) * 64 + 2 * t;
   // Whether this thread's warpgroup computes tile it's dQ (warpgroup-uniform).
   auto dq_warpgroup = [&](int it) { return C::kDqWarpgroups == 2 || tid / 128 == (it & 1); };
@@ -658,9 +709,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
         tSrdP(idx) = tSrS(idx) * (tSrdP(idx) - ((e & 1) ? dl.y : dl.x)) * p.scale;
       }
     }
-    // dS^T into shared memory for dK and dQ, four stmatrix groups: group nt's
-    // matrix j is elements 4 (nt + j / 2) + 2 (j % 2) and + 1 of tSrdP (keys
-    // key_row(j % 2), query rows 8 (nt + j / 2) + 2 t and + 1).
+    // dS^T into shared memory for dK and dQ, four stmatrix groups (above
+    // ds_stmatrix_offset).
     {
       const uint32_t ds_addr = ds_addr0 + buf * C::kDsBufferBytes;
       auto two = [&](int i) { return Pack<T>::two(tSrdP(i), tSrdP(i + 1)); };
@@ -757,42 +807,10 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   }
   if constexpr (!kTma) cp_async_wait<0>();
 
-  // dK and dV (dS carried the scale), staged in the Q and dO buffers by
-  // stmatrix, then written a 16-byte chunk a store: 4-byte stores straight
-  // from the accumulators kept the CTA's end (the SM's, one CTA an SM) on the
-  // load/store unit for about two tiles' time (ncu, bench/attn_notes.md 36).
+  // dK and dV, staged in the Q and dO buffers.
   consumers_sync();  // every product is done with Q and dO
-  {
-    const uint32_t k_addr = smem_addr(q_s) + C::kv_store_offset(lane, tid / 32);
-    const uint32_t v_addr = smem_addr(do_s) + C::kv_store_offset(lane, tid / 32);
-    auto two = [](const auto& acc, int i) { return Pack<T>::two(acc(i), acc(i + 1)); };
-#pragma unroll
-    for (int nt = 0; nt < DB / 8; nt += 2) {
-      stmatrix_x4(k_addr ^ (nt << 4), two(tDrdK, 4 * nt), two(tDrdK, 4 * nt + 2), two(tDrdK, 4 * nt + 4),
-                  two(tDrdK, 4 * nt + 6));
-      stmatrix_x4(v_addr ^ (nt << 4), two(tDrdV, 4 * nt), two(tDrdV, 4 * nt + 2), two(tDrdV, 4 * nt + 4),
-                  two(tDrdV, 4 * nt + 6));
-    }
-  }
-  consumers_sync();
-  {
-    // Thread tid: chunk tid % kChunks of rows tid / kChunks + kRowStep k
-    // (the same chunk of the swizzle in each: kRowStep is a multiple of 8).
-    constexpr int kChunks = DB / 8, kRowStep = C::kThreads / kChunks;
-    const int c = tid % kChunks, r0 = tid / kChunks;
-    const unsigned char* k_src = reinterpret_cast<const unsigned char*>(q_s) + C::kv_stage_offset(r0, c);
-    const unsigned char* v_src = reinterpret_cast<const unsigned char*>(do_s) + C::kv_stage_offset(r0, c);
-#pragma unroll
-    for (int k = 0; k < BN / kRowStep; ++k) {
-      const int r = r0 + k * kRowStep;
-      if (r < cols) {
-        *reinterpret_cast<uint4*>(dk + r * p.dk_sr + c * 8) =
-            *reinterpret_cast<const uint4*>(k_src + k * kRowStep * DB * 2);
-        *reinterpret_cast<uint4*>(dv + r * p.dv_sr + c * 8) =
-            *reinterpret_cast<const uint4*>(v_src + k * kRowStep * DB * 2);
-      }
-    }
-  }
+  store_dk_dv<T, DB, BN, DB / 8>(tDrdK, tDrdV, q_s, do_s, key_row0 - g, 0, tid, dk, p.dk_sr, dv, p.dv_sr, cols,
+                                 consumers_sync);
 }
 
 }  // namespace symheap::attention::cuda

@@ -60,6 +60,7 @@ struct HopperDkv256Config : HopperDkvTiles<typename hopper::CuteType<T>::type, 6
       sizeof(E) * (2 * Tiles::kKVElems + 2 * Tiles::kQElems + 2 * Tiles::kDsElems);
   static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 5 * sizeof(uint64_t) + 1024;
   static_assert(kSmem <= 227 * 1024, "shared memory of a CTA");
+  static_assert(sizeof(E) * Tiles::kKVElems == kBlockN * DB * 2, "a K/V tile holds a staged dK or dV");
 };
 
 // This thread's place in the fragments (tests/cpp/hopper_layout_tests.cu
@@ -121,7 +122,6 @@ __global__ void __launch_bounds__(384, 1)
   Tensor sdO = make_tensor(make_smem_ptr(do_s), typename C::SmemQ{});
   Tensor sQt = make_tensor(make_smem_ptr(q_s), typename C::SmemQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(do_s), typename C::SmemQt{});
-  Tensor sP = make_tensor(make_smem_ptr(p_s), typename C::SmemDs{});
   Tensor sPt = make_tensor(make_smem_ptr(p_s), typename C::SmemDst{});
   Tensor sdS = make_tensor(make_smem_ptr(ds_s), typename C::SmemDs{});
   Tensor sdSt = make_tensor(make_smem_ptr(ds_s), typename C::SmemDst{});
@@ -223,9 +223,19 @@ __global__ void __launch_bounds__(384, 1)
   const int full_lo = rows_seeing(n0 + BN - 1, shift, p.win_left, p.win_right).lo;
   const int full_hi = rows_seeing(n0, shift, p.win_left, p.win_right).hi;
   const float scale_log2 = p.scale * kLog2e;
+  // This lane's P^T / dS^T stmatrix addresses, group 0 (ds_stmatrix_offset):
+  // keys from 16 (w % 4), query rows from 32 wg (chunks of 8 from 4 wg).
+  const int key0 = key_of(tid, 0) - (lane >> 2);
+  const uint32_t p_addr = smem_addr(p_s) + ds_stmatrix_offset(lane, key0, 4 * (tid / 128));
+  const uint32_t ds_addr = smem_addr(ds_s) + ds_stmatrix_offset(lane, key0, 4 * (tid / 128));
 
+  // Tile it is query tile cur_m of head hk * group + cur_h (tile_row0 and
+  // tile_head without their division a tile).
+  int cur_m = 0, cur_h = 0;
   for (int it = 0; it < n_tiles; ++it) {
     const int buf = uniform_int(it & 1);  // (the Q/dO descriptors in uniform registers)
+    const int m0 = m_begin + cur_m * BM;
+    const int next_m = cur_m + 1 < m_tiles ? cur_m + 1 : 0, next_h = cur_m + 1 < m_tiles ? cur_h : cur_h + 1;
     if (it == 0) mbar_wait(kv_full, 0);
     mbar_wait(full + buf, (it >> 1) & 1);  // tile `it` landed
     // Every thread: tile it - 1's P^T, dS^T and dS are consumed (their
@@ -233,8 +243,8 @@ __global__ void __launch_bounds__(384, 1)
     consumers_sync();
     const bool has_next = it + 1 < n_tiles;
     float next_lse2 = INFINITY, next_delta = 0.0f;
-    if (has_next && tid < BM) read_stats(it + 1, &next_lse2, &next_delta);
-    const int m0 = tile_row0(it);
+    if (has_next && tid < BM)
+      row_stats(p, seq, b, hk * p.group + next_h, m_begin + next_m * BM + tid, &next_lse2, &next_delta);
     const float* lse2 = s_lse + buf * BM;
     const float* delta = s_delta + buf * BM;
 
@@ -242,28 +252,37 @@ __global__ void __launch_bounds__(384, 1)
     // product runs.
     issue_s_dp(mma_sdp, tSrK, tSrQ, tSrV, tSrdO, buf, tSrS, tSrdP);
 
-    // P; rows past the sequence have lse +inf: P = 0.
-    const bool whole = m0 >= full_lo && m0 + BM <= full_hi;
+    // P; rows past the sequence have lse +inf: P = 0. A tile whose every
+    // row sees every key of the block takes the branch without the mask.
+    auto softmax_p = [&](auto masked) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int r = s_row_of(tid, i), i_row = m0 + r;
-      const RowRange& s = sees[(i >> 1) & 1];
-      const bool seen = whole | ((i_row >= s.lo) & (i_row < s.hi));
-      const float x2 = seen ? tSrS(i) * scale_log2 : -INFINITY;
-      tSrS(i) = exp2_fast(x2 - lse2[r]);
-    }
+      for (int i = 0; i < 16; ++i) {
+        const int r = s_row_of(tid, i), i_row = m0 + r;
+        float x2 = fmaf(tSrS(i), scale_log2, -lse2[r]);
+        if constexpr (decltype(masked)::value) {
+          const RowRange& s = sees[(i >> 1) & 1];
+          x2 = (i_row >= s.lo) & (i_row < s.hi) ? x2 : -INFINITY;
+        }
+        tSrS(i) = exp2_fast(x2);
+      }
+    };
+    if (m0 >= full_lo && m0 + BM <= full_hi) softmax_p(std::false_type{});
+    else softmax_p(std::true_type{});
     warpgroup_wait<0>();  // dP^T landed
     warpgroup_fence_operand(tSrdP);
-    // dS = P (dP - delta) scale; P^T and dS^T into shared memory, element
-    // (query row, key) of sP / sdS: adjacent rows of a key are adjacent there.
+    // dS = P (dP - delta) scale; P^T and dS^T into shared memory, two
+    // stmatrix groups each (ds_stmatrix_offset).
+    uint32_t p_two[8], ds_two[8];
 #pragma unroll
     for (int i = 0; i < 16; i += 2) {
-      const int r = s_row_of(tid, i), key = key_of(tid, i);
-      const float2 dl = *reinterpret_cast<const float2*>(delta + r);
-      const float ds0 = tSrS(i) * (tSrdP(i) - dl.x) * p.scale;
-      const float ds1 = tSrS(i + 1) * (tSrdP(i + 1) - dl.y) * p.scale;
-      st_shared_u32(at(sP, r, key), Pack<T>::two(tSrS(i), tSrS(i + 1)));
-      st_shared_u32(at(sdS, r, key), Pack<T>::two(ds0, ds1));
+      const float2 dl = *reinterpret_cast<const float2*>(delta + s_row_of(tid, i));
+      p_two[i / 2] = Pack<T>::two(tSrS(i), tSrS(i + 1));
+      ds_two[i / 2] = Pack<T>::two(tSrS(i) * (tSrdP(i) - dl.x) * p.scale, tSrS(i + 1) * (tSrdP(i + 1) - dl.y) * p.scale);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; nt += 2) {
+      stmatrix_x4(p_addr ^ (nt << 4), p_two[2 * nt], p_two[2 * nt + 1], p_two[2 * nt + 2], p_two[2 * nt + 3]);
+      stmatrix_x4(ds_addr ^ (nt << 4), ds_two[2 * nt], ds_two[2 * nt + 1], ds_two[2 * nt + 2], ds_two[2 * nt + 3]);
     }
     fence_async_shared();
     consumers_sync();  // both warpgroups' halves of P^T and dS^T in place
@@ -311,17 +330,15 @@ __global__ void __launch_bounds__(384, 1)
       s_lse[(buf ^ 1) * BM + tid] = next_lse2;
       s_delta[(buf ^ 1) * BM + tid] = next_delta;
     }
+    cur_m = next_m;
+    cur_h = next_h;
   }
 
-  // dK and dV (dS carried the scale) straight from the accumulators.
-#pragma unroll
-  for (int i = 0; i < 64; i += 2) {
-    const int r = key_of(tid, i);
-    if (r >= cols) continue;
-    const int c = kv_col_of(tid, i);
-    *reinterpret_cast<uint32_t*>(dk + r * p.dk_sr + c) = Pack<T>::two(tDrdK(i), tDrdK(i + 1));
-    *reinterpret_cast<uint32_t*>(dv + r * p.dv_sr + c) = Pack<T>::two(tDrdV(i), tDrdV(i + 1));
-  }
+  // dK and dV, staged over K and V (both warpgroups' last products, which
+  // read them, waited for): this warpgroup's 128 columns of its warp's keys.
+  consumers_sync();
+  store_dk_dv<T, DB, BN, 16>(tDrdK, tDrdV, k_s, v_s, key0, 16 * (tid / 128), tid, dk, p.dk_sr, dv, p.dv_sr, cols,
+                             consumers_sync);
 }
 
 }  // namespace symheap::attention::cuda
