@@ -284,21 +284,22 @@ def test_decode_step_in_a_cuda_graph(layout):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("D, more, expected", [
-    (128, False, "keys_major"), (128, True, "keys_major_x2"), (64, False, "keys_major"),
-    (64, True, "previous")])
-def test_auto_kernel_choice(D, more, expected, monkeypatch):
+@pytest.mark.parametrize("D, waves, more, expected", [
+    (128, 1, False, "keys_major"), (128, 1, True, "keys_major_x2"), (128, 2, False, "keys_major_x2"),
+    (128, 2, True, "keys_major"), (64, None, False, "keys_major"), (64, None, True, "previous")])
+def test_auto_kernel_choice(D, waves, more, expected, monkeypatch):
     """Unforced, a call's (sequence, kv head) pairs pick its kernel: at head dim
-    128 the keys-major kernel, two CTAs an SM with more pairs than SMs; at other
-    head dims the query-major kernel from 3 pairs an SM, the keys-major one below.
-    Each case sits just below or at its threshold. The output is bit for bit the
-    forced kernel's, and right against the reference."""
+    128 the keys-major kernel, two CTAs an SM when the pairs over the SMs,
+    rounded up, are even (the wide shape's waves), else the wide shape; at
+    other head dims the query-major kernel from 3 pairs an SM, the keys-major
+    one below. Each case sits at or just past its threshold. The output is bit
+    for bit the forced kernel's, and right against the reference."""
     dtype = torch.bfloat16
-    gen = torch.Generator().manual_seed(D + more)
+    gen = torch.Generator().manual_seed(D + more + 10 * (waves or 0))
     Hq, Hkv = 32, 8
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if D == 128:
-        B = sms // Hkv + (1 if more else 0)  # B * Hkv pairs: at most sms, or more
+        B = waves * sms // Hkv + (1 if more else 0)  # B * Hkv pairs: at most waves * sms, or more
     else:
         B = -(-(6 if more else 5) * sms // (2 * Hkv))  # 3 pairs an SM, or 2.5
     lengths = [int(n) for n in torch.randint(1, 200, (B,), generator=gen)]

@@ -1175,12 +1175,16 @@ KernelChoice kernel_choice() {
 // batch 64-128 with 4k-16k, while the keys-major one was 0.89-0.98x of it up to
 // batch 16 (bench/RESULTS.md, the keys-major decode table).
 constexpr int64_t kPreviousPairsPerSm = 3;
-// At head dim 128, with more pairs than SMs (the wide shape's unsplit CTAs
-// would run in two waves, the second a partial one) the keys-major kernel runs
-// two CTAs an SM. On H200 (Hq 32 over Hkv 8, 132 SMs): 0.77x the wide shape's
-// time at batch 17 x 4k (136 pairs), 0.90-0.95x at batch 24-256 x 1k, 0.97-1.00x
-// the query-major kernel's from batch 32; at batch 16 (128 pairs: one wave of
-// the wide shape) 1.19x the wide shape's (bench/RESULTS.md, "two CTAs an SM").
+// At head dim 128 the keys-major kernel runs two CTAs an SM when the wide
+// shape's unsplit CTAs would take an even number of waves (pairs over SMs,
+// rounded up): then the two-CTAs grid's last wave is more than half full,
+// while with an odd number it holds at most one CTA an SM, and the wide
+// shape's full waves are the faster. On H200 (Hq 32 over Hkv 8, 132 SMs), two
+// CTAs an SM against the wide shape: 0.77x the time at batch 17 x 4k (136
+// pairs), 0.90-0.95x at batch 24-256 x 1k, 0.91-1.00x at batch 56, 64 and 96
+// (448-768 pairs: even waves); 1.08-1.14x at batch 40, 48 and 80 x 4k-16k
+// (odd waves), 1.19x at batch 16 (one wave) (bench/RESULTS.md, "two CTAs an
+// SM" and "even waves").
 struct KernelPick {
   bool previous;
   KmShape shape;
@@ -1200,7 +1204,7 @@ KernelPick choose_kernel(const CacheArgs& a, int device, int db) {
   int sms = 0;
   SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t pairs = static_cast<int64_t>(a.batch) * a.heads_kv;
-  if (db == 128) return {false, pairs > sms ? kTwoPerSm : kWide, false, sms};
+  if (db == 128) return {false, ((pairs + sms - 1) / sms) % 2 == 0 ? kTwoPerSm : kWide, false, sms};
   return {pairs >= kPreviousPairsPerSm * sms, kWide, false, sms};
 }
 
