@@ -31,13 +31,6 @@
 namespace symheap::attention::cuda {
 
 namespace hopper {
-// `x`, opaque to the optimiser: what is computed from it is computed where
-// it is used, not hoisted out of the loop around it.
-__device__ __forceinline__ int opaque_int(int x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
-
 // The 128 threads of warpgroup `wg` (barrier ids 1 and 2; __syncthreads takes 0).
 __device__ __forceinline__ void warpgroup_barrier(int wg) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");

@@ -145,14 +145,6 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// A 32-bit store to shared memory by its shared-window address: st.shared,
-// where a store through a pointer whose space the compiler cannot prove
-// (addresses made opaque, hopper::opaque_int) becomes a generic store with a
-// 64-bit address. Volatile, as the proxy fence that must follow it.
-__device__ __forceinline__ void st_shared_u32(const void* p, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr(p)), "r"(v));
-}
-
 // Four 8 x 8 matrices of 16-bit elements into shared memory (stmatrix):
 // register j holds matrix j's elements (row lane / 4, columns 2 (lane % 4) and
 // + 1, as a wgmma accumulator pair packed), and lane l gives the shared-window
