@@ -84,6 +84,15 @@ __device__ __forceinline__ QueryTiles query_tiles(const KArgs& p, const Seq& seq
   return QueryTiles{m_begin, m_tiles, m_tiles * p.group};
 }
 
+// The walk's tile `it` as query tile m (of m_tiles) of head h of the kv
+// group, advanced tile by tile: no division of `it` a tile.
+struct TileCursor {
+  int m, h;
+  __device__ __forceinline__ TileCursor next(int m_tiles) const {
+    return m + 1 < m_tiles ? TileCursor{m + 1, h} : TileCursor{0, h + 1};
+  }
+};
+
 // Rows [0, cols) of dK and dV (row strides from p) set to zero: no query row
 // sees those keys.
 template <int DB, int NT, class E>

@@ -538,7 +538,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
                           p.k_sr, cols);
     load_tile<BN, DB, NT>(sV, static_cast<const E*>(p.v) + b * p.v_sb + (seq.k0 + n0) * p.v_sr + hk * p.v_sh,
                           p.v_sr, cols);
-    load_q_do(tile_head(0), tile_row0(0), 0);
+    load_q_do(hk * p.group, m_begin, 0);
     cp_async_commit();
   }
   if (tid < BM) read_stats(0, &s_lse[tid], &s_delta[tid]);
@@ -593,13 +593,11 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   // Whether this thread's warpgroup computes tile it's dQ (warpgroup-uniform).
   auto dq_warpgroup = [&](int it) { return C::kDqWarpgroups == 2 || tid / 128 == (it & 1); };
 
-  // Tile it is query tile cur_m of head hk * group + cur_h (tile_row0 and
-  // tile_head without their division a tile).
-  int cur_m = 0, cur_h = 0;
+  pipelined::TileCursor cur{0, 0};
   for (int it = 0; it < n_tiles; ++it) {
     const int buf = uniform_int(it & 1);  // (the Q/dO descriptors in uniform registers)
-    const int hq = hk * p.group + cur_h, m0 = m_begin + cur_m * BM;
-    const int next_m = cur_m + 1 < m_tiles ? cur_m + 1 : 0, next_h = cur_m + 1 < m_tiles ? cur_h : cur_h + 1;
+    const int hq = hk * p.group + cur.h, m0 = m_begin + cur.m * BM;
+    const pipelined::TileCursor next = cur.next(m_tiles);
     if constexpr (kTma) {
       if (it == 0) mbar_wait(kv_full, 0);
       mbar_wait(full + buf, (it >> 1) & 1);  // tile `it` landed
@@ -633,8 +631,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     // the dQ barrier), so the loads' latency passes under this tile's products.
     RowStats next_stats{-INFINITY, 0.0f};
     if (has_next) {
-      if constexpr (!kTma) load_q_do(hk * p.group + next_h, m_begin + next_m * BM, buf ^ 1);
-      if (tid < BM) next_stats = row_stats_load(p, seq, b, hk * p.group + next_h, m_begin + next_m * BM + tid);
+      if constexpr (!kTma) load_q_do(hk * p.group + next.h, m_begin + next.m * BM, buf ^ 1);
+      if (tid < BM) next_stats = row_stats_load(p, seq, b, hk * p.group + next.h, m_begin + next.m * BM + tid);
     }
     if constexpr (!kTma) cp_async_commit();
     const float* lse2 = s_lse + buf * BM;
@@ -795,8 +793,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
           }
       }
     }
-    cur_m = next_m;
-    cur_h = next_h;
+    cur = next;
   }
   if constexpr (!kTma) cp_async_wait<0>();
 

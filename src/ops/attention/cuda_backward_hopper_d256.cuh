@@ -229,13 +229,11 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t p_addr = smem_addr(p_s) + ds_stmatrix_offset(lane, key0, 4 * (tid / 128));
   const uint32_t ds_addr = smem_addr(ds_s) + ds_stmatrix_offset(lane, key0, 4 * (tid / 128));
 
-  // Tile it is query tile cur_m of head hk * group + cur_h (tile_row0 and
-  // tile_head without their division a tile).
-  int cur_m = 0, cur_h = 0;
+  pipelined::TileCursor cur{0, 0};
   for (int it = 0; it < n_tiles; ++it) {
     const int buf = uniform_int(it & 1);  // (the Q/dO descriptors in uniform registers)
-    const int m0 = m_begin + cur_m * BM;
-    const int next_m = cur_m + 1 < m_tiles ? cur_m + 1 : 0, next_h = cur_m + 1 < m_tiles ? cur_h : cur_h + 1;
+    const int m0 = m_begin + cur.m * BM;
+    const pipelined::TileCursor next = cur.next(m_tiles);
     if (it == 0) mbar_wait(kv_full, 0);
     mbar_wait(full + buf, (it >> 1) & 1);  // tile `it` landed
     // Every thread: tile it - 1's P^T, dS^T and dS are consumed (their
@@ -244,7 +242,7 @@ __global__ void __launch_bounds__(384, 1)
     const bool has_next = it + 1 < n_tiles;
     float next_lse2 = INFINITY, next_delta = 0.0f;
     if (has_next && tid < BM)
-      row_stats(p, seq, b, hk * p.group + next_h, m_begin + next_m * BM + tid, &next_lse2, &next_delta);
+      row_stats(p, seq, b, hk * p.group + next.h, m_begin + next.m * BM + tid, &next_lse2, &next_delta);
     const float* lse2 = s_lse + buf * BM;
     const float* delta = s_delta + buf * BM;
 
@@ -330,8 +328,7 @@ __global__ void __launch_bounds__(384, 1)
       s_lse[(buf ^ 1) * BM + tid] = next_lse2;
       s_delta[(buf ^ 1) * BM + tid] = next_delta;
     }
-    cur_m = next_m;
-    cur_h = next_h;
+    cur = next;
   }
 
   // dK and dV, staged over K and V (both warpgroups' last products, which
