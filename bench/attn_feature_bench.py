@@ -1,13 +1,17 @@
 """Attention with features, in one run: a bias with its gradient, a causal sliding
-window, softcap, GQA and varlen. For each row: symheap's forward and
-forward+backward, optionally the own forward with SYMHEAP_ATTN_OWN_FORWARD=V
-(--compare-forward V, e.g. pipelined against the default Hopper kernel), and torch
-SDPA computing the same function where an explicit mask can say it (bias: a float
-mask; window: a boolean one; GQA: enable_gqa). bf16 on CUDA, B*S = 16k tokens,
-H*D = 2048; TFLOP/s count the visible (query, key) pairs only.
+window, softcap, GQA, varlen, a boolean mask, ALiBi and dropout. For each row:
+symheap's forward and forward+backward, optionally the own forward with
+SYMHEAP_ATTN_OWN_FORWARD=V (--compare-forward V, e.g. pipelined against the
+default Hopper kernel) and the own forward+backward with SYMHEAP_ATTN_OWN_BACKWARD=V
+(--compare-backward V, e.g. pipelined_dq_separate: the pipelined feature
+kernels against the Hopper one), and torch SDPA computing the same function where an explicit
+mask can say it (bias: a float mask; window and mask: a boolean one; GQA:
+enable_gqa). bf16 on CUDA, B*S = 16k tokens, H*D = 2048; TFLOP/s count the
+visible (query, key) pairs only.
 
     python bench/attn_feature_bench.py [--backend own] [--hdim 128] [--seqlen 4096]
-                                       [--compare-forward pipelined] [--fwd-only]
+                                       [--compare-forward pipelined] [--compare-backward pipelined_dq_separate]
+                                       [--fwd-only] [--features bias,softcap]
     python bench/attn_feature_bench.py --smoke          (cpu, tiny shapes: the rows run and agree)
 
 Every symheap output is compared with the fp32 reference of
@@ -25,9 +29,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from symheap.attention import attention_reference, flash_attn_func, flash_attn_varlen_func
+from symheap.attention import attention_reference, dropout_keep_mask, flash_attn_func, flash_attn_varlen_func
 
-FEATURES = ["bias", "window", "softcap", "gqa", "varlen"]
+FEATURES = ["bias", "window", "softcap", "gqa", "varlen", "mask", "alibi", "dropout"]
 
 
 def timer(device):
@@ -52,21 +56,22 @@ def timer(device):
     return time_ms
 
 
-class forward_kernel:
-    """SYMHEAP_ATTN_OWN_FORWARD = value while active (read per call)."""
+class env_value:
+    """Environment variable `name` = value while active (the kernels' choice
+    reads it per call)."""
 
-    def __init__(self, value):
-        self.value = value
+    def __init__(self, name, value):
+        self.name, self.value = name, value
 
     def __enter__(self):
-        self.saved = os.environ.get("SYMHEAP_ATTN_OWN_FORWARD")
-        os.environ["SYMHEAP_ATTN_OWN_FORWARD"] = self.value
+        self.saved = os.environ.get(self.name)
+        os.environ[self.name] = self.value
 
     def __exit__(self, *exc):
         if self.saved is None:
-            os.environ.pop("SYMHEAP_ATTN_OWN_FORWARD", None)
+            os.environ.pop(self.name, None)
         else:
-            os.environ["SYMHEAP_ATTN_OWN_FORWARD"] = self.saved
+            os.environ[self.name] = self.saved
 
 
 def make_row(feature, D, S, device, dtype, gen):
@@ -108,6 +113,17 @@ def make_row(feature, D, S, device, dtype, gen):
         row["varlen"] = dict(cu=cu, max_len=max(lens), lens=lens)
         row["q"], row["k"], row["v"] = (x.reshape(B * S, -1, D) for x in (q, k, v))
         row["pairs"] = H * sum(n * n for n in lens)
+    elif feature == "mask":
+        # Each query row sees a random half of the keys (its first key always).
+        mask = torch.rand(1, 1, S, S, device=device, generator=gen) < 0.5
+        mask[..., 0] = True
+        row["opts"] = dict(mask=mask)
+        row["sdpa"] = dict(attn_mask=mask)
+    elif feature == "alibi":
+        row["opts"] = dict(causal=True, alibi_slopes=torch.rand(H, device=device, generator=gen) / 8)
+        row["pairs"] = B * H * S * (S + 1) // 2
+    elif feature == "dropout":
+        row["opts"] = dict(dropout_p=0.1, seed=7)
     return row
 
 
@@ -128,6 +144,9 @@ def reference(row):
     """fp32 reference output of the row's call."""
     q, k, v = row["q"], row["k"], row["v"]
     opts = {key: (val.detach() if torch.is_tensor(val) else val) for key, val in row["opts"].items()}
+    if opts.get("dropout_p", 0) > 0:  # the keep mask the call's seed gives
+        B, S, H, _ = q.shape
+        opts["dropout_keep"] = dropout_keep_mask(opts.pop("seed"), 0, B, H, S, S, opts["dropout_p"]).to(q.device)
     if row["varlen"]:
         outs, cu = [], row["varlen"]["cu"].tolist()
         for a, b in zip(cu[:-1], cu[1:]):
@@ -138,7 +157,7 @@ def reference(row):
     return out
 
 
-def bench_row(row, time_ms, compare_forward, fwd_only, unit):
+def bench_row(row, time_ms, compare_forward, compare_backward, fwd_only, unit):
     q, k, v = (x.requires_grad_() for x in (row["q"], row["k"], row["v"]))
     grads_of = [q, k, v] + [t for t in row["opts"].values() if torch.is_tensor(t) and t.requires_grad]
     dout = torch.randn_like(q)
@@ -155,9 +174,14 @@ def bench_row(row, time_ms, compare_forward, fwd_only, unit):
     cases = {"symheap": (fwd, fwd_bwd)}
     if compare_forward:
         def variant():
-            with forward_kernel(compare_forward), torch.no_grad():
+            with env_value("SYMHEAP_ATTN_OWN_FORWARD", compare_forward), torch.no_grad():
                 return call(row)
         cases["variant"] = (variant, None)
+    if compare_backward and not fwd_only:
+        def variant_bwd():
+            with env_value("SYMHEAP_ATTN_OWN_BACKWARD", compare_backward):
+                fwd_bwd()
+        cases["variant_bwd"] = (None, variant_bwd)
     if row["sdpa"] is not None:
         qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
         sdpa_opts = dict(row["sdpa"])
@@ -174,8 +198,7 @@ def bench_row(row, time_ms, compare_forward, fwd_only, unit):
         cases["sdpa"] = (sdpa_fwd, sdpa_fwd_bwd)
     for name, (f, fb) in cases.items():
         try:
-            t = time_ms(f)
-            result[name] = {"fwd_tflops": flops / t / unit}
+            result[name] = {} if f is None else {"fwd_tflops": flops / time_ms(f) / unit}
             if fb is not None and not fwd_only:
                 result[name]["fwd_bwd_tflops"] = 3.5 * flops / time_ms(fb) / unit
         except Exception as e:  # noqa: BLE001 - a path may not serve a row: reported
@@ -196,6 +219,8 @@ def main(argv=None):
     p.add_argument("--features", default=",".join(FEATURES), help="comma-separated rows of " + ", ".join(FEATURES))
     p.add_argument("--compare-forward", metavar="VALUE",
                    help="also time the own forward with SYMHEAP_ATTN_OWN_FORWARD=VALUE (e.g. pipelined)")
+    p.add_argument("--compare-backward", metavar="VALUE",
+                   help="also time the own forward+backward with SYMHEAP_ATTN_OWN_BACKWARD=VALUE (e.g. pipelined_dq_separate)")
     p.add_argument("--fwd-only", action="store_true")
     p.add_argument("--smoke", action="store_true", help="cpu, tiny shapes, float32; exits non-zero on a wrong row")
     a = p.parse_args(argv)
@@ -212,6 +237,7 @@ def main(argv=None):
           f"{unit_name} of the visible (query, key) pairs", flush=True)
     head = (f"{'feature':>8} | {'symheap fwd / fwd+bwd':>21} | "
             + (f"{'variant fwd':>11} | " if a.compare_forward else "")
+            + (f"{'variant fwd+bwd':>15} | " if a.compare_backward else "")
             + f"{'SDPA fwd / fwd+bwd':>18} | max|diff| vs fp32")
     print(head)
     features = a.features.split(",")
@@ -221,15 +247,16 @@ def main(argv=None):
     bad = []
     for feature in features:
         row = make_row(feature, D, S, device, dtype, gen)
-        r = bench_row(row, time_ms, a.compare_forward, a.fwd_only, unit)
+        r = bench_row(row, time_ms, a.compare_forward, a.compare_backward, a.fwd_only, unit)
         fmt = lambda n, key: (f"{r[n][key]:7.1f}" if key in r.get(n, {}) else  # noqa: E731
                               ("  error" if "error" in r.get(n, {}) else "    n/a"))
         line = (f"{feature:>8} | {fmt('symheap', 'fwd_tflops')} / {fmt('symheap', 'fwd_bwd_tflops')}      | "
                 + (f"{fmt('variant', 'fwd_tflops'):>11} | " if a.compare_forward else "")
+                + (f"{fmt('variant_bwd', 'fwd_bwd_tflops'):>15} | " if a.compare_backward else "")
                 + f"{fmt('sdpa', 'fwd_tflops')} / {fmt('sdpa', 'fwd_bwd_tflops')} | {r['diff']:.2e}"
                 + (f" (variant {r['variant_diff']:.2e})" if "variant_diff" in r else ""))
         print(line, flush=True)
-        for name in ("symheap", "variant", "sdpa"):
+        for name in ("symheap", "variant", "variant_bwd", "sdpa"):
             if "error" in r.get(name, {}):
                 print(f"  {name}: {r[name]['error']}")
                 if name == "symheap":

@@ -1070,7 +1070,8 @@ def check_packed_backward(lq, lk, Hq, Hkv, D, opts, seed):
 
 
 def test_pipelined_backward_deterministic(monkeypatch):
-    """No atomics: two runs of the same GQA call give bit-identical gradients."""
+    """deterministic=True with a bias (its gradient summed over the query rows):
+    no atomics, two runs of the same GQA call give bit-identical gradients."""
     own_backward(monkeypatch, "auto")
     for D in PIPELINED_DIMS:
         case = gpu_case(B=2, Sq=700, Sk=900, Hq=8, Hkv=2, D=D, seed=D,
@@ -1078,7 +1079,8 @@ def test_pipelined_backward_deterministic(monkeypatch):
         inputs = [case["q"], case["k"], case["v"], case["kwargs"]["bias"]]
         runs = []
         for _ in range(2):
-            out = flash_attn_func(case["q"], case["k"], case["v"], causal=True, **case["kwargs"])
+            out = flash_attn_func(case["q"], case["k"], case["v"], causal=True, deterministic=True,
+                                  **case["kwargs"])
             runs.append(torch.autograd.grad(out, inputs, torch.ones_like(out)))
         for a, b in zip(*runs):
             assert torch.equal(a, b), D
@@ -1266,6 +1268,80 @@ def test_hopper_backward_tma_packed_takes_nothing_of_the_next(D, monkeypatch):
         for name, g, a in zip(["dq", "dk", "dv"], got, alone):
             assert torch.isfinite(g[200:]).all(), (causal, name, "sequence 1")
             assert max_err(g[200:], a) <= 1e-2 * max(1.0, a.float().abs().max().item()), (causal, name)
+
+
+# ---- the logit features on the TMA-fed Hopper dK/dV kernel (head dims 64 and 128, dQ
+# fused), the default there.
+
+def runs_hopper_features_backward(fn) -> bool:
+    """Whether `fn`'s backward runs the Hopper dK/dV kernel's feature form
+    (its last template argument, kFeatures, true)."""
+    names = backward_kernel_names(fn)
+    assert names, "no dK/dV kernel ran"
+    return any(re.search(r"dkdv_hopper_kernel<[^<>]*, ?true>|dkdv_hopper_kernelI\w*?Lb1EE", n) for n in names)
+
+
+@pytest.mark.parametrize("feature", list(PIPELINED_FEATURES))
+@pytest.mark.parametrize("Sq,Sk", [(113, 203), (1000, 300), (300, 1000), (1024, 1023)])
+@pytest.mark.parametrize("D", [64, 128])
+def test_hopper_backward_features(feature, Sq, Sk, D, monkeypatch):
+    """Every logit feature, alone and together, causal and not, through the
+    default backward: the Hopper kernel's feature form takes each call with
+    one, and dq, dk, dv (and dbias) meet the fp32 reference's rule."""
+    own_backward(monkeypatch, "auto")
+    make_kw, opts = PIPELINED_FEATURES[feature]
+    make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
+                   if isinstance(v, tuple) else v) for k, v in make_kw.items()}
+    make_kw.setdefault("Hkv", 4)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=torch.bfloat16, seed=D * 17 + Sq + Sk, **make_kw)
+    kw = dict(case["kwargs"], **opts)
+    hopper = runs_hopper_features_backward(
+        lambda: flash_attn_func(case["q"], case["k"], case["v"], **kw).sum().backward())
+    has_features = any(kw.get(n) is not None for n in ("bias", "mask", "alibi_slopes")) or \
+        kw.get("softcap", 0) > 0 or kw.get("dropout_p", 0) > 0
+    assert hopper == has_features, (feature, hopper)
+    check_case(case, **opts)
+    if feature in FEATURES and "causal" not in opts:
+        check_case(case, causal=True, **opts)
+
+
+@pytest.mark.parametrize("feature", ["softcap", "bias", "mask", "dropout", "all"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_hopper_backward_features_match_pipelined(feature, D, monkeypatch):
+    """The Hopper feature form against the pipelined feature kernels
+    ("pipelined_dq_separate" takes them): dq, dk, dv, dbias within rounding
+    of each other (fp32 sums of the same products, in other orders)."""
+    make_kw, opts = FEATURES[feature]
+    make_kw = {k: (tuple(700 if x in ("Sq", "Sk") else x for x in v) if isinstance(v, tuple) else v)
+               for k, v in make_kw.items()}
+    make_kw.setdefault("Hkv", 2)
+    case = gpu_case(B=2, Sq=700, Sk=700, Hq=4, D=D, dtype=torch.bfloat16, seed=D + 5, **make_kw)
+    kw = dict(case["kwargs"], **opts)
+    if "window_size" not in opts:
+        kw["causal"] = True
+    inputs = [case["q"], case["k"], case["v"]] + ([kw["bias"]] if kw.get("bias") is not None else [])
+    dout = torch.randn(case["q"].shape, generator=torch.Generator(device="cuda").manual_seed(9),
+                       device="cuda").to(torch.bfloat16)
+    grads = []
+    for kernel in ("auto", "pipelined_dq_separate"):
+        own_backward(monkeypatch, kernel)
+        forward_and_backward = lambda: flash_attn_func(case["q"], case["k"], case["v"], **kw).sum().backward()  # noqa: E731
+        assert runs_hopper_features_backward(forward_and_backward) == (kernel == "auto"), kernel
+        out = flash_attn_func(case["q"], case["k"], case["v"], **kw)
+        grads.append(torch.autograd.grad(out, inputs, dout))
+    for name, a, b in zip(["dq", "dk", "dv", "dbias"], *grads):
+        assert max_err(a, b) <= 1e-2 * max(1.0, b.float().abs().max().item()), (name, max_err(a, b))
+
+
+@pytest.mark.parametrize("lengths", list(PACKED_TMA_LENGTHS))
+@pytest.mark.parametrize("opts", [dict(softcap=3.0), dict(causal=True, softcap=2.0, window_size=(60, 0))])
+@pytest.mark.parametrize("D", [64, 128])
+def test_hopper_backward_features_packed(lengths, opts, D, monkeypatch):
+    """Packed sequences with softcap on the feature form's packed kernel: each
+    sequence's gradients against it alone (fp32 reference)."""
+    own_backward(monkeypatch, "auto")
+    lq, lk = PACKED_TMA_LENGTHS[lengths]
+    check_packed_backward(lq, lk, 4, 2, D, opts, seed=len(lq) + D)
 
 
 # ---- the Hopper dK/dV kernel at head dim 256 (cuda_backward_hopper_d256.cuh), the default

@@ -64,10 +64,9 @@ void require_hopper(int device) {
   checked.fetch_or(bit, std::memory_order_acq_rel);
 }
 
-void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq, bool tma) {
+bool run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq, bool tma) {
 #ifdef SYMHEAP_WITH_HOPPER_ATTN
-  if (f16) run_dkdv_hopper_f16(l, p, fuse_dq, tma);
-  else run_dkdv_hopper_bf16(l, p, fuse_dq, tma);
+  return f16 ? run_dkdv_hopper_f16(l, p, fuse_dq, tma) : run_dkdv_hopper_bf16(l, p, fuse_dq, tma);
 #else
   (void)l;
   (void)p;
@@ -301,13 +300,23 @@ bool hopper256_backward_serves(const Args& a, const cuda::KArgs& k) {
          cuda::tma_addressable(k.dout, 2, k.do_sr, k.do_sh, k.do_sb);
 }
 
+// Whether the Hopper dK/dV kernel (its TMA-fed form, dQ fused) takes a call
+// with logit features: head dims 64 and 128 and the kernel "hopper". Where its
+// maps do not encode, the pipelined kernels run after all (backward_dq_fused).
+bool hopper_features_backward_serves(const Args& a, const char* kernel) {
+  return shared_dkdv_serves(a.head_dim) && std::strcmp(kernel, kOwnBackwardHopper) == 0;
+}
+
 // Whether the backward computes dQ inside the dK/dV kernel (a head dim of
 // shared_dkdv_serves, no logit features, SYMHEAP_ATTN_OWN_BACKWARD unset/auto with
 // kDqFusedByDefault, or = pipelined_dq_fused; at head dim 256 = hopper, where
-// hopper256_backward_serves); never when the call asks for a deterministic
-// backward (its atomics and bulk reductions add in no fixed order).
+// hopper256_backward_serves; with logit features where
+// hopper_features_backward_serves); never when the call asks for a
+// deterministic backward (its atomics and bulk reductions add in no fixed
+// order).
 bool backward_fuses_dq(const Args& a, const cuda::KArgs& k, const char* kernel) {
-  if (a.deterministic || cuda::logit_features(k)) return false;
+  if (a.deterministic) return false;
+  if (cuda::logit_features(k)) return hopper_features_backward_serves(a, kernel);
   if (!shared_dkdv_serves(a.head_dim))
     return std::strcmp(kernel, kOwnBackwardHopper) == 0 && hopper256_backward_serves(a, k);
   if (std::strcmp(kernel, kOwnBackwardDqFused) == 0 || std::strcmp(kernel, kOwnBackwardHopper) == 0 ||

@@ -5,7 +5,7 @@ namespace symheap::attention::cuda {
 void run_forward_hopper_bf16(const Launch& l, const KArgs& p, HopperForward mode) {
   run_forward_hopper<__nv_bfloat16>(l, p, mode);
 }
-void run_dkdv_hopper_bf16(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
-  dkdv_hopper_bucket<__nv_bfloat16>(l, p, fuse_dq, tma);
+bool run_dkdv_hopper_bf16(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
+  return dkdv_hopper_bucket<__nv_bfloat16>(l, p, fuse_dq, tma);
 }
 }  // namespace symheap::attention::cuda

@@ -147,11 +147,7 @@ __global__ void __launch_bounds__(PipelinedDkvConfig<DB, kRows>::kThreads)
       if (kDoDk) *reinterpret_cast<uint4*>(dk + r * p.dk_sr + c * 8) = make_uint4(0, 0, 0, 0);
       if (kDoDv) *reinterpret_cast<uint4*>(dv + r * p.dv_sr + c * 8) = make_uint4(0, 0, 0, 0);
     }
-    if (dbias_rows_summed)
-      for (int idx = threadIdx.x; idx < cols * p.group; idx += NT) {
-        const int hq = hk * p.group + idx / cols, j = n0 + idx % cols;
-        p.dbias[b * p.dbias_sb + hq * p.dbias_sh + j * p.dbias_sk] = 0.0f;
-      }
+    if (dbias_rows_summed) zero_dbias_row_sums(p, b, hk, n0, cols, threadIdx.x, NT);
     return;
   }
 

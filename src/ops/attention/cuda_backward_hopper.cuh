@@ -1,5 +1,5 @@
-// Hopper dK/dV kernel, dQ fused or not (sm_90a; head dims 64 and 128, no logit
-// features): the products of the backward on wgmma (five with dQ fused; else
+// Hopper dK/dV kernel, dQ fused or not (sm_90a; head dims 64 and 128; the
+// logit features in the TMA-fed form with dQ fused, kFeatures): the products of the backward on wgmma (five with dQ fused; else
 // dQ comes from the pipelined dQ kernel, cuda_backward_dq_pipelined.cuh). One CTA per 128
 // keys of one (batch entry, kv head), two warpgroups of 64 keys; it walks
 // the query tiles (64 rows) of every query head of its group, as the
@@ -400,11 +400,19 @@ __device__ __forceinline__ void issue_s_dp(Mma& mma, const FragK& tSrK, const Fr
 // on K's zero rows to add nothing to dQ. The staged dQ rows past the end are
 // zeroed too, as the bulk reduction would add them to the next sequence's.
 // With those zeros the products see the tiles the cp.async copies make.
-template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false>
+// kFeatures (with kTma): the logit features (bias, mask, ALiBi, softcap,
+// dropout; the rule of LogitCtx, applied feature by feature over a thread's
+// fragment, one uniform branch a feature, as the forward kernels do) and the
+// bias gradient (DbiasSink), as the pipelined dK/dV kernel computes them.
+// Between P and dS a score keeps its P in the S^T registers, the sign saying
+// whether dropout kept it, and softcap's derivative in half precision (16
+// registers).
+template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false, bool kFeatures = false>
 __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads, 1)
     attention_bwd_dkdv_hopper_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
   static_assert(!kTma || kFuseDq, "the TMA kernel serves calls with dQ fused");
   static_assert(!kPacked || kTma, "kPacked is a form of the TMA kernel");
+  static_assert(!kFeatures || kTma, "the logit features are in the TMA kernel only");
   using namespace cute;
   using namespace hopper;
   using pipelined::RowRange;
@@ -466,7 +474,10 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
 
   E* dk = static_cast<E*>(p.dk) + b * p.dk_sb + (seq.k0 + n0) * p.dk_sr + hk * p.dk_sh;
   E* dv = static_cast<E*>(p.dv) + b * p.dv_sb + (seq.k0 + n0) * p.dv_sr + hk * p.dv_sh;
-  if (n_tiles == 0) return pipelined::zero_key_rows<DB, kTma ? 384 : NT>(dk, dv, p, cols);  // no row sees these keys
+  if (n_tiles == 0) {  // no row sees these keys
+    if constexpr (kFeatures) zero_dbias_row_sums(p, b, hk, n0, cols, threadIdx.x, kTma ? 384 : NT);
+    return pipelined::zero_key_rows<DB, kTma ? 384 : NT>(dk, dv, p, cols);
+  }
   // The maps' coordinates of this sequence: packed, its first rows in the one
   // batch entry; else row 0 of entry b.
   const int map_b = kPacked ? 0 : b;
@@ -592,6 +603,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   const int dq_row0 = ((tid % 128) / 32) * 16 + g, dq_col0 = (tid / 128 % C::kDqWarpgroups) * 64 + 2 * t;
   // Whether this thread's warpgroup computes tile it's dQ (warpgroup-uniform).
   auto dq_warpgroup = [&](int it) { return C::kDqWarpgroups == 2 || tid / 128 == (it & 1); };
+  float dbias_sum[2] = {0.0f, 0.0f};  // kFeatures, bias broadcast over query rows: this head's sums
 
   pipelined::TileCursor cur{0, 0};
   for (int it = 0; it < n_tiles; ++it) {
@@ -671,13 +683,56 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
         }
       }
     };
-    if (m0 >= full_lo && m0 + BM <= full_hi) softmax_p(std::false_type{});
-    else softmax_p(std::true_type{});
-#pragma unroll
-    for (int i = 0; i < BM / 2; i += 2) {
-      const uint32_t pp = Pack<T>::two(tSrS(i), tSrS(i + 1));
+    auto set_p_operand = [&](int i, float p0, float p1) {
+      const uint32_t pp = Pack<T>::two(p0, p1);
       tDrP(i) = reinterpret_cast<const E*>(&pp)[0];
       tDrP(i + 1) = reinterpret_cast<const E*>(&pp)[1];
+    };
+    // (kFeatures) Element k of S^T: query row row_of(k), key col_of(k); softcap's
+    // derivative there: half k % 2 of dcap2[k / 2].
+    auto row_of = [&](int k) { return m0 + (k >> 2) * 8 + 2 * t + (k & 1); };
+    auto col_of = [&](int k) { return n0 + key_row((k >> 1) & 1); };
+    __half2 dcap2[kFeatures ? BM / 4 : 1];
+    if constexpr (kFeatures) {
+      // The logit rule (window, mask and sequence ends too), in log2 units.
+      const LogitCtx logit(p, b, hq, seq);
+      logit.fragment_log2<BM / 2>(
+          p, [&](int k) -> float& { return tSrS(k); }, row_of, col_of, false, [&](int k, float d) {
+            if (k & 1) dcap2[k >> 1].y = __float2half_rn(d);
+            else dcap2[k >> 1].x = __float2half_rn(d);
+          });
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt) {
+        float2 l2;
+        if constexpr (kLseEarly) l2 = lse_early[nt];
+        else l2 = lse_pair(nt);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) tSrS(4 * nt + e) = exp2_fast(tSrS(4 * nt + e) - ((e & 1) ? l2.y : l2.x));
+      }
+      // dV takes P dropped out; dS (below) P and the dropout's verdict (the sign).
+      if (p.dropout) {
+        const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
+#pragma unroll
+        for (int k = 0; k < BM / 2; k += 2) {
+          float dropped[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int i = row_of(k + c), j = col_of(k + c);
+            const float keep = dropout_keep(p, dropout_quad(p, bh, i, j), j), pr = tSrS(k + c);
+            dropped[c] = pr * keep;
+            tSrS(k + c) = keep > 0.0f ? pr : -pr;
+          }
+          set_p_operand(k, dropped[0], dropped[1]);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < BM / 2; k += 2) set_p_operand(k, tSrS(k), tSrS(k + 1));
+      }
+    } else {
+      if (m0 >= full_lo && m0 + BM <= full_hi) softmax_p(std::false_type{});
+      else softmax_p(std::true_type{});
+#pragma unroll
+      for (int i = 0; i < BM / 2; i += 2) set_p_operand(i, tSrS(i), tSrS(i + 1));
     }
 
     // dV += P^T dO, running while dS is computed.
@@ -690,14 +745,49 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     warpgroup_wait<1>();  // dP^T landed; dV's product may still run
     warpgroup_fence_operand(tSrdP);
 
-    // dS = P (dP - delta) scale, over the fp32 P.
+    // dS = P (dP - delta) scale, over the fp32 P (kFeatures: ds = P (dP keep
+    // - delta), the bias gradient, then ds dcap scale).
+    if constexpr (kFeatures) {
+      if (p.dropout) {
 #pragma unroll
-    for (int nt = 0; nt < BM / 8; ++nt) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta + nt * 8 + 2 * t);
+        for (int k = 0; k < BM / 2; ++k) {
+          const float coded = tSrS(k);
+          tSrdP(k) *= coded < 0.0f ? 0.0f : p.keep_scale;
+          tSrS(k) = fabsf(coded);
+        }
+      }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int idx = 4 * nt + e;
-        tSrdP(idx) = tSrS(idx) * (tSrdP(idx) - ((e & 1) ? dl.y : dl.x)) * p.scale;
+      for (int nt = 0; nt < BM / 8; ++nt) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta + nt * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) tSrdP(4 * nt + e) = tSrS(4 * nt + e) * (tSrdP(4 * nt + e) - ((e & 1) ? dl.y : dl.x));
+      }
+      const DbiasSink dbias(p, b, hq, seq);
+      if (dbias.summed_rows()) {
+#pragma unroll
+        for (int k = 0; k < BM / 2; ++k) dbias_sum[(k >> 1) & 1] += tSrdP(k);
+        // The last tile of a head: its row sums of dS (uniform over the CTA).
+        if (cur.m + 1 == m_tiles) dbias.write_row_sums(dbias_sum, n0 + key_row0, t);
+      } else if (dbias.at) {
+#pragma unroll
+        for (int k = 0; k < BM / 2; ++k) dbias.store(tSrdP(k), row_of(k), col_of(k));
+      }
+      if (p.softcap > 0) {
+#pragma unroll
+        for (int k = 0; k < BM / 2; ++k)
+          tSrdP(k) *= __half2float((k & 1) ? dcap2[k >> 1].y : dcap2[k >> 1].x);
+      }
+#pragma unroll
+      for (int k = 0; k < BM / 2; ++k) tSrdP(k) *= p.scale;
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta + nt * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int idx = 4 * nt + e;
+          tSrdP(idx) = tSrS(idx) * (tSrdP(idx) - ((e & 1) ? dl.y : dl.x)) * p.scale;
+        }
       }
     }
     // dS^T into shared memory for dK and dQ, four stmatrix groups (above

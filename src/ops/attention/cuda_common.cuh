@@ -266,6 +266,11 @@ __device__ __forceinline__ float2 bias_pair(uint32_t bits, int dtype) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
 }
 
+// fragment_log2's default sink for softcap's derivative: none wanted.
+struct NoDcapSink {
+  __device__ __forceinline__ void operator()(int, float) const {}
+};
+
 // Per-(batch, query head) context of the logit rule.
 struct LogitCtx {
   const char* bias;     // at [b, head, 0, 0]
@@ -322,16 +327,22 @@ struct LogitCtx {
   // accumulator fragment: element k is x(k), at query row row_of(k) and key
   // col_of(k). Each feature is tested once for the fragment, not once per
   // element (per-element branches cost several times the arithmetic). With
-  // skip_bias the caller adds the bias itself (from shared memory).
-  template <int N, class X, class Row, class Col>
-  __device__ __forceinline__ void fragment_log2(const KArgs& p, X x, Row row_of, Col col_of,
-                                                bool skip_bias) const {
+  // skip_bias the caller adds the bias itself (from shared memory). With
+  // softcap, dcap(k, d) receives element k's d logit / d (scale q.k) (for the
+  // backward; the forward's sink drops it).
+  template <int N, class X, class Row, class Col, class Dcap = NoDcapSink>
+  __device__ __forceinline__ void fragment_log2(const KArgs& p, X x, Row row_of, Col col_of, bool skip_bias,
+                                                Dcap dcap = {}) const {
     constexpr float kLog2e = 1.4426950408889634f;
 #pragma unroll
     for (int k = 0; k < N; ++k) x(k) *= p.scale;
     if (p.softcap > 0) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) x(k) = p.softcap * tanh_fast(x(k) * inv_softcap);
+      for (int k = 0; k < N; ++k) {
+        const float t = tanh_fast(x(k) * inv_softcap);
+        x(k) = p.softcap * t;
+        dcap(k, 1.0f - t * t);
+      }
     }
     if (bias && !skip_bias) {
       const int dtype = p.bias_dtype;
@@ -402,6 +413,11 @@ struct DbiasSink {
   // writes them once per head (write_row_sums).
   __device__ __forceinline__ bool summed_rows() const { return at && sq == 0; }
 
+  // ds of score (i, j) at (i, j), inside the sequence (not summed_rows()).
+  __device__ __forceinline__ void store(float ds, int i, int j) const {
+    if (i < rows && j < cols) at[i * sq + j * sk] = ds;
+  }
+
   // Records ds of score (i, j): into `row_sum` (this key's sum) or at (i, j).
   __device__ __forceinline__ void record(float ds, int i, int j, float* row_sum) const {
     if (!at) return;
@@ -422,6 +438,18 @@ struct DbiasSink {
     }
   }
 };
+
+// A dK/dV CTA whose keys (n0 .. n0 + cols of kv head hk) no query row sees:
+// with dbias summed over the query rows, those keys' sums are zero for every
+// query head of the group (threads `thread` of `nthreads`).
+__device__ __forceinline__ void zero_dbias_row_sums(const KArgs& p, int b, int hk, int n0, int cols, int thread,
+                                                    int nthreads) {
+  if (!p.dbias || p.dbias_sq != 0) return;
+  for (int idx = thread; idx < cols * p.group; idx += nthreads) {
+    const int hq = hk * p.group + idx / cols, j = n0 + idx % cols;
+    p.dbias[b * p.dbias_sb + hq * p.dbias_sh + j * p.dbias_sk] = 0.0f;
+  }
+}
 
 // Gradient of one score: ds = d loss / d logit = P (dP keep - delta), with P
 // the probability before dropout and keep its dropout factor (0 or

@@ -213,28 +213,42 @@ inline bool encode_backward_maps(BwdTmaMaps* m, const KArgs& p, bool bf16) {
 }
 
 // The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
-template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false>
+template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false, bool kFeatures = false>
 void dkdv_hopper(const Launch& l, const KArgs& p, const BwdTmaMaps& maps) {
   using C = HopperDkvConfig<T, DB>;
   static ReadyDevices ready{0};
-  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq, kTma, kPacked>,
+  const char* name = kFeatures ? (kPacked ? "dkdv_hopper_features_packed" : "dkdv_hopper_features")
+                     : kPacked ? "dkdv_hopper_dq_tma_packed"
+                     : kTma    ? "dkdv_hopper_dq_tma"
+                     : kFuseDq ? "dkdv_hopper_dq"
+                               : "dkdv_hopper";
+  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq, kTma, kPacked, kFeatures>,
          dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch), kTma ? 384 : C::kThreads,
-         kTma ? C::kSmemTma : C::kSmem, p,
-         kPacked ? "dkdv_hopper_dq_tma_packed" : kTma ? "dkdv_hopper_dq_tma" : kFuseDq ? "dkdv_hopper_dq" : "dkdv_hopper",
-         DB, ready, maps);
+         kTma ? C::kSmemTma : C::kSmem, p, name, DB, ready, maps);
 }
 
 // `tma` (with dQ fused): fed by TMA where the maps encode (the batch layout;
 // packed calls in a form of their own), else by the consumers' cp.async copies.
+// A call with logit features runs only the TMA-fed form: false when its maps
+// do not encode (nothing launched; the caller runs the pipelined kernels).
 template <class T, int DB>
-void dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
+bool dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
   static const BwdTmaMaps no_maps{};
+  const bool features = logit_features(p);
   if (fuse_dq && tma) {
     BwdTmaMaps maps;
-    if (encode_backward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>))
-      return p.cu_q ? dkdv_hopper<T, DB, true, true, true>(l, p, maps) : dkdv_hopper<T, DB, true, true>(l, p, maps);
+    if (encode_backward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>)) {
+      if (features)
+        p.cu_q ? dkdv_hopper<T, DB, true, true, true, true>(l, p, maps)
+               : dkdv_hopper<T, DB, true, true, false, true>(l, p, maps);
+      else
+        p.cu_q ? dkdv_hopper<T, DB, true, true, true>(l, p, maps) : dkdv_hopper<T, DB, true, true>(l, p, maps);
+      return true;
+    }
   }
+  if (features) return false;
   fuse_dq ? dkdv_hopper<T, DB, true>(l, p, no_maps) : dkdv_hopper<T, DB, false>(l, p, no_maps);
+  return true;
 }
 // Head dim 256 (the batch layout, every tensor addressable by TMA:
 // hopper256_backward_serves admits only such calls): its own kernel, 64 keys a
@@ -258,9 +272,12 @@ void dkdv_hopper256(const Launch& l, const KArgs& p, bool fuse_dq) {
            maps);
 }
 template <class T>
-void dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
-  if (p.d == 256) return dkdv_hopper256<T>(l, p, fuse_dq);
-  p.d == 64 ? dkdv_hopper_dim<T, 64>(l, p, fuse_dq, tma) : dkdv_hopper_dim<T, 128>(l, p, fuse_dq, tma);
+bool dkdv_hopper_bucket(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
+  if (p.d == 256) {
+    dkdv_hopper256<T>(l, p, fuse_dq);
+    return true;
+  }
+  return p.d == 64 ? dkdv_hopper_dim<T, 64>(l, p, fuse_dq, tma) : dkdv_hopper_dim<T, 128>(l, p, fuse_dq, tma);
 }
 
 // The head dims of pipelined_forward_serves.

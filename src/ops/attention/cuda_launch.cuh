@@ -185,13 +185,18 @@ void launch_delta(const Launch& l, const KArgs& p, int64_t rows, ReadyDevices& r
 }
 
 // The Hopper dK/dV kernel (attention_cuda.cu picks the type's instance); `tma`
-// (with fuse_dq): fed by a TMA producer where the call allows it.
-void run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq, bool tma);
+// (with fuse_dq): fed by a TMA producer where the call allows it. False when
+// nothing ran: a call with logit features whose tensor maps do not encode.
+bool run_dkdv_hopper(const Launch& l, const KArgs& p, bool f16, bool fuse_dq, bool tma);
+
+template <class T, int DB, bool kFeatures>
+void dkdv_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant);  // below
 
 // The backward with dQ fused into the dK/dV kernel (the head dims of
-// shared_dkdv_serves, and 256 on the Hopper kernel; no logit features): delta
-// (its kernel also zeroes the fp32 workspace), dK/dV (the shared-fragment
-// kernel, or the Hopper one) + dQ, then dQ converted into its dtype.
+// shared_dkdv_serves, and 256 on the Hopper kernel; logit features only on
+// the Hopper kernel at 64 and 128): delta (its kernel also zeroes the fp32
+// workspace), dK/dV (the shared-fragment kernel, or the Hopper one) + dQ, then
+// dQ converted into its dtype.
 template <class T, int DB>
 void backward_dq_fused(const Launch& l, const KArgs& p, bool hopper, bool hopper_tma) {
   static ReadyDevices ready_delta{0};
@@ -199,8 +204,16 @@ void backward_dq_fused(const Launch& l, const KArgs& p, bool hopper, bool hopper
   if (p.seqlen_q > 0) launch_delta<T, DB, true>(l, p, rows, ready_delta);
   if (p.seqlen_k > 0) {
     if constexpr (shared_dkdv_serves(DB)) {
-      if (hopper) run_dkdv_hopper(l, p, std::is_same_v<T, __half>, true, hopper_tma);
-      else dkdv_shared<T, DB, true>(l, p);
+      if (hopper) {
+        if (!run_dkdv_hopper(l, p, std::is_same_v<T, __half>, true, hopper_tma)) {
+          // Logit features whose maps did not encode: the pipelined kernels
+          // write dQ themselves (the zeroed workspace stays unread).
+          if (p.seqlen_q > 0) dq_pipelined<T, DB, true>(l, p, false);
+          return dkdv_pipelined<T, DB, true>(l, p, BackwardVariant{});
+        }
+      } else {
+        dkdv_shared<T, DB, true>(l, p);
+      }
     } else {  // head dim 256: the Hopper kernel only (backward_fuses_dq)
       run_dkdv_hopper(l, p, std::is_same_v<T, __half>, true, true);
     }
@@ -238,8 +251,9 @@ template <class T, int DB>
 void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant) {
   static ReadyDevices ready_delta{0};
   const bool features = logit_features(p);
+  // (dq_fused with logit features: the Hopper kernel serves them, backward_fuses_dq)
   if constexpr (shared_dkdv_serves(DB) || DB == 256) {
-    if (variant.dq_fused && !features) return backward_dq_fused<T, DB>(l, p, variant.hopper, variant.hopper_tma);
+    if (variant.dq_fused) return backward_dq_fused<T, DB>(l, p, variant.hopper, variant.hopper_tma);
   }
   if (p.seqlen_q > 0) {
     launch_delta<T, DB, false>(l, p, dq_rows(p), ready_delta);
@@ -248,8 +262,10 @@ void backward_pipelined(const Launch& l, const KArgs& p, BackwardVariant variant
   }
   if (p.seqlen_k > 0) {
     if constexpr (shared_dkdv_serves(DB) || DB == 256) {
-      if (variant.hopper && !features && (DB != 256 || variant.hopper256))
-        return run_dkdv_hopper(l, p, std::is_same_v<T, __half>, false, false);
+      if (variant.hopper && !features && (DB != 256 || variant.hopper256)) {
+        run_dkdv_hopper(l, p, std::is_same_v<T, __half>, false, false);
+        return;
+      }
     }
     if (features) dkdv_pipelined<T, DB, true>(l, p, variant);
     else dkdv_pipelined<T, DB, false>(l, p, variant);
@@ -354,8 +370,8 @@ void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, Backward
 enum class HopperForward { kLockstep, kPingpong, kTma };
 void run_forward_hopper_f16(const Launch& l, const KArgs& p, HopperForward mode);
 void run_forward_hopper_bf16(const Launch& l, const KArgs& p, HopperForward mode);
-void run_dkdv_hopper_f16(const Launch& l, const KArgs& p, bool fuse_dq, bool tma);
-void run_dkdv_hopper_bf16(const Launch& l, const KArgs& p, bool fuse_dq, bool tma);
+bool run_dkdv_hopper_f16(const Launch& l, const KArgs& p, bool fuse_dq, bool tma);
+bool run_dkdv_hopper_bf16(const Launch& l, const KArgs& p, bool fuse_dq, bool tma);
 void require_hopper(int device);
 
 }  // namespace symheap::attention::cuda
