@@ -707,6 +707,37 @@ def test_tma_forward_features(D, feature, dtype, Sq, Sk, persistent, monkeypatch
         check_case(case, check_grads=False, causal=True, **opts)
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("feature", ["bias", "bias_broadcast", "mask", "softcap", "alibi", "dropout", "all"])
+@pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000)])
+def test_tma_forward_logit_features(D, feature, Sq, Sk, monkeypatch):
+    """The logit features under "hopper" (the default): the TMA-fed kernel's
+    feature form runs at head dims 128 and 256 without a bias, the lockstep
+    kernel's (bias tiles through shared memory) otherwise; outputs and lse meet
+    the fp32 reference's rule, causal and not."""
+    if D != 128:
+        tma_forward(monkeypatch, D, True)
+    else:
+        own_forward(monkeypatch, "hopper")
+    make_kw, opts = FEATURES[feature]
+    make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
+                   if isinstance(v, tuple) else v) for k, v in make_kw.items()}
+    make_kw.setdefault("Hkv", 4)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, seed=D * 3 + Sq + Sk, **make_kw)
+    names = forward_kernel_names(lambda: flash_attn_func(case["q"], case["k"], case["v"],
+                                                         **dict(case["kwargs"], **opts)))
+    features_tma = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true>",
+                    rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1E")
+    features_lockstep = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?false, ?false>",
+                         rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb0ELb0E")
+    want_tma = D != 64 and not feature.startswith("bias") and feature != "all"
+    assert any(re.search(x, n) for n in names for x in (features_tma if want_tma else features_lockstep)), names
+    assert not any(re.search(x, n) for n in names for x in (features_lockstep if want_tma else features_tma)), names
+    check_case(case, check_grads=False, **opts)
+    if "window_size" not in opts:
+        check_case(case, check_grads=False, causal=True, **opts)
+
+
 TMA_FORWARD_SHAPES = [(128, 128), (300, 257), (1000, 1000), (129, 4099), (2048, 2048)]
 TMA_FORWARD_OPTS = [dict(), dict(causal=True), dict(window_size=(300, 40)),
                     dict(softmax_scale=-0.25), dict(causal=True, softmax_scale=-0.25)]

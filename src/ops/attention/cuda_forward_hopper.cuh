@@ -445,13 +445,17 @@ struct FwdTmaMaps {
 // copies, and setmaxnreg moves registers from the producer to them.
 // At head dims 64 and 256 only the TMA form exists (HopperPingpongConfig);
 // the cp.async feed's prefetch distance assumes three stages.
+// kFeatures with kTma (head dims 128 and 256, forward_hopper_bucket): the logit
+// features in the TMA form; a bias would be read by fragment_log2 from global
+// memory (no stage of it in shared memory there), so bias calls take the
+// lockstep kernel.
 template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false>
 __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
                                   kPingpong ? 1 : HopperFwdConfig<T, DB>::min_blocks(kFeatures))
     attention_fwd_hopper_kernel(const KArgs p, const __grid_constant__ FwdTmaMaps maps) {
   static_assert(!(kLean && kFeatures), "the lean softmax has no logit features");
-  static_assert(!kPingpong || (!kFeatures && (DB == 128 || kTma)),
-                "the pingpong kernel serves head dim 128 (64 and 256: fed by TMA) without features");
+  static_assert(!kPingpong || DB == 128 || kTma, "the pingpong kernel serves head dim 128 (64 and 256: fed by TMA)");
+  static_assert(!kPingpong || !kFeatures || kTma, "the logit features in the TMA-fed pingpong kernel only");
   static_assert(!kTma || kPingpong, "the TMA kernel is a pingpong kernel");
   using namespace cute;
   using namespace hopper;
@@ -496,7 +500,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
 
   // The bias through shared memory (kFeatures): each warp's own rows.
   const LogitCtx logit(p, b, hq, seq);
-  const bool bias_tiles = kFeatures && bias_rows_copyable(p);
+  const bool bias_tiles = kFeatures && !kPingpong && bias_rows_copyable(p);
   uint16_t* bias_s = reinterpret_cast<uint16_t*>(v_s + C::kKVElems) + (tid / 32) * 16 * BN;
   auto load_bias_tile = [&](int buf, int n) {
     load_bias_rows<BN>(bias_s + buf * 8 * 16 * BN, logit.bias, p, m0 + warp_row0, n, seq.sq, seq.sk, lane);

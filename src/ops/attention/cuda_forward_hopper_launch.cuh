@@ -86,9 +86,9 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
   using C = HopperFwdKernelConfig<T, DB, kPingpong>;
   static ReadyDevices ready{0};
   launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma>,
-         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), kTma ? 384 : C::kThreads, C::smem(kFeatures),
-         p,
-         kFeatures  ? "fwd_hopper_features"
+         dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), kTma ? 384 : C::kThreads,
+         C::smem(kFeatures && !kPingpong), p,
+         kFeatures   ? (kTma ? "fwd_hopper_tma_features" : "fwd_hopper_features")
          : kTma      ? (kLean ? "fwd_hopper_tma_lean" : "fwd_hopper_tma")
          : kPingpong ? (kLean ? "fwd_hopper_pingpong_lean" : "fwd_hopper_pingpong")
          : kLean     ? "fwd_hopper_lean"
@@ -143,6 +143,11 @@ inline bool d256_tma_forward() { return tma_forward_switch_on("SYMHEAP_ATTN_FWD_
 
 // The logit features compiled in only when the call uses one; without them
 // the lean softmax for a positive scale (as forward_pipelined_plain decides).
+// With them, at head dims 128 and 256 without a bias, the TMA kernel where
+// its maps encode (on H200, S 4096: 1.16-1.21x the lockstep kernel at 128,
+// 1.19-1.44x at 256); else the lockstep kernel, whose bias tiles come through
+// shared memory (the TMA kernel reads the bias element by element: 0.47x at
+// 128) and which equals the TMA kernel at head dim 64.
 // Head dim 128 without them: `mode` picks the kernel whose warpgroups take
 // turns (kPingpong), that one fed by a TMA producer (kTma; a call TMA cannot
 // address takes kPingpong), or the lockstep one. Head dims 64 and 256: kTma
@@ -151,17 +156,21 @@ inline bool d256_tma_forward() { return tma_forward_switch_on("SYMHEAP_ATTN_FWD_
 template <class T, int DB>
 void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) {
   static const FwdTmaMaps no_maps{};
-  if (logit_features(p)) return forward_hopper<T, DB, true, false>(l, p, no_maps);
-  const bool lean = p.scale > 1e-30f;
+  const bool lean = p.scale > 1e-30f, features = logit_features(p);
   if (mode == HopperForward::kTma) {
     FwdTmaMaps maps;
-    if (encode_forward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>, HopperPingpongConfig<T, DB>::kBlockN)) {
+    const bool tma_features = DB != 64 && features && !p.bias;
+    if ((!features || tma_features) &&
+        encode_forward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>, HopperPingpongConfig<T, DB>::kBlockN)) {
+      if constexpr (DB != 64)
+        if (features) return forward_hopper<T, DB, true, false, true, true>(l, p, maps);
       if (forward_hopper_persistent<T, DB>(l, p, maps, lean)) return;
       if (lean) return forward_hopper<T, DB, false, true, true, true>(l, p, maps);
       return forward_hopper<T, DB, false, false, true, true>(l, p, maps);
     }
     mode = HopperForward::kPingpong;
   }
+  if (features) return forward_hopper<T, DB, true, false>(l, p, no_maps);
   if constexpr (DB == 128) {
     if (mode == HopperForward::kPingpong) {
       if (lean) return forward_hopper<T, DB, false, true, true>(l, p, no_maps);
