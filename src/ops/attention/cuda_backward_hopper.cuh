@@ -1,5 +1,6 @@
 // Hopper dK/dV kernel, dQ fused or not (sm_90a; head dims 64 and 128; the
-// logit features in the TMA-fed form with dQ fused, kFeatures): the products of the backward on wgmma (five with dQ fused; else
+// logit features in the TMA-fed form with dQ fused, kFeatures): the products
+// of the backward on wgmma (five with dQ fused; else
 // dQ comes from the pipelined dQ kernel, cuda_backward_dq_pipelined.cuh). One CTA per 128
 // keys of one (batch entry, kv head), two warpgroups of 64 keys; it walks
 // the query tiles (64 rows) of every query head of its group, as the
@@ -760,7 +761,10 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       for (int nt = 0; nt < BM / 8; ++nt) {
         const float2 dl = *reinterpret_cast<const float2*>(delta + nt * 8 + 2 * t);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) tSrdP(4 * nt + e) = tSrS(4 * nt + e) * (tSrdP(4 * nt + e) - ((e & 1) ? dl.y : dl.x));
+        for (int e = 0; e < 4; ++e) {
+          const int idx = 4 * nt + e;
+          tSrdP(idx) = tSrS(idx) * (tSrdP(idx) - ((e & 1) ? dl.y : dl.x));
+        }
       }
       const DbiasSink dbias(p, b, hq, seq);
       if (dbias.summed_rows()) {

@@ -364,9 +364,10 @@ void run_forward_bf16(const Launch& l, const KArgs& p, bool pipelined, bool prev
 void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant);
 // Defined in attention_cuda_hopper_{f16,bf16}.cu, built with CUTLASS's headers
 // (SYMHEAP_WITH_HOPPER_ATTN); attention_cuda.cu checks the device first.
-// `mode`: which Hopper forward a call without logit features takes (kTma at
-// every head dim where TMA can address the call; kPingpong at head dim 128
-// only; with logit features the lockstep kernel is the only one).
+// `mode`: which Hopper forward a call takes (kTma at every head dim where TMA
+// can address the call; kPingpong at head dim 128 only, without logit
+// features; with them forward_hopper_bucket picks the TMA kernel or the
+// lockstep one).
 enum class HopperForward { kLockstep, kPingpong, kTma };
 void run_forward_hopper_f16(const Launch& l, const KArgs& p, HopperForward mode);
 void run_forward_hopper_bf16(const Launch& l, const KArgs& p, HopperForward mode);

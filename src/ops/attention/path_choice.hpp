@@ -101,8 +101,9 @@ inline constexpr const char* kOwnBackwardDkdvUnshared = "pipelined_dkdv_unshared
 inline constexpr const char* kOwnBackwardDqFused = "pipelined_dq_fused";
 inline constexpr const char* kOwnBackwardDqSeparate = "pipelined_dq_separate";
 // = "hopper": the Hopper dK/dV kernel (cuda_backward_hopper.cuh: every
-// product on wgmma) at head dims 64 and 128 without logit features, with dQ
-// fused into it where the default fuses it (not for deterministic calls);
+// product on wgmma) at head dims 64 and 128, with dQ fused into it where the
+// default fuses it (not for deterministic calls; with logit features only
+// fused, in its TMA-fed form);
 // = "hopper_dq_separate": the same kernel with dQ always from the pipelined
 // dQ kernel. With dQ fused (packed calls too), a producer warpgroup feeds it
 // by TMA; = "hopper_cp_async" forces the kernel fed by its own cp.async
@@ -120,8 +121,8 @@ inline constexpr const char* kOwnBackwardHopperCpAsync = "hopper_cp_async";
 inline constexpr bool kDqFusedByDefault = true;
 // The default backward where the Hopper kernels are built, per head dim: the
 // Hopper dK/dV kernel with dQ fused ("hopper"), and what a call that cannot
-// fuse dQ (deterministic, logit features, no room for the accumulator) runs
-// instead. At 64 and 128 (cuda_backward_hopper.cuh, dQ fed back by TMA
+// fuse dQ (deterministic, no room for the accumulator) runs instead (with
+// logit features: the pipelined kernels). At 64 and 128 (cuda_backward_hopper.cuh, dQ fed back by TMA
 // reductions): fwd+bwd 1.22-1.28x the cp.async-fed form at 128, which was
 // 7-9% faster than the shared-fragment kernel on H100; at 64 0.96-1.11x the
 // shared-fragment kernel on H200; without dQ it loses to the pipelined
