@@ -1,7 +1,8 @@
 """bench/attn_feature_bench.py --smoke on the cpu: every feature row (bias with its
-gradient, causal window, softcap, GQA, varlen) runs forward and forward+backward, with the
-variant column and SDPA where an explicit mask expresses the row, and the script exits
-non-zero when an output differs from the fp32 reference. The GPU figures come from the
+gradient, causal window, softcap, GQA, varlen, boolean mask, ALiBi, dropout) runs forward
+and forward+backward, with the variant columns (--compare-forward, --compare-backward) and
+SDPA where an explicit mask expresses the row, and the script exits non-zero when an
+output differs from the fp32 reference (dropout's through the call's keep mask). The GPU figures come from the
 script itself on a GPU (bench/RESULTS.md)."""
 import os
 import subprocess
@@ -21,13 +22,15 @@ def run(*args):
 
 
 def test_every_feature_row_runs_and_matches_the_reference():
-    proc = run("--smoke", "--compare-forward", "pipelined")
+    proc = run("--smoke", "--compare-forward", "pipelined", "--compare-backward", "pipelined_dq_separate")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {line.split("|")[0].strip(): line for line in proc.stdout.splitlines() if "|" in line}
-    for feature in ("bias", "window", "softcap", "gqa", "varlen"):
+    assert "variant fwd+bwd" in rows["feature"], rows["feature"]
+    for feature in ("bias", "window", "softcap", "gqa", "varlen", "mask", "alibi", "dropout"):
         assert feature in rows, proc.stdout
         assert "error" not in rows[feature] and "variant" in rows[feature], rows[feature]
-    for feature in ("bias", "window", "gqa"):  # SDPA can say these rows
+        assert len(rows[feature].split("|")) == 6, rows[feature]  # every column filled
+    for feature in ("bias", "window", "gqa", "mask"):  # SDPA can say these rows
         assert "n/a" not in rows[feature], rows[feature]
 
 
