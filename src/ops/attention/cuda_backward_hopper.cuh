@@ -748,6 +748,17 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
 
     // dS = P (dP - delta) scale, over the fp32 P (kFeatures: ds = P (dP keep
     // - delta), the bias gradient, then ds dcap scale).
+    auto ds_times = [&](float factor) {
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta + nt * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int idx = 4 * nt + e;
+          tSrdP(idx) = tSrS(idx) * (tSrdP(idx) - ((e & 1) ? dl.y : dl.x)) * factor;
+        }
+      }
+    };
     if constexpr (kFeatures) {
       if (p.dropout) {
 #pragma unroll
@@ -757,15 +768,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
           tSrS(k) = fabsf(coded);
         }
       }
-#pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt) {
-        const float2 dl = *reinterpret_cast<const float2*>(delta + nt * 8 + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int idx = 4 * nt + e;
-          tSrdP(idx) = tSrS(idx) * (tSrdP(idx) - ((e & 1) ? dl.y : dl.x));
-        }
-      }
+      ds_times(1.0f);
       const DbiasSink dbias(p, b, hq, seq);
       if (dbias.summed_rows()) {
 #pragma unroll
@@ -784,15 +787,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
 #pragma unroll
       for (int k = 0; k < BM / 2; ++k) tSrdP(k) *= p.scale;
     } else {
-#pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt) {
-        const float2 dl = *reinterpret_cast<const float2*>(delta + nt * 8 + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int idx = 4 * nt + e;
-          tSrdP(idx) = tSrS(idx) * (tSrdP(idx) - ((e & 1) ? dl.y : dl.x)) * p.scale;
-        }
-      }
+      ds_times(p.scale);
     }
     // dS^T into shared memory for dK and dQ, four stmatrix groups (above
     // ds_stmatrix_offset).
