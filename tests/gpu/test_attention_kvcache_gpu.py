@@ -316,3 +316,52 @@ def test_auto_kernel_choice(D, waves, more, expected, monkeypatch):
             assert not torch.equal(bits(outs[expected]), bits(outs[other])), \
                 f"{expected} and {other} gave the same bits: this case cannot tell which one ran"
     assert torch.equal(bits(outs["auto"]), bits(outs[expected])), f"auto did not run {expected}"
+
+
+def balanced_split_count(pairs, sms):
+    """The split rule of decode_cuda.cu's balanced_splits: the fewest splits (at
+    most 8) whose CTAs fill their last round of SMs to within 1/1.15, else the
+    fullest."""
+    best, best_fill = 1, 0.0
+    for s in range(1, 9):
+        ctas = pairs * s
+        fill = ctas / (-(-ctas // sms) * sms)
+        if fill * 1.15 >= 1.0:
+            return s
+        if fill > best_fill:
+            best, best_fill = s, fill
+    return best
+
+
+@pytest.mark.parametrize("extra", [1, 4])
+def test_long_cache_balanced_splits(extra, monkeypatch):
+    """Unforced, a cache of at least 16k keys whose (sequence, kv head) pairs
+    pass one round of SMs runs the wide keys-major kernel split by the balanced
+    rule: bit for bit the forced wide kernel with that split count, not with one
+    split, and right against the reference."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(100 + extra)
+    Hq, Hkv, D = 32, 8, 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B = sms // Hkv + extra
+    splits = balanced_split_count(B * Hkv, sms)
+    assert splits > 1, "the case must pick a split count other than one"
+    capacity = 16384
+    lengths = [int(n) for n in torch.randint(capacity // 2, capacity + 1, (B,), generator=gen)]
+    cache = Cache(B=B, capacity=capacity, Hkv=Hkv, D=D, dtype=dtype, device="cuda", gen=gen,
+                  lengths=lengths, block_size=256)
+    q = torch.randn((B, 1, Hq, D), generator=gen).to(device="cuda", dtype=dtype)
+    monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", "auto")
+    auto, _ = run_and_check(cache, lengths, q, None, Hq, {}, tol=TOL[dtype])
+    monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", "keys_major")
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+    def forced_run(num_splits):  # (its result is auto's if the bits match; auto's met the reference)
+        out = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens,
+                                      block_table=cache.block_table, num_splits=num_splits)
+        kvcache_check()
+        return out
+
+    forced, unsplit = forced_run(splits), forced_run(1)
+    assert not torch.equal(bits(forced), bits(unsplit)), "one split gave the same bits: the case cannot tell"
+    assert torch.equal(bits(auto), bits(forced)), f"auto did not run the wide kernel with {splits} splits"

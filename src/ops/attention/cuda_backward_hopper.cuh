@@ -697,8 +697,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     if constexpr (kFeatures) {
       // The logit rule (window, mask and sequence ends too), in log2 units.
       const LogitCtx logit(p, b, hq, seq);
+      const bool full = m0 >= full_lo && m0 + BM <= full_hi && m0 + BM <= seq.sq && cols == BN;
       logit.fragment_log2<BM / 2>(
-          p, [&](int k) -> float& { return tSrS(k); }, row_of, col_of, false, [&](int k, float d) {
+          p, [&](int k) -> float& { return tSrS(k); }, row_of, col_of, false, full, [&](int k, float d) {
             if (k & 1) dcap2[k >> 1].y = __float2half_rn(d);
             else dcap2[k >> 1].x = __float2half_rn(d);
           });

@@ -323,16 +323,58 @@ struct LogitCtx {
     return visible ? x : -INFINITY;
   }
 
+  // fragment_log2's bias and mask passes. An element outside the sequence
+  // reads element 0 (and is hidden). The bias: one loop per dtype, so a
+  // pass's loads issue together (a dtype branch per element serialised them).
+  template <int N, class X, class Row, class Col>
+  __device__ __forceinline__ void add_bias(const KArgs& p, X x, Row row_of, Col col_of) const {
+    auto at = [&](int k) -> int64_t {
+      const int i = row_of(k), j = col_of(k);
+      return (i < sq) & (j < sk) ? i * p.bias_sq + j * p.bias_sk : 0;
+    };
+    const void* base = bias;
+    if (p.bias_dtype == 0) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) x(k) += static_cast<const float*>(base)[at(k)];
+    } else if (p.bias_dtype == 1) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) x(k) += __half2float(static_cast<const __half*>(base)[at(k)]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) x(k) += __bfloat162float(static_cast<const __nv_bfloat16*>(base)[at(k)]);
+    }
+  }
+  // The mask: with the keys contiguous (the usual case), a row pointer per
+  // row and the key as an offset from it.
+  template <int N, class X, class Row, class Col>
+  __device__ __forceinline__ void apply_mask(const KArgs& p, X x, Row row_of, Col col_of) const {
+    auto inside = [&](int k) { return (row_of(k) < sq) & (col_of(k) < sk); };
+    if (p.mask_sk == 1) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const bool in = inside(k);
+        const uint8_t* r = mask + (in ? row_of(k) * p.mask_sq : 0);
+        if (!__ldg(r + (in ? col_of(k) : 0))) x(k) = -INFINITY;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k)
+        if (!mask[inside(k) ? row_of(k) * p.mask_sq + col_of(k) * p.mask_sk : 0]) x(k) = -INFINITY;
+    }
+  }
+
   // The same rule, as logits in log2 units, over N elements of one thread's
   // accumulator fragment: element k is x(k), at query row row_of(k) and key
   // col_of(k). Each feature is tested once for the fragment, not once per
   // element (per-element branches cost several times the arithmetic). With
-  // skip_bias the caller adds the bias itself (from shared memory). With
-  // softcap, dcap(k, d) receives element k's d logit / d (scale q.k) (for the
-  // backward; the forward's sink drops it).
+  // skip_bias the caller adds the bias itself (from shared memory). `full`:
+  // every element is inside the sequence and the window (the caller's tile
+  // test), so the visibility pass, a dozen instructions an element, is
+  // skipped. With softcap, dcap(k, d) receives element k's d logit / d
+  // (scale q.k) (for the backward; the forward's sink drops it).
   template <int N, class X, class Row, class Col, class Dcap = NoDcapSink>
   __device__ __forceinline__ void fragment_log2(const KArgs& p, X x, Row row_of, Col col_of, bool skip_bias,
-                                                Dcap dcap = {}) const {
+                                                bool full, Dcap dcap = {}) const {
     constexpr float kLog2e = 1.4426950408889634f;
 #pragma unroll
     for (int k = 0; k < N; ++k) x(k) *= p.scale;
@@ -344,33 +386,25 @@ struct LogitCtx {
         dcap(k, 1.0f - t * t);
       }
     }
-    if (bias && !skip_bias) {
-      const int dtype = p.bias_dtype;
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const int i = row_of(k), j = col_of(k);  // outside the sequence: element 0, hidden below
-        x(k) += load_bias(bias, dtype, (i < sq) & (j < sk) ? i * p.bias_sq + j * p.bias_sk : 0);
-      }
-    }
+    if (bias && !skip_bias) add_bias<N>(p, x, row_of, col_of);
     if (slope != 0.0f) {
 #pragma unroll
       for (int k = 0; k < N; ++k) x(k) -= slope * fabsf(static_cast<float>(row_of(k) + sk - sq - col_of(k)));
     }
-    const bool left = p.win_left >= 0, right = p.win_right >= 0;
+    if (full) {
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const int i = row_of(k), j = col_of(k), diag = i + sk - sq;
-      const bool visible = (j < sk) & (i < sq) & (!left | (j >= diag - p.win_left)) &
-                           (!right | (j <= diag + p.win_right));
-      x(k) = visible ? x(k) * kLog2e : -INFINITY;
-    }
-    if (mask) {
+      for (int k = 0; k < N; ++k) x(k) *= kLog2e;
+    } else {
+      const bool left = p.win_left >= 0, right = p.win_right >= 0;
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        const int i = row_of(k), j = col_of(k);  // outside the sequence: already -inf
-        if (!mask[(i < sq) & (j < sk) ? i * p.mask_sq + j * p.mask_sk : 0]) x(k) = -INFINITY;
+        const int i = row_of(k), j = col_of(k), diag = i + sk - sq;
+        const bool visible = (j < sk) & (i < sq) & (!left | (j >= diag - p.win_left)) &
+                             (!right | (j <= diag + p.win_right));
+        x(k) = visible ? x(k) * kLog2e : -INFINITY;
       }
     }
+    if (mask) apply_mask<N>(p, x, row_of, col_of);
   }
 };
 

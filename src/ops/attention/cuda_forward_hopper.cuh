@@ -657,9 +657,10 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
     // Logits in log2 units (raw scores for kLean); -inf where hidden.
     if constexpr (kFeatures) {
       // Element i: row g + 8 h, key 8 nt + 2 t + c (i = 4 nt + 2 h + c).
+      const bool full = n0 >= last.lo && n0 + BN <= first.hi && m0 + BM <= seq.sq;
       logit.fragment_log2<BN / 2>(
           p, [&](int i) -> float& { return tSrS(i); }, [&](int i) { return row((i >> 1) & 1); },
-          [&](int i) { return n0 + (i >> 2) * 8 + 2 * t + (i & 1); }, bias_tiles);
+          [&](int i) { return n0 + (i >> 2) * 8 + 2 * t + (i & 1); }, bias_tiles, full);
       if (bias_tiles) {
         // This thread's bias pair (row g + 8 h, keys 8 nt + 2 t, + 1) sits in
         // chunk nt ^ g of its row; -inf (hidden) stays -inf.

@@ -283,12 +283,13 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
 
     // Logits in log2 units (raw scores for kLean); -inf where hidden.
     if constexpr (kFeatures) {
+      const bool full = n0 >= last.lo && n0 + BN <= first.hi && m0 + BM <= seq.sq;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)  // element k: nt = k / 4, e = k % 4
         logit.fragment_log2<BN / 2>(
             p, [&](int k) -> float& { return s[mt][k >> 2][k & 3]; },
             [&](int k) { return row(mt, (k >> 1) & 1); }, [&](int k) { return n0 + (k >> 2) * 8 + 2 * t + (k & 1); },
-            false);
+            false, full);
     } else if (n0 >= last.lo && n0 + BN <= first.hi) {
       if constexpr (!kLean) {  // the lean softmax scales inside its FFMA
 #pragma unroll

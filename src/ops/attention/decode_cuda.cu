@@ -1354,6 +1354,35 @@ int cluster_room(int device, const std::string& name, Kernel kernel, int threads
       })->clusters;
 }
 
+// Caches of at least kBalancedSplitKeys keys whose (sequence, kv head) pairs
+// number more than half the SMs and at most three rounds of them (the range
+// measured): one split a pair left part of the SMs' last round empty (and at
+// head dim 128 the two-CTAs shape took such calls when their rounds were
+// even). Those take the wide shape and the fewest splits (at most
+// kMaxBalancedSplits) whose CTAs fill their last round of SMs to within
+// kBalancedSlack. Measured on H200 at head dim 128, batch 8-40 x 16k-64k keys:
+// within 3% of each row's best split count, 0.86-0.90x the time of the rule
+// before at batch 17-24 and 40 (bench/RESULTS.md, "Feature logits on full
+// tiles; decode splits by rounds of SMs"); shorter caches lose by splitting.
+constexpr int64_t kBalancedSplitKeys = 16384;
+constexpr int kMaxBalancedSplits = 8;
+constexpr double kBalancedSlack = 1.15;
+
+int balanced_splits(int64_t pairs, int64_t sms, int64_t useful) {
+  int best = 1;
+  double best_fill = 0;
+  for (int s = 1; s <= kMaxBalancedSplits && s <= useful; ++s) {
+    const int64_t ctas = pairs * s, rounds = (ctas + sms - 1) / sms;
+    const double fill = static_cast<double>(ctas) / static_cast<double>(rounds * sms);
+    if (fill * kBalancedSlack >= 1.0) return s;
+    if (fill > best_fill) {
+      best_fill = fill;
+      best = s;
+    }
+  }
+  return best;
+}
+
 Plan make_plan(const CacheArgs& a, int device) {
   Plan pl{};
   pl.device = device;
@@ -1377,6 +1406,10 @@ Plan make_plan(const CacheArgs& a, int device) {
       return ready_kernel(device, name, kernel, threads, smem, pl.shape == kTwoPerSm);
     });
   };
+  const bool balance = a.num_splits <= 0 && !pick.forced && !pl.previous && pl.db == 128 &&
+                       a.capacity >= kBalancedSplitKeys && 2 * base > pick.sms &&
+                       base <= 3 * pick.sms;
+  if (balance) pl.shape = kWide;
   int64_t target = ready();
   if (pl.shape == kTwoPerSm && !pick.forced && target < 2 * pick.sms) {
     pl.shape = kWide;  // two do not fit an SM on this device (its shared memory)
@@ -1385,6 +1418,8 @@ Plan make_plan(const CacheArgs& a, int device) {
   int64_t splits;
   if (a.num_splits > 0) {
     splits = a.num_splits;
+  } else if (balance) {
+    splits = balanced_splits(base, target, useful);
   } else {
     splits = std::min(useful, std::max<int64_t>(1, target / base));
   }
