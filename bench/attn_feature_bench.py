@@ -1,5 +1,6 @@
 """Attention with features, in one run: a bias with its gradient, a causal sliding
-window, softcap, GQA, varlen, a boolean mask, ALiBi and dropout. For each row:
+window, softcap, GQA, varlen, a boolean mask, ALiBi, dropout and varlen with softcap
+(the packed kernels' feature forms). For each row:
 symheap's forward and forward+backward, optionally the own forward with
 SYMHEAP_ATTN_OWN_FORWARD=V (--compare-forward V, e.g. pipelined against the
 default Hopper kernel) and the own forward+backward with SYMHEAP_ATTN_OWN_BACKWARD=V
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from symheap.attention import attention_reference, dropout_keep_mask, flash_attn_func, flash_attn_varlen_func
 
-FEATURES = ["bias", "window", "softcap", "gqa", "varlen", "mask", "alibi", "dropout"]
+FEATURES = ["bias", "window", "softcap", "gqa", "varlen", "mask", "alibi", "dropout", "varlen_softcap"]
 
 
 def timer(device):
@@ -102,8 +103,9 @@ def make_row(feature, D, S, device, dtype, gen):
         row["opts"] = dict(causal=True)
         row["sdpa"] = dict(is_causal=True, enable_gqa=True)
         row["pairs"] = B * H * S * (S + 1) // 2
-    elif feature == "varlen":
-        # B * S tokens packed as sequences of random lengths (S / 4 .. 2 S, truncated).
+    elif feature in ("varlen", "varlen_softcap"):
+        # B * S tokens packed as sequences of random lengths (S / 4 .. 2 S, truncated);
+        # varlen_softcap: the same with softcap (the packed kernels' feature forms).
         lens, total, lengths = [], B * S, torch.Generator().manual_seed(1)
         while total > 0:
             n = min(total, int(torch.randint(S // 4, 2 * S + 1, (1,), generator=lengths)))
@@ -113,6 +115,8 @@ def make_row(feature, D, S, device, dtype, gen):
         row["varlen"] = dict(cu=cu, max_len=max(lens), lens=lens)
         row["q"], row["k"], row["v"] = (x.reshape(B * S, -1, D) for x in (q, k, v))
         row["pairs"] = H * sum(n * n for n in lens)
+        if feature == "varlen_softcap":
+            row["opts"] = dict(softcap=30.0)
     elif feature == "mask":
         # Each query row sees a random half of the keys (its first key always).
         mask = torch.rand(1, 1, S, S, device=device, generator=gen) < 0.5

@@ -1,5 +1,6 @@
 """bench/attn_feature_bench.py --smoke on the cpu: every feature row (bias with its
-gradient, causal window, softcap, GQA, varlen, boolean mask, ALiBi, dropout) runs forward
+gradient, causal window, softcap, GQA, varlen, boolean mask, ALiBi, dropout, varlen with
+softcap) runs forward
 and forward+backward, with the variant columns (--compare-forward, --compare-backward) and
 SDPA where an explicit mask expresses the row, and the script exits non-zero when an
 output differs from the fp32 reference (dropout's through the call's keep mask). The GPU figures come from the
@@ -26,7 +27,8 @@ def test_every_feature_row_runs_and_matches_the_reference():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {line.split("|")[0].strip(): line for line in proc.stdout.splitlines() if "|" in line}
     assert "variant fwd+bwd" in rows["feature"], rows["feature"]
-    for feature in ("bias", "window", "softcap", "gqa", "varlen", "mask", "alibi", "dropout"):
+    for feature in ("bias", "window", "softcap", "gqa", "varlen", "mask", "alibi", "dropout",
+                    "varlen_softcap"):
         assert feature in rows, proc.stdout
         assert "error" not in rows[feature] and "variant" in rows[feature], rows[feature]
         assert len(rows[feature].split("|")) == 6, rows[feature]  # every column filled
