@@ -34,12 +34,13 @@ attention forward (B=1, S=4, H=8, D=64 float32, causal) against SDPA, in one
 thread and in 2 threads at once.
 
     python bench/host_overhead.py [--iters 200] [--pes 2] [--skip-8] [--backend cpu]
-                                  [--gil] [--cases low_latency,...]
+                                  [--gil] [--cases low_latency,...] [--rounds 1]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import threading
 import time
@@ -253,6 +254,10 @@ def main():
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--gil", action="store_true",
                     help="also measure the GIL-held time per call (a separate pass)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run each case's rows this many times, processes and threads in turn, "
+                         "and report the median of the rounds' ratios (a shared machine's drift "
+                         "between the two rows then cancels)")
     ap.add_argument("--cases", default=None,
                     help="comma-separated: only the EP cases whose name has one of these "
                          "words (e.g. low_latency,expert_major)")
@@ -284,17 +289,29 @@ def main():
                          ep_program, n, args=(case, args.iters, args.gil), env=env, spread_devices=True)),
                      (f"{wide} threads", lambda n=wide: run_threads(
                          ep_program, n, args=(case, args.iters, args.gil)))]
-        figures = {}
-        for label, fn in rows:
-            figures[label] = slowest(fn())
-            print(f"  {label:<12} {fmt(figures[label])}", flush=True)
-        for n in sorted({args.pes, wide}):
-            p, t = figures.get(f"{n} processes"), figures.get(f"{n} threads")
-            if p and t:
-                print(f"  {n} PEs: threads / processes per pair = {t['pair'] / p['pair']:.2f}x "
-                      f"(median blocks: {t['median'] / p['median']:.2f}x, "
-                      f"best blocks: {t['best'] / p['best']:.2f}x; "
-                      f"with per-call clocks: {t['clocked'] / p['clocked']:.2f}x)")
+        ratios = {}  # PEs -> [(pair, median-block) ratio of each round]
+        for rnd in range(args.rounds):
+            if args.rounds > 1:
+                print(f"  round {rnd + 1} of {args.rounds}")
+            figures = {}
+            for label, fn in rows:
+                figures[label] = slowest(fn())
+                print(f"  {label:<12} {fmt(figures[label])}", flush=True)
+            for n in sorted({args.pes, wide}):
+                p, t = figures.get(f"{n} processes"), figures.get(f"{n} threads")
+                if p and t:
+                    ratios.setdefault(n, []).append((t["pair"] / p["pair"], t["median"] / p["median"]))
+                    print(f"  {n} PEs: threads / processes per pair = {t['pair'] / p['pair']:.2f}x "
+                          f"(median blocks: {t['median'] / p['median']:.2f}x, "
+                          f"best blocks: {t['best'] / p['best']:.2f}x; "
+                          f"with per-call clocks: {t['clocked'] / p['clocked']:.2f}x)")
+        if args.rounds > 1:
+            for n, rs in sorted(ratios.items()):
+                pair = sorted(r[0] for r in rs)
+                block = sorted(r[1] for r in rs)
+                print(f"  {n} PEs over {len(rs)} rounds: threads / processes per pair, median "
+                      f"{statistics.median(pair):.2f}x (rounds {' '.join(f'{x:.2f}' for x in pair)}); "
+                      f"median blocks, median {statistics.median(block):.2f}x")
     if not args.no_attention:
         shape = "S=128 H=8 D=64 bf16" if on_cuda else "S=4 H=8 D=64 float32 (cpu)"
         print(f"\n## attention forward B=1 {shape} causal: host us per call")
