@@ -262,6 +262,8 @@ def main():
                     help="comma-separated: only the EP cases whose name has one of these "
                          "words (e.g. low_latency,expert_major)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.backend:
         os.environ["SYMHEAP_BACKEND"] = args.backend
     import symheap
