@@ -344,22 +344,22 @@ struct LogitCtx {
       for (int k = 0; k < N; ++k) x(k) += __bfloat162float(static_cast<const __nv_bfloat16*>(base)[at(k)]);
     }
   }
-  // The mask: with the keys contiguous (the usual case), a row pointer per
-  // row and the key as an offset from it.
+  // The mask: an element outside the sequence (already hidden) reads the
+  // nearest one inside, so no address is selected per element; with the keys
+  // contiguous (the usual case), a row pointer per row and the key as an
+  // offset from it.
   template <int N, class X, class Row, class Col>
   __device__ __forceinline__ void apply_mask(const KArgs& p, X x, Row row_of, Col col_of) const {
-    auto inside = [&](int k) { return (row_of(k) < sq) & (col_of(k) < sk); };
     if (p.mask_sk == 1) {
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        const bool in = inside(k);
-        const uint8_t* r = mask + (in ? row_of(k) * p.mask_sq : 0);
-        if (!__ldg(r + (in ? col_of(k) : 0))) x(k) = -INFINITY;
+        const uint8_t* r = mask + min(row_of(k), sq - 1) * p.mask_sq;
+        if (!__ldg(r + min(col_of(k), sk - 1))) x(k) = -INFINITY;
       }
     } else {
 #pragma unroll
       for (int k = 0; k < N; ++k)
-        if (!mask[inside(k) ? row_of(k) * p.mask_sq + col_of(k) * p.mask_sk : 0]) x(k) = -INFINITY;
+        if (!mask[min(row_of(k), sq - 1) * p.mask_sq + min(col_of(k), sk - 1) * p.mask_sk]) x(k) = -INFINITY;
     }
   }
 
