@@ -715,16 +715,20 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       if (p.dropout) {
         const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
 #pragma unroll
-        for (int k = 0; k < BM / 2; k += 2) {
-          float dropped[2];
+        for (int nt = 0; nt < BM / 8; ++nt) {
+          float keep[4];  // element 4 nt + e
+          dropout_keep_cols(p, bh, row_of(4 * nt), col_of(0), lane, keep);
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int i = row_of(k + c), j = col_of(k + c);
-            const float keep = dropout_keep(p, dropout_quad(p, bh, i, j), j), pr = tSrS(k + c);
-            dropped[c] = pr * keep;
-            tSrS(k + c) = keep > 0.0f ? pr : -pr;
+          for (int k = 4 * nt; k < 4 * nt + 4; k += 2) {
+            float dropped[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float pr = tSrS(k + c);
+              dropped[c] = pr * keep[(k + c) & 3];
+              tSrS(k + c) = keep[(k + c) & 3] > 0.0f ? pr : -pr;
+            }
+            set_p_operand(k, dropped[0], dropped[1]);
           }
-          set_p_operand(k, dropped[0], dropped[1]);
         }
       } else {
 #pragma unroll

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "ops/attention/common.hpp"
 
@@ -323,10 +324,12 @@ struct LogitCtx {
     return visible ? x : -INFINITY;
   }
 
-  // fragment_log2's bias and mask passes. An element outside the sequence
-  // reads element 0 (and is hidden). The bias: one loop per dtype, so a
-  // pass's loads issue together (a dtype branch per element serialised them).
-  template <int N, class X, class Row, class Col>
+  // fragment_log2's bias and mask passes (the bias in log2 units with
+  // kLog2). An element outside the sequence (already hidden) reads element 0
+  // of the bias and the nearest element inside of the mask, so no address is
+  // selected per element. The bias: one loop per dtype, so a pass's loads
+  // issue together (a dtype branch per element serialised them).
+  template <bool kLog2, int N, class X, class Row, class Col>
   __device__ __forceinline__ void add_bias(const KArgs& p, X x, Row row_of, Col col_of) const {
     auto at = [&](int k) -> int64_t {
       const int i = row_of(k), j = col_of(k);
@@ -335,22 +338,37 @@ struct LogitCtx {
     const void* base = bias;
     if (p.bias_dtype == 0) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) x(k) += static_cast<const float*>(base)[at(k)];
+      for (int k = 0; k < N; ++k) add_one<kLog2>(x(k), static_cast<const float*>(base)[at(k)]);
     } else if (p.bias_dtype == 1) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) x(k) += __half2float(static_cast<const __half*>(base)[at(k)]);
+      for (int k = 0; k < N; ++k) add_one<kLog2>(x(k), __half2float(static_cast<const __half*>(base)[at(k)]));
     } else {
 #pragma unroll
-      for (int k = 0; k < N; ++k) x(k) += __bfloat162float(static_cast<const __nv_bfloat16*>(base)[at(k)]);
+      for (int k = 0; k < N; ++k)
+        add_one<kLog2>(x(k), __bfloat162float(static_cast<const __nv_bfloat16*>(base)[at(k)]));
     }
   }
-  // The mask: an element outside the sequence (already hidden) reads the
-  // nearest one inside, so no address is selected per element; with the keys
-  // contiguous (the usual case), a row pointer per row and the key as an
-  // offset from it.
-  template <int N, class X, class Row, class Col>
+  template <bool kLog2>
+  __device__ __forceinline__ static void add_one(float& x, float v) {
+    if constexpr (kLog2) x = fmaf(v, 1.4426950408889634f, x);
+    else x += v;
+  }
+  // kKeyPairs (the forward's row-major fragments): elements 2m and 2m + 1 are
+  // keys j and j + 1 of one row, j even. Where the mask's keys are contiguous
+  // and its rows, heads and batches start at even bytes (and sk is even), such
+  // a pair is one 16-bit load. Else, with the keys contiguous, a row pointer
+  // per row and the key as an offset from it.
+  template <bool kKeyPairs, int N, class X, class Row, class Col>
   __device__ __forceinline__ void apply_mask(const KArgs& p, X x, Row row_of, Col col_of) const {
-    if (p.mask_sk == 1) {
+    if (kKeyPairs && p.mask_sk == 1 && ((p.mask_sq | sk) & 1) == 0 && reinterpret_cast<uintptr_t>(mask) % 2 == 0) {
+#pragma unroll
+      for (int k = 0; k < N; k += 2) {
+        const uint8_t* r = mask + min(row_of(k), sq - 1) * p.mask_sq + min(col_of(k), sk - 2);
+        const uint32_t m = __ldg(reinterpret_cast<const unsigned short*>(r));
+        if (!(m & 0xffu)) x(k) = -INFINITY;
+        if (!(m >> 8)) x(k + 1) = -INFINITY;
+      }
+    } else if (!kKeyPairs && p.mask_sk == 1) {
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         const uint8_t* r = mask + min(row_of(k), sq - 1) * p.mask_sq;
@@ -364,36 +382,63 @@ struct LogitCtx {
   }
 
   // The same rule, as logits in log2 units, over N elements of one thread's
-  // accumulator fragment: element k is x(k), at query row row_of(k) and key
-  // col_of(k). Each feature is tested once for the fragment, not once per
-  // element (per-element branches cost several times the arithmetic). With
-  // skip_bias the caller adds the bias itself (from shared memory). `full`:
-  // every element is inside the sequence and the window (the caller's tile
-  // test), so the visibility pass, a dozen instructions an element, is
-  // skipped. With softcap, dcap(k, d) receives element k's d logit / d
-  // (scale q.k) (for the backward; the forward's sink drops it).
-  template <int N, class X, class Row, class Col, class Dcap = NoDcapSink>
+  // accumulator fragment: element k is x(k) (the raw q.k), at query row
+  // row_of(k) and key col_of(k). Each feature is tested once for the
+  // fragment, not once per element (per-element branches cost several times
+  // the arithmetic). With skip_bias the caller adds the bias itself (from
+  // shared memory). `full`: every element is inside the sequence and the
+  // window (the caller's tile test), so the visibility pass, a dozen
+  // instructions an element, is skipped. With softcap, dcap(k, d) receives
+  // element k's d logit / d (scale q.k) (the dK/dV kernels'; the forward's
+  // sink drops it). kKeyPairs: see apply_mask.
+  template <int N, bool kKeyPairs = false, class X, class Row, class Col, class Dcap = NoDcapSink>
   __device__ __forceinline__ void fragment_log2(const KArgs& p, X x, Row row_of, Col col_of, bool skip_bias,
                                                 bool full, Dcap dcap = {}) const {
     constexpr float kLog2e = 1.4426950408889634f;
+    // The forward (no derivative wanted) is bound by instruction issue: it
+    // folds the constants into each pass, so the logits are in log2 units
+    // from the first one. The dK/dV kernels keep scale first and log2 e
+    // last: folded, their softcap and bias rows ran 0.65-0.95x.
+    constexpr bool kFold = std::is_same<Dcap, NoDcapSink>::value;
+    if constexpr (kFold) {
+      if (p.softcap > 0) {
+        // softcap tanh(u), u = scale q.k / softcap, as softcap (1 - 2 r), r =
+        // 1 / (1 + 2^(2 u log2 e)); in log2 units a - 2 a r, a = softcap log2 e.
+        const float to_exp2 = p.scale * inv_softcap * (2.0f * kLog2e), a = p.softcap * kLog2e;
 #pragma unroll
-    for (int k = 0; k < N; ++k) x(k) *= p.scale;
-    if (p.softcap > 0) {
+        for (int k = 0; k < N; ++k) {
+          float r;
+          asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(1.0f + exp2_fast(x(k) * to_exp2)));
+          x(k) = fmaf(-2.0f * a, r, a);
+        }
+      } else {
+        const float to_log2 = p.scale * kLog2e;
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const float t = tanh_fast(x(k) * inv_softcap);
-        x(k) = p.softcap * t;
-        dcap(k, 1.0f - t * t);
+        for (int k = 0; k < N; ++k) x(k) *= to_log2;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) x(k) *= p.scale;
+      if (p.softcap > 0) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const float t = tanh_fast(x(k) * inv_softcap);
+          x(k) = p.softcap * t;
+          dcap(k, 1.0f - t * t);
+        }
       }
     }
-    if (bias && !skip_bias) add_bias<N>(p, x, row_of, col_of);
+    if (bias && !skip_bias) add_bias<kFold, N>(p, x, row_of, col_of);
     if (slope != 0.0f) {
+      const float slope_unit = kFold ? slope * kLog2e : slope;
 #pragma unroll
-      for (int k = 0; k < N; ++k) x(k) -= slope * fabsf(static_cast<float>(row_of(k) + sk - sq - col_of(k)));
+      for (int k = 0; k < N; ++k) x(k) -= slope_unit * fabsf(static_cast<float>(row_of(k) + sk - sq - col_of(k)));
     }
     if (full) {
+      if constexpr (!kFold) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) x(k) *= kLog2e;
+        for (int k = 0; k < N; ++k) x(k) *= kLog2e;
+      }
     } else {
       const bool left = p.win_left >= 0, right = p.win_right >= 0;
 #pragma unroll
@@ -401,10 +446,10 @@ struct LogitCtx {
         const int i = row_of(k), j = col_of(k), diag = i + sk - sq;
         const bool visible = (j < sk) & (i < sq) & (!left | (j >= diag - p.win_left)) &
                              (!right | (j <= diag + p.win_right));
-        x(k) = visible ? x(k) * kLog2e : -INFINITY;
+        x(k) = visible ? (kFold ? x(k) : x(k) * kLog2e) : -INFINITY;
       }
     }
-    if (mask) apply_mask<N>(p, x, row_of, col_of);
+    if (mask) apply_mask<kKeyPairs, N>(p, x, row_of, col_of);
   }
 };
 
@@ -415,6 +460,54 @@ __device__ __forceinline__ float dropout_keep(const KArgs& p, const detail::U32x
 __device__ __forceinline__ detail::U32x4 dropout_quad(const KArgs& p, uint32_t bh, int i, int j) {
   return detail::dropout_quad(p.seed, p.offset, bh, static_cast<uint32_t>(i),
                               static_cast<uint32_t>(j) >> 2);
+}
+
+// Keep factors of one thread's four accumulator elements of an 8-key block in
+// the row-major (forward) fragment: rows r0 and r1, keys j0 and j0 + 1 (j0 =
+// 8 n + 2 t, t = lane % 4). Lanes t and t ^ 1 need the same two Philox quads
+// (rows r0 and r1, keys j0 & ~3 ..): each computes one and they trade the
+// halves the other needs. keep[2 h + c]: row r_h, key j0 + c. Every lane of
+// the warp calls it.
+__device__ __forceinline__ void dropout_keep_rows(const KArgs& p, uint32_t bh, int r0, int r1, int j0, int lane,
+                                                  float keep[4]) {
+  const bool odd = lane & 1;  // keys 4 q + 2, 4 q + 3 (else 4 q, 4 q + 1)
+  const detail::U32x4 mine = dropout_quad(p, bh, odd ? r1 : r0, j0);
+  const uint32_t got0 = __shfl_xor_sync(0xffffffffu, odd ? mine.x : mine.z, 1);
+  const uint32_t got1 = __shfl_xor_sync(0xffffffffu, odd ? mine.y : mine.w, 1);
+  const uint32_t w[4] = {odd ? got0 : mine.x, odd ? got1 : mine.y, odd ? mine.z : got0, odd ? mine.w : got1};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) keep[e] = w[e] >= p.drop_threshold ? p.keep_scale : 0.0f;
+}
+
+// The same for the transposed (dK/dV) fragment: element 2 h + c of an 8-query
+// block is query i0 + c (i0 = 8 n + 2 t) and key k_h, keys k_0 and k_1 = k_0 + 8
+// with k_0 % 4 = (lane / 4) % 4. The four lanes lane ^ 4, ^ 8, ^ 12 need the
+// same four quads (queries i0, i0 + 1 by keys k_0, k_1): each computes quad
+// (lane / 4) % 4 and a 4 x 4 transpose over the lanes (two exchange stages)
+// leaves each lane word k_0 % 4 of all four.
+__device__ __forceinline__ void dropout_keep_cols(const KArgs& p, uint32_t bh, int i0, int k0, int lane,
+                                                  float keep[4]) {
+  const int c = (lane >> 2) & 3;
+  const detail::U32x4 q = dropout_quad(p, bh, i0 + (c & 1), k0 + 8 * (c >> 1));
+  uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int bit = 0; bit < 2; ++bit) {
+    // Entries l and l + s (l in {0, l1}) differ in this bit; a lane hands the
+    // partner (lane ^ (4 << bit)) the two whose bit differs from its own.
+    const bool hi = (c >> bit) & 1;
+    const int s = 1 << bit, l1 = bit ? 1 : 2;
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? w[0] : w[s], 4 << bit);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? w[l1] : w[l1 + s], 4 << bit);
+    if (hi) {  // (constant indices: selects, not a local array)
+      w[0] = r0;
+      w[l1] = r1;
+    } else {
+      w[s] = r0;
+      w[l1 + s] = r1;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) keep[e] = w[e] >= p.drop_threshold ? p.keep_scale : 0.0f;
 }
 
 __device__ __forceinline__ float quad_max(float x) {

@@ -658,7 +658,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
     if constexpr (kFeatures) {
       // Element i: row g + 8 h, key 8 nt + 2 t + c (i = 4 nt + 2 h + c).
       const bool full = n0 >= last.lo && n0 + BN <= first.hi && m0 + BM <= seq.sq;
-      logit.fragment_log2<BN / 2>(
+      logit.fragment_log2<BN / 2, true>(
           p, [&](int i) -> float& { return tSrS(i); }, [&](int i) { return row((i >> 1) & 1); },
           [&](int i) { return n0 + (i >> 2) * 8 + 2 * t + (i & 1); }, bias_tiles, full);
       if (bias_tiles) {
@@ -695,12 +695,10 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
         }
         if constexpr (kFeatures) {
           if (p.dropout) {
-            const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
-            const detail::U32x4 lo_bits = dropout_quad(p, bh, row(0), j0);
-            const detail::U32x4 hi_bits = dropout_quad(p, bh, row(1), j0);
+            float keep[4];
+            dropout_keep_rows(p, bh, row(0), row(1), n0 + nt * 8 + 2 * t, lane, keep);
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              tSrS(4 * nt + e) *= dropout_keep(p, (e >> 1) ? hi_bits : lo_bits, j0 + (e & 1));
+            for (int e = 0; e < 4; ++e) tSrS(4 * nt + e) *= keep[e];
           }
         }
       }

@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
       const bool full = n0 >= last.lo && n0 + BN <= first.hi && m0 + BM <= seq.sq;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)  // element k: nt = k / 4, e = k % 4
-        logit.fragment_log2<BN / 2>(
+        logit.fragment_log2<BN / 2, true>(
             p, [&](int k) -> float& { return s[mt][k >> 2][k & 3]; },
             [&](int k) { return row(mt, (k >> 1) & 1); }, [&](int k) { return n0 + (k >> 2) * 8 + 2 * t + (k & 1); },
             false, full);
@@ -393,12 +393,10 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
           }
           if constexpr (kFeatures) {
             if (p.dropout) {
-              const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
-              const detail::U32x4 lo_bits = dropout_quad(p, bh, row(mt, 0), j0);
-              const detail::U32x4 hi_bits = dropout_quad(p, bh, row(mt, 1), j0);
+              float keep[4];
+              dropout_keep_rows(p, bh, row(mt, 0), row(mt, 1), n0 + nt * 8 + 2 * t, lane, keep);
 #pragma unroll
-              for (int e = 0; e < 4; ++e)
-                s[mt][nt][e] *= dropout_keep(p, (e >> 1) ? hi_bits : lo_bits, j0 + (e & 1));
+              for (int e = 0; e < 4; ++e) s[mt][nt][e] *= keep[e];
             }
           }
         }
