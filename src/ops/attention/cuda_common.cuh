@@ -229,6 +229,8 @@ __device__ __forceinline__ Seq sequence(const KArgs& p, int b) {
              static_cast<int>(min(k1 - k0, static_cast<int64_t>(p.seqlen_k))), q0, k0};
 }
 
+constexpr float kLog2e = 1.4426950408889634f;  // logits in log2 units: x log2 e
+
 // 2^x in one MUFU instruction; 2^-inf = 0 (denormal results flush to zero).
 __device__ __forceinline__ float exp2_fast(float x) {
   float y;
@@ -350,7 +352,7 @@ struct LogitCtx {
   }
   template <bool kLog2>
   __device__ __forceinline__ static void add_one(float& x, float v) {
-    if constexpr (kLog2) x = fmaf(v, 1.4426950408889634f, x);
+    if constexpr (kLog2) x = fmaf(v, kLog2e, x);
     else x += v;
   }
   // kKeyPairs (the forward's row-major fragments): elements 2m and 2m + 1 are
@@ -394,7 +396,6 @@ struct LogitCtx {
   template <int N, bool kKeyPairs = false, class X, class Row, class Col, class Dcap = NoDcapSink>
   __device__ __forceinline__ void fragment_log2(const KArgs& p, X x, Row row_of, Col col_of, bool skip_bias,
                                                 bool full, Dcap dcap = {}) const {
-    constexpr float kLog2e = 1.4426950408889634f;
     // The forward (no derivative wanted) is bound by instruction issue: it
     // folds the constants into each pass, so the logits are in log2 units
     // from the first one. The dK/dV kernels keep scale first and log2 e
@@ -453,8 +454,12 @@ struct LogitCtx {
   }
 };
 
+// The keep factor a Philox word gives: 1 / (1 - p) kept, 0 dropped.
+__device__ __forceinline__ float dropout_keep_word(const KArgs& p, uint32_t word) {
+  return word >= p.drop_threshold ? p.keep_scale : 0.0f;
+}
 __device__ __forceinline__ float dropout_keep(const KArgs& p, const detail::U32x4& r, int j) {
-  return detail::pick(r, static_cast<uint32_t>(j) & 3u) >= p.drop_threshold ? p.keep_scale : 0.0f;
+  return dropout_keep_word(p, detail::pick(r, static_cast<uint32_t>(j) & 3u));
 }
 
 __device__ __forceinline__ detail::U32x4 dropout_quad(const KArgs& p, uint32_t bh, int i, int j) {
@@ -476,7 +481,7 @@ __device__ __forceinline__ void dropout_keep_rows(const KArgs& p, uint32_t bh, i
   const uint32_t got1 = __shfl_xor_sync(0xffffffffu, odd ? mine.y : mine.w, 1);
   const uint32_t w[4] = {odd ? got0 : mine.x, odd ? got1 : mine.y, odd ? mine.z : got0, odd ? mine.w : got1};
 #pragma unroll
-  for (int e = 0; e < 4; ++e) keep[e] = w[e] >= p.drop_threshold ? p.keep_scale : 0.0f;
+  for (int e = 0; e < 4; ++e) keep[e] = dropout_keep_word(p, w[e]);
 }
 
 // The same for the transposed (dK/dV) fragment: element 2 h + c of an 8-query
@@ -507,7 +512,7 @@ __device__ __forceinline__ void dropout_keep_cols(const KArgs& p, uint32_t bh, i
     }
   }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) keep[e] = w[e] >= p.drop_threshold ? p.keep_scale : 0.0f;
+  for (int e = 0; e < 4; ++e) keep[e] = dropout_keep_word(p, w[e]);
 }
 
 __device__ __forceinline__ float quad_max(float x) {
