@@ -626,12 +626,16 @@ def forward_kernel_names(fn):
     return launched_kernel_names(fn, "attention_fwd")
 
 
+# The forward kernel's last template flag (kMaskRows), when the name shows it.
+LAST = r"(, ?(true|false))?>"
+
+
 def forward_kernels(D):
     """The head-dim-D kernels' names, demangled (the profiler's) or mangled."""
     return {
-        "lockstep": (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?false, ?(true|false), ?false, ?false>",
+        "lockstep": (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?false, ?(true|false), ?false, ?false{LAST}",
                      rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb0ELb[01]ELb0ELb0E"),
-        "tma": (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?false, ?(true|false), ?true, ?true>",
+        "tma": (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?false, ?(true|false), ?true, ?true{LAST}",
                 rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb0ELb[01]ELb1ELb1E"),
         "persistent": (rf"attention_fwd_hopper_persistent_kernel<[^,<>]*, ?{D}, ?(true|false)>",
                        rf"attention_fwd_hopper_persistent_kernelI\w*?Li{D}ELb[01]E"),
@@ -712,9 +716,9 @@ def test_tma_forward_features(D, feature, dtype, Sq, Sk, persistent, monkeypatch
 @pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000)])
 def test_tma_forward_logit_features(D, feature, Sq, Sk, monkeypatch):
     """The logit features under "hopper" (the default): the TMA-fed kernel's
-    feature form runs at head dims 128 and 256 without a bias, the lockstep
-    kernel's (bias tiles through shared memory) otherwise; outputs and lse meet
-    the fp32 reference's rule, causal and not."""
+    feature form runs without a bias, the lockstep kernel's (bias tiles through
+    shared memory) with one; outputs and lse meet the fp32 reference's rule,
+    causal and not."""
     if D != 128:
         tma_forward(monkeypatch, D, True)
     else:
@@ -726,16 +730,52 @@ def test_tma_forward_logit_features(D, feature, Sq, Sk, monkeypatch):
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, seed=D * 3 + Sq + Sk, **make_kw)
     names = forward_kernel_names(lambda: flash_attn_func(case["q"], case["k"], case["v"],
                                                          **dict(case["kwargs"], **opts)))
-    features_tma = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true>",
+    features_tma = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true{LAST}",
                     rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1E")
-    features_lockstep = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?false, ?false>",
+    features_lockstep = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?false, ?false{LAST}",
                          rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb0ELb0E")
-    want_tma = D != 64 and not feature.startswith("bias") and feature != "all"
+    want_tma = not feature.startswith("bias") and feature != "all"
     assert any(re.search(x, n) for n in names for x in (features_tma if want_tma else features_lockstep)), names
     assert not any(re.search(x, n) for n in names for x in (features_lockstep if want_tma else features_tma)), names
     check_case(case, check_grads=False, **opts)
     if "window_size" not in opts:
         check_case(case, check_grads=False, causal=True, **opts)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("layout", ["dense", "rows_broadcast", "padded_rows"])
+@pytest.mark.parametrize("Sq,Sk", [(333, 400), (200, 300)])
+def test_tma_forward_mask_by_rows(D, layout, Sq, Sk, monkeypatch):
+    """Masks the TMA-fed feature kernel can copy by rows (keys contiguous, rows
+    16-byte aligned; staged in shared memory at head dims 64 and 256): rows
+    past the sequence, a last key chunk cut by Sk (300 keys in rows of 320
+    bytes), rows broadcast, a row with no visible key; with softcap and
+    causal too. Outputs and lse against the fp32 reference."""
+    if D != 128:
+        tma_forward(monkeypatch, D, True)
+    else:
+        own_forward(monkeypatch, "hopper")
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2, D=D, seed=D + Sq + len(layout))
+    gen = torch.Generator().manual_seed(Sq + Sk)
+    if layout == "rows_broadcast":
+        mask = (torch.rand(2, 1, 1, Sk, generator=gen) > 0.3).to("cuda")
+    else:  # padded_rows: a view of the first Sk keys of 16-byte aligned rows
+        width = Sk if layout == "dense" else (Sk + 15) // 16 * 16 + 16
+        full = torch.rand(2, 1, Sq, width, generator=gen) > 0.3
+        full[:, :, 3, :] = False
+        mask = full.to("cuda")[..., :Sk]
+    case["kwargs"]["mask"] = mask
+    names = forward_kernel_names(lambda: flash_attn_func(case["q"], case["k"], case["v"], mask=mask))
+    features_tma = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true{LAST}",
+                    rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1E")
+    assert any(re.search(x, n) for n in names for x in features_tma), names
+    # Its kMaskRows form where the rows are 16-byte aligned and shared memory has room.
+    by_rows = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?true>",
+               rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb1E")
+    staged = D != 128 and (layout == "padded_rows" or Sk % 16 == 0)
+    assert any(re.search(x, n) for n in names for x in by_rows) == staged, names
+    for opts in (dict(), dict(causal=True), dict(softcap=3.0)):
+        check_case(case, check_grads=False, **opts)
 
 
 TMA_FORWARD_SHAPES = [(128, 128), (300, 257), (1000, 1000), (129, 4099), (2048, 2048)]

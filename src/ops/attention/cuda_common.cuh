@@ -263,6 +263,13 @@ __host__ __device__ inline bool bias_rows_copyable(const KArgs& p) {
          p.bias_sb % 8 == 0 && reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
 }
 
+// Whether a kernel may copy the mask in 16-byte chunks along the keys
+// (contiguous along the keys; rows, heads and batches 16-byte aligned).
+__host__ __device__ inline bool mask_rows_copyable(const KArgs& p) {
+  return p.mask && p.mask_sk == 1 && p.mask_sq % 16 == 0 && p.mask_sh % 16 == 0 && p.mask_sb % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(p.mask) % 16 == 0;
+}
+
 // Two adjacent 16-bit bias values (f16 or bf16, the KArgs dtype code) as floats.
 __device__ __forceinline__ float2 bias_pair(uint32_t bits, int dtype) {
   if (dtype == 1) return __half22float2(*reinterpret_cast<const __half2*>(&bits));

@@ -103,6 +103,16 @@ struct HopperFwdConfig {
   // all at head dims 128 and 256.
   static constexpr int kBiasElems = 2 * 8 * 16 * kBlockN;
   static constexpr size_t smem(bool features) { return kSmem + (features ? 2 * kBiasElems : 0); }
+  // The TMA-fed feature kernel's kMaskRows form stages each warp's 16 rows x
+  // kBlockN keys of a byte mask, two tiles (the next one flies during this
+  // one's softmax and products), after the mbarriers. Rows are padded by 16
+  // bytes, so the 8 rows one read of the accumulator layout touches start in
+  // 8 bank groups. Only where it fits (head dims 64 and 256: at 128 the
+  // three K/V stages leave under 2 KiB).
+  static constexpr int kMaskRow = kBlockN + 16;
+  static constexpr size_t kMaskStageBytes = 8 * 2 * 16 * kMaskRow;
+  static constexpr size_t smem_mask_rows() { return kSmem + 128 + kMaskStageBytes; }
+  static constexpr bool kMaskStage = smem_mask_rows() <= 227 * 1024;
 };
 
 // The pingpong kernels' tiles (one CTA an SM, so no occupancy to keep): 128
@@ -244,6 +254,24 @@ __device__ __forceinline__ void load_tile(Tensor s, const E* g, int64_t row_stri
     const int r = idx / kChunks, c = idx % kChunks;
     const bool ok = r < valid_rows;
     cp_async16(smem_addr(at(s, r, c * 8)), ok ? g + r * row_stride + c * 8 : g, ok);
+  }
+}
+
+// A warp's 16 mask rows (query rows i0 .. i0 + 15) x BN keys from key n0 into
+// `s` (16 rows of kRow bytes). Rows past sq and keys past sk become zeros
+// (hidden; their logits are hidden by the sequence's ends anyway).
+template <int BN, int kRow>
+__device__ __forceinline__ void load_mask_rows(uint8_t* s, const uint8_t* mask, const KArgs& p, int i0, int n0,
+                                               int sq, int sk, int lane) {
+  constexpr int kChunks = BN / 16;
+  static_assert((16 * kChunks) % 32 == 0 && kRow % 16 == 0, "whole 16-byte chunks per lane");
+#pragma unroll
+  for (int it = 0; it < 16 * kChunks / 32; ++it) {
+    const int idx = lane + it * 32, r = idx / kChunks, c = idx % kChunks;
+    const int i = i0 + r, j = n0 + c * 16;
+    const int bytes = i < sq ? max(0, min(16, sk - j)) : 0;
+    const uint8_t* src = bytes ? mask + i * p.mask_sq + j : mask;
+    cp_async16_bytes(smem_addr(s + r * kRow + c * 16), src, bytes);
   }
 }
 
@@ -449,7 +477,8 @@ struct FwdTmaMaps {
 // features in the TMA form; a bias would be read by fragment_log2 from global
 // memory (no stage of it in shared memory there), so bias calls take the
 // lockstep kernel.
-template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false>
+template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false,
+          bool kMaskRows = false>
 __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
                                   kPingpong ? 1 : HopperFwdConfig<T, DB>::min_blocks(kFeatures))
     attention_fwd_hopper_kernel(const KArgs p, const __grid_constant__ FwdTmaMaps maps) {
@@ -464,6 +493,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
   static_assert(!kPingpong || kTma || kStages == 3,
                 "the cp.async feed copies tile it + 2 into the buffer of tile it - 1");
   static_assert(!kTma || C::smem(false) <= 227 * 1024, "a CTA's shared memory");
+  static_assert(!kMaskRows || (kTma && kFeatures && C::kMaskStage),
+                "the mask staged by rows: the TMA-fed feature kernel, where shared memory has room");
   constexpr bool kPvInFlight = kPingpong && kPvInFlightStages<kStages>;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers
@@ -499,7 +530,22 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
   const int n_begin = first.lo / BN * BN, n_end = last.hi;
 
   // The bias through shared memory (kFeatures): each warp's own rows.
-  const LogitCtx logit(p, b, hq, seq);
+  LogitCtx logit(p, b, hq, seq);
+  // kMaskRows (a mask that mask_rows_copyable allows): each warp copies its
+  // own rows of the next tile's mask into shared memory, where the mask pass
+  // reads it, instead of gathering bytes from global memory element by
+  // element. A template flag: the staging's code would change the other
+  // feature calls' register allocation.
+  const uint8_t* const mask_g = logit.mask;
+  if constexpr (kMaskRows) logit.mask = nullptr;
+  constexpr int kMaskRow = C::kMaskRow;
+  uint8_t* const mask_s =
+      reinterpret_cast<uint8_t*>(v_s + C::kKVElems) + 128 + (tid / 32) * 2 * 16 * kMaskRow;
+  auto load_mask_tile = [&](int it, int n) {
+    load_mask_rows<BN, kMaskRow>(mask_s + (it & 1) * 16 * kMaskRow, mask_g, p, m0 + warp_row0, n, seq.sq,
+                                 seq.sk, lane);
+    cp_async_commit();
+  };
   const bool bias_tiles = kFeatures && !kPingpong && bias_rows_copyable(p);
   uint16_t* bias_s = reinterpret_cast<uint16_t*>(v_s + C::kKVElems) + (tid / 32) * 16 * BN;
   auto load_bias_tile = [&](int buf, int n) {
@@ -556,6 +602,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
       return;
     }
     registers_up<240>();
+    if constexpr (kMaskRows)
+      if (n_begin < n_end) load_mask_tile(0, n_begin);
     mbar_wait(q_full, 0);
   } else {
     // Prologue: Q and the first K, V (and bias) tiles (the pingpong kernel: two).
@@ -661,6 +709,21 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
       logit.fragment_log2<BN / 2, true>(
           p, [&](int i) -> float& { return tSrS(i); }, [&](int i) { return row((i >> 1) & 1); },
           [&](int i) { return n0 + (i >> 2) * 8 + 2 * t + (i & 1); }, bias_tiles, full);
+      if constexpr (kMaskRows) {
+        // This tile's rows landed (this lane's copies, then the warp's); the
+        // next tile's go into the buffer that the last tile's pass read.
+        cp_async_wait<0>();
+        __syncwarp();
+        const uint8_t* m_row = mask_s + (it & 1) * 16 * kMaskRow + g * kMaskRow + 2 * t;
+#pragma unroll
+        for (int i = 0; i < BN / 2; i += 2) {
+          const int nt = i >> 2, h = (i >> 1) & 1;
+          const uint32_t m = *reinterpret_cast<const uint16_t*>(m_row + 8 * h * kMaskRow + 8 * nt);
+          if (!(m & 0xffu)) tSrS(i) = -INFINITY;
+          if (!(m >> 8)) tSrS(i + 1) = -INFINITY;
+        }
+        if (n0 + BN < n_end) load_mask_tile(it + 1, n0 + BN);
+      }
       if (bias_tiles) {
         // This thread's bias pair (row g + 8 h, keys 8 nt + 2 t, + 1) sits in
         // chunk nt ^ g of its row; -inf (hidden) stays -inf.

@@ -81,14 +81,16 @@ inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16, int kv
          encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, r, d);
 }
 
-template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false>
+template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false,
+          bool kMaskRows = false>
 void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
   using C = HopperFwdKernelConfig<T, DB, kPingpong>;
   static ReadyDevices ready{0};
-  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma>,
+  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma, kMaskRows>,
          dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), kTma ? 384 : C::kThreads,
-         C::smem(kFeatures && !kPingpong), p,
-         kFeatures   ? (kTma ? "fwd_hopper_tma_features" : "fwd_hopper_features")
+         kMaskRows ? C::smem_mask_rows() : C::smem(kFeatures && !kPingpong), p,
+         kMaskRows   ? "fwd_hopper_tma_features_mask_rows"
+         : kFeatures ? (kTma ? "fwd_hopper_tma_features" : "fwd_hopper_features")
          : kTma      ? (kLean ? "fwd_hopper_tma_lean" : "fwd_hopper_tma")
          : kPingpong ? (kLean ? "fwd_hopper_pingpong_lean" : "fwd_hopper_pingpong")
          : kLean     ? "fwd_hopper_lean"
@@ -143,11 +145,11 @@ inline bool d256_tma_forward() { return tma_forward_switch_on("SYMHEAP_ATTN_FWD_
 
 // The logit features compiled in only when the call uses one; without them
 // the lean softmax for a positive scale (as forward_pipelined_plain decides).
-// With them, at head dims 128 and 256 without a bias, the TMA kernel where
-// its maps encode (on H200, S 4096: 1.16-1.21x the lockstep kernel at 128,
-// 1.19-1.44x at 256); else the lockstep kernel, whose bias tiles come through
-// shared memory (the TMA kernel reads the bias element by element: 0.47x at
-// 128) and which equals the TMA kernel at head dim 64.
+// With them and without a bias, the TMA kernel where its maps encode (on
+// H200, S 4096: 1.16-1.21x the lockstep kernel at 128, 1.19-1.44x at 256, 1.09-1.36x at 64),
+// in its kMaskRows form for a mask mask_rows_copyable allows at head dims 64
+// and 256; else the lockstep kernel, whose bias tiles come through shared
+// memory (the TMA kernel reads the bias element by element: 0.47x at 128).
 // Head dim 128 without them: `mode` picks the kernel whose warpgroups take
 // turns (kPingpong), that one fed by a TMA producer (kTma; a call TMA cannot
 // address takes kPingpong), or the lockstep one. Head dims 64 and 256: kTma
@@ -159,11 +161,14 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
   const bool lean = p.scale > 1e-30f, features = logit_features(p);
   if (mode == HopperForward::kTma) {
     FwdTmaMaps maps;
-    const bool tma_features = DB != 64 && features && !p.bias;
+    const bool tma_features = features && !p.bias;
     if ((!features || tma_features) &&
         encode_forward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>, HopperPingpongConfig<T, DB>::kBlockN)) {
-      if constexpr (DB != 64)
-        if (features) return forward_hopper<T, DB, true, false, true, true>(l, p, maps);
+      if (features) {
+        if constexpr (HopperPingpongConfig<T, DB>::kMaskStage)
+          if (mask_rows_copyable(p)) return forward_hopper<T, DB, true, false, true, true, true>(l, p, maps);
+        return forward_hopper<T, DB, true, false, true, true>(l, p, maps);
+      }
       if (forward_hopper_persistent<T, DB>(l, p, maps, lean)) return;
       if (lean) return forward_hopper<T, DB, false, true, true, true>(l, p, maps);
       return forward_hopper<T, DB, false, false, true, true>(l, p, maps);
