@@ -1345,16 +1345,18 @@ def test_hopper_backward_tma_packed_takes_nothing_of_the_next(D, monkeypatch):
 # fused), the default there.
 
 def runs_hopper_features_backward(fn) -> bool:
-    """Whether `fn`'s backward runs the Hopper dK/dV kernel's feature form
-    (its last template argument, kFeatures, true)."""
+    """Whether `fn`'s backward runs a Hopper dK/dV kernel's feature form (its
+    last template argument, kFeatures, true; at head dim 256 its own kernel)."""
     names = backward_kernel_names(fn)
     assert names, "no dK/dV kernel ran"
-    return any(re.search(r"dkdv_hopper_kernel<[^<>]*, ?true>|dkdv_hopper_kernelI\w*?Lb1EE", n) for n in names)
+    forms = (r"dkdv_hopper_kernel<[^<>]*, ?true>", r"dkdv_hopper_kernelI\w*?Lb1EE",
+             r"dkdv_hopper256_kernel<[^<>]*, ?true, ?true>", r"dkdv_hopper256_kernelI\w*?Lb1ELb1EE")
+    return any(re.search(x, n) for n in names for x in forms)
 
 
 @pytest.mark.parametrize("feature", list(PIPELINED_FEATURES))
 @pytest.mark.parametrize("Sq,Sk", [(113, 203), (1000, 300), (300, 1000), (1024, 1023)])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_hopper_backward_features(feature, Sq, Sk, D, monkeypatch):
     """Every logit feature, alone and together, causal and not, through the
     default backward: the Hopper kernel's feature form takes each call with
@@ -1376,8 +1378,8 @@ def test_hopper_backward_features(feature, Sq, Sk, D, monkeypatch):
         check_case(case, causal=True, **opts)
 
 
-@pytest.mark.parametrize("feature", ["softcap", "bias", "mask", "dropout", "all"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("feature", ["softcap", "bias", "bias_broadcast", "mask", "dropout", "all"])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_hopper_backward_features_match_pipelined(feature, D, monkeypatch):
     """The Hopper feature form against the pipelined feature kernels
     ("pipelined_dq_separate" takes them): dq, dk, dv, dbias within rounding
@@ -1419,7 +1421,8 @@ def test_hopper_backward_features_packed(lengths, opts, D, monkeypatch):
 # there and forced with "hopper": dQ fused (fp32 atomics), or from the pipelined dQ kernel
 # for deterministic calls and "hopper_dq_separate"; 64 keys a CTA,
 # the warpgroups splitting the query rows of S^T and dP^T and the columns of dK, dV and dQ;
-# batch layout. Other calls at 256 (packed, logit features) take the pipelined backward.
+# batch layout, the logit features with dQ fused. Packed calls at 256 take the pipelined
+# backward.
 
 def backward_kernel_names(fn):
     """Names of the attention dK/dV kernels `fn`'s backward launches."""
@@ -1442,10 +1445,11 @@ def test_hopper256_backward_selects_the_kernel(case_kind, monkeypatch):
         fwd = lambda: flash_attn_func(q, k, v, deterministic=deterministic)  # noqa: E731
     own_backward(monkeypatch, "auto" if case_kind.startswith("default") else "hopper")
     names = backward_kernel_names(lambda: fwd().sum().backward())
-    fused = any(re.search(r"dkdv_hopper256_kernel<[^,<>]*, ?true>|dkdv_hopper256_kernelI\w*?Lb1E", n)
-                for n in names)
-    separate = any(re.search(r"dkdv_hopper256_kernel<[^,<>]*, ?false>|dkdv_hopper256_kernelI\w*?Lb0E", n)
-                   for n in names)
+    # (the template arguments: the type, kFuseDq, kFeatures)
+    fused = any(re.search(r"dkdv_hopper256_kernel<[^,<>]*, ?true, ?false>|dkdv_hopper256_kernelI\d+__\w+?16Lb1ELb0E"
+                          r"|dkdv_hopper256_kernelI\d+__halfLb1ELb0E", n) for n in names)
+    separate = any(re.search(r"dkdv_hopper256_kernel<[^,<>]*, ?false, ?false>|dkdv_hopper256_kernelI\d+__\w+?16Lb0E"
+                             r"|dkdv_hopper256_kernelI\d+__halfLb0E", n) for n in names)
     assert fused == (case_kind in ("batch", "default")), names
     assert separate == deterministic, names
     assert names, "no dK/dV kernel ran"

@@ -301,10 +301,12 @@ bool hopper256_backward_serves(const Args& a, const cuda::KArgs& k) {
 }
 
 // Whether the Hopper dK/dV kernel (its TMA-fed form, dQ fused) takes a call
-// with logit features: head dims 64 and 128 and the kernel "hopper". Where its
-// maps do not encode, the pipelined kernels run after all (backward_dq_fused).
-bool hopper_features_backward_serves(const Args& a, const char* kernel) {
-  return shared_dkdv_serves(a.head_dim) && std::strcmp(kernel, kOwnBackwardHopper) == 0;
+// with logit features: the kernel "hopper" at head dims 64 and 128 (where its
+// maps do not encode, the pipelined kernels run after all: backward_dq_fused)
+// and at 256 where hopper256_backward_serves.
+bool hopper_features_backward_serves(const Args& a, const cuda::KArgs& k, const char* kernel) {
+  if (std::strcmp(kernel, kOwnBackwardHopper) != 0) return false;
+  return shared_dkdv_serves(a.head_dim) || hopper256_backward_serves(a, k);
 }
 
 // Whether the backward computes dQ inside the dK/dV kernel (a head dim of
@@ -316,7 +318,7 @@ bool hopper_features_backward_serves(const Args& a, const char* kernel) {
 // order).
 bool backward_fuses_dq(const Args& a, const cuda::KArgs& k, const char* kernel) {
   if (a.deterministic) return false;
-  if (cuda::logit_features(k)) return hopper_features_backward_serves(a, kernel);
+  if (cuda::logit_features(k)) return hopper_features_backward_serves(a, k, kernel);
   if (!shared_dkdv_serves(a.head_dim))
     return std::strcmp(kernel, kOwnBackwardHopper) == 0 && hopper256_backward_serves(a, k);
   if (std::strcmp(kernel, kOwnBackwardDqFused) == 0 || std::strcmp(kernel, kOwnBackwardHopper) == 0 ||

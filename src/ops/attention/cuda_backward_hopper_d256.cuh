@@ -1,5 +1,5 @@
 // Hopper dK/dV kernel at head dim 256, dQ fused or from the pipelined dQ
-// kernel (sm_90a; batch layout, no logit features). At 256 the head-dim-128 kernel's split (each warpgroup 64
+// kernel (sm_90a; batch layout; the logit features with dQ fused). At 256 the head-dim-128 kernel's split (each warpgroup 64
 // keys with all of dK and dV) would hold 256 fp32 accumulators a thread, so
 // the warpgroups split the other way: one CTA per 64 keys of one (batch
 // entry, kv head), and per 64-row query tile
@@ -55,11 +55,17 @@ struct HopperDkv256Config : HopperDkvTiles<typename hopper::CuteType<T>::type, 6
 
   // K, V, Q, dO, P, dS (P and dS in the layout of dS: P^T and dS^T are the
   // K-major A operands of dV and dK); + lse and delta (two buffers of BM
-  // floats each), five mbarriers and 1024 for the alignment.
+  // floats each), (kFeatures) the second warpgroup's per-key sums of a bias
+  // gradient summed over the query rows (BN floats), five mbarriers and 1024
+  // for the alignment.
   static constexpr size_t kSmemTiles =
       sizeof(E) * (2 * Tiles::kKVElems + 2 * Tiles::kQElems + 2 * Tiles::kDsElems);
-  static constexpr size_t kSmem = kSmemTiles + 4 * kBlockM * sizeof(float) + 5 * sizeof(uint64_t) + 1024;
-  static_assert(kSmem <= 227 * 1024, "shared memory of a CTA");
+  static constexpr int stat_floats(bool features) { return 4 * kBlockM + (features ? kBlockN : 0); }
+  static constexpr size_t smem(bool features) {
+    return kSmemTiles + stat_floats(features) * sizeof(float) + 5 * sizeof(uint64_t) + 1024;
+  }
+  static constexpr size_t kSmem = smem(false);
+  static_assert(smem(true) <= 227 * 1024, "shared memory of a CTA");
   static_assert(sizeof(E) * Tiles::kKVElems == kBlockN * DB * 2, "a K/V tile holds a staged dK or dV");
 };
 
@@ -89,9 +95,15 @@ __host__ __device__ __forceinline__ int dq_col_of(int tid, int i) {
 // columns in each buffer), then releases the buffer to the producer. (Added
 // by per-thread fp32 atomics, dQ took four tenths of the kernel's stall
 // samples, the L2 at 71% of its throughput.)
-template <class T, bool kFuseDq>
+// kFeatures (with kFuseDq): the logit features as the head-dim-128 kernel
+// applies them (fragment_log2 over a thread's S^T fragment, dropout's verdict
+// as P's sign, softcap's derivative in half precision, DbiasSink); a bias
+// gradient summed over the query rows adds the two warpgroups' per-key sums
+// (each holds 32 of a tile's rows) through shared memory.
+template <class T, bool kFuseDq, bool kFeatures = false>
 __global__ void __launch_bounds__(384, 1)
     attention_bwd_dkdv_hopper256_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
+  static_assert(!kFeatures || kFuseDq, "the logit features in the form with dQ fused");
   using namespace cute;
   using namespace hopper;
   using namespace hopper256;
@@ -111,8 +123,9 @@ __global__ void __launch_bounds__(384, 1)
   E* ds_s = p_s + C::kDsElems;
   float* s_lse = reinterpret_cast<float*>(base + C::kSmemTiles);  // two buffers of BM
   float* s_delta = s_lse + 2 * BM;                                // two buffers of BM
+  float* s_dbias = s_delta + 2 * BM;  // (kFeatures) BN floats
   // K and V landed; Q/dO buffer landed (full) and released (empty).
-  uint64_t* kv_full = reinterpret_cast<uint64_t*>(s_delta + 2 * BM);
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(base + C::kSmemTiles + C::stat_floats(kFeatures) * sizeof(float));
   uint64_t* full = kv_full + 1;
   uint64_t* empty = full + 2;
   Tensor sK = make_tensor(make_smem_ptr(k_s), typename C::SmemKV{});
@@ -136,7 +149,10 @@ __global__ void __launch_bounds__(384, 1)
   const int m_begin = tiles.m_begin, m_tiles = tiles.m_tiles, n_tiles = tiles.n_tiles;
   E* dk = static_cast<E*>(p.dk) + b * p.dk_sb + (seq.k0 + n0) * p.dk_sr + hk * p.dk_sh;
   E* dv = static_cast<E*>(p.dv) + b * p.dv_sb + (seq.k0 + n0) * p.dv_sr + hk * p.dv_sh;
-  if (n_tiles == 0) return pipelined::zero_key_rows<DB, 384>(dk, dv, p, cols);  // no row sees these keys
+  if (n_tiles == 0) {  // no row sees these keys
+    if constexpr (kFeatures) zero_dbias_row_sums(p, b, hk, n0, cols, threadIdx.x, 384);
+    return pipelined::zero_key_rows<DB, 384>(dk, dv, p, cols);
+  }
 
   auto tile_head = [&](int it) { return hk * p.group + it / m_tiles; };
   auto tile_row0 = [&](int it) { return m_begin + (it % m_tiles) * BM; };
@@ -228,6 +244,7 @@ __global__ void __launch_bounds__(384, 1)
   const int key0 = key_of(tid, 0) - (lane >> 2);
   const uint32_t p_addr = smem_addr(p_s) + ds_stmatrix_offset(lane, key0, 4 * (tid / 128));
   const uint32_t ds_addr = smem_addr(ds_s) + ds_stmatrix_offset(lane, key0, 4 * (tid / 128));
+  float dbias_sum[2] = {0.0f, 0.0f};  // kFeatures, bias broadcast over query rows: this head's sums
 
   pipelined::TileCursor cur{0, 0};
   for (int it = 0; it < n_tiles; ++it) {
@@ -264,18 +281,100 @@ __global__ void __launch_bounds__(384, 1)
         tSrS(i) = exp2_fast(x2);
       }
     };
-    if (m0 >= full_lo && m0 + BM <= full_hi) softmax_p(std::false_type{});
-    else softmax_p(std::true_type{});
-    warpgroup_wait<0>();  // dP^T landed
-    warpgroup_fence_operand(tSrdP);
-    // dS = P (dP - delta) scale; P^T and dS^T into shared memory, two
-    // stmatrix groups each (ds_stmatrix_offset).
+    // (kFeatures) Element i of S^T: query row row_of(i), key col_of(i);
+    // softcap's derivative there: half i % 2 of dcap2[i / 2].
+    const int hq = hk * p.group + cur.h;
+    auto row_of = [&](int i) { return m0 + s_row_of(tid, i); };
+    auto col_of = [&](int i) { return n0 + key_of(tid, i); };
+    __half2 dcap2[kFeatures ? 8 : 1];
     uint32_t p_two[8], ds_two[8];
+    if constexpr (kFeatures) {
+      // The logit rule (window, mask and sequence ends too), in log2 units.
+      const LogitCtx logit(p, b, hq, seq);
+      const bool full = m0 >= full_lo && m0 + BM <= full_hi && m0 + BM <= seq.sq && cols == BN;
+      logit.fragment_log2<16>(
+          p, [&](int i) -> float& { return tSrS(i); }, row_of, col_of, false, full, [&](int i, float d) {
+            if (i & 1) dcap2[i >> 1].y = __float2half_rn(d);
+            else dcap2[i >> 1].x = __float2half_rn(d);
+          });
 #pragma unroll
-    for (int i = 0; i < 16; i += 2) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta + s_row_of(tid, i));
-      p_two[i / 2] = Pack<T>::two(tSrS(i), tSrS(i + 1));
-      ds_two[i / 2] = Pack<T>::two(tSrS(i) * (tSrdP(i) - dl.x) * p.scale, tSrS(i + 1) * (tSrdP(i + 1) - dl.y) * p.scale);
+      for (int i = 0; i < 16; ++i) tSrS(i) = exp2_fast(tSrS(i) - lse2[s_row_of(tid, i)]);
+      // P^T for dV dropped out; dS (below) takes P and the dropout's verdict (the sign).
+      if (p.dropout) {
+        const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          float keep[4];  // element 4 nt + e
+          dropout_keep_cols(p, bh, row_of(4 * nt), col_of(0), lane, keep);
+          float dropped[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float pr = tSrS(4 * nt + e);
+            dropped[e] = pr * keep[e];
+            tSrS(4 * nt + e) = keep[e] > 0.0f ? pr : -pr;
+          }
+          p_two[2 * nt] = Pack<T>::two(dropped[0], dropped[1]);
+          p_two[2 * nt + 1] = Pack<T>::two(dropped[2], dropped[3]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; i += 2) p_two[i / 2] = Pack<T>::two(tSrS(i), tSrS(i + 1));
+      }
+      warpgroup_wait<0>();  // dP^T landed
+      warpgroup_fence_operand(tSrdP);
+      // ds = P (dP keep - delta), the bias gradient, then ds dcap scale.
+      if (p.dropout) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const float coded = tSrS(i);
+          tSrdP(i) *= coded < 0.0f ? 0.0f : p.keep_scale;
+          tSrS(i) = fabsf(coded);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 16; i += 2) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta + s_row_of(tid, i));
+        tSrdP(i) = tSrS(i) * (tSrdP(i) - dl.x);
+        tSrdP(i + 1) = tSrS(i + 1) * (tSrdP(i + 1) - dl.y);
+      }
+      const DbiasSink dbias(p, b, hq, seq);
+      if (dbias.summed_rows()) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) dbias_sum[(i >> 1) & 1] += tSrdP(i);
+        // The last tile of a head (uniform over the CTA): the second
+        // warpgroup's quad sums go to shared memory, the first adds them to
+        // its own (after the barrier below) and writes.
+        if (cur.m + 1 == m_tiles && tid >= 128) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float sum = quad_sum(dbias_sum[h]);
+            if (lane % 4 == 0) s_dbias[key_of(tid, 2 * h)] = sum;
+            dbias_sum[h] = 0.0f;
+          }
+        }
+      } else if (dbias.at) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) dbias.store(tSrdP(i), row_of(i), col_of(i));
+      }
+      if (p.softcap > 0) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) tSrdP(i) *= __half2float((i & 1) ? dcap2[i >> 1].y : dcap2[i >> 1].x);
+      }
+#pragma unroll
+      for (int i = 0; i < 16; i += 2) ds_two[i / 2] = Pack<T>::two(tSrdP(i) * p.scale, tSrdP(i + 1) * p.scale);
+    } else {
+      if (m0 >= full_lo && m0 + BM <= full_hi) softmax_p(std::false_type{});
+      else softmax_p(std::true_type{});
+      warpgroup_wait<0>();  // dP^T landed
+      warpgroup_fence_operand(tSrdP);
+      // dS = P (dP - delta) scale; P^T and dS^T into shared memory, two
+      // stmatrix groups each (ds_stmatrix_offset).
+#pragma unroll
+      for (int i = 0; i < 16; i += 2) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta + s_row_of(tid, i));
+        p_two[i / 2] = Pack<T>::two(tSrS(i), tSrS(i + 1));
+        ds_two[i / 2] = Pack<T>::two(tSrS(i) * (tSrdP(i) - dl.x) * p.scale, tSrS(i + 1) * (tSrdP(i + 1) - dl.y) * p.scale);
+      }
     }
 #pragma unroll
     for (int nt = 0; nt < 4; nt += 2) {
@@ -284,6 +383,18 @@ __global__ void __launch_bounds__(384, 1)
     }
     fence_async_shared();
     consumers_sync();  // both warpgroups' halves of P^T and dS^T in place
+    if constexpr (kFeatures) {
+      if (cur.m + 1 == m_tiles && tid < 128 && p.dbias && p.dbias_sq == 0) {
+        const DbiasSink dbias(p, b, hq, seq);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = key_of(tid, 2 * h);
+          const float sum = quad_sum(dbias_sum[h]) + s_dbias[key];
+          if (lane % 4 == 0 && n0 + key < seq.sk) dbias.at[(n0 + key) * dbias.sk] = sum;
+          dbias_sum[h] = 0.0f;
+        }
+      }
+    }
 
     // dV += P^T dO and dK += dS^T Q (this warpgroup's 128 columns).
     warpgroup_fence_operand(tDrdV);

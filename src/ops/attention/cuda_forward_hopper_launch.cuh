@@ -266,7 +266,8 @@ bool dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
 }
 // Head dim 256 (the batch layout, every tensor addressable by TMA:
 // hopper256_backward_serves admits only such calls): its own kernel, 64 keys a
-// CTA, K/V boxes of 64 rows, dQ fused or from the pipelined dQ kernel.
+// CTA, K/V boxes of 64 rows, dQ fused or from the pipelined dQ kernel; the
+// logit features with dQ fused (backward_fuses_dq).
 template <class T>
 void dkdv_hopper256(const Launch& l, const KArgs& p, bool fuse_dq) {
   using C = HopperDkv256Config<T>;
@@ -276,9 +277,14 @@ void dkdv_hopper256(const Launch& l, const KArgs& p, bool fuse_dq) {
       !p.cu_q && encode_backward_qkv_maps(&maps, p, bf16, C::kBlockN) && (!fuse_dq || encode_dq_accum_map(&maps, p));
   if (!encoded)  // the call was admitted by hopper256_backward_serves: a broken promise
     throw InvalidArgument("attention: the Hopper backward at head dim 256 could not address this call by TMA");
-  static ReadyDevices ready{0}, ready_dq{0};
+  static ReadyDevices ready{0}, ready_dq{0}, ready_features{0};
   const dim3 grid(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch);
-  if (fuse_dq)
+  if (logit_features(p)) {
+    if (!fuse_dq)  // (backward_fuses_dq sends such calls to the pipelined kernels)
+      throw InvalidArgument("attention: the Hopper backward at head dim 256 takes logit features with dQ fused only");
+    launch(l, attention_bwd_dkdv_hopper256_kernel<T, true, true>, grid, 384, C::smem(true), p,
+           "dkdv_hopper256_features", 256, ready_features, maps);
+  } else if (fuse_dq)
     launch(l, attention_bwd_dkdv_hopper256_kernel<T, true>, grid, 384, C::kSmem, p, "dkdv_hopper256_dq", 256,
            ready_dq, maps);
   else
