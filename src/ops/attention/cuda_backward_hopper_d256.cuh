@@ -1,5 +1,6 @@
 // Hopper dK/dV kernel at head dim 256, dQ fused or from the pipelined dQ
-// kernel (sm_90a; batch layout; the logit features with dQ fused). At 256 the head-dim-128 kernel's split (each warpgroup 64
+// kernel (sm_90a; batch layout; the logit features with dQ fused). At 256 the
+// head-dim-128 kernel's split (each warpgroup 64
 // keys with all of dK and dV) would hold 256 fp32 accumulators a thread, so
 // the warpgroups split the other way: one CTA per 64 keys of one (batch
 // entry, kv head), and per 64-row query tile
@@ -361,7 +362,8 @@ __global__ void __launch_bounds__(384, 1)
         for (int i = 0; i < 16; ++i) tSrdP(i) *= __half2float((i & 1) ? dcap2[i >> 1].y : dcap2[i >> 1].x);
       }
 #pragma unroll
-      for (int i = 0; i < 16; i += 2) ds_two[i / 2] = Pack<T>::two(tSrdP(i) * p.scale, tSrdP(i + 1) * p.scale);
+      for (int i = 0; i < 16; i += 2)
+        ds_two[i / 2] = Pack<T>::two(tSrdP(i) * p.scale, tSrdP(i + 1) * p.scale);
     } else {
       if (m0 >= full_lo && m0 + BM <= full_hi) softmax_p(std::false_type{});
       else softmax_p(std::true_type{});
@@ -373,7 +375,8 @@ __global__ void __launch_bounds__(384, 1)
       for (int i = 0; i < 16; i += 2) {
         const float2 dl = *reinterpret_cast<const float2*>(delta + s_row_of(tid, i));
         p_two[i / 2] = Pack<T>::two(tSrS(i), tSrS(i + 1));
-        ds_two[i / 2] = Pack<T>::two(tSrS(i) * (tSrdP(i) - dl.x) * p.scale, tSrS(i + 1) * (tSrdP(i + 1) - dl.y) * p.scale);
+        ds_two[i / 2] =
+            Pack<T>::two(tSrS(i) * (tSrdP(i) - dl.x) * p.scale, tSrS(i + 1) * (tSrdP(i + 1) - dl.y) * p.scale);
       }
     }
 #pragma unroll

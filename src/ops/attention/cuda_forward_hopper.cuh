@@ -495,6 +495,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
   static_assert(!kTma || C::smem(false) <= 227 * 1024, "a CTA's shared memory");
   static_assert(!kMaskRows || (kTma && kFeatures && C::kMaskStage),
                 "the mask staged by rows: the TMA-fed feature kernel, where shared memory has room");
+  static_assert(!kMaskRows || C::kBarrierBytes <= 128, "the mask stage starts 128 bytes after the mbarriers' start");
   constexpr bool kPvInFlight = kPingpong && kPvInFlightStages<kStages>;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers
