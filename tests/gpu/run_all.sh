@@ -45,7 +45,7 @@ rc=${PIPESTATUS[0]}
 note "pytest tests/gpu: $(tail -1 "$OUT/pytest_gpu.log") (rc $rc, $(elapsed $t))"
 
 n_gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-benches=("bench/shmem_bw.py" "bench/remote_bw.py" "bench/ep_remote_bench.py" "bench/ep_bench.py" "bench/attn_bench.py" "bench/attn_bench.py --decode" "bench/jax_ep_bench.py --parts" "bench/jax_attn_bench.py" "bench/host_overhead.py --iters 300 --gil")
+benches=("bench/shmem_bw.py" "bench/remote_bw.py" "bench/ep_remote_bench.py" "bench/ep_bench.py" "bench/attn_bench.py" "bench/attn_bench.py --decode" "bench/attn_feature_bench.py --backend own --hdim 64" "bench/attn_feature_bench.py --backend own --hdim 128" "bench/attn_feature_bench.py --backend own --hdim 256 --compare-backward pipelined_dq_separate" "bench/jax_ep_bench.py --parts" "bench/jax_attn_bench.py" "bench/host_overhead.py --iters 300 --gil")
 if [ "$n_gpus" -gt 2 ]; then  # every GPU: all pairs, and EP over all of them
   benches+=("bench/shmem_bw.py --all-pairs 256M" "bench/ep_bench.py --gpus $n_gpus")
 fi
