@@ -699,10 +699,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       const LogitCtx logit(p, b, hq, seq);
       const bool full = m0 >= full_lo && m0 + BM <= full_hi && m0 + BM <= seq.sq && cols == BN;
       logit.fragment_log2<BM / 2>(
-          p, [&](int k) -> float& { return tSrS(k); }, row_of, col_of, false, full, [&](int k, float d) {
-            if (k & 1) dcap2[k >> 1].y = __float2half_rn(d);
-            else dcap2[k >> 1].x = __float2half_rn(d);
-          });
+          p, [&](int k) -> float& { return tSrS(k); }, row_of, col_of, false, full,
+          [&](int k, float d) { set_half_dcap(dcap2, k, d); });
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
         float2 l2;
@@ -720,14 +718,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
           dropout_keep_cols(p, bh, row_of(4 * nt), col_of(0), lane, keep);
 #pragma unroll
           for (int k = 4 * nt; k < 4 * nt + 4; k += 2) {
-            float dropped[2];
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const float pr = tSrS(k + c);
-              dropped[c] = pr * keep[(k + c) & 3];
-              tSrS(k + c) = keep[(k + c) & 3] > 0.0f ? pr : -pr;
-            }
-            set_p_operand(k, dropped[0], dropped[1]);
+            const float dropped0 = dropout_code(tSrS(k), keep[k & 3]);
+            set_p_operand(k, dropped0, dropout_code(tSrS(k + 1), keep[(k + 1) & 3]));
           }
         }
       } else {
@@ -765,14 +757,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       }
     };
     if constexpr (kFeatures) {
-      if (p.dropout) {
-#pragma unroll
-        for (int k = 0; k < BM / 2; ++k) {
-          const float coded = tSrS(k);
-          tSrdP(k) *= coded < 0.0f ? 0.0f : p.keep_scale;
-          tSrS(k) = fabsf(coded);
-        }
-      }
+      if (p.dropout)
+        dropout_decode<BM / 2>(p, [&](int k) -> float& { return tSrS(k); }, [&](int k) -> float& { return tSrdP(k); });
       ds_times(1.0f);
       const DbiasSink dbias(p, b, hq, seq);
       if (dbias.summed_rows()) {
@@ -786,8 +772,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       }
       if (p.softcap > 0) {
 #pragma unroll
-        for (int k = 0; k < BM / 2; ++k)
-          tSrdP(k) *= __half2float((k & 1) ? dcap2[k >> 1].y : dcap2[k >> 1].x);
+        for (int k = 0; k < BM / 2; ++k) tSrdP(k) *= half_dcap(dcap2, k);
       }
 #pragma unroll
       for (int k = 0; k < BM / 2; ++k) tSrdP(k) *= p.scale;

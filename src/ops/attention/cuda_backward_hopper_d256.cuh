@@ -294,10 +294,8 @@ __global__ void __launch_bounds__(384, 1)
       const LogitCtx logit(p, b, hq, seq);
       const bool full = m0 >= full_lo && m0 + BM <= full_hi && m0 + BM <= seq.sq && cols == BN;
       logit.fragment_log2<16>(
-          p, [&](int i) -> float& { return tSrS(i); }, row_of, col_of, false, full, [&](int i, float d) {
-            if (i & 1) dcap2[i >> 1].y = __float2half_rn(d);
-            else dcap2[i >> 1].x = __float2half_rn(d);
-          });
+          p, [&](int i) -> float& { return tSrS(i); }, row_of, col_of, false, full,
+          [&](int i, float d) { set_half_dcap(dcap2, i, d); });
 #pragma unroll
       for (int i = 0; i < 16; ++i) tSrS(i) = exp2_fast(tSrS(i) - lse2[s_row_of(tid, i)]);
       // P^T for dV dropped out; dS (below) takes P and the dropout's verdict (the sign).
@@ -309,11 +307,7 @@ __global__ void __launch_bounds__(384, 1)
           dropout_keep_cols(p, bh, row_of(4 * nt), col_of(0), lane, keep);
           float dropped[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float pr = tSrS(4 * nt + e);
-            dropped[e] = pr * keep[e];
-            tSrS(4 * nt + e) = keep[e] > 0.0f ? pr : -pr;
-          }
+          for (int e = 0; e < 4; ++e) dropped[e] = dropout_code(tSrS(4 * nt + e), keep[e]);
           p_two[2 * nt] = Pack<T>::two(dropped[0], dropped[1]);
           p_two[2 * nt + 1] = Pack<T>::two(dropped[2], dropped[3]);
         }
@@ -324,14 +318,8 @@ __global__ void __launch_bounds__(384, 1)
       warpgroup_wait<0>();  // dP^T landed
       warpgroup_fence_operand(tSrdP);
       // ds = P (dP keep - delta), the bias gradient, then ds dcap scale.
-      if (p.dropout) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const float coded = tSrS(i);
-          tSrdP(i) *= coded < 0.0f ? 0.0f : p.keep_scale;
-          tSrS(i) = fabsf(coded);
-        }
-      }
+      if (p.dropout)
+        dropout_decode<16>(p, [&](int i) -> float& { return tSrS(i); }, [&](int i) -> float& { return tSrdP(i); });
 #pragma unroll
       for (int i = 0; i < 16; i += 2) {
         const float2 dl = *reinterpret_cast<const float2*>(delta + s_row_of(tid, i));
@@ -359,7 +347,7 @@ __global__ void __launch_bounds__(384, 1)
       }
       if (p.softcap > 0) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) tSrdP(i) *= __half2float((i & 1) ? dcap2[i >> 1].y : dcap2[i >> 1].x);
+        for (int i = 0; i < 16; ++i) tSrdP(i) *= half_dcap(dcap2, i);
       }
 #pragma unroll
       for (int i = 0; i < 16; i += 2)

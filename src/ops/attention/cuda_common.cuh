@@ -357,6 +357,11 @@ struct LogitCtx {
         add_one<kLog2>(x(k), __bfloat162float(static_cast<const __nv_bfloat16*>(base)[at(k)]));
     }
   }
+  // Two keys' mask bytes (the first in the low byte): a zero byte hides its logit.
+  __device__ __forceinline__ static void mask_pair(uint32_t bytes, float& x0, float& x1) {
+    if (!(bytes & 0xffu)) x0 = -INFINITY;
+    if (!(bytes >> 8)) x1 = -INFINITY;
+  }
   template <bool kLog2>
   __device__ __forceinline__ static void add_one(float& x, float v) {
     if constexpr (kLog2) x = fmaf(v, kLog2e, x);
@@ -373,9 +378,7 @@ struct LogitCtx {
 #pragma unroll
       for (int k = 0; k < N; k += 2) {
         const uint8_t* r = mask + min(row_of(k), sq - 1) * p.mask_sq + min(col_of(k), sk - 2);
-        const uint32_t m = __ldg(reinterpret_cast<const unsigned short*>(r));
-        if (!(m & 0xffu)) x(k) = -INFINITY;
-        if (!(m >> 8)) x(k + 1) = -INFINITY;
+        mask_pair(__ldg(reinterpret_cast<const unsigned short*>(r)), x(k), x(k + 1));
       }
     } else if (!kKeyPairs && p.mask_sk == 1) {
 #pragma unroll
@@ -588,6 +591,33 @@ __device__ __forceinline__ void zero_dbias_row_sums(const KArgs& p, int b, int h
     const int hq = hk * p.group + idx / cols, j = n0 + idx % cols;
     p.dbias[b * p.dbias_sb + hq * p.dbias_sh + j * p.dbias_sk] = 0.0f;
   }
+}
+
+// The Hopper dK/dV kernels' feature steps on a score's P and dP (both keep
+// them in the S^T and dP^T registers between the two products). Dropout: dV
+// takes P keep (returned); P keeps its value, with the verdict as its sign.
+__device__ __forceinline__ float dropout_code(float& pr, float keep) {
+  const float dropped = pr * keep;
+  pr = keep > 0.0f ? pr : -pr;
+  return dropped;
+}
+// ... and for dS: dP keep, and P's value back (N scores, s(k) and dp(k)).
+template <int N, class S, class DP>
+__device__ __forceinline__ void dropout_decode(const KArgs& p, S s, DP dp) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float coded = s(k);
+    dp(k) *= coded < 0.0f ? 0.0f : p.keep_scale;
+    s(k) = fabsf(coded);
+  }
+}
+// softcap's derivative of score k in half precision: half k % 2 of d[k / 2].
+__device__ __forceinline__ void set_half_dcap(__half2* d, int k, float v) {
+  if (k & 1) d[k >> 1].y = __float2half_rn(v);
+  else d[k >> 1].x = __float2half_rn(v);
+}
+__device__ __forceinline__ float half_dcap(const __half2* d, int k) {
+  return __half2float((k & 1) ? d[k >> 1].y : d[k >> 1].x);
 }
 
 // Gradient of one score: ds = d loss / d logit = P (dP keep - delta), with P

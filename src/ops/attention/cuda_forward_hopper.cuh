@@ -719,9 +719,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
 #pragma unroll
         for (int i = 0; i < BN / 2; i += 2) {
           const int nt = i >> 2, h = (i >> 1) & 1;
-          const uint32_t m = *reinterpret_cast<const uint16_t*>(m_row + 8 * h * kMaskRow + 8 * nt);
-          if (!(m & 0xffu)) tSrS(i) = -INFINITY;
-          if (!(m >> 8)) tSrS(i + 1) = -INFINITY;
+          LogitCtx::mask_pair(*reinterpret_cast<const uint16_t*>(m_row + 8 * h * kMaskRow + 8 * nt), tSrS(i),
+                              tSrS(i + 1));
         }
         if (n0 + BN < n_end) load_mask_tile(it + 1, n0 + BN);
       }
