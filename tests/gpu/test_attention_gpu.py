@@ -1344,14 +1344,25 @@ def test_hopper_backward_tma_packed_takes_nothing_of_the_next(D, monkeypatch):
 # ---- the logit features on the TMA-fed Hopper dK/dV kernel (head dims 64 and 128, dQ
 # fused), the default there.
 
-def runs_hopper_features_backward(fn) -> bool:
-    """Whether `fn`'s backward runs a Hopper dK/dV kernel's feature form (its
-    last template argument, kFeatures, true; at head dim 256 its own kernel)."""
+def hopper_features_backward_form(fn):
+    """Which feature form of a Hopper dK/dV kernel `fn`'s backward runs: None
+    (none), "every" (kFeatures true; at head dim 256 its own kernel) or
+    "mask_alibi" (kFeatures and kMaskAlibi, the last two template arguments,
+    true: the head-dim-64/128 form for calls with only a mask and ALiBi)."""
     names = backward_kernel_names(fn)
     assert names, "no dK/dV kernel ran"
-    forms = (r"dkdv_hopper_kernel<[^<>]*, ?true>", r"dkdv_hopper_kernelI\w*?Lb1EE",
+    mask_alibi = (r"dkdv_hopper_kernel<[^<>]*, ?true, ?true>", r"dkdv_hopper_kernelI\w*?Lb1ELb1EE")
+    every = (r"dkdv_hopper_kernel<[^<>]*, ?true, ?false>", r"dkdv_hopper_kernelI\w*?Lb1ELb0EE",
              r"dkdv_hopper256_kernel<[^<>]*, ?true, ?true>", r"dkdv_hopper256_kernelI\w*?Lb1ELb1EE")
-    return any(re.search(x, n) for n in names for x in forms)
+    for form, patterns in (("mask_alibi", mask_alibi), ("every", every)):
+        if any(re.search(x, n) for n in names for x in patterns):
+            return form
+    return None
+
+
+def runs_hopper_features_backward(fn) -> bool:
+    """Whether `fn`'s backward runs a feature form of a Hopper dK/dV kernel."""
+    return hopper_features_backward_form(fn) is not None
 
 
 @pytest.mark.parametrize("feature", list(PIPELINED_FEATURES))
@@ -1368,11 +1379,14 @@ def test_hopper_backward_features(feature, Sq, Sk, D, monkeypatch):
     make_kw.setdefault("Hkv", 4)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=torch.bfloat16, seed=D * 17 + Sq + Sk, **make_kw)
     kw = dict(case["kwargs"], **opts)
-    hopper = runs_hopper_features_backward(
+    form = hopper_features_backward_form(
         lambda: flash_attn_func(case["q"], case["k"], case["v"], **kw).sum().backward())
     has_features = any(kw.get(n) is not None for n in ("bias", "mask", "alibi_slopes")) or \
         kw.get("softcap", 0) > 0 or kw.get("dropout_p", 0) > 0
-    assert hopper == has_features, (feature, hopper)
+    only_mask_alibi = has_features and kw.get("bias") is None and kw.get("softcap", 0) == 0 and \
+        kw.get("dropout_p", 0) == 0
+    want = None if not has_features else "mask_alibi" if only_mask_alibi and D != 256 else "every"
+    assert form == want, (feature, form, want)
     check_case(case, **opts)
     if feature in FEATURES and "causal" not in opts:
         check_case(case, causal=True, **opts)
@@ -1407,14 +1421,21 @@ def test_hopper_backward_features_match_pipelined(feature, D, monkeypatch):
 
 
 @pytest.mark.parametrize("lengths", list(PACKED_TMA_LENGTHS))
-@pytest.mark.parametrize("opts", [dict(softcap=3.0), dict(causal=True, softcap=2.0, window_size=(60, 0))])
+@pytest.mark.parametrize("opts", [dict(softcap=3.0), dict(causal=True, softcap=2.0, window_size=(60, 0)),
+                                  dict(causal=True, alibi=True), dict(window_size=(40, 70), alibi=True)])
 @pytest.mark.parametrize("D", [64, 128])
 def test_hopper_backward_features_packed(lengths, opts, D, monkeypatch):
-    """Packed sequences with softcap on the feature form's packed kernel: each
-    sequence's gradients against it alone (fp32 reference)."""
+    """Packed sequences with softcap, or with ALiBi alone (the kMaskAlibi
+    form), on the feature forms' packed kernels: each sequence's gradients
+    against it alone (fp32 reference)."""
     own_backward(monkeypatch, "auto")
     lq, lk = PACKED_TMA_LENGTHS[lengths]
-    check_packed_backward(lq, lk, 4, 2, D, opts, seed=len(lq) + D)
+    opts = dict(opts)
+    alibi = opts.pop("alibi", False)
+    if alibi:
+        opts["alibi_slopes"] = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
+    form = hopper_features_backward_form(lambda: check_packed_backward(lq, lk, 4, 2, D, opts, seed=len(lq) + D))
+    assert form == ("mask_alibi" if alibi else "every"), form
 
 
 # ---- the Hopper dK/dV kernel at head dim 256 (cuda_backward_hopper_d256.cuh), the default

@@ -407,13 +407,19 @@ __device__ __forceinline__ void issue_s_dp(Mma& mma, const FragK& tSrK, const Fr
 // bias gradient (DbiasSink), as the pipelined dK/dV kernel computes them.
 // Between P and dS a score keeps its P in the S^T registers, the sign saying
 // whether dropout kept it, and softcap's derivative in half precision (16
-// registers).
-template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false, bool kFeatures = false>
+// registers). kMaskAlibi (with kFeatures): the form for calls whose only
+// features are a mask and ALiBi (mask_alibi_only); the one for every feature
+// spilled 292 bytes a thread at head dim 128 (ptxas), this one 28.
+template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false, bool kFeatures = false,
+          bool kMaskAlibi = false>
 __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads, 1)
     attention_bwd_dkdv_hopper_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
   static_assert(!kTma || kFuseDq, "the TMA kernel serves calls with dQ fused");
   static_assert(!kPacked || kTma, "kPacked is a form of the TMA kernel");
   static_assert(!kFeatures || kTma, "the logit features are in the TMA kernel only");
+  static_assert(!kMaskAlibi || kFeatures, "kMaskAlibi is a form of the feature kernel");
+  // The features a kMaskAlibi call never has (the launch checks mask_alibi_only).
+  constexpr bool kEveryFeature = kFeatures && !kMaskAlibi;
   using namespace cute;
   using namespace hopper;
   using pipelined::RowRange;
@@ -476,7 +482,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   E* dk = static_cast<E*>(p.dk) + b * p.dk_sb + (seq.k0 + n0) * p.dk_sr + hk * p.dk_sh;
   E* dv = static_cast<E*>(p.dv) + b * p.dv_sb + (seq.k0 + n0) * p.dv_sr + hk * p.dv_sh;
   if (n_tiles == 0) {  // no row sees these keys
-    if constexpr (kFeatures) zero_dbias_row_sums(p, b, hk, n0, cols, threadIdx.x, kTma ? 384 : NT);
+    if constexpr (kEveryFeature) zero_dbias_row_sums(p, b, hk, n0, cols, threadIdx.x, kTma ? 384 : NT);
     return pipelined::zero_key_rows<DB, kTma ? 384 : NT>(dk, dv, p, cols);
   }
   // The maps' coordinates of this sequence: packed, its first rows in the one
@@ -693,12 +699,12 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     // derivative there: half k % 2 of dcap2[k / 2].
     auto row_of = [&](int k) { return m0 + (k >> 2) * 8 + 2 * t + (k & 1); };
     auto col_of = [&](int k) { return n0 + key_row((k >> 1) & 1); };
-    __half2 dcap2[kFeatures ? BM / 4 : 1];
+    __half2 dcap2[kEveryFeature ? BM / 4 : 1];
     if constexpr (kFeatures) {
       // The logit rule (window, mask and sequence ends too), in log2 units.
       const LogitCtx logit(p, b, hq, seq);
       const bool full = m0 >= full_lo && m0 + BM <= full_hi && m0 + BM <= seq.sq && cols == BN;
-      logit.fragment_log2<BM / 2>(
+      logit.fragment_log2<BM / 2, false, kMaskAlibi>(
           p, [&](int k) -> float& { return tSrS(k); }, row_of, col_of, false, full,
           [&](int k, float d) { set_half_dcap(dcap2, k, d); });
 #pragma unroll
@@ -710,7 +716,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
         for (int e = 0; e < 4; ++e) tSrS(4 * nt + e) = exp2_fast(tSrS(4 * nt + e) - ((e & 1) ? l2.y : l2.x));
       }
       // dV takes P dropped out; dS (below) P and the dropout's verdict (the sign).
-      if (p.dropout) {
+      if (kEveryFeature && p.dropout) {
         const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
 #pragma unroll
         for (int nt = 0; nt < BM / 8; ++nt) {
@@ -743,7 +749,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     warpgroup_wait<1>();  // dP^T landed; dV's product may still run
     warpgroup_fence_operand(tSrdP);
 
-    // dS = P (dP - delta) scale, over the fp32 P (kFeatures: ds = P (dP keep
+    // dS = P (dP - delta) scale, over the fp32 P (kEveryFeature: ds = P (dP keep
     // - delta), the bias gradient, then ds dcap scale).
     auto ds_times = [&](float factor) {
 #pragma unroll
@@ -756,7 +762,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
         }
       }
     };
-    if constexpr (kFeatures) {
+    if constexpr (kEveryFeature) {
       if (p.dropout)
         dropout_decode<BM / 2>(p, [&](int k) -> float& { return tSrS(k); }, [&](int k) -> float& { return tSrdP(k); });
       ds_times(1.0f);

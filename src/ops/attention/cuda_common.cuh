@@ -402,8 +402,10 @@ struct LogitCtx {
   // window (the caller's tile test), so the visibility pass, a dozen
   // instructions an element, is skipped. With softcap, dcap(k, d) receives
   // element k's d logit / d (scale q.k) (the dK/dV kernels'; the forward's
-  // sink drops it). kKeyPairs: see apply_mask.
-  template <int N, bool kKeyPairs = false, class X, class Row, class Col, class Dcap = NoDcapSink>
+  // sink drops it). kKeyPairs: see apply_mask. kMaskAlibi: the caller's form
+  // serves calls without softcap and bias only (mask_alibi_only).
+  template <int N, bool kKeyPairs = false, bool kMaskAlibi = false, class X, class Row, class Col,
+            class Dcap = NoDcapSink>
   __device__ __forceinline__ void fragment_log2(const KArgs& p, X x, Row row_of, Col col_of, bool skip_bias,
                                                 bool full, Dcap dcap = {}) const {
     // The forward (no derivative wanted) is bound by instruction issue: it
@@ -412,7 +414,7 @@ struct LogitCtx {
     // last: folded, their softcap and bias rows ran 0.65-0.95x.
     constexpr bool kFold = std::is_same<Dcap, NoDcapSink>::value;
     if constexpr (kFold) {
-      if (p.softcap > 0) {
+      if (!kMaskAlibi && p.softcap > 0) {
         // softcap tanh(u), u = scale q.k / softcap, as softcap (1 - 2 r), r =
         // 1 / (1 + 2^(2 u log2 e)); in log2 units a - 2 a r, a = softcap log2 e.
         const float to_exp2 = p.scale * inv_softcap * (2.0f * kLog2e), a = p.softcap * kLog2e;
@@ -430,7 +432,7 @@ struct LogitCtx {
     } else {
 #pragma unroll
       for (int k = 0; k < N; ++k) x(k) *= p.scale;
-      if (p.softcap > 0) {
+      if (!kMaskAlibi && p.softcap > 0) {
 #pragma unroll
         for (int k = 0; k < N; ++k) {
           const float t = tanh_fast(x(k) * inv_softcap);
@@ -439,7 +441,7 @@ struct LogitCtx {
         }
       }
     }
-    if (bias && !skip_bias) add_bias<kFold, N>(p, x, row_of, col_of);
+    if (!kMaskAlibi && bias && !skip_bias) add_bias<kFold, N>(p, x, row_of, col_of);
     if (slope != 0.0f) {
       const float slope_unit = kFold ? slope * kLog2e : slope;
 #pragma unroll

@@ -72,6 +72,13 @@ inline bool tma_addressable(const void* base, int elem_bytes, int64_t row_stride
 inline bool logit_features(const KArgs& p) {
   return p.bias || p.mask || p.alibi || p.softcap > 0 || p.dropout;
 }
+// Whether a call's only logit features are a mask and ALiBi slopes: no
+// derivative of a feature's own, no bias gradient, no random numbers. The
+// Hopper dK/dV kernels have a form compiled for such calls alone (in the one
+// that serves every feature, the other features' registers spilled).
+inline bool mask_alibi_only(const KArgs& p) {
+  return (p.mask || p.alibi) && !p.bias && !(p.softcap > 0) && !p.dropout;
+}
 
 struct Launch {
   int device;
