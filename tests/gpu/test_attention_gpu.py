@@ -626,8 +626,8 @@ def forward_kernel_names(fn):
     return launched_kernel_names(fn, "attention_fwd")
 
 
-# The forward kernel's last template flag (kMaskRows), when the name shows it.
-LAST = r"(, ?(true|false))?>"
+# The forward kernel's last template flags (kMaskRows, kMaskAlibi), when the name shows them.
+LAST = r"(, ?(true|false)){0,2}>"
 
 
 def forward_kernels(D):
@@ -737,6 +737,14 @@ def test_tma_forward_logit_features(D, feature, Sq, Sk, monkeypatch):
     want_tma = not feature.startswith("bias") and feature != "all"
     assert any(re.search(x, n) for n in names for x in (features_tma if want_tma else features_lockstep)), names
     assert not any(re.search(x, n) for n in names for x in (features_lockstep if want_tma else features_tma)), names
+    # A mask (rows not 16-byte aligned here: not copied by rows) or ALiBi alone: the kMaskAlibi form.
+    mask_alibi = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?false, ?true>",
+                  rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb0ELb1E")
+    by_rows = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?true",
+               rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb1E")
+    staged = any(re.search(x, n) for n in names for x in by_rows)
+    want_mask_alibi = feature in ("mask", "alibi") and not staged
+    assert any(re.search(x, n) for n in names for x in mask_alibi) == want_mask_alibi, names
     check_case(case, check_grads=False, **opts)
     if "window_size" not in opts:
         check_case(case, check_grads=False, causal=True, **opts)
@@ -770,7 +778,7 @@ def test_tma_forward_mask_by_rows(D, layout, Sq, Sk, monkeypatch):
                     rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1E")
     assert any(re.search(x, n) for n in names for x in features_tma), names
     # Its kMaskRows form where the rows are 16-byte aligned and shared memory has room.
-    by_rows = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?true>",
+    by_rows = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?true(, ?false)?>",
                rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb1E")
     staged = D != 128 and (layout == "padded_rows" or Sk % 16 == 0)
     assert any(re.search(x, n) for n in names for x in by_rows) == staged, names

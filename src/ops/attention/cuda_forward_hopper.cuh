@@ -476,9 +476,11 @@ struct FwdTmaMaps {
 // kFeatures with kTma (head dims 128 and 256, forward_hopper_bucket): the logit
 // features in the TMA form; a bias would be read by fragment_log2 from global
 // memory (no stage of it in shared memory there), so bias calls take the
-// lockstep kernel.
+// lockstep kernel. kMaskAlibi (with kFeatures and kTma): the form for calls
+// whose only features are a mask and ALiBi (mask_alibi_only), without the
+// softcap and dropout passes (their registers spilled 28 bytes at 128).
 template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false,
-          bool kMaskRows = false>
+          bool kMaskRows = false, bool kMaskAlibi = false>
 __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
                                   kPingpong ? 1 : HopperFwdConfig<T, DB>::min_blocks(kFeatures))
     attention_fwd_hopper_kernel(const KArgs p, const __grid_constant__ FwdTmaMaps maps) {
@@ -496,6 +498,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
   static_assert(!kMaskRows || (kTma && kFeatures && C::kMaskStage),
                 "the mask staged by rows: the TMA-fed feature kernel, where shared memory has room");
   static_assert(!kMaskRows || C::kBarrierBytes <= 128, "the mask stage starts 128 bytes after the mbarriers' start");
+  static_assert(!kMaskAlibi || (kTma && kFeatures && !kMaskRows), "kMaskAlibi is a form of the TMA-fed feature kernel");
   constexpr bool kPvInFlight = kPingpong && kPvInFlightStages<kStages>;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers
@@ -707,7 +710,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
     if constexpr (kFeatures) {
       // Element i: row g + 8 h, key 8 nt + 2 t + c (i = 4 nt + 2 h + c).
       const bool full = n0 >= last.lo && n0 + BN <= first.hi && m0 + BM <= seq.sq;
-      logit.fragment_log2<BN / 2, true>(
+      logit.fragment_log2<BN / 2, true, kMaskAlibi>(
           p, [&](int i) -> float& { return tSrS(i); }, [&](int i) { return row((i >> 1) & 1); },
           [&](int i) { return n0 + (i >> 2) * 8 + 2 * t + (i & 1); }, bias_tiles, full);
       if constexpr (kMaskRows) {
@@ -756,7 +759,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
           row_sum[e >> 1] += x;
           tSrS(4 * nt + e) = x;
         }
-        if constexpr (kFeatures) {
+        if constexpr (kFeatures && !kMaskAlibi) {
           if (p.dropout) {
             float keep[4];
             dropout_keep_rows(p, bh, row(0), row(1), n0 + nt * 8 + 2 * t, lane, keep);

@@ -82,19 +82,20 @@ inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16, int kv
 }
 
 template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false,
-          bool kMaskRows = false>
+          bool kMaskRows = false, bool kMaskAlibi = false>
 void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
   using C = HopperFwdKernelConfig<T, DB, kPingpong>;
   static ReadyDevices ready{0};
-  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma, kMaskRows>,
+  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma, kMaskRows, kMaskAlibi>,
          dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), kTma ? 384 : C::kThreads,
          kMaskRows ? C::smem_mask_rows() : C::smem(kFeatures && !kPingpong), p,
-         kMaskRows   ? "fwd_hopper_tma_features_mask_rows"
-         : kFeatures ? (kTma ? "fwd_hopper_tma_features" : "fwd_hopper_features")
-         : kTma      ? (kLean ? "fwd_hopper_tma_lean" : "fwd_hopper_tma")
-         : kPingpong ? (kLean ? "fwd_hopper_pingpong_lean" : "fwd_hopper_pingpong")
-         : kLean     ? "fwd_hopper_lean"
-                     : "fwd_hopper",
+         kMaskRows    ? "fwd_hopper_tma_features_mask_rows"
+         : kMaskAlibi ? "fwd_hopper_tma_mask_alibi"
+         : kFeatures  ? (kTma ? "fwd_hopper_tma_features" : "fwd_hopper_features")
+         : kTma       ? (kLean ? "fwd_hopper_tma_lean" : "fwd_hopper_tma")
+         : kPingpong  ? (kLean ? "fwd_hopper_pingpong_lean" : "fwd_hopper_pingpong")
+         : kLean      ? "fwd_hopper_lean"
+                      : "fwd_hopper",
          DB, ready, maps);
 }
 
@@ -148,7 +149,9 @@ inline bool d256_tma_forward() { return tma_forward_switch_on("SYMHEAP_ATTN_FWD_
 // With them and without a bias, the TMA kernel where its maps encode (on
 // H200, S 4096: 1.16-1.21x the lockstep kernel at 128, 1.19-1.44x at 256, 1.09-1.36x at 64),
 // in its kMaskRows form for a mask mask_rows_copyable allows at head dims 64
-// and 256; else the lockstep kernel, whose bias tiles come through shared
+// and 256, in its kMaskAlibi form for other calls whose only features are a
+// mask and ALiBi (mask_alibi_only; 1.09x with a mask at 128, 1.16x with
+// ALiBi); else the lockstep kernel, whose bias tiles come through shared
 // memory (the TMA kernel reads the bias element by element: 0.47x at 128).
 // Head dim 128 without them: `mode` picks the kernel whose warpgroups take
 // turns (kPingpong), that one fed by a TMA producer (kTma; a call TMA cannot
@@ -167,6 +170,7 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
       if (features) {
         if constexpr (HopperPingpongConfig<T, DB>::kMaskStage)
           if (mask_rows_copyable(p)) return forward_hopper<T, DB, true, false, true, true, true>(l, p, maps);
+        if (mask_alibi_only(p)) return forward_hopper<T, DB, true, false, true, true, false, true>(l, p, maps);
         return forward_hopper<T, DB, true, false, true, true>(l, p, maps);
       }
       if (forward_hopper_persistent<T, DB>(l, p, maps, lean)) return;
