@@ -74,8 +74,9 @@ inline bool logit_features(const KArgs& p) {
 }
 // Whether a call's only logit features are a mask and ALiBi slopes: no
 // derivative of a feature's own, no bias gradient, no random numbers. The
-// Hopper dK/dV kernels have a form compiled for such calls alone (in the one
-// that serves every feature, the other features' registers spilled).
+// Hopper dK/dV kernels and the TMA-fed Hopper forward have a form compiled for
+// such calls alone (in the one that serves every feature, the other features'
+// registers spilled).
 inline bool mask_alibi_only(const KArgs& p) {
   return (p.mask || p.alibi) && !p.bias && !(p.softcap > 0) && !p.dropout;
 }
