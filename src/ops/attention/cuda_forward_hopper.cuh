@@ -473,7 +473,7 @@ struct FwdTmaMaps {
 // copies, and setmaxnreg moves registers from the producer to them.
 // At head dims 64 and 256 only the TMA form exists (HopperPingpongConfig);
 // the cp.async feed's prefetch distance assumes three stages.
-// kFeatures with kTma (head dims 128 and 256, forward_hopper_bucket): the logit
+// kFeatures with kTma (every head dim, forward_hopper_bucket): the logit
 // features in the TMA form; a bias would be read by fragment_log2 from global
 // memory (no stage of it in shared memory there), so bias calls take the
 // lockstep kernel. kMaskAlibi (with kFeatures and kTma): the form for calls

@@ -259,7 +259,7 @@ bool dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
   if (fuse_dq && tma) {
     BwdTmaMaps maps;
     if (encode_backward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>)) {
-      if (features && mask_alibi_only(p))
+      if (mask_alibi_only(p))
         p.cu_q ? dkdv_hopper<T, DB, true, true, true, true, true>(l, p, maps)
                : dkdv_hopper<T, DB, true, true, false, true, true>(l, p, maps);
       else if (features)
