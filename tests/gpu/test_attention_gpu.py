@@ -737,14 +737,10 @@ def test_tma_forward_logit_features(D, feature, Sq, Sk, monkeypatch):
     want_tma = not feature.startswith("bias") and feature != "all"
     assert any(re.search(x, n) for n in names for x in (features_tma if want_tma else features_lockstep)), names
     assert not any(re.search(x, n) for n in names for x in (features_lockstep if want_tma else features_tma)), names
-    # A mask (rows not 16-byte aligned here: not copied by rows) or ALiBi alone: the kMaskAlibi form.
-    mask_alibi = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?false, ?true>",
-                  rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb0ELb1E")
-    by_rows = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?true",
-               rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb1E")
-    staged = any(re.search(x, n) for n in names for x in by_rows)
-    want_mask_alibi = feature in ("mask", "alibi") and not staged
-    assert any(re.search(x, n) for n in names for x in mask_alibi) == want_mask_alibi, names
+    # A mask or ALiBi alone: a kMaskAlibi form (the mask staged by rows or not).
+    mask_alibi = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?(true|false), ?true>",
+                  rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb[01]ELb1E")
+    assert any(re.search(x, n) for n in names for x in mask_alibi) == (feature in ("mask", "alibi")), names
     check_case(case, check_grads=False, **opts)
     if "window_size" not in opts:
         check_case(case, check_grads=False, causal=True, **opts)
@@ -778,10 +774,14 @@ def test_tma_forward_mask_by_rows(D, layout, Sq, Sk, monkeypatch):
                     rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1E")
     assert any(re.search(x, n) for n in names for x in features_tma), names
     # Its kMaskRows form where the rows are 16-byte aligned and shared memory has room.
-    by_rows = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?true(, ?false)?>",
+    by_rows = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?true(, ?(true|false))?>",
                rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb1E")
     staged = D != 128 and (layout == "padded_rows" or Sk % 16 == 0)
     assert any(re.search(x, n) for n in names for x in by_rows) == staged, names
+    # A mask alone: the kMaskAlibi form of whichever kernel (softcap, below, takes the other).
+    mask_alibi = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?(true|false), ?true>",
+                  rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb[01]ELb1E")
+    assert any(re.search(x, n) for n in names for x in mask_alibi), names
     for opts in (dict(), dict(causal=True), dict(softcap=3.0)):
         check_case(case, check_grads=False, **opts)
 

@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
   static_assert(!kMaskRows || (kTma && kFeatures && C::kMaskStage),
                 "the mask staged by rows: the TMA-fed feature kernel, where shared memory has room");
   static_assert(!kMaskRows || C::kBarrierBytes <= 128, "the mask stage starts 128 bytes after the mbarriers' start");
-  static_assert(!kMaskAlibi || (kTma && kFeatures && !kMaskRows), "kMaskAlibi is a form of the TMA-fed feature kernel");
+  static_assert(!kMaskAlibi || (kTma && kFeatures), "kMaskAlibi is a form of the TMA-fed feature kernel");
   constexpr bool kPvInFlight = kPingpong && kPvInFlightStages<kStages>;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers

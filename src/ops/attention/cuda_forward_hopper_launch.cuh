@@ -89,7 +89,7 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
   launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma, kMaskRows, kMaskAlibi>,
          dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), kTma ? 384 : C::kThreads,
          kMaskRows ? C::smem_mask_rows() : C::smem(kFeatures && !kPingpong), p,
-         kMaskRows    ? "fwd_hopper_tma_features_mask_rows"
+         kMaskRows    ? (kMaskAlibi ? "fwd_hopper_tma_mask_alibi_rows" : "fwd_hopper_tma_features_mask_rows")
          : kMaskAlibi ? "fwd_hopper_tma_mask_alibi"
          : kFeatures  ? (kTma ? "fwd_hopper_tma_features" : "fwd_hopper_features")
          : kTma       ? (kLean ? "fwd_hopper_tma_lean" : "fwd_hopper_tma")
@@ -169,7 +169,9 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
         encode_forward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>, HopperPingpongConfig<T, DB>::kBlockN)) {
       if (features) {
         if constexpr (HopperPingpongConfig<T, DB>::kMaskStage)
-          if (mask_rows_copyable(p)) return forward_hopper<T, DB, true, false, true, true, true>(l, p, maps);
+          if (mask_rows_copyable(p))
+            return mask_alibi_only(p) ? forward_hopper<T, DB, true, false, true, true, true, true>(l, p, maps)
+                                      : forward_hopper<T, DB, true, false, true, true, true>(l, p, maps);
         if (mask_alibi_only(p)) return forward_hopper<T, DB, true, false, true, true, false, true>(l, p, maps);
         return forward_hopper<T, DB, true, false, true, true>(l, p, maps);
       }
