@@ -238,15 +238,15 @@ __device__ __forceinline__ float exp2_fast(float x) {
   return y;
 }
 
-// tanh(x) as 1 - 2 / (1 + e^2x): two MUFU instructions instead of tanhf's
-// branchy sequence. Its error is absolute (a few 1e-7, also near 0, where
-// tanh x ~ x), which is what a softcapped logit, softcap * tanh, needs; the
-// ends give exactly -1 and 1.
+// tanh(x) in one MUFU instruction (relative error about 2^-11, the
+// instruction FlashAttention's softcap uses) instead of tanhf's branchy
+// sequence; 1 - 2 / (1 + e^2x) took two, and at head dim 64 the MUFU unit
+// bounds the forward (bench/attn_notes.md 41). Forward and backward use this
+// one, so the backward's P is the forward's.
 __device__ __forceinline__ float tanh_fast(float x) {
-  constexpr float kTwoLog2e = 2.8853900817779268f;  // 2 / ln 2
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(1.0f + exp2_fast(x * kTwoLog2e)));
-  return fmaf(-2.0f, r, 1.0f);
+  float t;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(t) : "f"(x));
+  return t;
 }
 
 __device__ __forceinline__ float load_bias(const void* base, int dtype, int64_t idx) {
@@ -415,15 +415,11 @@ struct LogitCtx {
     constexpr bool kFold = std::is_same<Dcap, NoDcapSink>::value;
     if constexpr (kFold) {
       if (!kMaskAlibi && p.softcap > 0) {
-        // softcap tanh(u), u = scale q.k / softcap, as softcap (1 - 2 r), r =
-        // 1 / (1 + 2^(2 u log2 e)); in log2 units a - 2 a r, a = softcap log2 e.
-        const float to_exp2 = p.scale * inv_softcap * (2.0f * kLog2e), a = p.softcap * kLog2e;
+        // softcap tanh(u), u = scale q.k / softcap, in log2 units: a tanh(u), a =
+        // softcap log2 e.
+        const float to_u = p.scale * inv_softcap, a = p.softcap * kLog2e;
 #pragma unroll
-        for (int k = 0; k < N; ++k) {
-          float r;
-          asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(1.0f + exp2_fast(x(k) * to_exp2)));
-          x(k) = fmaf(-2.0f * a, r, a);
-        }
+        for (int k = 0; k < N; ++k) x(k) = a * tanh_fast(x(k) * to_u);
       } else {
         const float to_log2 = p.scale * kLog2e;
 #pragma unroll
