@@ -376,14 +376,12 @@ __global__ void __launch_bounds__(384, 1)
     consumers_sync();  // both warpgroups' halves of P^T and dS^T in place
     if constexpr (kFeatures) {
       if (cur.m + 1 == m_tiles && tid < 128 && p.dbias && p.dbias_sq == 0) {
-        const DbiasSink dbias(p, b, hq, seq);
+        // One lane a quad adds the second warpgroup's sum of its key.
+        if (lane % 4 == 0) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int key = key_of(tid, 2 * h);
-          const float sum = quad_sum(dbias_sum[h]) + s_dbias[key];
-          if (lane % 4 == 0 && n0 + key < seq.sk) dbias.at[(n0 + key) * dbias.sk] = sum;
-          dbias_sum[h] = 0.0f;
+          for (int h = 0; h < 2; ++h) dbias_sum[h] += s_dbias[key_of(tid, 2 * h)];
         }
+        DbiasSink(p, b, hq, seq).write_row_sums(dbias_sum, n0 + key_of(tid, 0), lane % 4);
       }
     }
 
