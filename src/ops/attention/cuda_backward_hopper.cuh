@@ -409,17 +409,23 @@ __device__ __forceinline__ void issue_s_dp(Mma& mma, const FragK& tSrK, const Fr
 // whether dropout kept it, and softcap's derivative in half precision (16
 // registers). kMaskAlibi (with kFeatures): the form for calls whose only
 // features are a mask and ALiBi (mask_alibi_only); the one for every feature
-// spilled 292 bytes a thread at head dim 128 (ptxas), this one 28.
+// spilled 292 bytes a thread at head dim 128 (ptxas), this one 28. kNoBias
+// (with kFeatures): the form for calls with softcap or dropout but no bias
+// (no bias gradient; softcap's derivative recomputed from P at dS instead of
+// kept): 288 -> 32 bytes spilled at 128, 72 -> 0 at 64 (FIXME figures).
 template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false, bool kFeatures = false,
-          bool kMaskAlibi = false>
+          bool kMaskAlibi = false, bool kNoBias = false>
 __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads, 1)
     attention_bwd_dkdv_hopper_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
   static_assert(!kTma || kFuseDq, "the TMA kernel serves calls with dQ fused");
   static_assert(!kPacked || kTma, "kPacked is a form of the TMA kernel");
   static_assert(!kFeatures || kTma, "the logit features are in the TMA kernel only");
   static_assert(!kMaskAlibi || kFeatures, "kMaskAlibi is a form of the feature kernel");
-  // The features a kMaskAlibi call never has (the launch checks mask_alibi_only).
+  static_assert(!kNoBias || (kFeatures && !kMaskAlibi), "kNoBias is a form of the feature kernel");
+  // The features a kMaskAlibi call never has (the launch checks mask_alibi_only),
+  // and the bias, which a kNoBias call never has.
   constexpr bool kEveryFeature = kFeatures && !kMaskAlibi;
+  constexpr bool kBias = kEveryFeature && !kNoBias;
   using namespace cute;
   using namespace hopper;
   using pipelined::RowRange;
@@ -482,7 +488,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
   E* dk = static_cast<E*>(p.dk) + b * p.dk_sb + (seq.k0 + n0) * p.dk_sr + hk * p.dk_sh;
   E* dv = static_cast<E*>(p.dv) + b * p.dv_sb + (seq.k0 + n0) * p.dv_sr + hk * p.dv_sh;
   if (n_tiles == 0) {  // no row sees these keys
-    if constexpr (kEveryFeature) zero_dbias_row_sums(p, b, hk, n0, cols, threadIdx.x, kTma ? 384 : NT);
+    if constexpr (kBias) zero_dbias_row_sums(p, b, hk, n0, cols, threadIdx.x, kTma ? 384 : NT);
     return pipelined::zero_key_rows<DB, kTma ? 384 : NT>(dk, dv, p, cols);
   }
   // The maps' coordinates of this sequence: packed, its first rows in the one
@@ -699,14 +705,16 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     // derivative there: half k % 2 of dcap2[k / 2].
     auto row_of = [&](int k) { return m0 + (k >> 2) * 8 + 2 * t + (k & 1); };
     auto col_of = [&](int k) { return n0 + key_row((k >> 1) & 1); };
-    __half2 dcap2[kEveryFeature ? BM / 4 : 1];
+    __half2 dcap2[kBias ? BM / 4 : 1];
     if constexpr (kFeatures) {
       // The logit rule (window, mask and sequence ends too), in log2 units.
       const LogitCtx logit(p, b, hq, seq);
       const bool full = m0 >= full_lo && m0 + BM <= full_hi && m0 + BM <= seq.sq && cols == BN;
       logit.fragment_log2<BM / 2, false, kMaskAlibi>(
-          p, [&](int k) -> float& { return tSrS(k); }, row_of, col_of, false, full,
-          [&](int k, float d) { set_half_dcap(dcap2, k, d); });
+          p, [&](int k) -> float& { return tSrS(k); }, row_of, col_of, /*skip_bias=*/kNoBias, full,
+          [&](int k, float d) {
+            if constexpr (kBias) set_half_dcap(dcap2, k, d);
+          });
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
         float2 l2;
@@ -766,19 +774,35 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       if (p.dropout)
         dropout_decode<BM / 2>(p, [&](int k) -> float& { return tSrS(k); }, [&](int k) -> float& { return tSrdP(k); });
       ds_times(1.0f);
-      const DbiasSink dbias(p, b, hq, seq);
-      if (dbias.summed_rows()) {
+      if constexpr (kBias) {
+        const DbiasSink dbias(p, b, hq, seq);
+        if (dbias.summed_rows()) {
 #pragma unroll
-        for (int k = 0; k < BM / 2; ++k) dbias_sum[(k >> 1) & 1] += tSrdP(k);
-        // The last tile of a head: its row sums of dS (uniform over the CTA).
-        if (cur.m + 1 == m_tiles) dbias.write_row_sums(dbias_sum, n0 + key_row0, t);
-      } else if (dbias.at) {
+          for (int k = 0; k < BM / 2; ++k) dbias_sum[(k >> 1) & 1] += tSrdP(k);
+          // The last tile of a head: its row sums of dS (uniform over the CTA).
+          if (cur.m + 1 == m_tiles) dbias.write_row_sums(dbias_sum, n0 + key_row0, t);
+        } else if (dbias.at) {
 #pragma unroll
-        for (int k = 0; k < BM / 2; ++k) dbias.store(tSrdP(k), row_of(k), col_of(k));
+          for (int k = 0; k < BM / 2; ++k) dbias.store(tSrdP(k), row_of(k), col_of(k));
+        }
       }
       if (p.softcap > 0) {
+        if constexpr (kBias) {
 #pragma unroll
-        for (int k = 0; k < BM / 2; ++k) tSrdP(k) *= half_dcap(dcap2, k);
+          for (int k = 0; k < BM / 2; ++k) tSrdP(k) *= half_dcap(dcap2, k);
+        } else {
+          // From P, whose registers are free now (kNoBias).
+          auto lse2_of = [&](int k) {
+            float2 l2;
+            if constexpr (kLseEarly) l2 = lse_early[k / 4];
+            else l2 = lse_pair(k / 4);
+            return (k & 1) ? l2.y : l2.x;
+          };
+          LogitCtx(p, b, hq, seq).softcap_derivative_from_p<BM / 2>([&](int k) -> float& { return tSrS(k); },
+                                                                     lse2_of, row_of, col_of);
+#pragma unroll
+          for (int k = 0; k < BM / 2; ++k) tSrdP(k) *= tSrS(k);
+        }
       }
 #pragma unroll
       for (int k = 0; k < BM / 2; ++k) tSrdP(k) *= p.scale;

@@ -333,6 +333,32 @@ struct LogitCtx {
     return visible ? x : -INFINITY;
   }
 
+  // softcap's derivative, 1 - tanh(u)^2, of each score of a fragment, from
+  // its P (x(k), overwritten), for calls without a bias: P = 2^(logit log2 e -
+  // lse2(k)), so wherever P > 0 the logit is (log2 P + lse2(k)) ln 2, and less
+  // the ALiBi term it is softcap tanh(u). Where P is 0 so is ds, and the
+  // derivative given is 0. One lg2 a score, where the derivative kept from
+  // the S^T pass to dS took 16 registers (the dK/dV kernel's no-bias form).
+  template <int N, class X, class Lse2, class Row, class Col>
+  __device__ __forceinline__ void softcap_derivative_from_p(X x, Lse2 lse2, Row row_of, Col col_of) const {
+    constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      float log2_p;
+      asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(log2_p) : "f"(x(k)));
+      x(k) = (log2_p + lse2(k)) * kLn2;
+    }
+    if (slope != 0.0f) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) x(k) += slope * fabsf(static_cast<float>(row_of(k) + sk - sq - col_of(k)));
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float t = x(k) * inv_softcap;
+      x(k) = fmaxf(1.0f - t * t, 0.0f);  // fmaxf: also 0 for the NaN of a P of 0
+    }
+  }
+
   // fragment_log2's bias and mask passes (the bias in log2 units with
   // kLog2). An element outside the sequence (already hidden) reads element 0
   // of the bias and the nearest element inside of the mask, so no address is

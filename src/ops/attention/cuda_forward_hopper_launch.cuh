@@ -234,17 +234,18 @@ inline bool encode_backward_maps(BwdTmaMaps* m, const KArgs& p, bool bf16) {
 
 // The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
 template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false, bool kFeatures = false,
-          bool kMaskAlibi = false>
+          bool kMaskAlibi = false, bool kNoBias = false>
 void dkdv_hopper(const Launch& l, const KArgs& p, const BwdTmaMaps& maps) {
   using C = HopperDkvConfig<T, DB>;
   static ReadyDevices ready{0};
   const char* name = kMaskAlibi ? (kPacked ? "dkdv_hopper_mask_alibi_packed" : "dkdv_hopper_mask_alibi")
+                     : kNoBias  ? (kPacked ? "dkdv_hopper_no_bias_packed" : "dkdv_hopper_no_bias")
                      : kFeatures ? (kPacked ? "dkdv_hopper_features_packed" : "dkdv_hopper_features")
                      : kPacked   ? "dkdv_hopper_dq_tma_packed"
                      : kTma      ? "dkdv_hopper_dq_tma"
                      : kFuseDq   ? "dkdv_hopper_dq"
                                  : "dkdv_hopper";
-  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq, kTma, kPacked, kFeatures, kMaskAlibi>,
+  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq, kTma, kPacked, kFeatures, kMaskAlibi, kNoBias>,
          dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch), kTma ? 384 : C::kThreads,
          kTma ? C::kSmemTma : C::kSmem, p, name, DB, ready, maps);
 }
@@ -253,7 +254,8 @@ void dkdv_hopper(const Launch& l, const KArgs& p, const BwdTmaMaps& maps) {
 // packed calls in a form of their own), else by the consumers' cp.async copies.
 // A call with logit features runs only the TMA-fed form: false when its maps
 // do not encode (nothing launched; the caller runs the pipelined kernels).
-// Calls with a mask or ALiBi slopes and no other feature take its kMaskAlibi form.
+// Calls with a mask or ALiBi slopes and no other feature take its kMaskAlibi
+// form, other calls without a bias its kNoBias form.
 template <class T, int DB>
 bool dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
   static const BwdTmaMaps no_maps{};
@@ -264,6 +266,9 @@ bool dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
       if (mask_alibi_only(p))
         p.cu_q ? dkdv_hopper<T, DB, true, true, true, true, true>(l, p, maps)
                : dkdv_hopper<T, DB, true, true, false, true, true>(l, p, maps);
+      else if (features && !p.bias)
+        p.cu_q ? dkdv_hopper<T, DB, true, true, true, true, false, true>(l, p, maps)
+               : dkdv_hopper<T, DB, true, true, false, true, false, true>(l, p, maps);
       else if (features)
         p.cu_q ? dkdv_hopper<T, DB, true, true, true, true>(l, p, maps)
                : dkdv_hopper<T, DB, true, true, false, true>(l, p, maps);
