@@ -255,7 +255,7 @@ void dkdv_hopper(const Launch& l, const KArgs& p, const BwdTmaMaps& maps) {
 // A call with logit features runs only the TMA-fed form: false when its maps
 // do not encode (nothing launched; the caller runs the pipelined kernels).
 // Calls with a mask or ALiBi slopes and no other feature take its kMaskAlibi
-// form, other calls without a bias its kNoBias form.
+// form, other calls without a bias its kNoBias form (no_bias_form_serves).
 template <class T, int DB>
 bool dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
   static const BwdTmaMaps no_maps{};
@@ -266,7 +266,7 @@ bool dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
       if (mask_alibi_only(p))
         p.cu_q ? dkdv_hopper<T, DB, true, true, true, true, true>(l, p, maps)
                : dkdv_hopper<T, DB, true, true, false, true, true>(l, p, maps);
-      else if (features && !p.bias)
+      else if (features && no_bias_form_serves(p, DB))
         p.cu_q ? dkdv_hopper<T, DB, true, true, true, true, false, true>(l, p, maps)
                : dkdv_hopper<T, DB, true, true, false, true, false, true>(l, p, maps);
       else if (features)

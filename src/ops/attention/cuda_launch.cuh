@@ -81,6 +81,15 @@ inline bool mask_alibi_only(const KArgs& p) {
   return (p.mask || p.alibi) && !p.bias && !(p.softcap > 0) && !p.dropout;
 }
 
+// Whether a feature call of the Hopper dK/dV kernel (head dim 64 or 128)
+// takes its kNoBias form: no bias, and at 64 no softcap. That form recomputes
+// softcap's derivative from P (one more MUFU op a score) instead of keeping
+// it: softcap's fwd+bwd ran 1.23x at 128 but 0.96x at 64 (one round), so at
+// 64 softcap stays in the form for every feature (dropout: 1.08x and 1.07x).
+inline bool no_bias_form_serves(const KArgs& p, int db) {
+  return !p.bias && (db != 64 || !(p.softcap > 0));
+}
+
 struct Launch {
   int device;
   cudaStream_t stream;
