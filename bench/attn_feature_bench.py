@@ -235,7 +235,7 @@ def main(argv=None):
     dtype = torch.float32 if a.smoke else torch.bfloat16
     D, S = (32, 48) if a.smoke else (a.hdim, a.seqlen)
     time_ms = timer(device)
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen = torch.Generator(device=device)
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {dtype}, hdim {D}, "
           f"seqlen {S}, symheap backend {a.backend or os.environ.get('SYMHEAP_ATTN_BACKEND') or 'auto'}; "
           f"{unit_name} of the visible (query, key) pairs", flush=True)
@@ -250,7 +250,8 @@ def main(argv=None):
         sys.exit(f"unknown feature(s) {', '.join(unknown)}; choose from {', '.join(FEATURES)}")
     bad = []
     for feature in features:
-        row = make_row(feature, D, S, device, dtype, gen)
+        # Each row's data from its own seed: the same whichever rows run before it.
+        row = make_row(feature, D, S, device, dtype, gen.manual_seed(FEATURES.index(feature)))
         r = bench_row(row, time_ms, a.compare_forward, a.compare_backward, a.fwd_only, unit)
         fmt = lambda n, key: (f"{r[n][key]:7.1f}" if key in r.get(n, {}) else  # noqa: E731
                               ("  error" if "error" in r.get(n, {}) else "    n/a"))
