@@ -240,9 +240,9 @@ __device__ __forceinline__ float exp2_fast(float x) {
 
 // tanh(x) in one MUFU instruction (relative error about 2^-11, the
 // instruction FlashAttention's softcap uses) instead of tanhf's branchy
-// sequence; 1 - 2 / (1 + e^2x) took two, and at head dim 64 the MUFU unit
-// bounds the forward (bench/attn_notes.md 41). Forward and backward use this
-// one, so the backward's P is the forward's.
+// sequence; 1 - 2 / (1 + e^2x) took two, and the softcap forward ran 0.77-0.80x
+// as fast so (bench/attn_notes.md 41, 42). Forward and backward use this one,
+// so the backward's P is the forward's.
 __device__ __forceinline__ float tanh_fast(float x) {
   float t;
   asm("tanh.approx.f32 %0, %1;\n" : "=f"(t) : "f"(x));
