@@ -7,7 +7,8 @@ default Hopper kernel) and the own forward+backward with SYMHEAP_ATTN_OWN_BACKWA
 (--compare-backward V, e.g. pipelined_dq_separate: the pipelined feature
 kernels against the Hopper one), and torch SDPA computing the same function where an explicit
 mask can say it (bias: a float mask; window and mask: a boolean one; GQA:
-enable_gqa). bf16 on CUDA, B*S = 16k tokens, H*D = 2048; TFLOP/s count the
+enable_gqa), and SDPA with its own dropout on the dropout row (a timing only: its
+random stream is not ours). bf16 on CUDA, B*S = 16k tokens, H*D = 2048; TFLOP/s count the
 visible (query, key) pairs only.
 
     python bench/attn_feature_bench.py [--backend own] [--hdim 128] [--seqlen 4096]
@@ -128,6 +129,8 @@ def make_row(feature, D, S, device, dtype, gen):
         row["pairs"] = B * H * S * (S + 1) // 2
     elif feature == "dropout":
         row["opts"] = dict(dropout_p=0.1, seed=7)
+        # SDPA's own random stream: its figure is timing only (the diff column is ours).
+        row["sdpa"] = dict(dropout_p=0.1)
     return row
 
 
