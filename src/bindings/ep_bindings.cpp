@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <climits>
 #include <optional>
+#include <type_traits>
 
 #include "bindings/gil_handoff.hpp"
 #include "bindings/registry.hpp"
@@ -292,15 +293,7 @@ class EpOp {
       a.recv_summary = word<int32_t>(base, hl_.summary);
       a.saved_weights = hl_.weights < 0 ? nullptr : word<float>(base, hl_.weights);
       a.stream = h;
-      std::shared_ptr<PeState> s;
-      auto op = find(&s);
-      try {
-        n = ep::dispatch(*s, *op, a);
-      } catch (const InvalidArgument&) {
-        if (problem) problem->raise(" (dispatch aborted on every PE)");
-        throw;
-      }
-      if (problem) problem->raise();  // only reached if the core did not raise
+      n = collective("dispatch", problem, [&](PeState& s, ep::Op& op) { return ep::dispatch(s, op, a); });
     }
     return make_output(owner, n, num_tokens, std::move(storage));
   }
@@ -352,15 +345,7 @@ class EpOp {
       }
       a.status = ok ? ep::kOk : ep::kBadArgument;
       a.stream = h;
-      std::shared_ptr<PeState> s;
-      auto op = find(&s);
-      try {
-        ep::combine(*s, *op, a);
-      } catch (const InvalidArgument&) {
-        if (problem) problem->raise(" (combine aborted on every PE)");
-        throw;
-      }
-      if (problem) problem->raise();
+      collective("combine", problem, [&](PeState& s, ep::Op& op) { ep::combine(s, op, a); });
     }
     return result;
   }
@@ -395,15 +380,7 @@ class EpOp {
       }
       a.status = problem ? ep::kBadArgument : ep::kOk;
       a.stream = h;
-      std::shared_ptr<PeState> s;
-      auto op = find(&s);
-      try {
-        ep::redispatch(*s, *op, a);
-      } catch (const InvalidArgument&) {
-        if (problem) problem->raise(" (redispatch aborted on every PE)");
-        throw;
-      }
-      if (problem) problem->raise();
+      collective("redispatch", problem, [&](PeState& s, ep::Op& op) { ep::redispatch(s, op, a); });
     }
     return result;
   }
@@ -543,6 +520,32 @@ class EpOp {
     return reinterpret_cast<T*>(base + static_cast<uintptr_t>(off) * 4);
   }
   bool expert_major() const { return cfg_.layout == ep::Layout::ExpertMajor; }
+
+  // One collective step of the core on this op's PE. A call with a bad
+  // argument still enters it (status kBadArgument) so that every PE leaves
+  // together; the core then raises on every PE, and this PE sees its own
+  // problem, named with `what`. Returns what `step` returns.
+  template <class Step, class R = std::invoke_result_t<Step&, PeState&, ep::Op&>>
+  R collective(const char* what, const Check& problem, Step&& step) {
+    std::shared_ptr<PeState> s;
+    auto op = find(&s);
+    auto guarded = [&]() -> R {
+      try {
+        return step(*s, *op);
+      } catch (const InvalidArgument&) {
+        if (problem) problem->raise(std::string(" (") + what + " aborted on every PE)");
+        throw;
+      }
+    };
+    if constexpr (std::is_void_v<R>) {
+      guarded();
+      if (problem) problem->raise();  // only reached if the core did not raise
+    } else {
+      R result = guarded();
+      if (problem) problem->raise();
+      return result;
+    }
+  }
 
   // The op and its PE as found when it was made: a call takes no lock that
   // other PE threads take (the runtime's rank map and the PE's op registry
