@@ -675,6 +675,11 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     if constexpr (kLseEarly)
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) lse_early[nt] = lse_pair(nt);
+    // The lse pair of query rows 8 nt + 2 t, + 1 (from registers at head dim 64).
+    auto lse_of = [&](int nt) {
+      if constexpr (kLseEarly) return lse_early[nt];
+      else return lse_pair(nt);
+    };
     issue_s_dp(mma_sdp, tSrK, tSrQ, tSrV, tSrdO, buf, tSrS, tSrdP);
 
     // P; element 4 nt + e is (key key_row(e / 2), query row m0 + 8 nt + 2 t +
@@ -685,9 +690,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
         const int c0 = nt * 8 + 2 * t;
-        float2 l2;
-        if constexpr (kLseEarly) l2 = lse_early[nt];
-        else l2 = lse_pair(nt);
+        const float2 l2 = lse_of(nt);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int h = e >> 1, i = m0 + c0 + (e & 1), idx = 4 * nt + e;
@@ -718,9 +721,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
           });
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
-        float2 l2;
-        if constexpr (kLseEarly) l2 = lse_early[nt];
-        else l2 = lse_pair(nt);
+        const float2 l2 = lse_of(nt);
 #pragma unroll
         for (int e = 0; e < 4; ++e) tSrS(4 * nt + e) = exp2_fast(tSrS(4 * nt + e) - ((e & 1) ? l2.y : l2.x));
       }
@@ -793,12 +794,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
           for (int k = 0; k < BM / 2; ++k) tSrdP(k) *= half_dcap(dcap2, k);
         } else {
           // From P, whose registers are free now (kNoBias).
-          auto lse2_of = [&](int k) {
-            float2 l2;
-            if constexpr (kLseEarly) l2 = lse_early[k / 4];
-            else l2 = lse_pair(k / 4);
-            return (k & 1) ? l2.y : l2.x;
-          };
+          auto lse2_of = [&](int k) { return (k & 1) ? lse_of(k / 4).y : lse_of(k / 4).x; };
           LogitCtx(p, b, hq, seq).softcap_derivative_from_p<BM / 2>([&](int k) -> float& { return tSrS(k); },
                                                                      lse2_of, row_of, col_of);
 #pragma unroll

@@ -305,6 +305,12 @@ struct LogitCtx {
     sk = s.sk;
   }
 
+  // ALiBi's distance of key j from query row i's diagonal (its penalty:
+  // slope times this).
+  __device__ __forceinline__ float alibi_distance(int i, int j) const {
+    return fabsf(static_cast<float>(i + sk - sq - j));
+  }
+
   // Logit of (i, j) from the raw dot product; -inf when hidden. `dcap`
   // receives d logit / d (scale * q.k). The branches test only what is the
   // same for every thread; the bias and mask reads are predicated on the
@@ -328,7 +334,7 @@ struct LogitCtx {
       const float value = load_bias(bias, p.bias_dtype, at);
       x += value;
     }
-    if (slope != 0.0f) x -= slope * fabsf(static_cast<float>(diag - j));
+    if (slope != 0.0f) x -= slope * alibi_distance(i, j);
     if (mask) visible &= mask[inside ? i * p.mask_sq + j * p.mask_sk : 0] != 0;
     return visible ? x : -INFINITY;
   }
@@ -350,7 +356,7 @@ struct LogitCtx {
     }
     if (slope != 0.0f) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) x(k) += slope * fabsf(static_cast<float>(row_of(k) + sk - sq - col_of(k)));
+      for (int k = 0; k < N; ++k) x(k) += slope * alibi_distance(row_of(k), col_of(k));
     }
 #pragma unroll
     for (int k = 0; k < N; ++k) {
@@ -467,7 +473,7 @@ struct LogitCtx {
     if (slope != 0.0f) {
       const float slope_unit = kFold ? slope * kLog2e : slope;
 #pragma unroll
-      for (int k = 0; k < N; ++k) x(k) -= slope_unit * fabsf(static_cast<float>(row_of(k) + sk - sq - col_of(k)));
+      for (int k = 0; k < N; ++k) x(k) -= slope_unit * alibi_distance(row_of(k), col_of(k));
     }
     if (full) {
       if constexpr (!kFold) {
