@@ -85,6 +85,10 @@ template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, b
           bool kMaskRows = false, bool kMaskAlibi = false>
 void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
   using C = HopperFwdKernelConfig<T, DB, kPingpong>;
+  // The TMA-fed kernel is compiled without the bias pass (forward_hopper_bucket
+  // sends calls with a bias to the lockstep kernel).
+  if (kTma && kFeatures && p.bias)
+    throw Unsupported("attention: the TMA-fed Hopper forward takes no bias (an internal routing error)");
   static ReadyDevices ready{0};
   launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma, kMaskRows, kMaskAlibi>,
          dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), kTma ? 384 : C::kThreads,
