@@ -1442,10 +1442,9 @@ def test_hopper_backward_features_match_pipelined(feature, D, monkeypatch):
                                   dict(causal=True, alibi=True), dict(window_size=(40, 70), alibi=True)])
 @pytest.mark.parametrize("D", [64, 128])
 def test_hopper_backward_features_packed(lengths, opts, D, monkeypatch):
-    """Packed sequences with softcap (the kNoBias form at 128, the form for
-    every feature at 64), or with ALiBi alone (the kMaskAlibi form), on the
-    feature forms' packed kernels: each sequence's gradients against it alone
-    (fp32 reference)."""
+    """Packed sequences with softcap (the kNoBias form), or with ALiBi alone
+    (the kMaskAlibi form), on the feature forms' packed kernels: each
+    sequence's gradients against it alone (fp32 reference)."""
     own_backward(monkeypatch, "auto")
     lq, lk = PACKED_TMA_LENGTHS[lengths]
     opts = dict(opts)
@@ -1453,7 +1452,7 @@ def test_hopper_backward_features_packed(lengths, opts, D, monkeypatch):
     if alibi:
         opts["alibi_slopes"] = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
     form = hopper_features_backward_form(lambda: check_packed_backward(lq, lk, 4, 2, D, opts, seed=len(lq) + D))
-    assert form == ("mask_alibi" if alibi else "no_bias" if D == 128 else "every"), form
+    assert form == ("mask_alibi" if alibi else "no_bias"), form
 
 
 # ---- the Hopper dK/dV kernel at head dim 256 (cuda_backward_hopper_d256.cuh), the default

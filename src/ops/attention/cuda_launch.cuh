@@ -85,9 +85,11 @@ inline bool mask_alibi_only(const KArgs& p) {
 // takes its kNoBias form: no bias, and at 64 no softcap. That form recomputes
 // softcap's derivative from P (one more MUFU op a score) instead of keeping
 // it: softcap's fwd+bwd ran 1.23x at 128 but 0.96x at 64 (one round), so at
-// 64 softcap stays in the form for every feature (dropout: 1.08x and 1.07x).
+// 64 softcap in the batch layout stays in the form for every feature (dropout:
+// 1.08x and 1.07x). Packed calls take it at 64 too: there the form for every
+// feature spills 400 bytes a thread, this one none.
 inline bool no_bias_form_serves(const KArgs& p, int db) {
-  return !p.bias && (db != 64 || !(p.softcap > 0));
+  return !p.bias && (db != 64 || !(p.softcap > 0) || p.cu_q);
 }
 
 struct Launch {
