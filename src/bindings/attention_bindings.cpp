@@ -257,7 +257,7 @@ SYMHEAP_BINDINGS(attention) {
       for (int i = 0; i < sq; ++i)
         for (int j = 0; j < sk; ++j)
           keep[static_cast<size_t>(i) * sk + j] =
-              dropout_bits(seed, offset, bh, static_cast<uint32_t>(i), static_cast<uint32_t>(j)) >=
+              dropout_bits(seed, offset, bh, static_cast<uint32_t>(i), static_cast<uint64_t>(j)) >=
               threshold;
     }
     return py::bytes(keep);

@@ -381,14 +381,26 @@ def test_no_grad_and_lse_only():
 
 
 def test_dropout_generator_known_answers():
-    """The generator is Philox4x32-10 (counter = (j // 4, i, b*Hq + h, offset),
-    key = seed); these are the published known-answer vectors."""
+    """The generator is Philox4x32-10 (counter = (j // 8, i, b*Hq + h, offset),
+    key = seed), element j taking half j % 2 of word (j % 8) // 2; these are
+    the published known-answer vectors, read back 16 bits at a time."""
     from symheap import _core
-    bits = lambda seed, offset, bh, i, quad: [  # noqa: E731
-        _core.attention_dropout_bits(seed, offset, bh, i, 4 * quad + w) for w in range(4)]
-    assert bits(0, 0, 0, 0, 0) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
-    assert bits(0xA4093822 | 0x299F31D0 << 32, 0x03707344, 0x13198A2E, 0x85A308D3, 0x243F6A88) == [
+    def words(seed, offset, bh, i, octet):
+        halves = [_core.attention_dropout_bits(seed, offset, bh, i, 8 * octet + e) for e in range(8)]
+        assert all(0 <= x < 1 << 16 for x in halves)
+        return [halves[2 * w] | halves[2 * w + 1] << 16 for w in range(4)]
+    assert words(0, 0, 0, 0, 0) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert words(0xA4093822 | 0x299F31D0 << 32, 0x03707344, 0x13198A2E, 0x85A308D3, 0x243F6A88) == [
         0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_dropout_threshold_resolution():
+    """Kept iff the 16 bits are >= floor(p * 2^16): p = 0 keeps all, p near 1 none."""
+    from symheap import _core
+    assert _core.attention_dropout_threshold(0.0) == 0
+    assert _core.attention_dropout_threshold(0.25) == 16384
+    assert _core.attention_dropout_threshold(0.9999999) == 65535
+    assert _core.attention_dropout_threshold(1.0) == 65536
 
 
 def test_varlen_rows_outside_sequences():

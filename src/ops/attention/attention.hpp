@@ -93,9 +93,10 @@ void validate(const Args& a, bool backward);
 void forward_cpu(const Args& a, int threads);
 void backward_cpu(const Args& a, int threads);
 
-// The dropout generator: 32 random bits for element (b*H_q + h, i, j) of the
+// The dropout generator: 16 random bits for element (b*H_q + h, i, j) of the
 // call (seed, offset). Identical on cpu and CUDA; kept iff bits >= threshold.
-uint32_t dropout_bits(uint64_t seed, uint64_t offset, uint32_t bh, uint32_t i, uint32_t j);
+// (j is 64-bit so that every octet j / 8 < 2^32 of the counter can be asked for.)
+uint32_t dropout_bits(uint64_t seed, uint64_t offset, uint32_t bh, uint32_t i, uint64_t j);
 uint32_t dropout_threshold(float p);
 
 // cpu building blocks shared with the KV-cache path (decode_cpu.cpp): the

@@ -193,8 +193,8 @@ struct DropoutRule {
     U32x4 r{};
     for (int c = 0; c < n; ++c) {
       uint32_t j = static_cast<uint32_t>(n0 + c);
-      if (c == 0 || (j & 3u) == 0) r = dropout_quad(seed, offset, bh, static_cast<uint32_t>(i), j >> 2);
-      out[c] = pick(r, j & 3u) >= threshold ? keep_scale : 0.0f;
+      if (c == 0 || (j & 7u) == 0) r = dropout_octet(seed, offset, bh, static_cast<uint32_t>(i), j >> 3);
+      out[c] = dropout_half(r, j) >= threshold ? keep_scale : 0.0f;
     }
   }
 };

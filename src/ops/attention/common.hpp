@@ -46,15 +46,22 @@ SH_HD U32x4 philox4x32_10(U32x4 ctr, uint32_t k0, uint32_t k1) {
   return ctr;
 }
 
-// Four consecutive keys (j = 4*quad .. 4*quad+3) of one (bh, i) row share a
-// Philox call; element j takes word j % 4.
-SH_HD U32x4 dropout_quad(uint64_t seed, uint64_t offset, uint32_t bh, uint32_t i, uint32_t quad) {
-  return philox4x32_10(U32x4{quad, i, bh, static_cast<uint32_t>(offset)},
+// Eight consecutive keys (j = 8*octet .. 8*octet+7) of one (bh, i) row share
+// a Philox call; element j takes 16 bits of it, half j % 2 of word (j % 8) / 2
+// (dropout_half). Sixteen bits a score, not 32: a call serves twice the keys,
+// and the keep test's resolution, 2^-16, is far below bf16's.
+SH_HD U32x4 dropout_octet(uint64_t seed, uint64_t offset, uint32_t bh, uint32_t i, uint32_t octet) {
+  return philox4x32_10(U32x4{octet, i, bh, static_cast<uint32_t>(offset)},
                        static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
 SH_HD uint32_t pick(const U32x4& r, uint32_t lane) {
   return lane == 0 ? r.x : lane == 1 ? r.y : lane == 2 ? r.z : r.w;
+}
+
+// Key j's 16 bits (0 .. 65535) of its octet's Philox call r.
+SH_HD uint32_t dropout_half(const U32x4& r, uint32_t j) {
+  return (pick(r, (j >> 1) & 3u) >> (16u * (j & 1u))) & 0xffffu;
 }
 
 // Visible key range [lo, hi) of query row i from the window (causal included).

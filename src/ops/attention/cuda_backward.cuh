@@ -153,8 +153,8 @@ __global__ void __launch_bounds__(DqConfig<DB>::kThreads) attention_bwd_dq_kerne
       const int j0 = n0 + nt * 8 + 2 * t;  // even
       detail::U32x4 bits[2] = {};
       if (p.dropout) {
-        bits[0] = dropout_quad(p, bh, r_lo, j0);
-        bits[1] = dropout_quad(p, bh, r_lo + 8, j0);
+        bits[0] = dropout_octet(p, bh, r_lo, j0);
+        bits[1] = dropout_octet(p, bh, r_lo + 8, j0);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(DkvConfig<DB>::kThreads) attention_bwd_dkdv_ke
           const float x = logit(p, s[nt][e], i, j, &dcap);
           const float pr = __expf(x - sLse[r]);
           float keep = 1.0f;
-          if (p.dropout) keep = dropout_keep(p, dropout_quad(p, bh, i, j), j);
+          if (p.dropout) keep = dropout_keep(p, dropout_octet(p, bh, i, j), j);
           s[nt][e] = pr * keep;  // dropped-out probabilities, for dV
           if constexpr (kDoDk)
             dp[nt][e] = score_grad<true>(p, pr, dp[nt][e], keep, sDelta[r], dcap, dbias, i, j,

@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(PipelinedDkvConfig<DB, kRows>::kThreads)
         float x2, dcap = 1.0f, keep = 1.0f;
         if constexpr (kFeatures) {
           x2 = logit(p, s[nt][e], i, j, &dcap) * kLog2e;
-          if (p.dropout) keep = dropout_keep(p, dropout_quad(p, bh, i, j), j);
+          if (p.dropout) keep = dropout_keep(p, dropout_octet(p, bh, i, j), j);
         } else {
           x2 = full || (i >= sees[h].lo && i < sees[h].hi) ? s[nt][e] * scale_log2 : -INFINITY;
         }

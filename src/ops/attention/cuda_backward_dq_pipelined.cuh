@@ -190,8 +190,8 @@ __global__ void __launch_bounds__(PipelinedDqConfig<DB, MT>::kThreads)
         detail::U32x4 bits[2] = {};
         if constexpr (kFeatures) {
           if (p.dropout) {
-            bits[0] = dropout_quad(p, bh, row(mt, 0), j0);
-            bits[1] = dropout_quad(p, bh, row(mt, 1), j0);
+            bits[0] = dropout_octet(p, bh, row(mt, 0), j0);
+            bits[1] = dropout_octet(p, bh, row(mt, 1), j0);
           }
         }
 #pragma unroll

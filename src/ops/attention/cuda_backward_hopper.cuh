@@ -729,13 +729,13 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       if (kEveryFeature && p.dropout) {
         const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
 #pragma unroll
-        for (int nt = 0; nt < BM / 8; ++nt) {
-          float keep[4];  // element 4 nt + e
+        for (int nt = 0; nt < BM / 8; nt += 2) {
+          float keep[8];  // element 4 nt + e
           dropout_keep_cols(p, bh, row_of(4 * nt), col_of(0), lane, keep);
 #pragma unroll
-          for (int k = 4 * nt; k < 4 * nt + 4; k += 2) {
-            const float dropped0 = dropout_code(tSrS(k), keep[k & 3]);
-            set_p_operand(k, dropped0, dropout_code(tSrS(k + 1), keep[(k + 1) & 3]));
+          for (int k = 4 * nt; k < 4 * nt + 8; k += 2) {
+            const float dropped0 = dropout_code(tSrS(k), keep[k - 4 * nt]);
+            set_p_operand(k, dropped0, dropout_code(tSrS(k + 1), keep[k + 1 - 4 * nt]));
           }
         }
       } else {

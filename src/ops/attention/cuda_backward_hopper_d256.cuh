@@ -302,14 +302,14 @@ __global__ void __launch_bounds__(384, 1)
       if (p.dropout) {
         const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          float keep[4];  // element 4 nt + e
+        for (int nt = 0; nt < 4; nt += 2) {
+          float keep[8];  // element 4 nt + e
           dropout_keep_cols(p, bh, row_of(4 * nt), col_of(0), lane, keep);
-          float dropped[4];
+          float dropped[8];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) dropped[e] = dropout_code(tSrS(4 * nt + e), keep[e]);
-          p_two[2 * nt] = Pack<T>::two(dropped[0], dropped[1]);
-          p_two[2 * nt + 1] = Pack<T>::two(dropped[2], dropped[3]);
+          for (int e = 0; e < 8; ++e) dropped[e] = dropout_code(tSrS(4 * nt + e), keep[e]);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) p_two[2 * nt + q] = Pack<T>::two(dropped[2 * q], dropped[2 * q + 1]);
         }
       } else {
 #pragma unroll

@@ -494,55 +494,32 @@ struct LogitCtx {
   }
 };
 
-// The keep factor a Philox word gives: 1 / (1 - p) kept, 0 dropped.
-__device__ __forceinline__ float dropout_keep_word(const KArgs& p, uint32_t word) {
-  return word >= p.drop_threshold ? p.keep_scale : 0.0f;
+// The keep factor a score's 16 random bits give: 1 / (1 - p) kept, 0 dropped.
+__device__ __forceinline__ float dropout_keep_half(const KArgs& p, uint32_t half) {
+  return half >= p.drop_threshold ? p.keep_scale : 0.0f;
 }
 __device__ __forceinline__ float dropout_keep(const KArgs& p, const detail::U32x4& r, int j) {
-  return dropout_keep_word(p, detail::pick(r, static_cast<uint32_t>(j) & 3u));
+  return dropout_keep_half(p, detail::dropout_half(r, static_cast<uint32_t>(j)));
 }
 
-__device__ __forceinline__ detail::U32x4 dropout_quad(const KArgs& p, uint32_t bh, int i, int j) {
-  return detail::dropout_quad(p.seed, p.offset, bh, static_cast<uint32_t>(i),
-                              static_cast<uint32_t>(j) >> 2);
+// The Philox call of key j's octet in query row i.
+__device__ __forceinline__ detail::U32x4 dropout_octet(const KArgs& p, uint32_t bh, int i, int j) {
+  return detail::dropout_octet(p.seed, p.offset, bh, static_cast<uint32_t>(i),
+                               static_cast<uint32_t>(j) >> 3);
 }
 
-// Keep factors of one thread's four accumulator elements of an 8-key block in
-// the row-major (forward) fragment: rows r0 and r1, keys j0 and j0 + 1 (j0 =
-// 8 n + 2 t, t = lane % 4). Lanes t and t ^ 1 need the same two Philox quads
-// (rows r0 and r1, keys j0 & ~3 ..): each computes one and they trade the
-// halves the other needs. keep[2 h + c]: row r_h, key j0 + c. Every lane of
-// the warp calls it.
-__device__ __forceinline__ void dropout_keep_rows(const KArgs& p, uint32_t bh, int r0, int r1, int j0, int lane,
-                                                  float keep[4]) {
-  const bool odd = lane & 1;  // keys 4 q + 2, 4 q + 3 (else 4 q, 4 q + 1)
-  const detail::U32x4 mine = dropout_quad(p, bh, odd ? r1 : r0, j0);
-  const uint32_t got0 = __shfl_xor_sync(0xffffffffu, odd ? mine.x : mine.z, 1);
-  const uint32_t got1 = __shfl_xor_sync(0xffffffffu, odd ? mine.y : mine.w, 1);
-  const uint32_t w[4] = {odd ? got0 : mine.x, odd ? got1 : mine.y, odd ? mine.z : got0, odd ? mine.w : got1};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) keep[e] = dropout_keep_word(p, w[e]);
-}
-
-// The same for the transposed (dK/dV) fragment: element 2 h + c of an 8-query
-// block is query i0 + c (i0 = 8 n + 2 t) and key k_h, keys k_0 and k_1 = k_0 + 8
-// with k_0 % 4 = (lane / 4) % 4. The four lanes lane ^ 4, ^ 8, ^ 12 need the
-// same four quads (queries i0, i0 + 1 by keys k_0, k_1): each computes quad
-// (lane / 4) % 4 and a 4 x 4 transpose over the lanes (two exchange stages)
-// leaves each lane word k_0 % 4 of all four.
-__device__ __forceinline__ void dropout_keep_cols(const KArgs& p, uint32_t bh, int i0, int k0, int lane,
-                                                  float keep[4]) {
-  const int c = (lane >> 2) & 3;
-  const detail::U32x4 q = dropout_quad(p, bh, i0 + (c & 1), k0 + 8 * (c >> 1));
-  uint32_t w[4] = {q.x, q.y, q.z, q.w};
+// A 4 x 4 transpose of words over four lanes (idx: this lane's place among
+// them; its partners lane ^ stride, ^ 2 stride): lane idx holds call idx's
+// words w[0..3] and is left with word idx of every call, w[u] from call u.
+__device__ __forceinline__ void transpose4_lanes(uint32_t w[4], int idx, int stride) {
 #pragma unroll
   for (int bit = 0; bit < 2; ++bit) {
     // Entries l and l + s (l in {0, l1}) differ in this bit; a lane hands the
-    // partner (lane ^ (4 << bit)) the two whose bit differs from its own.
-    const bool hi = (c >> bit) & 1;
+    // partner the two whose bit differs from its own.
+    const bool hi = (idx >> bit) & 1;
     const int s = 1 << bit, l1 = bit ? 1 : 2;
-    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? w[0] : w[s], 4 << bit);
-    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? w[l1] : w[l1 + s], 4 << bit);
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? w[0] : w[s], stride << bit);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? w[l1] : w[l1 + s], stride << bit);
     if (hi) {  // (constant indices: selects, not a local array)
       w[0] = r0;
       w[l1] = r1;
@@ -551,8 +528,83 @@ __device__ __forceinline__ void dropout_keep_cols(const KArgs& p, uint32_t bh, i
       w[l1 + s] = r1;
     }
   }
+}
+
+// Keep factors of one thread's eight accumulator elements of two 8-key blocks
+// in the row-major (forward) fragment: rows r0 and r1, keys j0, j0 + 1, j0 +
+// 8, j0 + 9 (j0 = 8 n + 2 t, n even, t = lane % 4). The four lanes of a quad
+// need the same four Philox calls (rows r0 and r1 by the octets of keys j0
+// and j0 + 8): lane t computes call t (row r_(t % 2), octet of j0 + 8 (t /
+// 2)), and a 4 x 4 transpose over the quad leaves it word t of each: keys
+// 2 t and 2 t + 1 of the octet. keep[4 s + 2 h + c]: row r_h, key j0 + 8 s +
+// c. Every lane of the warp calls it.
+__device__ __forceinline__ void dropout_keep_rows(const KArgs& p, uint32_t bh, int r0, int r1, int j0, int lane,
+                                                  float keep[8]) {
+  const int t = lane & 3;
+  const detail::U32x4 r = dropout_octet(p, bh, (t & 1) ? r1 : r0, j0 + 8 * (t >> 1));
+  uint32_t w[4] = {r.x, r.y, r.z, r.w};
+  transpose4_lanes(w, t, 1);
 #pragma unroll
-  for (int e = 0; e < 4; ++e) keep[e] = dropout_keep_word(p, w[e]);
+  for (int u = 0; u < 4; ++u) {
+    keep[4 * (u >> 1) + 2 * (u & 1)] = dropout_keep_half(p, w[u] & 0xffffu);
+    keep[4 * (u >> 1) + 2 * (u & 1) + 1] = dropout_keep_half(p, w[u] >> 16);
+  }
+}
+
+// The same for the transposed (dK/dV) fragment, two 8-query blocks: element
+// 2 h + c of block s is query i0 + 8 s + c (i0 = 8 n + 2 t, n even) and key
+// k0 + 8 h, k0 = 16 w + g (g = lane / 4; warp w's 16 keys are two octets,
+// key k0's bits the g-th 16 of its call). The eight lanes of one t need the
+// same eight calls: lane g computes call u = g (c = u % 2, h = u / 2 % 2,
+// s = u / 4), and an 8 x 8 transpose of 16-bit entries over those lanes
+// (three exchange stages, lane ^ 4, ^ 8, ^ 16) leaves it entry g of every
+// call, entry u from call u. keep[4 s + 2 h + c].
+__device__ __forceinline__ void dropout_keep_cols(const KArgs& p, uint32_t bh, int i0, int k0, int lane,
+                                                  float keep[8]) {
+  const int g = lane >> 2;
+  const detail::U32x4 r = dropout_octet(p, bh, i0 + 8 * (g >> 2) + (g & 1), k0 - g + 8 * ((g >> 1) & 1));
+  uint32_t w[4] = {r.x, r.y, r.z, r.w};  // entry e: half e % 2 of w[e / 2]
+  {
+    // Bit 0 of the entry: the halves of each word. A lane hands the partner its
+    // entries whose bit 0 differs from g's, packed two a word.
+    const bool hi = g & 1;
+    const uint32_t pick = hi ? 0x5410u : 0x7632u;  // low halves : high halves
+    const uint32_t a = __shfl_xor_sync(0xffffffffu, __byte_perm(w[0], w[1], pick), 4);
+    const uint32_t b = __shfl_xor_sync(0xffffffffu, __byte_perm(w[2], w[3], pick), 4);
+    const uint32_t into0 = hi ? 0x3254u : 0x5410u, into1 = hi ? 0x3276u : 0x7610u;
+    w[0] = __byte_perm(w[0], a, into0);
+    w[1] = __byte_perm(w[1], a, into1);
+    w[2] = __byte_perm(w[2], b, into0);
+    w[3] = __byte_perm(w[3], b, into1);
+  }
+  {
+    // Bit 1: words 0, 2 against 1, 3.
+    const bool hi = (g >> 1) & 1;
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? w[0] : w[1], 8);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? w[2] : w[3], 8);
+    if (hi) {
+      w[0] = r0;
+      w[2] = r1;
+    } else {
+      w[1] = r0;
+      w[3] = r1;
+    }
+  }
+  {
+    // Bit 2: words 0, 1 against 2, 3.
+    const bool hi = (g >> 2) & 1;
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? w[0] : w[2], 16);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? w[1] : w[3], 16);
+    if (hi) {
+      w[0] = r0;
+      w[1] = r1;
+    } else {
+      w[2] = r0;
+      w[3] = r1;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < 8; ++u) keep[u] = dropout_keep_half(p, (w[u >> 1] >> (16 * (u & 1))) & 0xffffu);
 }
 
 __device__ __forceinline__ float quad_max(float x) {

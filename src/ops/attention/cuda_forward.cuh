@@ -106,8 +106,8 @@ __global__ void __launch_bounds__(FwdConfig<DB>::kThreads)
       detail::U32x4 r_lo_bits{}, r_hi_bits{};
       const int j0 = n0 + nt * 8 + 2 * t;  // even: j0 and j0 + 1 share a Philox call
       if (p.dropout) {
-        r_lo_bits = dropout_quad(p, bh, r_lo, j0);
-        r_hi_bits = dropout_quad(p, bh, r_lo + 8, j0);
+        r_lo_bits = dropout_octet(p, bh, r_lo, j0);
+        r_hi_bits = dropout_octet(p, bh, r_lo + 8, j0);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {

@@ -761,12 +761,15 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
           row_sum[e >> 1] += x;
           tSrS(4 * nt + e) = x;
         }
-        if constexpr (kFeatures && !kMaskAlibi) {
-          if (p.dropout) {
-            float keep[4];
+      }
+      if constexpr (kFeatures && !kMaskAlibi) {
+        if (p.dropout) {  // two 8-key blocks a round (dropout_keep_rows)
+#pragma unroll
+          for (int nt = 0; nt < BN / 8; nt += 2) {
+            float keep[8];
             dropout_keep_rows(p, bh, row(0), row(1), n0 + nt * 8 + 2 * t, lane, keep);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) tSrS(4 * nt + e) *= keep[e];
+            for (int e = 0; e < 8; ++e) tSrS(4 * nt + e) *= keep[e];
           }
         }
       }

@@ -391,12 +391,18 @@ __global__ void __launch_bounds__(PipelinedFwdConfig<DB, kFeatures>::kThreads,
             s[mt][nt][e] = exp2_fast(s[mt][nt][e] - base[e >> 1]);
             row_sum[mt][e >> 1] += s[mt][nt][e];
           }
-          if constexpr (kFeatures) {
-            if (p.dropout) {
-              float keep[4];
+        }
+        if constexpr (kFeatures) {
+          if (p.dropout) {  // two 8-key blocks a round (dropout_keep_rows)
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; nt += 2) {
+              float keep[8];
               dropout_keep_rows(p, bh, row(mt, 0), row(mt, 1), n0 + nt * 8 + 2 * t, lane, keep);
 #pragma unroll
-              for (int e = 0; e < 4; ++e) s[mt][nt][e] *= keep[e];
+              for (int e = 0; e < 4; ++e) {
+                s[mt][nt][e] *= keep[e];
+                s[mt][nt + 1][e] *= keep[4 + e];
+              }
             }
           }
         }

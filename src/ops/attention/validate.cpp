@@ -85,14 +85,15 @@ void validate(const Args& a, bool backward) {
   }
 }
 
-uint32_t dropout_bits(uint64_t seed, uint64_t offset, uint32_t bh, uint32_t i, uint32_t j) {
-  return detail::pick(detail::dropout_quad(seed, offset, bh, i, j >> 2), j & 3u);
+uint32_t dropout_bits(uint64_t seed, uint64_t offset, uint32_t bh, uint32_t i, uint64_t j) {
+  const uint32_t octet = static_cast<uint32_t>(j >> 3);
+  return detail::dropout_half(detail::dropout_octet(seed, offset, bh, i, octet), static_cast<uint32_t>(j & 7u));
 }
 
 uint32_t dropout_threshold(float p) {
-  double t = std::floor(static_cast<double>(p) * 4294967296.0);
+  double t = std::floor(static_cast<double>(p) * 65536.0);
   if (t <= 0) return 0;
-  if (t >= 4294967295.0) return 4294967295u;
+  if (t >= 65536.0) return 65536u;  // keeps nothing
   return static_cast<uint32_t>(t);
 }
 
