@@ -84,6 +84,15 @@ def gpu_case(**kw):
     return make_case(device="cuda", **kw)
 
 
+def case_shapes(make_kw, Sq, Sk):
+    """A feature table's case arguments with the "Sq" / "Sk" placeholders in its shapes
+    replaced by the row's lengths, and 4 kv heads unless the entry names its own."""
+    kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
+              if isinstance(v, tuple) else v) for k, v in make_kw.items()}
+    kw.setdefault("Hkv", 4)
+    return kw
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", HEAD_DIMS + [32, 64, 96, 128, 160, 192])
 @pytest.mark.parametrize("Sq,Sk", SHAPES)
@@ -116,9 +125,7 @@ FEATURES = {
 @pytest.mark.parametrize("path", PATHS)
 def test_features(path, feature, dtype, D, Sq, Sk, causal, monkeypatch):
     make_kw, opts = FEATURES[feature]
-    make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
-                   if isinstance(v, tuple) else v) for k, v in make_kw.items()}
-    make_kw.setdefault("Hkv", 4)
+    make_kw = case_shapes(make_kw, Sq, Sk)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=dtype, seed=D * 7 + Sq, **make_kw)
     check_on_path(path, monkeypatch, case, causal=causal, **opts)
 
@@ -365,9 +372,7 @@ def diagnose():
     for dtype, D, feature in configs:
         make_kw, opts = FEATURES.get(feature, (dict(), dict()))
         Sq, Sk = 113, 203
-        make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
-                       if isinstance(v, tuple) else v) for k, v in make_kw.items()}
-        make_kw.setdefault("Hkv", 4)
+        make_kw = case_shapes(make_kw, Sq, Sk)
         t0 = time.time()
         try:
             check_case(gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=dtype, seed=1, **make_kw), **opts)
@@ -541,9 +546,7 @@ PIPELINED_FEATURES = {**{k: v for k, v in FEATURES.items() if k not in ("window"
 def test_pipelined_features(feature, dtype, D, Sq, Sk, monkeypatch, fwd):
     own_forward(monkeypatch, fwd)
     make_kw, opts = PIPELINED_FEATURES[feature]
-    make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
-                   if isinstance(v, tuple) else v) for k, v in make_kw.items()}
-    make_kw.setdefault("Hkv", 4)
+    make_kw = case_shapes(make_kw, Sq, Sk)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=dtype, seed=D * 11 + Sq, **make_kw)
     check_case(case, **opts)
     if feature not in FEATURES or "causal" in opts:
@@ -707,8 +710,7 @@ def test_tma_forward_features(D, feature, dtype, Sq, Sk, persistent, monkeypatch
     with and without causal."""
     tma_forward(monkeypatch, D, True, persistent)
     make_kw, opts = PIPELINED_OPTS[feature]
-    make_kw = dict(make_kw)
-    make_kw.setdefault("Hkv", 4)
+    make_kw = case_shapes(make_kw, Sq, Sk)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=dtype, seed=D * 11 + Sq + Sk, **make_kw)
     check_case(case, check_grads=False, **opts)
     if "causal" not in opts and "window_size" not in opts:
@@ -728,9 +730,7 @@ def test_tma_forward_logit_features(D, feature, Sq, Sk, monkeypatch):
     else:
         own_forward(monkeypatch, "hopper")
     make_kw, opts = FEATURES[feature]
-    make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
-                   if isinstance(v, tuple) else v) for k, v in make_kw.items()}
-    make_kw.setdefault("Hkv", 4)
+    make_kw = case_shapes(make_kw, Sq, Sk)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, seed=D * 3 + Sq + Sk, **make_kw)
     names = forward_kernel_names(lambda: flash_attn_func(case["q"], case["k"], case["v"],
                                                          **dict(case["kwargs"], **opts)))
@@ -1389,9 +1389,7 @@ def test_hopper_backward_features(feature, Sq, Sk, D, monkeypatch):
     one, and dq, dk, dv (and dbias) meet the fp32 reference's rule."""
     own_backward(monkeypatch, "auto")
     make_kw, opts = PIPELINED_FEATURES[feature]
-    make_kw = {k: (tuple(Sq if x == "Sq" else Sk if x == "Sk" else x for x in v)
-                   if isinstance(v, tuple) else v) for k, v in make_kw.items()}
-    make_kw.setdefault("Hkv", 4)
+    make_kw = case_shapes(make_kw, Sq, Sk)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=D, dtype=torch.bfloat16, seed=D * 17 + Sq + Sk, **make_kw)
     kw = dict(case["kwargs"], **opts)
     form = hopper_features_backward_form(
@@ -1416,9 +1414,7 @@ def test_hopper_backward_features_match_pipelined(feature, D, monkeypatch):
     ("pipelined_dq_separate" takes them): dq, dk, dv, dbias within rounding
     of each other (fp32 sums of the same products, in other orders)."""
     make_kw, opts = FEATURES[feature]
-    make_kw = {k: (tuple(700 if x in ("Sq", "Sk") else x for x in v) if isinstance(v, tuple) else v)
-               for k, v in make_kw.items()}
-    make_kw.setdefault("Hkv", 2)
+    make_kw = case_shapes({"Hkv": 2, **make_kw}, 700, 700)
     case = gpu_case(B=2, Sq=700, Sk=700, Hq=4, D=D, dtype=torch.bfloat16, seed=D + 5, **make_kw)
     kw = dict(case["kwargs"], **opts)
     if "window_size" not in opts:
@@ -1509,8 +1505,7 @@ def test_hopper256_backward_features(feature, Sq, Sk, monkeypatch):
     with and without causal."""
     own_backward(monkeypatch, "hopper")
     make_kw, opts = PIPELINED_OPTS[feature]
-    make_kw = dict(make_kw)
-    make_kw.setdefault("Hkv", 4)
+    make_kw = case_shapes(make_kw, Sq, Sk)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, D=256, seed=256 * 13 + Sq + Sk, **make_kw)
     check_case(case, **opts)
     if "causal" not in opts and "window_size" not in opts:
