@@ -569,18 +569,27 @@ def test_pipelined_varlen_with_empty_sequences(D, opts, monkeypatch, fwd):
     mq, mk = int(lq.max()), int(lk.max())
     out, lse = flash_attn_varlen_func(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), mq, mk,
                                       return_lse=True, **opts)
-    out, lse = out.float().cpu(), lse.cpu()
     keep = None
     if opts.get("dropout_p", 0) > 0:
         keep = dropout_keep_mask(*opts["seed"], B, Hq, mq, mk, opts["dropout_p"])
     ref_kw = {key: val for key, val in opts.items() if key != "seed"}
-    for b in range(B):
+    check_packed_forward(out, lse, q, k, v, cu_q, cu_k, ref_kw, keep=keep)
+
+
+def check_packed_forward(out, lse, q, k, v, cu_q, cu_k, ref_kw, keep=None, bias=None):
+    """A packed call's outputs and lse, each sequence against itself alone through the
+    fp32 reference (`keep`, `bias`: (B, H, max_seqlen_q, max_seqlen_k), indexed by
+    positions inside a sequence)."""
+    out, lse = out.float().cpu(), lse.cpu()
+    for b in range(cu_q.numel() - 1):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         if q1 == q0:
             continue
         kb = dict(ref_kw)
         if keep is not None:
             kb["dropout_keep"] = keep[b:b + 1, :, : q1 - q0, : k1 - k0]
+        if bias is not None:
+            kb["bias"] = bias[b:b + 1, :, : q1 - q0, : k1 - k0]
         ref, ref_lse = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
                                            upcast=True, **kb)
         low, _ = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], upcast=False, **kb)
@@ -633,8 +642,8 @@ def forward_kernel_names(fn):
     return launched_kernel_names(fn, "attention_fwd")
 
 
-# The forward kernel's last template flags (kMaskRows, kMaskAlibi), when the name shows them.
-LAST = r"(, ?(true|false)){0,2}>"
+# The forward kernel's last template flags (kMaskRows, kMaskAlibi, kBiasOnly), when the name shows them.
+LAST = r"(, ?(true|false)){0,3}>"
 
 
 def forward_kernels(D):
@@ -651,6 +660,14 @@ def forward_kernels(D):
 
 def ran(names, kind, kernels):
     return any(re.search(p, n) for n in names for p in kernels[kind])
+
+
+def bias_only_forward_ran(names, D):
+    """Whether `names` hold the lockstep Hopper forward's kBiasOnly form (its last flag)
+    at head dim D, the form for calls whose only logit feature is a bias (bias_only)."""
+    form = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?false, ?false, ?false, ?false, ?true>",
+            rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb0ELb0ELb0ELb0ELb1E")
+    return any(re.search(x, n) for n in names for x in form)
 
 
 @pytest.mark.parametrize("D", TMA_FORWARD_DIMS)
@@ -742,9 +759,11 @@ def test_tma_forward_logit_features(D, feature, Sq, Sk, monkeypatch):
     assert any(re.search(x, n) for n in names for x in (features_tma if want_tma else features_lockstep)), names
     assert not any(re.search(x, n) for n in names for x in (features_lockstep if want_tma else features_tma)), names
     # A mask or ALiBi alone: a kMaskAlibi form (the mask staged by rows or not).
-    mask_alibi = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?(true|false), ?true>",
+    mask_alibi = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?(true|false), ?true[,>]",
                   rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb[01]ELb1E")
     assert any(re.search(x, n) for n in names for x in mask_alibi) == (feature in ("mask", "alibi")), names
+    # A bias alone: the lockstep kernel's kBiasOnly form (with other features, the form for every one).
+    assert bias_only_forward_ran(names, D) == feature.startswith("bias"), names
     check_case(case, check_grads=False, **opts)
     if "window_size" not in opts:
         check_case(case, check_grads=False, causal=True, **opts)
@@ -778,12 +797,12 @@ def test_tma_forward_mask_by_rows(D, layout, Sq, Sk, monkeypatch):
                     rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1E")
     assert any(re.search(x, n) for n in names for x in features_tma), names
     # Its kMaskRows form where the rows are 16-byte aligned and shared memory has room.
-    by_rows = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?true(, ?(true|false))?>",
+    by_rows = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?true[,>]",
                rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb1E")
     staged = D != 128 and (layout == "padded_rows" or Sk % 16 == 0)
     assert any(re.search(x, n) for n in names for x in by_rows) == staged, names
     # A mask alone: the kMaskAlibi form of whichever kernel (softcap, below, takes the other).
-    mask_alibi = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?(true|false), ?true>",
+    mask_alibi = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?(true|false), ?true[,>]",
                   rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb[01]ELb1E")
     assert any(re.search(x, n) for n in names for x in mask_alibi), names
     for opts in (dict(), dict(causal=True), dict(softcap=3.0)):
@@ -955,6 +974,67 @@ def test_forward_bias_layouts(layout, D, Sq, Sk, opts, fwd, monkeypatch):
     gen = torch.Generator().manual_seed(Sq * 7 + Sk)
     case["kwargs"]["bias"] = (0.5 * _bias(layout, 2, 4, Sq, Sk, gen)).cuda()
     check_case(case, check_grads=False, **opts)
+
+
+# Calls whose only logit feature is a bias run the lockstep Hopper forward's kBiasOnly
+# form (bias_only) under "hopper" at every head dim (the TMA kernels take no bias):
+# causal, windows, GQA with a bias broadcast over the query rows, packed sequences.
+BIAS_ONLY_CALLS = {
+    "causal": (dict(Hq=4, Hkv=4, bias_shape=(2, 4, "Sq", "Sk")), dict(causal=True)),
+    "window": (dict(Hq=4, Hkv=4, bias_shape=(1, 4, "Sq", "Sk")), dict(window_size=(90, 30))),
+    "gqa": (dict(Hq=8, Hkv=2, bias_shape=(2, 8, "Sq", "Sk")), dict()),
+    "gqa_causal_rows_broadcast": (dict(Hq=8, Hkv=2, bias_shape=(2, 8, 1, "Sk")), dict(causal=True)),
+}
+
+
+def hopper_forward(monkeypatch, D):
+    """The default Hopper forward ("hopper"; at head dims 64 and 256 with the TMA kernel on)."""
+    if D != 128:
+        tma_forward(monkeypatch, D, True)
+    else:
+        own_forward(monkeypatch, "hopper")
+
+
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("call", list(BIAS_ONLY_CALLS))
+@pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000)])
+def test_hopper_forward_bias_only_form(D, call, Sq, Sk, monkeypatch):
+    """A bias alone takes the kBiasOnly form (outputs and lse against the fp32
+    reference); the same call with softcap too takes the form for every feature."""
+    hopper_forward(monkeypatch, D)
+    make_kw, opts = BIAS_ONLY_CALLS[call]
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, D=D, seed=D * 5 + Sq + Sk, **case_shapes(make_kw, Sq, Sk))
+
+    def names(**extra):
+        return forward_kernel_names(lambda: flash_attn_func(case["q"], case["k"], case["v"],
+                                                            **dict(case["kwargs"], **opts, **extra)))
+
+    assert bias_only_forward_ran(names(), D), names()
+    check_case(case, check_grads=False, **opts)
+    every = rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?false, ?false{LAST}"
+    with_softcap = names(softcap=5.0)
+    assert not bias_only_forward_ran(with_softcap, D) and any(re.search(every, n) for n in with_softcap), \
+        with_softcap
+
+
+@pytest.mark.parametrize("D", PIPELINED_DIMS)
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
+def test_hopper_forward_bias_only_varlen(D, opts, monkeypatch):
+    """Packed sequences (some empty; 4 query heads over 2 kv heads) with a bias alone:
+    the kBiasOnly form, each sequence against itself alone through the fp32 reference."""
+    hopper_forward(monkeypatch, D)
+    gen = torch.Generator().manual_seed(D + 1)
+    lq = torch.tensor([0, 130, 1, 257, 64, 0, 999])
+    lk = torch.tensor([5, 129, 0, 300, 64, 7, 1000])
+    cu_q, cu_k, q, k, v = packed_inputs(lq, lk, 4, 2, D, gen)
+    mq, mk = int(lq.max()), int(lk.max())
+    bias = (0.5 * torch.randn(lq.numel(), 4, mq, mk, generator=gen)).bfloat16()
+    xs = [x.cuda() for x in (q, k, v, cu_q, cu_k)]
+    call = lambda: flash_attn_varlen_func(*xs, mq, mk, bias=bias.cuda(), return_lse=True, **opts)  # noqa: E731
+    names = forward_kernel_names(call)
+    assert bias_only_forward_ran(names, D), names
+    out, lse = call()
+    check_packed_forward(out, lse, q, k, v, cu_q, cu_k, opts, bias=bias)
 
 
 @pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])

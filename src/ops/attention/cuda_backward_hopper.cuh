@@ -714,7 +714,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       // The logit rule (window, mask and sequence ends too), in log2 units.
       const LogitCtx logit(p, b, hq, seq);
       const bool full = m0 >= full_lo && m0 + BM <= full_hi && m0 + BM <= seq.sq && cols == BN;
-      logit.fragment_log2<BM / 2, false, kMaskAlibi>(
+      logit.fragment_log2<BM / 2, false, kMaskAlibi ? kMaskAlibiFeatures : kAllFeatures>(
           p, [&](int k) -> float& { return tSrS(k); }, row_of, col_of, /*skip_bias=*/kNoBias, full,
           [&](int k, float d) {
             if constexpr (kBias) set_half_dcap(dcap2, k, d);

@@ -276,6 +276,20 @@ __device__ __forceinline__ float2 bias_pair(uint32_t bits, int dtype) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
 }
 
+// The logit features a kernel's form serves, a bit each: fragment_log2 and
+// the kernels compile in the passes of those alone, and the launch sends a
+// form only calls that use no other (mask_alibi_only, bias_only in
+// cuda_launch.cuh). An enum, so that a bool cannot pass for a set.
+enum LogitFeatures : unsigned {
+  kBiasFeature = 1u,
+  kMaskFeature = 2u,
+  kAlibiFeature = 4u,
+  kSoftcapFeature = 8u,
+  kDropoutFeature = 16u,
+  kAllFeatures = 31u,
+  kMaskAlibiFeatures = kMaskFeature | kAlibiFeature,
+};
+
 // fragment_log2's default sink for softcap's derivative: none wanted.
 struct NoDcapSink {
   __device__ __forceinline__ void operator()(int, float) const {}
@@ -434,9 +448,9 @@ struct LogitCtx {
   // window (the caller's tile test), so the visibility pass, a dozen
   // instructions an element, is skipped. With softcap, dcap(k, d) receives
   // element k's d logit / d (scale q.k) (the dK/dV kernels'; the forward's
-  // sink drops it). kKeyPairs: see apply_mask. kMaskAlibi: the caller's form
-  // serves calls without softcap and bias only (mask_alibi_only).
-  template <int N, bool kKeyPairs = false, bool kMaskAlibi = false, class X, class Row, class Col,
+  // sink drops it). kKeyPairs: see apply_mask. kServes: the features of the
+  // caller's form (its calls have no other).
+  template <int N, bool kKeyPairs = false, LogitFeatures kServes = kAllFeatures, class X, class Row, class Col,
             class Dcap = NoDcapSink>
   __device__ __forceinline__ void fragment_log2(const KArgs& p, X x, Row row_of, Col col_of, bool skip_bias,
                                                 bool full, Dcap dcap = {}) const {
@@ -446,7 +460,7 @@ struct LogitCtx {
     // last: folded, their softcap and bias rows ran 0.65-0.95x.
     constexpr bool kFold = std::is_same<Dcap, NoDcapSink>::value;
     if constexpr (kFold) {
-      if (!kMaskAlibi && p.softcap > 0) {
+      if ((kServes & kSoftcapFeature) && p.softcap > 0) {
         // softcap tanh(u), u = scale q.k / softcap, in log2 units: a tanh(u), a =
         // softcap log2 e.
         const float to_u = p.scale * inv_softcap, a = p.softcap * kLog2e;
@@ -460,7 +474,7 @@ struct LogitCtx {
     } else {
 #pragma unroll
       for (int k = 0; k < N; ++k) x(k) *= p.scale;
-      if (!kMaskAlibi && p.softcap > 0) {
+      if ((kServes & kSoftcapFeature) && p.softcap > 0) {
 #pragma unroll
         for (int k = 0; k < N; ++k) {
           const float t = tanh_fast(x(k) * inv_softcap);
@@ -469,8 +483,8 @@ struct LogitCtx {
         }
       }
     }
-    if (!kMaskAlibi && bias && !skip_bias) add_bias<kFold, N>(p, x, row_of, col_of);
-    if (slope != 0.0f) {
+    if ((kServes & kBiasFeature) && bias && !skip_bias) add_bias<kFold, N>(p, x, row_of, col_of);
+    if ((kServes & kAlibiFeature) && slope != 0.0f) {
       const float slope_unit = kFold ? slope * kLog2e : slope;
 #pragma unroll
       for (int k = 0; k < N; ++k) x(k) -= slope_unit * alibi_distance(row_of(k), col_of(k));
@@ -490,7 +504,7 @@ struct LogitCtx {
         x(k) = visible ? (kFold ? x(k) : x(k) * kLog2e) : -INFINITY;
       }
     }
-    if (mask) apply_mask<kKeyPairs, N>(p, x, row_of, col_of);
+    if ((kServes & kMaskFeature) && mask) apply_mask<kKeyPairs, N>(p, x, row_of, col_of);
   }
 };
 

@@ -479,8 +479,12 @@ struct FwdTmaMaps {
 // lockstep kernel. kMaskAlibi (with kFeatures and kTma): the form for calls
 // whose only features are a mask and ALiBi (mask_alibi_only), without the
 // softcap and dropout passes (their registers spilled 28 bytes at 128).
+// kBiasOnly (with kFeatures, the lockstep kernel): the form for calls whose
+// only feature is a bias (bias_only), without the softcap, dropout, mask and
+// ALiBi passes (the form for every feature spills 108 bytes at 128 and 24
+// at 256, ptxas; this one none).
 template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false,
-          bool kMaskRows = false, bool kMaskAlibi = false>
+          bool kMaskRows = false, bool kMaskAlibi = false, bool kBiasOnly = false>
 __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
                                   kPingpong ? 1 : HopperFwdConfig<T, DB>::min_blocks(kFeatures))
     attention_fwd_hopper_kernel(const KArgs p, const __grid_constant__ FwdTmaMaps maps) {
@@ -499,6 +503,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
                 "the mask staged by rows: the TMA-fed feature kernel, where shared memory has room");
   static_assert(!kMaskRows || C::kBarrierBytes <= 128, "the mask stage starts 128 bytes after the mbarriers' start");
   static_assert(!kMaskAlibi || (kTma && kFeatures), "kMaskAlibi is a form of the TMA-fed feature kernel");
+  static_assert(!kBiasOnly || (kFeatures && !kPingpong), "kBiasOnly is a form of the lockstep feature kernel");
+  // The features this form's calls may have (the launch checks the forms' predicates).
+  constexpr LogitFeatures kServes = kMaskAlibi ? kMaskAlibiFeatures : kBiasOnly ? kBiasFeature : kAllFeatures;
   constexpr bool kPvInFlight = kPingpong && kPvInFlightStages<kStages>;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers
@@ -712,7 +719,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
     if constexpr (kFeatures) {
       // Element i: row g + 8 h, key 8 nt + 2 t + c (i = 4 nt + 2 h + c).
       const bool full = n0 >= last.lo && n0 + BN <= first.hi && m0 + BM <= seq.sq;
-      logit.fragment_log2<BN / 2, true, kMaskAlibi>(
+      logit.fragment_log2<BN / 2, true, kServes>(
           p, [&](int i) -> float& { return tSrS(i); }, [&](int i) { return row((i >> 1) & 1); },
           [&](int i) { return n0 + (i >> 2) * 8 + 2 * t + (i & 1); }, /*skip_bias=*/kTma || bias_tiles, full);
       if constexpr (kMaskRows) {
@@ -762,7 +769,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
           tSrS(4 * nt + e) = x;
         }
       }
-      if constexpr (kFeatures && !kMaskAlibi) {
+      if constexpr (kFeatures && (kServes & kDropoutFeature)) {
         if (p.dropout) {  // two 8-key blocks a round (dropout_keep_rows)
 #pragma unroll
           for (int nt = 0; nt < BN / 8; nt += 2) {

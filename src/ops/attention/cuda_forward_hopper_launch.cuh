@@ -82,7 +82,7 @@ inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16, int kv
 }
 
 template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false,
-          bool kMaskRows = false, bool kMaskAlibi = false>
+          bool kMaskRows = false, bool kMaskAlibi = false, bool kBiasOnly = false>
 void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
   using C = HopperFwdKernelConfig<T, DB, kPingpong>;
   // The TMA-fed kernel is compiled without the bias pass (forward_hopper_bucket
@@ -90,11 +90,12 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
   if (kTma && kFeatures && p.bias)
     throw Unsupported("attention: the TMA-fed Hopper forward takes no bias (an internal routing error)");
   static ReadyDevices ready{0};
-  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma, kMaskRows, kMaskAlibi>,
+  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma, kMaskRows, kMaskAlibi, kBiasOnly>,
          dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), kTma ? 384 : C::kThreads,
          kMaskRows ? C::smem_mask_rows() : C::smem(kFeatures && !kPingpong), p,
          kMaskRows    ? (kMaskAlibi ? "fwd_hopper_tma_mask_alibi_rows" : "fwd_hopper_tma_features_mask_rows")
          : kMaskAlibi ? "fwd_hopper_tma_mask_alibi"
+         : kBiasOnly  ? "fwd_hopper_bias"
          : kFeatures  ? (kTma ? "fwd_hopper_tma_features" : "fwd_hopper_features")
          : kTma       ? (kLean ? "fwd_hopper_tma_lean" : "fwd_hopper_tma")
          : kPingpong  ? (kLean ? "fwd_hopper_pingpong_lean" : "fwd_hopper_pingpong")
@@ -156,7 +157,8 @@ inline bool d256_tma_forward() { return tma_forward_switch_on("SYMHEAP_ATTN_FWD_
 // and 256, in its kMaskAlibi form for other calls whose only features are a
 // mask and ALiBi (mask_alibi_only; 1.09x with a mask at 128, 1.16x with
 // ALiBi); else the lockstep kernel, whose bias tiles come through shared
-// memory (the TMA kernel reads the bias element by element: 0.47x at 128).
+// memory (the TMA kernel reads the bias element by element: 0.47x at 128),
+// in its kBiasOnly form for calls whose only feature is a bias (bias_only).
 // Head dim 128 without them: `mode` picks the kernel whose warpgroups take
 // turns (kPingpong), that one fed by a TMA producer (kTma; a call TMA cannot
 // address takes kPingpong), or the lockstep one. Head dims 64 and 256: kTma
@@ -185,7 +187,10 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
     }
     mode = HopperForward::kPingpong;
   }
-  if (features) return forward_hopper<T, DB, true, false>(l, p, no_maps);
+  if (features) {
+    if (bias_only(p)) return forward_hopper<T, DB, true, false, false, false, false, false, true>(l, p, no_maps);
+    return forward_hopper<T, DB, true, false>(l, p, no_maps);
+  }
   if constexpr (DB == 128) {
     if (mode == HopperForward::kPingpong) {
       if (lean) return forward_hopper<T, DB, false, true, true>(l, p, no_maps);

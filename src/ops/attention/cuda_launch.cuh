@@ -80,6 +80,13 @@ inline bool logit_features(const KArgs& p) {
 inline bool mask_alibi_only(const KArgs& p) {
   return (p.mask || p.alibi) && !p.bias && !(p.softcap > 0) && !p.dropout;
 }
+// Whether a call's only logit feature is a bias (a window, GQA or packed
+// sequences aside). The lockstep Hopper forward, which serves every call with
+// a bias, has a form compiled for such calls alone (the softcap, dropout, mask
+// and ALiBi passes made the form for every feature spill).
+inline bool bias_only(const KArgs& p) {
+  return p.bias && !p.mask && !p.alibi && !(p.softcap > 0) && !p.dropout;
+}
 
 // Whether a feature call of the Hopper dK/dV kernel (head dim 64 or 128)
 // takes its kNoBias form: no bias, and at 64 no softcap. That form recomputes
