@@ -591,32 +591,8 @@ __device__ __forceinline__ void dropout_keep_cols(const KArgs& p, uint32_t bh, i
     w[2] = __byte_perm(w[2], b, into0);
     w[3] = __byte_perm(w[3], b, into1);
   }
-  {
-    // Bit 1: words 0, 2 against 1, 3.
-    const bool hi = (g >> 1) & 1;
-    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? w[0] : w[1], 8);
-    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? w[2] : w[3], 8);
-    if (hi) {
-      w[0] = r0;
-      w[2] = r1;
-    } else {
-      w[1] = r0;
-      w[3] = r1;
-    }
-  }
-  {
-    // Bit 2: words 0, 1 against 2, 3.
-    const bool hi = (g >> 2) & 1;
-    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? w[0] : w[2], 16);
-    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? w[1] : w[3], 16);
-    if (hi) {
-      w[0] = r0;
-      w[1] = r1;
-    } else {
-      w[2] = r0;
-      w[3] = r1;
-    }
-  }
+  // Bits 1 and 2: a 4 x 4 transpose of the words over lanes ^ 8, ^ 16.
+  transpose4_lanes(w, g >> 1, 8);
 #pragma unroll
   for (int u = 0; u < 8; ++u) keep[u] = dropout_keep_half(p, (w[u >> 1] >> (16 * (u & 1))) & 0xffffu);
 }
