@@ -67,26 +67,28 @@ inline bool tma_addressable(const void* base, int elem_bytes, int64_t row_stride
   return true;
 }
 
-// Whether a call uses a logit feature (bias, mask, ALiBi, softcap, dropout):
-// the pipelined kernels compile them in only then.
-inline bool logit_features(const KArgs& p) {
-  return p.bias || p.mask || p.alibi || p.softcap > 0 || p.dropout;
+// The logit features a call uses, as a LogitFeatures set (cuda_common.cuh).
+inline unsigned call_features(const KArgs& p) {
+  return (p.bias ? kBiasFeature : 0u) | (p.mask ? kMaskFeature : 0u) | (p.alibi ? kAlibiFeature : 0u) |
+         (p.softcap > 0 ? kSoftcapFeature : 0u) | (p.dropout ? kDropoutFeature : 0u);
 }
+// Whether a call uses a logit feature: the pipelined kernels compile them in
+// only then.
+inline bool logit_features(const KArgs& p) { return call_features(p) != 0u; }
 // Whether a call's only logit features are a mask and ALiBi slopes: no
 // derivative of a feature's own, no bias gradient, no random numbers. The
 // Hopper dK/dV kernels and the TMA-fed Hopper forward have a form compiled for
 // such calls alone (in the one that serves every feature, the other features'
 // registers spilled).
 inline bool mask_alibi_only(const KArgs& p) {
-  return (p.mask || p.alibi) && !p.bias && !(p.softcap > 0) && !p.dropout;
+  const unsigned f = call_features(p);
+  return f != 0u && (f & ~unsigned{kMaskAlibiFeatures}) == 0u;
 }
 // Whether a call's only logit feature is a bias (a window, GQA or packed
 // sequences aside). The lockstep Hopper forward, which serves every call with
 // a bias, has a form compiled for such calls alone (the softcap, dropout, mask
 // and ALiBi passes made the form for every feature spill).
-inline bool bias_only(const KArgs& p) {
-  return p.bias && !p.mask && !p.alibi && !(p.softcap > 0) && !p.dropout;
-}
+inline bool bias_only(const KArgs& p) { return call_features(p) == kBiasFeature; }
 
 // Whether a feature call of the Hopper dK/dV kernel (head dim 64 or 128)
 // takes its kNoBias form: no bias, and at 64 no softcap. That form recomputes
