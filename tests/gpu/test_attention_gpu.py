@@ -226,7 +226,9 @@ def test_no_host_sync_and_no_new_device_memory():
 
 def test_threads_over_all_devices():
     """8 threads over every device, each on its own stream, call forward and
-    backward at once; results equal the single-thread results."""
+    backward at once. With deterministic=True the results equal the single-thread
+    results bit for bit; the default backward (dQ summed with atomics where it is
+    fused into the dK/dV kernel, in no fixed order) agrees to rounding."""
     n_dev = torch.cuda.device_count()
 
     def work(i):
@@ -235,9 +237,13 @@ def test_threads_over_all_devices():
                          seed=i, bias_shape=(1, 4, 1, 333))
         xs = [case[n].detach().to(dev).requires_grad_() for n in ("q", "k", "v")]
         bias = case["kwargs"]["bias"].detach().to(dev).requires_grad_()
-        out = flash_attn_func(*xs, bias=bias, causal=i % 2 == 0, dropout_p=0.1 * (i % 3), seed=(i, i))
-        grads = torch.autograd.grad(out, xs + [bias], torch.ones_like(out))
-        return [t.cpu() for t in (out,) + grads]
+        res = {}
+        for deterministic in (True, False):
+            out = flash_attn_func(*xs, bias=bias, causal=i % 2 == 0, dropout_p=0.1 * (i % 3), seed=(i, i),
+                                  deterministic=deterministic)
+            grads = torch.autograd.grad(out, xs + [bias], torch.ones_like(out))
+            res[deterministic] = [t.cpu() for t in (out,) + grads]
+        return res
 
     single = [work(i) for i in range(8)]
     results, errors = [None] * 8, []
@@ -257,9 +263,13 @@ def test_threads_over_all_devices():
     for t in threads:
         t.join(300)
     assert not errors, errors
+    names = ("out", "dq", "dk", "dv", "dbias")
     for i in range(8):
-        for a, b in zip(single[i], results[i]):
-            assert torch.equal(a, b), f"thread {i} differs"
+        for name, a, b in zip(names, single[i][True], results[i][True]):
+            assert torch.equal(a, b), f"thread {i}: deterministic {name} differs"
+        for name, a, b in zip(names, single[i][False], results[i][False]):
+            torch.testing.assert_close(b.float(), a.float(), atol=2e-2, rtol=2e-2,
+                                       msg=lambda m: f"thread {i}: {name}: {m}")
 
 
 @pytest.mark.parametrize("D", [64, 128])
