@@ -652,8 +652,22 @@ def forward_kernel_names(fn):
     return launched_kernel_names(fn, "attention_fwd")
 
 
-# The forward kernel's last template flags (kMaskRows, kMaskAlibi, kBiasOnly), when the name shows them.
-LAST = r"(, ?(true|false)){0,3}>"
+# The forward kernel's last template arguments (kMaskRows; kServes, the LogitFeatures set
+# of its form), when the name shows them.
+LAST = r"(, ?(true|false))?(, ?\([\w:]*LogitFeatures\)\d+)?>"
+# LogitFeatures, as the forms' kServes values (cuda_common.cuh).
+SERVES = {"all": 31, "bias": 1, "mask_alibi": 6, "softcap": 8, "dropout": 16}
+
+
+def forward_form(D, tma, mask_rows, serves):
+    """A feature forward form's name at head dim D, demangled and mangled: the TMA-fed
+    kernel or the lockstep one, kMaskRows (None: either), kServes = SERVES[serves]."""
+    v, rows = SERVES[serves], "(true|false)" if mask_rows is None else str(mask_rows).lower()
+    b = "1" if tma else "0"
+    rows_bit = "[01]" if mask_rows is None else ("1" if mask_rows else "0")
+    return (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?{str(tma).lower()}, ?{str(tma).lower()}, "
+            rf"?{rows}, ?\([\w:]*LogitFeatures\){v}>",
+            rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb{b}ELb{b}ELb{rows_bit}EL(?:N\w+?E|S\w*?_){v}E")
 
 
 def forward_kernels(D):
@@ -675,9 +689,7 @@ def ran(names, kind, kernels):
 def bias_only_forward_ran(names, D):
     """Whether `names` hold the lockstep Hopper forward's kBiasOnly form (its last flag)
     at head dim D, the form for calls whose only logit feature is a bias (bias_only)."""
-    form = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?false, ?false, ?false, ?false, ?true>",
-            rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb0ELb0ELb0ELb0ELb1E")
-    return any(re.search(x, n) for n in names for x in form)
+    return any(re.search(x, n) for n in names for x in forward_form(D, False, False, "bias"))
 
 
 @pytest.mark.parametrize("D", TMA_FORWARD_DIMS)
@@ -769,11 +781,14 @@ def test_tma_forward_logit_features(D, feature, Sq, Sk, monkeypatch):
     assert any(re.search(x, n) for n in names for x in (features_tma if want_tma else features_lockstep)), names
     assert not any(re.search(x, n) for n in names for x in (features_lockstep if want_tma else features_tma)), names
     # A mask or ALiBi alone: a kMaskAlibi form (the mask staged by rows or not).
-    mask_alibi = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?(true|false), ?true[,>]",
-                  rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb[01]ELb1E")
+    mask_alibi = forward_form(D, True, None, "mask_alibi")
     assert any(re.search(x, n) for n in names for x in mask_alibi) == (feature in ("mask", "alibi")), names
-    # A bias alone: the lockstep kernel's kBiasOnly form (with other features, the form for every one).
+    # A bias alone: the lockstep kernel's bias-only form (with other features, the form for every one).
     assert bias_only_forward_ran(names, D) == feature.startswith("bias"), names
+    # Softcap or dropout alone: the TMA-fed kernel's form for that feature.
+    for alone in ("softcap", "dropout"):
+        form = forward_form(D, True, False, alone)
+        assert any(re.search(x, n) for n in names for x in form) == (feature == alone), (alone, names)
     check_case(case, check_grads=False, **opts)
     if "window_size" not in opts:
         check_case(case, check_grads=False, causal=True, **opts)
@@ -812,8 +827,7 @@ def test_tma_forward_mask_by_rows(D, layout, Sq, Sk, monkeypatch):
     staged = D != 128 and (layout == "padded_rows" or Sk % 16 == 0)
     assert any(re.search(x, n) for n in names for x in by_rows) == staged, names
     # A mask alone: the kMaskAlibi form of whichever kernel (softcap, below, takes the other).
-    mask_alibi = (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?true, ?false, ?true, ?true, ?(true|false), ?true[,>]",
-                  rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb[01]ELb1E")
+    mask_alibi = forward_form(D, True, None, "mask_alibi")
     assert any(re.search(x, n) for n in names for x in mask_alibi), names
     for opts in (dict(), dict(causal=True), dict(softcap=3.0)):
         check_case(case, check_grads=False, **opts)

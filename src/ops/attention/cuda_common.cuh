@@ -278,8 +278,8 @@ __device__ __forceinline__ float2 bias_pair(uint32_t bits, int dtype) {
 
 // The logit features a kernel's form serves, a bit each: fragment_log2 and
 // the kernels compile in the passes of those alone, and the launch sends a
-// form only calls that use no other (mask_alibi_only, bias_only in
-// cuda_launch.cuh). An enum, so that a bool cannot pass for a set.
+// form only calls that use no other (form_serves in cuda_launch.cuh). An
+// enum, so that a bool cannot pass for a set.
 enum LogitFeatures : unsigned {
   kBiasFeature = 1u,
   kMaskFeature = 2u,

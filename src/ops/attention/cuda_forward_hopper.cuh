@@ -476,15 +476,15 @@ struct FwdTmaMaps {
 // kFeatures with kTma (every head dim, forward_hopper_bucket): the logit
 // features in the TMA form; a bias would be read by fragment_log2 from global
 // memory (no stage of it in shared memory there), so bias calls take the
-// lockstep kernel. kMaskAlibi (with kFeatures and kTma): the form for calls
-// whose only features are a mask and ALiBi (mask_alibi_only), without the
-// softcap and dropout passes (their registers spilled 28 bytes at 128).
-// kBiasOnly (with kFeatures, the lockstep kernel): the form for calls whose
-// only feature is a bias (bias_only), without the softcap, dropout, mask and
-// ALiBi passes (the form for every feature spills 108 bytes at 128 and 24
-// at 256, ptxas; this one none).
+// lockstep kernel. kServes (with kFeatures): the logit features the form's
+// calls may have, the others' passes compiled out (the launch checks
+// form_serves). The TMA-fed kernel's forms: every feature but the bias (its
+// calls have none), a mask and ALiBi (their softcap and dropout registers
+// spilled 28 bytes at 128), softcap alone, dropout alone; the lockstep
+// kernel's: every feature, the bias alone (the form for every feature spills
+// 108 bytes at 128 and 24 at 256, ptxas; this one none).
 template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false,
-          bool kMaskRows = false, bool kMaskAlibi = false, bool kBiasOnly = false>
+          bool kMaskRows = false, LogitFeatures kServes = kAllFeatures>
 __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
                                   kPingpong ? 1 : HopperFwdConfig<T, DB>::min_blocks(kFeatures))
     attention_fwd_hopper_kernel(const KArgs p, const __grid_constant__ FwdTmaMaps maps) {
@@ -502,10 +502,9 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperFwdConfig<T, DB>::kThreads,
   static_assert(!kMaskRows || (kTma && kFeatures && C::kMaskStage),
                 "the mask staged by rows: the TMA-fed feature kernel, where shared memory has room");
   static_assert(!kMaskRows || C::kBarrierBytes <= 128, "the mask stage starts 128 bytes after the mbarriers' start");
-  static_assert(!kMaskAlibi || (kTma && kFeatures), "kMaskAlibi is a form of the TMA-fed feature kernel");
-  static_assert(!kBiasOnly || (kFeatures && !kPingpong), "kBiasOnly is a form of the lockstep feature kernel");
-  // The features this form's calls may have (the launch checks the forms' predicates).
-  constexpr LogitFeatures kServes = kMaskAlibi ? kMaskAlibiFeatures : kBiasOnly ? kBiasFeature : kAllFeatures;
+  static_assert(kServes == kAllFeatures || (kFeatures && (kTma ? !(kServes & kBiasFeature) : kServes == kBiasFeature)),
+                "a form of the feature kernels: the TMA-fed one's without a bias, the lockstep one's the bias alone");
+  static_assert(!kMaskRows || (kServes & kMaskFeature), "the mask staged by rows: a form that serves a mask");
   constexpr bool kPvInFlight = kPingpong && kPvInFlightStages<kStages>;
   using E = typename C::E;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads;  // NT: the consumers

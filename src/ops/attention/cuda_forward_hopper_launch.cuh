@@ -82,7 +82,7 @@ inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16, int kv
 }
 
 template <class T, int DB, bool kFeatures, bool kLean, bool kPingpong = false, bool kTma = false,
-          bool kMaskRows = false, bool kMaskAlibi = false, bool kBiasOnly = false>
+          bool kMaskRows = false, LogitFeatures kServes = kAllFeatures>
 void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
   using C = HopperFwdKernelConfig<T, DB, kPingpong>;
   // The TMA-fed kernel is compiled without the bias pass (forward_hopper_bucket
@@ -90,12 +90,15 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
   if (kTma && kFeatures && p.bias)
     throw Unsupported("attention: the TMA-fed Hopper forward takes no bias (an internal routing error)");
   static ReadyDevices ready{0};
-  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma, kMaskRows, kMaskAlibi, kBiasOnly>,
+  constexpr bool kMaskAlibi = kServes == kMaskAlibiFeatures;
+  launch(l, attention_fwd_hopper_kernel<T, DB, kFeatures, kLean, kPingpong, kTma, kMaskRows, kServes>,
          dim3(blocks(p.seqlen_q, C::kBlockM), p.heads_q, p.batch), kTma ? 384 : C::kThreads,
          kMaskRows ? C::smem_mask_rows() : C::smem(kFeatures && !kPingpong), p,
          kMaskRows    ? (kMaskAlibi ? "fwd_hopper_tma_mask_alibi_rows" : "fwd_hopper_tma_features_mask_rows")
          : kMaskAlibi ? "fwd_hopper_tma_mask_alibi"
-         : kBiasOnly  ? "fwd_hopper_bias"
+         : kServes == kSoftcapFeature ? "fwd_hopper_tma_softcap"
+         : kServes == kDropoutFeature ? "fwd_hopper_tma_dropout"
+         : kServes == kBiasFeature    ? "fwd_hopper_bias"
          : kFeatures  ? (kTma ? "fwd_hopper_tma_features" : "fwd_hopper_features")
          : kTma       ? (kLean ? "fwd_hopper_tma_lean" : "fwd_hopper_tma")
          : kPingpong  ? (kLean ? "fwd_hopper_pingpong_lean" : "fwd_hopper_pingpong")
@@ -154,11 +157,12 @@ inline bool d256_tma_forward() { return tma_forward_switch_on("SYMHEAP_ATTN_FWD_
 // With them and without a bias, the TMA kernel where its maps encode (on
 // H200, S 4096: 1.16-1.21x the lockstep kernel at 128, 1.19-1.44x at 256, 1.09-1.36x at 64),
 // in its kMaskRows form for a mask mask_rows_copyable allows at head dims 64
-// and 256, in its kMaskAlibi form for other calls whose only features are a
-// mask and ALiBi (mask_alibi_only; 1.09x with a mask at 128, 1.16x with
-// ALiBi); else the lockstep kernel, whose bias tiles come through shared
-// memory (the TMA kernel reads the bias element by element: 0.47x at 128),
-// in its kBiasOnly form for calls whose only feature is a bias (bias_only).
+// and 256, in its mask-and-ALiBi form for other calls whose only features are
+// a mask and ALiBi (1.09x with a mask at 128, 1.16x with ALiBi), in its
+// softcap and dropout forms for calls with that feature alone (form_serves);
+// else the lockstep kernel, whose bias tiles come through shared memory (the
+// TMA kernel reads the bias element by element: 0.47x at 128), in its
+// bias-only form for calls whose only feature is a bias.
 // Head dim 128 without them: `mode` picks the kernel whose warpgroups take
 // turns (kPingpong), that one fed by a TMA producer (kTma; a call TMA cannot
 // address takes kPingpong), or the lockstep one. Head dims 64 and 256: kTma
@@ -176,9 +180,15 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
       if (features) {
         if constexpr (HopperPingpongConfig<T, DB>::kMaskStage)
           if (mask_rows_copyable(p))
-            return mask_alibi_only(p) ? forward_hopper<T, DB, true, false, true, true, true, true>(l, p, maps)
-                                      : forward_hopper<T, DB, true, false, true, true, true>(l, p, maps);
-        if (mask_alibi_only(p)) return forward_hopper<T, DB, true, false, true, true, false, true>(l, p, maps);
+            return form_serves(kMaskAlibiFeatures, p)
+                       ? forward_hopper<T, DB, true, false, true, true, true, kMaskAlibiFeatures>(l, p, maps)
+                       : forward_hopper<T, DB, true, false, true, true, true>(l, p, maps);
+        if (form_serves(kMaskAlibiFeatures, p))
+          return forward_hopper<T, DB, true, false, true, true, false, kMaskAlibiFeatures>(l, p, maps);
+        if (form_serves(kSoftcapFeature, p))
+          return forward_hopper<T, DB, true, false, true, true, false, kSoftcapFeature>(l, p, maps);
+        if (form_serves(kDropoutFeature, p))
+          return forward_hopper<T, DB, true, false, true, true, false, kDropoutFeature>(l, p, maps);
         return forward_hopper<T, DB, true, false, true, true>(l, p, maps);
       }
       if (forward_hopper_persistent<T, DB>(l, p, maps, lean)) return;
@@ -188,7 +198,8 @@ void forward_hopper_bucket(const Launch& l, const KArgs& p, HopperForward mode) 
     mode = HopperForward::kPingpong;
   }
   if (features) {
-    if (bias_only(p)) return forward_hopper<T, DB, true, false, false, false, false, false, true>(l, p, no_maps);
+    if (form_serves(kBiasFeature, p))
+      return forward_hopper<T, DB, true, false, false, false, false, kBiasFeature>(l, p, no_maps);
     return forward_hopper<T, DB, true, false>(l, p, no_maps);
   }
   if constexpr (DB == 128) {

@@ -75,20 +75,15 @@ inline unsigned call_features(const KArgs& p) {
 // Whether a call uses a logit feature: the pipelined kernels compile them in
 // only then.
 inline bool logit_features(const KArgs& p) { return call_features(p) != 0u; }
+// Whether a kernel form compiled for the features `serves` alone takes a call:
+// it uses no other. The Hopper kernels have such forms (in the ones that serve
+// every feature, the other features' passes spilled registers or slowed the
+// rest: bench/attn_notes.md 41-44).
+inline bool form_serves(LogitFeatures serves, const KArgs& p) { return (call_features(p) & ~serves) == 0u; }
 // Whether a call's only logit features are a mask and ALiBi slopes: no
-// derivative of a feature's own, no bias gradient, no random numbers. The
-// Hopper dK/dV kernels and the TMA-fed Hopper forward have a form compiled for
-// such calls alone (in the one that serves every feature, the other features'
-// registers spilled).
-inline bool mask_alibi_only(const KArgs& p) {
-  const unsigned f = call_features(p);
-  return f != 0u && (f & ~unsigned{kMaskAlibiFeatures}) == 0u;
-}
-// Whether a call's only logit feature is a bias (a window, GQA or packed
-// sequences aside). The lockstep Hopper forward, which serves every call with
-// a bias, has a form compiled for such calls alone (the softcap, dropout, mask
-// and ALiBi passes made the form for every feature spill).
-inline bool bias_only(const KArgs& p) { return call_features(p) == kBiasFeature; }
+// derivative of a feature's own, no bias gradient, no random numbers (the
+// Hopper dK/dV kernels' kMaskAlibi form).
+inline bool mask_alibi_only(const KArgs& p) { return logit_features(p) && form_serves(kMaskAlibiFeatures, p); }
 
 // Whether a feature call of the Hopper dK/dV kernel (head dim 64 or 128)
 // takes its kNoBias form: no bias, and at 64 no softcap. That form recomputes
