@@ -687,8 +687,8 @@ def ran(names, kind, kernels):
 
 
 def bias_only_forward_ran(names, D):
-    """Whether `names` hold the lockstep Hopper forward's kBiasOnly form (its last flag)
-    at head dim D, the form for calls whose only logit feature is a bias (bias_only)."""
+    """Whether `names` hold the lockstep Hopper forward's bias-only form (kServes = the
+    bias) at head dim D, the form for calls whose only logit feature is a bias."""
     return any(re.search(x, n) for n in names for x in forward_form(D, False, False, "bias"))
 
 
@@ -780,7 +780,7 @@ def test_tma_forward_logit_features(D, feature, Sq, Sk, monkeypatch):
     want_tma = not feature.startswith("bias") and feature != "all"
     assert any(re.search(x, n) for n in names for x in (features_tma if want_tma else features_lockstep)), names
     assert not any(re.search(x, n) for n in names for x in (features_lockstep if want_tma else features_tma)), names
-    # A mask or ALiBi alone: a kMaskAlibi form (the mask staged by rows or not).
+    # A mask or ALiBi alone: a mask-and-ALiBi form (the mask staged by rows or not).
     mask_alibi = forward_form(D, True, None, "mask_alibi")
     assert any(re.search(x, n) for n in names for x in mask_alibi) == (feature in ("mask", "alibi")), names
     # A bias alone: the lockstep kernel's bias-only form (with other features, the form for every one).
@@ -826,7 +826,7 @@ def test_tma_forward_mask_by_rows(D, layout, Sq, Sk, monkeypatch):
                rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb1ELb0ELb1ELb1ELb1E")
     staged = D != 128 and (layout == "padded_rows" or Sk % 16 == 0)
     assert any(re.search(x, n) for n in names for x in by_rows) == staged, names
-    # A mask alone: the kMaskAlibi form of whichever kernel (softcap, below, takes the other).
+    # A mask alone: the mask-and-ALiBi form of whichever kernel (softcap, below, takes the other).
     mask_alibi = forward_form(D, True, None, "mask_alibi")
     assert any(re.search(x, n) for n in names for x in mask_alibi), names
     for opts in (dict(), dict(causal=True), dict(softcap=3.0)):
@@ -1000,8 +1000,8 @@ def test_forward_bias_layouts(layout, D, Sq, Sk, opts, fwd, monkeypatch):
     check_case(case, check_grads=False, **opts)
 
 
-# Calls whose only logit feature is a bias run the lockstep Hopper forward's kBiasOnly
-# form (bias_only) under "hopper" at every head dim (the TMA kernels take no bias):
+# Calls whose only logit feature is a bias run the lockstep Hopper forward's bias-only
+# form under "hopper" at every head dim (the TMA kernels take no bias):
 # causal, windows, GQA with a bias broadcast over the query rows, packed sequences.
 BIAS_ONLY_CALLS = {
     "causal": (dict(Hq=4, Hkv=4, bias_shape=(2, 4, "Sq", "Sk")), dict(causal=True)),
@@ -1023,7 +1023,7 @@ def hopper_forward(monkeypatch, D):
 @pytest.mark.parametrize("call", list(BIAS_ONLY_CALLS))
 @pytest.mark.parametrize("Sq,Sk", [(127, 129), (1000, 300), (300, 1000)])
 def test_hopper_forward_bias_only_form(D, call, Sq, Sk, monkeypatch):
-    """A bias alone takes the kBiasOnly form (outputs and lse against the fp32
+    """A bias alone takes the bias-only form (outputs and lse against the fp32
     reference); the same call with softcap too takes the form for every feature."""
     hopper_forward(monkeypatch, D)
     make_kw, opts = BIAS_ONLY_CALLS[call]
@@ -1045,7 +1045,7 @@ def test_hopper_forward_bias_only_form(D, call, Sq, Sk, monkeypatch):
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(50, 20))])
 def test_hopper_forward_bias_only_varlen(D, opts, monkeypatch):
     """Packed sequences (some empty; 4 query heads over 2 kv heads) with a bias alone:
-    the kBiasOnly form, each sequence against itself alone through the fp32 reference."""
+    the bias-only form, each sequence against itself alone through the fp32 reference."""
     hopper_forward(monkeypatch, D)
     gen = torch.Generator().manual_seed(D + 1)
     lq = torch.tensor([0, 130, 1, 257, 64, 0, 999])
