@@ -126,27 +126,28 @@ class RemoteTransport final : public Transport {
       sends.swap(outstanding_);
       targets.swap(touched_);
     }
+    // A quiet that fails (a peer late or gone) leaves the processes it did not
+    // hear back from to the next quiet: what was sent to them still arrives
+    // once they go on, and only their answer to a later quiet says they served it.
+    auto keep_unconfirmed = [&](std::map<std::string, int>::const_iterator from) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = from; it != targets.cend(); ++it) touched_.emplace(it->first, it->second);
+    };
     for (size_t i = 0; i < sends.size(); ++i) {
       try {
         await(s, sends[i].pe, sends[i].p, "quiet");
       } catch (...) {
         for (size_t j = i + 1; j < sends.size(); ++j) engine_->abandon(std::move(sends[j].p));
+        keep_unconfirmed(targets.cbegin());
         throw;
       }
     }
-    for (auto& [addr, pe] : targets) {
-      remote::Request req = request(s, pe, Op::Quiet);
-      auto p = engine_->start(addr, req, nullptr, 0);
-      await(s, pe, p, "quiet");
-      check_reply(s, pe, *p, "quiet");
-      const remote::Reply& r = p->reply();
-      if (r.value != 0) {
-        const char* op = remote::op_name(static_cast<Op>(r.value));
-        int target = r.target >= 0 && r.target < s.n_pes ? static_cast<int>(r.target) : pe;
-        throw RemoteError("quiet on PE " + std::to_string(s.my_pe) + ": " + who(s, target) +
-                              " could not serve an earlier request (" + op + "): " +
-                              remote::status_text(static_cast<remote::Status>(r.detail)),
-                          target, op);
+    for (auto it = targets.cbegin(); it != targets.cend(); ++it) {
+      try {
+        confirm_served(s, it->first, it->second);
+      } catch (...) {
+        keep_unconfirmed(it);
+        throw;
       }
     }
   }
@@ -262,6 +263,25 @@ class RemoteTransport final : public Transport {
     } catch (...) {
       engine_->abandon(std::move(p));
       throw;
+    }
+  }
+
+  // quiet's round trip to the process at `addr` (PE `pe` there): its answer
+  // comes after it served every earlier request of this PE, and reports the
+  // first of them it could not serve.
+  void confirm_served(PeState& s, const std::string& addr, int pe) {
+    remote::Request req = request(s, pe, Op::Quiet);
+    auto p = engine_->start(addr, req, nullptr, 0);
+    await(s, pe, p, "quiet");
+    check_reply(s, pe, *p, "quiet");
+    const remote::Reply& r = p->reply();
+    if (r.value != 0) {
+      const char* op = remote::op_name(static_cast<Op>(r.value));
+      int target = r.target >= 0 && r.target < s.n_pes ? static_cast<int>(r.target) : pe;
+      throw RemoteError("quiet on PE " + std::to_string(s.my_pe) + ": " + who(s, target) +
+                            " could not serve an earlier request (" + op + "): " +
+                            remote::status_text(static_cast<remote::Status>(r.detail)),
+                        target, op);
     }
   }
 

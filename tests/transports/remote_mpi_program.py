@@ -228,8 +228,9 @@ def freeze_process_one(me):
 
 def frozen_peer(seed, timeout):
     """Process 0 stops process 1 (SIGSTOP): its PEs' remote get and quiet
-    raise TimeoutError naming the frozen PE within the timeout; then it lets
-    process 1 go on and the job finishes normally."""
+    raise TimeoutError naming the frozen PE within the timeout, and so does a
+    second quiet (the put is still not served); then it lets process 1 go on,
+    a quiet confirms the late put, and the job finishes normally."""
     me, n = symheap.my_pe(), symheap.n_pes()
     buf = symheap.empty((16,), "uint8", like="numpy")
     buf[:] = me
@@ -259,6 +260,14 @@ def frozen_peer(seed, timeout):
             raise AssertionError("quiet towards a frozen PE returned")
         assert "quiet" in text and f"PE {target} (node 'node-1')" in text, text
         assert time.monotonic() - t0 <= timeout + 3
+        # The put is still unconfirmed: a second quiet must not report it done
+        # while its target is frozen (the failed one left that process to it).
+        try:
+            symheap.quiet()
+        except TimeoutError as e:
+            assert f"PE {target} (node 'node-1')" in str(e), str(e)
+        else:
+            raise AssertionError("a second quiet towards a frozen PE returned")
         sys.stdout.write(f"FROZEN-ERROR pe {me}: {text}\n")  # one line, whole
         sys.stdout.flush()
         barrier = _thread_barrier

@@ -206,7 +206,8 @@ def test_remote_refused_request_under_mpirun():
 
 def test_remote_frozen_peer_under_mpirun():
     """A frozen (SIGSTOP) remote process: get and quiet raise TimeoutError
-    naming the PE within the 3 s timeout; once it goes on, the job finishes."""
+    naming the PE within the 3 s timeout, a second quiet too (the put is not
+    served yet); once it goes on, a quiet confirms the put and the job finishes."""
     out = run_mpi_program("frozen", 3)
     assert len(re.findall(r"FROZEN-ERROR pe \d: quiet on PE \d: PE [23] \(node 'node-1'\) "
                           r"did not answer within 3 s", out)) == 2, out[-6000:]
