@@ -540,7 +540,7 @@ PIPELINED_OPTS = {
     "window_right": (dict(), dict(window_size=(-1, 70))),
     "scale": (dict(), dict(softmax_scale=0.31)),
     "scale_negative": (dict(), dict(softmax_scale=-0.25)),  # not the lean softmax
-    # Every feature but a bias: the Hopper backward's kNoBias form, softcap's
+    # Every feature but a bias: the Hopper backward's form without a bias, softcap's
     # derivative recomputed from P less the ALiBi term.
     "all_but_bias": (dict(Hkv=2, mask_shape=(2, 1, 1, "Sk"), alibi=True),
                      dict(softcap=2.5, window_size=(90, 30), dropout_p=0.1, seed=11)),
@@ -656,7 +656,7 @@ def forward_kernel_names(fn):
 # of its form), when the name shows them.
 LAST = r"(, ?(true|false))?(, ?\([\w:]*LogitFeatures\)\d+)?>"
 # LogitFeatures, as the forms' kServes values (cuda_common.cuh).
-SERVES = {"all": 31, "bias": 1, "mask_alibi": 6, "softcap": 8, "dropout": 16}
+SERVES = {"all": 31, "bias": 1, "mask_alibi": 6, "softcap": 8, "dropout": 16, "all_but_bias": 30}
 
 
 def forward_form(D, tma, mask_rows, serves):
@@ -1462,20 +1462,24 @@ def test_hopper_backward_tma_packed_takes_nothing_of_the_next(D, monkeypatch):
 
 def hopper_features_backward_form(fn):
     """Which feature form of a Hopper dK/dV kernel `fn`'s backward runs: None
-    (none), "every" (kFeatures true; at head dim 256 its own kernel),
-    "mask_alibi" (kFeatures and kMaskAlibi true: the head-dim-64/128 form for
-    calls with only a mask and ALiBi) or "no_bias" (kFeatures and kNoBias true:
-    the head-dim-64/128 form for the other calls without a bias); kFeatures,
-    kMaskAlibi and kNoBias are the last three template arguments."""
+    (none), "every" (kFeatures true, kServes every feature; at head dim 256 its
+    own kernel), or at head dims 64 and 128 the forms for calls with only a mask and
+    ALiBi ("mask_alibi"), without a bias ("no_bias"), with softcap alone ("softcap")
+    or dropout alone ("dropout"); kFeatures and kServes (a LogitFeatures set) are
+    the last two template arguments."""
     names = backward_kernel_names(fn)
     assert names, "no dK/dV kernel ran"
-    mask_alibi = (r"dkdv_hopper_kernel<[^<>]*, ?true, ?true, ?false>", r"dkdv_hopper_kernelI\w*?Lb1ELb1ELb0EE")
-    no_bias = (r"dkdv_hopper_kernel<[^<>]*, ?true, ?false, ?true>", r"dkdv_hopper_kernelI\w*?Lb1ELb0ELb1EE")
-    every = (r"dkdv_hopper_kernel<[^<>]*, ?true, ?false, ?false>", r"dkdv_hopper_kernelI\w*?Lb1ELb0ELb0EE",
-             r"dkdv_hopper256_kernel<[^<>]*, ?true, ?true>", r"dkdv_hopper256_kernelI\w*?Lb1ELb1EE")
-    for form, patterns in (("mask_alibi", mask_alibi), ("no_bias", no_bias), ("every", every)):
+
+    def form(v):
+        return (rf"dkdv_hopper_kernel<[^<>]*, ?true, ?\([\w:]*LogitFeatures\){v}>",
+                rf"dkdv_hopper_kernelI\w*?Lb1EL(?:N\w+?E|S\w*?_){v}EE")
+    every = form(SERVES["all"]) + (r"dkdv_hopper256_kernel<[^<>]*, ?true, ?true>",
+                                   r"dkdv_hopper256_kernelI\w*?Lb1ELb1EE")
+    forms = (("mask_alibi", form(SERVES["mask_alibi"])), ("no_bias", form(SERVES["all_but_bias"])),
+             ("softcap", form(SERVES["softcap"])), ("dropout", form(SERVES["dropout"])), ("every", every))
+    for name, patterns in forms:
         if any(re.search(x, n) for n in names for x in patterns):
-            return form
+            return name
     return None
 
 
@@ -1503,8 +1507,11 @@ def test_hopper_backward_features(feature, Sq, Sk, D, monkeypatch):
     only_mask_alibi = has_features and kw.get("bias") is None and kw.get("softcap", 0) == 0 and \
         kw.get("dropout_p", 0) == 0
     no_bias = kw.get("bias") is None and not (D == 64 and kw.get("softcap", 0) > 0)
+    mask_or_alibi = kw.get("mask") is not None or kw.get("alibi_slopes") is not None
+    only_softcap = no_bias and not mask_or_alibi and kw.get("dropout_p", 0) == 0
+    only_dropout = no_bias and not mask_or_alibi and kw.get("softcap", 0) == 0
     want = (None if not has_features else "every" if D == 256 else "mask_alibi" if only_mask_alibi
-            else "no_bias" if no_bias else "every")
+            else "softcap" if only_softcap else "dropout" if only_dropout else "no_bias" if no_bias else "every")
     assert form == want, (feature, form, want)
     check_case(case, **opts)
     if feature in FEATURES and "causal" not in opts:
@@ -1542,8 +1549,8 @@ def test_hopper_backward_features_match_pipelined(feature, D, monkeypatch):
                                   dict(causal=True, alibi=True), dict(window_size=(40, 70), alibi=True)])
 @pytest.mark.parametrize("D", [64, 128])
 def test_hopper_backward_features_packed(lengths, opts, D, monkeypatch):
-    """Packed sequences with softcap (the kNoBias form), or with ALiBi alone
-    (the kMaskAlibi form), on the feature forms' packed kernels: each
+    """Packed sequences with softcap (the form for softcap alone), or with ALiBi
+    alone (the mask-and-ALiBi form), on the feature forms' packed kernels: each
     sequence's gradients against it alone (fp32 reference)."""
     own_backward(monkeypatch, "auto")
     lq, lk = PACKED_TMA_LENGTHS[lengths]
@@ -1552,7 +1559,7 @@ def test_hopper_backward_features_packed(lengths, opts, D, monkeypatch):
     if alibi:
         opts["alibi_slopes"] = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
     form = hopper_features_backward_form(lambda: check_packed_backward(lq, lk, 4, 2, D, opts, seed=len(lq) + D))
-    assert form == ("mask_alibi" if alibi else "no_bias"), form
+    assert form == ("mask_alibi" if alibi else "softcap"), form
 
 
 # ---- the Hopper dK/dV kernel at head dim 256 (cuda_backward_hopper_d256.cuh), the default

@@ -407,26 +407,28 @@ __device__ __forceinline__ void issue_s_dp(Mma& mma, const FragK& tSrK, const Fr
 // bias gradient (DbiasSink), as the pipelined dK/dV kernel computes them.
 // Between P and dS a score keeps its P in the S^T registers, the sign saying
 // whether dropout kept it, and softcap's derivative in half precision (16
-// registers). kMaskAlibi (with kFeatures): the form for calls whose only
-// features are a mask and ALiBi (mask_alibi_only); the one for every feature
-// spilled 292 bytes a thread at head dim 128 (ptxas), this one 28. kNoBias
-// (with kFeatures): the form for the other calls without a bias
-// (no_bias_form_serves): no bias gradient, and softcap's derivative
+// registers). kServes (with kFeatures): the logit features the form's calls
+// may have, the others' passes compiled out (the launch checks form_serves).
+// The forms: every feature (kAllFeatures); a mask and ALiBi (the form for
+// every feature spilled 292 bytes a thread at head dim 128, ptxas, this one
+// 28); every feature but the bias (no bias gradient, and softcap's derivative
 // recomputed from P at dS rather than kept: 52 bytes spilled at 128, none at
-// 64, against 288 and 72 in the form for every feature.
+// 64, against 288 and 72 in the form for every feature); softcap alone;
+// dropout alone.
 template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false, bool kFeatures = false,
-          bool kMaskAlibi = false, bool kNoBias = false>
+          LogitFeatures kServes = kAllFeatures>
 __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads, 1)
     attention_bwd_dkdv_hopper_kernel(const KArgs p, const __grid_constant__ BwdTmaMaps maps) {
   static_assert(!kTma || kFuseDq, "the TMA kernel serves calls with dQ fused");
   static_assert(!kPacked || kTma, "kPacked is a form of the TMA kernel");
   static_assert(!kFeatures || kTma, "the logit features are in the TMA kernel only");
-  static_assert(!kMaskAlibi || kFeatures, "kMaskAlibi is a form of the feature kernel");
-  static_assert(!kNoBias || (kFeatures && !kMaskAlibi), "kNoBias is a form of the feature kernel");
-  // The features a kMaskAlibi call never has (the launch checks mask_alibi_only),
-  // and the bias, which a kNoBias call never has.
-  constexpr bool kEveryFeature = kFeatures && !kMaskAlibi;
-  constexpr bool kBias = kEveryFeature && !kNoBias;
+  static_assert(kServes == kAllFeatures || kFeatures, "kServes names a form of the feature kernel");
+  // The features with a pass of their own between P and dS (a mask and ALiBi
+  // have none: their calls' dS is the plain one).
+  constexpr bool kBias = kFeatures && (kServes & kBiasFeature);
+  constexpr bool kSoftcap = kFeatures && (kServes & kSoftcapFeature);
+  constexpr bool kDropout = kFeatures && (kServes & kDropoutFeature);
+  constexpr bool kDsFeatures = kBias || kSoftcap || kDropout;
   using namespace cute;
   using namespace hopper;
   using pipelined::RowRange;
@@ -714,8 +716,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
       // The logit rule (window, mask and sequence ends too), in log2 units.
       const LogitCtx logit(p, b, hq, seq);
       const bool full = m0 >= full_lo && m0 + BM <= full_hi && m0 + BM <= seq.sq && cols == BN;
-      logit.fragment_log2<BM / 2, false, kMaskAlibi ? kMaskAlibiFeatures : kAllFeatures>(
-          p, [&](int k) -> float& { return tSrS(k); }, row_of, col_of, /*skip_bias=*/kNoBias, full,
+      logit.fragment_log2<BM / 2, false, kServes>(
+          p, [&](int k) -> float& { return tSrS(k); }, row_of, col_of, /*skip_bias=*/!kBias, full,
           [&](int k, float d) {
             if constexpr (kBias) set_half_dcap(dcap2, k, d);
           });
@@ -726,7 +728,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
         for (int e = 0; e < 4; ++e) tSrS(4 * nt + e) = exp2_fast(tSrS(4 * nt + e) - ((e & 1) ? l2.y : l2.x));
       }
       // dV takes P dropped out; dS (below) P and the dropout's verdict (the sign).
-      if (kEveryFeature && p.dropout) {
+      if (kDropout && p.dropout) {
         const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + hq);
 #pragma unroll
         for (int nt = 0; nt < BM / 8; nt += 2) {
@@ -759,7 +761,7 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
     warpgroup_wait<1>();  // dP^T landed; dV's product may still run
     warpgroup_fence_operand(tSrdP);
 
-    // dS = P (dP - delta) scale, over the fp32 P (kEveryFeature: ds = P (dP keep
+    // dS = P (dP - delta) scale, over the fp32 P (kDsFeatures: ds = P (dP keep
     // - delta), the bias gradient, then ds dcap scale).
     auto ds_times = [&](float factor) {
 #pragma unroll
@@ -772,8 +774,8 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
         }
       }
     };
-    if constexpr (kEveryFeature) {
-      if (p.dropout)
+    if constexpr (kDsFeatures) {
+      if (kDropout && p.dropout)
         dropout_decode<BM / 2>(p, [&](int k) -> float& { return tSrS(k); }, [&](int k) -> float& { return tSrdP(k); });
       ds_times(1.0f);
       if constexpr (kBias) {
@@ -788,12 +790,12 @@ __global__ void __launch_bounds__(kTma ? 384 : HopperDkvConfig<T, DB>::kThreads,
           for (int k = 0; k < BM / 2; ++k) dbias.store(tSrdP(k), row_of(k), col_of(k));
         }
       }
-      if (p.softcap > 0) {
+      if (kSoftcap && p.softcap > 0) {
         if constexpr (kBias) {
 #pragma unroll
           for (int k = 0; k < BM / 2; ++k) tSrdP(k) *= half_dcap(dcap2, k);
         } else {
-          // From P, whose registers are free now (kNoBias).
+          // From P, whose registers are free now (the forms without a bias).
           auto lse2_of = [&](int k) { return (k & 1) ? lse_of(k / 4).y : lse_of(k / 4).x; };
           LogitCtx(p, b, hq, seq).softcap_derivative_from_p<BM / 2>([&](int k) -> float& { return tSrS(k); },
                                                                      lse2_of, row_of, col_of);

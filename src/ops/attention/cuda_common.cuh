@@ -288,6 +288,7 @@ enum LogitFeatures : unsigned {
   kDropoutFeature = 16u,
   kAllFeatures = 31u,
   kMaskAlibiFeatures = kMaskFeature | kAlibiFeature,
+  kAllButBiasFeatures = kAllFeatures & ~kBiasFeature,
 };
 
 // fragment_log2's default sink for softcap's derivative: none wanted.

@@ -254,18 +254,21 @@ inline bool encode_backward_maps(BwdTmaMaps* m, const KArgs& p, bool bf16) {
 
 // The Hopper dK/dV kernel, dQ fused into it or not (head dims 64 and 128).
 template <class T, int DB, bool kFuseDq, bool kTma = false, bool kPacked = false, bool kFeatures = false,
-          bool kMaskAlibi = false, bool kNoBias = false>
+          LogitFeatures kServes = kAllFeatures>
 void dkdv_hopper(const Launch& l, const KArgs& p, const BwdTmaMaps& maps) {
   using C = HopperDkvConfig<T, DB>;
   static ReadyDevices ready{0};
-  const char* name = kMaskAlibi ? (kPacked ? "dkdv_hopper_mask_alibi_packed" : "dkdv_hopper_mask_alibi")
-                     : kNoBias  ? (kPacked ? "dkdv_hopper_no_bias_packed" : "dkdv_hopper_no_bias")
-                     : kFeatures ? (kPacked ? "dkdv_hopper_features_packed" : "dkdv_hopper_features")
-                     : kPacked   ? "dkdv_hopper_dq_tma_packed"
-                     : kTma      ? "dkdv_hopper_dq_tma"
-                     : kFuseDq   ? "dkdv_hopper_dq"
-                                 : "dkdv_hopper";
-  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq, kTma, kPacked, kFeatures, kMaskAlibi, kNoBias>,
+  const char* name = !kFeatures ? (kPacked   ? "dkdv_hopper_dq_tma_packed"
+                                   : kTma    ? "dkdv_hopper_dq_tma"
+                                   : kFuseDq ? "dkdv_hopper_dq"
+                                             : "dkdv_hopper")
+                     : kServes == kMaskAlibiFeatures  ? (kPacked ? "dkdv_hopper_mask_alibi_packed" : "dkdv_hopper_mask_alibi")
+                     : kServes == kAllButBiasFeatures ? (kPacked ? "dkdv_hopper_no_bias_packed" : "dkdv_hopper_no_bias")
+                     : kServes == kSoftcapFeature     ? (kPacked ? "dkdv_hopper_softcap_packed" : "dkdv_hopper_softcap")
+                     : kServes == kDropoutFeature     ? (kPacked ? "dkdv_hopper_dropout_packed" : "dkdv_hopper_dropout")
+                     : kPacked                        ? "dkdv_hopper_features_packed"
+                                                      : "dkdv_hopper_features";
+  launch(l, attention_bwd_dkdv_hopper_kernel<T, DB, kFuseDq, kTma, kPacked, kFeatures, kServes>,
          dim3(blocks(p.seqlen_k, C::kBlockN), p.heads_kv, p.batch), kTma ? 384 : C::kThreads,
          kTma ? C::kSmemTma : C::kSmem, p, name, DB, ready, maps);
 }
@@ -274,8 +277,15 @@ void dkdv_hopper(const Launch& l, const KArgs& p, const BwdTmaMaps& maps) {
 // packed calls in a form of their own), else by the consumers' cp.async copies.
 // A call with logit features runs only the TMA-fed form: false when its maps
 // do not encode (nothing launched; the caller runs the pipelined kernels).
-// Calls with a mask or ALiBi slopes and no other feature take its kMaskAlibi
-// form, other calls without a bias its kNoBias form (no_bias_form_serves).
+// Calls with a mask or ALiBi slopes and no other feature take its
+// mask-and-ALiBi form; other calls without a bias (no_bias_form_serves) its
+// form for softcap alone, for dropout alone, or for every feature but the
+// bias; the rest the form for every feature.
+template <class T, int DB, LogitFeatures kServes>
+void dkdv_hopper_tma_form(const Launch& l, const KArgs& p, const BwdTmaMaps& maps) {
+  p.cu_q ? dkdv_hopper<T, DB, true, true, true, true, kServes>(l, p, maps)
+         : dkdv_hopper<T, DB, true, true, false, true, kServes>(l, p, maps);
+}
 template <class T, int DB>
 bool dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
   static const BwdTmaMaps no_maps{};
@@ -283,17 +293,18 @@ bool dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
   if (fuse_dq && tma) {
     BwdTmaMaps maps;
     if (encode_backward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>)) {
-      if (mask_alibi_only(p))
-        p.cu_q ? dkdv_hopper<T, DB, true, true, true, true, true>(l, p, maps)
-               : dkdv_hopper<T, DB, true, true, false, true, true>(l, p, maps);
-      else if (features && no_bias_form_serves(p, DB))
-        p.cu_q ? dkdv_hopper<T, DB, true, true, true, true, false, true>(l, p, maps)
-               : dkdv_hopper<T, DB, true, true, false, true, false, true>(l, p, maps);
-      else if (features)
-        p.cu_q ? dkdv_hopper<T, DB, true, true, true, true>(l, p, maps)
-               : dkdv_hopper<T, DB, true, true, false, true>(l, p, maps);
-      else
+      if (!features)
         p.cu_q ? dkdv_hopper<T, DB, true, true, true>(l, p, maps) : dkdv_hopper<T, DB, true, true>(l, p, maps);
+      else if (mask_alibi_only(p))
+        dkdv_hopper_tma_form<T, DB, kMaskAlibiFeatures>(l, p, maps);
+      else if (no_bias_form_serves(p, DB) && form_serves(kSoftcapFeature, p))
+        dkdv_hopper_tma_form<T, DB, kSoftcapFeature>(l, p, maps);
+      else if (no_bias_form_serves(p, DB) && form_serves(kDropoutFeature, p))
+        dkdv_hopper_tma_form<T, DB, kDropoutFeature>(l, p, maps);
+      else if (no_bias_form_serves(p, DB))
+        dkdv_hopper_tma_form<T, DB, kAllButBiasFeatures>(l, p, maps);
+      else
+        dkdv_hopper_tma_form<T, DB, kAllFeatures>(l, p, maps);
       return true;
     }
   }

@@ -82,16 +82,17 @@ inline bool logit_features(const KArgs& p) { return call_features(p) != 0u; }
 inline bool form_serves(LogitFeatures serves, const KArgs& p) { return (call_features(p) & ~serves) == 0u; }
 // Whether a call's only logit features are a mask and ALiBi slopes: no
 // derivative of a feature's own, no bias gradient, no random numbers (the
-// Hopper dK/dV kernels' kMaskAlibi form).
+// Hopper dK/dV kernels' mask-and-ALiBi form).
 inline bool mask_alibi_only(const KArgs& p) { return logit_features(p) && form_serves(kMaskAlibiFeatures, p); }
 
 // Whether a feature call of the Hopper dK/dV kernel (head dim 64 or 128)
-// takes its kNoBias form: no bias, and at 64 no softcap. That form recomputes
+// takes one of its forms without a bias (every feature but the bias, softcap
+// alone, dropout alone): no bias, and at 64 no softcap. Those recompute
 // softcap's derivative from P (one more MUFU op a score) instead of keeping
 // it: softcap's fwd+bwd ran 1.23x at 128 but 0.96x at 64 (one round), so at
 // 64 softcap in the batch layout stays in the form for every feature (dropout:
-// 1.08x and 1.07x). Packed calls take it at 64 too: there the form for every
-// feature spills 400 bytes a thread, this one none.
+// 1.08x and 1.07x). Packed calls take them at 64 too: there the form for every
+// feature spills 400 bytes a thread, the one without a bias none.
 inline bool no_bias_form_serves(const KArgs& p, int db) {
   return !p.bias && (db != 64 || !(p.softcap > 0) || p.cu_q);
 }
