@@ -677,8 +677,11 @@ def forward_kernels(D):
                      rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb0ELb[01]ELb0ELb0E"),
         "tma": (rf"attention_fwd_hopper_kernel<[^,<>]*, ?{D}, ?false, ?(true|false), ?true, ?true{LAST}",
                 rf"attention_fwd_hopper_kernelI\w*?Li{D}ELb0ELb[01]ELb1ELb1E"),
-        "persistent": (rf"attention_fwd_hopper_persistent_kernel<[^,<>]*, ?{D}, ?(true|false)>",
-                       rf"attention_fwd_hopper_persistent_kernelI\w*?Li{D}ELb[01]E"),
+        "persistent": (rf"attention_fwd_hopper_persistent_kernel<[^,<>]*, ?{D}, ?(true|false), ?(true|false)>",
+                       rf"attention_fwd_hopper_persistent_kernelI\w*?Li{D}ELb[01]ELb[01]E"),
+        # (its wide form at head dim 64: three consumer warpgroups)
+        "persistent_wide": (rf"attention_fwd_hopper_persistent_kernel<[^,<>]*, ?{D}, ?(true|false), ?true>",
+                            rf"attention_fwd_hopper_persistent_kernelI\w*?Li{D}ELb[01]ELb1E"),
     }
 
 
@@ -737,6 +740,42 @@ def test_tma_forward_lengths(D, dtype, Sq, Sk, causal, persistent, monkeypatch):
     tma_forward(monkeypatch, D, True, persistent)
     case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=4, D=D, dtype=dtype, seed=Sq * 3 + Sk + D)
     check_case(case, check_grads=False, causal=causal)
+
+
+WIDE_OPTS = {"plain": dict(), "causal": dict(causal=True), "window": dict(window_size=(300, 40)),
+             "scale_negative": dict(softmax_scale=-0.25), "gqa": dict(causal=True)}
+
+
+@pytest.mark.parametrize("opts", list(WIDE_OPTS))
+@pytest.mark.parametrize("Sq,Sk", [(1, 300), (191, 193), (1000, 1000), (2049, 700), (300, 4099)])
+def test_persistent_forward_wide_form_same_bits(opts, Sq, Sk, monkeypatch):
+    """The persistent forward's wide form at head dim 64 (three consumer warpgroups,
+    192-row blocks; SYMHEAP_ATTN_FWD_D64_WIDE=1) gives the two-warpgroup form's bits,
+    output and lse: each row's arithmetic is the same. Both against the fp32 reference."""
+    tma_forward(monkeypatch, 64, True, "1")
+    kernels = forward_kernels(64)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2 if opts == "gqa" else 4, D=64, seed=Sq + 7 * Sk)
+    call = lambda: flash_attn_func(case["q"], case["k"], case["v"], return_lse=True, **WIDE_OPTS[opts])  # noqa: E731
+    runs = {}
+    for wide in ("0", "1"):
+        monkeypatch.setenv("SYMHEAP_ATTN_FWD_D64_WIDE", wide)
+        names = forward_kernel_names(call)
+        assert ran(names, "persistent", kernels) and ran(names, "persistent_wide", kernels) == (wide == "1"), names
+        runs[wide] = call()
+        check_case(case, check_grads=False, **WIDE_OPTS[opts])
+    for a, b in zip(runs["0"], runs["1"]):
+        assert torch.equal(a, b), opts
+
+
+def test_persistent_forward_wide_form_by_length(monkeypatch):
+    """Unforced, the wide form takes head-dim-64 calls from 2048 query rows on."""
+    tma_forward(monkeypatch, 64, True, "1")
+    monkeypatch.delenv("SYMHEAP_ATTN_FWD_D64_WIDE", raising=False)
+    kernels = forward_kernels(64)
+    for Sq, wide in ((2047, False), (2048, True)):
+        case = gpu_case(B=1, Sq=Sq, Sk=256, Hq=2, D=64, seed=Sq)
+        names = forward_kernel_names(lambda: flash_attn_func(case["q"], case["k"], case["v"]))
+        assert ran(names, "persistent", kernels) and ran(names, "persistent_wide", kernels) == wide, (Sq, names)
 
 
 @pytest.mark.parametrize("D", TMA_FORWARD_DIMS)

@@ -54,17 +54,20 @@ struct CuteType<__nv_bfloat16> {
 // softmax runs while the other's products do.
 // kMbarriers: room for the pingpong kernel's mbarriers (its configs set it;
 // only the two-stage lockstep kernel goes without).
-template <class T, int DB, int kStages = 2, int kBN = DB == 128 ? 128 : 64, bool kMbarriers = (kStages > 2)>
+// kWarpgroups: consumer warpgroups, 64 query rows each (2; 3 in the wide
+// persistent form at head dim 64, HopperWideConfig).
+template <class T, int DB, int kStages = 2, int kBN = DB == 128 ? 128 : 64, bool kMbarriers = (kStages > 2),
+          int kWarpgroups = 2>
 struct HopperFwdConfig {
   static_assert(DB == 64 || DB == 128 || DB == 256, "the Hopper forward serves head dims 64, 128 and 256");
   using E = typename hopper::CuteType<T>::type;
-  static constexpr int kBlockM = 128;
+  static constexpr int kBlockM = 64 * kWarpgroups;
   static constexpr int kBlockN = kBN;
   static constexpr int kStageCount = kStages;
   // CTAs per SM (the register cap of __launch_bounds__); the logit features
   // would spill under 128 registers.
   static constexpr int min_blocks(bool features) { return DB == 64 && !features ? 2 : 1; }
-  static constexpr int kThreads = 256;  // two warpgroups of 64 query rows
+  static constexpr int kThreads = 128 * kWarpgroups;  // warpgroups of 64 query rows
 
   using BM = cute::Int<kBlockM>;
   using BN = cute::Int<kBlockN>;
@@ -72,13 +75,13 @@ struct HopperFwdConfig {
   // S (BM x BN) = Q (BM x DB) K^T; each warpgroup takes 64 rows.
   using MmaS = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::_64, BN, D>>(),
-      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+      cute::Layout<cute::Shape<cute::Int<kWarpgroups>, cute::_1, cute::_1>>{}));
   // O (BM x DB) += P (BM x BN, registers) V; V is stored keys x DB, so as
   // the B operand (DB x keys) it is MN-major.
   using MmaO = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<E, E, float, cute::Shape<cute::_64, D, BN>, cute::GMMA::Major::K,
                                  cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+      cute::Layout<cute::Shape<cute::Int<kWarpgroups>, cute::_1, cute::_1>>{}));
   using SmemQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<BM, D>{}));
   // K and V: kStages buffers each (the third mode).
   using Stages = cute::Int<kStages>;
@@ -128,6 +131,13 @@ struct HopperFwdConfig {
 template <class T, int DB>
 using HopperPingpongConfig =
     HopperFwdConfig<T, DB, DB == 64 ? 4 : DB == 128 ? 3 : 2, DB == 256 ? 64 : 128, true>;
+// The persistent forward's wide form at head dim 64: three consumer
+// warpgroups (192 query rows a block) over the same 128-key tiles and four
+// stages, 160 registers a consumer thread. The form with two waits on the
+// tensor cores more than it queues on them (bench/attn_notes.md 22: 0.52
+// eligible warps a scheduler); a third warpgroup's softmax fills those waits.
+template <class T>
+using HopperWideConfig = HopperFwdConfig<T, 64, 4, 128, true, 3>;
 // Whether the pingpong kernels leave a tile's P V product running into the
 // next tile's turn (waited for with the next S product, the tile's K/V stage
 // released then): forward 1.03-1.10x at head dim 64 and 0.97-1.08x at 128 on

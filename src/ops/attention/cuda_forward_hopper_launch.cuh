@@ -64,19 +64,20 @@ inline bool encode_rows_map(CUtensorMap* map, bool bf16, const void* base, int r
 // batch entry, so a tile past its length reads zeros. Packed (cu_seqlens):
 // one batch entry of all the rows; a tile past a sequence reads the next
 // one's rows, which the kernel masks (K) or zeroes (V). Head dims 64, 128 and
-// 256; kv_rows: the kernel's keys a tile (a K or V box's rows).
-inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16, int kv_rows) {
+// 256; kv_rows: the kernel's keys a tile (a K or V box's rows); q_rows: its
+// query rows a block (a Q box's rows).
+inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16, int kv_rows, int q_rows = 128) {
   if (p.d != 128 && p.d != 64 && p.d != 256) return false;
   const int d = p.d, r = kv_rows;
   if (p.cu_q) {
     if (p.total_q <= 0 || p.total_k <= 0 || p.total_q > INT32_MAX || p.total_k > INT32_MAX) return false;
     const int tq = static_cast<int>(p.total_q), tk = static_cast<int>(p.total_k);
     // (the batch stride of a one-entry dimension only has to be valid)
-    return encode_rows_map(&m->q, bf16, p.q, tq, p.heads_q, 1, p.q_sr, p.q_sh, p.q_sr * tq, 128, d) &&
+    return encode_rows_map(&m->q, bf16, p.q, tq, p.heads_q, 1, p.q_sr, p.q_sh, p.q_sr * tq, q_rows, d) &&
            encode_rows_map(&m->k, bf16, p.k, tk, p.heads_kv, 1, p.k_sr, p.k_sh, p.k_sr * tk, r, d) &&
            encode_rows_map(&m->v, bf16, p.v, tk, p.heads_kv, 1, p.v_sr, p.v_sh, p.v_sr * tk, r, d);
   }
-  return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, 128, d) &&
+  return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, q_rows, d) &&
          encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, r, d) &&
          encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, r, d);
 }
@@ -115,10 +116,20 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
 // one-CTA-a-block kernel serves. $SYMHEAP_ATTN_FWD_PERSISTENT: 1 forces it
 // wherever the TMA kernel runs (pairing as above), 0 never. Launches it
 // where it serves the call; false where it does not (packed calls too).
-template <class T, int DB>
-bool forward_hopper_persistent(const Launch& l, const KArgs& p, const FwdTmaMaps& maps, bool lean) {
-  using C = HopperPingpongConfig<T, DB>;
-  if (p.cu_q) return false;
+// At head dim 64 its wide form (three consumer warpgroups, 192-row blocks:
+// wide_forward_serves) takes calls with at least kWideMinRows query rows,
+// where the 192-row blocks' last one wastes little; $SYMHEAP_ATTN_FWD_D64_WIDE
+// = 1 forces it wherever the persistent form runs at 64, 0 never.
+constexpr int kWideMinRows = 2048;
+inline bool wide_forward_serves(const KArgs& p) {
+  const char* v = std::getenv("SYMHEAP_ATTN_FWD_D64_WIDE");
+  if (v && v[0] == '0') return false;
+  return (v && v[0] == '1') || p.seqlen_q >= kWideMinRows;
+}
+
+template <class T, int DB, bool kWide>
+bool forward_hopper_persistent_form(const Launch& l, const KArgs& p, const FwdTmaMaps& maps, bool lean) {
+  using C = HopperPersistentConfig<T, DB, kWide>;
   const bool paired = p.win_left >= 0 || p.win_right >= 0;  // under a mask
   const int64_t blocks_m = blocks(p.seqlen_q, C::kBlockM);
   const int64_t units = (paired ? (blocks_m + 1) / 2 : blocks_m) * p.heads_q * p.batch;
@@ -126,17 +137,32 @@ bool forward_hopper_persistent(const Launch& l, const KArgs& p, const FwdTmaMaps
   const char* forced = std::getenv("SYMHEAP_ATTN_FWD_PERSISTENT");
   if (forced && forced[0] == '0') return false;
   if (!(forced && forced[0] == '1') && paired && units < 2 * static_cast<int64_t>(sms)) return false;
+  // The wide form's Q boxes hold its 192 rows (the caller's maps, 128).
+  FwdTmaMaps wide_maps;
+  if (kWide && !encode_forward_maps(&wide_maps, p, std::is_same_v<T, __nv_bfloat16>, C::kBlockN, C::kBlockM))
+    return false;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(units, sms)));
   // (one mbarrier more than the other kernels: Q's "empty")
   const size_t smem = C::kSmem + sizeof(uint64_t);
+  const int threads = 128 + C::kThreads;
   static ReadyDevices ready{0}, ready_lean{0};
   if (lean)
-    launch(l, attention_fwd_hopper_persistent_kernel<T, DB, true>, grid, 384, smem, p, "fwd_hopper_persistent_lean",
-           DB, ready_lean, maps, paired);
+    launch(l, attention_fwd_hopper_persistent_kernel<T, DB, true, kWide>, grid, threads, smem, p,
+           kWide ? "fwd_hopper_persistent_wide_lean" : "fwd_hopper_persistent_lean", DB, ready_lean,
+           kWide ? wide_maps : maps, paired);
   else
-    launch(l, attention_fwd_hopper_persistent_kernel<T, DB, false>, grid, 384, smem, p, "fwd_hopper_persistent", DB,
-           ready, maps, paired);
+    launch(l, attention_fwd_hopper_persistent_kernel<T, DB, false, kWide>, grid, threads, smem, p,
+           kWide ? "fwd_hopper_persistent_wide" : "fwd_hopper_persistent", DB, ready, kWide ? wide_maps : maps,
+           paired);
   return true;
+}
+
+template <class T, int DB>
+bool forward_hopper_persistent(const Launch& l, const KArgs& p, const FwdTmaMaps& maps, bool lean) {
+  if (p.cu_q) return false;
+  if constexpr (DB == 64)
+    if (wide_forward_serves(p)) return forward_hopper_persistent_form<T, DB, true>(l, p, maps, lean);
+  return forward_hopper_persistent_form<T, DB, false>(l, p, maps, lean);
 }
 
 // At head dims 64 and 256 the default ("hopper") runs the TMA-fed pingpong

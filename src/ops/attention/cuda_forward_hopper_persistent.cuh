@@ -8,7 +8,9 @@
 // The per-tile arithmetic is that of attention_fwd_hopper_kernel's kTma form
 // (same bits). The output goes from registers to memory (the Q buffer, where
 // the other kernels stage it, already holds the next item's Q).
-// The order of the blocks: walk_item.
+// The order of the blocks: walk_item. kWide (head dim 64): three consumer
+// warpgroups (HopperWideConfig), taking their turns on the tensor cores in a
+// ring as the two do; each row's arithmetic is the same, so the same bits.
 #pragma once
 #include "ops/attention/cuda_forward_hopper.cuh"
 
@@ -38,13 +40,17 @@ __device__ __forceinline__ bool walk_item(const KArgs& p, int u, int block_rows,
 }
 }  // namespace hopper
 
-template <class T, int DB, bool kLean>
-__global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel(const KArgs p,
-                                                                                  const __grid_constant__ FwdTmaMaps maps,
-                                                                                  bool paired) {
+// The persistent kernels' tiles: the pingpong kernels', or the wide form's.
+template <class T, int DB, bool kWide>
+using HopperPersistentConfig = std::conditional_t<kWide, HopperWideConfig<T>, HopperPingpongConfig<T, DB>>;
+
+template <class T, int DB, bool kLean, bool kWide = false>
+__global__ void __launch_bounds__(128 + HopperPersistentConfig<T, DB, kWide>::kThreads, 1)
+    attention_fwd_hopper_persistent_kernel(const KArgs p, const __grid_constant__ FwdTmaMaps maps, bool paired) {
   using namespace cute;
   using namespace hopper;
-  using C = HopperPingpongConfig<T, DB>;
+  static_assert(!kWide || DB == 64, "the wide persistent form serves head dim 64");
+  using C = HopperPersistentConfig<T, DB, kWide>;
   constexpr int kStages = C::kStageCount;
   constexpr bool kPvInFlight = kPvInFlightStages<kStages>;
   static_assert(C::kSmem + sizeof(uint64_t) <= 227 * 1024, "a CTA's shared memory");
@@ -117,10 +123,12 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
     }
     return;
   }
-  registers_up<240>();
+  // (the producer's 24 and the consumers' registers fill the SM's 64K)
+  registers_up<kWide ? 160 : 240>();
 
   const int tid = static_cast<int>(threadIdx.x) - 128, lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int wg = tid / 128;
+  constexpr int kWarpgroups = NT / 128;
   const int warp_row0 = (tid / 32) * 16;  // this warp's first row (warpgroup w: rows 64 w ..)
   typename C::MmaS mma_s;
   typename C::MmaO mma_o;
@@ -159,9 +167,12 @@ __global__ void __launch_bounds__(384, 1) attention_fwd_hopper_persistent_kernel
     for (int n0 = n_begin, it = 0; n0 < n_end; n0 += BN, ++it, ++tile) {
       const int buf = tile % kStages;
       mbar_wait(full + buf, (tile / kStages) & 1);
-      if (wg == 1 || it > 0) named_barrier_sync(1 + wg);
+      // Turns in a ring: warpgroup w issues its S product after w - 1's, and
+      // the first one an item's first product at once (the last one does not
+      // hand its last turn of an item on).
+      if (wg > 0 || it > 0) named_barrier_sync(1 + wg);
       warpgroup_gemm<true, false, false>(mma_s, tSrQ, tSrK(_, _, _, buf), tSrS);
-      if (wg == 0 || n0 + BN < n_end) named_barrier_arrive(2 - wg);
+      if (wg + 1 < kWarpgroups || n0 + BN < n_end) named_barrier_arrive(1 + (wg + 1) % kWarpgroups);
       warpgroup_wait_all(tSrS);
       // The previous tile's P V product (issued before this S product, which
       // completes after it) landed: O and P are free, its stage is released.
