@@ -117,14 +117,19 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
 // wherever the TMA kernel runs (pairing as above), 0 never. Launches it
 // where it serves the call; false where it does not (packed calls too).
 // At head dim 64 its wide form (three consumer warpgroups, 192-row blocks:
-// wide_forward_serves) takes calls with at least kWideMinRows query rows,
-// where the 192-row blocks' last one wastes little; $SYMHEAP_ATTN_FWD_D64_WIDE
-// = 1 forces it wherever the persistent form runs at 64, 0 never.
+// wide_forward_serves) takes calls with at least kWideMinRows query rows
+// (kWideMinRowsMasked under a mask), where the 192-row blocks' last one and
+// the diagonal's masked tiles waste little: on H200 1.07-1.15x the two-
+// warpgroup form from 2048 rows without a mask, 0.95x at 2048 and 1.08-1.13x
+// from 4096 causal. $SYMHEAP_ATTN_FWD_D64_WIDE = 1 forces it wherever the
+// persistent form runs at 64, 0 never.
 constexpr int kWideMinRows = 2048;
+constexpr int kWideMinRowsMasked = 4096;
 inline bool wide_forward_serves(const KArgs& p) {
   const char* v = std::getenv("SYMHEAP_ATTN_FWD_D64_WIDE");
   if (v && v[0] == '0') return false;
-  return (v && v[0] == '1') || p.seqlen_q >= kWideMinRows;
+  const bool masked = p.win_left >= 0 || p.win_right >= 0;
+  return (v && v[0] == '1') || p.seqlen_q >= (masked ? kWideMinRowsMasked : kWideMinRows);
 }
 
 template <class T, int DB, bool kWide>
