@@ -200,6 +200,11 @@ def attention_host_times(device_index, iters, barrier=None):
     if device_index is None:  # one intra-op thread: SDPA is not charged for waking workers
         dev, seq, dtype = torch.device("cpu"), 4, torch.float32
         torch.set_num_threads(1)
+        # A call takes a few us: a loop of 200 is shorter than the interpreter's
+        # switch interval (5 ms), so in 2 threads one thread's whole loop could
+        # run while the other waited for the GIL, charging that wait to a few
+        # calls. Loops of tens of ms average over many switches.
+        iters = max(iters, 5000)
     else:
         dev, seq, dtype = torch.device("cuda", device_index), 128, torch.bfloat16
         torch.cuda.set_device(dev)
