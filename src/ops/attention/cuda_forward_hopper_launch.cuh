@@ -119,9 +119,10 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
 // At head dim 64 its wide form (three consumer warpgroups, 192-row blocks:
 // wide_forward_serves) takes calls with at least kWideMinRows query rows
 // (kWideMinRowsMasked under a mask), where the 192-row blocks' last one and
-// the diagonal's masked tiles waste little: on H200 1.07-1.15x the two-
-// warpgroup form from 2048 rows without a mask, 0.95x at 2048 and 1.08-1.13x
-// from 4096 causal. $SYMHEAP_ATTN_FWD_D64_WIDE = 1 forces it wherever the
+// the diagonal's masked tiles waste little: on H200 1.07-1.21x the two-
+// warpgroup form from 2048 rows without a mask; causal 0.95x at 2048,
+// 1.00-1.08x at 4096, 1.08-1.13x from 8192 (bench/RESULTS.md, "A wide
+// head-dim-64 forward"). $SYMHEAP_ATTN_FWD_D64_WIDE = 1 forces it wherever the
 // persistent form runs at 64, 0 never.
 constexpr int kWideMinRows = 2048;
 constexpr int kWideMinRowsMasked = 4096;
