@@ -56,6 +56,13 @@ for b in "${benches[@]}"; do
   note "$b: $status ($(elapsed $t)); $(grep -E '^summary|latency' "$OUT/$name.log" | tr '\n' ' ' | cut -c1-400)"
 done
 
+# What the decode kernel's copies alone draw from DRAM (a standalone probe, sm_90).
+t=$(date +%s)
+command -v nvcc >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
+if nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/decode_stream_probe bench/decode_stream_probe.cu > "$OUT/decode_stream_probe.log" 2>&1 &&
+    timeout "${SYMHEAP_BENCH_TIMEOUT:-240}" /tmp/decode_stream_probe >> "$OUT/decode_stream_probe.log" 2>&1; then status=ok; else status="FAILED rc $?"; fi
+note "bench/decode_stream_probe.cu: $status ($(elapsed $t))"
+
 # The demo at the large preset: every launch model (JAX's two included) and the
 # torch.distributed baseline, in one run.
 t=$(date +%s)
