@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <numeric>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #define CK(x)                                                                                 \
@@ -275,28 +276,21 @@ int run_shape(int B, int L) {
     while (static_cast<long>(B) * kHkv * s * 2 <= static_cast<long>(per_sm) * sms && L / (2 * s) >= 1024) s *= 2;
     return s;
   };
-  {
-    constexpr int W = 8, S = 3, T = 16 * W;
+  // The decode kernel's two shapes: 8 warps one CTA an SM, 4 warps two.
+  auto run_stages = [&](auto warps, int per_sm) {
+    constexpr int W = decltype(warps)::value, S = 3, T = 16 * W;
     const size_t smem = static_cast<size_t>(S) * 2 * T * kRowBytes;
     CK(cudaFuncSetAttribute(stages_kernel<W, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     for (const Cache* c : {&paged, &dense}) {
-      const int sp = splits_for(1);
+      const int sp = splits_for(per_sm);
       const dim3 grid(sp, kHkv, B);
-      report(c->dense ? "dense, 8 warps, 128 rows x 3 stages" : "stages, 8 warps, 128 rows x 3 stages",
-             sp * kHkv * B, [&] { stages_kernel<W, S><<<grid, 32 * W, smem>>>(*c, sp, sums); });
+      char name[64];
+      std::snprintf(name, sizeof name, "%s, %d warps, %d rows x %d stages", c->dense ? "dense" : "stages", W, T, S);
+      report(name, sp * kHkv * B, [&] { stages_kernel<W, S><<<grid, 32 * W, smem>>>(*c, sp, sums); });
     }
-  }
-  {
-    constexpr int W = 4, S = 3, T = 16 * W;
-    const size_t smem = static_cast<size_t>(S) * 2 * T * kRowBytes;
-    CK(cudaFuncSetAttribute(stages_kernel<W, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    for (const Cache* c : {&paged, &dense}) {
-      const int sp = splits_for(2);
-      const dim3 grid(sp, kHkv, B);
-      report(c->dense ? "dense, 4 warps, 64 rows x 3 stages" : "stages, 4 warps, 64 rows x 3 stages",
-             sp * kHkv * B, [&] { stages_kernel<W, S><<<grid, 32 * W, smem>>>(*c, sp, sums); });
-    }
-  }
+  };
+  run_stages(std::integral_constant<int, 8>{}, 1);
+  run_stages(std::integral_constant<int, 4>{}, 2);
   for (const Cache* c : {&paged, &dense}) {
     const int sp = splits_for(1);
     const dim3 grid(sp, kHkv, B);
