@@ -746,15 +746,17 @@ WIDE_OPTS = {"plain": dict(), "causal": dict(causal=True), "window": dict(window
              "scale_negative": dict(softmax_scale=-0.25), "gqa": dict(causal=True)}
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("opts", list(WIDE_OPTS))
 @pytest.mark.parametrize("Sq,Sk", [(1, 300), (191, 193), (1000, 1000), (2049, 700), (300, 4099)])
-def test_persistent_forward_wide_form_same_bits(opts, Sq, Sk, monkeypatch):
+def test_persistent_forward_wide_form_same_bits(dtype, opts, Sq, Sk, monkeypatch):
     """The persistent forward's wide form at head dim 64 (three consumer warpgroups,
     192-row blocks; SYMHEAP_ATTN_FWD_D64_WIDE=1) gives the two-warpgroup form's bits,
     output and lse: each row's arithmetic is the same. Both against the fp32 reference."""
     tma_forward(monkeypatch, 64, True, "1")
     kernels = forward_kernels(64)
-    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2 if opts == "gqa" else 4, D=64, seed=Sq + 7 * Sk)
+    case = gpu_case(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=2 if opts == "gqa" else 4, D=64, dtype=dtype,
+                    seed=Sq + 7 * Sk)
     call = lambda: flash_attn_func(case["q"], case["k"], case["v"], return_lse=True, **WIDE_OPTS[opts])  # noqa: E731
     runs = {}
     for wide in ("0", "1"):
