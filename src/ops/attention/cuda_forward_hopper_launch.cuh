@@ -64,21 +64,28 @@ inline bool encode_rows_map(CUtensorMap* map, bool bf16, const void* base, int r
 // batch entry, so a tile past its length reads zeros. Packed (cu_seqlens):
 // one batch entry of all the rows; a tile past a sequence reads the next
 // one's rows, which the kernel masks (K) or zeroes (V). Head dims 64, 128 and
-// 256; kv_rows: the kernel's keys a tile (a K or V box's rows); q_rows: its
-// query rows a block (a Q box's rows).
-inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16, int kv_rows, int q_rows = 128) {
+// 256; kv_rows: the kernel's keys a tile (a K or V box's rows); Q boxes of
+// 128 rows (the wide persistent form re-encodes Q alone with its own
+// q_rows: encode_forward_q_map).
+inline bool encode_forward_q_map(CUtensorMap* q, const KArgs& p, bool bf16, int q_rows) {
+  if (p.cu_q) {
+    const int tq = static_cast<int>(p.total_q);
+    // (the batch stride of a one-entry dimension only has to be valid)
+    return encode_rows_map(q, bf16, p.q, tq, p.heads_q, 1, p.q_sr, p.q_sh, p.q_sr * tq, q_rows, p.d);
+  }
+  return encode_rows_map(q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, q_rows, p.d);
+}
+inline bool encode_forward_maps(FwdTmaMaps* m, const KArgs& p, bool bf16, int kv_rows) {
   if (p.d != 128 && p.d != 64 && p.d != 256) return false;
+  if (p.cu_q && (p.total_q <= 0 || p.total_k <= 0 || p.total_q > INT32_MAX || p.total_k > INT32_MAX)) return false;
+  if (!encode_forward_q_map(&m->q, p, bf16, 128)) return false;
   const int d = p.d, r = kv_rows;
   if (p.cu_q) {
-    if (p.total_q <= 0 || p.total_k <= 0 || p.total_q > INT32_MAX || p.total_k > INT32_MAX) return false;
-    const int tq = static_cast<int>(p.total_q), tk = static_cast<int>(p.total_k);
-    // (the batch stride of a one-entry dimension only has to be valid)
-    return encode_rows_map(&m->q, bf16, p.q, tq, p.heads_q, 1, p.q_sr, p.q_sh, p.q_sr * tq, q_rows, d) &&
-           encode_rows_map(&m->k, bf16, p.k, tk, p.heads_kv, 1, p.k_sr, p.k_sh, p.k_sr * tk, r, d) &&
+    const int tk = static_cast<int>(p.total_k);
+    return encode_rows_map(&m->k, bf16, p.k, tk, p.heads_kv, 1, p.k_sr, p.k_sh, p.k_sr * tk, r, d) &&
            encode_rows_map(&m->v, bf16, p.v, tk, p.heads_kv, 1, p.v_sr, p.v_sh, p.v_sr * tk, r, d);
   }
-  return encode_rows_map(&m->q, bf16, p.q, p.seqlen_q, p.heads_q, p.batch, p.q_sr, p.q_sh, p.q_sb, q_rows, d) &&
-         encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, r, d) &&
+  return encode_rows_map(&m->k, bf16, p.k, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, r, d) &&
          encode_rows_map(&m->v, bf16, p.v, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, r, d);
 }
 
@@ -146,9 +153,11 @@ bool forward_hopper_persistent_form(const Launch& l, const KArgs& p, const FwdTm
   const char* forced = std::getenv("SYMHEAP_ATTN_FWD_PERSISTENT");
   if (forced && forced[0] == '0') return false;
   if (!(forced && forced[0] == '1') && paired && units < 2 * static_cast<int64_t>(sms)) return false;
-  // The wide form's Q boxes hold its 192 rows (the caller's maps, 128).
-  FwdTmaMaps wide_maps;
-  if (kWide && !encode_forward_maps(&wide_maps, p, std::is_same_v<T, __nv_bfloat16>, C::kBlockN, C::kBlockM))
+  // The wide form's Q boxes hold its 192 rows (the caller's maps, 128); its
+  // K and V boxes are the caller's.
+  static_assert(C::kBlockN == HopperPingpongConfig<T, DB>::kBlockN, "the caller's K and V boxes");
+  FwdTmaMaps wide_maps = maps;
+  if (kWide && !encode_forward_q_map(&wide_maps.q, p, std::is_same_v<T, __nv_bfloat16>, C::kBlockM))
     return false;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(units, sms)));
   // (one mbarrier more than the other kernels: Q's "empty")
@@ -331,7 +340,7 @@ bool dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
     if (encode_backward_maps(&maps, p, std::is_same_v<T, __nv_bfloat16>)) {
       if (!features)
         p.cu_q ? dkdv_hopper<T, DB, true, true, true>(l, p, maps) : dkdv_hopper<T, DB, true, true>(l, p, maps);
-      else if (mask_alibi_only(p))
+      else if (form_serves(kMaskAlibiFeatures, p))
         dkdv_hopper_tma_form<T, DB, kMaskAlibiFeatures>(l, p, maps);
       else if (no_bias_form_serves(p, DB) && form_serves(kSoftcapFeature, p))
         dkdv_hopper_tma_form<T, DB, kSoftcapFeature>(l, p, maps);

@@ -80,10 +80,6 @@ inline bool logit_features(const KArgs& p) { return call_features(p) != 0u; }
 // every feature, the other features' passes spilled registers or slowed the
 // rest: bench/attn_notes.md 41-44).
 inline bool form_serves(LogitFeatures serves, const KArgs& p) { return (call_features(p) & ~serves) == 0u; }
-// Whether a call's only logit features are a mask and ALiBi slopes: no
-// derivative of a feature's own, no bias gradient, no random numbers (the
-// Hopper dK/dV kernels' mask-and-ALiBi form).
-inline bool mask_alibi_only(const KArgs& p) { return logit_features(p) && form_serves(kMaskAlibiFeatures, p); }
 
 // Whether a feature call of the Hopper dK/dV kernel (head dim 64 or 128)
 // takes one of its forms without a bias (every feature but the bias, softcap
