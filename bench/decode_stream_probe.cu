@@ -13,7 +13,8 @@
 //   stages   rows through shared memory by 16-byte cp.async, S stages of T
 //            rows of K and V, one CTA barrier a tile (the decode kernel's
 //            feed: 8 warps, 128-row tiles, 3 stages; or 4 warps, 64-row
-//            tiles, 3 stages, two CTAs an SM)
+//            tiles, 3 stages, two CTAs an SM); "padded": rows 272 bytes apart
+//            in shared memory, as the kernel lays them out
 //   dense    the same over a head-major copy (each kv head's rows contiguous)
 //   ldg      no shared memory: 16-byte ld.global.nc into registers, R rows a
 //            thread in flight
@@ -78,7 +79,9 @@ __device__ __forceinline__ unsigned fold(uint4 x) { return x.x ^ x.y ^ x.z ^ x.w
 // The decode kernel's feed: T rows of K and of V a stage, S stages, rows
 // looked up by the first T threads into a slot per stage, one barrier a tile.
 // Every thread folds the chunks it copied (read back from shared memory).
-template <int WARPS, int S>
+// PITCH: bytes between rows in shared memory (the decode kernel pads its rows
+// to 272 bytes, D + 8 elements, so that its ldmatrix reads are conflict-free).
+template <int WARPS, int S, int PITCH = kRowBytes>
 __global__ void __launch_bounds__(32 * WARPS) stages_kernel(Cache c, int splits, unsigned* sums) {
   constexpr int NT = 32 * WARPS, T = 16 * WARPS;
   constexpr int kRowStride = NT / kChunksPerRow, kChunks = T / kRowStride;
@@ -96,13 +99,13 @@ __global__ void __launch_bounds__(32 * WARPS) stages_kernel(Cache c, int splits,
   };
   auto issue = [&](int tile, int slot) {
     if (tile < n_tiles) {
-      unsigned char* sk = smem + static_cast<size_t>(slot) * 2 * T * kRowBytes;
-      unsigned char* sv = sk + T * kRowBytes;
+      unsigned char* sk = smem + static_cast<size_t>(slot) * 2 * T * PITCH;
+      unsigned char* sv = sk + T * PITCH;
 #pragma unroll
       for (int r = 0; r < kChunks; ++r) {
         const int row = row0 + r * kRowStride;
-        cp_async16(sk + row * kRowBytes + col, src_k[slot][row] + col);
-        cp_async16(sv + row * kRowBytes + col, src_v[slot][row] + col);
+        cp_async16(sk + row * PITCH + col, src_k[slot][row] + col);
+        cp_async16(sv + row * PITCH + col, src_v[slot][row] + col);
       }
     }
     cp_async_commit();
@@ -118,12 +121,12 @@ __global__ void __launch_bounds__(32 * WARPS) stages_kernel(Cache c, int splits,
     const int next = tile + S - 1;
     issue(next, next % S);
     lookup(tile + S, slot);  // read by the issue after the next barrier
-    const unsigned char* sk = smem + static_cast<size_t>(slot) * 2 * T * kRowBytes;
+    const unsigned char* sk = smem + static_cast<size_t>(slot) * 2 * T * PITCH;
 #pragma unroll
     for (int r = 0; r < kChunks; ++r) {
-      const int off = (row0 + r * kRowStride) * kRowBytes + col;
+      const int off = (row0 + r * kRowStride) * PITCH + col;
       acc ^= fold(*reinterpret_cast<const uint4*>(sk + off)) ^
-             fold(*reinterpret_cast<const uint4*>(sk + T * kRowBytes + off));
+             fold(*reinterpret_cast<const uint4*>(sk + T * PITCH + off));
     }
   }
   cp_async_wait<0>();
@@ -276,21 +279,28 @@ int run_shape(int B, int L) {
     while (static_cast<long>(B) * kHkv * s * 2 <= static_cast<long>(per_sm) * sms && L / (2 * s) >= 1024) s *= 2;
     return s;
   };
-  // The decode kernel's two shapes: 8 warps one CTA an SM, 4 warps two.
-  auto run_stages = [&](auto warps, int per_sm) {
-    constexpr int W = decltype(warps)::value, S = 3, T = 16 * W;
-    const size_t smem = static_cast<size_t>(S) * 2 * T * kRowBytes;
-    CK(cudaFuncSetAttribute(stages_kernel<W, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  // The decode kernel's two shapes: 8 warps one CTA an SM, 4 warps two; rows
+  // packed in shared memory, and (paged) at the kernel's padded pitch.
+  auto run_stages = [&](auto warps, auto pitch, int per_sm) {
+    constexpr int W = decltype(warps)::value, P = decltype(pitch)::value, S = 3, T = 16 * W;
+    const size_t smem = static_cast<size_t>(S) * 2 * T * P;
+    CK(cudaFuncSetAttribute(stages_kernel<W, S, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     for (const Cache* c : {&paged, &dense}) {
+      if (P != kRowBytes && c->dense) continue;
       const int sp = splits_for(per_sm);
       const dim3 grid(sp, kHkv, B);
       char name[64];
-      std::snprintf(name, sizeof name, "%s, %d warps, %d rows x %d stages", c->dense ? "dense" : "stages", W, T, S);
-      report(name, sp * kHkv * B, [&] { stages_kernel<W, S><<<grid, 32 * W, smem>>>(*c, sp, sums); });
+      std::snprintf(name, sizeof name, "%s, %d warps, %d rows x %d stages%s", c->dense ? "dense" : "stages", W,
+                    T, S, P != kRowBytes ? ", padded" : "");
+      report(name, sp * kHkv * B, [&] { stages_kernel<W, S, P><<<grid, 32 * W, smem>>>(*c, sp, sums); });
     }
   };
-  run_stages(std::integral_constant<int, 8>{}, 1);
-  run_stages(std::integral_constant<int, 4>{}, 2);
+  using Packed = std::integral_constant<int, kRowBytes>;
+  using Padded = std::integral_constant<int, kRowBytes + 16>;
+  run_stages(std::integral_constant<int, 8>{}, Packed{}, 1);
+  run_stages(std::integral_constant<int, 8>{}, Padded{}, 1);
+  run_stages(std::integral_constant<int, 4>{}, Packed{}, 2);
+  run_stages(std::integral_constant<int, 4>{}, Padded{}, 2);
   for (const Cache* c : {&paged, &dense}) {
     const int sp = splits_for(1);
     const dim3 grid(sp, kHkv, B);
