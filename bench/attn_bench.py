@@ -1,7 +1,7 @@
 """Attention throughput (TFLOP/s) on CUDA, with torch SDPA's flash and cuDNN
 backends measured in the same run.
 
-bf16, B*S = 16k tokens, H*D = 2048. FLOPs: forward 4*B*H*S*S*D (halved when
+bf16 (--dtype float16 for float16), B*S = 16k tokens, H*D = 2048. FLOPs: forward 4*B*H*S*S*D (halved when
 causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
 
     python bench/attn_bench.py [--backend auto|cudnn|own] [--grid reference|full]
@@ -9,7 +9,7 @@ causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
                                [--hdims 64,128] [--seqlens 1024,2048,4096,8192]
                                [--fwd-only] [--compare-basic] [--group 4] [--kernel-times]
                                [--compare-backward pipelined_dq16]
-                               [--compare-forward pipelined_previous]
+                               [--compare-forward pipelined_previous] [--dtype float16]
     python bench/attn_bench.py --decode [--json out.json] [--quick] [--decode-compare previous]   (KV-cache decode)
 
 Rows with features (bias with its gradient, window, softcap, GQA, varlen): bench/attn_feature_bench.py.
@@ -161,10 +161,10 @@ def kernel_times_ms(fn, reps=3):
 
 
 def bench_shape(D, causal, S, reps, backend, group=1, fwd_only=False, compare_basic=False,
-                kernel_times=False, compare_backward=None, compare_forward=None):
+                kernel_times=False, compare_backward=None, compare_forward=None, dtype=torch.bfloat16):
     B, H = 16384 // S, 2048 // D
     gen = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda h=H: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    mk = lambda h=H: torch.randn(B, S, h, D, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
     q = mk().requires_grad_()
     k, v = (mk(H // group).requires_grad_() for _ in range(2))
     dout = mk()
@@ -305,6 +305,8 @@ def main():
     parser.add_argument("--decode-cold", action="store_true",
                         help="with --decode: time each row with the L2 warm (every call on one cache) "
                              "and cold (each call on its own copy), ours and SDPA")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                        help="the rows' dtype (ours and SDPA's alike; not --decode)")
     parser.add_argument("--inner", type=int, default=1,
                         help="calls per timed sample (1: each alone, host overhead counted in full)")
     args = parser.parse_args()
@@ -328,7 +330,7 @@ def main():
     global INNER
     INNER = max(1, args.inner)
     torch.backends.cuda.matmul.allow_tf32 = False
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
           f"symheap backend {args.backend or os.environ.get('SYMHEAP_ATTN_BACKEND') or 'auto'}, "
           f"paths {backends()}")
     overhead = host_overhead_us(args.backend)
@@ -350,7 +352,8 @@ def main():
                                     group=group, fwd_only=args.fwd_only,
                                     compare_basic=args.compare_basic, kernel_times=args.kernel_times,
                                     compare_backward=args.compare_backward,
-                                    compare_forward=args.compare_forward))
+                                    compare_forward=args.compare_forward,
+                                    dtype=getattr(torch, args.dtype)))
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
             print(f"hdim {D} causal {causal} S {S}: {type(e).__name__}: {e}"[:300], flush=True)
         torch.cuda.empty_cache()
