@@ -1,8 +1,9 @@
 """Attention throughput (TFLOP/s) on CUDA, with torch SDPA's flash and cuDNN
 backends measured in the same run.
 
-bf16 (--dtype float16 for float16), B*S = 16k tokens, H*D = 2048. FLOPs: forward 4*B*H*S*S*D (halved when
-causal), fwd+bwd 3.5x the forward. Times are CUDA-event medians.
+bf16 (or --dtype float16), B*S = 16k tokens, H*D = 2048. FLOPs: forward
+4*B*H*S*S*D (halved when causal), fwd+bwd 3.5x the forward. Times are CUDA-event
+medians.
 
     python bench/attn_bench.py [--backend auto|cudnn|own] [--grid reference|full]
                                [--json out.json] [--quick]
