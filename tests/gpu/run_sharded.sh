@@ -6,8 +6,11 @@
 # Logs: $OUT/sharded_<file>.log (every shard's, one after another); the last
 # line sums every shard.
 # SHARD_ALL_GPUS=1 lets every shard see every GPU (files of multi-GPU tests);
-# SHARD_TIMEOUT=SECONDS stops each shard then, so the summary still comes.
+# SHARD_TIMEOUT=SECONDS stops every shard that many seconds after this script
+# started (collection included), so the summary still comes; a shard stopped
+# so is counted from its progress line (its tests run so far).
 set -uo pipefail
+start=$(date +%s)
 n=$1 file=$2 expr=${3:-}
 # Several processes share each GPU: JAX must not claim most of its memory up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
@@ -32,15 +35,25 @@ for ((i = 0; i < n; i++)); do
   mapfile -t shard < "$ids.$i"
   visible=$((i % gpus))
   [ -n "${SHARD_ALL_GPUS:-}" ] && visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}
-  CUDA_VISIBLE_DEVICES=$visible timeout ${SHARD_TIMEOUT:-3600} $PY -m pytest -q -p no:cacheprovider --timeout=${SYMHEAP_TEST_TIMEOUT:-150} \
+  budget=$(( ${SHARD_TIMEOUT:-3600} - ($(date +%s) - start) ))
+  [ "$budget" -gt 1 ] || budget=1
+  CUDA_VISIBLE_DEVICES=$visible timeout $budget $PY -m pytest -q -p no:cacheprovider --timeout=${SYMHEAP_TEST_TIMEOUT:-150} \
     "${shard[@]}" > "$OUT/sharded_${name}_$i.log" 2>&1 &
   pids+=($!)
 done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
-passed=0 failed=0 skipped=0 errors=0
+passed=0 failed=0 skipped=0 errors=0 cut=0
 for f in "$OUT"/sharded_"${name}"_*.log; do
+  [ -e "$f" ] || continue  # no shard ran (nothing collected)
   last=$(tail -1 "$f")
+  if ! echo "$last" | grep -qE " in [0-9.]+s"; then
+    # Stopped before its summary: count its progress characters (. passed, F failed,
+    # E error, s skipped) from pytest's -q progress lines.
+    cut=$((cut + 1))
+    marks=$(grep -E '^[.FEsxX]+( +\[ *[0-9]+%\])?$' "$f" | sed -E 's/ +\[ *[0-9]+%\]$//' | tr -d '\n')
+    last="$(echo -n "$marks" | tr -cd . | wc -c) passed, $(echo -n "$marks" | tr -cd F | wc -c) failed, $(echo -n "$marks" | tr -cd E | wc -c) error, $(echo -n "$marks" | tr -cd s | wc -c) skipped"
+  fi
   for kind in passed failed skipped error; do
     c=$(echo "$last" | grep -oE "[0-9]+ $kind" | grep -oE '[0-9]+' || true)
     c=${c:-0}
@@ -50,6 +63,8 @@ for f in "$OUT"/sharded_"${name}"_*.log; do
   grep -E '^(FAILED|ERROR)' "$f" | head -5
 done
 rm -f "$ids" "$ids".*
-cat "$OUT"/sharded_"${name}"_*.log > "$OUT/sharded_${name}.log" && rm -f "$OUT"/sharded_"${name}"_*.log
-echo "[sharded] $file: $passed passed, $failed failed, $errors errors, $skipped skipped of $total (rc $rc)"
+cat "$OUT"/sharded_"${name}"_*.log > "$OUT/sharded_${name}.log" 2>/dev/null && rm -f "$OUT"/sharded_"${name}"_*.log
+cut_note=""
+[ "$cut" -gt 0 ] && cut_note=", $cut shard(s) stopped by SHARD_TIMEOUT (counted so far)"
+echo "[sharded] $file: $passed passed, $failed failed, $errors errors, $skipped skipped of $total (rc $rc$cut_note)"
 exit $rc
