@@ -14,7 +14,9 @@
 //            rows of K and V, one CTA barrier a tile (the decode kernel's
 //            feed: 8 warps, 128-row tiles, 3 stages; or 4 warps, 64-row
 //            tiles, 3 stages, two CTAs an SM); "padded": rows 272 bytes apart
-//            in shared memory, as the kernel lays them out
+//            in shared memory, as the kernel lays them out; "ends": with the
+//            kernel's start (the length read before the lookups) and end (the
+//            warps' partial outputs merged through shared memory and stored)
 //   dense    the same over a head-major copy (each kv head's rows contiguous)
 //   ldg      no shared memory: 16-byte ld.global.nc into registers, R rows a
 //            thread in flight
@@ -55,6 +57,8 @@ struct Cache {
   const int* table;     // [B, L / kBlock] block ids (paged only)
   int L;
   bool dense;
+  const int* lengths;   // [B], each L: what the "with ends" mode reads first
+  float* out;           // [CTAs, kD]: what it writes last
 };
 
 // Address of row j of kv head hk of sequence b.
@@ -81,7 +85,11 @@ __device__ __forceinline__ unsigned fold(uint4 x) { return x.x ^ x.y ^ x.z ^ x.w
 // Every thread folds the chunks it copied (read back from shared memory).
 // PITCH: bytes between rows in shared memory (the decode kernel pads its rows
 // to 272 bytes, D + 8 elements, so that its ldmatrix reads are conflict-free).
-template <int WARPS, int S, int PITCH = kRowBytes>
+// ENDS: the decode kernel's start and end around the copies, without its
+// arithmetic: the sequence's length read before the first lookup (the lookups
+// wait for it), and at the end the warps' partial outputs (8 vectors x D
+// floats a warp) through shared memory, merged and stored to global memory.
+template <int WARPS, int S, int PITCH = kRowBytes, bool ENDS = false>
 __global__ void __launch_bounds__(32 * WARPS) stages_kernel(Cache c, int splits, unsigned* sums) {
   constexpr int NT = 32 * WARPS, T = 16 * WARPS;
   constexpr int kRowStride = NT / kChunksPerRow, kChunks = T / kRowStride;
@@ -89,7 +97,8 @@ __global__ void __launch_bounds__(32 * WARPS) stages_kernel(Cache c, int splits,
   __shared__ const char* src_k[S][T];
   __shared__ const char* src_v[S][T];
   const int b = blockIdx.z, hk = blockIdx.y, split = blockIdx.x;
-  const int keys = c.L / splits, j0 = split * keys, n_tiles = keys / T;
+  const int len = ENDS ? __ldg(c.lengths + b) : c.L;
+  const int keys = len / splits, j0 = split * keys, n_tiles = keys / T;
   const int row0 = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * 16;
   auto lookup = [&](int tile, int slot) {
     if (threadIdx.x < T && tile < n_tiles) {
@@ -130,6 +139,19 @@ __global__ void __launch_bounds__(32 * WARPS) stages_kernel(Cache c, int splits,
     }
   }
   cp_async_wait<0>();
+  if constexpr (ENDS) {
+    __syncthreads();  // the stages are free: the merge reuses them
+    float* part = reinterpret_cast<float*>(smem);  // [warp][8 vectors][kD]
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int i = lane; i < 8 * kD; i += 32) part[warp * 8 * kD + i] = static_cast<float>(acc & 0xff) + i;
+    __syncthreads();
+    const size_t cta = (static_cast<size_t>(b) * gridDim.y + hk) * gridDim.x + split;
+    for (int i = threadIdx.x; i < 8 * kD; i += NT) {
+      float o = 0.0f;
+      for (int w = 0; w < WARPS; ++w) o += part[w * 8 * kD + i];
+      if (i < kD) c.out[cta * kD + i] = o;
+    }
+  }
   atomicXor(sums, acc);
 }
 
@@ -222,6 +244,12 @@ int run_shape(int B, int L) {
   CK(cudaMalloc(&scratch, bytes));
   CK(cudaMalloc(&table, sizeof(int) * num_blocks));
   CK(cudaMalloc(&sums, sizeof(unsigned) * 2));
+  int* lengths;
+  CK(cudaMalloc(&lengths, sizeof(int) * B));
+  {
+    const std::vector<int> full(B, L);
+    CK(cudaMemcpy(lengths, full.data(), sizeof(int) * B, cudaMemcpyHostToDevice));
+  }
   fill_kernel<<<4 * sms, 256>>>(reinterpret_cast<uint4*>(k), bytes / 16, 1u);
   fill_kernel<<<4 * sms, 256>>>(reinterpret_cast<uint4*>(v), bytes / 16, 2u);
   CK(cudaGetLastError());
@@ -272,35 +300,45 @@ int run_shape(int B, int L) {
     std::printf("  %-34s %6d CTAs %9.1f us %6.0f GB/s %6.1f%% of copy  %s\n", name, ctas, us, bw / 1e9,
                 100.0 * bw / copy_bw, ok ? "sum ok" : "SUM WRONG");
   };
-  const Cache paged{k, v, table, L, false}, dense{kd, vd, nullptr, L, true};
   // Splits as the decode kernel's rule would give about one CTA an SM (or two).
   auto splits_for = [&](int per_sm) {
     int s = 1;
     while (static_cast<long>(B) * kHkv * s * 2 <= static_cast<long>(per_sm) * sms && L / (2 * s) >= 1024) s *= 2;
     return s;
   };
+  float* out;  // a row of kD floats per CTA of the stages grids
+  CK(cudaMalloc(&out, sizeof(float) * kD * B * kHkv * std::max(splits_for(1), splits_for(2))));
+  const Cache paged{k, v, table, L, false, lengths, out}, dense{kd, vd, nullptr, L, true, lengths, out};
   // The decode kernel's two shapes: 8 warps one CTA an SM, 4 warps two; rows
-  // packed in shared memory, and (paged) at the kernel's padded pitch.
-  auto run_stages = [&](auto warps, auto pitch, int per_sm) {
+  // packed in shared memory, and (paged) at the kernel's padded pitch and with
+  // its start and end (ENDS).
+  auto run_stages = [&](auto warps, auto pitch, auto ends, int per_sm) {
     constexpr int W = decltype(warps)::value, P = decltype(pitch)::value, S = 3, T = 16 * W;
+    constexpr bool E = decltype(ends)::value;
     const size_t smem = static_cast<size_t>(S) * 2 * T * P;
-    CK(cudaFuncSetAttribute(stages_kernel<W, S, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    CK(cudaFuncSetAttribute(stages_kernel<W, S, P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            static_cast<int>(smem)));
     for (const Cache* c : {&paged, &dense}) {
-      if (P != kRowBytes && c->dense) continue;
+      if ((P != kRowBytes || E) && c->dense) continue;
       const int sp = splits_for(per_sm);
       const dim3 grid(sp, kHkv, B);
       char name[64];
-      std::snprintf(name, sizeof name, "%s, %d warps, %d rows x %d stages%s", c->dense ? "dense" : "stages", W,
-                    T, S, P != kRowBytes ? ", padded" : "");
-      report(name, sp * kHkv * B, [&] { stages_kernel<W, S, P><<<grid, 32 * W, smem>>>(*c, sp, sums); });
+      std::snprintf(name, sizeof name, "%s, %d warps, %d rows x %d stages%s%s", c->dense ? "dense" : "stages",
+                    W, T, S, P != kRowBytes ? ", padded" : "", E ? ", ends" : "");
+      report(name, sp * kHkv * B, [&] { stages_kernel<W, S, P, E><<<grid, 32 * W, smem>>>(*c, sp, sums); });
     }
   };
   using Packed = std::integral_constant<int, kRowBytes>;
   using Padded = std::integral_constant<int, kRowBytes + 16>;
-  run_stages(std::integral_constant<int, 8>{}, Packed{}, 1);
-  run_stages(std::integral_constant<int, 8>{}, Padded{}, 1);
-  run_stages(std::integral_constant<int, 4>{}, Packed{}, 2);
-  run_stages(std::integral_constant<int, 4>{}, Padded{}, 2);
+  using Bare = std::false_type;
+  using Ends = std::true_type;
+  run_stages(std::integral_constant<int, 8>{}, Packed{}, Bare{}, 1);
+  run_stages(std::integral_constant<int, 8>{}, Padded{}, Bare{}, 1);
+  run_stages(std::integral_constant<int, 8>{}, Padded{}, Ends{}, 1);
+  run_stages(std::integral_constant<int, 4>{}, Packed{}, Bare{}, 2);
+  run_stages(std::integral_constant<int, 4>{}, Padded{}, Bare{}, 2);
+  run_stages(std::integral_constant<int, 4>{}, Padded{}, Ends{}, 2);
+  run_stages(std::integral_constant<int, 4>{}, Packed{}, Ends{}, 2);
   for (const Cache* c : {&paged, &dense}) {
     const int sp = splits_for(1);
     const dim3 grid(sp, kHkv, B);
@@ -320,6 +358,8 @@ int run_shape(int B, int L) {
   CK(cudaFree(scratch));
   CK(cudaFree(table));
   CK(cudaFree(sums));
+  CK(cudaFree(lengths));
+  CK(cudaFree(out));
   return failures ? 1 : 0;
 }
 
