@@ -130,7 +130,8 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
 // warpgroup form from 2048 rows without a mask; causal 0.95x at 2048,
 // 1.00-1.08x at 4096, 1.08-1.13x from 8192 (bench/RESULTS.md, "A wide
 // head-dim-64 forward"). Unforced it serves bfloat16 calls only: its float16
-// form is compiled alike but not yet measured (bench/attn_notes.md 46).
+// form passes the same GPU tests but its speed is not yet measured
+// (bench/attn_notes.md 46, 49).
 // $SYMHEAP_ATTN_FWD_D64_WIDE = 1 forces it wherever the persistent form runs
 // at 64 (either dtype), 0 never.
 constexpr int kWideMinRows = 2048;
