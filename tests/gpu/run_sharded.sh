@@ -7,8 +7,9 @@
 # line sums every shard.
 # SHARD_ALL_GPUS=1 lets every shard see every GPU (files of multi-GPU tests);
 # SHARD_TIMEOUT=SECONDS stops every shard that many seconds after this script
-# started (collection included), so the summary still comes; a shard stopped
-# so is counted from its progress line (its tests run so far).
+# started (collection included), so the summary still comes; a shard that
+# ends before its own summary (stopped so, or crashed) is counted from its
+# progress lines (its tests run so far).
 set -uo pipefail
 start=$(date +%s)
 n=$1 file=$2 expr=${3:-}
@@ -65,6 +66,6 @@ done
 rm -f "$ids" "$ids".*
 cat "$OUT"/sharded_"${name}"_*.log > "$OUT/sharded_${name}.log" 2>/dev/null && rm -f "$OUT"/sharded_"${name}"_*.log
 cut_note=""
-[ "$cut" -gt 0 ] && cut_note=", $cut shard(s) stopped by SHARD_TIMEOUT (counted so far)"
+[ "$cut" -gt 0 ] && cut_note=", $cut shard(s) ended before their summary (SHARD_TIMEOUT or a crash): counted from their progress"
 echo "[sharded] $file: $passed passed, $failed failed, $errors errors, $skipped skipped of $total (rc $rc$cut_note)"
 exit $rc
