@@ -157,22 +157,26 @@ bool forward_hopper_persistent_form(const Launch& l, const KArgs& p, const FwdTm
   // The wide form's Q boxes hold its 192 rows (the caller's maps, 128); its
   // K and V boxes are the caller's.
   static_assert(C::kBlockN == HopperPingpongConfig<T, DB>::kBlockN, "the caller's K and V boxes");
-  FwdTmaMaps wide_maps = maps;
-  if (kWide && !encode_forward_q_map(&wide_maps.q, p, std::is_same_v<T, __nv_bfloat16>, C::kBlockM))
-    return false;
+  const FwdTmaMaps* use = &maps;
+  FwdTmaMaps wide_maps;
+  if constexpr (kWide) {
+    wide_maps = maps;
+    if (!encode_forward_q_map(&wide_maps.q, p, std::is_same_v<T, __nv_bfloat16>, C::kBlockM)) return false;
+    use = &wide_maps;
+  }
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(units, sms)));
   // (one mbarrier more than the other kernels: Q's "empty")
   const size_t smem = C::kSmem + sizeof(uint64_t);
   const int threads = 128 + C::kThreads;
   static ReadyDevices ready{0}, ready_lean{0};
+  constexpr const char* name = kWide ? "fwd_hopper_persistent_wide" : "fwd_hopper_persistent";
+  constexpr const char* name_lean = kWide ? "fwd_hopper_persistent_wide_lean" : "fwd_hopper_persistent_lean";
   if (lean)
-    launch(l, attention_fwd_hopper_persistent_kernel<T, DB, true, kWide>, grid, threads, smem, p,
-           kWide ? "fwd_hopper_persistent_wide_lean" : "fwd_hopper_persistent_lean", DB, ready_lean,
-           kWide ? wide_maps : maps, paired);
+    launch(l, attention_fwd_hopper_persistent_kernel<T, DB, true, kWide>, grid, threads, smem, p, name_lean, DB,
+           ready_lean, *use, paired);
   else
-    launch(l, attention_fwd_hopper_persistent_kernel<T, DB, false, kWide>, grid, threads, smem, p,
-           kWide ? "fwd_hopper_persistent_wide" : "fwd_hopper_persistent", DB, ready, kWide ? wide_maps : maps,
-           paired);
+    launch(l, attention_fwd_hopper_persistent_kernel<T, DB, false, kWide>, grid, threads, smem, p, name, DB, ready,
+           *use, paired);
   return true;
 }
 
@@ -343,14 +347,14 @@ bool dkdv_hopper_dim(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
         p.cu_q ? dkdv_hopper<T, DB, true, true, true>(l, p, maps) : dkdv_hopper<T, DB, true, true>(l, p, maps);
       else if (form_serves(kMaskAlibiFeatures, p))
         dkdv_hopper_tma_form<T, DB, kMaskAlibiFeatures>(l, p, maps);
-      else if (no_bias_form_serves(p, DB) && form_serves(kSoftcapFeature, p))
-        dkdv_hopper_tma_form<T, DB, kSoftcapFeature>(l, p, maps);
-      else if (no_bias_form_serves(p, DB) && form_serves(kDropoutFeature, p))
-        dkdv_hopper_tma_form<T, DB, kDropoutFeature>(l, p, maps);
-      else if (no_bias_form_serves(p, DB))
-        dkdv_hopper_tma_form<T, DB, kAllButBiasFeatures>(l, p, maps);
-      else
+      else if (!no_bias_form_serves(p, DB))
         dkdv_hopper_tma_form<T, DB, kAllFeatures>(l, p, maps);
+      else if (form_serves(kSoftcapFeature, p))
+        dkdv_hopper_tma_form<T, DB, kSoftcapFeature>(l, p, maps);
+      else if (form_serves(kDropoutFeature, p))
+        dkdv_hopper_tma_form<T, DB, kDropoutFeature>(l, p, maps);
+      else
+        dkdv_hopper_tma_form<T, DB, kAllButBiasFeatures>(l, p, maps);
       return true;
     }
   }
