@@ -25,7 +25,33 @@ import sys
 import numpy as np
 
 MUTATIONS = ("k_lane", "v_lane", "no_movmatrix", "q_frag", "max_lanes", "merge_index",
-             "issue_rows", "logit_key", "block_vector")
+             "issue_rows", "logit_key", "block_vector", "issue_unswizzled", "read_unswizzled")
+
+
+def tile_offset(DB, row, chunk, swizzled=True):
+    """KeysMajor::offset: element offset of 16-byte chunk `chunk` of K or V tile
+    row `row`: packed rows with the chunk XOR-swizzled by the row's low three
+    bits from head dim 64 on, else rows padded to DB + 8."""
+    if DB >= 64:
+        return row * DB + ((chunk ^ (row & 7)) if swizzled else chunk) * 8
+    return row * (DB + 8) + chunk * 8
+
+
+def ldmatrix_conflicts(addrs):
+    """The most row addresses of one 8x8 matrix (8 lanes) that fall in the same
+    16-byte group of banks (elements of 2 bytes): 1 is conflict-free."""
+    worst = 1
+    for m in range(4):
+        groups = [(addrs[8 * m + r] * 2 // 16) % 8 for r in range(8)]
+        worst = max(worst, max(groups.count(x) for x in groups))
+    return worst
+
+
+def copy_wavefronts(dsts):
+    """Shared-memory wavefronts of one warp's 16-byte copies (element offsets):
+    the most chunks on one 16-byte group of banks."""
+    groups = [(x * 2 // 16) % 8 for x in dsts]
+    return max(groups.count(x) for x in groups)
 PIPELINE_MUTATIONS = ("store_slot", "issue_stage", "wait_depth")
 
 
@@ -188,39 +214,61 @@ def replay(mut=None, DB=128, d=128, warps=8, NB=1, sq=1, seed=0):
            for _ in range(warps)]             # [warp][n][lane][mt]
     row_max = np.full((warps, 32, 2 * NB), -np.inf)
     row_sum = np.zeros((warps, 32, 2 * NB))
+    RE = DB if DB >= 64 else DB + 8           # KeysMajor::kRowElems
     for tile in range(n_tiles):
-        # The issue: thread tid copies rows chunk_row0 + r * kRowStride, column chunk_col.
-        sK = np.full(TN * LD, np.nan)
-        sV = np.full(TN * LD, np.nan)
+        # The issue: thread tid copies chunk `chunk` of rows chunk_row0 + r * kRowStride
+        # to KeysMajor::offset(row, chunk).
+        sK = np.full(TN * RE, np.nan)
+        sV = np.full(TN * RE, np.nan)
         row_stride = NT // (DB // 8)
+        dsts = {}                              # (warp, r) -> element offsets of its 32 copies
         for tid in range(NT):
-            chunk_row0, chunk_col = tid // (DB // 8), (tid % (DB // 8)) * 8
+            chunk_row0, chunk = tid // (DB // 8), tid % (DB // 8)
             if mut == "issue_rows":
                 chunk_row0 = tid % row_stride
             for r in range(TN * DB // 8 // NT):
                 row = chunk_row0 + r * row_stride
+                at = tile_offset(DB, row, chunk, swizzled=mut != "issue_unswizzled")
+                dsts.setdefault((tid // 32, r), []).append(at)
                 j = t_begin + tile * TN + row
                 real = k_lo <= j < k_hi
-                for c in range(chunk_col, chunk_col + 8):
+                for i in range(8):
+                    c = chunk * 8 + i
                     ok = real and c < d
-                    sK[row * LD + c] = K[j, c] if ok else 0.0
-                    sV[row * LD + c] = V[j, c] if ok else 0.0
+                    sK[at + i] = K[j, c] if ok else 0.0
+                    sV[at + i] = V[j, c] if ok else 0.0
+        if tile == 0 and mut is None:
+            worst = max(copy_wavefronts(x) for x in dsts.values())
+            if worst != 4:
+                raise AssertionError(f"copies of one warp take {worst} wavefronts (4 ideal) at DB {DB}")
         for warp in range(warps):
             j0 = t_begin + tile * TN + warp * 16
-            k_addr, v_addr = [], []
+            # ldmatrix rows and chunks of each lane (k_row, k_chunk; v_row, v_chunk),
+            # the chunk of block kk (mt) being 2 kk + the lane's.
+            k_rc, v_rc = [], []
             for lane in range(32):
-                k_lane = (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8
-                v_lane = (warp * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8
+                k_row, k_chunk = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4
+                v_row, v_chunk = warp * 16 + (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1
                 if mut == "k_lane":
-                    k_lane = (warp * 16 + (lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8
+                    k_row, k_chunk = warp * 16 + (lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1
                 if mut == "v_lane":
-                    v_lane = (warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + (lane >> 4) * 8
-                k_addr.append(k_lane)
-                v_addr.append(v_lane)
+                    v_row, v_chunk = warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4
+                k_rc.append((k_row, k_chunk))
+                v_rc.append((v_row, v_chunk))
+            swz = mut != "read_unswizzled"
+
+            def lane_addrs(rc, kk):
+                return [tile_offset(DB, row, 2 * kk + c, swz) for row, c in rc]
+
+            if tile == 0 and mut is None:
+                worst = max(ldmatrix_conflicts(lane_addrs(rc, kk)) for rc in (k_rc, v_rc)
+                            for kk in range(DB // 16))
+                if worst != 1:
+                    raise AssertionError(f"ldmatrix reads {worst}-way conflicted at DB {DB}")
             s = [[np.zeros(4) for _ in range(32)] for _ in range(NB)]
             s_odd = [[np.zeros(4) for _ in range(32)] for _ in range(NB)]
             for kk in range(DB // 16):
-                a = ldmatrix_x4(sK, [x + kk * 16 for x in k_addr], trans=False)
+                a = ldmatrix_x4(sK, lane_addrs(k_rc, kk), trans=False)
                 for n in range(NB):
                     mma(s_odd[n] if kk & 1 else s[n], a, q_frag[n][kk])
             x = np.zeros((NB, 32, 4))
@@ -273,7 +321,7 @@ def replay(mut=None, DB=128, d=128, warps=8, NB=1, sq=1, seed=0):
                     lo_half, hi_half = movmatrix(lo_half), movmatrix(hi_half)
                 pb.append([(lo_half[lane], hi_half[lane]) for lane in range(32)])
             for mt in range(DB // 16):
-                a = ldmatrix_x4(sV, [x_ + mt * 16 for x_ in v_addr], trans=True)
+                a = ldmatrix_x4(sV, lane_addrs(v_rc, mt), trans=True)
                 for n in range(NB):
                     mma([acc[warp][n][lane][mt] for lane in range(32)], a, pb[n])
 

@@ -213,6 +213,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* sme
                : "r"(a));
 }
 
+// The same two from a shared-memory address.
+__device__ __forceinline__ void ldmatrix_x4_trans_at(uint32_t r[4], unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t r[4], unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
 // Four 8x8 b16 matrices as stored: with rows = keys and columns = dims of a
 // row-major K tile, the B fragments of S = Q K^T for two 8-key blocks.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
@@ -731,9 +743,15 @@ struct KeysMajor {
   static constexpr int kWarps = SHAPE == kTwoPerSm ? 4 : DB <= 128 ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTileKeys = 16 * kWarps;
-  static constexpr int kLd = DB + 8;  // padded rows: conflict-free ldmatrix
+  static constexpr int kLd = DB + 8;  // sQ's padded rows: conflict-free ldmatrix
+  // K and V tile rows: packed, their 16-byte chunks XOR-swizzled by the row's
+  // low three bits, where a row has at least 8 chunks (then the copies' stores
+  // and the ldmatrix reads of 8 rows at one chunk are both conflict-free);
+  // else padded like sQ.
+  static constexpr bool kSwizzle = DB >= 64;
+  static constexpr int kRowElems = kSwizzle ? DB : kLd;
   static constexpr int kStages = DB <= 64 ? 4 : 3;
-  static constexpr int kStageElems = 2 * kTileKeys * kLd;  // K then V
+  static constexpr int kStageElems = 2 * kTileKeys * kRowElems;  // K then V
   static constexpr int kChunksPerThread = kTileKeys * DB / 8 / kThreads;
   static constexpr int kRowStride = kThreads / (DB / 8);  // rows between a thread's chunks
   static constexpr size_t kPipeBytes =
@@ -749,6 +767,12 @@ struct KeysMajor {
                 "room for the cluster merge's partial results");
   static_assert(kTileKeys * DB / 8 % kThreads == 0, "whole chunks per thread");
   static_assert(kTileKeys <= kThreads, "one row lookup per thread");
+
+  // Where 16-byte chunk `chunk` of tile row `row` lives (elements from the
+  // start of the K or V tile).
+  __device__ __forceinline__ static int offset(int row, int chunk) {
+    return row * kRowElems + (kSwizzle ? chunk ^ (row & 7) : chunk) * 8;
+  }
 };
 
 // What a missing cache row reads (zero K and V; 16-byte chunks at any column
@@ -775,6 +799,7 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB, SHAPE>::kThreads, 1)
     keys_major_kernel(const Params p) {
   using C = KeysMajor<DB, NB, SHAPE>;
   constexpr int TN = C::kTileKeys, LD = C::kLd, NT = C::kThreads, NV = C::kVectors;
+  constexpr int RE = C::kRowElems;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* stages = reinterpret_cast<T*>(smem_raw);
   T* sQ = stages + C::kStages * C::kStageElems;
@@ -822,7 +847,8 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB, SHAPE>::kThreads, 1)
   const int k_lo = keys.k_lo, k_hi = keys.k_hi, t_begin = keys.t_begin, n_tiles = keys.n_tiles;
 
   // This thread's 16-byte chunks of a tile: rows chunk_row0 + r * kRowStride.
-  const int chunk_row0 = threadIdx.x / (DB / 8), chunk_col = (threadIdx.x % (DB / 8)) * 8;
+  const int chunk_row0 = threadIdx.x / (DB / 8), chunk = threadIdx.x % (DB / 8);
+  const int chunk_col = chunk * 8;
   const T* khead = static_cast<const T*>(p.k) + hk * p.k_sh;
   const T* vhead = static_cast<const T*>(p.v) + hk * p.v_sh;
   // Where each row of a tile lives ({K, V} addresses; zero_row where the
@@ -869,15 +895,14 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB, SHAPE>::kThreads, 1)
   const int copy_bytes = col_ok ? 16 : 0;
   auto issue = [&](int tile, int stage) {
     if (tile < n_tiles) {
-      T* sk_ = stages + stage * C::kStageElems + chunk_row0 * LD + chunk_col;
-      T* sv_ = sk_ + TN * LD;
+      T* sk_ = stages + stage * C::kStageElems;
+      T* sv_ = sk_ + TN * RE;
 #pragma unroll
       for (int r = 0; r < C::kChunksPerThread; ++r) {
-        const ulonglong2 src = row_src[stage][chunk_row0 + r * C::kRowStride];
-        cp_async16_bytes(sk_ + r * C::kRowStride * LD,
-                         reinterpret_cast<const char*>(src.x) + col_bytes, copy_bytes);
-        cp_async16_bytes(sv_ + r * C::kRowStride * LD,
-                         reinterpret_cast<const char*>(src.y) + col_bytes, copy_bytes);
+        const int row = chunk_row0 + r * C::kRowStride, at = C::offset(row, chunk);
+        const ulonglong2 src = row_src[stage][row];
+        cp_async16_bytes(sk_ + at, reinterpret_cast<const char*>(src.x) + col_bytes, copy_bytes);
+        cp_async16_bytes(sv_ + at, reinterpret_cast<const char*>(src.y) + col_bytes, copy_bytes);
       }
     }
     cp_async_commit();
@@ -918,8 +943,17 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB, SHAPE>::kThreads, 1)
   // ldmatrix lane addresses inside the warp's 16 keys: K as A (keys x dims,
   // matrix m = lane / 8 at keys 8 (m & 1), dims 8 (m >> 1)) and V^T as A via
   // .trans (dims x keys, matrix m at dims 8 (m & 1), keys 8 (m >> 1)).
-  const int k_lane = (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
-  const int v_lane = (warp * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8;
+  // Byte offsets inside a tile, the same for every tile: the swizzle costs
+  // one add an ldmatrix.
+  const int k_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, k_chunk = lane >> 4;
+  const int v_row = warp * 16 + (lane >> 4) * 8 + (lane & 7), v_chunk = (lane >> 3) & 1;
+  unsigned k_at[DB / 16], v_at[DB / 16];
+#pragma unroll
+  for (int i = 0; i < DB / 16; ++i) {
+    k_at[i] = sizeof(T) * C::offset(k_row, 2 * i + k_chunk);
+    v_at[i] = sizeof(T) * (TN * RE + C::offset(v_row, 2 * i + v_chunk));
+  }
+  const unsigned stages_at = static_cast<unsigned>(__cvta_generic_to_shared(stages));
   int stage = 0;  // tile % kStages; the stage issued is the one before it
   for (int tile = 0; tile < n_tiles; ++tile) {
     cp_async_wait<C::kStages - 2>();
@@ -929,9 +963,8 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB, SHAPE>::kThreads, 1)
     issue(tile + C::kStages - 1, stage == 0 ? C::kStages - 1 : stage - 1);
     // The next barrier orders this slot's write before its read.
     store_row(tile + C::kStages, stage, row_block(tile + C::kStages));
-    const T* sK = stages + stage * C::kStageElems;
+    const unsigned tile_at = stages_at + sizeof(T) * stage * C::kStageElems;
     stage = stage + 1 == C::kStages ? 0 : stage + 1;
-    const T* sV = sK + TN * LD;
     const int j0 = t_begin + tile * TN + warp * 16;  // this warp's 16 keys
 
     // S^T = K Q^T, two accumulation chains per n8 block (even / odd dims
@@ -944,7 +977,7 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB, SHAPE>::kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < DB / 16; ++kk) {
       uint32_t a[4];
-      ldmatrix_x4(a, sK + k_lane + kk * 16);
+      ldmatrix_x4_at(a, tile_at + k_at[kk]);
 #pragma unroll
       for (int n = 0; n < NB; ++n)
         attention::cuda::mma<T>(kk & 1 ? s_odd[n] : s[n], a, q_frag[n][kk]);
@@ -1018,7 +1051,7 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB, SHAPE>::kThreads, 1)
 #pragma unroll
     for (int mt = 0; mt < DB / 16; ++mt) {
       uint32_t a[4];
-      ldmatrix_x4_trans(a, sV + v_lane + mt * 16);
+      ldmatrix_x4_trans_at(a, tile_at + v_at[mt]);
 #pragma unroll
       for (int n = 0; n < NB; ++n) attention::cuda::mma<T>(acc[n][mt], a, pb[n]);
     }
