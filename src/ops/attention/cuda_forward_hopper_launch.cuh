@@ -129,19 +129,18 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
 // the diagonal's masked tiles waste little: on H200 1.07-1.21x the two-
 // warpgroup form from 2048 rows without a mask; causal 0.95x at 2048,
 // 1.00-1.08x at 4096, 1.08-1.13x from 8192 (bench/RESULTS.md, "A wide
-// head-dim-64 forward"). Unforced it serves bfloat16 calls only: its float16
-// form passes the same GPU tests but its speed is not yet measured
-// (bench/attn_notes.md 46, 49).
+// head-dim-64 forward"); float16 alike (1.08-1.21x without a mask from 2048
+// rows, 1.01-1.10x causal from 4096; bench/attn_notes.md 50).
 // $SYMHEAP_ATTN_FWD_D64_WIDE = 1 forces it wherever the persistent form runs
 // at 64 (either dtype), 0 never.
 constexpr int kWideMinRows = 2048;
 constexpr int kWideMinRowsMasked = 4096;
-inline bool wide_forward_serves(const KArgs& p, bool bf16) {
+inline bool wide_forward_serves(const KArgs& p) {
   const char* v = std::getenv("SYMHEAP_ATTN_FWD_D64_WIDE");
   if (v && v[0] == '0') return false;
   if (v && v[0] == '1') return true;
   const bool masked = p.win_left >= 0 || p.win_right >= 0;
-  return bf16 && p.seqlen_q >= (masked ? kWideMinRowsMasked : kWideMinRows);
+  return p.seqlen_q >= (masked ? kWideMinRowsMasked : kWideMinRows);
 }
 
 template <class T, int DB, bool kWide>
@@ -184,7 +183,7 @@ template <class T, int DB>
 bool forward_hopper_persistent(const Launch& l, const KArgs& p, const FwdTmaMaps& maps, bool lean) {
   if (p.cu_q) return false;
   if constexpr (DB == 64)
-    if (wide_forward_serves(p, std::is_same_v<T, __nv_bfloat16>))
+    if (wide_forward_serves(p))
       return forward_hopper_persistent_form<T, DB, true>(l, p, maps, lean);
   return forward_hopper_persistent_form<T, DB, false>(l, p, maps, lean);
 }
