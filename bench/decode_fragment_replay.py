@@ -25,7 +25,8 @@ import sys
 import numpy as np
 
 MUTATIONS = ("k_lane", "v_lane", "no_movmatrix", "q_frag", "max_lanes", "merge_index",
-             "issue_rows", "logit_key", "block_vector", "issue_unswizzled", "read_unswizzled")
+             "issue_rows", "logit_key", "block_vector", "issue_unswizzled", "read_unswizzled",
+             "sum_rescale")
 
 
 def tile_offset(DB, row, chunk, swizzled=True):
@@ -165,9 +166,11 @@ def mma(c, a, b):
         c[lane] += np.array([D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]])
 
 
-def replay(mut=None, DB=128, d=128, warps=8, NB=1, sq=1, seed=0):
+def replay(mut=None, DB=128, d=128, warps=8, NB=1, sq=1, seed=0, spread=1.0):
     """Max |error| of one CTA's outputs (NB n8 blocks of query vectors, sq
-    query rows of GQA group 4, causal with a left window) against float64."""
+    query rows of GQA group 4, causal with a left window) against float64;
+    `spread` scales the queries (logits of standard deviation `spread`), so
+    that running maxima move by large steps and a missed rescale shows."""
     rng = np.random.default_rng(seed)
     NV, TN, LD, NT = 8 * NB, 16 * warps, DB + 8, 32 * warps
     group = 4
@@ -177,7 +180,7 @@ def replay(mut=None, DB=128, d=128, warps=8, NB=1, sq=1, seed=0):
     win_left = sk - 3 * TN                    # a window: one more edge for every vector
     K = rng.standard_normal((sk, d))
     V = rng.standard_normal((sk, d))
-    Q = rng.standard_normal((NV, d))
+    Q = rng.standard_normal((NV, d)) * spread
     Q[n_vec:] = 0.0                           # vectors past n_vec are zero (never written)
     scale = d ** -0.5
 
@@ -302,7 +305,8 @@ def replay(mut=None, DB=128, d=128, warps=8, NB=1, sq=1, seed=0):
                     rescale[lane, u] = 0.0 if old == -np.inf else np.exp(old - m_new)
                     base[lane, u] = 0.0 if m_new == -np.inf else m_new
                     row_max[warp, lane, u] = m_new
-                    row_sum[warp, lane, u] *= rescale[lane, u]
+                    if mut != "sum_rescale":
+                        row_sum[warp, lane, u] *= rescale[lane, u]
             for n in range(NB):
                 for lane in range(32):
                     for mt in range(DB // 16):
@@ -377,9 +381,11 @@ def main():
     parser.add_argument("--mutate", choices=MUTATIONS)
     args = parser.parse_args()
     cases = [dict(DB=128, d=128, warps=8, NB=2, sq=3), dict(DB=128, d=128, warps=8),
-             dict(DB=64, d=40, warps=8, NB=2, sq=5), dict(DB=256, d=256, warps=4, sq=2)]
+             dict(DB=64, d=40, warps=8, NB=2, sq=5), dict(DB=256, d=256, warps=4, sq=2),
+             dict(DB=128, d=96, warps=4), dict(DB=32, d=24, warps=8),
+             dict(DB=128, d=128, warps=4, NB=2, sq=2, spread=8.0)]
     if args.mutate:
-        err = replay(args.mutate, **cases[0])
+        err = replay(args.mutate, **(cases[-1] if args.mutate == "sum_rescale" else cases[0]))
         print(f"mutation {args.mutate}: max |err| {err:.3e}")
         return 0
     for c in cases:
@@ -389,7 +395,7 @@ def main():
             print("FAILED")
             return 1
     for mut in MUTATIONS:
-        err = replay(mut, **cases[0])
+        err = replay(mut, **(cases[-1] if mut == "sum_rescale" else cases[0]))
         caught = not err < 1e-6  # NaN (an unwritten element read) counts as caught
         print(f"mutation {mut}: max |err| {err:.3e} -> {'caught' if caught else 'NOT CAUGHT'}")
         if not caught:
