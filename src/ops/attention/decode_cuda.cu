@@ -733,7 +733,7 @@ inline int keys_major_blocks(int64_t vectors_per_kv_head, int db) {
 }
 
 // The kernel's shapes at head dim 128: kWide, 8 warps (128-key tiles) and one
-// CTA an SM; kTwoPerSm, 4 warps and 3 stages (about 106 KB of shared memory),
+// CTA an SM; kTwoPerSm, 4 warps and 3 stages (about 100 KB of shared memory),
 // two CTAs an SM, each streaming on its own. Elsewhere only kWide.
 enum KmShape : int { kWide = 0, kTwoPerSm = 1 };
 
