@@ -205,33 +205,25 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Four 8x8 b16 matrices, transposed: the B fragments (keys x dims, "col") of
-// two 8-column blocks of a row-major V tile.
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* smem) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-
-// The same two from a shared-memory address.
+// two 8-column blocks of a row-major V tile, from shared-memory byte address a.
 __device__ __forceinline__ void ldmatrix_x4_trans_at(uint32_t r[4], unsigned a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
 }
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* smem) {
+  ldmatrix_x4_trans_at(r, static_cast<unsigned>(__cvta_generic_to_shared(smem)));
+}
+
+// Four 8x8 b16 matrices as stored: with rows = keys and columns = dims of a
+// row-major K tile, the B fragments of S = Q K^T for two 8-key blocks.
 __device__ __forceinline__ void ldmatrix_x4_at(uint32_t r[4], unsigned a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
 }
-
-// Four 8x8 b16 matrices as stored: with rows = keys and columns = dims of a
-// row-major K tile, the B fragments of S = Q K^T for two 8-key blocks.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
+  ldmatrix_x4_at(r, static_cast<unsigned>(__cvta_generic_to_shared(smem)));
 }
 
 // The keys one split of a CTA walks: [k_lo, k_hi), inside the keys any of
