@@ -14,9 +14,10 @@
 //            rows of K and V, one CTA barrier a tile (the decode kernel's
 //            feed: 8 warps, 128-row tiles, 3 stages; or 4 warps, 64-row
 //            tiles, 3 stages, two CTAs an SM); "padded": rows 272 bytes apart
-//            in shared memory, as the kernel lays them out; "ends": with the
-//            kernel's start (the length read before the lookups) and end (the
-//            warps' partial outputs merged through shared memory and stored)
+//            in shared memory, as the kernel laid them out before its tiles
+//            were swizzled; "ends": with the kernel's start (the length read
+//            before the lookups) and end (the warps' partial outputs merged
+//            through shared memory and stored)
 //   dense    the same over a head-major copy (each kv head's rows contiguous)
 //   ldg      no shared memory: 16-byte ld.global.nc into registers, R rows a
 //            thread in flight
@@ -83,8 +84,9 @@ __device__ __forceinline__ unsigned fold(uint4 x) { return x.x ^ x.y ^ x.z ^ x.w
 // The decode kernel's feed: T rows of K and of V a stage, S stages, rows
 // looked up by the first T threads into a slot per stage, one barrier a tile.
 // Every thread folds the chunks it copied (read back from shared memory).
-// PITCH: bytes between rows in shared memory (the decode kernel pads its rows
-// to 272 bytes, D + 8 elements, so that its ldmatrix reads are conflict-free).
+// PITCH: bytes between rows in shared memory (the decode kernel padded its
+// rows to 272 bytes, D + 8 elements, for conflict-free ldmatrix reads, until
+// it swizzled packed rows instead).
 // ENDS: the decode kernel's start and end around the copies, without its
 // arithmetic: the sequence's length read before the first lookup (the lookups
 // wait for it), and at the end the warps' partial outputs (8 vectors x D
@@ -310,7 +312,7 @@ int run_shape(int B, int L) {
   CK(cudaMalloc(&out, sizeof(float) * kD * B * kHkv * std::max(splits_for(1), splits_for(2))));
   const Cache paged{k, v, table, L, false, lengths, out}, dense{kd, vd, nullptr, L, true, lengths, out};
   // The decode kernel's two shapes: 8 warps one CTA an SM, 4 warps two; rows
-  // packed in shared memory, and (paged) at the kernel's padded pitch and with
+  // packed in shared memory, and (paged) at the kernel's former padded pitch and with
   // its start and end (ENDS).
   auto run_stages = [&](auto warps, auto pitch, auto ends, int per_sm) {
     constexpr int W = decltype(warps)::value, P = decltype(pitch)::value, S = 3, T = 16 * W;
