@@ -303,6 +303,9 @@ def main():
                              "(SYMHEAP_DECODE_KERNEL) next to SDPA, in one process")
     parser.add_argument("--decode-query-rows", type=int, default=1, metavar="N",
                         help="with --decode-kernels: query rows per sequence (default 1)")
+    parser.add_argument("--decode-eager", action="store_true",
+                        help="with --decode: eager calls, ours and SDPA: the host time of a call and "
+                             "the time of calls back to back")
     parser.add_argument("--decode-cold", action="store_true",
                         help="with --decode: time each row with the L2 warm (every call on one cache) "
                              "and cold (each call on its own copy), ours and SDPA")
@@ -320,6 +323,8 @@ def main():
             shapes["caches"] = [int(x) for x in args.decode_caches.split(",")]
         if args.decode_cold:
             return attn_decode_bench.warm_and_cold(**shapes)
+        if args.decode_eager:
+            return attn_decode_bench.eager(**shapes)
         if args.decode_layouts:
             return attn_decode_bench.layouts(**shapes)
         if args.decode_kernels:

@@ -13,9 +13,10 @@ both sides). Copy bandwidth counts the bytes read plus the bytes written.
     python bench/attn_bench.py --decode --decode-cold   (L2 warm against cold, ours and SDPA)
     python bench/attn_bench.py --decode --decode-layouts   (our call over four layouts of one cache)
     python bench/attn_bench.py --decode --decode-kernels [--decode-query-rows 4]   (every kernel, forced)
+    python bench/attn_bench.py --decode --decode-eager   (eager calls: host time and back to back)
 
 --decode-batches and --decode-caches pick the rows of the split sweep, of
---decode-cold, of --decode-layouts and of --decode-kernels. Warm: a graph of 20 calls on one cache
+--decode-cold, of --decode-layouts, of --decode-kernels and of --decode-eager. Warm: a graph of 20 calls on one cache
 (as the table rows; small caches then partly stay in L2 between calls). Cold:
 each call of the graph on its own copy, 256-512 MB in all, as a model's layers
 read their caches.
@@ -32,6 +33,7 @@ import contextlib
 import json
 import os
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -225,6 +227,52 @@ def graph_calls_us(fns, reps=7):
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / len(fns))
     return statistics.median(times)
+
+
+def eager(batches=(1, 4, 16, 128), caches=(1024, 16384), calls=200, rounds=3):
+    """What an eager caller sees, ours and SDPA in alternate rounds (medians): the
+    host time of a call (the Python call's own time; the GPU's queue is not
+    drained, so a call that launches its kernels and returns costs only that) and
+    the time a call takes back to back (CUDA events over `calls` calls: the larger
+    of the host's and the GPU's time)."""
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {calls} calls a "
+          f"round, {rounds} rounds, medians")
+    print(f"{'batch':>5} {'cache':>6} | {'ours host':>9} {'SDPA host':>9} {'ratio':>6} | "
+          f"{'ours b2b':>9} {'SDPA b2b':>9} {'ratio':>6}   (us per call; ratio: SDPA / ours)")
+    for B in batches:
+        for L in caches:
+            if 2 * B * L * HKV * D * 2 > MAX_CACHE_BYTES:
+                continue
+            q, k_cache, v_cache, table, seqlens = make_case(B, L)
+            kd, vd = gathered_head_major(k_cache, table), gathered_head_major(v_cache, table)
+            qt = q.transpose(1, 2)
+            fns = {"ours": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                           block_table=table),
+                   "SDPA": lambda: F.scaled_dot_product_attention(qt, kd, vd, enable_gqa=True)}
+            host, b2b = {k: [] for k in fns}, {k: [] for k in fns}
+            for fn in fns.values():
+                for _ in range(10):
+                    fn()
+            for _ in range(rounds):
+                for name, fn in fns.items():
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    t1 = time.perf_counter()
+                    end.record()
+                    end.synchronize()
+                    host[name].append((t1 - t0) * 1e6 / calls)
+                    b2b[name].append(start.elapsed_time(end) * 1e3 / calls)
+            kvcache_check()
+            h = {k: statistics.median(v) for k, v in host.items()}
+            g = {k: statistics.median(v) for k, v in b2b.items()}
+            print(f"{B:>5} {L:>6} | {h['ours']:9.1f} {h['SDPA']:9.1f} {h['SDPA'] / h['ours']:5.2f}x | "
+                  f"{g['ours']:9.1f} {g['SDPA']:9.1f} {g['SDPA'] / g['ours']:5.2f}x")
+            del q, k_cache, v_cache, kd, vd, qt, fns
+            torch.cuda.empty_cache()
 
 
 def warm_and_cold(batches=(1, 4, 16), caches=(1024, 4096, 16384)):

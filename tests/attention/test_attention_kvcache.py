@@ -231,6 +231,23 @@ def test_mismatched_shapes():
     expect_error(r"dense caches must have batch 3", setup, before, block_table=None)
 
 
+def test_arguments_that_are_not_tensors_or_of_another_dtype():
+    setup = error_setup()
+    cache, lengths, q, new, Hq, opts = setup
+    before = cache.snapshot()
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    for name, value, typename in (("k_cache", cache.k.numpy(), "ndarray"), ("k", [1.0], "list")):
+        args = dict(k_cache=cache.k, v_cache=cache.v, k=new[0], v=new[1])
+        args[name] = value
+        with pytest.raises(TypeError, match=rf"attention: {name} must be a torch.Tensor, got {typename}"):
+            flash_attn_with_kvcache(q, args["k_cache"], args["v_cache"], args["k"], args["v"],
+                                    cache_seqlens=seqlens, block_table=cache.block_table)
+    expect_error(r"q has dtype float64", setup, before, q=q.double())
+    expect_error(r"k and v must have q's dtype float32", setup, before,
+                 k=new[0].double(), v=new[1].double())
+    assert torch.equal(bits(cache.k), bits(before[0]))
+
+
 def test_forward_only_and_unsupported_options():
     setup = error_setup()
     cache, lengths, q, new, Hq, opts = setup

@@ -1,9 +1,10 @@
 """Attention over a KV cache (inference, forward only): the decode call
 ``flash_attn_with_kvcache`` and the paged path of ``flash_attn_varlen_func``.
 
-This module only describes tensors to the core and allocates outputs; every
-shape, length and block-id check lives in C++ (src/ops/attention/decode_args.cpp
-and decode_cpu.cpp) and raises ValueError.
+This module only allocates outputs and sets options; the core reads the
+tensors (``attention_cache_torch``), checks every shape, dtype, device, length
+and block id in C++ (src/ops/attention/decode_args.cpp and decode_cpu.cpp) and
+raises ValueError.
 """
 from __future__ import annotations
 
@@ -13,27 +14,6 @@ import torch
 
 from .. import _core
 from .._attention_args import cache_options
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.int32: "int32"}
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
-
-
-def _describe(call, name: str, t):
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-    call.set_tensor(name, t.data_ptr(), _dtype_name(t), list(t.shape), list(t.stride()))
-
-
-def _same_device(device, **tensors):
-    for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.device != device:
-            raise ValueError(f"attention: {name} is on {t.device} but q is on {device}")
 
 
 def _no_grad_needed(*tensors):
@@ -48,40 +28,29 @@ def _options(call, head_dim: int, causal, window_size, softmax_scale, softcap):
         setattr(call, name, value)
 
 
-def _alibi(slopes, device):
+def _alibi(slopes):
     if slopes is None:
         return None
     if not isinstance(slopes, torch.Tensor):
         raise TypeError("attention: alibi_slopes must be a tensor of shape (Hq,) or (B, Hq)")
-    _same_device(device, alibi_slopes=slopes)
     return slopes.detach().to(torch.float32).contiguous()
 
 
-def _int32(t, name: str, device):
+def _int32(t, name: str):
     """An int32 index tensor as the core reads it (contiguous rows)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"attention: {name} must be an int32 torch.Tensor")
-    _same_device(device, **{name: t})
     if t.dtype != torch.int32:
         raise ValueError(f"attention: {name} must be int32, got {t.dtype}")
     return t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous()
 
 
-def _run(call, q: torch.Tensor):
-    if q.device.type == "cuda":
-        if not getattr(_core, "attention_has_cuda", False):
-            raise ValueError("attention: q is on a CUDA device but symheap was built without CUDA")
-        device = q.device.index
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        nbytes = _core.attention_cache_cuda_workspace_bytes(call, device)
-        # From torch's caching allocator on the caller's stream: capturable in a
-        # CUDA graph, no host synchronisation.
-        workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=q.device)
-        _core.attention_cache_cuda(call, device, stream, workspace.data_ptr(), nbytes)
-    elif q.device.type == "cpu":
-        _core.attention_cache_cpu(call)
-    else:
+def _run(call, q, k_cache, v_cache, k=None, v=None, out=None, lse=None, cache_seqlens=None,
+         cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, alibi_slopes=None):
+    if not (q.is_cuda or q.is_cpu):
         raise ValueError(f"attention: device type {q.device.type} is not supported (cpu or cuda)")
+    _core.attention_cache_torch(call, q, k_cache, v_cache, k, v, out, lse, cache_seqlens,
+                                cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
 
 
 def _query(q: torch.Tensor) -> torch.Tensor:
@@ -106,31 +75,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     ``lse`` (B, Hq, Sq) float32. Forward only.
     """
     q = _query(q)
-    device = q.device
-    _same_device(device, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
-                  cache_seqlens=cache_seqlens)
     _no_grad_needed(q, k_cache, v_cache, k, v)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0] if q.dim() == 4 else 1,), cache_seqlens,
-                                   dtype=torch.int32, device=device)
-    cache_seqlens = _int32(cache_seqlens, "cache_seqlens", device)
+                                   dtype=torch.int32, device=q.device)
+    cache_seqlens = _int32(cache_seqlens, "cache_seqlens")
     if block_table is not None:
-        block_table = _int32(block_table, "block_table", device)
+        block_table = _int32(block_table, "block_table")
     k = k.contiguous() if isinstance(k, torch.Tensor) and k.stride(-1) != 1 else k
     v = v.contiguous() if isinstance(v, torch.Tensor) and v.stride(-1) != 1 else v
-    alibi = _alibi(alibi_slopes, device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (0, 0, 0)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
-
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     call = _core.AttentionCacheCall()
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
-                    ("out", out), ("lse", lse), ("cache_seqlens", cache_seqlens),
-                    ("block_table", block_table), ("alibi_slopes", alibi)):
-        _describe(call, name, t)
     _options(call, q.shape[-1], causal, window_size, softmax_scale, softcap)
     call.num_splits = int(num_splits)
-    _run(call, q)
+    _run(call, q, k_cache, v_cache, k, v, out, lse, cache_seqlens=cache_seqlens,
+         block_table=block_table, alibi_slopes=_alibi(alibi_slopes))
     return (out, lse) if return_lse else out
 
 
@@ -146,29 +107,22 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
             raise ValueError(f"attention: {name} is not supported with block_table (paged KV "
                              "supports causal, window_size, softcap, alibi_slopes and GQA)")
     q = _query(q)
-    device = q.device
-    _same_device(device, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
-                 cu_seqlens_k=cu_seqlens_k, block_table=block_table)
     _no_grad_needed(q, k_cache, v_cache)
-    cu_seqlens_q = _int32(cu_seqlens_q, "cu_seqlens_q", device)
-    cu_seqlens_k = _int32(cu_seqlens_k, "cu_seqlens_k", device)
-    block_table = _int32(block_table, "block_table", device)
-    alibi = _alibi(alibi_slopes, device)
+    cu_seqlens_q = _int32(cu_seqlens_q, "cu_seqlens_q")
+    cu_seqlens_k = _int32(cu_seqlens_k, "cu_seqlens_k")
+    block_table = _int32(block_table, "block_table")
     # Rows outside every sequence are never written: zero output, lse -inf.
-    out = torch.zeros(q.shape, dtype=q.dtype, device=device)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]) if q.dim() == 3 else (0, 0), float("-inf"),
-                     dtype=torch.float32, device=device)
+                     dtype=torch.float32, device=q.device)
     call = _core.AttentionCacheCall()
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out),
-                    ("lse", lse), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                    ("block_table", block_table), ("alibi_slopes", alibi)):
-        _describe(call, name, t)
     try:
         call.max_seqlen_q = operator.index(max_seqlen_q)
     except TypeError:
         raise ValueError(f"attention: max_seqlen_q must be an int, got {max_seqlen_q!r}") from None
     _options(call, q.shape[-1], causal, window_size, softmax_scale, softcap)
-    _run(call, q)
+    _run(call, q, k_cache, v_cache, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+         cu_seqlens_k=cu_seqlens_k, block_table=block_table, alibi_slopes=_alibi(alibi_slopes))
     return (out, lse) if return_lse else out
 
 

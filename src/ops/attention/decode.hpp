@@ -117,6 +117,27 @@ void validate_cache(const CacheArgs& a);
 void cache_attention_cpu(const CacheArgs& a, int threads);
 
 #ifdef SYMHEAP_WITH_CUDA
+// How a CUDA call runs on its device: which attention kernel (the query-major
+// one where `previous`, else the keys-major one with `nb` n8 blocks of query
+// vectors a CTA in `shape`), how many key-length splits, merged in a
+// thread-block cluster or by the combine kernel, and the device workspace the
+// launch needs (`bytes`). Made from the shapes, the options and the device
+// (and SYMHEAP_DECODE_KERNEL / SYMHEAP_DECODE_MERGE, read on every call).
+struct CacheCudaPlan {
+  int device = -1, db = 0, mtiles = 1, splits = 1, nb = 1, shape = 0;
+  bool previous = false, cluster = false;
+  int64_t vectors = 0;
+  size_t bytes = 0;
+};
+
+// Checks the args for the CUDA path and plans the call on `device`: a front
+// end that allocates the workspace per call plans once, then launches.
+CacheCudaPlan cache_attention_cuda_plan(const CacheArgs& a, int device);
+
+// Launches a planned call (the args it was planned from); see below.
+void cache_attention_cuda(const CacheArgs& a, const CacheCudaPlan& plan, void* stream,
+                          void* workspace, size_t bytes);
+
 // Bytes of device workspace (the partial results of the key-length splits),
 // from the shapes alone; 0 when one split suffices. Pass the same args (and
 // the same device) to cache_attention_cuda.

@@ -1233,15 +1233,11 @@ KernelPick choose_kernel(const CacheArgs& a, int device, int db) {
   return {pairs >= kPreviousPairsPerSm * sms, kWide, false, sms};
 }
 
-struct Plan {
-  int device, db, mtiles, splits;
-  bool previous;  // the query-major kernel (attention_kernel) instead of keys_major_kernel
-  int nb;         // keys_major_kernel's n8 blocks of query vectors per CTA
-  KmShape shape;  // keys_major_kernel's shape (kWide but at head dim 128)
-  bool cluster;   // the splits merged in a thread-block cluster (merge_cluster)
-  int64_t vectors;
-  size_t bytes;
-};
+// make_plan's choice (decode.hpp): the query-major kernel (attention_kernel)
+// where `previous`, else keys_major_kernel with `nb` n8 blocks of query
+// vectors a CTA, in `shape` (a KmShape: kWide but at head dim 128); the splits
+// merged in a thread-block cluster (merge_cluster) where `cluster`.
+using Plan = CacheCudaPlan;
 
 struct SmemReady {};
 
@@ -1326,12 +1322,22 @@ constexpr int kClusterFallbackKeys = 2048;
 constexpr int kClusterFallbackKeysFastMemory = 512;
 constexpr double kFastMemoryBytesPerSecond = 4e12;
 
-// Peak memory bandwidth from the memory clock (kHz, double data rate) and bus width.
+struct PeakMemory {
+  double bytes_per_second = 0;
+};
+
+// Peak memory bandwidth from the memory clock (kHz, double data rate) and bus
+// width, read once per device (a plan is made on every call).
 double peak_memory_bytes_per_second(int device) {
-  int khz = 0, bits = 0;
-  SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device));
-  SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device));
-  return 2.0 * khz * 1e3 * (bits / 8.0);
+  auto& caches = Runtime::instance().device_caches(device);
+  return caches.get<PeakMemory>("attention.kvcache.peak_memory", [&] {
+    int khz = 0, bits = 0;
+    SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device));
+    SYMHEAP_CUDA_CHECK(cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device));
+    auto peak = std::make_shared<PeakMemory>();
+    peak->bytes_per_second = 2.0 * khz * 1e3 * (bits / 8.0);
+    return peak;
+  })->bytes_per_second;
 }
 
 bool merge_by_kernel() {
@@ -1610,38 +1616,44 @@ void run(const CacheArgs& a, const Plan& pl, const Params& p, cudaStream_t strea
 
 }  // namespace kvcache
 
-size_t cache_attention_cuda_workspace_bytes(const CacheArgs& a, int device) {
+CacheCudaPlan cache_attention_cuda_plan(const CacheArgs& a, int device) {
   validate_cache(a);
   kvcache::validate_cuda(a);
-  return kvcache::make_plan(a, device).bytes;
+  const kvcache::Plan pl = kvcache::make_plan(a, device);
+  kvcache::require(static_cast<int64_t>(a.heads_kv) * pl.mtiles <= 65535,
+                   "too many query rows for one call (kv heads x query tiles must be <= 65535); "
+                   "split the queries");
+  return pl;
+}
+
+size_t cache_attention_cuda_workspace_bytes(const CacheArgs& a, int device) {
+  return cache_attention_cuda_plan(a, device).bytes;
 }
 
 int cache_attention_cuda_splits(const CacheArgs& a, int device) {
-  validate_cache(a);
-  kvcache::validate_cuda(a);
-  return kvcache::make_plan(a, device).splits;
+  return cache_attention_cuda_plan(a, device).splits;
 }
 
-void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* workspace,
-                          size_t bytes) {
-  validate_cache(a);
-  kvcache::validate_cuda(a);
+void cache_attention_cuda(const CacheArgs& a, const CacheCudaPlan& pl, void* stream,
+                          void* workspace, size_t bytes) {
+  const int device = pl.device;
   auto error = kvcache::error_word(device);
   kvcache::raise_recorded(*error, device);
-  const kvcache::Plan pl = kvcache::make_plan(a, device);
   kvcache::require(bytes >= pl.bytes && (pl.bytes == 0 || workspace != nullptr),
                    "the workspace has " + std::to_string(bytes) + " bytes; it needs " +
                        std::to_string(pl.bytes) + " (cache_attention_cuda_workspace_bytes)");
   kvcache::require(reinterpret_cast<uintptr_t>(workspace) % 16 == 0,
                    "the workspace must be 16-byte aligned");
-  kvcache::require(static_cast<int64_t>(a.heads_kv) * pl.mtiles <= 65535,
-                   "too many query rows for one call (kv heads x query tiles must be <= 65535); "
-                   "split the queries");
   ::symheap::cuda::ScopedDevice on(device);
   const kvcache::Params p = kvcache::params(a, pl, workspace, error->dev);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a.q.dtype == DType::F16) kvcache::run<__half>(a, pl, p, s);
   else kvcache::run<__nv_bfloat16>(a, pl, p, s);
+}
+
+void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* workspace,
+                          size_t bytes) {
+  cache_attention_cuda(a, cache_attention_cuda_plan(a, device), stream, workspace, bytes);
 }
 
 void cache_check_cuda(int device, void* stream, bool sync) {
