@@ -108,6 +108,25 @@ def test_decode_int_seqlens_and_defaults():
         assert max_err(out[b:b + 1], ref) <= TOL
 
 
+def test_index_tensors_with_strided_rows():
+    """A block table (and lengths) whose rows are not unit-stride views give the
+    same outputs as their contiguous copies."""
+    gen = torch.Generator().manual_seed(12)
+    cache = Cache(B=2, capacity=64, Hkv=2, D=D, dtype=torch.float32, device="cpu", gen=gen,
+                  lengths=[20, 37], block_size=16)
+    q = torch.randn((2, 1, 2, D), generator=gen)
+    table = cache.block_table.t().contiguous().t()  # the same values, column-major
+    seqlens = torch.tensor([[20, 0], [37, 0]], dtype=torch.int32)[:, 0]  # stride 2
+    assert table.stride(-1) != 1 and seqlens.stride(-1) != 1
+    want = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens.contiguous(),
+                                   block_table=cache.block_table)
+    got = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens, block_table=table)
+    assert torch.equal(got, want)
+    for b, n in enumerate([20, 37]):
+        ref, _ = reference(q[b:b + 1], cache, b, n, {}, 2)
+        assert max_err(got[b:b + 1], ref) <= TOL
+
+
 # ---------------------------------------------------------------- paged varlen
 
 @pytest.mark.parametrize("block_size", [16, 256])
@@ -242,6 +261,9 @@ def test_arguments_that_are_not_tensors_or_of_another_dtype():
         with pytest.raises(TypeError, match=rf"attention: {name} must be a torch.Tensor, got {typename}"):
             flash_attn_with_kvcache(q, args["k_cache"], args["v_cache"], args["k"], args["v"],
                                     cache_seqlens=seqlens, block_table=cache.block_table)
+    with pytest.raises(TypeError, match=r"attention: cache_seqlens must be a torch.Tensor, got list"):
+        flash_attn_with_kvcache(q, cache.k, cache.v, new[0], new[1], cache_seqlens=list(lengths),
+                                block_table=cache.block_table)
     expect_error(r"q has dtype float64", setup, before, q=q.double())
     expect_error(r"k and v must have q's dtype float32", setup, before,
                  k=new[0].double(), v=new[1].double())

@@ -36,13 +36,12 @@ def _alibi(slopes):
     return slopes.detach().to(torch.float32).contiguous()
 
 
-def _int32(t, name: str):
-    """An int32 index tensor as the core reads it (contiguous rows)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"attention: {name} must be an int32 torch.Tensor")
-    if t.dtype != torch.int32:
-        raise ValueError(f"attention: {name} must be int32, got {t.dtype}")
-    return t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous()
+def _unit_rows(t):
+    """An index tensor with unit-stride rows, as the core reads it (anything else
+    goes on to the core's checks as given)."""
+    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.stride(-1) != 1:
+        return t.contiguous()
+    return t
 
 
 def _run(call, q, k_cache, v_cache, k=None, v=None, out=None, lse=None, cache_seqlens=None,
@@ -79,9 +78,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0] if q.dim() == 4 else 1,), cache_seqlens,
                                    dtype=torch.int32, device=q.device)
-    cache_seqlens = _int32(cache_seqlens, "cache_seqlens")
-    if block_table is not None:
-        block_table = _int32(block_table, "block_table")
+    cache_seqlens, block_table = _unit_rows(cache_seqlens), _unit_rows(block_table)
     k = k.contiguous() if isinstance(k, torch.Tensor) and k.stride(-1) != 1 else k
     v = v.contiguous() if isinstance(v, torch.Tensor) and v.stride(-1) != 1 else v
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -108,9 +105,8 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                              "supports causal, window_size, softcap, alibi_slopes and GQA)")
     q = _query(q)
     _no_grad_needed(q, k_cache, v_cache)
-    cu_seqlens_q = _int32(cu_seqlens_q, "cu_seqlens_q")
-    cu_seqlens_k = _int32(cu_seqlens_k, "cu_seqlens_k")
-    block_table = _int32(block_table, "block_table")
+    cu_seqlens_q, cu_seqlens_k = _unit_rows(cu_seqlens_q), _unit_rows(cu_seqlens_k)
+    block_table = _unit_rows(block_table)
     # Rows outside every sequence are never written: zero output, lse -inf.
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]) if q.dim() == 3 else (0, 0), float("-inf"),
