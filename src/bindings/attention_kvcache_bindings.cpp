@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bindings/registry.hpp"
@@ -24,27 +25,32 @@ using namespace symheap::attention;
 
 namespace {
 
+// A CacheCall's tensor arguments by name, in attention_cache_torch's order.
+struct TensorArg {
+  const char* name;
+  TensorDesc CacheCall::*member;
+};
+constexpr std::array<TensorArg, 12> kTensorArgs = {{
+    {"q", &CacheCall::q},
+    {"k_cache", &CacheCall::k_cache},
+    {"v_cache", &CacheCall::v_cache},
+    {"k", &CacheCall::k},
+    {"v", &CacheCall::v},
+    {"out", &CacheCall::out},
+    {"lse", &CacheCall::lse},
+    {"cache_seqlens", &CacheCall::cache_seqlens},
+    {"cu_seqlens_q", &CacheCall::cu_seqlens_q},
+    {"cu_seqlens_k", &CacheCall::cu_seqlens_k},
+    {"block_table", &CacheCall::block_table},
+    {"alibi_slopes", &CacheCall::alibi_slopes},
+}};
+using TensorArgs = std::array<py::handle, kTensorArgs.size()>;
+
 TensorDesc& call_tensor(CacheCall& c, const std::string& name) {
-  if (name == "q") return c.q;
-  if (name == "k_cache") return c.k_cache;
-  if (name == "v_cache") return c.v_cache;
-  if (name == "k") return c.k;
-  if (name == "v") return c.v;
-  if (name == "out") return c.out;
-  if (name == "lse") return c.lse;
-  if (name == "cache_seqlens") return c.cache_seqlens;
-  if (name == "cu_seqlens_q") return c.cu_seqlens_q;
-  if (name == "cu_seqlens_k") return c.cu_seqlens_k;
-  if (name == "block_table") return c.block_table;
-  if (name == "alibi_slopes") return c.alibi_slopes;
+  for (const TensorArg& arg : kTensorArgs)
+    if (name == arg.name) return c.*arg.member;
   throw InvalidArgument("attention (kv cache): no tensor argument '" + name + "'");
 }
-
-// attention_cache_torch's tensor arguments, in its order.
-constexpr std::array<const char*, 12> kTensorArgs = {
-    "q",   "k_cache", "v_cache",       "k",            "v",           "out",
-    "lse", "cache_seqlens", "cu_seqlens_q", "cu_seqlens_k", "block_table", "alibi_slopes"};
-using TensorArgs = std::array<py::handle, kTensorArgs.size()>;
 
 // torch's name of a dtype the reader does not know ("float64" for torch.float64).
 std::string other_dtype_name(py::handle tensor) {
@@ -55,32 +61,30 @@ std::string other_dtype_name(py::handle tensor) {
 // Describes each tensor argument that is not None, read through the bindings'
 // torch reader; all must be on q's device. Returns that device (-1: the cpu).
 int describe(CacheCall& c, const TensorArgs& args) {
-  int device = -1;
-  std::string q_device;
+  bindings::TensorRef q_place;  // q's device only, for the message of a mismatch
   for (size_t i = 0; i < args.size(); ++i) {
-    const bindings::TensorRef r = bindings::read_layout(args[i]);
+    bindings::TensorRef r = bindings::read_layout(args[i]);
     if (!r.present) continue;
-    const std::string name = kTensorArgs[i];
+    const char* name = kTensorArgs[i].name;
     if (!r.is_tensor)
       throw py::type_error(
-          "attention: " + name + " must be a torch.Tensor, got " +
+          std::string("attention: ") + name + " must be a torch.Tensor, got " +
           py::str(py::type::handle_of(args[i]).attr("__name__")).cast<std::string>());
     if (i == 0) {
-      device = r.device;
-      q_device = r.device_str();
-    } else if (r.device != device) {
-      throw InvalidArgument("attention: " + name + " is on " + r.device_str() + " but q is on " +
-                            q_device);
+      q_place.device = r.device;
+    } else if (r.device != q_place.device) {
+      throw InvalidArgument(std::string("attention: ") + name + " is on " + r.device_str() +
+                            " but q is on " + q_place.device_str());
     }
-    TensorDesc& t = call_tensor(c, name);
+    TensorDesc& t = c.*kTensorArgs[i].member;
     t.present = true;
     t.data = reinterpret_cast<const void*>(r.ptr);
     t.dtype = r.dtype == bindings::TorchDType::Other ? other_dtype_name(args[i])
                                                      : bindings::torch_dtype_name(r.dtype);
-    t.shape = r.shape;
-    t.strides = r.strides;
+    t.shape = std::move(r.shape);
+    t.strides = std::move(r.strides);
   }
-  return device;
+  return q_place.device;
 }
 
 #ifdef SYMHEAP_WITH_CUDA
