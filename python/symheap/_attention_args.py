@@ -6,8 +6,9 @@ again (ranges, shapes) when it plans the call.
 """
 from __future__ import annotations
 
-import math
 import operator
+
+from . import _core
 
 
 def fail(message: str):
@@ -49,9 +50,8 @@ def seed_pair(seed) -> tuple:
 
 def cache_options(head_dim: int, causal, window_size, softmax_scale, softcap) -> dict:
     """The scalar options of a KV-cache call, as the core's CacheCall names them
-    (a causal call sees no key right of its query)."""
+    (the core sets them: the default scale, a causal call's window)."""
     left, right = window_pair(window_size)
-    if causal:
-        right = 0
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    return dict(window_left=left, window_right=right, scale=scale, softcap=float(softcap))
+    return _core.attention_cache_options(head_dim, bool(causal), left, right,
+                                         None if softmax_scale is None else float(softmax_scale),
+                                         float(softcap))

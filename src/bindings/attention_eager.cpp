@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "bindings/plain_values.hpp"
 #include "bindings/registry.hpp"
 #include "bindings/torch_tensor.hpp"
 #include "ops/attention/attention.hpp"
@@ -31,6 +32,8 @@
 namespace py = pybind11;
 using namespace symheap;
 using namespace symheap::attention;
+using bindings::exact_int;
+using bindings::plain_number;
 using bindings::TensorPool;
 using bindings::TensorRef;
 using bindings::TorchDType;
@@ -372,24 +375,6 @@ struct CallKey {
            (!has_scale || scale == o.scale) && softcap == o.softcap && backend == o.backend;
   }
 };
-
-bool exact_int(py::handle o, int64_t* v) {
-  if (!PyLong_CheckExact(o.ptr())) return false;
-  int overflow = 0;
-  *v = PyLong_AsLongLongAndOverflow(o.ptr(), &overflow);
-  return !overflow && !PyErr_Occurred();
-}
-
-bool plain_number(py::handle o, double* v) {
-  if (PyFloat_CheckExact(o.ptr())) {
-    *v = PyFloat_AS_DOUBLE(o.ptr());
-    return !std::isnan(*v);  // NaN never equals itself: no key
-  }
-  int64_t i = 0;
-  if (!exact_int(o, &i)) return false;
-  *v = static_cast<double>(i);
-  return true;
-}
 
 // Fills `key` from a call's arguments; false when one is not a plain value.
 bool make_key(const TensorRef* t, py::handle causal, py::handle window, py::handle scale,

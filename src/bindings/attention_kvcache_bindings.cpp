@@ -2,18 +2,23 @@
 // options are set on an AttentionCacheCall and its torch tensors handed to
 // attention_cache_torch, which reads them in C++ (address, dtype, shape,
 // element strides, device); the core checks them (cache_args) and runs on the
-// cpu or CUDA without the GIL. set_tensor describes a tensor by its fields
-// (the JAX front end's plans, made from shapes at trace time).
+// cpu or CUDA without the GIL. attention_kvcache_eager is the decode call's
+// whole eager path in one C++ call where its arguments need no conversion.
+// set_tensor describes a tensor by its fields (the JAX front end's plans,
+// made from shapes at trace time).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <array>
 #include <cstdint>
-#include <map>
+#include <deque>
+#include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "bindings/plain_values.hpp"
 #include "bindings/registry.hpp"
 #include "bindings/torch_tensor.hpp"
 #include "ops/attention/decode.hpp"
@@ -58,12 +63,20 @@ std::string other_dtype_name(py::handle tensor) {
   return name.rfind("torch.", 0) == 0 ? name.substr(6) : name;
 }
 
-// Describes each tensor argument that is not None, read through the bindings'
-// torch reader; all must be on q's device. Returns that device (-1: the cpu).
-int describe(CacheCall& c, const TensorArgs& args) {
-  bindings::TensorRef q_place;  // q's device only, for the message of a mismatch
+using TensorRefs = std::array<bindings::TensorRef, kTensorArgs.size()>;
+
+TensorRefs read_args(const TensorArgs& args) {
+  TensorRefs refs;
+  for (size_t i = 0; i < args.size(); ++i) refs[i] = bindings::read_layout(args[i]);
+  return refs;
+}
+
+// Describes each tensor argument that is not None (read by read_args); all
+// must be on q's device. Returns that device (-1: the cpu).
+int describe(CacheCall& c, const TensorArgs& args, TensorRefs& refs) {
+  int q_device = -1;
   for (size_t i = 0; i < args.size(); ++i) {
-    bindings::TensorRef r = bindings::read_layout(args[i]);
+    bindings::TensorRef& r = refs[i];
     if (!r.present) continue;
     const char* name = kTensorArgs[i].name;
     if (!r.is_tensor)
@@ -71,8 +84,10 @@ int describe(CacheCall& c, const TensorArgs& args) {
           std::string("attention: ") + name + " must be a torch.Tensor, got " +
           py::str(py::type::handle_of(args[i]).attr("__name__")).cast<std::string>());
     if (i == 0) {
-      q_place.device = r.device;
-    } else if (r.device != q_place.device) {
+      q_device = r.device;
+    } else if (r.device != q_device) {
+      bindings::TensorRef q_place;  // for the message
+      q_place.device = q_device;
       throw InvalidArgument(std::string("attention: ") + name + " is on " + r.device_str() +
                             " but q is on " + q_place.device_str());
     }
@@ -84,19 +99,181 @@ int describe(CacheCall& c, const TensorArgs& args) {
     t.shape = std::move(r.shape);
     t.strides = std::move(r.strides);
   }
-  return q_place.device;
+  return q_device;
 }
 
-#ifdef SYMHEAP_WITH_CUDA
-// torch.empty's keyword arguments for a float32 workspace on `device` (used
-// where torch's C++ API is not loaded), made once per device; GIL held.
-const py::dict& workspace_kwargs(int device) {
-  static std::map<int, py::dict*> made;  // never freed: outlives the interpreter's teardown
-  py::dict*& kw = made[device];
-  if (!kw) kw = new py::dict(bindings::empty_kwargs(bindings::TorchDType::F32, device));
-  return *kw;
+// Recycled tensors of the KV-cache calls, per (device, q's dtype, inference
+// mode): the eager decode call's out and lse (each back in its pool once its
+// caller drops it) and every CUDA call's workspace. Tensors over
+// kPoolMaxBytes, and all of them while the stream is captured into a CUDA
+// graph (the graph's memory pool must own what its replays write), are made
+// per call. Used under the GIL.
+constexpr size_t kPooled = 4;
+constexpr int64_t kPoolMaxBytes = int64_t{16} << 20;
+
+struct CachePools {
+  int device;
+  bindings::TorchDType dtype;
+  bool inference;
+  bindings::TensorPool out, lse, workspace;
+};
+
+CachePools& pools_of(int device, bindings::TorchDType dtype, bool inference) {
+  // Never freed (outlives the interpreter's teardown); a deque keeps each
+  // entry in place while another thread adds one during a GIL release.
+  static auto* pools = new std::deque<CachePools>;
+  for (CachePools& p : *pools)
+    if (p.device == device && p.dtype == dtype && p.inference == inference) return p;
+  using bindings::TensorPool;
+  using bindings::TorchDType;
+  pools->push_back(CachePools{device, dtype, inference, TensorPool(dtype, device, kPooled),
+                              TensorPool(TorchDType::F32, device, kPooled),
+                              TensorPool(TorchDType::I64, device, kPooled, /*internal=*/true)});
+  return pools->back();
 }
+
+py::object take(bindings::TensorPool& pool, const std::vector<int64_t>& shape,
+                int64_t element_bytes, uintptr_t stream, bool capturing, uintptr_t* data) {
+  int64_t bytes = element_bytes;
+  for (int64_t d : shape) bytes *= d;
+  if (capturing || bytes > kPoolMaxBytes) return pool.make(shape, data);
+  return pool.take(shape, stream, data);
+}
+
+// Where a CUDA call runs: torch's current stream of the device, and the pools.
+struct Placement {
+  uintptr_t stream = 0;
+  bool capturing = false;
+  CachePools* pools = nullptr;
+};
+
+Placement placement(int device, bindings::TorchDType dtype) {
+  Placement at;
+  if (device < 0) return at;
+  at.stream = bindings::torch_current_stream(device);
+#ifdef SYMHEAP_WITH_CUDA
+  at.capturing = cache_stream_capturing(reinterpret_cast<void*>(at.stream));
 #endif
+  at.pools = &pools_of(device, dtype, bindings::torch_inference_mode());
+  return at;
+}
+
+// Runs a described call with the GIL released: on the cpu (device -1), or on
+// CUDA with one plan, its workspace and the launch on the placement's stream.
+void launch(const CacheCall& c, int device, const Placement& at) {
+  const CacheArgs a = cache_args(c);
+  if (device < 0) {
+    py::gil_scoped_release nogil;
+    cache_attention_cpu(a, 0);
+    return;
+  }
+#ifdef SYMHEAP_WITH_CUDA
+  const CacheCudaPlan plan = cache_attention_cuda_plan(a, device);
+  py::object workspace;  // back in its pool (or freed) after the launch, in the stream's order
+  uintptr_t data = 0;
+  if (plan.bytes > 0) {
+    const std::vector<int64_t> words{static_cast<int64_t>((plan.bytes + 7) / 8)};
+    workspace = take(at.pools->workspace, words, 8, at.stream, at.capturing, &data);
+  }
+  py::gil_scoped_release nogil;
+  cache_attention_cuda(a, plan, reinterpret_cast<void*>(at.stream), reinterpret_cast<void*>(data),
+                       plan.bytes);
+#else
+  (void)at;
+  throw InvalidArgument("attention: q is on a CUDA device but symheap was built without CUDA");
+#endif
+}
+
+bool fits_int(int64_t v) {
+  return v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max();
+}
+
+bool unit_rows(const bindings::TensorRef& r) {
+  return !r.present || r.strides.empty() || r.strides.back() == 1;
+}
+
+int64_t element_bytes(bindings::TorchDType t) {
+  return t == bindings::TorchDType::F32 ? 4 : 2;
+}
+
+// flash_attn_with_kvcache in one C++ call: out, or (out, lse) with
+// `return_lse`. None where the call needs the front end's general path:
+// an option that is not a plain value (an exact bool, int or float, a tuple
+// of two ints), an int cache_seqlens, an input that needs a copy (a last
+// dimension of stride other than 1, alibi slopes that are not contiguous
+// float32), a tensor that requires grad while grad mode is on, or a tensor
+// the C++ reader did not read (a device other than the cpu and CUDA).
+py::object decode_eager(py::handle q, py::handle k_cache, py::handle v_cache, py::handle k,
+                        py::handle v, py::handle cache_seqlens, py::handle block_table,
+                        py::handle causal, py::handle window, py::handle softmax_scale,
+                        py::handle softcap, py::handle alibi_slopes, py::handle num_splits,
+                        py::handle return_lse) {
+  using bindings::TorchDType;
+  if (!PyBool_Check(causal.ptr()) || !PyBool_Check(return_lse.ptr())) return py::none();
+  if (!PyTuple_CheckExact(window.ptr()) || PyTuple_GET_SIZE(window.ptr()) != 2) return py::none();
+  int64_t win[2] = {}, splits = 0;
+  for (int i = 0; i < 2; ++i)
+    if (!bindings::exact_int(PyTuple_GET_ITEM(window.ptr(), i), &win[i]) || !fits_int(win[i]))
+      return py::none();
+  double scale = 0, cap = 0;
+  const bool has_scale = !softmax_scale.is_none();
+  if ((has_scale && !bindings::plain_number(softmax_scale, &scale)) ||
+      !bindings::plain_number(softcap, &cap) || !bindings::exact_int(num_splits, &splits) ||
+      !fits_int(splits))
+    return py::none();
+
+  const py::handle none(Py_None);
+  TensorArgs args = {q,    k_cache, v_cache, k,    v,           none,
+                     none, cache_seqlens, none, none, block_table, alibi_slopes};
+  TensorRefs refs = read_args(args);
+  for (const bindings::TensorRef& r : refs)
+    if (r.present && !r.native) return py::none();
+  const bindings::TensorRef &rq = refs[0], &slopes = refs[11];
+  if (!rq.present || rq.shape.size() != 4 || rq.strides[3] != 1) return py::none();
+  if (rq.dtype != TorchDType::F32 && rq.dtype != TorchDType::F16 && rq.dtype != TorchDType::BF16)
+    return py::none();
+  if (!unit_rows(refs[3]) || !unit_rows(refs[4]) || !unit_rows(refs[7]) || !unit_rows(refs[10]))
+    return py::none();
+  if (slopes.present && (slopes.dtype != TorchDType::F32 || !slopes.contiguous)) return py::none();
+  if (bindings::torch_grad_enabled())
+    for (int i = 0; i < 5; ++i)
+      if (refs[i].present && bindings::requires_grad(args[i])) return py::none();
+
+  // Outputs: out like q (contiguous), lse (B, Hq, Sq) float32.
+  const int device = rq.device;
+  const int64_t head_dim = rq.shape[3];
+  const std::vector<int64_t> out_shape = rq.shape;
+  const std::vector<int64_t> lse_shape{rq.shape[0], rq.shape[2], rq.shape[1]};
+  Placement at = placement(device, rq.dtype);
+  CachePools& pools = at.pools ? *at.pools : pools_of(device, rq.dtype, bindings::torch_inference_mode());
+  uintptr_t out_ptr = 0, lse_ptr = 0;
+  py::object out = take(pools.out, out_shape, element_bytes(rq.dtype), at.stream, at.capturing, &out_ptr);
+  py::object lse = take(pools.lse, lse_shape, 4, at.stream, at.capturing, &lse_ptr);
+  auto output_ref = [&](uintptr_t ptr, const std::vector<int64_t>& shape, TorchDType dtype) {
+    bindings::TensorRef r;
+    r.present = r.is_tensor = r.native = true;
+    r.ptr = ptr;
+    r.dtype = dtype;
+    r.device = device;
+    r.shape = shape;
+    r.strides.assign(shape.size(), 1);
+    for (size_t i = shape.size(); i-- > 1;) r.strides[i - 1] = r.strides[i] * shape[i];
+    return r;
+  };
+  args[5] = out;
+  args[6] = lse;
+  refs[5] = output_ref(out_ptr, out_shape, rq.dtype);
+  refs[6] = output_ref(lse_ptr, lse_shape, TorchDType::F32);
+
+  CacheCall c;
+  describe(c, args, refs);
+  set_cache_options(c, head_dim, causal.ptr() == Py_True, static_cast<int>(win[0]),
+                    static_cast<int>(win[1]), has_scale ? &scale : nullptr, cap);
+  c.num_splits = static_cast<int>(splits);
+  launch(c, device, at);
+  if (return_lse.ptr() == Py_True) return py::make_tuple(std::move(out), std::move(lse));
+  return out;
+}
 
 }  // namespace
 
@@ -123,38 +300,39 @@ SYMHEAP_BINDINGS(attention_kvcache) {
       });
 
   // One call from torch tensors (None: absent), on q's device: on CUDA, one
-  // plan, the workspace from torch's caching allocator on the current stream
-  // (capturable in a CUDA graph) and the launch there.
+  // plan, the workspace from the pools (or torch's caching allocator) on the
+  // current stream (capturable in a CUDA graph) and the launch there.
   m.def("attention_cache_torch", [](CacheCall& c, py::handle q, py::handle k_cache,
                                     py::handle v_cache, py::handle k, py::handle v,
                                     py::handle out, py::handle lse, py::handle cache_seqlens,
                                     py::handle cu_seqlens_q, py::handle cu_seqlens_k,
                                     py::handle block_table, py::handle alibi_slopes) {
-    const int device = describe(c, {q, k_cache, v_cache, k, v, out, lse, cache_seqlens,
-                                    cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes});
-    const CacheArgs a = cache_args(c);
-    if (device < 0) {
-      py::gil_scoped_release nogil;
-      cache_attention_cpu(a, 0);
-      return;
-    }
-#ifdef SYMHEAP_WITH_CUDA
-    const CacheCudaPlan plan = cache_attention_cuda_plan(a, device);
-    const uintptr_t stream = bindings::torch_current_stream(device);
-    py::object workspace;  // freed after the launch, in the stream's order
-    uintptr_t data = 0;
-    if (plan.bytes > 0) {
-      const std::vector<int64_t> floats{static_cast<int64_t>((plan.bytes + 3) / 4)};
-      workspace = bindings::torch_empty(floats, bindings::TorchDType::F32, device,
-                                        workspace_kwargs(device));
-      data = bindings::tensor_data_ptr(workspace);
-    }
-    py::gil_scoped_release nogil;
-    cache_attention_cuda(a, plan, reinterpret_cast<void*>(stream), reinterpret_cast<void*>(data),
-                         plan.bytes);
-#else
-    throw InvalidArgument("attention: q is on a CUDA device but symheap was built without CUDA");
-#endif
+    const TensorArgs args = {q,   k_cache,      v_cache,      k,           v,
+                             out, lse,          cache_seqlens, cu_seqlens_q, cu_seqlens_k,
+                             block_table, alibi_slopes};
+    TensorRefs refs = read_args(args);
+    const bindings::TorchDType dtype = refs[0].dtype;
+    const int device = describe(c, args, refs);
+    launch(c, device, placement(device, dtype));
+  });
+
+  m.def("attention_kvcache_eager", &decode_eager,
+        "flash_attn_with_kvcache where its arguments need no conversion: out, or (out, lse); "
+        "None otherwise (the front end's general path).");
+
+  // The scalar options of a call from the user's (softmax_scale None: the default).
+  m.def("attention_cache_options", [](int64_t head_dim, bool causal, int window_left,
+                                      int window_right, std::optional<double> softmax_scale,
+                                      double softcap) {
+    CacheCall c;
+    set_cache_options(c, head_dim, causal, window_left, window_right,
+                      softmax_scale ? &*softmax_scale : nullptr, softcap);
+    py::dict options;
+    options["window_left"] = c.window_left;
+    options["window_right"] = c.window_right;
+    options["scale"] = static_cast<double>(c.scale);
+    options["softcap"] = static_cast<double>(c.softcap);
+    return options;
   });
 
 #ifdef SYMHEAP_WITH_CUDA

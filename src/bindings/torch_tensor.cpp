@@ -177,6 +177,7 @@ std::vector<int64_t> int_tuple(const py::object& t) {
 
 // `n` into `r` (its strides too with `strides`).
 void from_native(const torch_native::Tensor& n, TensorRef& r, bool strides) {
+  r.native = true;
   r.ptr = n.ptr;
   r.dtype = static_cast<TorchDType>(n.dtype);
   r.device = n.device;
@@ -414,9 +415,8 @@ py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream,
     if (data) *data = e.data;
     return e.tensor;
   }
-  if (!kwargs_) kwargs_ = empty_kwargs(dtype_, device_);
-  py::object t = torch_empty(shape, dtype_, device_, kwargs_);
-  const uintptr_t addr = tensor_data_ptr(t);
+  uintptr_t addr = 0;
+  py::object t = make(shape, &addr);
   if (data) *data = addr;
   if (capacity_ == 0) return t;
   const int64_t uses = internal_ ? 0 : storage_uses(T, t);
@@ -428,6 +428,13 @@ py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream,
     entries_[replace_next_] = entry;
     replace_next_ = (replace_next_ + 1) % capacity_;
   }
+  return t;
+}
+
+py::object TensorPool::make(const std::vector<int64_t>& shape, uintptr_t* data) {
+  if (!kwargs_) kwargs_ = empty_kwargs(dtype_, device_);
+  py::object t = torch_empty(shape, dtype_, device_, kwargs_);
+  if (data) *data = tensor_data_ptr(t);
   return t;
 }
 

@@ -30,6 +30,7 @@ struct TensorRef {
   uintptr_t ptr = 0;
   TorchDType dtype = TorchDType::Other;
   int device = -1;  // CUDA ordinal, -1 on the cpu
+  bool native = false;  // read through torch's C++ API (so on the cpu or CUDA)
   bool contiguous = false;
   std::vector<int64_t> shape;
   std::vector<int64_t> strides;  // filled only when asked for
@@ -121,6 +122,8 @@ class TensorPool {
         until_exposed_(until_exposed) {}
   // A tensor of `shape`; `data`, if given, receives its address.
   py::object take(const std::vector<int64_t>& shape, uintptr_t stream, uintptr_t* data = nullptr);
+  // A new tensor of `shape` that the pool does not keep.
+  py::object make(const std::vector<int64_t>& shape, uintptr_t* data = nullptr);
   // Whether `tensor` is one of the pool's entries, handed out with `shape`:
   // then its address is known (`data`) without asking torch.
   bool holds(py::handle tensor, const std::vector<int64_t>& shape, uintptr_t* data) const;

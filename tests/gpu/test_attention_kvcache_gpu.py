@@ -284,6 +284,47 @@ def test_decode_step_in_a_cuda_graph(layout):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
 
 
+def test_graph_outputs_are_not_recycled_for_eager_calls():
+    """Outputs a captured call made belong to the graph: after the capture, with
+    the graph's outputs dropped, eager calls on the capture's stream get other
+    memory, so a replay does not overwrite what they returned."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(22)
+    B, Hq, Hkv, D = 1, 32, 8, 128
+    cache = Cache(B=B, capacity=16384, Hkv=Hkv, D=D, dtype=dtype, device="cuda", gen=gen,
+                  lengths=[16000], block_size=256)
+    seqlens = torch.tensor([16000], dtype=torch.int32, device="cuda")
+    q = torch.randn((B, 1, Hq, D), generator=gen).to(device="cuda", dtype=dtype)
+
+    def step(x):
+        return flash_attn_with_kvcache(x, cache.k, cache.v, cache_seqlens=seqlens,
+                                       block_table=cache.block_table, return_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(q)  # fills the pools of this stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out, lse = step(q)
+    graph_memory = {out.data_ptr(), lse.data_ptr()}
+    del out, lse
+    with torch.cuda.stream(side):
+        other = torch.randn(q.shape, generator=gen).to(device="cuda", dtype=dtype)
+        eager = [step(other) for _ in range(3)]
+        side.synchronize()
+        kept = [(o.clone(), l.clone()) for o, l in eager]
+        graph.replay()
+        side.synchronize()
+    for (o, l), (ko, kl) in zip(eager, kept):
+        assert not {o.data_ptr(), l.data_ptr()} & graph_memory, "an eager call got the graph's output"
+        assert torch.equal(o, ko) and torch.equal(l, kl), "a replay overwrote an eager output"
+    ref, _ = reference(other, cache, 0, 16000, {}, Hq)
+    assert max_err(eager[0][0], ref) <= TOL[dtype]
+
+
 @pytest.mark.parametrize("D, waves, more, expected", [
     (128, 1, False, "keys_major"), (128, 1, True, "keys_major_x2"), (128, 2, False, "keys_major_x2"),
     (128, 2, True, "keys_major"), (64, None, False, "keys_major"), (64, None, True, "previous")])

@@ -1,7 +1,9 @@
 """Attention over a KV cache (inference, forward only): the decode call
 ``flash_attn_with_kvcache`` and the paged path of ``flash_attn_varlen_func``.
 
-This module only allocates outputs and sets options; the core reads the
+A decode call whose arguments need no conversion runs in one C++ call
+(``attention_kvcache_eager``); otherwise this module converts them, allocates
+the outputs and sets the options. Either way the core reads the
 tensors (``attention_cache_torch``), checks every shape, dtype, device, length
 and block id in C++ (src/ops/attention/decode_args.cpp and decode_cpu.cpp) and
 raises ValueError.
@@ -73,6 +75,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     not updated). Returns ``out`` (B, Sq, Hq, D), or ``(out, lse)`` with
     ``lse`` (B, Hq, Sq) float32. Forward only.
     """
+    done = _core.attention_kvcache_eager(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                         causal, window_size, softmax_scale, softcap,
+                                         alibi_slopes, num_splits, return_lse)
+    if done is not None:  # the whole call in C++ (outputs from its pools)
+        return done
     q = _query(q)
     _no_grad_needed(q, k_cache, v_cache, k, v)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):

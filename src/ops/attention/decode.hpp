@@ -107,6 +107,12 @@ struct CacheCall {
 };
 CacheArgs cache_args(const CacheCall& call);
 
+// Sets a call's scalar options from the user's: no softmax_scale (null) means
+// 1/sqrt(head_dim), and a causal call sees no key right of its query (its
+// window's right side is 0). Every front end sets them through this.
+void set_cache_options(CacheCall& call, int64_t head_dim, bool causal, int window_left,
+                       int window_right, const double* softmax_scale, double softcap);
+
 // Checks of shapes, strides and options (no data is read). Throws
 // InvalidArgument naming the argument and the allowed range.
 void validate_cache(const CacheArgs& a);
@@ -158,6 +164,11 @@ int cache_attention_cuda_splits(const CacheArgs& a, int device);
 // that device or by cache_check_cuda.
 void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* workspace,
                           size_t bytes);
+
+// Whether `stream` is being captured into a CUDA graph: a front end that
+// recycles outputs or workspaces then allocates them per call instead, so the
+// graph's memory pool owns what a replay writes.
+bool cache_stream_capturing(void* stream);
 
 // Raises the error a cache call recorded on `device` (and clears it); with
 // `sync` it first waits for `stream`.

@@ -1,6 +1,7 @@
 // Turns a KV-cache call described by tensor shapes (CacheCall) into the op
 // core's CacheArgs: every shape, dtype and stride check of the call lives here.
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "ops/attention/decode.hpp"
@@ -67,6 +68,16 @@ Tensor as_tensor(const TensorDesc& t, DType dtype, int64_t batch_stride, int64_t
 }
 
 }  // namespace
+
+void set_cache_options(CacheCall& c, int64_t head_dim, bool causal, int window_left,
+                       int window_right, const double* softmax_scale, double softcap) {
+  require(head_dim >= 1, "head_dim must be >= 1, got " + str(head_dim));
+  c.scale = static_cast<float>(softmax_scale ? *softmax_scale
+                                             : 1.0 / std::sqrt(static_cast<double>(head_dim)));
+  c.softcap = static_cast<float>(softcap);
+  c.window_left = window_left;
+  c.window_right = causal ? 0 : window_right;
+}
 
 CacheArgs cache_args(const CacheCall& c) {
   CacheArgs a;

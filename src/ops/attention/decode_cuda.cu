@@ -1656,6 +1656,12 @@ void cache_attention_cuda(const CacheArgs& a, int device, void* stream, void* wo
   cache_attention_cuda(a, cache_attention_cuda_plan(a, device), stream, workspace, bytes);
 }
 
+bool cache_stream_capturing(void* stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  SYMHEAP_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 void cache_check_cuda(int device, void* stream, bool sync) {
   auto error = kvcache::error_word(device);
   if (sync) {
