@@ -1084,9 +1084,13 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB, SHAPE>::kThreads, 1)
 // ---------------------------------------------------------------- combine
 
 // One CTA per (query row x head, sequence); each thread merges its column
-// over the splits (SplitMerge: one round trip to memory; the split's lse is
-// the same address for every thread of the CTA).
-template <class T>
+// over the splits (SplitMerge: one round trip to memory per BATCH splits; the
+// split's lse is the same address for every thread of the CTA). BATCH 16
+// takes the 9-16 splits of a short row in one round trip: at 1 x 8k and 1 x
+// 16k keys (16 splits) the call took 1.1-1.4 us less than with 8, while 4
+// splits lost 0.2-0.3 us to the wider batch's idle loads (bench/attn_notes.md,
+// section 52), so up to 8 splits keep BATCH 8.
+template <class T, int BATCH>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent of the attention kernel: the
@@ -1104,16 +1108,16 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
     const bool in_row = c < p.d;
     const int64_t col = in_row ? c : 0;  // a thread past the row reads column 0, unused
     SplitMerge merge;
-    for (int s0 = 0; s0 < p.splits; s0 += kMergeBatch) {
-      float xs[kMergeBatch], ys[kMergeBatch];
+    for (int s0 = 0; s0 < p.splits; s0 += BATCH) {
+      float xs[BATCH], ys[BATCH];
 #pragma unroll
-      for (int k = 0; k < kMergeBatch; ++k) {
+      for (int k = 0; k < BATCH; ++k) {
         const int s = s0 + k;
         xs[k] = s < p.splits ? p.part_lse[s * p.vectors + v] : -INFINITY;
         ys[k] = s < p.splits ? p.part_out[(s * p.vectors + v) * p.d + col] : 0.0f;
       }
 #pragma unroll
-      for (int k = 0; k < kMergeBatch; ++k) merge.add(xs[k], ys[k]);
+      for (int k = 0; k < BATCH; ++k) merge.add(xs[k], ys[k]);
     }
     if (in_row) out[c] = from_float<T>(merge.out());
     if (c == 0) p.lse[b * p.lse_sb + hq * p.lse_sh + qs.q0 + i] = merge.lse();
@@ -1609,7 +1613,10 @@ void run(const CacheArgs& a, const Plan& pl, const Params& p, cudaStream_t strea
     overlap.val.programmaticStreamSerializationAllowed = 1;
     config.attrs = &overlap;
     config.numAttrs = 1;
-    SYMHEAP_CUDA_CHECK(cudaLaunchKernelEx(&config, combine_kernel<T>, p));
+    if (p.splits > kMergeBatch)
+      SYMHEAP_CUDA_CHECK(cudaLaunchKernelEx(&config, combine_kernel<T, 2 * kMergeBatch>, p));
+    else
+      SYMHEAP_CUDA_CHECK(cudaLaunchKernelEx(&config, combine_kernel<T, kMergeBatch>, p));
     SYMHEAP_CUDA_CHECK_LAUNCH("attention.kvcache.combine_kernel");
   }
 }
