@@ -40,11 +40,8 @@ using bindings::TorchDType;
 
 namespace {
 
-// Recycled outputs per pool; outputs (and cuDNN workspaces) above the byte
-// limit are allocated per call: their kernels dwarf an allocation, and a pool
-// must not pin large blocks the caching allocator could give to other shapes.
-constexpr size_t kPooled = 4;
-constexpr int64_t kPoolMaxBytes = int64_t{16} << 20;
+using bindings::kPoolMaxBytes;
+constexpr size_t kPooled = bindings::kPoolEntries;
 
 TorchDType torch_dtype(DType t) {
   switch (t) {

@@ -108,8 +108,8 @@ int describe(CacheCall& c, const TensorArgs& args, TensorRefs& refs) {
 // kPoolMaxBytes, and all of them while the stream is captured into a CUDA
 // graph (the graph's memory pool must own what its replays write), are made
 // per call. Used under the GIL.
-constexpr size_t kPooled = 4;
-constexpr int64_t kPoolMaxBytes = int64_t{16} << 20;
+using bindings::kPoolMaxBytes;
+constexpr size_t kPooled = bindings::kPoolEntries;
 
 struct CachePools {
   int device;
@@ -245,9 +245,11 @@ py::object decode_eager(py::handle q, py::handle k_cache, py::handle v_cache, py
   const std::vector<int64_t> out_shape = rq.shape;
   const std::vector<int64_t> lse_shape{rq.shape[0], rq.shape[2], rq.shape[1]};
   Placement at = placement(device, rq.dtype);
-  CachePools& pools = at.pools ? *at.pools : pools_of(device, rq.dtype, bindings::torch_inference_mode());
+  CachePools& pools =
+      at.pools ? *at.pools : pools_of(device, rq.dtype, bindings::torch_inference_mode());
   uintptr_t out_ptr = 0, lse_ptr = 0;
-  py::object out = take(pools.out, out_shape, element_bytes(rq.dtype), at.stream, at.capturing, &out_ptr);
+  py::object out =
+      take(pools.out, out_shape, element_bytes(rq.dtype), at.stream, at.capturing, &out_ptr);
   py::object lse = take(pools.lse, lse_shape, 4, at.stream, at.capturing, &lse_ptr);
   auto output_ref = [&](uintptr_t ptr, const std::vector<int64_t>& shape, TorchDType dtype) {
     bindings::TensorRef r;
