@@ -136,3 +136,33 @@ def test_options_as_the_core_sets_them():
     assert _core.attention_cache_options(64, True, -1, -1, 0.25, 0.0)["scale"] == 0.25
     with pytest.raises(ValueError, match="head_dim must be >= 1"):
         _core.attention_cache_options(0, False, -1, -1, None, 0.0)
+
+
+def test_threads_calling_at_once_get_their_own_outputs():
+    """Four threads call at once with mixed shapes (the core runs without the GIL,
+    so another thread takes from the pools meanwhile): each result equals the
+    same call made alone."""
+    import threading
+
+    cases = [setup(10 + i, B=1 + i % 2, Hq=4, Hkv=2 if i % 2 else 4,
+                   lengths=(20, 37)[:1 + i % 2]) for i in range(4)]
+    want = [flash_attn_with_kvcache(q, c.k, c.v, cache_seqlens=s, block_table=c.block_table,
+                                    return_lse=True) for c, q, s in cases]
+    want = [(o.clone(), l.clone()) for o, l in want]
+    bad, barrier = [], threading.Barrier(len(cases))
+
+    def worker(i):
+        c, q, s = cases[i]
+        barrier.wait()
+        for _ in range(50):
+            o, l = flash_attn_with_kvcache(q, c.k, c.v, cache_seqlens=s,
+                                           block_table=c.block_table, return_lse=True)
+            if not (torch.equal(o, want[i][0]) and torch.equal(l, want[i][1])):
+                bad.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad, f"threads {sorted(set(bad))} got another call's output"
