@@ -447,9 +447,11 @@ class EpOp {
     if (!o) {
       h = handle_.make();
       o = output_.make();
+      py::object forgotten;  // released on return: its release may run Python code
       if (recycled_.size() < kPooled) {
         recycled_.push_back(o);
       } else {  // every one kept by its caller: forget one in turn
+        forgotten = std::move(recycled_[recycle_next_]);
         recycled_[recycle_next_] = o;
         recycle_next_ = (recycle_next_ + 1) % kPooled;
       }
@@ -499,14 +501,14 @@ class EpOp {
   // deallocation and no reference to their (shared) classes.
   void take_recycled(py::object* o, py::object* h) {
     const auto* handle_type = reinterpret_cast<PyTypeObject*>(handle_.type.ptr());
-    for (py::object& e : recycled_) {
+    for (const py::object& e : recycled_) {
       if (Py_REFCNT(e.ptr()) != 1) continue;
       PyObject* handle = output_.get(e, SlotClass::kHandle).ptr();
       if (!handle || Py_TYPE(handle) != handle_type || Py_REFCNT(handle) != 1) continue;
       *h = py::reinterpret_borrow<py::object>(handle);
-      output_.clear(e.ptr());
+      *o = e;  // held before the clears, whose releases may run Python code
+      output_.clear(o->ptr());
       handle_.clear(h->ptr());
-      *o = e;
       return;
     }
   }

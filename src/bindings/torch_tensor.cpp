@@ -398,22 +398,31 @@ py::dict empty_kwargs(TorchDType dtype, int device) {
   return kw;
 }
 
+// Any call into torch below may run Python code (the cyclic collector, a
+// finalizer) and so let another thread take from this pool meanwhile: no
+// reference into entries_ is held across such a call, an entry under check is
+// held (its count above 1, so no other thread takes it), and a tensor the pool
+// lets go of is released only once entries_ is consistent again.
 py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream,
                             uintptr_t* data) {
   const Torch& T = torch_api();
   for (size_t i = 0; i < entries_.size(); ++i) {
-    Entry& e = entries_[i];
+    const Entry& e = entries_[i];
     if (e.stream != stream || e.shape != shape || Py_REFCNT(e.tensor.ptr()) != 1) continue;
+    py::object tensor = e.tensor;
+    const uintptr_t addr = e.data;
+    const int64_t idle_uses = e.idle_uses;
     if (!internal_ && e.exposed) {
-      if (e.idle_uses < 0 || storage_uses(T, e.tensor) != e.idle_uses) continue;
-      if (!integer_dtype(dtype_) && requires_grad(e.tensor)) {
+      if (idle_uses < 0 || storage_uses(T, tensor) != idle_uses) continue;
+      if (!integer_dtype(dtype_) && requires_grad(tensor)) {
         // Its last holder made it an autograd leaf: not a fresh output any more.
-        entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(i--));
+        forget(tensor);
+        i = static_cast<size_t>(-1);  // entries_ changed: look again from the start
         continue;
       }
     }
-    if (data) *data = e.data;
-    return e.tensor;
+    if (data) *data = addr;
+    return tensor;
   }
   uintptr_t addr = 0;
   py::object t = make(shape, &addr);
@@ -421,14 +430,26 @@ py::object TensorPool::take(const std::vector<int64_t>& shape, uintptr_t stream,
   if (capacity_ == 0) return t;
   const int64_t uses = internal_ ? 0 : storage_uses(T, t);
   if (!internal_ && uses <= 0) return t;
-  const Entry entry{t, shape, stream, uses, addr, !internal_ && !until_exposed_};
+  Entry entry{t, shape, stream, uses, addr, !internal_ && !until_exposed_};
+  py::object replaced;  // released on return, after entries_ is consistent
   if (entries_.size() < capacity_) {
-    entries_.push_back(entry);
+    entries_.push_back(std::move(entry));
   } else {  // full of outputs callers keep: forget one in turn (its holders keep it alive)
-    entries_[replace_next_] = entry;
+    Entry& slot = entries_[replace_next_ % entries_.size()];
+    replaced = std::move(slot.tensor);
+    slot = std::move(entry);
     replace_next_ = (replace_next_ + 1) % capacity_;
   }
   return t;
+}
+
+void TensorPool::forget(const py::object& tensor) {
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (entries_[i].tensor.ptr() != tensor.ptr()) continue;
+    py::object released = std::move(entries_[i].tensor);  // `tensor` holds it: no release here
+    entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(i));
+    return;
+  }
 }
 
 py::object TensorPool::make(const std::vector<int64_t>& shape, uintptr_t* data) {

@@ -106,7 +106,9 @@ py::dict empty_kwargs(TorchDType dtype, int device);
 // it a GIL release and re-acquire inside torch on every call. A tensor whose
 // last holder made it require grad is dropped, not handed out; when every
 // entry is kept by its callers, a new tensor takes an entry's place in turn
-// (the pool only forgets the old one). GIL held.
+// (the pool only forgets the old one). GIL held; threads may share a pool
+// (take() stays consistent when torch runs Python code inside it and another
+// thread takes meanwhile).
 //
 // `internal`: the pool's tensors never reach Python code (a call's scratch),
 // so no view of them exists and the pool's own reference being the only one
@@ -139,6 +141,9 @@ class TensorPool {
   void expose(py::handle tensor);
 
  private:
+  // Drops the entry of `tensor`, which the caller holds (so nothing is released here).
+  void forget(const py::object& tensor);
+
   struct Entry {
     py::object tensor;
     std::vector<int64_t> shape;

@@ -139,13 +139,17 @@ def test_options_as_the_core_sets_them():
 
 
 def test_threads_calling_at_once_get_their_own_outputs():
-    """Four threads call at once with mixed shapes (the core runs without the GIL,
-    so another thread takes from the pools meanwhile): each result equals the
-    same call made alone."""
+    """Six threads call at once, four shapes among them: two pairs share a shape
+    (so pool entries) and every thread shares the pools, which then hold more
+    shapes than entries and replace them in turn (the core runs without the
+    GIL, and torch may run Python code inside a pool's take, so other threads
+    take meanwhile): each result equals the same call made alone."""
     import threading
 
-    cases = [setup(10 + i, B=1 + i % 2, Hq=4, Hkv=2 if i % 2 else 4,
-                   lengths=(20, 37)[:1 + i % 2]) for i in range(4)]
+    shapes = [(1, 4), (2, 2), (3, 2), (4, 4), (1, 4), (2, 2)]  # (batch, kv heads)
+    lengths = (20, 37, 5, 64)
+    cases = [setup(10 + i, B=B, Hq=4, Hkv=Hkv, lengths=lengths[:B])
+             for i, (B, Hkv) in enumerate(shapes)]
     want = [flash_attn_with_kvcache(q, c.k, c.v, cache_seqlens=s, block_table=c.block_table,
                                     return_lse=True) for c, q, s in cases]
     want = [(o.clone(), l.clone()) for o, l in want]
@@ -154,7 +158,7 @@ def test_threads_calling_at_once_get_their_own_outputs():
     def worker(i):
         c, q, s = cases[i]
         barrier.wait()
-        for _ in range(50):
+        for _ in range(300):
             o, l = flash_attn_with_kvcache(q, c.k, c.v, cache_seqlens=s,
                                            block_table=c.block_table, return_lse=True)
             if not (torch.equal(o, want[i][0]) and torch.equal(l, want[i][1])):
