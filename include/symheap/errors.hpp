@@ -5,6 +5,15 @@
 #include <string>
 #include <utility>
 
+// Checks `ok`; where it does not hold, calls `fail(message)`, which throws.
+// The message is built only then: a call's argument checks run on every
+// call, and building every message (a few string concatenations each) cost
+// more than the checks themselves.
+#define SYMHEAP_REQUIRE(ok, fail, message) \
+  do {                                     \
+    if (!(ok)) fail(message);              \
+  } while (0)
+
 namespace symheap {
 
 // Invalid argument from the caller (ValueError in Python).

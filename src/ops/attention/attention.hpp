@@ -102,6 +102,10 @@ uint32_t dropout_threshold(float p);
 // cpu building blocks shared with the KV-cache path (decode_cpu.cpp): the
 // worker pool (same thread count rule) and fp32 row conversions.
 void cpu_parallel_for(int64_t items, int threads, const std::function<void(int64_t)>& fn);
+// The threads a cpu call of `work` multiply-adds runs on: `threads` when given
+// (> 0); else 1 for small work (worker threads start per call), else 0 (the
+// default count).
+int cpu_threads_for(int64_t work, int threads);
 void cpu_load_row(const void* base, DType t, int64_t off, int n, float* dst);
 void cpu_store_row(void* base, DType t, int64_t off, int n, const float* src);
 float cpu_dot(const float* x, const float* y, int n);

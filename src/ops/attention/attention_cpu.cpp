@@ -394,14 +394,9 @@ void check_host_lengths(const Args& a) {
   check_cu_seqlens(a.cu_seqlens_k, a.batch, a.total_k, a.seqlen_k, "cu_seqlens_k");
 }
 
-// Worker threads start per call (tens of microseconds each): with the default
-// thread count, a call below this many multiply-adds runs on the calling thread.
-constexpr int64_t kInlineWork = int64_t{1} << 16;
-
 int threads_for(const Args& a, int threads) {
-  if (threads > 0) return threads;
   const int64_t work = static_cast<int64_t>(a.batch) * a.heads_q * a.seqlen_q * a.seqlen_k * a.head_dim;
-  return work < kInlineWork ? 1 : threads;
+  return cpu_threads_for(work, threads);
 }
 
 }  // namespace
@@ -426,6 +421,15 @@ void backward_cpu(const Args& a, int threads) {
 }
 
 // ------------------------------------------------------------ shared with the KV-cache path
+
+// Worker threads start per call (tens of microseconds each): with the default
+// thread count, a call below this many multiply-adds runs on the calling thread.
+constexpr int64_t kInlineWork = int64_t{1} << 16;
+
+int cpu_threads_for(int64_t work, int threads) {
+  if (threads > 0) return threads;
+  return work < kInlineWork ? 1 : threads;
+}
 
 void cpu_parallel_for(int64_t items, int threads, const std::function<void(int64_t)>& fn) {
   parallel_for(items, threads, fn);

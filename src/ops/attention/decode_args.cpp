@@ -14,10 +14,6 @@ namespace {
   throw InvalidArgument("attention (kv cache): " + message);
 }
 
-void require(bool ok, const std::string& message) {
-  if (!ok) fail(message);
-}
-
 std::string str(int64_t x) { return std::to_string(x); }
 
 std::string shape_str(const std::vector<int64_t>& s) {
@@ -34,26 +30,28 @@ DType float_dtype(const TensorDesc& t, const char* name) {
 }
 
 void need(const TensorDesc& t, const char* name, const char* what) {
-  require(t.present, std::string(name) + " is missing: " + what);
+  SYMHEAP_REQUIRE(t.present, fail, std::string(name) + " is missing: " + what);
 }
 
 void need_rank(const TensorDesc& t, const char* name, size_t rank, const char* layout) {
-  require(t.shape.size() == rank && t.strides.size() == rank,
-          std::string(name) + " must be " + layout + ", got shape " + shape_str(t.shape));
+  SYMHEAP_REQUIRE(t.shape.size() == rank && t.strides.size() == rank, fail,
+                  std::string(name) + " must be " + layout + ", got shape " + shape_str(t.shape));
 }
 
 void need_unit_last(const TensorDesc& t, const char* name) {
-  require(t.strides.back() == 1 || t.shape.back() <= 1,
-          std::string(name) + " needs unit stride along its last dimension (make it contiguous)");
+  SYMHEAP_REQUIRE(t.strides.back() == 1 || t.shape.back() <= 1, fail,
+                  std::string(name) +
+                      " needs unit stride along its last dimension (make it contiguous)");
 }
 
 // An int32 vector of n entries with unit stride.
 void need_int_vector(const TensorDesc& t, const char* name, int64_t n, const char* what) {
   need(t, name, what);
-  require(t.dtype == "int32", std::string(name) + " must be int32, got " + t.dtype);
-  require(t.shape.size() == 1 && t.shape[0] == n,
-          std::string(name) + " must have shape (" + str(n) + ",), got " + shape_str(t.shape));
-  require(t.strides[0] == 1 || n <= 1, std::string(name) + " must be contiguous");
+  SYMHEAP_REQUIRE(t.dtype == "int32", fail, std::string(name) + " must be int32, got " + t.dtype);
+  SYMHEAP_REQUIRE(t.shape.size() == 1 && t.shape[0] == n, fail,
+                  std::string(name) + " must have shape (" + str(n) + ",), got " +
+                      shape_str(t.shape));
+  SYMHEAP_REQUIRE(t.strides[0] == 1 || n <= 1, fail, std::string(name) + " must be contiguous");
 }
 
 Tensor as_tensor(const TensorDesc& t, DType dtype, int64_t batch_stride, int64_t row_stride,
@@ -71,7 +69,7 @@ Tensor as_tensor(const TensorDesc& t, DType dtype, int64_t batch_stride, int64_t
 
 void set_cache_options(CacheCall& c, int64_t head_dim, bool causal, int window_left,
                        int window_right, const double* softmax_scale, double softcap) {
-  require(head_dim >= 1, "head_dim must be >= 1, got " + str(head_dim));
+  SYMHEAP_REQUIRE(head_dim >= 1, fail, "head_dim must be >= 1, got " + str(head_dim));
   c.scale = static_cast<float>(softmax_scale ? *softmax_scale
                                              : 1.0 / std::sqrt(static_cast<double>(head_dim)));
   c.softcap = static_cast<float>(softcap);
@@ -89,16 +87,18 @@ CacheArgs cache_args(const CacheCall& c) {
   int64_t B, Hq, D;
   if (varlen) {
     need_rank(c.q, "q", 3, "(total_q, Hq, D)");
-    require(!c.cache_seqlens.present,
-            "the varlen call takes key lengths from cu_seqlens_k, not cache_seqlens");
-    require(!c.k.present && !c.v.present, "the varlen call appends no keys (k, v)");
+    SYMHEAP_REQUIRE(!c.cache_seqlens.present, fail,
+                    "the varlen call takes key lengths from cu_seqlens_k, not cache_seqlens");
+    SYMHEAP_REQUIRE(!c.k.present && !c.v.present, fail, "the varlen call appends no keys (k, v)");
     need(c.block_table, "block_table", "the varlen call reads a paged cache");
-    require(c.cu_seqlens_q.shape.size() == 1 && c.cu_seqlens_q.shape[0] >= 2,
-            "cu_seqlens_q must have batch + 1 >= 2 entries, got shape " + shape_str(c.cu_seqlens_q.shape));
+    SYMHEAP_REQUIRE(c.cu_seqlens_q.shape.size() == 1 && c.cu_seqlens_q.shape[0] >= 2, fail,
+                    "cu_seqlens_q must have batch + 1 >= 2 entries, got shape " +
+                        shape_str(c.cu_seqlens_q.shape));
     B = c.cu_seqlens_q.shape[0] - 1;
     need_int_vector(c.cu_seqlens_q, "cu_seqlens_q", B + 1, "sequence starts");
     need_int_vector(c.cu_seqlens_k, "cu_seqlens_k", B + 1, "key sequence starts (batch + 1 entries)");
-    require(c.max_seqlen_q >= 0, "max_seqlen_q must be >= 0, got " + str(c.max_seqlen_q));
+    SYMHEAP_REQUIRE(c.max_seqlen_q >= 0, fail,
+                    "max_seqlen_q must be >= 0, got " + str(c.max_seqlen_q));
     Hq = c.q.shape[1];
     D = c.q.shape[2];
     a.seqlen_q = c.max_seqlen_q;
@@ -109,7 +109,8 @@ CacheArgs cache_args(const CacheCall& c) {
     a.seqlens_k_cumulative = true;
   } else {
     need_rank(c.q, "q", 4, "(B, Sq, Hq, D)");
-    require(!c.cu_seqlens_k.present, "cu_seqlens_k needs cu_seqlens_q (the varlen call)");
+    SYMHEAP_REQUIRE(!c.cu_seqlens_k.present, fail,
+                    "cu_seqlens_k needs cu_seqlens_q (the varlen call)");
     B = c.q.shape[0];
     Hq = c.q.shape[2];
     D = c.q.shape[3];
@@ -119,27 +120,30 @@ CacheArgs cache_args(const CacheCall& c) {
     a.seqlens_k = static_cast<const int32_t*>(c.cache_seqlens.data);
   }
   need_unit_last(c.q, "q");
-  require(B >= 1 && B <= 0x7fffffff, "batch must be >= 1, got " + str(B));
+  SYMHEAP_REQUIRE(B >= 1 && B <= 0x7fffffff, fail, "batch must be >= 1, got " + str(B));
   need(c.out, "out", "the output buffer");
-  require(c.out.shape == c.q.shape, "out must have q's shape " + shape_str(c.q.shape) + ", got " +
-                                        shape_str(c.out.shape));
-  require(c.out.dtype == c.q.dtype, "out must have q's dtype " + c.q.dtype);
+  SYMHEAP_REQUIRE(c.out.shape == c.q.shape, fail,
+                  "out must have q's shape " + shape_str(c.q.shape) + ", got " +
+                      shape_str(c.out.shape));
+  SYMHEAP_REQUIRE(c.out.dtype == c.q.dtype, fail, "out must have q's dtype " + c.q.dtype);
   need_unit_last(c.out, "out");
   a.out = varlen ? as_tensor(c.out, dtype, 0, c.out.strides[0], c.out.strides[1])
                  : as_tensor(c.out, dtype, c.out.strides[0], c.out.strides[1], c.out.strides[2]);
   need(c.lse, "lse", "the log-sum-exp buffer");
-  require(c.lse.dtype == "float32", "lse must be float32");
+  SYMHEAP_REQUIRE(c.lse.dtype == "float32", fail, "lse must be float32");
   if (varlen) {
     need_rank(c.lse, "lse", 2, "(Hq, total_q)");
-    require(c.lse.shape[0] == Hq && c.lse.shape[1] == c.q.shape[0],
-            "lse must have shape (" + str(Hq) + ", " + str(c.q.shape[0]) + "), got " + shape_str(c.lse.shape));
+    SYMHEAP_REQUIRE(c.lse.shape[0] == Hq && c.lse.shape[1] == c.q.shape[0], fail,
+                    "lse must have shape (" + str(Hq) + ", " + str(c.q.shape[0]) + "), got " +
+                        shape_str(c.lse.shape));
     a.lse_batch_stride = 0;
     a.lse_head_stride = c.lse.strides[0];
   } else {
     need_rank(c.lse, "lse", 3, "(B, Hq, Sq)");
-    require(c.lse.shape[0] == B && c.lse.shape[1] == Hq && c.lse.shape[2] == c.q.shape[1],
-            "lse must have shape (" + str(B) + ", " + str(Hq) + ", " + str(c.q.shape[1]) + "), got " +
-                shape_str(c.lse.shape));
+    SYMHEAP_REQUIRE(c.lse.shape[0] == B && c.lse.shape[1] == Hq && c.lse.shape[2] == c.q.shape[1],
+                    fail,
+                    "lse must have shape (" + str(B) + ", " + str(Hq) + ", " + str(c.q.shape[1]) +
+                        "), got " + shape_str(c.lse.shape));
     a.lse_batch_stride = c.lse.strides[0];
     a.lse_head_stride = c.lse.strides[1];
   }
@@ -153,36 +157,40 @@ CacheArgs cache_args(const CacheCall& c) {
                                                    : "(B, capacity, Hkv, D)";
   need_rank(c.k_cache, "k_cache", 4, cache_layout);
   need_rank(c.v_cache, "v_cache", 4, cache_layout);
-  require(c.k_cache.shape == c.v_cache.shape, "k_cache and v_cache must have one shape, got " +
-                                                  shape_str(c.k_cache.shape) + " and " +
-                                                  shape_str(c.v_cache.shape));
-  require(c.k_cache.dtype == c.q.dtype && c.v_cache.dtype == c.q.dtype,
-          "k_cache and v_cache must have q's dtype " + c.q.dtype + ", got " + c.k_cache.dtype +
-              " and " + c.v_cache.dtype);
+  SYMHEAP_REQUIRE(c.k_cache.shape == c.v_cache.shape, fail,
+                  "k_cache and v_cache must have one shape, got " + shape_str(c.k_cache.shape) +
+                      " and " + shape_str(c.v_cache.shape));
+  SYMHEAP_REQUIRE(c.k_cache.dtype == c.q.dtype && c.v_cache.dtype == c.q.dtype, fail,
+                  "k_cache and v_cache must have q's dtype " + c.q.dtype + ", got " +
+                      c.k_cache.dtype + " and " + c.v_cache.dtype);
   need_unit_last(c.k_cache, "k_cache");
   need_unit_last(c.v_cache, "v_cache");
   for (const TensorDesc* t : {&c.k_cache, &c.v_cache})
-    require(t->strides == c.k_cache.strides, "k_cache and v_cache must have the same strides");
+    SYMHEAP_REQUIRE(t->strides == c.k_cache.strides, fail,
+                    "k_cache and v_cache must have the same strides");
   const int64_t Hkv = c.k_cache.shape[2];
-  require(c.k_cache.shape[3] == D, "the caches' head dim " + str(c.k_cache.shape[3]) +
-                                       " differs from q's " + str(D));
-  require(Hkv >= 1 && Hq >= 1 && Hq % Hkv == 0,
-          "query heads (" + str(Hq) + ") must be a multiple of the caches' key/value heads (" +
-              str(Hkv) + ")");
+  SYMHEAP_REQUIRE(c.k_cache.shape[3] == D, fail,
+                  "the caches' head dim " + str(c.k_cache.shape[3]) + " differs from q's " +
+                      str(D));
+  SYMHEAP_REQUIRE(Hkv >= 1 && Hq >= 1 && Hq % Hkv == 0, fail,
+                  "query heads (" + str(Hq) +
+                      ") must be a multiple of the caches' key/value heads (" + str(Hkv) + ")");
   const auto& cs = c.k_cache.strides;
   a.k_cache = as_tensor(c.k_cache, dtype, cs[0], cs[1], cs[2]);
   a.v_cache = as_tensor(c.v_cache, dtype, cs[0], cs[1], cs[2]);
   if (c.block_table.present) {
     const TensorDesc& bt = c.block_table;
-    require(bt.dtype == "int32", "block_table must be int32, got " + bt.dtype);
-    require(bt.shape.size() == 2 && bt.shape[0] == B && bt.shape[1] >= 1,
-            "block_table must have shape (" + str(B) + ", max_blocks >= 1), got " + shape_str(bt.shape));
-    require(bt.strides[1] == 1 || bt.shape[1] == 1, "block_table rows must be contiguous");
-    require(c.k_cache.shape[0] >= 1 && c.k_cache.shape[1] >= 1,
-            "the paged caches need at least one block of at least one row, got shape " +
-                shape_str(c.k_cache.shape));
-    require(bt.shape[1] * c.k_cache.shape[1] <= 0x7fffffff,
-            "max_blocks * block_size must fit in int32");
+    SYMHEAP_REQUIRE(bt.dtype == "int32", fail, "block_table must be int32, got " + bt.dtype);
+    SYMHEAP_REQUIRE(bt.shape.size() == 2 && bt.shape[0] == B && bt.shape[1] >= 1, fail,
+                    "block_table must have shape (" + str(B) + ", max_blocks >= 1), got " +
+                        shape_str(bt.shape));
+    SYMHEAP_REQUIRE(bt.strides[1] == 1 || bt.shape[1] == 1, fail,
+                    "block_table rows must be contiguous");
+    SYMHEAP_REQUIRE(c.k_cache.shape[0] >= 1 && c.k_cache.shape[1] >= 1, fail,
+                    "the paged caches need at least one block of at least one row, got shape " +
+                        shape_str(c.k_cache.shape));
+    SYMHEAP_REQUIRE(bt.shape[1] * c.k_cache.shape[1] <= 0x7fffffff, fail,
+                    "max_blocks * block_size must fit in int32");
     a.block_table = static_cast<const int32_t*>(bt.data);
     a.block_table_stride = bt.strides[0];
     a.max_blocks = static_cast<int>(bt.shape[1]);
@@ -190,25 +198,28 @@ CacheArgs cache_args(const CacheCall& c) {
     a.num_blocks = static_cast<int>(std::min<int64_t>(c.k_cache.shape[0], 0x7fffffff));
     a.capacity = a.max_blocks * a.block_size;
   } else {
-    require(!varlen, "the varlen call needs a block_table");
-    require(c.k_cache.shape[0] == B, "the dense caches must have batch " + str(B) + " (q's), got " +
-                                         str(c.k_cache.shape[0]));
-    require(c.k_cache.shape[1] <= 0x7fffffff, "the cache capacity must fit in int32");
+    SYMHEAP_REQUIRE(!varlen, fail, "the varlen call needs a block_table");
+    SYMHEAP_REQUIRE(c.k_cache.shape[0] == B, fail,
+                    "the dense caches must have batch " + str(B) + " (q's), got " +
+                        str(c.k_cache.shape[0]));
+    SYMHEAP_REQUIRE(c.k_cache.shape[1] <= 0x7fffffff, fail, "the cache capacity must fit in int32");
     a.capacity = static_cast<int>(c.k_cache.shape[1]);
   }
 
   // New keys and values.
-  require(c.k.present == c.v.present, "give both k and v to append, or neither");
+  SYMHEAP_REQUIRE(c.k.present == c.v.present, fail, "give both k and v to append, or neither");
   if (c.k.present) {
     need_rank(c.k, "k", 4, "(B, S_new, Hkv, D)");
     need_rank(c.v, "v", 4, "(B, S_new, Hkv, D)");
-    require(c.k.shape == c.v.shape, "k and v must have one shape, got " + shape_str(c.k.shape) +
-                                        " and " + shape_str(c.v.shape));
-    require(c.k.shape[0] == B && c.k.shape[2] == Hkv && c.k.shape[3] == D,
-            "k and v must have shape (" + str(B) + ", S_new, " + str(Hkv) + ", " + str(D) +
-                ") to match q and the caches, got " + shape_str(c.k.shape));
-    require(c.k.shape[1] >= 1, "k and v to append must have at least one row");
-    require(c.k.dtype == c.q.dtype && c.v.dtype == c.q.dtype, "k and v must have q's dtype " + c.q.dtype);
+    SYMHEAP_REQUIRE(c.k.shape == c.v.shape, fail,
+                    "k and v must have one shape, got " + shape_str(c.k.shape) + " and " +
+                        shape_str(c.v.shape));
+    SYMHEAP_REQUIRE(c.k.shape[0] == B && c.k.shape[2] == Hkv && c.k.shape[3] == D, fail,
+                    "k and v must have shape (" + str(B) + ", S_new, " + str(Hkv) + ", " + str(D) +
+                        ") to match q and the caches, got " + shape_str(c.k.shape));
+    SYMHEAP_REQUIRE(c.k.shape[1] >= 1, fail, "k and v to append must have at least one row");
+    SYMHEAP_REQUIRE(c.k.dtype == c.q.dtype && c.v.dtype == c.q.dtype, fail,
+                    "k and v must have q's dtype " + c.q.dtype);
     need_unit_last(c.k, "k");
     need_unit_last(c.v, "v");
     a.k_new = as_tensor(c.k, dtype, c.k.strides[0], c.k.strides[1], c.k.strides[2]);
@@ -218,11 +229,12 @@ CacheArgs cache_args(const CacheCall& c) {
 
   if (c.alibi_slopes.present) {
     const TensorDesc& s = c.alibi_slopes;
-    require(s.dtype == "float32", "alibi_slopes must be float32");
+    SYMHEAP_REQUIRE(s.dtype == "float32", fail, "alibi_slopes must be float32");
     const bool flat = s.shape.size() == 1 && s.shape[0] == Hq;
     const bool per_batch = s.shape.size() == 2 && (s.shape[0] == B || s.shape[0] == 1) && s.shape[1] == Hq;
-    require(flat || per_batch, "alibi_slopes must have shape (" + str(Hq) + ",) or (" + str(B) + ", " +
-                                   str(Hq) + "), got " + shape_str(s.shape));
+    SYMHEAP_REQUIRE(flat || per_batch, fail,
+                    "alibi_slopes must have shape (" + str(Hq) + ",) or (" + str(B) + ", " +
+                        str(Hq) + "), got " + shape_str(s.shape));
     need_unit_last(s, "alibi_slopes");
     a.alibi_slopes = static_cast<const float*>(s.data);
     a.alibi_batch_stride = per_batch && s.shape[0] > 1 ? s.strides[0] : 0;

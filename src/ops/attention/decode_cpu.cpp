@@ -21,65 +21,75 @@ constexpr int kRowsPerItem = 16;  // query rows of one item (times the group's h
 constexpr int kKeysPerTile = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw InvalidArgument("attention (kv cache): " + message);
+[[noreturn]] void fail(const std::string& message) {
+  throw InvalidArgument("attention (kv cache): " + message);
 }
 
 std::string str(int64_t x) { return std::to_string(x); }
 
 void check_same_dtype(const Tensor& t, const char* name, DType want) {
-  require(t.dtype == want, std::string(name) + " is " + dtype_name(t.dtype) + " but q is " +
-                               dtype_name(want) + ": give q, the caches and k, v one dtype");
+  SYMHEAP_REQUIRE(t.dtype == want, fail,
+                  std::string(name) + " is " + dtype_name(t.dtype) + " but q is " +
+                      dtype_name(want) + ": give q, the caches and k, v one dtype");
 }
 
 }  // namespace
 
 void validate_cache(const CacheArgs& a) {
-  require(a.batch >= 1, "batch must be >= 1, got " + str(a.batch));
-  require(a.heads_q >= 1 && a.heads_kv >= 1, "head counts must be >= 1");
-  require(a.heads_q % a.heads_kv == 0, "the number of query heads (" + str(a.heads_q) +
-                                           ") must be a multiple of the number of key/value "
-                                           "heads in the cache (" + str(a.heads_kv) + ")");
-  require(a.head_dim >= 1 && a.head_dim <= 256, "head_dim must be in [1, 256], got " + str(a.head_dim));
-  require(a.q.dtype == DType::F32 || a.q.dtype == DType::F16 || a.q.dtype == DType::BF16,
-          "unsupported dtype");
-  require(a.seqlen_q >= 0, "seqlen_q must be >= 0");
-  if (a.varlen()) require(a.total_q >= 0, "the packed query row count must be >= 0");
+  SYMHEAP_REQUIRE(a.batch >= 1, fail, "batch must be >= 1, got " + str(a.batch));
+  SYMHEAP_REQUIRE(a.heads_q >= 1 && a.heads_kv >= 1, fail, "head counts must be >= 1");
+  SYMHEAP_REQUIRE(a.heads_q % a.heads_kv == 0, fail,
+                  "the number of query heads (" + str(a.heads_q) +
+                      ") must be a multiple of the number of key/value heads in the cache (" +
+                      str(a.heads_kv) + ")");
+  SYMHEAP_REQUIRE(a.head_dim >= 1 && a.head_dim <= 256, fail,
+                  "head_dim must be in [1, 256], got " + str(a.head_dim));
+  SYMHEAP_REQUIRE(a.q.dtype == DType::F32 || a.q.dtype == DType::F16 || a.q.dtype == DType::BF16,
+                  fail, "unsupported dtype");
+  SYMHEAP_REQUIRE(a.seqlen_q >= 0, fail, "seqlen_q must be >= 0");
+  if (a.varlen()) SYMHEAP_REQUIRE(a.total_q >= 0, fail, "the packed query row count must be >= 0");
   const bool no_q = a.varlen() ? a.total_q == 0 : a.seqlen_q == 0;
-  require(a.q.data != nullptr || no_q, "q is missing");
-  require(a.out.data != nullptr || no_q, "out is missing");
-  require(a.lse != nullptr || no_q, "the lse buffer is missing");
-  require(a.k_cache.data != nullptr && a.v_cache.data != nullptr, "k_cache and v_cache are missing");
+  SYMHEAP_REQUIRE(a.q.data != nullptr || no_q, fail, "q is missing");
+  SYMHEAP_REQUIRE(a.out.data != nullptr || no_q, fail, "out is missing");
+  SYMHEAP_REQUIRE(a.lse != nullptr || no_q, fail, "the lse buffer is missing");
+  SYMHEAP_REQUIRE(a.k_cache.data != nullptr && a.v_cache.data != nullptr, fail,
+                  "k_cache and v_cache are missing");
   check_same_dtype(a.out, "out", a.q.dtype);
   check_same_dtype(a.k_cache, "k_cache", a.q.dtype);
   check_same_dtype(a.v_cache, "v_cache", a.q.dtype);
-  require(a.seqlens_k != nullptr, "cache_seqlens (the rows already in the cache) is missing");
+  SYMHEAP_REQUIRE(a.seqlens_k != nullptr, fail,
+                  "cache_seqlens (the rows already in the cache) is missing");
   if (a.paged()) {
-    require(a.block_size >= 1, "block_size must be >= 1, got " + str(a.block_size));
-    require(a.num_blocks >= 1, "the cache must hold at least one block");
-    require(a.max_blocks >= 1, "block_table must have at least one column");
-    require(a.block_table_stride >= a.max_blocks || a.batch == 1,
-            "block_table rows overlap (row stride " + str(a.block_table_stride) + " < " +
-                str(a.max_blocks) + " columns)");
-    require(static_cast<int64_t>(a.max_blocks) * a.block_size == a.capacity,
-            "capacity must be max_blocks * block_size = " +
-                str(static_cast<int64_t>(a.max_blocks) * a.block_size) + ", got " + str(a.capacity));
+    SYMHEAP_REQUIRE(a.block_size >= 1, fail, "block_size must be >= 1, got " + str(a.block_size));
+    SYMHEAP_REQUIRE(a.num_blocks >= 1, fail, "the cache must hold at least one block");
+    SYMHEAP_REQUIRE(a.max_blocks >= 1, fail, "block_table must have at least one column");
+    SYMHEAP_REQUIRE(a.block_table_stride >= a.max_blocks || a.batch == 1, fail,
+                    "block_table rows overlap (row stride " + str(a.block_table_stride) + " < " +
+                        str(a.max_blocks) + " columns)");
+    SYMHEAP_REQUIRE(static_cast<int64_t>(a.max_blocks) * a.block_size == a.capacity, fail,
+                    "capacity must be max_blocks * block_size = " +
+                        str(static_cast<int64_t>(a.max_blocks) * a.block_size) + ", got " +
+                        str(a.capacity));
   } else {
-    require(a.capacity >= 0, "the cache capacity must be >= 0");
+    SYMHEAP_REQUIRE(a.capacity >= 0, fail, "the cache capacity must be >= 0");
   }
   if (a.appends()) {
-    require(a.v_new.data != nullptr, "give both k and v to append, or neither");
-    require(!a.varlen(), "appending new keys takes fixed-length queries (q of shape (B, S, H, D))");
-    require(a.seqlen_new >= 1, "k and v to append must have at least one row");
+    SYMHEAP_REQUIRE(a.v_new.data != nullptr, fail, "give both k and v to append, or neither");
+    SYMHEAP_REQUIRE(!a.varlen(), fail,
+                    "appending new keys takes fixed-length queries (q of shape (B, S, H, D))");
+    SYMHEAP_REQUIRE(a.seqlen_new >= 1, fail, "k and v to append must have at least one row");
     check_same_dtype(a.k_new, "k", a.q.dtype);
     check_same_dtype(a.v_new, "v", a.q.dtype);
   } else {
-    require(a.v_new.data == nullptr, "give both k and v to append, or neither");
+    SYMHEAP_REQUIRE(a.v_new.data == nullptr, fail, "give both k and v to append, or neither");
   }
-  require(std::isfinite(a.scale), "softmax_scale must be finite");
-  require(std::isfinite(a.softcap) && a.softcap >= 0, "softcap must be >= 0 (0 disables it)");
-  require(a.window_left >= -1 && a.window_right >= -1, "window sides must be >= -1 (-1 = unbounded)");
-  require(a.num_splits >= 0, "num_splits must be >= 0 (0 = automatic), got " + str(a.num_splits));
+  SYMHEAP_REQUIRE(std::isfinite(a.scale), fail, "softmax_scale must be finite");
+  SYMHEAP_REQUIRE(std::isfinite(a.softcap) && a.softcap >= 0, fail,
+                  "softcap must be >= 0 (0 disables it)");
+  SYMHEAP_REQUIRE(a.window_left >= -1 && a.window_right >= -1, fail,
+                  "window sides must be >= -1 (-1 = unbounded)");
+  SYMHEAP_REQUIRE(a.num_splits >= 0, fail,
+                  "num_splits must be >= 0 (0 = automatic), got " + str(a.num_splits));
 }
 
 namespace {
@@ -113,33 +123,34 @@ void check_host_state(const CacheArgs& a) {
   if (a.varlen()) {
     for (int b = 0; b < a.batch; ++b) {
       const int64_t s0 = a.cu_seqlens_q[b], s1 = a.cu_seqlens_q[b + 1];
-      require(s0 >= 0 && s1 >= s0 && s1 <= a.total_q,
-              "cu_seqlens_q must be non-decreasing, start >= 0 and end <= the packed row count " +
-                  str(a.total_q) + "; entry " + str(b) + " spans [" + str(s0) + ", " + str(s1) + ")");
-      require(s1 - s0 <= a.seqlen_q, "sequence " + str(b) + " has " + str(s1 - s0) +
-                                         " query rows > max_seqlen_q " + str(a.seqlen_q));
+      SYMHEAP_REQUIRE(s0 >= 0 && s1 >= s0 && s1 <= a.total_q, fail,
+                      "cu_seqlens_q must be non-decreasing, start >= 0 and end <= the packed row "
+                      "count " + str(a.total_q) + "; entry " + str(b) + " spans [" + str(s0) +
+                          ", " + str(s1) + ")");
+      SYMHEAP_REQUIRE(s1 - s0 <= a.seqlen_q, fail,
+                      "sequence " + str(b) + " has " + str(s1 - s0) +
+                          " query rows > max_seqlen_q " + str(a.seqlen_q));
     }
   }
   const char* lengths = a.seqlens_k_cumulative ? "cu_seqlens_k" : "cache_seqlens";
   for (int b = 0; b < a.batch; ++b) {
     const int64_t before = key_length_before(a, b);
-    require(before >= 0, std::string(lengths) + " gives sequence " + str(b) + " the length " +
-                             str(before) + "; lengths must be >= 0");
+    SYMHEAP_REQUIRE(before >= 0, fail,
+                    std::string(lengths) + " gives sequence " + str(b) + " the length " +
+                        str(before) + "; lengths must be >= 0");
     const int64_t after = before + (a.appends() ? a.seqlen_new : 0);
-    require(after <= a.capacity,
-            "sequence " + str(b) + " needs " + str(after) + " cache rows (" + str(before) +
-                (a.appends() ? " + " + str(a.seqlen_new) + " appended" : std::string()) +
-                ") but the cache holds " + str(a.capacity) + " per sequence" +
-                (a.paged() ? " (max_blocks " + str(a.max_blocks) + " x block_size " +
-                                 str(a.block_size) + ")"
-                           : std::string()));
+    SYMHEAP_REQUIRE(after <= a.capacity, fail,
+                    "sequence " + str(b) + " needs " + str(after) + " cache rows (" + str(before) +
+                        (a.appends() ? " + " + str(a.seqlen_new) + " appended" : std::string()) +
+                        ") but the cache holds " + str(a.capacity) + " per sequence" +
+                        (a.paged() ? " (max_blocks " + str(a.max_blocks) + " x block_size " + str(a.block_size) + ")" : std::string()));
     if (!a.paged()) continue;
     const int64_t used = (after + a.block_size - 1) / a.block_size;
     for (int64_t c = 0; c < used; ++c) {
       const int32_t id = a.block_table[b * a.block_table_stride + c];
-      require(id >= 0 && id < a.num_blocks,
-              "block_table[" + str(b) + ", " + str(c) + "] = " + str(id) +
-                  " is outside [0, num_blocks = " + str(a.num_blocks) + ")");
+      SYMHEAP_REQUIRE(id >= 0 && id < a.num_blocks, fail,
+                      "block_table[" + str(b) + ", " + str(c) + "] = " + str(id) +
+                          " is outside [0, num_blocks = " + str(a.num_blocks) + ")");
     }
   }
 }
@@ -248,7 +259,10 @@ void cache_attention_cpu(const CacheArgs& a, int threads) {
   const int chunks = (a.seqlen_q + kRowsPerItem - 1) / kRowsPerItem;
   const int64_t items = static_cast<int64_t>(a.batch) * a.heads_kv * chunks;
   if (items == 0) return;
-  cpu_parallel_for(items, threads, [&](int64_t it) {
+  // Work bound: every query row over the whole capacity (a decode step is small).
+  const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
+  const int64_t work = rows * a.heads_q * a.capacity * a.head_dim;
+  cpu_parallel_for(items, cpu_threads_for(work, threads), [&](int64_t it) {
     const int chunk = static_cast<int>(it % chunks);
     const int hk = static_cast<int>(it / chunks % a.heads_kv);
     const int b = static_cast<int>(it / chunks / a.heads_kv);

@@ -1126,8 +1126,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p) {
 
 // ---------------------------------------------------------------- host side
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw InvalidArgument("attention (kv cache, CUDA): " + message);
+[[noreturn]] void fail(const std::string& message) {
+  throw InvalidArgument("attention (kv cache, CUDA): " + message);
 }
 
 // The device's error word: pinned host memory mapped into the device.
@@ -1507,18 +1507,21 @@ bool aligned(const Tensor& t) {
 }
 
 void validate_cuda(const CacheArgs& a) {
-  require(a.q.dtype == DType::F16 || a.q.dtype == DType::BF16,
-          std::string("takes float16 or bfloat16 tensors, got ") + dtype_name(a.q.dtype));
-  require(a.head_dim % 8 == 0, "head_dim must be a multiple of 8 (the caches cannot be padded in "
-                               "place), got " + std::to_string(a.head_dim));
+  SYMHEAP_REQUIRE(a.q.dtype == DType::F16 || a.q.dtype == DType::BF16, fail,
+                  std::string("takes float16 or bfloat16 tensors, got ") + dtype_name(a.q.dtype));
+  SYMHEAP_REQUIRE(a.head_dim % 8 == 0, fail,
+                  "head_dim must be a multiple of 8 (the caches cannot be padded in place), got " +
+                      std::to_string(a.head_dim));
   const char* names[] = {"q", "out", "k_cache", "v_cache", "k", "v"};
   const Tensor* tensors[] = {&a.q, &a.out, &a.k_cache, &a.v_cache, &a.k_new, &a.v_new};
   for (int n = 0; n < (a.appends() ? 6 : 4); ++n)
-    require(aligned(*tensors[n]), std::string(names[n]) +
-                                      " needs 16-byte aligned rows (address and strides multiples "
-                                      "of 8 elements)");
-  require(a.batch <= 65535, "batch must be <= 65535");
-  require(a.seqlen_new <= 65535 || !a.appends(), "at most 65535 rows can be appended per call");
+    SYMHEAP_REQUIRE(aligned(*tensors[n]), fail,
+                    std::string(names[n]) +
+                        " needs 16-byte aligned rows (address and strides multiples of 8 "
+                        "elements)");
+  SYMHEAP_REQUIRE(a.batch <= 65535, fail, "batch must be <= 65535");
+  SYMHEAP_REQUIRE(a.seqlen_new <= 65535 || !a.appends(), fail,
+                  "at most 65535 rows can be appended per call");
 }
 
 Params params(const CacheArgs& a, const Plan& pl, void* workspace, unsigned long long* error) {
@@ -1627,9 +1630,9 @@ CacheCudaPlan cache_attention_cuda_plan(const CacheArgs& a, int device) {
   validate_cache(a);
   kvcache::validate_cuda(a);
   const kvcache::Plan pl = kvcache::make_plan(a, device);
-  kvcache::require(static_cast<int64_t>(a.heads_kv) * pl.mtiles <= 65535,
-                   "too many query rows for one call (kv heads x query tiles must be <= 65535); "
-                   "split the queries");
+  SYMHEAP_REQUIRE(static_cast<int64_t>(a.heads_kv) * pl.mtiles <= 65535, kvcache::fail,
+                  "too many query rows for one call (kv heads x query tiles must be <= 65535); "
+                  "split the queries");
   return pl;
 }
 
@@ -1646,11 +1649,11 @@ void cache_attention_cuda(const CacheArgs& a, const CacheCudaPlan& pl, void* str
   const int device = pl.device;
   auto error = kvcache::error_word(device);
   kvcache::raise_recorded(*error, device);
-  kvcache::require(bytes >= pl.bytes && (pl.bytes == 0 || workspace != nullptr),
-                   "the workspace has " + std::to_string(bytes) + " bytes; it needs " +
-                       std::to_string(pl.bytes) + " (cache_attention_cuda_workspace_bytes)");
-  kvcache::require(reinterpret_cast<uintptr_t>(workspace) % 16 == 0,
-                   "the workspace must be 16-byte aligned");
+  SYMHEAP_REQUIRE(bytes >= pl.bytes && (pl.bytes == 0 || workspace != nullptr), kvcache::fail,
+                  "the workspace has " + std::to_string(bytes) + " bytes; it needs " +
+                      std::to_string(pl.bytes) + " (cache_attention_cuda_workspace_bytes)");
+  SYMHEAP_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 16 == 0, kvcache::fail,
+                  "the workspace must be 16-byte aligned");
   ::symheap::cuda::ScopedDevice on(device);
   const kvcache::Params p = kvcache::params(a, pl, workspace, error->dev);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
