@@ -25,13 +25,14 @@ threads the PEs' GIL-held parts run one at a time, so a pair takes about
 
 Cases. cuda: EP low_latency 128 tokens and intranode 4096 tokens with
 max_recv_tokens given (7168 bf16, top-8 of 256), and attention forward
-(B=1, S=128, H=8, D=64 bf16, causal) against torch SDPA in the same run, in one
+(B=1, S=128, H=8, D=64 bf16, causal) and attention decode (flash_attn_with_kvcache,
+one query row over 128 cached rows) against torch SDPA in the same run, in one
 thread and in one thread per GPU at once. cpu: a dispatch + combine pair of 8
 tokens x 16 float32 (top-2 of 8 experts), i.e. the per-call overhead, in each
 layout (token_major as intranode and as low_latency, token_slots,
 expert_major), and
-attention forward (B=1, S=4, H=8, D=64 float32, causal) against SDPA, in one
-thread and in 2 threads at once.
+attention forward (B=1, S=4, H=8, D=64 float32, causal) and decode (16 cached
+rows) against SDPA, in one thread and in 2 threads at once.
 
     python bench/host_overhead.py [--iters 200] [--pes 2] [--skip-8] [--backend cpu]
                                   [--gil] [--cases low_latency,...] [--rounds 1]
@@ -189,16 +190,36 @@ def gil_held_times(ep, x, idx, w, y, calls):
             "gil_pair": (loop - r_loop) / calls * 1e6, "free_pair": r_loop / calls * 1e6}
 
 
-def attention_host_times(device_index, iters, barrier=None):
-    """Host time of symheap's and SDPA's eager forward on one GPU (us); on the
-    cpu (device_index None) with S=4 float32, so the kernel is negligible."""
+def attention_calls(kind, dev, seq, dtype):
+    """symheap's call and SDPA's over the same data: "forward" (B=1, S=seq, H=8,
+    D=64, causal) or "decode" (one query row of 8 heads over a dense cache of
+    `seq` rows and 2 kv heads, D=64; SDPA over the cache as (B, Hkv, L, D))."""
     import torch
     import torch.nn.functional as F
 
-    from symheap.attention import flash_attn_func
+    from symheap.attention import flash_attn_func, flash_attn_with_kvcache
+
+    if kind == "forward":
+        q, k, v = (torch.randn(1, seq, 8, 64, device=dev, dtype=dtype) for _ in range(3))
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        return {"symheap": lambda: flash_attn_func(q, k, v, causal=True),
+                "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)}
+    q = torch.randn(1, 1, 8, 64, device=dev, dtype=dtype)
+    k, v = (torch.randn(1, seq, 2, 64, device=dev, dtype=dtype) for _ in range(2))
+    lengths = torch.full((1,), seq, dtype=torch.int32, device=dev)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    return {"symheap": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths),
+            "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)}
+
+
+def attention_host_times(device_index, iters, barrier=None, kind="forward"):
+    """Host time of symheap's and SDPA's eager call (attention_calls) on one GPU
+    (us); on the cpu (device_index None) with S=4 (decode: 16 cached rows)
+    float32, so the kernel is negligible."""
+    import torch
 
     if device_index is None:  # one intra-op thread: SDPA is not charged for waking workers
-        dev, seq, dtype = torch.device("cpu"), 4, torch.float32
+        dev, seq, dtype = torch.device("cpu"), 4 if kind == "forward" else 16, torch.float32
         torch.set_num_threads(1)
         # A call takes a few us: a loop of 200 is shorter than the interpreter's
         # switch interval (5 ms), so in 2 threads one thread's whole loop could
@@ -208,10 +229,7 @@ def attention_host_times(device_index, iters, barrier=None):
     else:
         dev, seq, dtype = torch.device("cuda", device_index), 128, torch.bfloat16
         torch.cuda.set_device(dev)
-    q, k, v = (torch.randn(1, seq, 8, 64, device=dev, dtype=dtype) for _ in range(3))
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    fns = {"symheap": lambda: flash_attn_func(q, k, v, causal=True),
-           "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)}
+    fns = attention_calls(kind, dev, seq, dtype)
     res = {}
     for name, fn in fns.items():
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
@@ -319,18 +337,21 @@ def main():
                 print(f"  {n} PEs over {len(rs)} rounds: threads / processes per pair, median "
                       f"{statistics.median(pair):.2f}x (rounds {' '.join(f'{x:.2f}' for x in pair)}); "
                       f"median blocks, median {statistics.median(block):.2f}x")
-    if not args.no_attention:
-        shape = "S=128 H=8 D=64 bf16" if on_cuda else "S=4 H=8 D=64 float32 (cpu)"
-        print(f"\n## attention forward B=1 {shape} causal: host us per call")
+    kinds = {"forward": ("S=128 H=8 D=64 bf16, causal" if on_cuda
+                         else "S=4 H=8 D=64 float32 (cpu), causal"),
+             "decode": ("1 query row, Hq=8 Hkv=2 D=64 bf16, 128 cached rows" if on_cuda
+                        else "1 query row, Hq=8 Hkv=2 D=64 float32 (cpu), 16 cached rows")}
+    for kind, shape in ({} if args.no_attention else kinds).items():
+        print(f"\n## attention {kind} B=1 {shape}: host us per call")
         first = 0 if on_cuda else None
-        r = attention_host_times(first, args.iters)
+        r = attention_host_times(first, args.iters, kind=kind)
         print(f"  1 thread     symheap {r['symheap']:7.1f}  sdpa {r['sdpa']:7.1f}")
         n = min(2, ndev) if on_cuda else 2
         if n > 1:
             barrier, out = threading.Barrier(n), [None] * n
 
-            def body(i):
-                out[i] = attention_host_times(i if on_cuda else None, args.iters, barrier)
+            def body(i, kind=kind):
+                out[i] = attention_host_times(i if on_cuda else None, args.iters, barrier, kind)
 
             threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
             for t in threads:
