@@ -213,8 +213,7 @@ py::object decode_eager(py::handle q, py::handle k_cache, py::handle v_cache, py
   if (!PyTuple_CheckExact(window.ptr()) || PyTuple_GET_SIZE(window.ptr()) != 2) return py::none();
   int64_t win[2] = {}, splits = 0;
   for (int i = 0; i < 2; ++i)
-    if (!bindings::exact_int(PyTuple_GET_ITEM(window.ptr(), i), &win[i]) || !fits_int(win[i]))
-      return py::none();
+    if (!bindings::exact_int(PyTuple_GET_ITEM(window.ptr(), i), &win[i])) return py::none();
   double scale = 0, cap = 0;
   const bool has_scale = !softmax_scale.is_none();
   if ((has_scale && !bindings::plain_number(softmax_scale, &scale)) ||
@@ -269,8 +268,8 @@ py::object decode_eager(py::handle q, py::handle k_cache, py::handle v_cache, py
 
   CacheCall c;
   describe(c, args, refs);
-  set_cache_options(c, head_dim, causal.ptr() == Py_True, static_cast<int>(win[0]),
-                    static_cast<int>(win[1]), has_scale ? &scale : nullptr, cap);
+  set_cache_options(c, head_dim, causal.ptr() == Py_True, win[0], win[1],
+                    has_scale ? &scale : nullptr, cap);
   c.num_splits = static_cast<int>(splits);
   launch(c, device, at);
   if (return_lse.ptr() == Py_True) return py::make_tuple(std::move(out), std::move(lse));
@@ -323,8 +322,8 @@ SYMHEAP_BINDINGS(attention_kvcache) {
         "None otherwise (the front end's general path).");
 
   // The scalar options of a call from the user's (softmax_scale None: the default).
-  m.def("attention_cache_options", [](int64_t head_dim, bool causal, int window_left,
-                                      int window_right, std::optional<double> softmax_scale,
+  m.def("attention_cache_options", [](int64_t head_dim, bool causal, int64_t window_left,
+                                      int64_t window_right, std::optional<double> softmax_scale,
                                       double softcap) {
     CacheCall c;
     set_cache_options(c, head_dim, causal, window_left, window_right,

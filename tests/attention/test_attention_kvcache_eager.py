@@ -136,6 +136,11 @@ def test_options_as_the_core_sets_them():
     assert _core.attention_cache_options(64, True, -1, -1, 0.25, 0.0)["scale"] == 0.25
     with pytest.raises(ValueError, match="head_dim must be >= 1"):
         _core.attention_cache_options(0, False, -1, -1, None, 0.0)
+    cache, q, seqlens = setup(7)
+    for window in [(2 ** 40, 0), [0, -2 ** 40]]:  # the entry's form, and the general path's
+        with pytest.raises(ValueError, match="window sides must fit in 32 bits"):
+            flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens,
+                                    block_table=cache.block_table, window_size=window)
 
 
 def test_threads_calling_at_once_get_their_own_outputs():

@@ -110,8 +110,8 @@ CacheArgs cache_args(const CacheCall& call);
 // Sets a call's scalar options from the user's: no softmax_scale (null) means
 // 1/sqrt(head_dim), and a causal call sees no key right of its query (its
 // window's right side is 0). Every front end sets them through this.
-void set_cache_options(CacheCall& call, int64_t head_dim, bool causal, int window_left,
-                       int window_right, const double* softmax_scale, double softcap);
+void set_cache_options(CacheCall& call, int64_t head_dim, bool causal, int64_t window_left,
+                       int64_t window_right, const double* softmax_scale, double softcap);
 
 // Checks of shapes, strides and options (no data is read). Throws
 // InvalidArgument naming the argument and the allowed range.

@@ -2,6 +2,7 @@
 // core's CacheArgs: every shape, dtype and stride check of the call lives here.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "ops/attention/decode.hpp"
@@ -67,14 +68,17 @@ Tensor as_tensor(const TensorDesc& t, DType dtype, int64_t batch_stride, int64_t
 
 }  // namespace
 
-void set_cache_options(CacheCall& c, int64_t head_dim, bool causal, int window_left,
-                       int window_right, const double* softmax_scale, double softcap) {
+void set_cache_options(CacheCall& c, int64_t head_dim, bool causal, int64_t window_left,
+                       int64_t window_right, const double* softmax_scale, double softcap) {
   SYMHEAP_REQUIRE(head_dim >= 1, fail, "head_dim must be >= 1, got " + str(head_dim));
+  for (const int64_t side : {window_left, window_right})  // the range: validate_cache
+    SYMHEAP_REQUIRE(side >= INT32_MIN && side <= INT32_MAX, fail,
+                    "window sides must fit in 32 bits, got " + str(side));
   c.scale = static_cast<float>(softmax_scale ? *softmax_scale
                                              : 1.0 / std::sqrt(static_cast<double>(head_dim)));
   c.softcap = static_cast<float>(softcap);
-  c.window_left = window_left;
-  c.window_right = causal ? 0 : window_right;
+  c.window_left = static_cast<int>(window_left);
+  c.window_right = causal ? 0 : static_cast<int>(window_right);
 }
 
 CacheArgs cache_args(const CacheCall& c) {
