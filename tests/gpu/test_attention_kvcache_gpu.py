@@ -325,6 +325,46 @@ def test_graph_outputs_are_not_recycled_for_eager_calls():
     assert max_err(eager[0][0], ref) <= TOL[dtype]
 
 
+def test_threads_sharing_the_pools_get_their_own_outputs():
+    """Six threads on one GPU call at once, four shapes among them (two pairs share
+    a shape; the 16k rows split, so the workspace pool is shared too): each
+    result equals the same call made alone."""
+    import threading
+
+    dtype = torch.bfloat16
+    shapes = [(1, 16384), (2, 1024), (3, 512), (4, 4096), (1, 16384), (2, 1024)]  # batch, capacity
+    cases = []
+    for i, (B, capacity) in enumerate(shapes):
+        gen = torch.Generator().manual_seed(30 + i)
+        lengths = [int(x) for x in torch.randint(1, capacity + 1, (B,), generator=gen)]
+        cache = Cache(B=B, capacity=capacity, Hkv=8, D=128, dtype=dtype, device="cuda", gen=gen,
+                      lengths=lengths, block_size=256)
+        q = torch.randn((B, 1, 32, 128), generator=gen).to(device="cuda", dtype=dtype)
+        cases.append((cache, q, torch.tensor(lengths, dtype=torch.int32, device="cuda")))
+
+    def call(cache, q, seqlens):
+        return flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens,
+                                       block_table=cache.block_table, return_lse=True)
+
+    want = [tuple(t.clone() for t in call(*case)) for case in cases]
+    bad, barrier = [], threading.Barrier(len(cases))
+
+    def worker(i):
+        barrier.wait()
+        for _ in range(100):
+            out, lse = call(*cases[i])
+            if not (torch.equal(out, want[i][0]) and torch.equal(lse, want[i][1])):
+                bad.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    kvcache_check()
+    assert not bad, f"threads {sorted(set(bad))} got another call's output"
+
+
 @pytest.mark.parametrize("D, waves, more, expected", [
     (128, 1, False, "keys_major"), (128, 1, True, "keys_major_x2"), (128, 2, False, "keys_major_x2"),
     (128, 2, True, "keys_major"), (64, None, False, "keys_major"), (64, None, True, "previous")])
