@@ -34,6 +34,7 @@ using namespace symheap;
 using namespace symheap::attention;
 using bindings::exact_int;
 using bindings::plain_number;
+using bindings::contiguous_strides;
 using bindings::TensorPool;
 using bindings::TensorRef;
 using bindings::TorchDType;
@@ -50,12 +51,6 @@ TorchDType torch_dtype(DType t) {
     case DType::BF16: return TorchDType::BF16;
   }
   return TorchDType::Other;
-}
-
-std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
-  std::vector<int64_t> s(shape.size(), 1);
-  for (size_t i = shape.size(); i-- > 1;) s[i - 1] = s[i] * shape[i];
-  return s;
 }
 
 void fill(Tensor& t, const TensorRef& r) {
@@ -128,10 +123,8 @@ class EagerAttention {
     const uintptr_t stream = stream_of(in.device);
     Pools& pools = pools_of(in.device, inference);
     uintptr_t out_ptr = 0, lse_ptr = 0;
-    py::object out = output(pools.out, pooled && pool_outputs_, out_shape_, dtype_, in.device,
-                            stream, &out_ptr);
-    py::object lse = output(pools.lse, pooled && pool_outputs_, lse_shape_, TorchDType::F32,
-                            in.device, stream, &lse_ptr);
+    py::object out = output(pools.out, pooled && pool_outputs_, out_shape_, stream, &out_ptr);
+    py::object lse = output(pools.lse, pooled && pool_outputs_, lse_shape_, stream, &lse_ptr);
     if (poison) {  // tests: any element the op forgets to write stays NaN
       out.attr("fill_")(NAN);
       lse.attr("fill_")(NAN);
@@ -166,10 +159,10 @@ class EagerAttention {
     if (!usable(td, in.device) || !usable(to, in.device)) return py::none();
     const uintptr_t stream = stream_of(in.device);
     Pools& pools = pools_of(in.device, false);
-    py::object dq = output(pools.out, false, out_shape_, dtype_, in.device, stream);
+    py::object dq = output(pools.out, false, out_shape_, stream);
     const std::vector<int64_t> kv_shape{plan_.batch, plan_.seqlen_k, plan_.heads_kv, plan_.head_dim};
-    py::object dk = output(pools.out, false, kv_shape, dtype_, in.device, stream);
-    py::object dv = output(pools.out, false, kv_shape, dtype_, in.device, stream);
+    py::object dk = output(pools.out, false, kv_shape, stream);
+    py::object dv = output(pools.out, false, kv_shape, stream);
     if (poison)
       for (const py::object& t : {dq, dk, dv}) t.attr("fill_")(NAN);
     const std::vector<int64_t> kv_strides = contiguous_strides(kv_shape);
@@ -244,20 +237,11 @@ class EagerAttention {
     return pools_.back();
   }
 
-  // A fresh or pooled tensor; `data`, if given, receives its address.
-  py::object output(TensorPool& pool, bool pooled, const std::vector<int64_t>& shape,
-                    TorchDType dtype, int device, uintptr_t stream, uintptr_t* data = nullptr) {
-    if (pooled) return pool.take(shape, stream, data);
-    py::object t = bindings::torch_empty(shape, dtype, device, kwargs_of(dtype, device));
-    if (data) *data = bindings::tensor_data_ptr(t);
-    return t;
-  }
-
-  const py::dict& kwargs_of(TorchDType dtype, int device) {
-    for (auto& [key, kw] : kwargs_)
-      if (key == std::make_pair(dtype, device)) return kw;
-    kwargs_.emplace_back(std::make_pair(dtype, device), bindings::empty_kwargs(dtype, device));
-    return kwargs_.back().second;
+  // A fresh or pooled tensor of the pool's dtype and device; `data`, if given,
+  // receives its address.
+  static py::object output(TensorPool& pool, bool pooled, const std::vector<int64_t>& shape,
+                           uintptr_t stream, uintptr_t* data = nullptr) {
+    return pooled ? pool.take(shape, stream, data) : pool.make(shape, data);
   }
 
   // A CUDA call: through cuDNN when the plan allows it and cuDNN takes the
@@ -271,7 +255,7 @@ class EagerAttention {
       const std::shared_ptr<const CudnnCall> call = cudnn_outcome(a, backward, device, inputs);
       if (call->ok) {
         uintptr_t w_ptr = 0;
-        py::object ws = workspace(pools, call->bytes, device, stream, &w_ptr);
+        py::object ws = workspace(pools, call->bytes, stream, &w_ptr);
         void* w = reinterpret_cast<void*>(w_ptr);
         py::gil_scoped_release nogil;
         if (backward)
@@ -293,7 +277,7 @@ class EagerAttention {
     }
     const size_t bytes = backward_cuda_workspace_bytes(a);
     uintptr_t w_ptr = 0;
-    py::object ws = workspace(pools, bytes, device, stream, &w_ptr);
+    py::object ws = workspace(pools, bytes, stream, &w_ptr);
     void* w = reinterpret_cast<void*>(w_ptr);
     py::gil_scoped_release nogil;
     backward_cuda(a, device, s, w, bytes);
@@ -306,10 +290,9 @@ class EagerAttention {
   // Device scratch of `bytes` on the caller's stream: pooled (the call drops
   // it right after the launch, and a later call on the same stream runs after
   // this one), or from torch's caching allocator when large.
-  py::object workspace(Pools& pools, size_t bytes, int device, uintptr_t stream, uintptr_t* data) {
+  static py::object workspace(Pools& pools, size_t bytes, uintptr_t stream, uintptr_t* data) {
     const int64_t words = static_cast<int64_t>((std::max<size_t>(bytes, 1) + 7) / 8);
-    return output(pools.workspace, words * 8 <= kPoolMaxBytes, {words}, TorchDType::I64, device,
-                  stream, data);
+    return output(pools.workspace, words * 8 <= kPoolMaxBytes, {words}, stream, data);
   }
 
 #ifdef SYMHEAP_WITH_CUDNN
@@ -348,7 +331,6 @@ class EagerAttention {
   // deques: a reference taken before a GIL release stays valid when another
   // thread adds an entry meanwhile.
   std::deque<Pools> pools_;
-  std::deque<std::pair<std::pair<TorchDType, int>, py::dict>> kwargs_;
 };
 
 // What selects a fixed-length plan without tensor options: the inputs'

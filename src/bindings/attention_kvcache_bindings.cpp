@@ -140,7 +140,7 @@ py::object take(bindings::TensorPool& pool, const std::vector<int64_t>& shape,
   return pool.take(shape, stream, data);
 }
 
-// Where a CUDA call runs: torch's current stream of the device, and the pools.
+// Where a call runs: its pools and, on CUDA, torch's current stream of the device.
 struct Placement {
   uintptr_t stream = 0;
   bool capturing = false;
@@ -149,12 +149,12 @@ struct Placement {
 
 Placement placement(int device, bindings::TorchDType dtype) {
   Placement at;
+  at.pools = &pools_of(device, dtype, bindings::torch_inference_mode());
   if (device < 0) return at;
   at.stream = bindings::torch_current_stream(device);
 #ifdef SYMHEAP_WITH_CUDA
   at.capturing = cache_stream_capturing(reinterpret_cast<void*>(at.stream));
 #endif
-  at.pools = &pools_of(device, dtype, bindings::torch_inference_mode());
   return at;
 }
 
@@ -244,8 +244,7 @@ py::object decode_eager(py::handle q, py::handle k_cache, py::handle v_cache, py
   const std::vector<int64_t> out_shape = rq.shape;
   const std::vector<int64_t> lse_shape{rq.shape[0], rq.shape[2], rq.shape[1]};
   Placement at = placement(device, rq.dtype);
-  CachePools& pools =
-      at.pools ? *at.pools : pools_of(device, rq.dtype, bindings::torch_inference_mode());
+  CachePools& pools = *at.pools;
   uintptr_t out_ptr = 0, lse_ptr = 0;
   py::object out =
       take(pools.out, out_shape, element_bytes(rq.dtype), at.stream, at.capturing, &out_ptr);
@@ -257,8 +256,7 @@ py::object decode_eager(py::handle q, py::handle k_cache, py::handle v_cache, py
     r.dtype = dtype;
     r.device = device;
     r.shape = shape;
-    r.strides.assign(shape.size(), 1);
-    for (size_t i = shape.size(); i-- > 1;) r.strides[i - 1] = r.strides[i] * shape[i];
+    r.strides = bindings::contiguous_strides(shape);
     return r;
   };
   args[5] = out;

@@ -84,6 +84,9 @@ uintptr_t tensor_data_ptr(py::handle tensor);
 // Which reader is in use: "torch C++ API (<library>)" or "Python C API: <why>".
 std::string torch_reader();
 
+// The element strides of a contiguous tensor of `shape`.
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape);
+
 // "(4, 2)" for a shape given as numbers.
 std::string shape_repr(const std::vector<int64_t>& shape);
 

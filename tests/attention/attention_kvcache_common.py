@@ -4,6 +4,7 @@ and the reference gathers each sequence's keys into a dense fp32 tensor."""
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -97,3 +98,25 @@ def reference(q, cache, b, n_keys, opts, Hq):
     if opts.get("alibi"):
         kw["alibi_slopes"] = alibi_slopes(Hq)
     return attention_reference(q.float().cpu(), k, v, upcast=True, **kw)
+
+
+def threads_with_other_outputs(cases, call, calls):
+    """Makes `call(*case)` ((out, lse)) once per case alone, then `calls` times in
+    one thread per case, all at once; returns the indices of the threads that
+    got an output other than their case's alone."""
+    want = [tuple(t.clone() for t in call(*case)) for case in cases]
+    bad, barrier = [], threading.Barrier(len(cases))
+
+    def worker(i):
+        barrier.wait()
+        for _ in range(calls):
+            out, lse = call(*cases[i])
+            if not (torch.equal(out, want[i][0]) and torch.equal(lse, want[i][1])):
+                bad.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(set(bad))

@@ -12,7 +12,7 @@ import torch
 from symheap import _core
 from symheap.attention import flash_attn_with_kvcache
 
-from attention_kvcache_common import Cache, reference
+from attention_kvcache_common import Cache, reference, threads_with_other_outputs
 
 D = 32
 TOL = 2e-5
@@ -149,29 +149,14 @@ def test_threads_calling_at_once_get_their_own_outputs():
     shapes than entries and replace them in turn (the core runs without the
     GIL, and torch may run Python code inside a pool's take, so other threads
     take meanwhile): each result equals the same call made alone."""
-    import threading
-
     shapes = [(1, 4), (2, 2), (3, 2), (4, 4), (1, 4), (2, 2)]  # (batch, kv heads)
     lengths = (20, 37, 5, 64)
     cases = [setup(10 + i, B=B, Hq=4, Hkv=Hkv, lengths=lengths[:B])
              for i, (B, Hkv) in enumerate(shapes)]
-    want = [flash_attn_with_kvcache(q, c.k, c.v, cache_seqlens=s, block_table=c.block_table,
-                                    return_lse=True) for c, q, s in cases]
-    want = [(o.clone(), l.clone()) for o, l in want]
-    bad, barrier = [], threading.Barrier(len(cases))
 
-    def worker(i):
-        c, q, s = cases[i]
-        barrier.wait()
-        for _ in range(300):
-            o, l = flash_attn_with_kvcache(q, c.k, c.v, cache_seqlens=s,
-                                           block_table=c.block_table, return_lse=True)
-            if not (torch.equal(o, want[i][0]) and torch.equal(l, want[i][1])):
-                bad.append(i)
+    def call(c, q, s):
+        return flash_attn_with_kvcache(q, c.k, c.v, cache_seqlens=s, block_table=c.block_table,
+                                       return_lse=True)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not bad, f"threads {sorted(set(bad))} got another call's output"
+    bad = threads_with_other_outputs(cases, call, calls=300)
+    assert not bad, f"threads {bad} got another call's output"

@@ -17,7 +17,8 @@ from symheap import _core  # noqa: E402
 from symheap.attention import (flash_attn_varlen_func, flash_attn_with_kvcache,  # noqa: E402
                                kvcache_check)
 
-from attention_kvcache_common import FEATURES, Cache, bits, call_options, reference  # noqa: E402
+from attention_kvcache_common import (FEATURES, Cache, bits, call_options, reference,  # noqa: E402
+                                      threads_with_other_outputs)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not getattr(_core, "attention_has_cuda", False),
@@ -329,8 +330,6 @@ def test_threads_sharing_the_pools_get_their_own_outputs():
     """Six threads on one GPU call at once, four shapes among them (two pairs share
     a shape; the 16k rows split, so the workspace pool is shared too): each
     result equals the same call made alone."""
-    import threading
-
     dtype = torch.bfloat16
     shapes = [(1, 16384), (2, 1024), (3, 512), (4, 4096), (1, 16384), (2, 1024)]  # batch, capacity
     cases = []
@@ -346,23 +345,9 @@ def test_threads_sharing_the_pools_get_their_own_outputs():
         return flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens,
                                        block_table=cache.block_table, return_lse=True)
 
-    want = [tuple(t.clone() for t in call(*case)) for case in cases]
-    bad, barrier = [], threading.Barrier(len(cases))
-
-    def worker(i):
-        barrier.wait()
-        for _ in range(100):
-            out, lse = call(*cases[i])
-            if not (torch.equal(out, want[i][0]) and torch.equal(lse, want[i][1])):
-                bad.append(i)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    bad = threads_with_other_outputs(cases, call, calls=100)
     kvcache_check()
-    assert not bad, f"threads {sorted(set(bad))} got another call's output"
+    assert not bad, f"threads {bad} got another call's output"
 
 
 @pytest.mark.parametrize("D, waves, more, expected", [
