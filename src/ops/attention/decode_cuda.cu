@@ -850,10 +850,10 @@ __global__ void __launch_bounds__(KeysMajor<DB, NB, SHAPE>::kThreads, 1)
   // all its tiles in flight at once: row_block (thread threadIdx.x < TN's
   // row of a tile: its block id as read, or kNoRow), then store_row.
   __shared__ ulonglong2 row_src[C::kStages][TN];
-  // The kernel's only static shared memory: the dynamic buffer follows it,
-  // and the K/V tiles' swizzle assumes that buffer 128-byte aligned (a 16-byte
-  // __shared__ variable more made every call 10-20% slower on H200).
-  static_assert(sizeof(row_src) % 128 == 0, "the dynamic buffer stays 128-byte aligned");
+  // The kernel's only static shared memory: one 16-byte __shared__ variable
+  // more made every call 10-20% slower on H200, why was not found
+  // (bench/attn_notes.md section 54); a flag reaches the CTA by a barrier
+  // (__syncthreads_or) instead.
   constexpr long long kNoRow = -(1LL << 40);  // outside the range of an int32 block id
   auto row_block = [&](int tile) -> long long {
     const int j = t_begin + tile * TN + threadIdx.x;
