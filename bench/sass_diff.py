@@ -5,7 +5,7 @@ normalised). Kernels are matched by their demangled names with trailing
 `false` template arguments dropped, so a kernel that gained a flag defaulting
 to false still meets its old self.
 
-    python bench/sass_diff.py OLD NEW src/ops/attention/attention_cuda_hopper_bf16.cu
+    python bench/sass_diff.py OLD NEW src/ops/attention/attention_cuda_hopper_fwd_bf16.cu
         [--cute DIR] [--nvdisasm PATH] [--all]
 
 OLD and NEW are revisions (`main`, `HEAD~1`) or `.` for the working tree.

@@ -382,7 +382,7 @@ void run_forward_f16(const Launch& l, const KArgs& p, bool pipelined, bool previ
 void run_backward_f16(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant);
 void run_forward_bf16(const Launch& l, const KArgs& p, bool pipelined, bool previous);
 void run_backward_bf16(const Launch& l, const KArgs& p, bool pipelined, BackwardVariant variant);
-// Defined in attention_cuda_hopper_{f16,bf16}.cu, built with CUTLASS's headers
+// Defined in attention_cuda_hopper_{fwd,bwd}_{f16,bf16}.cu, built with CUTLASS's headers
 // (SYMHEAP_WITH_HOPPER_ATTN); attention_cuda.cu checks the device first.
 // `mode`: which Hopper forward a call takes (kTma at every head dim where TMA
 // can address the call; kPingpong at head dim 128 only, without logit

@@ -1,0 +1,8 @@
+// bfloat16 instantiation of the Hopper dK/dV kernels (see attention_cuda_hopper_fwd_bf16.cu).
+#include "ops/attention/cuda_forward_hopper_launch.cuh"
+
+namespace symheap::attention::cuda {
+bool run_dkdv_hopper_bf16(const Launch& l, const KArgs& p, bool fuse_dq, bool tma) {
+  return dkdv_hopper_bucket<__nv_bfloat16>(l, p, fuse_dq, tma);
+}
+}  // namespace symheap::attention::cuda
