@@ -101,6 +101,13 @@ py::object torch_empty(const std::vector<int64_t>& shape, TorchDType dtype, int 
                        const py::dict& kwargs);
 py::dict empty_kwargs(TorchDType dtype, int device);
 
+// The eager attention entries' pools: the tensors each recycles, and the
+// largest one pooled. Larger tensors are allocated per call: their kernels
+// dwarf an allocation, and a pool must not pin large blocks the caching
+// allocator could give to other shapes.
+constexpr size_t kPoolEntries = 4;
+constexpr int64_t kPoolMaxBytes = int64_t{16} << 20;
+
 // Outputs a call hands out fresh, without an allocation per call: a tensor
 // returns to the pool once nothing else refers to it (no Python reference, no
 // view of its storage) and is handed out again for the same shape on the same
@@ -119,13 +126,6 @@ py::dict empty_kwargs(TorchDType dtype, int device);
 // the same for each tensor until expose() names it (a private tensor whose
 // views the front end makes only through expose()). Integer tensors cannot
 // require grad, so theirs is never checked.
-// The eager attention entries' pools: the tensors each recycles, and the
-// largest one pooled. Larger tensors are allocated per call: their kernels
-// dwarf an allocation, and a pool must not pin large blocks the caching
-// allocator could give to other shapes.
-constexpr size_t kPoolEntries = 4;
-constexpr int64_t kPoolMaxBytes = int64_t{16} << 20;
-
 class TensorPool {
  public:
   TensorPool(TorchDType dtype, int device, size_t capacity, bool internal = false,
