@@ -772,12 +772,12 @@ def test_persistent_forward_wide_form_same_bits(dtype, opts, Sq, Sk, monkeypatch
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_forward_wide_form_by_length(causal, dtype, monkeypatch):
-    """Unforced, the wide form takes head-dim-64 calls (either dtype) from 2048 query
+    """Unforced, the wide form takes head-dim-64 calls (either dtype) from 768 query
     rows on, from 4096 under a mask."""
     tma_forward(monkeypatch, 64, True, "1")
     monkeypatch.delenv("SYMHEAP_ATTN_FWD_D64_WIDE", raising=False)
     kernels = forward_kernels(64)
-    first = 4096 if causal else 2048
+    first = 4096 if causal else 768
     for Sq, wide in ((first - 1, False), (first, True)):
         case = gpu_case(B=1, Sq=Sq, Sk=256, Hq=2, D=64, dtype=dtype, seed=Sq)
         names = forward_kernel_names(lambda: flash_attn_func(case["q"], case["k"], case["v"], causal=causal))

@@ -130,10 +130,12 @@ void forward_hopper(const Launch& l, const KArgs& p, const FwdTmaMaps& maps) {
 // warpgroup form from 2048 rows without a mask; causal 0.95x at 2048,
 // 1.00-1.08x at 4096, 1.08-1.13x from 8192 (bench/RESULTS.md, "A wide
 // head-dim-64 forward"); float16 alike (1.08-1.21x without a mask from 2048
-// rows, 1.01-1.10x causal from 4096; bench/attn_notes.md 50).
+// rows, 1.01-1.10x causal from 4096; bench/attn_notes.md 50). Without a mask
+// also below 2048: 1.08-1.19x at 768, 1024 and 1536 rows in both dtypes, while
+// at 512 one float16 round lost (0.94x; bench/attn_notes.md 55).
 // $SYMHEAP_ATTN_FWD_D64_WIDE = 1 forces it wherever the persistent form runs
 // at 64 (either dtype), 0 never.
-constexpr int kWideMinRows = 2048;
+constexpr int kWideMinRows = 768;
 constexpr int kWideMinRowsMasked = 4096;
 inline bool wide_forward_serves(const KArgs& p) {
   const char* v = std::getenv("SYMHEAP_ATTN_FWD_D64_WIDE");
