@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from symheap import _core  # noqa: E402
 from symheap.attention import flash_attn_with_kvcache  # noqa: E402
 
-from attention_kvcache_common import bits, call_options  # noqa: E402
+from attention_kvcache_common import Cache, bits, call_options  # noqa: E402
 from test_attention_kvcache_gpu import TOL, run_and_check, setup_decode  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -82,3 +82,40 @@ def test_automatic_splits_fall_back_to_a_cluster_that_fits(monkeypatch):
     assert any("keys_major_kernel" in n for n in names), names
     assert not any("combine_kernel" in n for n in names), (
         f"the automatic split count was not merged in a cluster: {names}")
+
+
+def test_one_tile_splits_merge_in_two_ctas_an_sm_clusters(monkeypatch):
+    """Left to the library, a call whose splits each walk one 128-key tile (2
+    sequences x 8 kv heads over 1024 keys: 8 splits) and whose wide-shape
+    clusters do not all fit at once runs the two-CTAs-an-SM shape merged in its
+    clusters: no combine kernel, the bits of that shape forced, and the result
+    right against the reference. Where the wide clusters fit (another device),
+    the case does not arise and is skipped."""
+    monkeypatch.delenv("SYMHEAP_DECODE_MERGE", raising=False)
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(21)
+    B, Hq, Hkv, D, capacity = 2, 32, 8, 128, 1024
+    lengths = [int(n) for n in torch.randint(capacity // 2, capacity + 1, (B,), generator=gen)]
+    cache = Cache(B=B, capacity=capacity, Hkv=Hkv, D=D, dtype=dtype, device="cuda", gen=gen,
+                  lengths=lengths, block_size=16)
+    q = torch.randn((B, 1, Hq, D), generator=gen).to(device="cuda", dtype=dtype)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+    def call():
+        return flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=seqlens,
+                                       block_table=cache.block_table)
+
+    monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", "keys_major")
+    if not any("combine_kernel" in n for n in kernels_launched(call)):
+        pytest.skip("the wide shape's clusters fit on this device: its plan merges there")
+    wide = call()
+    monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", "keys_major_x2")
+    two = call()
+    monkeypatch.setenv("SYMHEAP_DECODE_KERNEL", "auto")
+    run_and_check(cache, lengths, q, None, Hq, {}, tol=TOL[dtype])
+    names = kernels_launched(call)
+    assert any("keys_major_kernel" in n for n in names), names
+    assert not any("combine_kernel" in n for n in names), f"the splits were not merged in a cluster: {names}"
+    auto = call()
+    assert not torch.equal(bits(wide), bits(two)), "the two shapes gave the same bits: the case cannot tell"
+    assert torch.equal(bits(auto), bits(two)), "auto did not run the two-CTAs shape"

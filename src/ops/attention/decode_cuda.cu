@@ -1493,6 +1493,23 @@ Plan make_plan(const CacheArgs& a, int device) {
     pl.splits = fallback;
     pl.cluster = true;
   }
+  // Where the wide shape's clusters do not all fit at once and each split
+  // walks at most one of its key tiles (latency, not streaming), the two-CTAs
+  // shape merges the same splits in its clusters (half the shared memory a
+  // CTA: they fit) without the combine kernel. Measured on H200
+  // (bench/RESULTS.md, "the two-CTAs shape's clusters on one-tile splits"):
+  // 2 x 1k keys 9.0 -> 8.4 us; with more keys a split (1 x 8k-64k, 2 x
+  // 4k-64k, 4 x 1k-64k) its smaller CTAs stream slower: 1-25% slower calls.
+  if (!pl.cluster && pl.splits > 1 && pl.shape == kWide && pl.db == 128 && !pick.forced &&
+      !pl.previous && !balance &&
+      a.capacity <= static_cast<int64_t>(pl.splits) * KeysMajor<128, 1>::kTileKeys) {
+    pl.shape = kTwoPerSm;
+    pl.cluster = ready() >= 2 * pick.sms && cluster_fits(pl.splits);
+    if (!pl.cluster) {
+      pl.shape = kWide;
+      ready();
+    }
+  }
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
   pl.vectors = rows * a.heads_q;
   // Sized for the combine kernel's partials even when a cluster merges: the
