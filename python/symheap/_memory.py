@@ -222,6 +222,9 @@ def resolve(obj, writable: bool = True) -> tuple[int, int]:
     if _is_torch(obj):
         if not obj.is_contiguous():
             raise ValueError("tensor must be contiguous")
+        if obj.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"a tensor on {obj.device} has no memory to move; give a cpu or "
+                             f"CUDA tensor")
         if host_only and obj.device.type != "cpu":
             raise ValueError(f"the cpu backend moves host memory only; got a tensor on "
                              f"{obj.device}")

@@ -207,6 +207,7 @@ class EagerAttention {
   // The layout the kernels read (what _plan.prepare makes): unit stride on
   // the head dim and, on CUDA, 16-byte aligned rows.
   static bool usable(const TensorRef& r, int device) {
+    if (r.device == bindings::kOtherDevice || r.device != device) return false;
     if (r.strides.size() < 4 || r.strides[3] != 1) return false;
     if (device < 0) return true;
     if (r.ptr % 16) return false;

@@ -83,6 +83,7 @@ int describe(CacheCall& c, const TensorArgs& args, TensorRefs& refs) {
       throw py::type_error(
           std::string("attention: ") + name + " must be a torch.Tensor, got " +
           py::str(py::type::handle_of(args[i]).attr("__name__")).cast<std::string>());
+    bindings::require_usable_device(r, std::string("attention: ") + name);
     if (i == 0) {
       q_device = r.device;
     } else if (r.device != q_device) {
@@ -184,10 +185,6 @@ void launch(const CacheCall& c, int device, const Placement& at) {
 #endif
 }
 
-bool fits_int(int64_t v) {
-  return v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max();
-}
-
 bool unit_rows(const bindings::TensorRef& r) {
   return !r.present || r.strides.empty() || r.strides.back() == 1;
 }
@@ -217,8 +214,7 @@ py::object decode_eager(py::handle q, py::handle k_cache, py::handle v_cache, py
   double scale = 0, cap = 0;
   const bool has_scale = !softmax_scale.is_none();
   if ((has_scale && !bindings::plain_number(softmax_scale, &scale)) ||
-      !bindings::plain_number(softcap, &cap) || !bindings::exact_int(num_splits, &splits) ||
-      !fits_int(splits))
+      !bindings::plain_number(softcap, &cap) || !bindings::exact_int(num_splits, &splits))
     return py::none();
 
   const py::handle none(Py_None);
@@ -268,7 +264,7 @@ py::object decode_eager(py::handle q, py::handle k_cache, py::handle v_cache, py
   describe(c, args, refs);
   set_cache_options(c, head_dim, causal.ptr() == Py_True, win[0], win[1],
                     has_scale ? &scale : nullptr, cap);
-  c.num_splits = static_cast<int>(splits);
+  c.num_splits = splits;
   launch(c, device, at);
   if (return_lse.ptr() == Py_True) return py::make_tuple(std::move(out), std::move(lse));
   return out;

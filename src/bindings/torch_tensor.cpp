@@ -37,6 +37,8 @@ struct Torch {
   PyObject* s_untyped_storage = nullptr;
   PyObject* s_cdata = nullptr;
   PyObject* s_requires_grad = nullptr;
+  PyObject* s_device = nullptr;
+  PyObject* s_type = nullptr;
   PyObject* storage_use_count = nullptr;  // torch._C._storage_Use_Count, if present
   PyObject* is_grad_enabled = nullptr;
   PyObject* is_inference_mode_enabled = nullptr;
@@ -108,6 +110,8 @@ const Torch& torch_api() {
   made->s_untyped_storage = PyUnicode_InternFromString("untyped_storage");
   made->s_cdata = PyUnicode_InternFromString("_cdata");
   made->s_requires_grad = PyUnicode_InternFromString("requires_grad");
+  made->s_device = PyUnicode_InternFromString("device");
+  made->s_type = PyUnicode_InternFromString("type");
   made->is_grad_enabled = owned(torch.attr("is_grad_enabled"));
   made->is_inference_mode_enabled = owned(torch.attr("is_inference_mode_enabled"));
   if (py::hasattr(C, "_storage_Use_Count")) made->storage_use_count = owned(C.attr("_storage_Use_Count"));
@@ -194,6 +198,19 @@ bool read_native(const Torch& T, py::handle obj, TensorRef& r, bool strides) {
   return true;
 }
 
+// The device of a tensor read the Python way: get_device() is the CUDA
+// ordinal, or -1 on the cpu and on every other device (meta): those are told
+// apart by the device's type.
+void read_device(const Torch& T, py::handle obj, TensorRef& r, long ordinal) {
+  r.device = static_cast<int>(ordinal);
+  if (r.device >= 0) return;
+  py::object type = get_attr(get_attr(obj, T.s_device), T.s_type);
+  std::string name = py::str(type);
+  if (name == "cpu") return;
+  r.device = kOtherDevice;
+  r.device_type = std::move(name);
+}
+
 void read_fields(const Torch& T, py::handle obj, TensorRef& r) {
   const py::object dtype = get_field(T, obj, T.get_dtype, T.s_dtype);
   PyObject* dt = dtype.ptr();
@@ -206,8 +223,7 @@ void read_fields(const Torch& T, py::handle obj, TensorRef& r) {
   }
   r.shape = int_tuple(get_field(T, obj, T.get_shape, T.s_shape));
   r.ptr = PyLong_AsUnsignedLongLong(call_accessor(T, obj, T.m_data_ptr, T.s_data_ptr).ptr());
-  r.device = static_cast<int>(
-      PyLong_AsLong(call_accessor(T, obj, T.m_get_device, T.s_get_device).ptr()));
+  read_device(T, obj, r, PyLong_AsLong(call_accessor(T, obj, T.m_get_device, T.s_get_device).ptr()));
   r.contiguous = call_accessor(T, obj, T.m_is_contiguous, T.s_is_contiguous).ptr() == Py_True;
 }
 
@@ -220,7 +236,8 @@ int64_t storage_uses(const Torch& T, py::handle tensor) {
   if (!T.storage_use_count) return -1;
   py::object storage = call_method(tensor, T.s_untyped_storage);
   py::object n = py::handle(T.storage_use_count)(get_attr(storage, T.s_cdata));
-  return n.cast<int64_t>();
+  // (the holders of the storage's Python object, as torch_native counts them)
+  return n.cast<int64_t>() + Py_REFCNT(storage.ptr()) - 1;
 }
 
 }  // namespace
@@ -252,7 +269,14 @@ std::string TensorRef::dtype_str() const {
 }
 
 std::string TensorRef::device_str() const {
+  if (device == kOtherDevice) return device_type;
   return device < 0 ? "cpu" : "cuda:" + std::to_string(device);
+}
+
+void require_usable_device(const TensorRef& r, const std::string& what) {
+  if (r.is_tensor && r.device == kOtherDevice)
+    throw InvalidArgument(what + " is on " + r.device_type +
+                          ": symheap reads and writes tensors on the cpu or a CUDA device");
 }
 
 TensorRef read_tensor(py::handle obj, bool make_contiguous, bool want_strides) {
@@ -306,7 +330,7 @@ TensorRef read_address(py::handle tensor) {
   r.present = r.is_tensor = true;
   if (read_native(T, tensor, r, true)) return r;
   r.ptr = PyLong_AsUnsignedLongLong(call_method(tensor, T.s_data_ptr).ptr());
-  r.device = static_cast<int>(PyLong_AsLong(call_method(tensor, T.s_get_device).ptr()));
+  read_device(T, tensor, r, PyLong_AsLong(call_method(tensor, T.s_get_device).ptr()));
   r.strides = int_tuple(call_method(tensor, T.s_stride));
   return r;
 }
@@ -324,7 +348,7 @@ TensorRef read_layout(py::handle obj) {
     if (dt == T.dtypes[i]) r.dtype = static_cast<TorchDType>(i);
   r.shape = int_tuple(get_attr(obj, T.s_shape));
   r.ptr = PyLong_AsUnsignedLongLong(call_method(obj, T.s_data_ptr).ptr());
-  r.device = static_cast<int>(PyLong_AsLong(call_method(obj, T.s_get_device).ptr()));
+  read_device(T, obj, r, PyLong_AsLong(call_method(obj, T.s_get_device).ptr()));
   r.strides = int_tuple(call_method(obj, T.s_stride));
   return r;
 }

@@ -29,21 +29,30 @@ struct TensorRef {
   bool is_tensor = false;
   uintptr_t ptr = 0;
   TorchDType dtype = TorchDType::Other;
-  int device = -1;  // CUDA ordinal, -1 on the cpu
+  int device = -1;  // CUDA ordinal, -1 on the cpu, kOtherDevice elsewhere
   bool native = false;  // read through torch's C++ API (so on the cpu or CUDA)
   bool contiguous = false;
   std::vector<int64_t> shape;
   std::vector<int64_t> strides;  // filled only when asked for
   std::string type_name;         // not a tensor: its Python type name
   std::string dtype_name;        // dtype Other: torch's name for it
+  std::string device_type;       // kOtherDevice: torch's name for it ("meta")
   py::object keep;               // a contiguous copy the call made, kept alive
 
   int64_t numel() const;
   // "(4, 2)", "(4,)", "()": Python's repr of the shape tuple.
   std::string shape_repr() const;
   std::string dtype_str() const;
-  std::string device_str() const;  // "cpu" or "cuda:N", as torch prints it
+  std::string device_str() const;  // "cpu", "cuda:N" or "meta", as torch prints it
 };
+
+// TensorRef::device of a tensor on neither the cpu nor a CUDA device (meta,
+// say): no data the ops can read or write, so every entry refuses it.
+constexpr int kOtherDevice = -2;
+
+// Raises InvalidArgument naming `what` where `r` is a tensor on a device the
+// ops cannot use (kOtherDevice).
+void require_usable_device(const TensorRef& r, const std::string& what);
 
 // Reads `obj` (a torch.Tensor or None). With `make_contiguous`, a
 // non-contiguous tensor is replaced by its contiguous copy (kept in `keep`).

@@ -84,12 +84,15 @@ int64_t storage_uses(PyObject* tensor) {
     // Counted with the storage's Python object alive, as torch's Python API
     // counts: once made, that object stays (owned by the storage) and holds
     // a reference, so the count must not depend on whether anyone made it.
+    // Holders of that object (x.untyped_storage()) count once each beyond
+    // this call's own reference: they share the storage without a reference
+    // of their own to it.
     PyObject* s = THPStorage_Wrap(t->storage());
     if (!s) {
       PyErr_Clear();
       return -1;
     }
-    const int64_t uses = static_cast<int64_t>(t->storage().use_count());
+    const int64_t uses = static_cast<int64_t>(t->storage().use_count()) + Py_REFCNT(s) - 1;
     Py_DECREF(s);
     return uses;
   } catch (...) {

@@ -36,7 +36,8 @@ struct Api {
   PyObject* (*empty)(const int64_t* shape, int ndim, int dtype, int device);
   // References to `tensor`'s storage (its own, its views', Python storage
   // objects), counted as torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-  // counts; -1 where `tensor` is not a plain torch.Tensor.
+  // counts, plus one for each holder of the storage's Python object; -1 where
+  // `tensor` is not a plain torch.Tensor.
   int64_t (*storage_uses)(PyObject* tensor);
   // 1 / 0; -1 where `tensor` is not a plain torch.Tensor.
   int (*requires_grad)(PyObject* tensor);
