@@ -15,7 +15,7 @@ def fail(message: str):
     raise ValueError(f"attention: {message}")
 
 
-def as_int(value, name: str) -> int:
+def _index(value, name: str) -> int:
     """``value`` as a Python int (anything with ``__index__``, not a bool)."""
     if isinstance(value, bool):
         fail(f"{name} must be an int, got bool")
@@ -25,12 +25,30 @@ def as_int(value, name: str) -> int:
         fail(f"{name} must be an int, got {type(value).__name__}")
 
 
+def as_int(value, name: str) -> int:
+    """``value`` as a Python int that fits the core's signed 64-bit integers
+    (the core checks the narrower ranges)."""
+    value = _index(value, name)
+    if not -2 ** 63 <= value < 2 ** 63:
+        fail(f"{name} must fit in 64 bits, got {value}")
+    return value
+
+
+def int32_value(value, name: str) -> int:
+    """``value`` (an int) for an int32 tensor the call fills with it."""
+    value = as_int(value, name)
+    if not -2 ** 31 <= value < 2 ** 31:
+        fail(f"{name} must fit in an int32, got {value}")
+    return value
+
+
 def window_pair(window_size) -> tuple:
     """(left, right) of ``window_size``; -1 = unbounded on that side."""
     try:
-        return int(window_size[0]), int(window_size[1])
-    except (TypeError, ValueError, IndexError):
+        left, right = window_size
+    except (TypeError, ValueError):
         fail(f"window_size must be a pair (left, right) of ints, -1 = unbounded, got {window_size!r}")
+    return as_int(left, "window_size's left side"), as_int(right, "window_size's right side")
 
 
 def seed_pair(seed) -> tuple:
@@ -38,9 +56,9 @@ def seed_pair(seed) -> tuple:
     if isinstance(seed, (tuple, list)):
         if len(seed) != 2:
             fail("seed must be an int or a (seed, offset) pair")
-        s, o = as_int(seed[0], "seed"), as_int(seed[1], "offset")
+        s, o = _index(seed[0], "seed"), _index(seed[1], "offset")
     else:
-        s, o = as_int(seed, "seed"), 0
+        s, o = _index(seed, "seed"), 0
     if not 0 <= s < 2 ** 64:
         fail(f"seed must be in [0, 2**64), got {s}")
     if not 0 <= o < 2 ** 32:

@@ -115,12 +115,12 @@ CacheCallBuffers prepare(const ffi::RemainingArgs& args, const ffi::RemainingRet
     call.k_cache = describe(k_cache);
     call.v_cache = describe(v_cache);
   }
-  call.max_seqlen_q = int_attr(attrs, "max_seqlen_q");
+  call.max_seqlen_q = attr<int64_t>(attrs, "max_seqlen_q");  // (cache_args checks the ranges)
   call.scale = attr<float>(attrs, "scale");
   call.softcap = attr<float>(attrs, "softcap");
   call.window_left = int_attr(attrs, "window_left");
   call.window_right = int_attr(attrs, "window_right");
-  call.num_splits = int_attr(attrs, "num_splits");
+  call.num_splits = attr<int64_t>(attrs, "num_splits");
   c.args = cache_args(call);  // every shape, dtype and option check
   c.clear_rows = varlen;
   c.out_bytes = res[0].size_bytes();

@@ -71,6 +71,33 @@ def test_int_seqlens_and_defaults():
     case.check(out, lse, None, None, TOL)
 
 
+def test_integers_past_their_ranges():
+    """An int cache_seqlens past int32 (once taken mod 2^32: 2^32 + 5 ran as 5),
+    num_splits and max_seqlen_q past the core's ranges: ValueError, as in torch."""
+    case = DecodeCase(layout=16, feature="gqa", s_new=0, B=2, seed=12, lengths=[20, 20])
+    a = case.args()
+    for seqlens in (2 ** 32 + 5, 2 ** 40, -2 ** 31 - 1):
+        with pytest.raises(ValueError, match="cache_seqlens must fit in an int32"):
+            shj.flash_attn_with_kvcache(a["q"], a["k_cache"], a["v_cache"], cache_seqlens=seqlens,
+                                        block_table=a["block_table"])
+    with pytest.raises(ValueError, match="num_splits must fit in 32 bits"):
+        jax.block_until_ready(shj.flash_attn_with_kvcache(
+            a["q"], a["k_cache"], a["v_cache"], cache_seqlens=20, block_table=a["block_table"],
+            num_splits=2 ** 31))
+    B, Sq, Hq, D = a["q"].shape
+    q = a["q"].reshape(B * Sq, Hq, D)
+    cu_q = jnp.asarray([0, Sq, 2 * Sq], jnp.int32)
+    cu_k = jnp.asarray([0, 20, 40], jnp.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q must fit in 64 bits"):
+        shj.flash_attn_varlen_func(q, a["k_cache"], a["v_cache"], cu_q, cu_k, 2 ** 70, 20,
+                                   block_table=a["block_table"])
+    want = shj.flash_attn_varlen_func(q, a["k_cache"], a["v_cache"], cu_q, cu_k, Sq, 20,
+                                      block_table=a["block_table"])
+    got = shj.flash_attn_varlen_func(q, a["k_cache"], a["v_cache"], cu_q, cu_k, 2 ** 31 - 15, 20,
+                                     block_table=a["block_table"])
+    assert np.array_equal(np.asarray(got), np.asarray(want))  # (once all zeros)
+
+
 def test_matches_torch_front_end():
     """The same call through torch and through JAX gives the same numbers."""
     case = DecodeCase(layout=16, feature="all", s_new=3, seed=21)

@@ -238,7 +238,8 @@ def flash_attn_func(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scal
     if bias is None and mask is None and alibi_slopes is None and not dropout_p:
         # A repeat call without autograd: one C++ call finds its plan and runs it.
         r = _core.attention_eager_call(q, k, v, causal, window_size, softmax_scale, softcap,
-                                       deterministic, backend, return_lse, _plan.poison_outputs)
+                                       deterministic, backend, bool(return_lse),
+                                       _plan.poison_outputs)
         if r is not None:
             return r
         plan = cached_plan(q, k, v, causal, window_size, softmax_scale, softcap, deterministic,

@@ -10,12 +10,11 @@ raises ValueError.
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 
 from .. import _core
-from .._attention_args import cache_options
+from .._attention_args import as_int, cache_options, int32_value
 
 
 def _no_grad_needed(*tensors):
@@ -83,7 +82,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     q = _query(q)
     _no_grad_needed(q, k_cache, v_cache, k, v)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        cache_seqlens = torch.full((q.shape[0] if q.dim() == 4 else 1,), cache_seqlens,
+        cache_seqlens = torch.full((q.shape[0] if q.dim() == 4 else 1,),
+                                   int32_value(cache_seqlens, "cache_seqlens"),
                                    dtype=torch.int32, device=q.device)
     cache_seqlens, block_table = _unit_rows(cache_seqlens), _unit_rows(block_table)
     k = k.contiguous() if isinstance(k, torch.Tensor) and k.stride(-1) != 1 else k
@@ -93,7 +93,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     call = _core.AttentionCacheCall()
     _options(call, q.shape[-1], causal, window_size, softmax_scale, softcap)
-    call.num_splits = int(num_splits)
+    call.num_splits = as_int(num_splits, "num_splits")
     _run(call, q, k_cache, v_cache, k, v, out, lse, cache_seqlens=cache_seqlens,
          block_table=block_table, alibi_slopes=_alibi(alibi_slopes))
     return (out, lse) if return_lse else out
@@ -119,10 +119,7 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     lse = torch.full((q.shape[1], q.shape[0]) if q.dim() == 3 else (0, 0), float("-inf"),
                      dtype=torch.float32, device=q.device)
     call = _core.AttentionCacheCall()
-    try:
-        call.max_seqlen_q = operator.index(max_seqlen_q)
-    except TypeError:
-        raise ValueError(f"attention: max_seqlen_q must be an int, got {max_seqlen_q!r}") from None
+    call.max_seqlen_q = as_int(max_seqlen_q, "max_seqlen_q")
     _options(call, q.shape[-1], causal, window_size, softmax_scale, softcap)
     _run(call, q, k_cache, v_cache, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
          cu_seqlens_k=cu_seqlens_k, block_table=block_table, alibi_slopes=_alibi(alibi_slopes))

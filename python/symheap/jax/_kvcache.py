@@ -10,14 +10,13 @@ before it writes (an error of the compiled call, same message).
 """
 from __future__ import annotations
 
-import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import _core
-from .._attention_args import cache_options, fail as _fail
+from .._attention_args import as_int, cache_options, fail as _fail, int32_value
 from . import _ffi
 from ._attention import _spec, _union_axes, _vary
 
@@ -158,13 +157,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     """
     _spec(q, "q")
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
-        cache_seqlens = jnp.full((q.shape[0] if q.ndim == 4 else 1,), int(cache_seqlens), jnp.int32)
+        cache_seqlens = jnp.full((q.shape[0] if q.ndim == 4 else 1,),
+                                 int32_value(cache_seqlens, "cache_seqlens"), jnp.int32)
     cache_seqlens = _int_array(cache_seqlens, "cache_seqlens")
     if block_table is not None:
         block_table = _int_array(block_table, "block_table")
     options = cache_options(q.shape[-1], causal, window_size, softmax_scale, softcap)
     appends = k is not None or v is not None
-    splits = operator.index(num_splits)
+    splits = as_int(num_splits, "num_splits")
 
     def call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi):
         operands = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
@@ -197,10 +197,7 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     cu_seqlens_q = _int_array(cu_seqlens_q, "cu_seqlens_q")
     cu_seqlens_k = _int_array(cu_seqlens_k, "cu_seqlens_k")
     block_table = _int_array(block_table, "block_table")
-    try:
-        max_q = operator.index(max_seqlen_q)
-    except TypeError:
-        _fail(f"max_seqlen_q must be an int, got {max_seqlen_q!r}")
+    max_q = as_int(max_seqlen_q, "max_seqlen_q")
     options = cache_options(q.shape[-1], causal, window_size, softmax_scale, softcap)
 
     def call(q, k_cache, v_cache, cu_q, cu_k, block_table, alibi):

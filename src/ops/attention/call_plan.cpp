@@ -137,8 +137,9 @@ CallPlan plan_call(const CallSpec& s) {
   }
   const size_t hd = s.varlen ? 1 : 2;
   const int64_t Hq = s.q.shape[hd], Hkv = s.k.shape[hd], D = s.q.shape[hd + 1];
-  if (s.window_left < -1 || s.window_right < -1)
-    fail("window_size sides must be >= -1 (-1 = unbounded), got (" +
+  if (s.window_left < -1 || s.window_right < -1 || s.window_left > INT32_MAX ||
+      s.window_right > INT32_MAX)
+    fail("window_size sides must be >= -1 (-1 = unbounded) and fit in 32 bits, got (" +
          std::to_string(s.window_left) + ", " + std::to_string(s.window_right) + ")");
   const double scale = s.has_scale ? s.softmax_scale : 1.0 / std::sqrt(static_cast<double>(D));
   if (!std::isfinite(scale)) fail("softmax_scale must be finite");
@@ -146,6 +147,9 @@ CallPlan plan_call(const CallSpec& s) {
     fail("softcap must be >= 0 (0 disables it), got " + float_str(s.softcap));
   if (!(s.dropout_p >= 0 && s.dropout_p < 1))
     fail("dropout_p must be in [0, 1), got " + float_str(s.dropout_p));
+  if (static_cast<float>(s.dropout_p) >= 1.0f)  // the kernels' type
+    fail("dropout_p " + float_str(s.dropout_p) + " rounds to 1 in float32, which the kernels "
+         "use: give at most " + float_str(std::nextafter(1.0f, 0.0f)));
 
   p.bias = broadcast(s.bias, "bias", true, B, Hq, Hkv, Sq, Sk);
   if (p.bias.present) p.bias_dtype = to_dtype(s.bias.dtype);

@@ -98,12 +98,12 @@ struct CacheCall {
   // int32, paged (num_blocks, block_size, Hkv, D).
   TensorDesc q, k_cache, v_cache, k, v, out, lse;
   TensorDesc cache_seqlens, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes;
-  int max_seqlen_q = 0;
+  int64_t max_seqlen_q = 0;  // (64 bits: cache_args checks the ranges, front ends pass ints on)
   float scale = 1.0f;
   float softcap = 0.0f;
   int window_left = -1;
   int window_right = -1;
-  int num_splits = 0;
+  int64_t num_splits = 0;
 };
 CacheArgs cache_args(const CacheCall& call);
 

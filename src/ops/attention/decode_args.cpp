@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "ops/attention/decode.hpp"
 #include "symheap/errors.hpp"
@@ -83,6 +84,21 @@ void set_cache_options(CacheCall& c, int64_t head_dim, bool causal, int64_t wind
 
 CacheArgs cache_args(const CacheCall& c) {
   CacheArgs a;
+  // Every size below is kept in 32 bits.
+  const std::pair<const TensorDesc*, const char*> all[] = {
+      {&c.q, "q"},           {&c.k_cache, "k_cache"},         {&c.v_cache, "v_cache"},
+      {&c.k, "k"},           {&c.v, "v"},                     {&c.out, "out"},
+      {&c.lse, "lse"},       {&c.cache_seqlens, "cache_seqlens"}, {&c.cu_seqlens_q, "cu_seqlens_q"},
+      {&c.cu_seqlens_k, "cu_seqlens_k"}, {&c.block_table, "block_table"},
+      {&c.alibi_slopes, "alibi_slopes"}};
+  for (const auto& [t, name] : all)
+    if (t->present)
+      for (const int64_t d : t->shape)
+        SYMHEAP_REQUIRE(d <= INT32_MAX, fail,
+                        std::string(name) + " has a dimension of " + str(d) +
+                            ": the KV-cache calls take dimensions below 2^31");
+  SYMHEAP_REQUIRE(c.num_splits >= INT32_MIN && c.num_splits <= INT32_MAX, fail,
+                  "num_splits must fit in 32 bits, got " + str(c.num_splits));
   const bool varlen = c.cu_seqlens_q.present;
   need(c.q, "q", "the queries");
   const DType dtype = float_dtype(c.q, "q");
@@ -105,7 +121,8 @@ CacheArgs cache_args(const CacheCall& c) {
                     "max_seqlen_q must be >= 0, got " + str(c.max_seqlen_q));
     Hq = c.q.shape[1];
     D = c.q.shape[2];
-    a.seqlen_q = c.max_seqlen_q;
+    // No sequence has more query rows than q: a larger bound means the same.
+    a.seqlen_q = static_cast<int>(std::min<int64_t>(c.max_seqlen_q, c.q.shape[0]));
     a.cu_seqlens_q = static_cast<const int32_t*>(c.cu_seqlens_q.data);
     a.total_q = c.q.shape[0];
     a.q = as_tensor(c.q, dtype, 0, c.q.strides[0], c.q.strides[1]);
@@ -252,7 +269,7 @@ CacheArgs cache_args(const CacheCall& c) {
   a.softcap = c.softcap;
   a.window_left = c.window_left;
   a.window_right = c.window_right;
-  a.num_splits = c.num_splits;
+  a.num_splits = static_cast<int>(c.num_splits);
   validate_cache(a);
   return a;
 }
