@@ -381,8 +381,10 @@ class BootstrapRoot:
         if not isinstance(seq, int) or not isinstance(data, str):
             raise ValueError("malformed allgather")
         with self.cond:
-            if self.fatal:
-                return {"error": self.fatal, "kind": self.fatal_kind}
+            if self.fatal:  # a later call: say it is refused for the earlier failure
+                return {"error": f"'{tag}' refused: the job failed earlier ({self.fatal}); "
+                                 f"finalize (it releases this PE all the same) and init again",
+                        "kind": "state"}
             c = self.collectives.get(seq)
             if c is None:
                 c = self.collectives[seq] = _Collective(tag, time.monotonic() + timeout)

@@ -53,6 +53,18 @@ def _check_op(op, where: str) -> None:
                          f"op.dispatch / op.combine directly for fp8")
 
 
+def _refuse_together(error: Exception, collective) -> None:
+    """Raises `error` for an argument only this PE got wrong, after making the
+    op's own call with it (`collective`): the core refuses that argument on
+    every PE together, so the other PEs raise at once instead of waiting for
+    this one until their timeout."""
+    try:
+        collective()
+    except Exception as refused:
+        raise error from refused
+    raise error
+
+
 def _expert_major(op) -> bool:
     return op.config.layout == "expert_major"
 
@@ -199,7 +211,8 @@ def dispatch(op: EpDispatchCombine, x, topk_idx, topk_weights) -> DispatchOutput
     """
     _check_op(op, "symheap.ep.dispatch")
     if not isinstance(x, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
-        raise TypeError("symheap.ep.dispatch: x and topk_weights must be torch tensors")
+        _refuse_together(TypeError("symheap.ep.dispatch: x and topk_weights must be torch tensors"),
+                         lambda: op.dispatch(x, topk_idx, topk_weights))
     if op.config.hidden < op.config.topk:
         raise ValueError(f"symheap.ep.dispatch: autograd needs hidden >= topk "
                          f"(hidden={op.config.hidden}, topk={op.config.topk})")
@@ -215,14 +228,18 @@ def combine(op: EpDispatchCombine, expert_out, handle: RoutedHandle, topk_weight
     ones given here, else the ones given to dispatch."""
     _check_op(op, "symheap.ep.combine")
     if not isinstance(handle, RoutedHandle):
-        raise TypeError("symheap.ep.combine: handle must be the handle of symheap.ep.dispatch "
-                        f"(a RoutedHandle), got {type(handle).__name__}; use op.combine for "
-                        "the handle of op.dispatch")
+        _refuse_together(TypeError("symheap.ep.combine: handle must be the handle of "
+                                   f"symheap.ep.dispatch (a RoutedHandle), got "
+                                   f"{type(handle).__name__}; use op.combine for the handle of "
+                                   "op.dispatch"),
+                         lambda: op.combine(expert_out, None))
     if _expert_major(op):
         weights = handle.topk_weights if topk_weights is None else topk_weights
     else:
         if topk_weights is not None:
-            raise ValueError("symheap.ep.combine: topk_weights applies to layout='expert_major' "
-                             "only (token-major rows arrive already weighted)")
+            _refuse_together(ValueError("symheap.ep.combine: topk_weights applies to "
+                                        "layout='expert_major' only (token-major rows arrive "
+                                        "already weighted)"),
+                             lambda: op.combine(expert_out, None))
         weights = None
     return _Combine.apply(op, expert_out, weights, handle, topk_weights is None)

@@ -26,7 +26,9 @@ def dtype_name(dtype) -> str:
 def _int(name: str, value, allow_none: bool = False):
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):
+        raise TypeError(f"EpConfig.{name} must be an int, got bool")
+    if not isinstance(value, int):
         try:
             import operator
             value = operator.index(value)

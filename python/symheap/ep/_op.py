@@ -338,6 +338,12 @@ class EpDispatchCombine:
         op = getattr(self, "_op", None)
         if op is None:
             return
+        # Checked before anything changes: a close from another PE's thread
+        # would free this PE's buffer in that PE's collective sequence.
+        if current_pe() is not self._pe:
+            raise SymheapError(
+                f"close() is collective over the op's PEs: call it from the thread of PE "
+                f"{self._pe.rank} (device {self._pe.device}), whose op this is")
         self._op = self._dispatch_call = self._combine_call = None
         base = type(self).__dict__.get("_open_class_of")
         if base is not None:  # the methods now say the op is closed

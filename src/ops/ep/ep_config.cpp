@@ -1,6 +1,7 @@
 #include "ops/ep/ep_config.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -315,9 +316,14 @@ std::string describe_status(int32_t status, int64_t detail, int pe, const Config
     case kTooManyTokens:
       return who + " passed " + str(detail) + " tokens, more than max_tokens_per_rank=" +
              str(c.max_tokens);
-    case kExpertOutOfRange:
-      return who + " passed expert id " + str(detail) + " in topk_idx, outside [0, " +
-             str(c.num_experts) + ") (use -1 to drop a slot)";
+    case kExpertOutOfRange: {
+      // (the id travels between PEs in 32 bits, clamped: an end means "at least that far")
+      const std::string id = detail >= INT32_MAX   ? "an expert id >= " + str(INT32_MAX)
+                             : detail <= INT32_MIN ? "an expert id <= " + str(INT32_MIN)
+                                                   : "expert id " + str(detail);
+      return who + " passed " + id + " in topk_idx, outside [0, " + str(c.num_experts) +
+             ") (use -1 to drop a slot)";
+    }
     case kBadArgument:
       return who + " passed an invalid argument (its own exception says which)";
     case kPeerTimeout:
