@@ -109,9 +109,11 @@ def _attrs(o: _Options) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _ffi(target: str, results: tuple):
-    """One ffi_call wrapper per (target, result shapes and dtypes)."""
+    """One ffi_call wrapper per (target, result shapes and dtypes). Under
+    jax.vmap it runs once per mapped element (the handlers take one call's
+    shapes)."""
     shapes = [jax.ShapeDtypeStruct(shape, np.dtype(dtype)) for shape, dtype in results]
-    return jax.ffi.ffi_call(target, shapes)
+    return jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
 
 
 def _varying_axes(x) -> frozenset:
