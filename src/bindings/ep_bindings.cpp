@@ -205,9 +205,12 @@ class EpOp {
       py::gil_scoped_release nogil;
       id_ = ep::create(*s, cfg_, ws_offset, ws_bytes);
     }
-    id_obj_ = py::int_(id_);
     job_ = s->job;
     rank_ = s->my_pe;
+    // What a handle carries as its op_id: this op on this PE (an op's id is
+    // the same on every PE, so the ops of the PE threads of one process share it).
+    stamp_ = id_ * s->n_pes + rank_;
+    stamp_obj_ = py::int_(stamp_);
     generation_ = s->generation;
     pe_ = s;
     op_ = ep::find(*s, id_);
@@ -456,7 +459,7 @@ class EpOp {
         recycle_next_ = (recycle_next_ + 1) % kPooled;
       }
     }
-    handle_.init(h, S::kOpId, id_obj_);
+    handle_.init(h, S::kOpId, stamp_obj_);
     handle_.init(h, S::kLayout, layout_str_);
     handle_.init(h, S::kNumTokens, own_int(num_tokens, num_tokens_obj_));
     handle_.init(h, S::kRowsShape, rows_shape);
@@ -648,9 +651,9 @@ class EpOp {
     using S = SlotClass;
     auto field = [&](int slot) { return handle_.get(handle, slot); };
     py::handle op_id = field(S::kOpId);
-    in.foreign = !op_id || (op_id.ptr() != id_obj_.ptr() &&
+    in.foreign = !op_id || (op_id.ptr() != stamp_obj_.ptr() &&
                             (!PyLong_CheckExact(op_id.ptr()) ||
-                             PyLong_AsLongLong(op_id.ptr()) != id_));
+                             PyLong_AsLongLong(op_id.ptr()) != stamp_));
     if (in.foreign) {
       PyErr_Clear();
       return;
@@ -723,7 +726,9 @@ class EpOp {
   Check check_handle(const CombineInputs& in, bool weights) const {
     if (!in.is_handle)
       return Problem{true, "handle must be the EpHandle of a dispatch, got " + in.handle_type};
-    if (in.foreign) return value_error("handle comes from another EpDispatchCombine");
+    if (in.foreign)
+      return value_error("handle comes from another EpDispatchCombine, or from this op on "
+                         "another PE");
     if (in.modified)
       return value_error("handle was modified: its layout or num_tokens no longer match this op");
     const bool em = expert_major();
@@ -765,6 +770,7 @@ class EpOp {
   uint64_t job_ = 0;
   int rank_ = -1;
   int64_t id_ = 0;
+  int64_t stamp_ = 0;  // a handle's op_id: id_ and rank_ together
   uint64_t generation_ = 0;
   std::weak_ptr<PeState> pe_;
   std::weak_ptr<ep::Op> op_;
@@ -773,7 +779,7 @@ class EpOp {
   TorchDType x_dtype_ = TorchDType::Other, scale_dtype_ = TorchDType::Other,
              combine_dtype_ = TorchDType::Other;
   SlotClass handle_, output_;
-  py::object device_obj_, fixed_rows_, layout_str_, id_obj_, stream_handle_;
+  py::object device_obj_, fixed_rows_, layout_str_, stamp_obj_, stream_handle_;
   std::vector<py::object> recycled_;  // outputs this op made (take_recycled)
   size_t recycle_next_ = 0;
   OwnInt num_tokens_obj_, rows_obj_;  // the ints dispatch's results hold (own_int)

@@ -292,7 +292,8 @@ def test_argument_errors_keep_their_types_and_messages():
         ("ValueError", "handle was modified: its layout or num_tokens no longer match this op"
          + cpre),
         ("ValueError", "handle.summary must have shape (10,), got (9,)" + cpre),
-        ("ValueError", "handle comes from another EpDispatchCombine" + cpre),
+        ("ValueError", "handle comes from another EpDispatchCombine, or from this op on another "
+                       "PE" + cpre),
         ("ValueError", "topk_weights must have shape (3, 2), got (3, 1)" + cpre),
         ("TypeError", "handle.weights must be a torch.Tensor, got NoneType" + cpre),
         (3, 16)]

@@ -187,6 +187,31 @@ def test_ep_close_from_another_pe_thread_changes_nothing():
     assert used == [0, 0]
 
 
+def test_ep_handle_of_another_pe_thread_is_refused():
+    """PE threads of one process hold ops with one id: a handle from the other
+    PE's dispatch is refused (it once combined that PE's rows silently)."""
+    handles, gate = {}, threading.Barrier(2)
+
+    def pe():
+        me = symheap.my_pe()
+        op = _op()
+        x = torch.randn(8, 64)
+        d = op.dispatch(x, torch.randint(0, 4, (8, 2)), torch.rand(8, 2))
+        handles[me] = d.handle
+        gate.wait()
+        with pytest.raises((ValueError, symheap.SymheapError)) as err:
+            op.combine(d.x, handles[1] if me == 0 else d.handle)
+        if me == 0:
+            assert "from this op on another PE" in str(err.value)
+        else:
+            assert "aborted on every PE" in str(err.value)
+        d = op.dispatch(x, torch.randint(0, 4, (8, 2)), torch.rand(8, 2))
+        assert op.combine(d.x, d.handle).shape == (8, 64)
+        op.close()
+
+    run_threads(pe, 2, init_kwargs=dict(timeout=60))
+
+
 def test_ep_autograd_argument_one_pe_got_wrong_fails_every_pe_at_once():
     """A handle of the wrong type on one PE: that PE raises TypeError and the
     other aborts the same combine at once, not at its timeout; the op stays usable."""
