@@ -100,6 +100,10 @@ def test_kvcache_integers_past_their_ranges():
         flash_attn_with_kvcache(q, cache, cache, cache_seqlens=5, num_splits=2 ** 31)
     with pytest.raises(ValueError, match="num_splits must be an int, got float"):
         flash_attn_with_kvcache(q, cache, cache, cache_seqlens=5, num_splits=2.5)
+    with pytest.raises(ValueError, match=r"q must be \(B, Sq, Hq, D\)"):
+        flash_attn_with_kvcache(torch.tensor(1.0), cache, cache, cache_seqlens=5)
+    with pytest.raises(ValueError, match="hold no rows"):
+        flash_attn_with_kvcache(q, cache[:, :0], cache[:, :0], cache_seqlens=0)
 
 
 def test_paged_varlen_max_seqlen_q_near_the_int32_limit():

@@ -56,7 +56,7 @@ def _run(call, q, k_cache, v_cache, k=None, v=None, out=None, lse=None, cache_se
 def _query(q: torch.Tensor) -> torch.Tensor:
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"attention: q must be a torch.Tensor, got {type(q).__name__}")
-    return q if q.stride(-1) == 1 else q.contiguous()
+    return q if q.dim() == 0 or q.stride(-1) == 1 else q.contiguous()  # (the core checks ranks)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
@@ -92,7 +92,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (0, 0, 0)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     call = _core.AttentionCacheCall()
-    _options(call, q.shape[-1], causal, window_size, softmax_scale, softcap)
+    _options(call, q.shape[-1] if q.dim() else 1, causal, window_size, softmax_scale, softcap)
     call.num_splits = as_int(num_splits, "num_splits")
     _run(call, q, k_cache, v_cache, k, v, out, lse, cache_seqlens=cache_seqlens,
          block_table=block_table, alibi_slopes=_alibi(alibi_slopes))
@@ -120,7 +120,7 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                      dtype=torch.float32, device=q.device)
     call = _core.AttentionCacheCall()
     call.max_seqlen_q = as_int(max_seqlen_q, "max_seqlen_q")
-    _options(call, q.shape[-1], causal, window_size, softmax_scale, softcap)
+    _options(call, q.shape[-1] if q.dim() else 1, causal, window_size, softmax_scale, softcap)
     _run(call, q, k_cache, v_cache, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
          cu_seqlens_k=cu_seqlens_k, block_table=block_table, alibi_slopes=_alibi(alibi_slopes))
     return (out, lse) if return_lse else out

@@ -53,7 +53,8 @@ void validate_cache(const CacheArgs& a) {
   SYMHEAP_REQUIRE(a.out.data != nullptr || no_q, fail, "out is missing");
   SYMHEAP_REQUIRE(a.lse != nullptr || no_q, fail, "the lse buffer is missing");
   SYMHEAP_REQUIRE(a.k_cache.data != nullptr && a.v_cache.data != nullptr, fail,
-                  "k_cache and v_cache are missing");
+                  "k_cache and v_cache are missing or hold no rows (give caches of at least "
+                  "one row)");
   check_same_dtype(a.out, "out", a.q.dtype);
   check_same_dtype(a.k_cache, "k_cache", a.q.dtype);
   check_same_dtype(a.v_cache, "v_cache", a.q.dtype);
