@@ -216,6 +216,24 @@ def test_ep_handle_of_another_pe_thread_is_refused():
     run_threads(pe, 2, init_kwargs=dict(timeout=60))
 
 
+def test_ep_edited_handle_is_named():
+    """A handle whose rows were edited out of range: every PE is told that PE's
+    handle names rows outside the op's buffers; the op stays usable."""
+    def pe():
+        op = _op()
+        d = op.dispatch(torch.randn(8, 64), torch.randint(0, 4, (8, 2)), torch.rand(8, 2))
+        if symheap.my_pe() == 0:
+            d.handle.send_rows.fill_(-7)
+        with pytest.raises((ValueError, symheap.SymheapError),
+                           match="PE 0 passed a combine handle whose rows lie outside"):
+            op.combine(d.x, d.handle)
+        d = op.dispatch(torch.randn(8, 64), torch.randint(0, 4, (8, 2)), torch.rand(8, 2))
+        assert op.combine(d.x, d.handle).shape == (8, 64)
+        op.close()
+
+    run_threads(pe, 2, init_kwargs=dict(timeout=60))
+
+
 def test_ep_autograd_argument_one_pe_got_wrong_fails_every_pe_at_once():
     """A handle of the wrong type on one PE: that PE raises TypeError and the
     other aborts the same combine at once, not at its timeout; the op stays usable."""

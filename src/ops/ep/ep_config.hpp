@@ -55,7 +55,7 @@ enum Status : int32_t {
   kBadArgument = 3,      // detail: unused (the PE's own exception says what)
   kPeerTimeout = 4,      // cuda: a wait ran out; detail: the late PE
   kRecvOverflow = 5,     // detail: the destination PE (or expert) that overflowed
-  kBadHandle = 6,        // cuda: combine's handle names rows outside the op's buffers
+  kBadHandle = 6,        // combine's handle names rows outside the op's buffers (an edit)
 };
 
 // Sizes derived from a Config and the number of PEs, plus byte offsets of

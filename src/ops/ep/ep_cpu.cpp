@@ -549,7 +549,7 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
     for (int64_t t = 0; t < a.num_tokens && status == kOk; ++t)
       for (int j = 0; j < cols; ++j) {
         int32_t row = a.send_rows[t * g.send_cols + j];
-        if (row >= g.combine_rows || row < -1) status = kBadArgument;
+        if (row >= g.combine_rows || row < -1) status = kBadHandle;
       }
   }
   // With forwarding, the rows of this PE's tokens that PEs of another node
@@ -673,8 +673,10 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
   const int32_t* statuses = at<int32_t>(s, op, me, g.off_combine_status);
   for (int q = 0; q < n; ++q)
     if (statuses[q] != kOk)
-      abort += (abort.empty() ? "PE " : "; PE ") + std::to_string(q) +
-               " passed an invalid argument to combine";
+      abort += (abort.empty() ? "" : "; ") +
+               (statuses[q] == kBadArgument
+                    ? "PE " + std::to_string(q) + " passed an invalid argument to combine"
+                    : describe_status(statuses[q], 0, q, c));
   auto release = [&] {
     for (int p = 0; p < n; ++p) st.flag(p, g.off_freed_flag, epoch);
   };
@@ -741,7 +743,7 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
   for (int64_t t = 0; status == kOk && t < a.num_tokens; ++t)
     for (int j = 0; j < cols; ++j) {
       int32_t row = a.send_rows[t * g.send_cols + j];
-      if (row >= g.combine_rows || row < -1) status = kBadArgument;
+      if (row >= g.combine_rows || row < -1) status = kBadHandle;
     }
   // (received row, source, source's combine row) of every row that landed here.
   struct Pull { int64_t row; int src; int64_t crow; };
@@ -751,7 +753,7 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
     const int32_t* bits = summary + slot_bits_at(n, g.local_experts);
     for (int q = 0; q < n && status == kOk; ++q) {
       if (summary[4 * q + 1] < 0 || summary[4 * q + 1] > g.recv_rows) {
-        status = kBadArgument;  // an edited handle
+        status = kBadHandle;  // an edited handle
         break;
       }
       for (int64_t k = 0; k < summary[4 * q + 1]; ++k)
@@ -768,7 +770,7 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
   for (const Pull& p : pulls)
     if (p.row < 0 || p.row >= g.recv_rows || p.src < 0 || p.src >= n || p.crow < 0 ||
         p.crow >= g.combine_rows)
-      status = kBadArgument;  // an edited handle
+      status = kBadHandle;  // an edited handle
 
   // 1-2. This PE's rows into its own combine buffer.
   wait_all(s, op, at<uint64_t>(s, op, me, g.off_freed_flag), epoch - 1, call,
@@ -842,8 +844,10 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
   const int32_t* statuses = at<int32_t>(s, op, me, g.off_combine_status);
   for (int q = 0; q < n; ++q)
     if (statuses[q] != kOk)
-      abort += (abort.empty() ? "PE " : "; PE ") + std::to_string(q) +
-               " passed an invalid argument to redispatch";
+      abort += (abort.empty() ? "" : "; ") +
+               (statuses[q] == kBadArgument
+                    ? "PE " + std::to_string(q) + " passed an invalid argument to redispatch"
+                    : describe_status(statuses[q], 0, q, c));
   // 3. Pull every received row from its source (another node's: from its
   //    forwarder here).
   if (abort.empty()) {
