@@ -102,6 +102,10 @@ def test_kvcache_integers_past_their_ranges():
         flash_attn_with_kvcache(q, cache, cache, cache_seqlens=5, num_splits=2.5)
     with pytest.raises(ValueError, match=r"q must be \(B, Sq, Hq, D\)"):
         flash_attn_with_kvcache(torch.tensor(1.0), cache, cache, cache_seqlens=5)
+    shared = torch.zeros(1, 32, 2, 16).expand(2, 32, 2, 16)  # both sequences in one memory
+    new = torch.ones(2, 1, 2, 16)
+    with pytest.raises(ValueError, match="must not share memory; dimension 0 has stride 0"):
+        flash_attn_with_kvcache(q, shared, shared, new, new, cache_seqlens=5)
     with pytest.raises(ValueError, match="hold no rows"):
         flash_attn_with_kvcache(q, cache[:, :0], cache[:, :0], cache_seqlens=0)
 

@@ -239,6 +239,14 @@ CacheArgs cache_args(const CacheCall& c) {
                     "k and v must have shape (" + str(B) + ", S_new, " + str(Hkv) + ", " + str(D) +
                         ") to match q and the caches, got " + shape_str(c.k.shape));
     SYMHEAP_REQUIRE(c.k.shape[1] >= 1, fail, "k and v to append must have at least one row");
+    // Rows are written in place: a cache whose distinct rows share memory (a
+    // dimension of stride 0, as expand() makes) would take one row's writes
+    // for another's.
+    for (int d = 0; d < 3; ++d)
+      SYMHEAP_REQUIRE(c.k_cache.shape[d] <= 1 || c.k_cache.strides[d] != 0, fail,
+                      "k_cache and v_cache receive the appended rows in place, so their rows "
+                      "must not share memory; dimension " + str(d) + " has stride 0 (expanded?): "
+                      "give a cache of its own memory");
     SYMHEAP_REQUIRE(c.k.dtype == c.q.dtype && c.v.dtype == c.q.dtype, fail,
                     "k and v must have q's dtype " + c.q.dtype);
     need_unit_last(c.k, "k");
