@@ -92,7 +92,7 @@ void forward_tensors(const Args& plan, py::handle q, py::handle k, py::handle v,
              tv = bindings::read_address(v), to = bindings::read_address(out),
              tl = bindings::read_address(lse);
   for (const auto* t : {&tq, &tk, &tv, &to, &tl})
-    bindings::require_usable_device(*t, "attention: a tensor");
+    bindings::require_usable_device(*t, "attention: ", "a tensor");
   fill_tensor(a.q, tq);
   fill_tensor(a.k, tk);
   fill_tensor(a.v, tv);

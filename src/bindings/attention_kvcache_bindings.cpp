@@ -83,7 +83,7 @@ int describe(CacheCall& c, const TensorArgs& args, TensorRefs& refs) {
       throw py::type_error(
           std::string("attention: ") + name + " must be a torch.Tensor, got " +
           py::str(py::type::handle_of(args[i]).attr("__name__")).cast<std::string>());
-    bindings::require_usable_device(r, std::string("attention: ") + name);
+    bindings::require_usable_device(r, "attention: ", name);
     if (i == 0) {
       q_device = r.device;
     } else if (r.device != q_device) {

@@ -273,10 +273,9 @@ std::string TensorRef::device_str() const {
   return device < 0 ? "cpu" : "cuda:" + std::to_string(device);
 }
 
-void require_usable_device(const TensorRef& r, const std::string& what) {
-  if (r.is_tensor && r.device == kOtherDevice)
-    throw InvalidArgument(what + " is on " + r.device_type +
-                          ": symheap reads and writes tensors on the cpu or a CUDA device");
+void raise_unusable_device(const TensorRef& r, const char* prefix, const char* name) {
+  throw InvalidArgument(std::string(prefix) + name + " is on " + r.device_type +
+                        ": symheap reads and writes tensors on the cpu or a CUDA device");
 }
 
 TensorRef read_tensor(py::handle obj, bool make_contiguous, bool want_strides) {

@@ -50,9 +50,13 @@ struct TensorRef {
 // say): no data the ops can read or write, so every entry refuses it.
 constexpr int kOtherDevice = -2;
 
-// Raises InvalidArgument naming `what` where `r` is a tensor on a device the
-// ops cannot use (kOtherDevice).
-void require_usable_device(const TensorRef& r, const std::string& what);
+// Raises InvalidArgument naming the argument (`prefix` + `name`) where `r` is
+// a tensor on a device the ops cannot use (kOtherDevice). Nothing is built
+// unless it raises: the calls check every tensor argument this way.
+[[noreturn]] void raise_unusable_device(const TensorRef& r, const char* prefix, const char* name);
+inline void require_usable_device(const TensorRef& r, const char* prefix, const char* name) {
+  if (r.is_tensor && r.device == kOtherDevice) raise_unusable_device(r, prefix, name);
+}
 
 // Reads `obj` (a torch.Tensor or None). With `make_contiguous`, a
 // non-contiguous tensor is replaced by its contiguous copy (kept in `keep`).
