@@ -10,7 +10,6 @@ raises ValueError.
 """
 from __future__ import annotations
 
-
 import torch
 
 from .. import _core

@@ -10,7 +10,6 @@ before it writes (an error of the compiled call, same message).
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

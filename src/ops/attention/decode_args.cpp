@@ -86,10 +86,17 @@ CacheArgs cache_args(const CacheCall& c) {
   CacheArgs a;
   // Every size below is kept in 32 bits.
   const std::pair<const TensorDesc*, const char*> all[] = {
-      {&c.q, "q"},           {&c.k_cache, "k_cache"},         {&c.v_cache, "v_cache"},
-      {&c.k, "k"},           {&c.v, "v"},                     {&c.out, "out"},
-      {&c.lse, "lse"},       {&c.cache_seqlens, "cache_seqlens"}, {&c.cu_seqlens_q, "cu_seqlens_q"},
-      {&c.cu_seqlens_k, "cu_seqlens_k"}, {&c.block_table, "block_table"},
+      {&c.q, "q"},
+      {&c.k_cache, "k_cache"},
+      {&c.v_cache, "v_cache"},
+      {&c.k, "k"},
+      {&c.v, "v"},
+      {&c.out, "out"},
+      {&c.lse, "lse"},
+      {&c.cache_seqlens, "cache_seqlens"},
+      {&c.cu_seqlens_q, "cu_seqlens_q"},
+      {&c.cu_seqlens_k, "cu_seqlens_k"},
+      {&c.block_table, "block_table"},
       {&c.alibi_slopes, "alibi_slopes"}};
   for (const auto& [t, name] : all)
     if (t->present)
