@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 
 from . import _core
+from ._runtime import INT32, INT64
 
 
 def fail(message: str):
@@ -29,7 +30,7 @@ def as_int(value, name: str) -> int:
     """``value`` as a Python int that fits the core's signed 64-bit integers
     (the core checks the narrower ranges)."""
     value = _index(value, name)
-    if not -2 ** 63 <= value < 2 ** 63:
+    if not INT64[0] <= value <= INT64[1]:
         fail(f"{name} must fit in 64 bits, got {value}")
     return value
 
@@ -37,7 +38,7 @@ def as_int(value, name: str) -> int:
 def int32_value(value, name: str) -> int:
     """``value`` (an int) for an int32 tensor the call fills with it."""
     value = as_int(value, name)
-    if not -2 ** 31 <= value < 2 ** 31:
+    if not INT32[0] <= value <= INT32[1]:
         fail(f"{name} must fit in an int32, got {value}")
     return value
 

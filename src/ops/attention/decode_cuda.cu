@@ -1503,12 +1503,9 @@ Plan make_plan(const CacheArgs& a, int device) {
   if (!pl.cluster && pl.splits > 1 && pl.shape == kWide && pl.db == 128 && !pick.forced &&
       !pl.previous && !balance &&
       a.capacity <= static_cast<int64_t>(pl.splits) * KeysMajor<128, 1>::kTileKeys) {
-    pl.shape = kTwoPerSm;
+    pl.shape = kTwoPerSm;  // (ready() also raises that kernel's shared-memory limit)
     pl.cluster = ready() >= 2 * pick.sms && cluster_fits(pl.splits);
-    if (!pl.cluster) {
-      pl.shape = kWide;
-      ready();
-    }
+    if (!pl.cluster) pl.shape = kWide;  // (readied above)
   }
   const int64_t rows = a.varlen() ? a.total_q : static_cast<int64_t>(a.batch) * a.seqlen_q;
   pl.vectors = rows * a.heads_q;

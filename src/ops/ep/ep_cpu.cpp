@@ -673,10 +673,7 @@ void combine_cpu(PeState& s, Op& op, const CombineArgs& a) {
   const int32_t* statuses = at<int32_t>(s, op, me, g.off_combine_status);
   for (int q = 0; q < n; ++q)
     if (statuses[q] != kOk)
-      abort += (abort.empty() ? "" : "; ") +
-               (statuses[q] == kBadArgument
-                    ? "PE " + std::to_string(q) + " passed an invalid argument to combine"
-                    : describe_status(statuses[q], 0, q, c));
+      abort += (abort.empty() ? "" : "; ") + describe_status(statuses[q], 0, q, c);
   auto release = [&] {
     for (int p = 0; p < n; ++p) st.flag(p, g.off_freed_flag, epoch);
   };
@@ -844,10 +841,7 @@ void redispatch_cpu(PeState& s, Op& op, const RedispatchArgs& a) {
   const int32_t* statuses = at<int32_t>(s, op, me, g.off_combine_status);
   for (int q = 0; q < n; ++q)
     if (statuses[q] != kOk)
-      abort += (abort.empty() ? "" : "; ") +
-               (statuses[q] == kBadArgument
-                    ? "PE " + std::to_string(q) + " passed an invalid argument to redispatch"
-                    : describe_status(statuses[q], 0, q, c));
+      abort += (abort.empty() ? "" : "; ") + describe_status(statuses[q], 0, q, c);
   // 3. Pull every received row from its source (another node's: from its
   //    forwarder here).
   if (abort.empty()) {
